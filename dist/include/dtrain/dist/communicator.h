@@ -1,0 +1,163 @@
+// Collectives over the processes of a job (or of a sub-group of it).
+//
+// A Communicator is created by name from a registry ("mpi", "nccl", "local", "auto").
+// Every collective is asynchronous: it validates its arguments on the calling thread,
+// enqueues the operation and returns a Work handle. Operations on one communicator run in
+// the order they were issued; every rank must issue the same collectives on a communicator
+// in the same order (with DTRAIN_DEBUG_COLLECTIVES=1 this is checked before each one).
+//
+// Memory: the caller keeps ownership of the tensors; the communicator holds references to
+// them until the Work completes, so dropping them early is safe. Do not write to a tensor,
+// or read an output, before wait() returns.
+//
+// Streams (CUDA tensors): the operation is ordered after the work already queued on the
+// caller's current CUDA stream when the collective is issued. After Work::wait() returns the
+// result may be used on the caller's current stream (for NCCL wait() makes that stream wait;
+// it does not block the host: call Work::synchronize() to block the host as well).
+//
+// Failures: argument errors throw dtrain::Error at the call. A backend failure is stored in
+// the Work and rethrown by wait(). An operation that does not complete within the
+// communicator's timeout is reported (operation, sequence number, timeout) by a watchdog
+// that then aborts the communicator and exits the process with kExitCollectiveTimeout.
+//
+// Thread-safety: a Communicator may be used from several threads (the autograd engine's
+// hooks and the main thread), but operations issued concurrently from different threads
+// are ordered by whoever enqueues first, so only do that when the order cannot differ
+// across ranks.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "dtrain/dist/world.h"
+
+namespace dtrain::dist {
+
+enum class ReduceOp { kSum, kAvg, kMax, kMin };
+const char* to_string(ReduceOp op);
+
+enum class OpType { kAllReduce, kBroadcast, kAllGather, kReduceScatter, kBarrier };
+const char* to_string(OpType type);
+
+// Completion handle of one collective.
+class Work {
+ public:
+  virtual ~Work() = default;
+  // Waits until the result may be used on the caller's current stream (host memory: until it
+  // is written). Rethrows the operation's failure, if any. Safe to call more than once.
+  virtual void wait() = 0;
+  // Blocks the calling host thread until the operation has finished on the device too.
+  virtual void synchronize() = 0;
+  // Non-blocking: has the operation finished (device work included)?
+  virtual bool is_completed() = 0;
+  // Sequence number of the operation on its communicator (1, 2, ...).
+  virtual uint64_t sequence() const = 0;
+};
+using WorkPtr = std::shared_ptr<Work>;
+
+struct CommOptions {
+  // A collective that has not finished after this long ends the process (see above).
+  std::chrono::milliseconds timeout = std::chrono::minutes(5);
+  // Compare operation, dtype, shape and root across ranks before each collective
+  // (one small all-gather each). Also switched on by DTRAIN_DEBUG_COLLECTIVES=1.
+  bool debug_collectives = false;
+  // Name shown in messages ("world", "world/tp0").
+  std::string name = "world";
+  // For CUDA tensors: the GPU this process uses (nccl needs it; mpi stages through it).
+  int cuda_device = -1;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  const std::string& name() const { return options_.name; }
+  const CommOptions& options() const { return options_; }
+  virtual const char* backend() const = 0;
+  // Whether this backend runs collectives on tensors of this device type.
+  virtual bool supports(c10::DeviceType device) const = 0;
+
+  // tensor := op over ranks of tensor. kAvg needs a floating-point dtype.
+  WorkPtr all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
+  // output := op over ranks of input; input is left unchanged. Same shape and dtype.
+  WorkPtr all_reduce(const at::Tensor& input, const at::Tensor& output, ReduceOp op);
+  // tensor := root's tensor.
+  WorkPtr broadcast(const at::Tensor& tensor, int root);
+  // output (size() * input.numel() elements) := inputs of ranks 0..size()-1, concatenated.
+  // In place when input is output's slice for this rank.
+  WorkPtr all_gather(const at::Tensor& input, const at::Tensor& output);
+  // output (n elements) := op over ranks of input's chunk rank(), where input has
+  // size() * n elements. In place when output is input's chunk for this rank.
+  WorkPtr reduce_scatter(const at::Tensor& input, const at::Tensor& output,
+                         ReduceOp op = ReduceOp::kSum);
+  // Completes once every rank has called it.
+  WorkPtr barrier();
+
+  // Collective and synchronous: ranks passing the same color form a new communicator,
+  // ranked by (key, rank). Returns nullptr for color < 0 (the rank joins no group). The
+  // child inherits options (timeout, debug) and is named "<name>/<suffix>".
+  std::unique_ptr<Communicator> split(int color, int key, const std::string& suffix);
+
+  // For benchmarks only: the backend's own blocking all-reduce (sum) of input into output
+  // (in place when they are the same tensor) from the calling thread, bypassing the queue,
+  // checks and watchdog. The communicator must be idle.
+  virtual void raw_all_reduce_blocking(const at::Tensor& input, const at::Tensor& output) = 0;
+
+  uint64_t issued() const { return seq_; }
+
+ protected:
+  Communicator(int rank, int size, CommOptions options);
+
+  struct Op {
+    OpType type;
+    at::Tensor input;
+    at::Tensor output;  // == input for in-place ops
+    ReduceOp reduce = ReduceOp::kSum;
+    int root = 0;
+    uint64_t seq = 0;
+  };
+  virtual WorkPtr enqueue(Op op) = 0;
+  virtual std::unique_ptr<Communicator> do_split(int color, int key, CommOptions child) = 0;
+  // Synchronous all-gather of one fixed-length int64 vector per rank (host memory), ordered
+  // with the queued operations. Used by the debug checks.
+  virtual std::vector<int64_t> exchange(const std::vector<int64_t>& mine) = 0;
+
+ private:
+  WorkPtr submit(Op op);
+  void check_matching(const Op& op);
+
+  int rank_;
+  int size_;
+  CommOptions options_;
+  uint64_t seq_ = 0;  // guarded by submit_mutex_
+  std::unique_ptr<std::mutex> submit_mutex_;
+};
+
+// Names of the backends compiled into this build ("local", "mpi", and "nccl" when built
+// with NCCL).
+std::vector<std::string> available_backends();
+
+// Creates the communicator of the whole job.
+//  "local": world size 1 only, no MPI needed; collectives are local copies.
+//  "mpi":   CPU tensors; CUDA tensors are staged through a reusable pinned host buffer.
+//  "nccl":  CUDA tensors on its own stream; bootstrapped over MPI, whose communicator also
+//           carries CPU tensors.
+//  "auto":  "nccl" for a CUDA device when built with NCCL, else "mpi" when an MPI launcher
+//           started the job, else "local".
+// Throws dtrain::Error for an unknown name (listing the known ones), a backend not compiled
+// in (saying how to build it), or a world the backend cannot serve.
+std::unique_ptr<Communicator> create_communicator(const std::string& backend,
+                                                  const World& world, c10::Device device,
+                                                  CommOptions options = {});
+
+}  // namespace dtrain::dist

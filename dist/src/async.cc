@@ -1,0 +1,179 @@
+#include "async.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <sstream>
+
+#include <ATen/core/Tensor.h>
+#include <glog/logging.h>
+
+#include "dtrain/dist/error.h"
+
+namespace dtrain::dist {
+
+SerialExecutor::SerialExecutor(std::string name)
+    : name_(std::move(name)), thread_([this] { loop(); }) {}
+
+SerialExecutor::~SerialExecutor() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void SerialExecutor::post(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    DTRAIN_CHECK(!stopping_, "executor ", name_, " is shutting down");
+    tasks_.push_back(std::move(task));
+  }
+  cv_.notify_one();
+}
+
+void SerialExecutor::run_sync(const std::function<void()>& task) {
+  auto work = std::make_shared<HostWork>(0);
+  post([&task, work] {
+    try {
+      task();
+      work->finish();
+    } catch (...) {
+      work->finish(std::current_exception());
+    }
+  });
+  work->wait();
+}
+
+void SerialExecutor::loop() {
+  for (;;) {
+    std::function<void()> task;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      cv_.wait(lock, [&] { return stopping_ || !tasks_.empty(); });
+      if (tasks_.empty()) return;  // stopping and drained
+      task = std::move(tasks_.front());
+      tasks_.pop_front();
+    }
+    task();
+  }
+}
+
+void HostWork::wait() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  cv_.wait(lock, [&] { return done_; });
+  if (error_) std::rethrow_exception(error_);
+}
+
+bool HostWork::is_completed() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return done_;
+}
+
+void HostWork::finish(std::exception_ptr error) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    done_ = true;
+    error_ = std::move(error);
+  }
+  cv_.notify_all();
+}
+
+Watchdog& Watchdog::instance() {
+  // Leaked on purpose: it must outlive every communicator, including static ones.
+  static Watchdog* dog = new Watchdog();
+  return *dog;
+}
+
+Watchdog::Watchdog() {
+  std::thread([this] { loop(); }).detach();
+}
+
+uint64_t Watchdog::watch(Entry entry) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  uint64_t token = next_token_++;
+  watched_.emplace(token, Watched{std::move(entry), std::chrono::steady_clock::now(), false});
+  return token;
+}
+
+void Watchdog::unwatch(uint64_t token) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  watched_.erase(token);
+}
+
+void Watchdog::set_timeout_handler_for_testing(std::function<void(const std::string&)> handler) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  on_timeout_ = std::move(handler);
+}
+
+void Watchdog::loop() {
+  for (;;) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::vector<std::pair<std::string, std::function<void()>>> expired;
+    std::function<void(const std::string&)> handler;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto now = std::chrono::steady_clock::now();
+      for (auto it = watched_.begin(); it != watched_.end();) {
+        Watched& w = it->second;
+        if (w.entry.done && w.entry.done()) {
+          it = watched_.erase(it);
+          continue;
+        }
+        auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - w.start);
+        if (waited >= w.entry.timeout) {
+          std::ostringstream msg;
+          msg << "collective timeout: " << w.entry.what << " did not complete within "
+              << w.entry.timeout.count() / 1000.0 << " s (" << process_identity()
+              << "); a peer rank is stalled, dead, or issued a different collective. "
+              << "Raise --collective_timeout_s if the step is legitimately this slow; set "
+              << "DTRAIN_DEBUG_COLLECTIVES=1 to check that ranks issue the same collectives.";
+          expired.emplace_back(msg.str(), w.entry.abort);
+          it = watched_.erase(it);
+          continue;
+        }
+        if (!w.warned && waited >= w.entry.timeout / 2) {
+          w.warned = true;
+          LOG(WARNING) << "collective stall: " << w.entry.what << " has been waiting "
+                       << waited.count() / 1000.0 << " s (timeout "
+                       << w.entry.timeout.count() / 1000.0 << " s)";
+        }
+        ++it;
+      }
+      handler = on_timeout_;
+    }
+    for (auto& [message, abort] : expired) {
+      if (handler) {
+        handler(message);
+        continue;
+      }
+      LOG(ERROR) << message;
+      std::fprintf(stderr, "%s\n", message.c_str());
+      std::fflush(stderr);
+      // If aborting the communicator hangs, leave anyway.
+      std::thread([] {
+        std::this_thread::sleep_for(std::chrono::seconds(10));
+        std::_Exit(kExitCollectiveTimeout);
+      }).detach();
+      if (abort) abort();
+      std::_Exit(kExitCollectiveTimeout);
+    }
+  }
+}
+
+std::string describe_op(const Communicator& comm, OpType type, const at::Tensor& tensor,
+                        ReduceOp reduce, int root, uint64_t seq) {
+  std::ostringstream os;
+  os << to_string(type) << " #" << seq << " on '" << comm.name() << "' (" << comm.backend()
+     << ", rank " << comm.rank() << "/" << comm.size();
+  if (tensor.defined()) {
+    os << ", " << c10::toString(tensor.scalar_type()) << tensor.sizes();
+  }
+  if (type == OpType::kAllReduce || type == OpType::kReduceScatter) os << ", " << to_string(reduce);
+  if (type == OpType::kBroadcast) os << ", root " << root;
+  os << ")";
+  return os.str();
+}
+
+}  // namespace dtrain::dist

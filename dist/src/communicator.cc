@@ -1,0 +1,223 @@
+#include "dtrain/dist/communicator.h"
+
+#include <cstdlib>
+#include <algorithm>
+#include <map>
+#include <sstream>
+
+#include <ATen/ATen.h>
+
+#include "async.h"
+#include "dtrain/dist/error.h"
+
+namespace dtrain::dist {
+
+const char* to_string(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kAvg: return "avg";
+    case ReduceOp::kMax: return "max";
+    case ReduceOp::kMin: return "min";
+  }
+  return "?";
+}
+
+const char* to_string(OpType type) {
+  switch (type) {
+    case OpType::kAllReduce: return "all_reduce";
+    case OpType::kBroadcast: return "broadcast";
+    case OpType::kAllGather: return "all_gather";
+    case OpType::kReduceScatter: return "reduce_scatter";
+    case OpType::kBarrier: return "barrier";
+  }
+  return "?";
+}
+
+namespace {
+
+bool supported_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: case at::kDouble: case at::kHalf: case at::kBFloat16:
+    case at::kLong: case at::kInt: case at::kByte: case at::kChar: case at::kBool:
+      return true;
+    default:
+      return false;
+  }
+}
+
+void check_tensor(const Communicator& comm, const char* op, const char* role, const at::Tensor& t) {
+  DTRAIN_CHECK(t.defined(), comm.name(), ".", op, ": the ", role, " tensor is undefined");
+  DTRAIN_CHECK(t.is_contiguous(), comm.name(), ".", op, ": the ", role, " tensor ", t.sizes(),
+               " is not contiguous; pass tensor.contiguous()");
+  DTRAIN_CHECK(supported_dtype(t.scalar_type()), comm.name(), ".", op, ": dtype ",
+               t.scalar_type(), " of the ", role,
+               " tensor is not supported (float32, float64, float16, bfloat16, int64, int32, "
+               "uint8, int8, bool are)");
+  DTRAIN_CHECK(comm.supports(t.device().type()), comm.name(), ".", op, ": backend '",
+               comm.backend(), "' does not run collectives on ", t.device(), " tensors",
+               t.is_cuda() ? "; use the nccl or mpi backend" : "; use the mpi backend");
+}
+
+void check_pair(const Communicator& comm, const char* op, const at::Tensor& in, const at::Tensor& out) {
+  DTRAIN_CHECK(in.scalar_type() == out.scalar_type(), comm.name(), ".", op,
+               ": input dtype ", in.scalar_type(), " differs from output dtype ", out.scalar_type());
+  DTRAIN_CHECK(in.device() == out.device(), comm.name(), ".", op, ": input on ", in.device(),
+               " but output on ", out.device());
+}
+
+void check_reduce(const Communicator& comm, const char* op, ReduceOp r, const at::Tensor& t) {
+  DTRAIN_CHECK(r != ReduceOp::kAvg || at::isFloatingType(t.scalar_type()), comm.name(), ".", op,
+               ": avg needs a floating-point tensor, got ", t.scalar_type(),
+               "; reduce with sum and divide yourself");
+  DTRAIN_CHECK(t.scalar_type() != at::kBool || r == ReduceOp::kMax || r == ReduceOp::kMin,
+               comm.name(), ".", op, ": bool tensors reduce only with max (any) or min (all)");
+}
+
+bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v && *v && std::string(v) != "0";
+}
+
+// Fixed-length descriptor of an operation, compared across ranks in debug mode.
+constexpr int kDescLen = 16;
+constexpr int kMaxDims = 8;
+
+std::vector<int64_t> descriptor(OpType type, const at::Tensor& in, const at::Tensor& out,
+                                ReduceOp reduce, int root, uint64_t seq) {
+  std::vector<int64_t> d(kDescLen, -1);
+  d[0] = static_cast<int64_t>(seq);
+  d[1] = static_cast<int64_t>(type);
+  d[2] = in.defined() ? static_cast<int64_t>(in.scalar_type()) : -1;
+  d[3] = static_cast<int64_t>(reduce);
+  d[4] = root;
+  d[5] = out.defined() ? out.numel() : -1;
+  d[6] = in.defined() ? in.dim() : -1;
+  if (in.defined()) {
+    for (int i = 0; i < std::min<int64_t>(in.dim(), kMaxDims); ++i) d[7 + i] = in.size(i);
+  }
+  return d;
+}
+
+std::string describe_descriptor(const std::vector<int64_t>& d) {
+  std::ostringstream os;
+  os << to_string(static_cast<OpType>(d[1]));
+  if (d[2] >= 0) {
+    os << "(" << static_cast<at::ScalarType>(d[2]) << "[";
+    for (int64_t i = 0; i < std::min<int64_t>(d[6], kMaxDims); ++i) os << (i ? "," : "") << d[7 + i];
+    os << "]";
+    auto type = static_cast<OpType>(d[1]);
+    if (type == OpType::kAllReduce || type == OpType::kReduceScatter)
+      os << ", " << to_string(static_cast<ReduceOp>(d[3]));
+    if (type == OpType::kBroadcast) os << ", root " << d[4];
+    if (type != OpType::kBroadcast) os << ", output numel " << d[5];
+    os << ")";
+  }
+  os << " as its #" << d[0];
+  return os.str();
+}
+
+}  // namespace
+
+Communicator::Communicator(int rank, int size, CommOptions options)
+    : rank_(rank), size_(size), options_(std::move(options)),
+      submit_mutex_(std::make_unique<std::mutex>()) {
+  if (env_flag("DTRAIN_DEBUG_COLLECTIVES")) options_.debug_collectives = true;
+  DTRAIN_CHECK(options_.timeout.count() > 0, "collective timeout must be positive, got ",
+               options_.timeout.count(), " ms; pass --collective_timeout_s > 0");
+}
+
+Communicator::~Communicator() = default;
+
+WorkPtr Communicator::submit(Op op) {
+  std::lock_guard<std::mutex> lock(*submit_mutex_);
+  op.seq = ++seq_;
+  if (options_.debug_collectives && size_ > 1) check_matching(op);
+  return enqueue(std::move(op));
+}
+
+void Communicator::check_matching(const Op& op) {
+  std::vector<int64_t> mine = descriptor(op.type, op.input, op.output, op.reduce, op.root, op.seq);
+  std::vector<int64_t> all = exchange(mine);
+  DTRAIN_CHECK(all.size() == static_cast<size_t>(kDescLen * size_), "debug exchange returned ",
+               all.size(), " values");
+  // Group ranks by what they called, groups ordered by their lowest rank.
+  std::vector<std::pair<std::vector<int64_t>, std::vector<int>>> groups;
+  for (int r = 0; r < size_; ++r) {
+    std::vector<int64_t> d(all.begin() + r * kDescLen, all.begin() + (r + 1) * kDescLen);
+    auto it = std::find_if(groups.begin(), groups.end(), [&](auto& g) { return g.first == d; });
+    if (it == groups.end()) {
+      groups.push_back({d, {r}});
+    } else {
+      it->second.push_back(r);
+    }
+  }
+  if (groups.size() == 1) return;
+  std::ostringstream os;
+  os << "collective mismatch on '" << name() << "' (DTRAIN_DEBUG_COLLECTIVES): ";
+  bool first = true;
+  for (auto& [d, ranks] : groups) {
+    os << (first ? "" : "; ") << (ranks.size() > 1 ? "ranks " : "rank ");
+    for (size_t i = 0; i < ranks.size(); ++i) os << (i ? "," : "") << ranks[i];
+    os << " called " << describe_descriptor(d);
+    first = false;
+  }
+  os << ". Every rank must issue the same collectives, with the same shapes, in the same order.";
+  throw Error(os.str());
+}
+
+WorkPtr Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
+  check_tensor(*this, "all_reduce", "", tensor);
+  check_reduce(*this, "all_reduce", op, tensor);
+  return submit(Op{OpType::kAllReduce, tensor, tensor, op, 0, 0});
+}
+
+WorkPtr Communicator::all_reduce(const at::Tensor& input, const at::Tensor& output, ReduceOp op) {
+  check_tensor(*this, "all_reduce", "input", input);
+  check_tensor(*this, "all_reduce", "output", output);
+  check_pair(*this, "all_reduce", input, output);
+  DTRAIN_CHECK(input.numel() == output.numel(), name(), ".all_reduce: input has ", input.numel(),
+               " elements but output has ", output.numel());
+  check_reduce(*this, "all_reduce", op, input);
+  return submit(Op{OpType::kAllReduce, input, output, op, 0, 0});
+}
+
+WorkPtr Communicator::broadcast(const at::Tensor& tensor, int root) {
+  check_tensor(*this, "broadcast", "", tensor);
+  DTRAIN_CHECK(root >= 0 && root < size_, name(), ".broadcast: root ", root,
+               " is not a rank of this communicator (size ", size_, ")");
+  return submit(Op{OpType::kBroadcast, tensor, tensor, ReduceOp::kSum, root, 0});
+}
+
+WorkPtr Communicator::all_gather(const at::Tensor& input, const at::Tensor& output) {
+  check_tensor(*this, "all_gather", "input", input);
+  check_tensor(*this, "all_gather", "output", output);
+  check_pair(*this, "all_gather", input, output);
+  DTRAIN_CHECK(output.numel() == input.numel() * size_, name(), ".all_gather: output has ",
+               output.numel(), " elements; it needs size() x input = ", size_, " x ",
+               input.numel(), " = ", input.numel() * size_);
+  return submit(Op{OpType::kAllGather, input, output, ReduceOp::kSum, 0, 0});
+}
+
+WorkPtr Communicator::reduce_scatter(const at::Tensor& input, const at::Tensor& output, ReduceOp op) {
+  check_tensor(*this, "reduce_scatter", "input", input);
+  check_tensor(*this, "reduce_scatter", "output", output);
+  check_pair(*this, "reduce_scatter", input, output);
+  check_reduce(*this, "reduce_scatter", op, input);
+  DTRAIN_CHECK(input.numel() == output.numel() * size_, name(), ".reduce_scatter: input has ",
+               input.numel(), " elements; it needs size() x output = ", size_, " x ",
+               output.numel(), " = ", output.numel() * size_);
+  return submit(Op{OpType::kReduceScatter, input, output, op, 0, 0});
+}
+
+WorkPtr Communicator::barrier() {
+  return submit(Op{OpType::kBarrier, at::Tensor(), at::Tensor(), ReduceOp::kSum, 0, 0});
+}
+
+std::unique_ptr<Communicator> Communicator::split(int color, int key, const std::string& suffix) {
+  CommOptions child = options_;
+  child.name = options_.name + "/" + suffix;
+  std::lock_guard<std::mutex> lock(*submit_mutex_);
+  return do_split(color, key, std::move(child));
+}
+
+}  // namespace dtrain::dist

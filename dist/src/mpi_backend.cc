@@ -1,0 +1,278 @@
+// "mpi": collectives through MPI, one executor thread per communicator, so MPI calls on a
+// communicator happen on one thread in issue order. CPU tensors are passed to MPI directly;
+// CUDA tensors are staged through a reusable pinned host buffer on a copy stream of the
+// communicator's own (device-generic c10 APIs: no CUDA headers here).
+#include <mpi.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+
+#include <ATen/ATen.h>
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <glog/logging.h>
+
+#include "async.h"
+#include "backends.h"
+#include "dtrain/dist/error.h"
+#include "mpi_runtime.h"
+
+namespace dtrain::dist {
+namespace {
+
+// MPI counts are ints; large all-reduces and broadcasts go in chunks of this many elements.
+constexpr int64_t kMaxCount = int64_t{1} << 30;
+
+class MpiCommunicator final : public Communicator {
+ public:
+  MpiCommunicator(std::shared_ptr<MpiRuntime> runtime, MPI_Comm comm, int rank, int size,
+                  c10::Device device, CommOptions options)
+      : Communicator(rank, size, std::move(options)), runtime_(std::move(runtime)), comm_(comm),
+        device_(device), executor_(std::make_unique<SerialExecutor>("mpi:" + name())) {}
+
+  ~MpiCommunicator() override {
+    executor_.reset();  // finishes queued operations first
+    if (comm_ != MPI_COMM_NULL) {
+      auto lock = runtime_->lock();
+      int rc = MPI_Comm_free(&comm_);
+      if (rc != MPI_SUCCESS) LOG(ERROR) << "MPI_Comm_free failed on '" << name() << "'";
+    }
+  }
+
+  const char* backend() const override { return "mpi"; }
+  bool supports(c10::DeviceType type) const override {
+    return type == c10::kCPU || type == c10::kCUDA;
+  }
+
+  void raw_all_reduce_blocking(const at::Tensor& in, const at::Tensor& out) override {
+    DTRAIN_CHECK(in.device().is_cpu() && out.device().is_cpu() && in.is_contiguous() &&
+                     out.is_contiguous(),
+                 "raw MPI all-reduce takes contiguous CPU tensors");
+    const bool in_place = in.data_ptr() == out.data_ptr();
+    auto lock = runtime_->lock();
+    for (int64_t off = 0; off < out.numel(); off += kMaxCount) {
+      int n = static_cast<int>(std::min(kMaxCount, out.numel() - off));
+      MPI_CHECK(MPI_Allreduce(in_place ? MPI_IN_PLACE : byte_ptr(in, off), byte_ptr(out, off), n,
+                              runtime_->datatype(out.scalar_type()),
+                              runtime_->reduce_op(ReduceOp::kSum, out.scalar_type()), comm_));
+    }
+  }
+
+ protected:
+  WorkPtr enqueue(Op op) override {
+    auto work = std::make_shared<HostWork>(op.seq);
+    std::shared_ptr<c10::Event> ready;
+    const at::Tensor& any = op.input.defined() ? op.input : op.output;
+    if (any.defined() && any.is_cuda()) {
+      // Order after the work already queued on the caller's current stream.
+      c10::impl::VirtualGuardImpl impl(c10::kCUDA);
+      ready = std::make_shared<c10::Event>(c10::kCUDA);
+      ready->record(impl.getStream(any.device()));
+    }
+    std::string what = describe_op(*this, op.type, op.input, op.reduce, op.root, op.seq);
+    executor_->post([this, op = std::move(op), work, ready, what = std::move(what)]() {
+      uint64_t token = Watchdog::instance().watch(
+          {what, options().timeout, [work] { return work->is_completed(); },
+           [comm = comm_] { MPI_Abort(comm, kExitCollectiveTimeout); }});
+      try {
+        if (ready) {
+          run_staged(op, *ready);
+        } else {
+          run_host(op, op.input, op.output);
+        }
+        work->finish();
+      } catch (...) {
+        work->finish(std::current_exception());
+      }
+      Watchdog::instance().unwatch(token);
+    });
+    return work;
+  }
+
+  std::unique_ptr<Communicator> do_split(int color, int key, CommOptions child) override {
+    std::unique_ptr<Communicator> result;
+    executor_->run_sync([&] {
+      MPI_Comm sub = MPI_COMM_NULL;
+      {
+        auto lock = runtime_->lock();
+        MPI_CHECK(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &sub));
+      }
+      if (sub == MPI_COMM_NULL) return;
+      int r = 0, s = 0;
+      {
+        auto lock = runtime_->lock();
+        MPI_CHECK(MPI_Comm_set_errhandler(sub, MPI_ERRORS_RETURN));
+        MPI_CHECK(MPI_Comm_rank(sub, &r));
+        MPI_CHECK(MPI_Comm_size(sub, &s));
+      }
+      result = std::make_unique<MpiCommunicator>(runtime_, sub, r, s, device_, std::move(child));
+    });
+    return result;
+  }
+
+  std::vector<int64_t> exchange(const std::vector<int64_t>& mine) override {
+    std::vector<int64_t> all(mine.size() * size());
+    executor_->run_sync([&] {
+      auto lock = runtime_->lock();
+      MPI_CHECK(MPI_Allgather(mine.data(), static_cast<int>(mine.size()), MPI_INT64_T, all.data(),
+                              static_cast<int>(mine.size()), MPI_INT64_T, comm_));
+    });
+    return all;
+  }
+
+ private:
+  // Runs op on host tensors (in and out may be the same tensor).
+  void run_host(const Op& op, const at::Tensor& in, const at::Tensor& out) {
+    auto lock = runtime_->lock();
+    switch (op.type) {
+      case OpType::kBarrier:
+        MPI_CHECK(MPI_Barrier(comm_));
+        return;
+      case OpType::kBroadcast: {
+        MPI_Datatype type = runtime_->datatype(out.scalar_type());
+        for (int64_t off = 0; off < out.numel(); off += kMaxCount) {
+          int n = static_cast<int>(std::min(kMaxCount, out.numel() - off));
+          MPI_CHECK(MPI_Bcast(byte_ptr(out, off), n, type, op.root, comm_));
+        }
+        return;
+      }
+      case OpType::kAllReduce: {
+        MPI_Datatype type = runtime_->datatype(out.scalar_type());
+        MPI_Op mop = runtime_->reduce_op(op.reduce, out.scalar_type());
+        bool in_place = in.data_ptr() == out.data_ptr();
+        for (int64_t off = 0; off < out.numel(); off += kMaxCount) {
+          int n = static_cast<int>(std::min(kMaxCount, out.numel() - off));
+          MPI_CHECK(MPI_Allreduce(in_place ? MPI_IN_PLACE : byte_ptr(in, off), byte_ptr(out, off),
+                                  n, type, mop, comm_));
+        }
+        break;
+      }
+      case OpType::kAllGather: {
+        int n = per_rank_count(in.numel(), "all_gather");
+        MPI_Datatype type = runtime_->datatype(in.scalar_type());
+        if (byte_ptr(out, int64_t{rank()} * n) == in.data_ptr()) {
+          MPI_CHECK(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, out.data_ptr(), n, type, comm_));
+        } else {
+          MPI_CHECK(MPI_Allgather(in.data_ptr(), n, type, out.data_ptr(), n, type, comm_));
+        }
+        return;
+      }
+      case OpType::kReduceScatter: {
+        int n = per_rank_count(out.numel(), "reduce_scatter");
+        MPI_Datatype type = runtime_->datatype(in.scalar_type());
+        MPI_Op mop = runtime_->reduce_op(op.reduce, in.scalar_type());
+        if (byte_ptr(in, int64_t{rank()} * n) == out.data_ptr() && n > 0) {
+          // In place: reduce into a scratch chunk, leaving the other chunks of input intact.
+          at::Tensor tmp = at::empty_like(out);
+          MPI_CHECK(MPI_Reduce_scatter_block(in.data_ptr(), tmp.data_ptr(), n, type, mop, comm_));
+          out.copy_(tmp);
+        } else {
+          MPI_CHECK(MPI_Reduce_scatter_block(in.data_ptr(), out.data_ptr(), n, type, mop, comm_));
+        }
+        break;
+      }
+    }
+    if (op.reduce == ReduceOp::kAvg) out.div_(size());
+  }
+
+  // CUDA tensors: copy into pinned host memory, run on host, copy back, on our copy stream.
+  void run_staged(const Op& op, const c10::Event& ready) {
+    const at::Tensor& in = op.input.defined() ? op.input : op.output;
+    c10::DeviceGuard device_guard(in.device());
+    if (!copy_stream_) {
+      c10::impl::VirtualGuardImpl impl(c10::kCUDA);
+      copy_stream_ = impl.getStreamFromGlobalPool(in.device(), /*isHighPriority=*/true);
+    }
+    ready.block(*copy_stream_);
+    c10::StreamGuard stream_guard(*copy_stream_);
+    const int64_t in_bytes = op.input.defined() ? op.input.nbytes() : 0;
+    const int64_t out_bytes = op.output.defined() ? op.output.nbytes() : 0;
+    at::Tensor host_in, host_out;
+    switch (op.type) {
+      case OpType::kBarrier:
+        run_host(op, at::Tensor(), at::Tensor());
+        return;
+      case OpType::kAllReduce:
+      case OpType::kBroadcast:
+        host_out = stage(out_bytes, op.output);
+        if (op.type == OpType::kBroadcast || op.input.data_ptr() == op.output.data_ptr()) {
+          host_out.copy_(op.output, /*non_blocking=*/true);
+          host_in = host_out;
+        } else {
+          host_out.copy_(op.input, /*non_blocking=*/true);  // reduce in place on the host copy
+          host_in = host_out;
+        }
+        break;
+      case OpType::kAllGather:
+        host_out = stage(out_bytes, op.output);
+        host_in = host_out.narrow(0, int64_t{rank()} * op.input.numel(), op.input.numel());
+        host_in.copy_(op.input.view(-1), /*non_blocking=*/true);
+        break;
+      case OpType::kReduceScatter: {
+        at::Tensor buf = stage(in_bytes + out_bytes, op.input);
+        host_in = buf.narrow(0, 0, op.input.numel());
+        host_out = buf.narrow(0, op.input.numel(), op.output.numel());
+        host_in.copy_(op.input.view(-1), /*non_blocking=*/true);
+        break;
+      }
+    }
+    copy_stream_->synchronize();
+    run_host(op, host_in, host_out);
+    op.output.view(-1).copy_(host_out.view(-1), /*non_blocking=*/true);
+    copy_stream_->synchronize();
+  }
+
+  // A flat pinned host tensor of at least `bytes` bytes, viewed with like's dtype.
+  at::Tensor stage(int64_t bytes, const at::Tensor& like) {
+    if (!staging_.defined() || staging_.nbytes() < static_cast<size_t>(bytes)) {
+      int64_t cap = std::max<int64_t>(bytes, staging_.defined() ? 2 * staging_.nbytes() : 0);
+      staging_ = at::empty({std::max<int64_t>(cap, 1)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    }
+    int64_t elems = bytes / like.element_size();
+    return staging_.narrow(0, 0, elems * like.element_size()).view(like.scalar_type());
+  }
+
+  static void* byte_ptr(const at::Tensor& t, int64_t element_offset) {
+    return static_cast<char*>(t.data_ptr()) + element_offset * t.element_size();
+  }
+
+  int per_rank_count(int64_t n, const char* op) const {
+    DTRAIN_CHECK(n <= INT_MAX, name(), ".", op, ": ", n,
+                 " elements per rank exceed MPI's count limit (2^31-1); split the tensor");
+    return static_cast<int>(n);
+  }
+
+  std::shared_ptr<MpiRuntime> runtime_;
+  MPI_Comm comm_;
+  c10::Device device_;
+  std::optional<c10::Stream> copy_stream_;  // used on the executor thread only
+  at::Tensor staging_;                      // used on the executor thread only
+  std::unique_ptr<SerialExecutor> executor_;
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> make_mpi_communicator(const World& world, c10::Device device,
+                                                    CommOptions options) {
+  auto runtime = MpiRuntime::acquire();
+  MPI_Comm comm = MPI_COMM_NULL;
+  int rank = 0, size = 0;
+  {
+    auto lock = runtime->lock();
+    MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm));
+    MPI_CHECK(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN));
+    MPI_CHECK(MPI_Comm_rank(comm, &rank));
+    MPI_CHECK(MPI_Comm_size(comm, &size));
+  }
+  DTRAIN_CHECK(rank == world.rank && size == world.size, "MPI reports rank ", rank, " of ", size,
+               " but the launcher's environment says ", world.describe(),
+               "; start every rank with the same mpirun/srun command");
+  return std::make_unique<MpiCommunicator>(std::move(runtime), comm, rank, size, device,
+                                           std::move(options));
+}
+
+}  // namespace dtrain::dist

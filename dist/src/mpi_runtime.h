@@ -1,0 +1,56 @@
+// Private: the process's MPI runtime (MPI_Init_thread once, MPI_Finalize when the last
+// communicator that uses it is gone), datatypes and reduction operators for every dtype.
+#pragma once
+
+#include <mpi.h>
+
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include <c10/core/ScalarType.h>
+
+#include "dtrain/dist/communicator.h"
+#include "dtrain/dist/error.h"
+
+namespace dtrain::dist {
+
+class MpiRuntime {
+ public:
+  // Initializes MPI (asking for MPI_THREAD_MULTIPLE) on first use. Throws once MPI was
+  // finalized: MPI cannot start twice in one process.
+  static std::shared_ptr<MpiRuntime> acquire();
+  ~MpiRuntime();
+
+  MPI_Datatype datatype(c10::ScalarType type) const;
+  MPI_Op reduce_op(ReduceOp op, c10::ScalarType type) const;
+  const std::string& version() const { return version_; }
+
+  // Held around MPI calls. A no-op when MPI gives MPI_THREAD_MULTIPLE; a process-wide
+  // mutex otherwise.
+  std::unique_lock<std::mutex> lock();
+
+ private:
+  MpiRuntime();
+  bool owns_init_ = false;
+  bool serialize_ = false;
+  std::mutex mutex_;
+  std::string version_;
+  MPI_Op half_ops_[3] = {MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL};  // sum, max, min
+  MPI_Op bf16_ops_[3] = {MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL};
+};
+
+std::string mpi_error_string(int code);
+std::string mpi_version();
+
+}  // namespace dtrain::dist
+
+#define MPI_CHECK(call)                                                                   \
+  do {                                                                                    \
+    int mpi_rc_ = (call);                                                                 \
+    if (mpi_rc_ != MPI_SUCCESS) {                                                         \
+      DTRAIN_LIBRARY_FAILURE("MPI (" + ::dtrain::dist::mpi_version() + ")", #call,      \
+                             " returned ", ::dtrain::dist::mpi_error_string(mpi_rc_));    \
+    }                                                                                     \
+  } while (0)

@@ -1,0 +1,76 @@
+// Collectives on CUDA tensors: NCCL at world size 1 (or more, one GPU per rank), and MPI
+// staged through pinned host memory with several ranks sharing one GPU.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include "dtrain/dist/communicator.h"
+#include "dtrain/dist/error.h"
+#include "test_util.h"
+
+namespace dtrain::dist {
+namespace {
+
+void check_all_collectives(Communicator& c, c10::Device dev) {
+  const int N = c.size(), r = c.rank();
+  auto opts = at::TensorOptions().device(dev);
+  for (at::ScalarType t : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kLong}) {
+    for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{1001}, int64_t{4} << 20}) {
+      at::Tensor p = at::remainder(at::arange(n, at::kLong), 7).to(at::kDouble);
+      at::Tensor x = (p + (r + 1)).to(opts.dtype(t));
+      c.all_reduce(x)->wait();
+      EXPECT_TRUE(at::equal(x.cpu().to(at::kDouble), p * N + N * (N + 1) / 2.0)) << c10::toString(t) << " n=" << n;
+      at::Tensor y = (p + (r + 1)).to(opts.dtype(t));
+      at::Tensor out = at::empty_like(y);
+      if (at::isFloatingType(t)) {
+        c.all_reduce(y, out, ReduceOp::kAvg)->wait();
+        EXPECT_TRUE(at::equal(out.cpu().to(at::kDouble), p + (N + 1) / 2.0));
+      }
+      at::Tensor g = at::empty({N * n}, opts.dtype(t));
+      c.all_gather((p + 10 * r).to(opts.dtype(t)), g)->wait();
+      for (int j = 0; j < N && n > 0; ++j) {
+        EXPECT_TRUE(at::equal(g.narrow(0, j * n, n).cpu().to(at::kDouble), p + 10 * j));
+      }
+      at::Tensor in = at::cat(std::vector<at::Tensor>(N, p)).to(opts.dtype(t));
+      at::Tensor rs = at::empty({n}, opts.dtype(t));
+      c.reduce_scatter(in, rs)->wait();
+      EXPECT_TRUE(at::equal(rs.cpu().to(at::kDouble), p * N));
+      at::Tensor b = (p + r).to(opts.dtype(t));
+      c.broadcast(b, N - 1)->wait();
+      EXPECT_TRUE(at::equal(b.cpu().to(at::kDouble), p + (N - 1)));
+    }
+  }
+  c.barrier()->wait();
+}
+
+TEST(GpuCollectives, MpiStagesCudaTensorsThroughPinnedMemory) {
+  DTRAIN_SKIP_WITHOUT_CUDA();
+  const World& w = testing_util::world();
+  c10::Device dev(c10::kCUDA, 0);  // ranks may share the single GPU
+  if (!w.has_mpi_launcher() && w.size == 1) GTEST_SKIP() << "run under mpirun for the MPI backend";
+  auto c = create_communicator("mpi", w, dev);
+  check_all_collectives(*c, dev);
+}
+
+TEST(GpuCollectives, NcclBackendAtThisWorldSize) {
+  DTRAIN_SKIP_WITHOUT_CUDA();
+  auto names = available_backends();
+  if (std::find(names.begin(), names.end(), "nccl") == names.end()) GTEST_SKIP() << "built without NCCL";
+  const World& w = testing_util::world();
+  int gpus = static_cast<int>(c10::impl::getDeviceGuardImpl(c10::kCUDA)->deviceCount());
+  if (w.size > gpus) GTEST_SKIP() << "NCCL needs one GPU per rank (" << w.size << " ranks, " << gpus << " GPUs)";
+  c10::Device dev(c10::kCUDA, static_cast<c10::DeviceIndex>(w.local_rank % gpus));
+  auto c = create_communicator("nccl", w, dev);
+  check_all_collectives(*c, dev);
+  // CPU tensors travel over the partner communicator.
+  at::Tensor cpu = at::full({3}, 1.0);
+  c->all_reduce(cpu)->wait();
+  EXPECT_EQ(cpu[0].item<double>(), w.size);
+  auto sub = c->split(0, w.rank, "all");
+  ASSERT_NE(sub, nullptr);
+  check_all_collectives(*sub, dev);
+}
+
+}  // namespace
+}  // namespace dtrain::dist

@@ -1,0 +1,45 @@
+// dtrain-bench: benchmarks that print JSON lines. Usage: dtrain-bench BENCH [--flags]
+//   allreduce   Communicator all-reduce vs the backend's raw call, 1 KiB .. 256 MiB
+#include <gflags/gflags.h>
+
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <map>
+
+#include "bench.h"
+#include "dtrain/dist/error.h"
+#include "dtrain/dist/logging.h"
+
+DEFINE_string(backend, "auto", "communicator backend: auto, mpi, nccl, local");
+DEFINE_string(device, "cpu", "device of the buffers: cpu, cuda or auto");
+DEFINE_int32(collective_timeout_s, 300, "seconds before a stuck collective ends the run");
+
+int main(int argc, char** argv) {
+  using namespace dtrain;
+  const std::map<std::string, std::function<int(bench::BenchContext&)>> benches = {
+      {"allreduce", bench::run_allreduce},
+  };
+  gflags::SetUsageMessage("dtrain-bench BENCH [flags]; BENCH is one of: allreduce");
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  if (argc < 2 || !benches.count(argv[1])) {
+    std::fprintf(stderr, "dtrain-bench: name a benchmark: %s BENCH [flags], BENCH one of:", argv[0]);
+    for (auto& [name, fn] : benches) std::fprintf(stderr, " %s", name.c_str());
+    std::fprintf(stderr, "\n");
+    return kExitUsage;
+  }
+  try {
+    bench::BenchContext ctx;
+    ctx.world = dist::detect_world();
+    dist::init_logging(argv[0], ctx.world);
+    ctx.device = dist::select_device(ctx.world, dist::parse_device_request(FLAGS_device));
+    dist::CommOptions options;
+    DTRAIN_CHECK(FLAGS_collective_timeout_s > 0, "--collective_timeout_s must be positive");
+    options.timeout = std::chrono::seconds(FLAGS_collective_timeout_s);
+    ctx.comm = dist::create_communicator(FLAGS_backend, ctx.world, ctx.device, options);
+    return benches.at(argv[1])(ctx);
+  } catch (const Error& e) {
+    std::fprintf(stderr, "dtrain-bench: %s\n", e.what());
+    return kExitUsage;
+  }
+}
