@@ -1,0 +1,5 @@
+#pragma once
+namespace dtrain {
+// dtrain's version string ("major.minor.patch").
+const char* version();
+}  // namespace dtrain
