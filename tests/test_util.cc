@@ -1,5 +1,7 @@
 #include "test_util.h"
 
+#include <cstdio>
+
 #include <ATen/Context.h>
 
 namespace dtrain::testing_util {
@@ -26,6 +28,31 @@ dist::Communicator& world_comm() {
 void shutdown() { comm.reset(); }
 
 bool has_cuda() { return at::hasCUDA(); }
+
+std::string source_path(const std::string& relative) {
+  return std::string(DTRAIN_SOURCE_DIR) + "/" + relative;
+}
+
+std::string run_python(const std::string& script, const std::vector<std::string>& args) {
+  // Arguments are single-quoted for the shell popen uses; they come from the tests only.
+  std::string cmd = std::string("'") + DTRAIN_TEST_PYTHON + "' '" + source_path(script) + "'";
+  for (const std::string& a : args) cmd += " '" + a + "'";
+  FILE* pipe = popen(cmd.c_str(), "r");
+  if (!pipe) {
+    ADD_FAILURE() << "cannot run " << cmd;
+    return "";
+  }
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), pipe)) > 0) out.append(buf, n);
+  int rc = pclose(pipe);
+  if (rc != 0) {
+    ADD_FAILURE() << cmd << " failed with status " << rc << "; output:\n" << out;
+    return "";
+  }
+  return out;
+}
 
 double rel_error(const at::Tensor& a, const at::Tensor& b) {
   at::Tensor x = a.detach().to(at::kCPU, at::kDouble);

@@ -5,6 +5,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <ATen/ATen.h>
 
@@ -21,6 +22,13 @@ void shutdown();
 
 // Whether a CUDA GPU is usable here.
 bool has_cuda();
+
+// Runs `python3 <DTRAIN_SOURCE_DIR>/<script> args...` with the torch of the build (.venv)
+// and returns its stdout; a non-zero exit fails the calling test (ADD_FAILURE) and returns "".
+// Python's torch is the independent reference for optimizers, the loss scaler and layers.
+std::string run_python(const std::string& script, const std::vector<std::string>& args);
+// Path of a file in the source tree.
+std::string source_path(const std::string& relative);
 
 // ‖a − b‖ / max(‖b‖, tiny), computed in float64 on the CPU.
 double rel_error(const at::Tensor& a, const at::Tensor& b);
