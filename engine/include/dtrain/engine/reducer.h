@@ -1,0 +1,126 @@
+// Data-parallel gradient averaging, DDP-style.
+//
+// The reducer keeps every gradient as a view into a flat bucket (one dtype and device per
+// bucket), so backward accumulates straight into the buckets and nothing is copied. A hook on
+// each parameter's gradient accumulator marks the parameter ready; when every parameter of a
+// bucket is ready the bucket's all-reduce (average over the communicator) is launched
+// asynchronously, in bucket order, while backward continues. A callback queued at the end of
+// backward launches what is left (parameters that got no gradient count as zero), waits for
+// every bucket and writes results back, so when backward() returns the gradients are
+// averaged. After the first synchronized backward the buckets are rebuilt in the order the
+// gradients really arrived (rank 0's order, broadcast, so every rank launches the same
+// sequence).
+//
+// Threading: hooks run on autograd's threads; the reducer locks internally. Ownership: the
+// caller owns the parameters and the communicator, which must outlive the reducer. The
+// reducer owns the bucket memory that the parameters' .grad tensors view. Do not replace
+// .grad with another tensor (if it happens, the reducer copies the gradient back into its
+// bucket at the next hook, at the cost of a copy).
+//
+// Every rank must construct the reducer over the same parameters (checked: the first
+// differing parameter is named) and run the same number of synchronized backward passes.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "dtrain/dist/communicator.h"
+
+namespace dtrain::engine {
+
+struct ReducerOptions {
+  // The first bucket is small so communication starts early in backward (as DDP's 1 MB).
+  int64_t first_bucket_bytes = int64_t{1} << 20;
+  int64_t bucket_bytes = int64_t{25} << 20;
+  // Before backward, find the parameters the graph of this step's outputs cannot reach and
+  // mark them ready at once (call prepare_for_backward with the outputs). Without it such
+  // parameters are found at the end of backward, which still works but starts their
+  // buckets late and logs a warning once.
+  bool find_unused_parameters = false;
+  // Reduce buckets in bfloat16 or float16 (half the bytes), results written back in the
+  // gradients' dtype. Empty: reduce in the gradients' dtype.
+  std::optional<at::ScalarType> compress;
+  // Copy rank 0's parameter values to every rank at construction.
+  bool broadcast_parameters = true;
+  // Rebuild buckets after the first synchronized backward in the arrival order.
+  bool rebuild_buckets = true;
+  // Parameter names for messages (same length as the parameter list, or empty).
+  std::vector<std::string> names;
+};
+
+// What happened in the last synchronized backward, for tests, metrics and the timeline.
+struct ReducerStepStats {
+  using Clock = std::chrono::steady_clock;
+  std::vector<Clock::time_point> bucket_launch;  // per bucket, in launch order
+  std::vector<int> hooks_before_launch;          // gradients ready when each bucket launched
+  Clock::time_point first_hook;
+  Clock::time_point backward_end;                // when the end-of-backward callback began
+  Clock::time_point reduced;                     // when every bucket was written back
+  int64_t bytes = 0;                             // bytes all-reduced
+  int unused_parameters = 0;
+};
+
+class GradReducer {
+ public:
+  // params: leaf tensors requiring grad, contiguous. Collective (broadcast and checks).
+  // Throws dtrain::Error naming the first parameter that differs across ranks.
+  GradReducer(std::vector<at::Tensor> params, dist::Communicator& comm, ReducerOptions options = {});
+  ~GradReducer();
+  GradReducer(const GradReducer&) = delete;
+  GradReducer& operator=(const GradReducer&) = delete;
+
+  // While a NoSync is alive, backward passes only accumulate into the gradients: no
+  // collective is issued. The next synchronized backward averages the accumulated sums.
+  class NoSync {
+   public:
+    explicit NoSync(GradReducer* reducer);
+    ~NoSync();
+    NoSync(NoSync&& other) noexcept;
+    NoSync(const NoSync&) = delete;
+
+   private:
+    GradReducer* reducer_;
+  };
+  NoSync no_sync() { return NoSync(this); }
+
+  // With find_unused_parameters: marks the parameters unreachable from outputs' graph as
+  // ready (their buckets may launch now). Call after forward, before backward.
+  void prepare_for_backward(const std::vector<at::Tensor>& outputs);
+
+  // Zeroes every gradient (the flat buckets) in place.
+  void zero_grad();
+
+  // After a failure on this rank (e.g. CUDA out of memory) before this step's synchronized
+  // backward finished: issues the bucket all-reduces this rank still owes in the step (every
+  // bucket not yet launched, in order), so ranks that did not fail do not wait forever, waits
+  // for them, ends any no_sync, and zeroes the gradients. Then agree across ranks that the
+  // step is dropped.
+  void abandon_step();
+
+  const std::vector<at::Tensor>& params() const { return params_; }
+  int num_buckets() const;
+  // Parameter indices of each bucket, in launch order.
+  std::vector<std::vector<size_t>> bucket_params() const;
+  ReducerStepStats last_step_stats() const;
+  int64_t synchronized_backwards() const;
+
+ private:
+  struct State;
+  void set_sync(bool enabled);
+  void check_same_parameters(dist::Communicator& comm, const std::vector<std::string>& names);
+  std::vector<at::Tensor> params_;
+  std::shared_ptr<State> state_;
+};
+
+// Copies root's values of tensors to every rank of comm (coalesced by dtype and device,
+// in chunks). Collective and synchronous.
+void broadcast_tensors(dist::Communicator& comm, const std::vector<at::Tensor>& tensors,
+                       int root = 0);
+
+}  // namespace dtrain::engine

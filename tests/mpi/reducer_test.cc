@@ -1,0 +1,276 @@
+// The data-parallel reducer against a single-process run on the whole global batch.
+#include <gtest/gtest.h>
+
+#include <torch/torch.h>
+
+#include "dtrain/dist/error.h"
+#include "dtrain/engine/reducer.h"
+#include "test_util.h"
+
+namespace dtrain::engine {
+namespace {
+
+using testing_util::rel_error;
+using testing_util::world_comm;
+
+torch::nn::Sequential make_mlp(int64_t seed, int64_t width = 16, int depth = 3,
+                               torch::Dtype dtype = torch::kFloat64) {
+  torch::manual_seed(seed);
+  torch::nn::Sequential net;
+  int64_t in = 8;
+  for (int d = 0; d < depth; ++d) {
+    net->push_back(torch::nn::Linear(in, width));
+    net->push_back(torch::nn::Tanh());
+    in = width;
+  }
+  net->push_back(torch::nn::Linear(in, 1));
+  net->to(dtype);
+  return net;
+}
+
+// The global batch of a step: the same on every rank, drawn from the step number.
+std::pair<at::Tensor, at::Tensor> global_batch(int64_t step, int64_t rows, torch::Dtype dtype = torch::kFloat64) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(1000 + step);
+  at::Tensor x = at::randn({rows, 8}, g, dtype);
+  at::Tensor y = at::randn({rows, 1}, g, dtype);
+  return {x, y};
+}
+
+at::Tensor shard(const at::Tensor& t, int rank, int size) {
+  int64_t b = t.size(0) / size;
+  return t.narrow(0, rank * b, b);
+}
+
+std::vector<at::Tensor> grads_of(torch::nn::Module& m) {
+  std::vector<at::Tensor> g;
+  for (auto& p : m.parameters()) g.push_back(p.grad().clone());
+  return g;
+}
+
+// Reference: rank 0's initial model (seed 0) on the whole global batch, one process.
+std::vector<at::Tensor> reference_grads(int64_t step, int64_t rows) {
+  auto ref = make_mlp(0);
+  auto [x, y] = global_batch(step, rows);
+  torch::mse_loss(ref->forward(x), y).backward();
+  return grads_of(*ref);
+}
+
+void sgd_step(torch::nn::Module& m, double lr) {
+  torch::NoGradGuard no_grad;
+  for (auto& p : m.parameters()) p.sub_(p.grad() * lr);
+}
+
+TEST(Reducer, GradientsEqualASingleProcessOnTheGlobalBatch) {
+  auto& comm = world_comm();
+  const int N = comm.size();
+  auto model = make_mlp(comm.rank() == 0 ? 0 : 17 + comm.rank());  // rank 0's weights must win
+  ReducerOptions options;
+  options.first_bucket_bytes = 256;
+  options.bucket_bytes = 1024;
+  GradReducer reducer(model->parameters(), comm, options);
+  auto ref = make_mlp(0);
+  for (int64_t step = 0; step < 4; ++step) {  // several steps: across the bucket rebuild
+    auto [x, y] = global_batch(step, 8 * N);
+    reducer.zero_grad();
+    torch::mse_loss(model->forward(shard(x, comm.rank(), N)), shard(y, comm.rank(), N)).backward();
+    for (auto& p : ref->parameters()) p.mutable_grad() = at::Tensor();
+    torch::mse_loss(ref->forward(x), y).backward();
+    auto got = grads_of(*model);
+    auto want = grads_of(*ref);
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_LT(rel_error(got[i], want[i]), 1e-12) << "step " << step << " param " << i;
+    }
+    sgd_step(*model, 0.1);
+    sgd_step(*ref, 0.1);
+  }
+  EXPECT_GT(reducer.num_buckets(), 1);
+  EXPECT_EQ(reducer.synchronized_backwards(), 4);
+}
+
+TEST(Reducer, NoSyncIssuesNoCollectiveAndAveragesTheAccumulatedSum) {
+  auto& comm = world_comm();
+  const int N = comm.size();
+  auto model = make_mlp(0);
+  GradReducer reducer(model->parameters(), comm);
+  auto [x, y] = global_batch(7, 16 * N);
+  // Two micro-batches per rank: rank r holds rows [r*16, r*16+16), split in halves.
+  at::Tensor xs = shard(x, comm.rank(), N), ys = shard(y, comm.rank(), N);
+  reducer.zero_grad();
+  uint64_t before = comm.issued();
+  {
+    auto guard = reducer.no_sync();
+    (torch::mse_loss(model->forward(xs.narrow(0, 0, 8)), ys.narrow(0, 0, 8)) / 2).backward();
+  }
+  EXPECT_EQ(comm.issued(), before) << "a collective was issued inside no_sync";
+  (torch::mse_loss(model->forward(xs.narrow(0, 8, 8)), ys.narrow(0, 8, 8)) / 2).backward();
+  EXPECT_GT(comm.issued(), before);
+  auto got = grads_of(*model);
+  auto want = reference_grads(7, 16 * N);
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_LT(rel_error(got[i], want[i]), 1e-12) << i;
+}
+
+TEST(Reducer, BucketsStartInReverseOrderAndOverlapBackward) {
+  auto& comm = world_comm();
+  auto model = make_mlp(0, /*width=*/64, /*depth=*/6, torch::kFloat32);
+  ReducerOptions options;
+  options.first_bucket_bytes = 64 * 64 * 4;  // one hidden weight
+  options.bucket_bytes = 2 * 64 * 64 * 4;
+  GradReducer reducer(model->parameters(), comm, options);
+  const size_t P = model->parameters().size();
+  auto buckets = reducer.bucket_params();
+  ASSERT_GT(buckets.size(), 2u);
+  // Before any backward: the first bucket holds the last-registered parameters.
+  EXPECT_EQ(buckets.front().front(), P - 1);
+  for (int step = 0; step < 3; ++step) {
+    auto [x, y] = global_batch(step, 32, torch::kFloat32);
+    reducer.zero_grad();
+    torch::mse_loss(model->forward(x), y).backward();
+    ReducerStepStats s = reducer.last_step_stats();
+    ASSERT_EQ(s.bucket_launch.size(), static_cast<size_t>(reducer.num_buckets()));
+    // Communication began while gradients were still being produced.
+    EXPECT_LT(s.hooks_before_launch.front(), static_cast<int>(P)) << "step " << step;
+    EXPECT_LT(s.bucket_launch.front(), s.backward_end);
+    EXPECT_LE(s.backward_end, s.reduced);
+    EXPECT_EQ(s.unused_parameters, 0);
+  }
+  // After the rebuild, bucket order follows arrival order: the output layer's gradients
+  // arrive first, so its parameters are in the first bucket.
+  auto rebuilt = reducer.bucket_params();
+  bool head_first = false;
+  for (size_t i : rebuilt.front()) head_first |= (i >= P - 2);
+  EXPECT_TRUE(head_first);
+}
+
+struct TwoBranch : torch::nn::Module {
+  TwoBranch() {
+    torch::manual_seed(0);
+    a = register_module("a", torch::nn::Linear(8, 4));
+    b = register_module("b", torch::nn::Linear(8, 4));
+    to(torch::kFloat64);
+  }
+  at::Tensor forward(const at::Tensor& x, bool use_b) {
+    at::Tensor out = a->forward(x).sum(1, true);
+    return use_b ? out + b->forward(x).sum(1, true) : out;
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr};
+};
+
+TEST(Reducer, UnusedParametersDoNotHangAndCountAsZero) {
+  auto& comm = world_comm();
+  const int N = comm.size();
+  for (bool find_unused : {false, true}) {
+    TwoBranch model;
+    ReducerOptions options;
+    options.find_unused_parameters = find_unused;
+    options.first_bucket_bytes = 64;
+    options.bucket_bytes = 64;
+    GradReducer reducer(model.parameters(), comm, options);
+    auto [x, y] = global_batch(3, 4 * N);
+    // Rank 0 never uses branch b; the others do.
+    const bool use_b = comm.rank() != 0;
+    reducer.zero_grad();
+    at::Tensor out = model.forward(shard(x, comm.rank(), N), use_b);
+    reducer.prepare_for_backward({out});
+    torch::mse_loss(out, shard(y, comm.rank(), N)).backward();
+    EXPECT_EQ(reducer.last_step_stats().unused_parameters, use_b ? 0 : 2) << find_unused;
+    // Reference: sum over ranks of each rank's gradient, divided by N.
+    TwoBranch ref;
+    std::vector<at::Tensor> want;
+    for (auto& p : ref.parameters()) want.push_back(at::zeros_like(p));
+    for (int r = 0; r < N; ++r) {
+      for (auto& p : ref.parameters()) p.mutable_grad() = at::Tensor();
+      torch::mse_loss(ref.forward(shard(x, r, N), r != 0), shard(y, r, N)).backward();
+      auto ps = ref.parameters();
+      for (size_t i = 0; i < ps.size(); ++i) {
+        if (ps[i].grad().defined()) want[i] += ps[i].grad() / N;
+      }
+    }
+    auto got = model.parameters();
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_LT(rel_error(got[i].grad(), want[i]), 1e-12) << i << " find_unused " << find_unused;
+    }
+  }
+}
+
+TEST(Reducer, MismatchedModelsNameTheFirstDifferingParameter) {
+  auto& comm = world_comm();
+  if (comm.size() == 1) GTEST_SKIP();
+  auto model = make_mlp(0, comm.rank() == 1 ? 12 : 16);
+  ReducerOptions options;
+  for (size_t i = 0; i < model->parameters().size(); ++i) options.names.push_back("p" + std::to_string(i));
+  try {
+    GradReducer reducer(model->parameters(), comm, options);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    std::string m = e.what();
+    EXPECT_NE(m.find("parameter 'p0' (#0) differs across ranks: rank 0 has Double[16, 8]"), std::string::npos) << m;
+  }
+  auto fewer = make_mlp(0, 16, comm.rank() == 1 ? 2 : 3);
+  EXPECT_THROW({ GradReducer r(fewer->parameters(), comm); }, Error);
+}
+
+TEST(Reducer, Bfloat16CompressionStaysCloseToFullPrecision) {
+  auto& comm = world_comm();
+  const int N = comm.size();
+  auto model = make_mlp(0);
+  ReducerOptions options;
+  options.compress = at::kBFloat16;
+  GradReducer reducer(model->parameters(), comm, options);
+  auto [x, y] = global_batch(5, 8 * N);
+  reducer.zero_grad();
+  torch::mse_loss(model->forward(shard(x, comm.rank(), N)), shard(y, comm.rank(), N)).backward();
+  auto got = grads_of(*model);
+  auto want = reference_grads(5, 8 * N);
+  for (size_t i = 0; i < got.size(); ++i) {
+    double e = rel_error(got[i], want[i]);
+    EXPECT_LT(e, 2e-2) << i;
+    EXPECT_EQ(got[i].scalar_type(), at::kDouble);
+  }
+}
+
+TEST(Reducer, AbandonedStepOnOneRankKeepsRanksInStep) {
+  auto& comm = world_comm();
+  const int N = comm.size();
+  auto model = make_mlp(0);
+  GradReducer reducer(model->parameters(), comm);
+  // Step 1: the last rank "fails" before its backward; the others run normally.
+  auto [x, y] = global_batch(11, 8 * N);
+  reducer.zero_grad();
+  if (comm.rank() == N - 1) {
+    reducer.abandon_step();
+  } else {
+    torch::mse_loss(model->forward(shard(x, comm.rank(), N)), shard(y, comm.rank(), N)).backward();
+  }
+  // Step 2 on every rank is exact again.
+  reducer.zero_grad();
+  torch::mse_loss(model->forward(shard(x, comm.rank(), N)), shard(y, comm.rank(), N)).backward();
+  auto got = grads_of(*model);
+  auto want = reference_grads(11, 8 * N);
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_LT(rel_error(got[i], want[i]), 1e-12) << i;
+}
+
+TEST(Reducer, ReplacedGradientIsCopiedBackIntoItsBucket) {
+  auto& comm = world_comm();
+  const int N = comm.size();
+  auto model = make_mlp(0);
+  GradReducer reducer(model->parameters(), comm);
+  for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();  // like zero_grad(set_to_none)
+  auto [x, y] = global_batch(2, 8 * N);
+  torch::mse_loss(model->forward(shard(x, comm.rank(), N)), shard(y, comm.rank(), N)).backward();
+  auto got = grads_of(*model);
+  auto want = reference_grads(2, 8 * N);
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_LT(rel_error(got[i], want[i]), 1e-12) << i;
+}
+
+TEST(Reducer, BroadcastTensorsCopiesRootValues) {
+  auto& comm = world_comm();
+  std::vector<at::Tensor> ts = {at::full({3}, comm.rank() + 1.0), at::full({2, 2}, comm.rank() * 2, at::kLong),
+                                at::full({5}, comm.rank() + 7.0)};
+  broadcast_tensors(comm, ts, comm.size() - 1);
+  EXPECT_EQ(ts[0][0].item<double>(), comm.size());
+  EXPECT_EQ(ts[1][1][1].item<int64_t>(), 2 * (comm.size() - 1));
+  EXPECT_EQ(ts[2][4].item<double>(), comm.size() + 6.0);
+}
+
+}  // namespace
+}  // namespace dtrain::engine
