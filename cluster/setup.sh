@@ -12,7 +12,7 @@ die() { echo "[setup] ERROR: $*" >&2; exit 1; }
 
 APT_PACKAGES=(
   openmpi-bin libopenmpi-dev libgflags-dev libgoogle-glog-dev libgtest-dev libgmock-dev
-  ninja-build ccache nlohmann-json3-dev protobuf-compiler libprotobuf-dev pkg-config
+  ninja-build ccache nlohmann-json3-dev protobuf-compiler libprotobuf-dev pkg-config zlib1g-dev
 )
 
 if [[ "${DTRAIN_SKIP_APT:-0}" != 1 ]]; then

@@ -96,6 +96,7 @@ struct GradReducer::State {
   std::vector<at::Tensor> views;                  // param -> its gradient view
   bool sync = true;
   bool in_step = false;        // a synchronized backward is under way
+  bool finished = false;       // this step's synchronized backward completed (reset by zero_grad)
   bool callback_queued = false;
   size_t next_launch = 0;
   std::vector<char> param_ready;
@@ -242,6 +243,7 @@ void GradReducer::State::finish_step(bool abandoned) {
   stats.reduced = Clock::now();
   last_stats = stats;
   in_step = false;
+  finished = true;
   callback_queued = false;
   unused.clear();
   if (!abandoned) ++synced_backwards;
@@ -367,7 +369,10 @@ GradReducer::NoSync::NoSync(NoSync&& other) noexcept : reducer_(other.reducer_) 
 
 void GradReducer::set_sync(bool enabled) {
   std::lock_guard<std::mutex> lock(state_->mutex);
-  DTRAIN_CHECK(!state_->in_step, "no_sync cannot start or end during a backward pass");
+  if (state_->in_step) {
+    LOG(ERROR) << "no_sync started or ended during a synchronized backward pass; ignored";
+    return;
+  }
   state_->sync = enabled;
 }
 
@@ -402,14 +407,17 @@ void GradReducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
 void GradReducer::zero_grad() {
   std::lock_guard<std::mutex> lock(state_->mutex);
   for (Bucket& b : state_->buckets) b.flat.zero_();
+  state_->finished = false;
 }
 
 void GradReducer::abandon_step() {
+  bool owes = false;
   {
     std::lock_guard<std::mutex> lock(state_->mutex);
     state_->sync = true;
+    owes = !state_->finished;
   }
-  state_->finish_step(/*abandoned=*/true);
+  if (owes) state_->finish_step(/*abandoned=*/true);
   zero_grad();
 }
 

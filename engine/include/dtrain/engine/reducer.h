@@ -93,14 +93,15 @@ class GradReducer {
   // ready (their buckets may launch now). Call after forward, before backward.
   void prepare_for_backward(const std::vector<at::Tensor>& outputs);
 
-  // Zeroes every gradient (the flat buckets) in place.
+  // Zeroes every gradient (the flat buckets) in place. Call once per step, after the
+  // optimizer: it also marks the start of the next step for abandon_step().
   void zero_grad();
 
-  // After a failure on this rank (e.g. CUDA out of memory) before this step's synchronized
-  // backward finished: issues the bucket all-reduces this rank still owes in the step (every
-  // bucket not yet launched, in order), so ranks that did not fail do not wait forever, waits
-  // for them, ends any no_sync, and zeroes the gradients. Then agree across ranks that the
-  // step is dropped.
+  // After a failure on this rank (e.g. CUDA out of memory) during a step: unless this step's
+  // synchronized backward already completed, issues the bucket all-reduces this rank still
+  // owes (every bucket not yet launched, in order), so ranks that did not fail do not wait
+  // forever, and waits for them; ends any no_sync and zeroes the gradients. Then agree
+  // across ranks that the step is dropped.
   void abandon_step();
 
   const std::vector<at::Tensor>& params() const { return params_; }

@@ -1,0 +1,150 @@
+// Megatron-style tensor parallelism: layers whose weights are split across the ranks of a
+// tensor-parallel group, with the communication inside their own autograd functions, so a
+// split model computes exactly what the unsplit model computes (up to float rounding).
+//
+// Every rank of the group runs the same forward on the same input (ranks of one
+// tensor-parallel group read the same data). Collectives go over the group's communicator,
+// synchronously (the result is needed right away). The communicator must outlive the layer.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include "dtrain/dist/communicator.h"
+
+namespace dtrain::engine {
+
+// ---- the communication primitives (autograd functions) --------------------------------
+// identity forward, all-reduce(sum) of the gradient in backward (Megatron's "f")
+at::Tensor copy_to_tensor_parallel(const at::Tensor& x, dist::Communicator& tp);
+// all-reduce(sum) forward, identity backward (Megatron's "g")
+at::Tensor reduce_from_tensor_parallel(const at::Tensor& x, dist::Communicator& tp);
+// all-gather of the last dimension forward, this rank's slice of the gradient backward
+at::Tensor gather_from_tensor_parallel(const at::Tensor& x, dist::Communicator& tp);
+// this rank's slice of the last dimension forward, all-gather of the gradient backward
+at::Tensor scatter_to_tensor_parallel(const at::Tensor& x, dist::Communicator& tp);
+
+// How one parameter of a parallel layer is split (for split_state / gather_state and for
+// the gradient norm: sharded parameters' squares are summed over the group).
+struct ShardSpec {
+  int dim = -1;          // split dimension; -1: replicated on every rank
+  int parts = 1;         // >1: the dimension holds `parts` stacked blocks (fused q,k,v), each
+                         // split evenly, rank r takes its slice of every block
+  int64_t full = 0;      // the unsplit size of dim (before padding)
+  int64_t padded = 0;    // the size after padding to a multiple of the group (>= full)
+};
+
+// Implemented by the parallel layers: the split of each of their own parameters, by the
+// parameter's local name ("weight", "bias").
+class TensorParallelModule {
+ public:
+  virtual ~TensorParallelModule() = default;
+  virtual std::map<std::string, ShardSpec> shard_specs() const = 0;
+};
+
+// Every parameter of model (full dotted name) that is split across the group, with its spec.
+std::map<std::string, ShardSpec> collect_shard_specs(torch::nn::Module& model);
+
+// ---- layers -----------------------------------------------------------------------------
+struct ParallelLinearOptions {
+  int64_t in = 0, out = 0;
+  bool bias = true;
+  bool gather_output = false;  // column-parallel: all-gather the output features
+  int parts = 1;               // column-parallel: out holds `parts` blocks split separately
+  bool pad_output = false;     // column-parallel: pad out with zero rows up to a multiple of
+                               // the group size (a vocabulary head); else out must divide
+};
+
+// y = x W^T + b with W split by output features (rows): this rank computes its slice of y.
+// Input gradient all-reduced in backward.
+struct ColumnParallelLinearImpl : torch::nn::Module, TensorParallelModule {
+  ColumnParallelLinearImpl(ParallelLinearOptions options, dist::Communicator& tp);
+  at::Tensor forward(const at::Tensor& x);
+  std::map<std::string, ShardSpec> shard_specs() const override;
+  void reset_parameters();
+  ParallelLinearOptions options;
+  dist::Communicator* tp;
+  int64_t padded_out;       // out rounded up to the group size when pad_output
+  at::Tensor weight, bias;  // [padded_out/T, in], [padded_out/T]
+};
+TORCH_MODULE(ColumnParallelLinear);
+
+// y = x W^T + b with W split by input features (columns); x is already split (the output of
+// a column-parallel layer). The partial products are all-reduced; the bias is added once.
+struct RowParallelLinearImpl : torch::nn::Module, TensorParallelModule {
+  RowParallelLinearImpl(ParallelLinearOptions options, dist::Communicator& tp);
+  at::Tensor forward(const at::Tensor& x_parallel);
+  std::map<std::string, ShardSpec> shard_specs() const override;
+  void reset_parameters();
+  ParallelLinearOptions options;
+  dist::Communicator* tp;
+  at::Tensor weight, bias;  // [out, in/T], [out]
+};
+TORCH_MODULE(RowParallelLinear);
+
+// Embedding whose vocabulary rows are split: rank r owns ids [r*V/T, (r+1)*V/T) of the
+// vocabulary padded to a multiple of T; other ids give zeros; the results are all-reduced.
+struct VocabParallelEmbeddingImpl : torch::nn::Module, TensorParallelModule {
+  VocabParallelEmbeddingImpl(int64_t vocab, int64_t dim, dist::Communicator& tp);
+  at::Tensor forward(const at::Tensor& ids);
+  std::map<std::string, ShardSpec> shard_specs() const override;
+  int64_t vocab, dim, padded_vocab, start, end;  // this rank's [start, end)
+  dist::Communicator* tp;
+  at::Tensor weight;  // [padded_vocab/T, dim]
+};
+TORCH_MODULE(VocabParallelEmbedding);
+
+// Mean cross-entropy of logits split by vocabulary ([N, V_padded/T] on each rank, rank r
+// holding vocabulary [vocab_start, vocab_start + local)) against targets [N], without ever
+// gathering the full logits: the max, the target logit and the sum of exponentials are
+// all-reduced. Columns at or beyond real_vocab (padding) are ignored. Gradient: softmax minus
+// one-hot on the local slice.
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,
+                                        int64_t vocab_start, int64_t real_vocab,
+                                        dist::Communicator& tp);
+
+// Multi-head self-attention with heads split across the group: fused q,k,v column-parallel
+// projection (heads/T heads per rank), scaled_dot_product_attention, row-parallel output.
+struct ParallelSelfAttentionImpl : torch::nn::Module {
+  ParallelSelfAttentionImpl(int64_t d_model, int64_t heads, bool causal, dist::Communicator& tp);
+  at::Tensor forward(const at::Tensor& x);  // [B, T, d] -> [B, T, d]
+  int64_t heads, local_heads, head_dim;
+  bool causal;
+  ColumnParallelLinear qkv{nullptr};
+  RowParallelLinear proj{nullptr};
+};
+TORCH_MODULE(ParallelSelfAttention);
+
+// Two-layer MLP (GELU) with the hidden features split: column- then row-parallel.
+struct ParallelMlpImpl : torch::nn::Module {
+  ParallelMlpImpl(int64_t d_model, int64_t hidden, dist::Communicator& tp);
+  at::Tensor forward(const at::Tensor& x);
+  ColumnParallelLinear fc1{nullptr};
+  RowParallelLinear fc2{nullptr};
+};
+TORCH_MODULE(ParallelMlp);
+
+// ---- splitting and gathering whole models ------------------------------------------------
+// This rank's shard of a full (unsplit) tensor under spec.
+at::Tensor shard_of(const at::Tensor& full, const ShardSpec& spec, int rank, int size);
+
+// Copies an unsplit model's parameters (by full dotted name, e.g. from a checkpoint of the
+// plain model) into this rank's split model: sharded ones are sliced, the rest copied.
+// Throws dtrain::Error for a missing name or a shape that does not fit.
+void load_full_state(torch::nn::Module& split_model, const std::map<std::string, at::Tensor>& full,
+                     dist::Communicator& tp);
+// The unsplit parameters of a split model (collective over tp): every rank receives them.
+// Returns {name: full tensor} on the CPU; padding rows are dropped.
+std::map<std::string, at::Tensor> gather_full_state(torch::nn::Module& split_model,
+                                                    dist::Communicator& tp);
+
+// Global L2 norm of the gradients of a split model's parameters: squares of sharded
+// parameters summed over the group, replicated ones counted once. A 0-dim float tensor.
+at::Tensor tensor_parallel_grad_norm(const std::vector<at::Tensor>& params,
+                                     const std::vector<bool>& sharded, dist::Communicator& tp);
+
+}  // namespace dtrain::engine

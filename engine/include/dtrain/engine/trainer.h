@@ -1,0 +1,129 @@
+// The training loop a user would otherwise write, done right: data-parallel averaging,
+// accumulation, AMP, clipping, schedule, evaluation, OOM back-off and metrics.
+//
+// One optimizer step on this rank:
+//   the rank's batch (batch_size rows) is split into accum_steps micro-batches; for each,
+//   forward under autocast, loss / accum_steps (times the loss scale for fp16) backward, with
+//   the reducer in no_sync until the last micro-batch; then the gradients are averaged over
+//   the data-parallel group, unscaled, clipped by their global norm, and the optimizer steps
+//   (skipped for a step whose fp16 gradients overflowed). Outputs, loss and graph of each
+//   micro-batch are released before the next one and before the optimizer step.
+// The logged loss is the mean over the global batch (all data-parallel ranks, all
+// micro-batches), so 1 x 64, 4 x 16 and 2 ranks x 2 x 16 log the same curve.
+//
+// Threading: one thread drives a Trainer. Collectives: every rank of the mesh must call
+// step() / fit() the same number of times.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <torch/nn/module.h>
+
+#include "dtrain/dist/mesh.h"
+#include "dtrain/engine/amp.h"
+#include "dtrain/engine/data.h"
+#include "dtrain/engine/metrics.h"
+#include "dtrain/engine/optim.h"
+#include "dtrain/engine/reducer.h"
+
+namespace dtrain::engine {
+
+struct TrainerOptions {
+  int64_t steps = 100;            // optimizer steps fit() runs to
+  int accum_steps = 1;            // micro-batches per step (must divide the batch)
+  AmpMode amp = AmpMode::kOff;
+  LossScalerOptions loss_scaler;  // used with fp16 (enabled is forced on then, off otherwise)
+  OptimizerOptions optimizer;
+  ScheduleOptions schedule;
+  double clip_grad_norm = 0;      // 0: no clipping (the norm is still reported)
+  bool report_grad_norm = true;
+  int64_t log_every = 10;         // metrics line every this many steps (and the last)
+  int64_t eval_every = 0;         // 0: never; else evaluate every this many steps
+  int64_t eval_batches = 4;       // batches per evaluation (per rank)
+  std::string metrics_path;       // JSON lines (rank 0); empty: none
+  bool progress = true;           // console progress on rank 0
+  // On c10::OutOfMemoryError inside forward/backward: drop the step, release cached memory,
+  // halve the micro-batch (doubling accum_steps, so the global batch is unchanged), agree
+  // across ranks, retry the same batch. Needs tensor-parallel size 1.
+  bool oom_backoff = true;
+  int64_t tokens_per_sample = 0;  // > 0: report tokens_per_s
+  ReducerOptions reducer;
+  // Called on every rank with each logged step's metrics (after they are written).
+  std::function<void(const StepMetrics&)> on_log;
+};
+
+// Throws dtrain::Error naming the bad field (steps < 0, accum_steps < 1, log_every < 1, ...).
+void validate(const TrainerOptions& options);
+
+// Mean loss over a micro-batch (a 0-dim tensor); the trainer handles scaling and averaging.
+using LossFn = std::function<at::Tensor(const Batch& micro_batch)>;
+
+struct StepResult {
+  int64_t step = 0;         // 1-based number of the step just taken
+  double loss = 0;          // global-batch mean (read on the host only at log steps; else NaN)
+  bool skipped = false;     // fp16 overflow: the optimizer did not step
+  int oom_retries = 0;      // how many times this step backed off
+};
+
+class Trainer {
+ public:
+  // model's parameters that require grad are trained; mesh.dp() averages gradients and
+  // mesh.world() agrees on OOM. Collective (broadcasts rank 0's parameters). model and mesh
+  // must outlive the trainer.
+  Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::Device device,
+          TrainerOptions options);
+  ~Trainer();
+
+  // One optimizer step on this rank's batch.
+  StepResult step(const Batch& batch);
+  // Steps until options.steps, logging and evaluating as configured; returns the last
+  // logged metrics.
+  StepMetrics fit(DataLoader& train, DataLoader* eval = nullptr);
+  // Mean loss over `batches` batches of eval, under no_grad and eval mode, averaged over the
+  // data-parallel group.
+  double evaluate(DataLoader& eval, int64_t batches);
+
+  int64_t current_step() const { return step_; }
+  int accum_steps() const { return accum_steps_; }
+  Optimizer& optimizer() { return *optimizer_; }
+  GradReducer& reducer() { return *reducer_; }
+  LossScaler& scaler() { return *scaler_; }
+  const TrainerOptions& options() const { return options_; }
+  // The metrics of the last step (host-side; loss only valid at log steps).
+  const StepMetrics& last_metrics() const { return last_; }
+
+ private:
+  bool run_micro_batches(const Batch& batch, at::Tensor& loss_sum);
+  bool agree_on_failure(bool failed);
+  void back_off(int64_t batch_rows);
+  void apply_update(StepMetrics& m, bool& skipped);
+  // The last step's global-batch loss (waits for its reduction), NaN if none is pending.
+  double read_loss();
+
+  torch::nn::Module& model_;
+  LossFn loss_;
+  dist::Mesh& mesh_;
+  c10::Device device_;
+  TrainerOptions options_;
+  std::vector<at::Tensor> params_;
+  std::vector<bool> sharded_;  // split across the tensor-parallel group
+  std::unique_ptr<GradReducer> reducer_;
+  std::unique_ptr<Optimizer> optimizer_;
+  std::unique_ptr<LossScaler> scaler_;
+  std::unique_ptr<MetricsWriter> metrics_;
+  int64_t step_ = 0;
+  int accum_steps_ = 1;
+  StepMetrics last_;
+  at::Tensor last_grad_norm_;
+  dist::WorkPtr pending_loss_;
+  at::Tensor pending_loss_tensor_;
+};
+
+// Splits a batch into n micro-batches of equal rows (rows must divide by n).
+std::vector<Batch> split_batch(const Batch& batch, int n);
+
+}  // namespace dtrain::engine

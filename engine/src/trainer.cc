@@ -1,0 +1,247 @@
+#include "dtrain/engine/trainer.h"
+
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <glog/logging.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include "dtrain/dist/error.h"
+#include "dtrain/engine/memory.h"
+#include "dtrain/engine/tensor_parallel.h"
+
+namespace dtrain::engine {
+
+void validate(const TrainerOptions& o) {
+  DTRAIN_CHECK(o.steps >= 0, "steps must be >= 0, got ", o.steps);
+  DTRAIN_CHECK(o.accum_steps >= 1, "--accum_steps must be >= 1, got ", o.accum_steps);
+  DTRAIN_CHECK(o.log_every >= 1, "--log_every must be >= 1, got ", o.log_every);
+  DTRAIN_CHECK(o.eval_every >= 0, "--eval_every must be >= 0 (0 = never), got ", o.eval_every);
+  DTRAIN_CHECK(o.eval_batches >= 1, "eval_batches must be >= 1, got ", o.eval_batches);
+  DTRAIN_CHECK(std::isfinite(o.clip_grad_norm) && o.clip_grad_norm >= 0,
+               "clip_grad_norm must be a finite number >= 0 (0 = off), got ", o.clip_grad_norm);
+  DTRAIN_CHECK(o.tokens_per_sample >= 0, "tokens_per_sample must be >= 0");
+  validate(o.optimizer);
+  validate(o.schedule);
+}
+
+std::vector<Batch> split_batch(const Batch& batch, int n) {
+  const int64_t rows = batch.size();
+  DTRAIN_CHECK(n >= 1 && rows % n == 0, "a batch of ", rows, " rows does not split into ", n,
+               " micro-batches; make --batch_size a multiple of --accum_steps");
+  std::vector<Batch> out(n);
+  const int64_t m = rows / n;
+  for (int i = 0; i < n; ++i) {
+    out[i].epoch = batch.epoch;
+    out[i].index = batch.index;
+    for (const at::Tensor& f : batch.fields) out[i].fields.push_back(f.narrow(0, i * m, m));
+  }
+  return out;
+}
+
+Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::Device device,
+                 TrainerOptions options)
+    : model_(model), loss_(std::move(loss)), mesh_(mesh), device_(device),
+      options_(std::move(options)), accum_steps_(options_.accum_steps) {
+  validate(options_);
+  std::vector<std::string> names;
+  for (auto& item : model_.named_parameters()) {
+    if (item.value().requires_grad()) {
+      params_.push_back(item.value());
+      names.push_back(item.key());
+    }
+  }
+  DTRAIN_CHECK(!params_.empty(), "the model has no trainable parameters");
+  auto specs = collect_shard_specs(model_);
+  for (const std::string& name : names) sharded_.push_back(specs.count(name) > 0);
+  ReducerOptions reducer_options = options_.reducer;
+  if (reducer_options.names.empty()) reducer_options.names = names;
+  reducer_ = std::make_unique<GradReducer>(params_, mesh_.dp(), reducer_options);
+  optimizer_ = make_optimizer(params_, options_.optimizer);
+  LossScalerOptions scaler_options = options_.loss_scaler;
+  scaler_options.enabled = options_.amp == AmpMode::kFp16;
+  scaler_ = std::make_unique<LossScaler>(scaler_options, device_);
+  metrics_ = std::make_unique<MetricsWriter>(options_.metrics_path, mesh_.world().rank() == 0);
+}
+
+Trainer::~Trainer() = default;
+
+bool Trainer::run_micro_batches(const Batch& batch, at::Tensor& loss_sum) {
+  const int n = accum_steps_;
+  bool synced_backward_done = false;
+  try {
+    std::vector<Batch> micro = split_batch(batch, n);
+    loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device_));
+    for (int i = 0; i < n; ++i) {
+      std::optional<GradReducer::NoSync> no_sync;
+      if (i + 1 < n) no_sync.emplace(reducer_.get());
+      at::Tensor loss;
+      {
+        AutocastGuard autocast(device_.type(), options_.amp);
+        loss = loss_(micro[i]);
+      }
+      DTRAIN_CHECK(loss.defined() && loss.numel() == 1, "the loss function must return a scalar, got ",
+                   loss.defined() ? loss.sizes() : at::IntArrayRef{});
+      loss_sum.add_(loss.detach().to(at::kFloat).reshape({}));
+      at::Tensor scaled = scaler_->scale(loss.reshape({}) / n);
+      loss.reset();
+      scaled.backward();
+      if (i + 1 == n) synced_backward_done = true;
+    }
+    return false;
+  } catch (const c10::OutOfMemoryError& e) {
+    if (!options_.oom_backoff || mesh_.tp_size() > 1) throw;
+    LOG(WARNING) << "out of memory in step " << step_ + 1 << " with micro-batch of "
+                 << batch.size() / n << " rows: " << std::string(e.what_without_backtrace()).substr(0, 200);
+    loss_sum.reset();
+    if (!synced_backward_done) reducer_->abandon_step();
+    reducer_->zero_grad();
+    release_cached_memory(device_);
+    return true;
+  }
+}
+
+bool Trainer::agree_on_failure(bool failed) {
+  dist::Communicator& world = mesh_.world();
+  at::Tensor mine = at::full({1}, failed ? 1 : 0, at::kLong);
+  at::Tensor all = at::empty({world.size()}, at::kLong);
+  world.all_gather(mine, all)->wait();
+  if (all.sum().item<int64_t>() == 0) return false;
+  if (world.rank() == 0) {
+    std::ostringstream ranks;
+    for (int r = 0; r < world.size(); ++r) {
+      if (all[r].item<int64_t>()) ranks << (ranks.tellp() ? "," : "") << r;
+    }
+    LOG(WARNING) << "step " << step_ + 1 << ": out of memory on rank(s) " << ranks.str()
+                 << "; every rank drops the step and retries it with smaller micro-batches";
+  }
+  return true;
+}
+
+void Trainer::back_off(int64_t batch_rows) {
+  const int next = accum_steps_ * 2;
+  DTRAIN_CHECK(batch_rows % next == 0, "out of memory even with micro-batches of ",
+               batch_rows / accum_steps_, " rows (batch ", batch_rows,
+               " cannot be split further evenly); lower --batch_size, enable "
+               "--checkpoint_activations or --amp, or offload");
+  if (mesh_.world().rank() == 0) {
+    LOG(WARNING) << "OOM back-off: micro-batch " << batch_rows / accum_steps_ << " -> "
+                 << batch_rows / next << " rows, accumulation " << accum_steps_ << " -> " << next
+                 << " (the global batch is unchanged)";
+  }
+  accum_steps_ = next;
+}
+
+void Trainer::apply_update(StepMetrics& m, bool& skipped) {
+  std::vector<at::Tensor> grads;
+  grads.reserve(params_.size());
+  for (const at::Tensor& p : params_) grads.push_back(p.grad());
+  const bool finite = scaler_->unscale(grads, &mesh_.world());
+  if (finite && (options_.clip_grad_norm > 0 || options_.report_grad_norm)) {
+    at::Tensor norm = mesh_.tp_size() > 1 ? tensor_parallel_grad_norm(params_, sharded_, mesh_.tp())
+                                          : grad_norm(grads);
+    if (options_.clip_grad_norm > 0) clip_grads(grads, norm, options_.clip_grad_norm);
+    last_grad_norm_ = norm;  // read on the host only at log steps
+  }
+  const double lr = options_.optimizer.lr * schedule_factor(options_.schedule, step_);
+  optimizer_->set_lr(lr);
+  m.lr = lr;
+  skipped = !finite;
+  if (finite) optimizer_->step();
+  scaler_->update();
+  reducer_->zero_grad();
+}
+
+StepResult Trainer::step(const Batch& batch) {
+  StepResult result;
+  at::Tensor loss_sum;
+  for (;;) {
+    bool failed = run_micro_batches(batch, loss_sum);
+    if (!options_.oom_backoff || !agree_on_failure(failed)) break;
+    back_off(batch.size());
+    ++result.oom_retries;
+  }
+  StepMetrics m;
+  bool skipped = false;
+  apply_update(m, skipped);
+  ++step_;
+  // The global-batch mean: average over micro-batches here, over data-parallel ranks there.
+  at::Tensor loss = loss_sum.div(accum_steps_).reshape({1});
+  pending_loss_ = mesh_.dp().all_reduce(loss, dist::ReduceOp::kAvg);
+  pending_loss_tensor_ = loss;
+  result.step = step_;
+  result.skipped = skipped;
+  result.loss = std::numeric_limits<double>::quiet_NaN();
+  m.step = step_;
+  m.accum_steps = accum_steps_;
+  last_ = m;
+  return result;
+}
+
+double Trainer::read_loss() {
+  if (!pending_loss_) return std::numeric_limits<double>::quiet_NaN();
+  pending_loss_->wait();
+  pending_loss_.reset();
+  return pending_loss_tensor_.item<double>();
+}
+
+double Trainer::evaluate(DataLoader& eval, int64_t batches) {
+  const bool was_training = model_.is_training();
+  model_.eval();
+  at::Tensor total = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device_));
+  {
+    torch::NoGradGuard no_grad;
+    for (int64_t b = 0; b < batches; ++b) {
+      Batch batch = eval.next();
+      AutocastGuard autocast(device_.type(), options_.amp);
+      total.add_(loss_(batch).detach().to(at::kDouble).reshape({1}));
+    }
+  }
+  model_.train(was_training);
+  total.div_(static_cast<double>(batches));
+  mesh_.dp().all_reduce(total, dist::ReduceOp::kAvg)->wait();
+  return total.item<double>();
+}
+
+StepMetrics Trainer::fit(DataLoader& train, DataLoader* eval) {
+  Progress progress(options_.steps, options_.progress && mesh_.world().rank() == 0);
+  const int64_t global_batch = train.options().batch_size * mesh_.dp_size();
+  auto window_start = std::chrono::steady_clock::now();
+  int64_t window_steps = 0;
+  StepMetrics logged;
+  reset_peak_memory(device_);
+  while (step_ < options_.steps) {
+    Batch batch = train.next();
+    StepResult r = step(batch);
+    ++window_steps;
+    const bool eval_now = eval && options_.eval_every > 0 && r.step % options_.eval_every == 0;
+    const bool log_now = r.step % options_.log_every == 0 || r.step == options_.steps || eval_now;
+    if (!log_now) continue;  // no host sync between log steps
+    StepMetrics m = last_;
+    m.loss = read_loss();  // waits for the step's work: the window's time is now complete
+    auto now = std::chrono::steady_clock::now();
+    m.step_ms = std::chrono::duration<double, std::milli>(now - window_start).count() / window_steps;
+    m.samples_per_s = m.step_ms > 0 ? global_batch / (m.step_ms / 1000.0) : 0;
+    if (options_.tokens_per_sample > 0) m.tokens_per_s = m.samples_per_s * options_.tokens_per_sample;
+    MemoryStats mem = memory_stats(device_);
+    m.mem_allocated_mb = mem.allocated_mb;
+    m.mem_peak_mb = mem.peak_mb;
+    if (scaler_->enabled()) m.loss_scale = scaler_->scale_value();
+    if (options_.report_grad_norm && last_grad_norm_.defined()) m.grad_norm = last_grad_norm_.item<double>();
+    if (eval_now) m.eval_loss = evaluate(*eval, options_.eval_batches);
+    metrics_->write(m);
+    progress.update(m);
+    if (options_.on_log) options_.on_log(m);
+    logged = m;
+    window_start = std::chrono::steady_clock::now();
+    window_steps = 0;
+  }
+  progress.finish();
+  return logged;
+}
+
+}  // namespace dtrain::engine

@@ -1,0 +1,210 @@
+#include "common.h"
+
+#include <sys/stat.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <glog/logging.h>
+#include <torch/utils.h>
+
+#include "dtrain/dist/error.h"
+#include "dtrain/dist/logging.h"
+#include "dtrain/engine/memory.h"
+
+// Run
+DEFINE_int64(steps, 100, "optimizer steps to train");
+DEFINE_int64(batch_size, 64, "samples per data-parallel rank per optimizer step");
+DEFINE_double(lr, 1e-3, "base learning rate");
+DEFINE_int64(seed, 0, "random seed (model init, data order, dropout)");
+DEFINE_string(device, "auto", "auto, cpu or cuda");
+DEFINE_string(amp, "off", "mixed precision: off, bf16 or fp16 (with dynamic loss scaling)");
+DEFINE_int32(accum_steps, 1, "micro-batches accumulated per step (must divide --batch_size)");
+DEFINE_int32(tp, 1, "tensor-parallel size (consecutive ranks form a group)");
+DEFINE_bool(checkpoint_activations, false, "recompute each block's activations in backward");
+DEFINE_string(offload, "none", "none, optimizer, layers or all");
+DEFINE_int32(workers, 2, "data-loading worker threads");
+DEFINE_int64(eval_every, 0, "evaluate every N steps (0: never)");
+DEFINE_int64(log_every, 10, "log metrics every N steps");
+DEFINE_string(metrics, "", "write metrics as JSON lines to this file (rank 0)");
+DEFINE_string(save_dir, "", "save checkpoints to this directory");
+DEFINE_bool(resume, false, "resume from the newest good checkpoint in --save_dir");
+DEFINE_string(tensorboard_dir, "", "write TensorBoard event files here (rank 0)");
+DEFINE_string(timeline, "", "write a Chrome trace of the run to this file");
+DEFINE_int32(collective_timeout_s, 300, "seconds before a stuck collective ends the job");
+DEFINE_string(backend, "auto", "communicator backend: auto, mpi, nccl, local");
+DEFINE_string(optimizer, "", "sgd, adam, adamw or adagrad (default: the example's)");
+DEFINE_double(weight_decay, 0.0, "weight decay");
+DEFINE_double(clip_grad_norm, 0.0, "clip gradients to this global norm (0: off)");
+DEFINE_string(schedule, "constant", "learning-rate schedule: constant, cosine or linear");
+DEFINE_int64(warmup_steps, 0, "linear learning-rate warm-up steps");
+DEFINE_string(data, "real", "real (files that installed packages ship) or synthetic");
+DEFINE_string(data_path, "", "data file or directory (default: the example's)");
+DEFINE_int64(eval_batches, 4, "batches per evaluation");
+DEFINE_int32(prefetch, 2, "batches prepared ahead by the loader");
+DEFINE_bool(inplace, true, "in-place activations where safe");
+DEFINE_bool(progress, true, "progress bar / periodic lines on rank 0");
+// Model shape
+DEFINE_int64(hidden, 256, "MLP: hidden width");
+DEFINE_int32(depth, 3, "MLP: hidden layers");
+DEFINE_int64(d_model, 512, "transformers: model width");
+DEFINE_int64(heads, 8, "transformers: attention heads");
+DEFINE_int32(layers, 4, "transformers: layers (seq2seq: per encoder and decoder)");
+DEFINE_int64(ff, 2048, "transformers: feed-forward width");
+DEFINE_int64(seq_len, 256, "transformers: sequence length");
+DEFINE_int64(vocab, 32000, "transformers: vocabulary size");
+DEFINE_double(dropout, 0.1, "transformers: dropout probability");
+
+namespace dtrain::examples {
+namespace {
+
+void check_flags() {
+  DTRAIN_CHECK(FLAGS_steps >= 0, "--steps=", FLAGS_steps, " must be >= 0");
+  DTRAIN_CHECK(FLAGS_batch_size >= 1, "--batch_size=", FLAGS_batch_size, " must be >= 1");
+  DTRAIN_CHECK(std::isfinite(FLAGS_lr) && FLAGS_lr > 0, "--lr=", FLAGS_lr,
+               " must be a positive finite number");
+  DTRAIN_CHECK(FLAGS_accum_steps >= 1, "--accum_steps=", FLAGS_accum_steps, " must be >= 1");
+  DTRAIN_CHECK(FLAGS_batch_size % FLAGS_accum_steps == 0, "--batch_size=", FLAGS_batch_size,
+               " is not a multiple of --accum_steps=", FLAGS_accum_steps,
+               "; each micro-batch must have the same size");
+  DTRAIN_CHECK(FLAGS_workers >= 0, "--workers=", FLAGS_workers, " must be >= 0");
+  DTRAIN_CHECK(FLAGS_prefetch >= 1, "--prefetch=", FLAGS_prefetch, " must be >= 1");
+  DTRAIN_CHECK(FLAGS_log_every >= 1, "--log_every=", FLAGS_log_every, " must be >= 1");
+  DTRAIN_CHECK(FLAGS_eval_every >= 0, "--eval_every=", FLAGS_eval_every, " must be >= 0");
+  DTRAIN_CHECK(FLAGS_collective_timeout_s > 0, "--collective_timeout_s=",
+               FLAGS_collective_timeout_s, " must be positive");
+  DTRAIN_CHECK(FLAGS_data == "real" || FLAGS_data == "synthetic", "--data=", FLAGS_data,
+               " is not one of: real, synthetic");
+  DTRAIN_CHECK(FLAGS_offload == "none" || FLAGS_offload == "optimizer" || FLAGS_offload == "layers" ||
+                   FLAGS_offload == "all",
+               "--offload=", FLAGS_offload, " is not one of: none, optimizer, layers, all");
+  DTRAIN_CHECK(FLAGS_hidden >= 1 && FLAGS_depth >= 0 && FLAGS_d_model >= 1 && FLAGS_heads >= 1 &&
+                   FLAGS_layers >= 1 && FLAGS_ff >= 1 && FLAGS_seq_len >= 1 && FLAGS_vocab >= 2,
+               "model sizes must be positive (--hidden, --depth, --d_model, --heads, --layers, "
+               "--ff, --seq_len, --vocab)");
+  DTRAIN_CHECK(FLAGS_d_model % FLAGS_heads == 0, "--d_model=", FLAGS_d_model,
+               " is not divisible by --heads=", FLAGS_heads);
+  DTRAIN_CHECK(FLAGS_dropout >= 0 && FLAGS_dropout < 1, "--dropout=", FLAGS_dropout,
+               " must be in [0, 1)");
+  // Flags of features that arrive with later parts of the engine: refuse rather than ignore.
+  DTRAIN_CHECK(FLAGS_offload == "none", "--offload=", FLAGS_offload,
+               " is not available in this build yet; use --offload=none");
+  DTRAIN_CHECK(FLAGS_save_dir.empty() && !FLAGS_resume,
+               "--save_dir/--resume are not available in this build yet");
+  DTRAIN_CHECK(FLAGS_tensorboard_dir.empty(), "--tensorboard_dir is not available in this build yet");
+  DTRAIN_CHECK(FLAGS_timeline.empty(), "--timeline is not available in this build yet");
+}
+
+void check_writable_file(const std::string& path, const char* flag) {
+  if (path.empty()) return;
+  std::filesystem::path p(path);
+  std::filesystem::path dir = p.has_parent_path() ? p.parent_path() : std::filesystem::path(".");
+  DTRAIN_CHECK(std::filesystem::is_directory(dir), "--", flag, "=", path, ": directory '",
+               dir.string(), "' does not exist; create it first");
+}
+
+}  // namespace
+
+Run init_run(int argc, char** argv, const std::string& usage,
+             const std::map<std::string, std::string>& defaults) {
+  for (auto& [name, value] : defaults) {
+    gflags::SetCommandLineOptionWithMode(name.c_str(), value.c_str(), gflags::SET_FLAGS_DEFAULT);
+  }
+  gflags::SetUsageMessage(usage);
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  DTRAIN_CHECK(argc == 1, "unexpected argument '", argc > 1 ? argv[1] : "",
+               "'; flags are written --name=value");
+  engine::track_cpu_memory();  // exact CPU tensor memory in the metrics
+  Run run;
+  run.program = std::filesystem::path(argv[0]).filename().string();
+  run.world = dist::detect_world();
+  dist::init_logging(argv[0], run.world);
+  check_flags();
+  check_writable_file(FLAGS_metrics, "metrics");
+  dist::Mesh::check(run.world.size, FLAGS_tp);
+  run.device = dist::select_device(run.world, dist::parse_device_request(FLAGS_device));
+  engine::parse_amp(FLAGS_amp);  // validates
+  dist::CommOptions options;
+  options.timeout = std::chrono::seconds(FLAGS_collective_timeout_s);
+  run.comm = dist::create_communicator(FLAGS_backend, run.world, run.device, options);
+  run.mesh = std::make_unique<dist::Mesh>(*run.comm, FLAGS_tp);
+  torch::manual_seed(static_cast<uint64_t>(FLAGS_seed));
+  if (run.world.rank == 0) {
+    LOG(INFO) << run.program << ": " << run.world.size << " rank(s) (tp " << run.mesh->tp_size()
+              << " x dp " << run.mesh->dp_size() << "), device " << run.device << ", backend "
+              << run.comm->backend() << ", amp " << FLAGS_amp;
+  }
+  return run;
+}
+
+engine::TrainerOptions trainer_options(const Run& run, const std::string& default_optimizer) {
+  engine::TrainerOptions o;
+  o.steps = FLAGS_steps;
+  o.accum_steps = FLAGS_accum_steps;
+  o.amp = engine::parse_amp(FLAGS_amp);
+  o.optimizer.name = FLAGS_optimizer.empty() ? default_optimizer : FLAGS_optimizer;
+  o.optimizer.lr = FLAGS_lr;
+  o.optimizer.weight_decay = FLAGS_weight_decay;
+  if (o.optimizer.name == "sgd") o.optimizer.momentum = 0.9;
+  if (o.optimizer.name == "adagrad") o.optimizer.eps = 1e-10;
+  o.schedule.name = FLAGS_schedule;
+  o.schedule.warmup_steps = FLAGS_warmup_steps;
+  o.schedule.total_steps = FLAGS_steps;
+  o.clip_grad_norm = FLAGS_clip_grad_norm;
+  o.log_every = FLAGS_log_every;
+  o.eval_every = FLAGS_eval_every;
+  o.eval_batches = FLAGS_eval_batches;
+  o.metrics_path = FLAGS_metrics;
+  o.progress = FLAGS_progress;
+  o.oom_backoff = run.mesh->tp_size() == 1;
+  return o;
+}
+
+engine::LoaderOptions loader_options(const Run& run, int64_t batch_size, bool shuffle, uint64_t seed) {
+  engine::LoaderOptions o;
+  o.batch_size = batch_size;
+  o.dp_rank = run.mesh->dp_rank();
+  o.dp_size = run.mesh->dp_size();
+  o.shuffle = shuffle;
+  o.seed = seed;
+  o.workers = FLAGS_workers;
+  o.prefetch = FLAGS_prefetch;
+  o.device = run.device;
+  return o;
+}
+
+int guarded_main(const char* program, const std::function<int()>& body) {
+  try {
+    return body();
+  } catch (const Error& e) {
+    std::fprintf(stderr, "%s: %s\n", program, e.what());
+    return kExitUsage;
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "%s: %s\n", program, e.what_without_backtrace());
+    return kExitFailure;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: %s\n", program, e.what());
+    return kExitFailure;
+  }
+}
+
+void report(const Run& run, const engine::StepMetrics& first, const engine::StepMetrics& last) {
+  if (run.world.rank != 0) return;
+  std::printf("%s: trained %lld steps on %d rank(s): loss %.4f (step %lld) -> %.4f (step %lld), "
+              "%.1f ms/step, %.0f samples/s, peak memory %.0f MB\n",
+              run.program.c_str(), static_cast<long long>(last.step), run.world.size, first.loss,
+              static_cast<long long>(first.step), last.loss, static_cast<long long>(last.step),
+              last.step_ms, last.samples_per_s, last.mem_peak_mb);
+  std::fflush(stdout);
+}
+
+std::string sklearn_data_dir() {
+  return std::string(DTRAIN_SITE_PACKAGES) + "/sklearn/datasets/data";
+}
+
+std::string text_corpus_dir() { return "/usr/share/common-licenses"; }
+
+}  // namespace dtrain::examples

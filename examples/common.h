@@ -1,0 +1,93 @@
+// Shared set-up of the example programs: the flags of ARCHITECTURE.md, the process world,
+// communicators and mesh, and the trainer options built from the flags.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+
+#include <gflags/gflags.h>
+
+#include "dtrain/dist/communicator.h"
+#include "dtrain/dist/mesh.h"
+#include "dtrain/dist/world.h"
+#include "dtrain/engine/data.h"
+#include "dtrain/engine/trainer.h"
+
+DECLARE_int64(steps);
+DECLARE_int64(batch_size);
+DECLARE_double(lr);
+DECLARE_int64(seed);
+DECLARE_string(device);
+DECLARE_string(amp);
+DECLARE_int32(accum_steps);
+DECLARE_int32(tp);
+DECLARE_bool(checkpoint_activations);
+DECLARE_string(offload);
+DECLARE_int32(workers);
+DECLARE_int64(eval_every);
+DECLARE_int64(log_every);
+DECLARE_string(metrics);
+DECLARE_string(save_dir);
+DECLARE_bool(resume);
+DECLARE_string(tensorboard_dir);
+DECLARE_string(timeline);
+DECLARE_int32(collective_timeout_s);
+DECLARE_string(backend);
+DECLARE_string(optimizer);
+DECLARE_double(weight_decay);
+DECLARE_double(clip_grad_norm);
+DECLARE_string(schedule);
+DECLARE_int64(warmup_steps);
+DECLARE_string(data);
+DECLARE_string(data_path);
+DECLARE_int64(eval_batches);
+DECLARE_int32(prefetch);
+DECLARE_bool(inplace);
+DECLARE_bool(progress);
+// model shape
+DECLARE_int64(hidden);
+DECLARE_int32(depth);
+DECLARE_int64(d_model);
+DECLARE_int64(heads);
+DECLARE_int32(layers);
+DECLARE_int64(ff);
+DECLARE_int64(seq_len);
+DECLARE_int64(vocab);
+DECLARE_double(dropout);
+
+namespace dtrain::examples {
+
+// Everything a run needs from the environment, created in this order.
+struct Run {
+  dist::World world;
+  c10::Device device{c10::kCPU};
+  std::unique_ptr<dist::Communicator> comm;
+  std::unique_ptr<dist::Mesh> mesh;
+  std::string program;
+};
+
+// Parses and validates the flags (dtrain::Error on bad values), detects the world, picks the
+// device, creates the communicator and the data x tensor mesh, and seeds the RNGs.
+// `defaults` overrides flag defaults for this program (before parsing), e.g. {"batch_size", "16"}.
+Run init_run(int argc, char** argv, const std::string& usage,
+             const std::map<std::string, std::string>& defaults);
+
+// Trainer options from the flags; the example supplies its defaults for the optimizer.
+engine::TrainerOptions trainer_options(const Run& run, const std::string& default_optimizer);
+// Loader options for this rank (dp rank/size from the mesh) from the flags.
+engine::LoaderOptions loader_options(const Run& run, int64_t batch_size, bool shuffle, uint64_t seed);
+
+// Runs body, turning dtrain::Error into "program: message" on stderr and exit code 2, and
+// other failures into exit code 1. Returns the exit code.
+int guarded_main(const char* program, const std::function<int()>& body);
+
+// Prints the final summary line on rank 0.
+void report(const Run& run, const engine::StepMetrics& first, const engine::StepMetrics& last);
+
+// Default location of data that PyPI/Debian packages ship (sklearn's tables, license texts).
+std::string sklearn_data_dir();
+std::string text_corpus_dir();
+
+}  // namespace dtrain::examples

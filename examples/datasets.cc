@@ -1,0 +1,100 @@
+#include "datasets.h"
+
+#include <zlib.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include "dtrain/dist/error.h"
+
+namespace dtrain::examples {
+
+std::pair<at::Tensor, at::Tensor> load_digits(const std::string& path) {
+  gzFile f = gzopen(path.c_str(), "rb");
+  DTRAIN_CHECK(f != nullptr, "cannot open the digits data '", path,
+               "'; run bash cluster/setup.sh (installs scikit-learn) or pass --data=synthetic");
+  std::string text;
+  char buf[1 << 16];
+  int n;
+  while ((n = gzread(f, buf, sizeof(buf))) > 0) text.append(buf, n);
+  gzclose(f);
+  std::vector<float> pixels;
+  std::vector<int64_t> labels;
+  std::istringstream lines(text);
+  std::string line;
+  int64_t row = 0;
+  while (std::getline(lines, line)) {
+    if (line.empty()) continue;
+    ++row;
+    std::vector<double> values;
+    std::istringstream cells(line);
+    std::string cell;
+    while (std::getline(cells, cell, ',')) values.push_back(std::stod(cell));
+    DTRAIN_CHECK(values.size() == 65, path, ":", row, ": expected 65 values, found ", values.size());
+    for (int i = 0; i < 64; ++i) pixels.push_back(static_cast<float>(values[i] / 16.0));
+    labels.push_back(static_cast<int64_t>(values[64]));
+  }
+  DTRAIN_CHECK(row > 0, "no rows in ", path);
+  at::Tensor x = at::tensor(pixels).view({row, 64});
+  at::Tensor y = at::tensor(labels);
+  return {x, y};
+}
+
+at::Tensor load_text_bytes(const std::string& dir) {
+  DTRAIN_CHECK(std::filesystem::is_directory(dir), "text corpus directory '", dir,
+               "' does not exist; pass --data_path=DIR or --data=synthetic");
+  std::vector<std::filesystem::path> files;
+  for (auto& e : std::filesystem::directory_iterator(dir)) {
+    if (e.is_regular_file()) files.push_back(e.path());
+  }
+  std::sort(files.begin(), files.end());
+  std::string all;
+  for (auto& p : files) {
+    std::ifstream in(p, std::ios::binary);
+    all.append(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  DTRAIN_CHECK(!all.empty(), "no text found in ", dir);
+  at::Tensor t = at::empty({static_cast<int64_t>(all.size())}, at::kByte);
+  std::memcpy(t.data_ptr(), all.data(), all.size());
+  return t;
+}
+
+TokenWindows::TokenWindows(at::Tensor tokens, int64_t len, int64_t stride)
+    : tokens_(tokens.to(at::kLong).contiguous()), len_(len), stride_(stride) {
+  DTRAIN_CHECK(len >= 1 && stride >= 1, "window length and stride must be positive");
+  DTRAIN_CHECK(tokens_.numel() >= len + 1, "the corpus has ", tokens_.numel(),
+               " tokens, fewer than one window of ", len + 1, "; lower --seq_len");
+}
+
+int64_t TokenWindows::size() const { return (tokens_.numel() - len_ - 1) / stride_ + 1; }
+
+std::vector<at::Tensor> TokenWindows::get_batch(const std::vector<int64_t>& indices) const {
+  at::Tensor out = at::empty({static_cast<int64_t>(indices.size()), len_ + 1}, at::kLong);
+  for (size_t k = 0; k < indices.size(); ++k) {
+    out[k].copy_(tokens_.narrow(0, indices[k] * stride_, len_ + 1));
+  }
+  return {out};
+}
+
+std::shared_ptr<engine::Dataset> synthetic_tokens(int64_t count, int64_t len, int64_t vocab, uint64_t seed) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(seed);
+  at::Tensor t = at::randint(vocab, {count, len + 1}, g, at::kLong);
+  return std::make_shared<engine::TensorDataset>(std::vector<at::Tensor>{t});
+}
+
+std::pair<at::Tensor, at::Tensor> synthetic_classification(int64_t count, int64_t features,
+                                                           int64_t classes, uint64_t seed) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(seed);
+  at::Tensor x = at::randn({count, features}, g, at::kFloat);
+  at::Tensor w = at::randn({features, classes}, g, at::kFloat);
+  at::Tensor y = at::argmax(at::matmul(x, w), 1);
+  return {x, y};
+}
+
+}  // namespace dtrain::examples

@@ -1,0 +1,52 @@
+// A GPT-style decoder language model (GPT-2 layout: pre-norm blocks, causal self-attention
+// through scaled_dot_product_attention, GELU MLP, learned positions, untied output head)
+// built from dtrain's tensor-parallel layers, so --tp splits heads, MLP and vocabulary.
+// With tp = 1 it is the plain model; any tp draws the same initial full weights.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/normalization.h>
+
+#include "dtrain/engine/tensor_parallel.h"
+
+namespace dtrain::examples {
+
+struct GptOptions {
+  int64_t vocab = 32000, d_model = 768, heads = 12, ff = 3072, seq_len = 1024;
+  int layers = 12;
+  double dropout = 0.0;
+  bool checkpoint_activations = false;
+};
+
+struct GptBlockImpl : torch::nn::Module {
+  GptBlockImpl(const GptOptions& o, dist::Communicator& tp);
+  at::Tensor forward(const at::Tensor& x);
+  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+  engine::ParallelSelfAttention attn{nullptr};
+  engine::ParallelMlp mlp{nullptr};
+  torch::nn::Dropout drop{nullptr};
+};
+TORCH_MODULE(GptBlock);
+
+struct GptImpl : torch::nn::Module {
+  GptImpl(const GptOptions& o, dist::Communicator& tp);
+  // tokens [B, T] -> this rank's logits [B, T, padded_vocab / tp].
+  at::Tensor forward(const at::Tensor& tokens);
+  // Mean next-token cross-entropy: inputs [B, T], targets [B, T].
+  at::Tensor loss(const at::Tensor& inputs, const at::Tensor& targets);
+  int64_t parameter_count() const;  // of the full (unsplit) model
+  GptOptions options;
+  dist::Communicator* tp;
+  engine::VocabParallelEmbedding wte{nullptr};
+  torch::nn::Embedding wpe{nullptr};
+  torch::nn::ModuleList blocks;
+  torch::nn::LayerNorm ln_f{nullptr};
+  engine::ColumnParallelLinear head{nullptr};
+  torch::nn::Dropout drop{nullptr};
+};
+TORCH_MODULE(Gpt);
+
+}  // namespace dtrain::examples

@@ -1,0 +1,144 @@
+#include "seq2seq_model.h"
+
+#include <cmath>
+
+#include <ATen/ATen.h>
+#include <torch/nn/functional/loss.h>
+
+#include "dtrain/engine/activation_checkpoint.h"
+
+namespace dtrain::examples {
+
+AttentionImpl::AttentionImpl(int64_t d_model, int64_t h, double p, bool self)
+    : heads(h), dropout(p), self_attention(self) {
+  if (self) {
+    qkv = register_module("qkv", torch::nn::Linear(d_model, 3 * d_model));
+  } else {
+    q = register_module("q", torch::nn::Linear(d_model, d_model));
+    kv = register_module("kv", torch::nn::Linear(d_model, 2 * d_model));
+  }
+  out = register_module("out", torch::nn::Linear(d_model, d_model));
+}
+
+at::Tensor AttentionImpl::forward(const at::Tensor& x_q, const at::Tensor& x_kv, bool causal) {
+  const int64_t B = x_q.size(0), Tq = x_q.size(1), d = x_q.size(2), hd = d / heads;
+  at::Tensor qh, kh, vh;
+  auto split_heads = [&](const at::Tensor& t, int64_t T) {
+    return t.view({B, T, heads, hd}).transpose(1, 2);  // [B, h, T, hd]
+  };
+  if (self_attention) {
+    auto parts = qkv->forward(x_q).chunk(3, -1);
+    qh = split_heads(parts[0], Tq);
+    kh = split_heads(parts[1], Tq);
+    vh = split_heads(parts[2], Tq);
+  } else {
+    const int64_t Tk = x_kv.size(1);
+    qh = split_heads(q->forward(x_q), Tq);
+    auto parts = kv->forward(x_kv).chunk(2, -1);
+    kh = split_heads(parts[0], Tk);
+    vh = split_heads(parts[1], Tk);
+  }
+  at::Tensor a = at::scaled_dot_product_attention(qh, kh, vh, /*attn_mask=*/{},
+                                                  is_training() ? dropout : 0.0, causal);
+  return out->forward(a.transpose(1, 2).reshape({B, Tq, d}));
+}
+
+FeedForwardImpl::FeedForwardImpl(int64_t d_model, int64_t ff, double p, bool in)
+    : inplace(in) {
+  fc1 = register_module("fc1", torch::nn::Linear(d_model, ff));
+  fc2 = register_module("fc2", torch::nn::Linear(ff, d_model));
+  drop = register_module("drop", torch::nn::Dropout(p));
+}
+
+at::Tensor FeedForwardImpl::forward(const at::Tensor& x) {
+  at::Tensor h = fc1->forward(x);
+  h = inplace ? h.relu_() : h.relu();  // safe: fc1's backward needs its input, not its output
+  return fc2->forward(drop->forward(h));
+}
+
+EncoderLayerImpl::EncoderLayerImpl(int64_t d, int64_t h, int64_t ff, double p, bool inplace) {
+  self_attn = register_module("self_attn", Attention(d, h, p, true));
+  ffn = register_module("ffn", FeedForward(d, ff, p, inplace));
+  norm1 = register_module("norm1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+  norm2 = register_module("norm2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+  drop1 = register_module("drop1", torch::nn::Dropout(p));
+  drop2 = register_module("drop2", torch::nn::Dropout(p));
+}
+
+at::Tensor EncoderLayerImpl::forward(const at::Tensor& x) {
+  at::Tensor h = norm1->forward(x + drop1->forward(self_attn->forward(x, x, false)));
+  return norm2->forward(h + drop2->forward(ffn->forward(h)));
+}
+
+DecoderLayerImpl::DecoderLayerImpl(int64_t d, int64_t h, int64_t ff, double p, bool inplace) {
+  self_attn = register_module("self_attn", Attention(d, h, p, true));
+  cross_attn = register_module("cross_attn", Attention(d, h, p, false));
+  ffn = register_module("ffn", FeedForward(d, ff, p, inplace));
+  norm1 = register_module("norm1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+  norm2 = register_module("norm2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+  norm3 = register_module("norm3", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+  drop1 = register_module("drop1", torch::nn::Dropout(p));
+  drop2 = register_module("drop2", torch::nn::Dropout(p));
+  drop3 = register_module("drop3", torch::nn::Dropout(p));
+}
+
+at::Tensor DecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor& memory) {
+  at::Tensor h = norm1->forward(x + drop1->forward(self_attn->forward(x, x, true)));
+  h = norm2->forward(h + drop2->forward(cross_attn->forward(h, memory, false)));
+  return norm3->forward(h + drop3->forward(ffn->forward(h)));
+}
+
+Seq2SeqImpl::Seq2SeqImpl(const Seq2SeqOptions& o) : options(o) {
+  src_embed = register_module("src_embed", torch::nn::Embedding(o.vocab, o.d_model));
+  tgt_embed = register_module("tgt_embed", torch::nn::Embedding(o.vocab, o.d_model));
+  encoder = register_module("encoder", torch::nn::ModuleList());
+  decoder = register_module("decoder", torch::nn::ModuleList());
+  for (int i = 0; i < o.layers; ++i) {
+    encoder->push_back(EncoderLayer(o.d_model, o.heads, o.ff, o.dropout, o.inplace));
+    decoder->push_back(DecoderLayer(o.d_model, o.heads, o.ff, o.dropout, o.inplace));
+  }
+  head = register_module("head", torch::nn::Linear(o.d_model, o.vocab));
+  drop = register_module("drop", torch::nn::Dropout(o.dropout));
+  at::Tensor pos = at::arange(o.max_len, at::kFloat).unsqueeze(1);
+  at::Tensor div = at::exp(at::arange(0, o.d_model, 2, at::kFloat) * (-std::log(10000.0) / o.d_model));
+  at::Tensor pe = at::zeros({o.max_len, o.d_model});
+  pe.slice(1, 0, o.d_model, 2).copy_(at::sin(pos * div));
+  pe.slice(1, 1, o.d_model, 2).copy_(at::cos(pos * div).narrow(1, 0, o.d_model / 2));
+  positions = register_buffer("positions", pe);
+}
+
+at::Tensor Seq2SeqImpl::forward(const at::Tensor& src, const at::Tensor& tgt_in) {
+  const double scale = std::sqrt(static_cast<double>(options.d_model));
+  at::Tensor x = drop->forward(src_embed->forward(src) * scale + positions.narrow(0, 0, src.size(1)));
+  const bool ckpt = options.checkpoint_activations && is_training();
+  for (auto& m : *encoder) {
+    auto* layer = m->as<EncoderLayerImpl>();
+    if (ckpt) {
+      x = engine::checkpoint([layer](const at::Tensor& in) { return layer->forward(in); }, x,
+                             layer->parameters());
+    } else {
+      x = layer->forward(x);
+    }
+  }
+  at::Tensor memory = x;
+  at::Tensor y = drop->forward(tgt_embed->forward(tgt_in) * scale + positions.narrow(0, 0, tgt_in.size(1)));
+  for (auto& m : *decoder) {
+    auto* layer = m->as<DecoderLayerImpl>();
+    if (ckpt) {
+      y = engine::checkpoint(
+          [layer](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{layer->forward(in[0], in[1])}; },
+          {y, memory}, layer->parameters())[0];
+    } else {
+      y = layer->forward(y, memory);
+    }
+  }
+  return head->forward(y);
+}
+
+at::Tensor Seq2SeqImpl::loss(const at::Tensor& src, const at::Tensor& tgt_in, const at::Tensor& tgt_out) {
+  at::Tensor logits = forward(src, tgt_in);
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, options.vocab}),
+                                              tgt_out.reshape({-1}));
+}
+
+}  // namespace dtrain::examples

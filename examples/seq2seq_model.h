@@ -1,0 +1,77 @@
+// The seed benchmark model: a post-norm encoder-decoder transformer (as torch.nn.Transformer
+// with its default norm_first=false), token embeddings with sinusoidal positions, output
+// projection over the vocabulary. Attention runs through ATen's scaled_dot_product_attention.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+
+namespace dtrain::examples {
+
+struct AttentionImpl : torch::nn::Module {
+  AttentionImpl(int64_t d_model, int64_t heads, double dropout, bool self_attention);
+  // x_q [B, Tq, d], x_kv [B, Tk, d] (ignored for self-attention).
+  at::Tensor forward(const at::Tensor& x_q, const at::Tensor& x_kv, bool causal);
+  int64_t heads;
+  double dropout;
+  bool self_attention;
+  torch::nn::Linear qkv{nullptr}, q{nullptr}, kv{nullptr}, out{nullptr};
+};
+TORCH_MODULE(Attention);
+
+struct FeedForwardImpl : torch::nn::Module {
+  FeedForwardImpl(int64_t d_model, int64_t ff, double dropout, bool inplace);
+  at::Tensor forward(const at::Tensor& x);
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  torch::nn::Dropout drop{nullptr};
+  bool inplace;
+};
+TORCH_MODULE(FeedForward);
+
+struct EncoderLayerImpl : torch::nn::Module {
+  EncoderLayerImpl(int64_t d_model, int64_t heads, int64_t ff, double dropout, bool inplace);
+  at::Tensor forward(const at::Tensor& x);
+  Attention self_attn{nullptr};
+  FeedForward ffn{nullptr};
+  torch::nn::LayerNorm norm1{nullptr}, norm2{nullptr};
+  torch::nn::Dropout drop1{nullptr}, drop2{nullptr};
+};
+TORCH_MODULE(EncoderLayer);
+
+struct DecoderLayerImpl : torch::nn::Module {
+  DecoderLayerImpl(int64_t d_model, int64_t heads, int64_t ff, double dropout, bool inplace);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& memory);
+  Attention self_attn{nullptr}, cross_attn{nullptr};
+  FeedForward ffn{nullptr};
+  torch::nn::LayerNorm norm1{nullptr}, norm2{nullptr}, norm3{nullptr};
+  torch::nn::Dropout drop1{nullptr}, drop2{nullptr}, drop3{nullptr};
+};
+TORCH_MODULE(DecoderLayer);
+
+struct Seq2SeqOptions {
+  int64_t vocab = 32000, d_model = 512, heads = 8, ff = 2048, max_len = 256;
+  int layers = 4;  // encoder layers and decoder layers each
+  double dropout = 0.1;
+  bool inplace = true;
+  bool checkpoint_activations = false;
+};
+
+struct Seq2SeqImpl : torch::nn::Module {
+  explicit Seq2SeqImpl(const Seq2SeqOptions& o);
+  // src [B, S], tgt_in [B, T] token ids -> logits [B, T, vocab].
+  at::Tensor forward(const at::Tensor& src, const at::Tensor& tgt_in);
+  // Mean cross-entropy of predicting tgt_out from (src, tgt_in).
+  at::Tensor loss(const at::Tensor& src, const at::Tensor& tgt_in, const at::Tensor& tgt_out);
+  Seq2SeqOptions options;
+  torch::nn::Embedding src_embed{nullptr}, tgt_embed{nullptr};
+  torch::nn::ModuleList encoder, decoder;
+  torch::nn::Linear head{nullptr};
+  torch::nn::Dropout drop{nullptr};
+  at::Tensor positions;  // [max_len, d] sinusoidal, a buffer
+};
+TORCH_MODULE(Seq2Seq);
+
+}  // namespace dtrain::examples

@@ -1,0 +1,77 @@
+// train_cnn: a small convolutional network on 8x8 images (scikit-learn's digits by default,
+// --data=synthetic for random images with a linear-teacher label).
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/functional/pooling.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/linear.h>
+
+#include "common.h"
+#include "dtrain/engine/activation_checkpoint.h"
+#include "datasets.h"
+
+using namespace dtrain;
+
+struct ConvNet : torch::nn::Module {
+  explicit ConvNet(int64_t hidden, bool inplace, bool checkpoint) : inplace_(inplace), checkpoint_(checkpoint) {
+    conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 32, 3).padding(1)));
+    conv2 = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 3).padding(1)));
+    fc1 = register_module("fc1", torch::nn::Linear(64 * 4 * 4, hidden));
+    fc2 = register_module("fc2", torch::nn::Linear(hidden, 10));
+  }
+  at::Tensor relu(at::Tensor x) { return inplace_ ? x.relu_() : x.relu(); }
+  at::Tensor features(const at::Tensor& x) {
+    at::Tensor h = relu(conv1->forward(x));
+    h = relu(conv2->forward(h));
+    return torch::nn::functional::max_pool2d(h, torch::nn::functional::MaxPool2dFuncOptions(2));
+  }
+  at::Tensor forward(const at::Tensor& pixels) {
+    at::Tensor x = pixels.view({-1, 1, 8, 8});
+    at::Tensor h;
+    if (checkpoint_ && is_training()) {
+      std::vector<at::Tensor> params = {conv1->weight, conv1->bias, conv2->weight, conv2->bias};
+      h = engine::checkpoint([this](const at::Tensor& in) { return features(in); }, x, params);
+    } else {
+      h = features(x);
+    }
+    return fc2->forward(relu(fc1->forward(h.flatten(1))));
+  }
+  torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  bool inplace_, checkpoint_;
+};
+
+int main(int argc, char** argv) {
+  return examples::guarded_main("train_cnn", [&] {
+    examples::Run run = examples::init_run(argc, argv, "train_cnn [flags]: CNN on 8x8 images",
+                                           {{"lr", "0.001"}, {"batch_size", "64"}, {"steps", "200"},
+                                            {"hidden", "128"}});
+    at::Tensor x, y;
+    if (FLAGS_data == "synthetic") {
+      std::tie(x, y) = examples::synthetic_classification(4096, 64, 10, 1234);
+    } else {
+      std::tie(x, y) = examples::load_digits(
+          FLAGS_data_path.empty() ? examples::sklearn_data_dir() + "/digits.csv.gz" : FLAGS_data_path);
+    }
+    const int64_t n_eval = x.size(0) / 5, n_train = x.size(0) - n_eval;
+    auto train = std::make_shared<engine::TensorDataset>(
+        std::vector<at::Tensor>{x.narrow(0, 0, n_train), y.narrow(0, 0, n_train)});
+    auto eval = std::make_shared<engine::TensorDataset>(
+        std::vector<at::Tensor>{x.narrow(0, n_train, n_eval), y.narrow(0, n_train, n_eval)});
+    torch::manual_seed(FLAGS_seed);
+    auto model = std::make_shared<ConvNet>(FLAGS_hidden, FLAGS_inplace, FLAGS_checkpoint_activations);
+    model->to(run.device);
+    engine::TrainerOptions options = examples::trainer_options(run, "adamw");
+    engine::StepMetrics first;
+    options.on_log = [&](const engine::StepMetrics& m) { if (first.step == 0) first = m; };
+    engine::Trainer trainer(*model, [&](const engine::Batch& b) {
+      return torch::nn::functional::cross_entropy(model->forward(b.fields[0]), b.fields[1]);
+    }, *run.mesh, run.device, options);
+    engine::DataLoader train_loader(train, examples::loader_options(run, FLAGS_batch_size, true, FLAGS_seed));
+    int64_t eval_batch = std::max<int64_t>(1, std::min<int64_t>(FLAGS_batch_size, n_eval / run.mesh->dp_size()));
+    engine::DataLoader eval_loader(eval, examples::loader_options(run, eval_batch, false, FLAGS_seed));
+    engine::StepMetrics last = trainer.fit(train_loader, FLAGS_eval_every > 0 ? &eval_loader : nullptr);
+    examples::report(run, first, last);
+    return 0;
+  });
+}

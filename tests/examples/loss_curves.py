@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""Layouts of one training run must log the same loss curve (ARCHITECTURE.md).
+
+Runs an example program in several data-parallel / accumulation layouts that share the
+global batch, reads each run's metrics file and compares the losses step by step with
+the single-rank, single-micro-batch run (the reference). Exits non-zero on a mismatch.
+
+usage: loss_curves.py SCENARIO --bin BUILD/bin --mpirun "mpirun ..." [--workdir DIR]
+"""
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+
+
+def run(cmd, env=None):
+    print("$", " ".join(shlex.quote(c) for c in cmd), flush=True)
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=600)
+    print(p.stdout[-3000:], flush=True)
+    if p.returncode != 0:
+        sys.exit(f"FAIL: exit status {p.returncode}")
+    return p.stdout
+
+
+def metrics(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def train(args, program, ranks, flags, name):
+    out = os.path.join(args.workdir, name + ".jsonl")
+    cmd = [os.path.join(args.bin, program), f"--metrics={out}", "--log_every=1", "--device=cpu",
+           "--progress=false"] + flags
+    if ranks > 1:
+        cmd = shlex.split(args.mpirun) + ["-np", str(ranks)] + cmd
+    run(cmd)
+    return metrics(out)
+
+
+def compare(ref, other, name, tol):
+    assert len(ref) == len(other), f"{name}: {len(other)} steps logged, reference has {len(ref)}"
+    worst = 0.0
+    for a, b in zip(ref, other):
+        assert a["step"] == b["step"], (a["step"], b["step"])
+        rel = abs(a["loss"] - b["loss"]) / max(abs(a["loss"]), 1e-12)
+        worst = max(worst, rel)
+        if rel > tol:
+            sys.exit(f"FAIL: {name}: step {a['step']} loss {b['loss']} vs reference {a['loss']} "
+                     f"(relative difference {rel:.3g} > {tol})")
+    print(f"ok: {name} follows the reference over {len(ref)} steps (worst relative difference {worst:.2e})")
+
+
+def scenario_data_parallel(args):
+    common = ["--steps=30", "--lr=0.003", "--workers=1", "--seed=3"]
+    prog = "train_mlp"
+    ref = train(args, prog, 1, common + ["--batch_size=64"], "1x64")
+    assert ref[-1]["loss"] < 0.8 * ref[0]["loss"], f"loss did not fall: {ref[0]['loss']} -> {ref[-1]['loss']}"
+    print(f"ok: loss falls {ref[0]['loss']:.4f} -> {ref[-1]['loss']:.4f}")
+    layouts = [
+        (2, ["--batch_size=32"], "2x32"),
+        (4, ["--batch_size=16"], "4x16"),
+        (1, ["--batch_size=64", "--accum_steps=4"], "1x(4x16)"),
+        (2, ["--batch_size=32", "--accum_steps=2"], "2x(2x16)"),
+    ]
+    for ranks, flags, name in layouts:
+        compare(ref, train(args, prog, ranks, common + flags, name), name, 1e-4)
+
+
+def scenario_amp(args):
+    common = ["--steps=30", "--lr=0.003", "--workers=1", "--seed=3", "--batch_size=64"]
+    ref = train(args, "train_mlp", 1, common, "fp32")
+    bf16 = train(args, "train_mlp", 1, common + ["--amp=bf16"], "bf16")
+    compare(ref, bf16, "bf16", 0.05)
+    fp16 = train(args, "train_mlp", 2, common + ["--amp=fp16", "--batch_size=32"], "fp16")
+    assert all("loss_scale" in m for m in fp16), "fp16 runs must log loss_scale"
+    print("ok: fp16 logs loss_scale", [m["loss_scale"] for m in fp16[:3]])
+    compare(ref, fp16, "fp16", 0.05)
+
+
+def scenario_seq2seq(args):
+    flags = ["--steps=6", "--batch_size=4", "--d_model=32", "--heads=4", "--ff=64", "--layers=2",
+             "--seq_len=16", "--vocab=300", "--workers=1", "--dropout=0"]
+    one = train(args, "train_seq2seq", 1, flags + ["--batch_size=8"], "s2s-1x8")
+    two = train(args, "train_seq2seq", 2, flags, "s2s-2x4")
+    compare(one, two, "seq2seq 2x4", 1e-4)
+    ck = train(args, "train_seq2seq", 2, flags + ["--checkpoint_activations"], "s2s-ckpt")
+    compare(one, ck, "seq2seq 2x4 checkpointed", 1e-4)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("scenario", choices=["data_parallel", "amp", "seq2seq"])
+    ap.add_argument("--bin", required=True)
+    ap.add_argument("--mpirun", required=True)
+    ap.add_argument("--workdir", default=None)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        args.workdir = args.workdir or tmp
+        {"data_parallel": scenario_data_parallel, "amp": scenario_amp, "seq2seq": scenario_seq2seq}[args.scenario](args)
+
+
+if __name__ == "__main__":
+    main()
