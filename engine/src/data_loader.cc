@@ -209,7 +209,7 @@ void DataLoader::Impl::assemble(Slot& slot) const {
         src = at::empty(f.sizes(), f.options().pinned_memory(true));
         src.copy_(f);
       }
-      slot.batch.fields.push_back(src.to(src.options().device(device_), /*non_blocking=*/true));
+      slot.batch.fields.push_back(src.to(device_, src.scalar_type(), /*non_blocking=*/true));
     }
     slot.ready.emplace(device_.type());
     slot.ready->record(*copy_stream_);
