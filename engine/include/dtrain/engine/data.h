@@ -6,14 +6,18 @@
 // data-parallel rank r receives samples [r * batch_size, (r + 1) * batch_size) of it. So N
 // ranks with batch b see, step for step, the same samples as one rank with batch N * b.
 // Ranks of one tensor-parallel group pass the same dp_rank and see the same data.
+//
+// The order of an epoch is a permutation drawn from (seed, epoch) alone by the loader's own
+// generator (splitmix64 + Fisher-Yates): identical on every rank, for any dp_size, number of
+// workers or thread timing.
 #pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include <cstdint>
 #include <memory>
 #include <vector>
-
-#include <ATen/core/Tensor.h>
-#include <c10/core/Device.h>
 
 namespace dtrain::engine {
 
@@ -26,6 +30,9 @@ struct Batch {
 };
 
 // A map-style dataset. get_batch must be thread-safe (workers call it concurrently).
+// With drop_last=false a rank may receive a share of 0 samples of the last global batch
+// (fewer samples left than ranks); get_batch is then called with no indices and must return
+// tensors with 0 rows.
 class Dataset {
  public:
   virtual ~Dataset() = default;
@@ -35,7 +42,9 @@ class Dataset {
   virtual std::vector<at::Tensor> get_batch(const std::vector<int64_t>& indices) const = 0;
 };
 
-// A dataset over in-memory tensors whose first dimension indexes samples (all equal).
+// A dataset over in-memory CPU tensors whose first dimension indexes samples (all equal).
+// get_batch gathers with index_select (a copy); it is thread-safe. Throws dtrain::Error for no
+// fields, an undefined, 0-dim or non-CPU field, unequal sample counts, or an index out of range.
 class TensorDataset : public Dataset {
  public:
   explicit TensorDataset(std::vector<at::Tensor> fields);
@@ -50,17 +59,26 @@ struct LoaderOptions {
   int64_t batch_size = 32;  // per data-parallel rank
   int dp_rank = 0;
   int dp_size = 1;
-  bool shuffle = true;      // false: dataset order
+  bool shuffle = true;  // false: dataset order
   uint64_t seed = 0;
-  bool drop_last = true;    // false: the last, smaller global batch is split as evenly as possible
-  int workers = 2;          // assembling threads; 0: assemble on the caller's thread
-  int prefetch = 2;         // batches assembled (and copied to the device) ahead of use
-  bool pin_memory = true;   // pin host batches when the device is CUDA
+  bool drop_last = true;   // false: the last, smaller global batch is split as evenly as possible
+  int workers = 2;         // assembling threads; 0: assemble on the caller's thread
+  int prefetch = 2;        // batches assembled (and copied to the device) ahead of use
+  bool pin_memory = true;  // pin host batches when the device is CUDA
   c10::Device device = c10::Device(c10::kCPU);  // where next() delivers
 };
 
-// Throws dtrain::Error for batch_size < 1, dp_rank outside [0, dp_size), workers < 0,
-// prefetch < 1, or a dataset too small for one global batch with drop_last.
+// Throws dtrain::Error for a null or empty dataset, batch_size < 1, dp_size < 1, dp_rank
+// outside [0, dp_size), workers < 0, prefetch < 1, a dataset too small for one global batch
+// with drop_last, or a device that is neither CPU nor a usable CUDA device.
+//
+// Threads: `workers` threads call Dataset::get_batch for the coming batches, at most
+// `prefetch` of them assembled or ready ahead of next(); next() hands them out strictly in
+// order, whichever worker finished first. next(), seek() and position() may be called from any one
+// thread at a time (they are internally locked). Pinned host buffers come from PyTorch's caching
+// host allocator, which does not reuse a buffer before the non-blocking copy out of it finished;
+// the device tensors are allocated on the loader's side stream and recorded on the caller's
+// current stream when next() delivers them.
 class DataLoader {
  public:
   DataLoader(std::shared_ptr<const Dataset> dataset, LoaderOptions options);
@@ -70,14 +88,20 @@ class DataLoader {
 
   // The next batch of this rank, on options.device. With CUDA the copy ran on a side stream
   // and the caller's current stream is made to wait for it, so the tensors are ready to use.
-  // Epochs roll over by themselves. Blocks until the batch is ready; rethrows a worker's
-  // failure.
+  // Epochs roll over by themselves. Blocks until the batch is ready. A failure while
+  // assembling a batch (Dataset::get_batch throwing, a copy failing) is rethrown by the
+  // next() call for that batch; that batch counts as consumed (position() moves past it) and
+  // later batches are unaffected. With drop_last=false this rank's share of the last global
+  // batch may be smaller than batch_size, or empty: a Batch whose fields have 0 rows.
   Batch next();
 
+  // Global batches per epoch: floor(N / G) with drop_last, else ceil(N / G), where
+  // G = batch_size * dp_size. Equal on every rank.
   int64_t batches_per_epoch() const;
   // Position for checkpoints: the (epoch, index) of the next batch next() returns.
   std::pair<int64_t, int64_t> position() const;
-  // Restarts the stream at a position (discards prefetched batches).
+  // Restarts the stream at a position (discards prefetched batches). Throws dtrain::Error
+  // for epoch < 0 or index outside [0, batches_per_epoch()).
   void seek(int64_t epoch, int64_t index);
   const LoaderOptions& options() const { return options_; }
 
