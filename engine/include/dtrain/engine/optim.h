@@ -8,77 +8,127 @@
 // state tensors are owned by the optimizer, on the parameters' device and dtype.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
 #include <memory>
 #include <string>
 #include <vector>
 
-#include <ATen/core/Tensor.h>
-
 namespace dtrain::engine {
 
+// Defaults are torch.optim's, except: lr is 1e-3 for every optimizer (torch's Adagrad uses
+// 1e-2) and weight_decay is 0 for every optimizer (torch's AdamW uses 1e-2).
 struct OptimizerOptions {
   std::string name = "adamw";  // "sgd", "adam", "adamw", "adagrad"
   double lr = 1e-3;
-  double weight_decay = 0.0;   // adamw: decoupled; others: L2 added to the gradient
+  double weight_decay = 0.0;  // adamw: decoupled; others: L2 added to the gradient
   // sgd
   double momentum = 0.0;
   double dampening = 0.0;
-  bool nesterov = false;
+  bool nesterov = false;  // needs momentum > 0 and dampening == 0
   // adam / adamw
   double beta1 = 0.9;
   double beta2 = 0.999;
-  double eps = 1e-8;           // adagrad uses eps too (torch default 1e-10 is applied for adagrad
-                               // when this field is left at its default)
+  // adam / adamw / adagrad. Adagrad: the value 1e-8 (this field's default) stands for
+  // torch's Adagrad default, kAdagradDefaultEps = 1e-10; any other value is used as given.
+  // effective_eps() says which value an optimizer uses.
+  double eps = 1e-8;
   bool amsgrad = false;
   // adagrad
   double lr_decay = 0.0;
   double initial_accumulator_value = 0.0;
+  // true: ATen's fused kernels where the device has them (the _foreach_ implementation of
+  // the same formulas otherwise, and for fp16/bf16 sgd on the CPU, where torch's fused kernel
+  // skips elements, pytorch/pytorch#191763); false: always the _foreach_ implementation.
+  bool fused = true;
 };
 
-// Throws dtrain::Error for an unknown name, a negative or non-finite lr, betas outside
-// [0, 1), negative eps / weight decay / momentum, nesterov without momentum.
+inline constexpr double kAdagradDefaultEps = 1e-10;
+// The eps the named optimizer uses (see OptimizerOptions::eps).
+double effective_eps(const OptimizerOptions& options);
+
+// Throws dtrain::Error for an unknown name (the message lists the known ones), a negative
+// or non-finite lr, and, for the fields the named optimizer uses: betas outside [0, 1),
+// negative or non-finite eps / weight decay / momentum / dampening / lr_decay /
+// initial_accumulator_value, nesterov without momentum or with dampening.
 void validate(const OptimizerOptions& options);
 
 class Optimizer {
  public:
   virtual ~Optimizer() = default;
   // One update of every parameter whose gradient is defined. Parameters without a gradient
-  // are skipped (and their state not advanced), as in torch.optim.
+  // are skipped (and their state not advanced), as in torch.optim. Runs under no-grad.
+  // A gradient must have its parameter's device, dtype, sizes and strides (as autograd
+  // makes them); otherwise throws dtrain::Error before anything is updated. Host work is
+  // a scan of which gradients are defined; the tensor lists are rebuilt only when that set
+  // (or a gradient tensor) changes.
   virtual void step() = 0;
   // Sets every gradient to zero in place (keeps the tensors: the reducer's bucket views
   // must survive). Undefined gradients stay undefined.
   virtual void zero_grad() = 0;
+  // Takes effect from the next step(). Throws dtrain::Error for a negative or non-finite lr.
   virtual void set_lr(double lr) = 0;
   virtual double lr() const = 0;
   virtual const OptimizerOptions& options() const = 0;
-  // Named state for checkpoints: "<param index>.<state name>" -> tensor (e.g. "3.exp_avg",
-  // "3.step"). load_state() checks names and shapes and throws dtrain::Error on mismatch.
+  // Named state for checkpoints: "<param index>.<state name>" -> tensor, for every parameter
+  // (allocated at construction with the values torch gives new state: zeros, and
+  // initial_accumulator_value for adagrad's sum):
+  //   every optimizer: "step" (float32, 0-dim: updates taken by that parameter);
+  //   sgd with momentum != 0: "momentum_buffer" (set to the gradient by a parameter's first
+  //   update, as torch does); adam/adamw: "exp_avg", "exp_avg_sq", and "max_exp_avg_sq"
+  //   with amsgrad; adagrad: "sum".
+  // Moment/sum/buffer tensors have the parameter's device, dtype and sizes (no float32
+  // master state for reduced-precision parameters: as torch.optim). The returned tensors
+  // alias the live state (sgd's "step" is a fresh copy): clone them to keep a snapshot.
+  // load_state() copies values in (any device/dtype); it requires exactly the names state()
+  // gives, each with the right sizes, and throws dtrain::Error naming the first missing,
+  // unknown or mis-shaped entry, before changing anything. It syncs with the host.
   virtual std::vector<std::pair<std::string, at::Tensor>> state() const = 0;
   virtual void load_state(const std::vector<std::pair<std::string, at::Tensor>>& state) = 0;
   virtual const std::vector<at::Tensor>& params() const = 0;
 };
 
-// Creates the optimizer named by options.name over params (leaf tensors requiring grad).
-// Throws dtrain::Error as validate() does, or for an empty parameter list.
+// Creates the optimizer named by options.name over params (leaf tensors requiring grad,
+// dense, non-overlapping; any mix of devices and floating dtypes: each (device, dtype) is
+// one group of kernel launches). Allocates the state (see state()) now. Throws
+// dtrain::Error as validate() does, or for an empty parameter list, a parameter listed
+// twice, a non-leaf or non-floating-point parameter.
 std::unique_ptr<Optimizer> make_optimizer(std::vector<at::Tensor> params,
                                           const OptimizerOptions& options);
 
 // Learning-rate schedules: lr(step) for step = 0, 1, ... (the step about to be taken).
+// With W = warmup_steps, T = total_steps, m = min_lr_ratio:
+//   step < W:          (step + 1) / W                  (every schedule; first step lr > 0)
+//   constant:          1 after the warm-up
+//   cosine, W <= step < T:  m + (1 - m) * (1 + cos(pi * (step - W) / (T - W))) / 2
+//   linear, W <= step < T:  m + (1 - m) * (1 - (step - W) / (T - W))
+//   cosine/linear, step >= T: m
+// So the factor is 1 at step W and decays towards m, reached at step T (not taken in a
+// run of T steps). Up to step T equal to torch's LinearLR(1/W, 1, W - 1) then
+// CosineAnnealingLR(T - W, eta_min = m) or LinearLR(1, m, T - W), joined by SequentialLR at
+// milestone W (after T, CosineAnnealingLR rises again; this schedule stays at m).
 struct ScheduleOptions {
   std::string name = "constant";  // "constant", "cosine" (warm-up then cosine), "linear"
   int64_t warmup_steps = 0;       // linear ramp from 0 to the base lr over these steps
   int64_t total_steps = 0;        // cosine/linear decay ends here (needed for those)
   double min_lr_ratio = 0.0;      // floor of the decay, as a fraction of the base lr
 };
+// Throws dtrain::Error for an unknown name (listing the known ones), negative warmup_steps,
+// min_lr_ratio outside [0, 1], and for cosine/linear: total_steps <= 0 or < warmup_steps.
 void validate(const ScheduleOptions& options);
-// The factor (0..1] that multiplies the base lr at this step.
+// The factor in [min_lr_ratio, 1] (or (0, 1] during warm-up) that multiplies the base lr
+// at this step. Throws dtrain::Error as validate() does, or for a negative step.
 double schedule_factor(const ScheduleOptions& options, int64_t step);
 
-// Global L2 norm of the given gradients (undefined ones skipped), computed in float32 on
-// their device and returned as a 0-dim float tensor (no host sync).
+// Global L2 norm of the given gradients (undefined ones skipped), accumulated in float32
+// (float64 for float64 gradients) and returned as a 0-dim float32 tensor on the first
+// defined gradient's device (CPU and 0 when none is defined). Enqueues work, no host sync.
 at::Tensor grad_norm(const std::vector<at::Tensor>& grads);
 // Scales the gradients in place by min(1, max_norm / (norm + 1e-6)), where norm is
-// given (possibly already combined across ranks). No host sync.
+// given (possibly already combined across ranks), as torch.nn.utils.clip_grad_norm_.
+// Enqueues work, no host sync. A non-finite norm makes the gradients non-finite (check
+// first, e.g. with the loss scaler). Throws dtrain::Error for a negative or non-finite
+// max_norm or a norm that is not a single-element tensor.
 void clip_grads(const std::vector<at::Tensor>& grads, const at::Tensor& norm, double max_norm);
 
 }  // namespace dtrain::engine
