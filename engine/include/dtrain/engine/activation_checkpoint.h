@@ -17,7 +17,30 @@ using TensorFn = std::function<std::vector<at::Tensor>(const std::vector<at::Ten
 // `params` are the tensors fn reads besides its inputs that need gradients (the block's
 // parameters); they receive gradients through the normal accumulation path (their
 // AccumulateGrad hooks fire, so the data-parallel reducer sees them). fn must be a pure
-// function of inputs, params and the RNG state. With grad mode off this is just fn(inputs).
+// function of inputs, params and the RNG state. With grad mode off, or when no input or
+// param requires grad, this is just fn(inputs).
+//
+// Details of the contract:
+//  * A tensor fn reads that needs a gradient but is not in inputs or params gets none.
+//  * Every floating-point output requires grad (which ones really depend on a tensor that
+//    needs one is only known when recomputing); gradients flowing into an output that turns
+//    out not to need one are dropped. Integer outputs never require grad.
+//  * Backward saves the current CPU generator state, and that of every CUDA device holding
+//    an input or param, sets the states recorded at forward, recomputes, and restores them:
+//    the default generators are process-wide, so other threads drawing random numbers
+//    during a recomputation disturb (and see) the replay.
+//  * The recomputation runs under the autocast state (CPU and CUDA: enabled, dtype, cache)
+//    recorded at forward, whatever the state when backward runs.
+//  * Inputs are saved for backward with autograd's version check: modifying one in place
+//    before backward throws there. Params are not checked (they may be refilled in place,
+//    e.g. by layer offload) and must hold the forward's values when backward runs.
+//  * Gradients for params are computed with torch::autograd::grad on the recomputed graph
+//    and then accumulated through the params' AccumulateGrad nodes in the outer backward:
+//    post-hooks on those nodes fire once per backward, but hooks registered with
+//    Tensor::register_hook on a leaf param also see the recomputation's (identical) gradient,
+//    i.e. they fire twice.
+//  * Backward with create_graph=true (double backward) throws dtrain::Error.
+//  * fn is copied and kept with the autograd graph until the graph is freed.
 std::vector<at::Tensor> checkpoint(const TensorFn& fn, const std::vector<at::Tensor>& inputs,
                                    const std::vector<at::Tensor>& params);
 

@@ -19,10 +19,14 @@ enum class AmpMode { kOff, kBf16, kFp16 };
 AmpMode parse_amp(const std::string& text);
 const char* to_string(AmpMode mode);
 
-// While alive, ops on `device` run under autocast to the mode's dtype (no-op for kOff).
-// Restores the previous autocast state of that device type on destruction and, when the
-// outermost guard ends, clears the autocast cast cache (as torch.autocast does).
-// Not copyable; use on one thread.
+// While alive, ops on `device` run under autocast to the mode's dtype (kBf16: bfloat16,
+// kFp16: float16; CPU and CUDA support both). kOff does nothing at all: it neither enables
+// nor disables autocast. Restores the previous autocast state (enabled, dtype) of that
+// device type on destruction and, when the outermost guard ends, clears the autocast cast
+// cache, as torch.autocast does (the cache holds low-precision copies of weights, which an
+// optimizer step would make stale). Autocast state is thread-local: create and destroy the
+// guard on one thread; nest guards LIFO. Throws dtrain::Error for a device type without
+// autocast (e.g. meta) unless the mode is kOff. Not copyable.
 class AutocastGuard {
  public:
   AutocastGuard(c10::DeviceType device, AmpMode mode);
@@ -52,18 +56,41 @@ struct LossScalerOptions {
 //   scaler.update();                         // once per step, whether skipped or not
 // The scale and growth tracker live on `device` (as float32 / int32 tensors); update() uses
 // ATen's _amp_update_scale_ and unscale() _amp_foreach_non_finite_check_and_unscale_.
-// unscale() agrees on found-inf across the ranks of comm (max) so every rank skips the same
-// steps; pass nullptr for a single process. unscale() syncs with the host once (to return).
+// update() backs the scale off (x backoff_factor) after a step with inf/NaN gradients and
+// grows it (x growth_factor) after growth_interval consecutive finite steps.
+//
+// unscale(grads, comm): multiplies every defined gradient in place by 1/scale (the reciprocal
+// taken in double and rounded to float, as GradScaler does) and checks for inf/NaN. Grads may
+// be any floating dtype and live on any devices (grouped per device and dtype; sparse grads
+// contribute their values); undefined ones are skipped; a non-floating one throws before any
+// is touched. Unscaled gradients are garbage in a step that returns false. With comm (size
+// > 1) the found-inf flag is all-reduced with max over its ranks (a collective: every rank
+// must call unscale on it in the same step) so every rank skips the same steps; pass nullptr
+// for a single process. unscale() syncs with the host once (to return); it increments
+// skipped_steps() when it returns false.
+//
+// Misuse throws dtrain::Error: unscale() twice without update() in between, or update()
+// without unscale() since the last update() (pass an empty list when a step has no grads).
+// A disabled scaler (options.enabled = false) does nothing: scale() returns loss itself,
+// unscale() returns true without touching grads or comm, update() returns, scale_value()
+// is 1, state() is empty and load_state() ignores its argument.
+// Not thread-safe; kernels run on the current stream of `device`.
 class LossScaler {
  public:
+  // Throws dtrain::Error for options out of range (init_scale <= 0, growth_factor <= 1,
+  // backoff_factor outside (0, 1), growth_interval < 1) when enabled.
   LossScaler(LossScalerOptions options, c10::Device device);
+  // loss * scale (a new tensor in the autograd graph, float32 or wider, on loss's device).
   at::Tensor scale(const at::Tensor& loss) const;
   bool unscale(const std::vector<at::Tensor>& grads, dist::Communicator* comm);
   void update();
-  double scale_value() const;        // host read of the current scale (syncs)
+  double scale_value() const;  // host read of the current scale (syncs)
   bool enabled() const { return options_.enabled; }
   int64_t skipped_steps() const { return skipped_; }
-  // For checkpoints: {"scale", "growth_tracker"}.
+  // For checkpoints: {"scale", "growth_tracker"} (copies, on the scaler's device). load_state
+  // copies them in (from any device) and throws dtrain::Error, naming the problem and
+  // changing nothing, for an empty state (saved by a disabled scaler), a missing or unknown
+  // entry, or a scale that is not positive and finite.
   std::vector<std::pair<std::string, at::Tensor>> state() const;
   void load_state(const std::vector<std::pair<std::string, at::Tensor>>& state);
 
