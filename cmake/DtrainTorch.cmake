@@ -10,14 +10,14 @@
 # Inputs (cache): DTRAIN_PYTHON (interpreter that has torch), TORCH_ROOT (the torch package dir).
 # Outputs: TORCH_ROOT, TORCH_VERSION, DTRAIN_TORCH_HAS_CUDA, DTRAIN_NCCL_ROOT, DTRAIN_NCCL_VERSION.
 
-if(NOT TORCH_ROOT)
-  if(NOT DTRAIN_PYTHON)
-    if(EXISTS "${PROJECT_SOURCE_DIR}/.venv/bin/python")
-      set(DTRAIN_PYTHON "${PROJECT_SOURCE_DIR}/.venv/bin/python")
-    else()
-      find_program(DTRAIN_PYTHON NAMES python3 python)
-    endif()
+if(NOT DTRAIN_PYTHON)
+  if(EXISTS "${PROJECT_SOURCE_DIR}/.venv/bin/python")
+    set(DTRAIN_PYTHON "${PROJECT_SOURCE_DIR}/.venv/bin/python" CACHE FILEPATH "Python with torch")
+  else()
+    find_program(DTRAIN_PYTHON NAMES python3 python)
   endif()
+endif()
+if(NOT TORCH_ROOT)
   execute_process(
     COMMAND "${DTRAIN_PYTHON}" -c "import os,torch;print(os.path.dirname(torch.__file__))"
     OUTPUT_VARIABLE _torch_root OUTPUT_STRIP_TRAILING_WHITESPACE

@@ -89,6 +89,19 @@ void check_flags() {
                " is not divisible by --heads=", FLAGS_heads);
   DTRAIN_CHECK(FLAGS_dropout >= 0 && FLAGS_dropout < 1, "--dropout=", FLAGS_dropout,
                " must be in [0, 1)");
+  if (!FLAGS_optimizer.empty()) {
+    engine::OptimizerOptions o;
+    o.name = FLAGS_optimizer;
+    o.lr = FLAGS_lr;
+    o.weight_decay = FLAGS_weight_decay;
+    if (o.name == "sgd") o.momentum = 0.9;
+    engine::validate(o);
+  }
+  engine::ScheduleOptions sched;
+  sched.name = FLAGS_schedule;
+  sched.warmup_steps = FLAGS_warmup_steps;
+  sched.total_steps = FLAGS_steps;
+  engine::validate(sched);
   // Flags of features that arrive with later parts of the engine: refuse rather than ignore.
   DTRAIN_CHECK(FLAGS_offload == "none", "--offload=", FLAGS_offload,
                " is not available in this build yet; use --offload=none");

@@ -6,6 +6,7 @@
 #include "common.h"
 #include "datasets.h"
 #include "seq2seq_model.h"
+#include "dtrain/dist/error.h"
 
 using namespace dtrain;
 

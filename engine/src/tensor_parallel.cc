@@ -90,19 +90,20 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
                             int64_t vocab_start, int64_t real_vocab, int64_t tp_ptr) {
     auto& tp = *reinterpret_cast<dist::Communicator*>(static_cast<intptr_t>(tp_ptr));
     const int64_t local = logits.size(1);
-    at::Tensor l = logits.to(at::kFloat);
+    // Reduced-precision logits are computed in float32; float64 stays float64.
+    at::Tensor l = logits.scalar_type() == at::kDouble ? logits : logits.to(at::kFloat);
     at::Tensor cols = at::arange(vocab_start, vocab_start + local, targets.options());
     if (vocab_start + local > real_vocab) {
       l = l.masked_fill((cols >= real_vocab).unsqueeze(0), -std::numeric_limits<float>::infinity());
     }
     at::Tensor m = std::get<0>(l.max(1));
     if (tp.size() > 1) tp.all_reduce(m, dist::ReduceOp::kMax)->wait();
-    l = l - m.unsqueeze(1);
+    l = l - m.unsqueeze(1);  // padding columns stay -inf and give exp() = 0
     at::Tensor e = l.exp();
     at::Tensor s = e.sum(1);
     at::Tensor in_range = (targets >= vocab_start) & (targets < vocab_start + local);
     at::Tensor t_local = (targets - vocab_start).clamp(0, local - 1);
-    at::Tensor t = l.gather(1, t_local.unsqueeze(1)).squeeze(1) * in_range.to(at::kFloat);
+    at::Tensor t = l.gather(1, t_local.unsqueeze(1)).squeeze(1) * in_range.to(l.scalar_type());
     if (tp.size() > 1) {
       at::Tensor both = at::stack({s, t});  // one all-reduce for the sums and target logits
       tp.all_reduce(both)->wait();
@@ -118,7 +119,7 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     auto saved = ctx->get_saved_variables();
     at::Tensor grad = saved[0].clone();  // softmax over the whole vocabulary, local columns
     const int64_t n = grad.size(0);
-    at::Tensor hit = saved[2].to(at::kFloat);
+    at::Tensor hit = saved[2].to(grad.scalar_type());
     grad.scatter_add_(1, saved[1].unsqueeze(1), -hit.unsqueeze(1));
     grad.mul_(g[0] / static_cast<double>(n));
     auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
@@ -311,14 +312,15 @@ at::Tensor ParallelMlpImpl::forward(const at::Tensor& x) {
 
 std::map<std::string, ShardSpec> collect_shard_specs(torch::nn::Module& model) {
   std::map<std::string, ShardSpec> out;
-  for (auto& item : model.named_modules()) {
-    auto* tpm = dynamic_cast<TensorParallelModule*>(item.value().get());
-    if (!tpm) continue;
+  auto add = [&](const std::string& prefix, torch::nn::Module* m) {
+    auto* tpm = dynamic_cast<TensorParallelModule*>(m);
+    if (!tpm) return;
     for (auto& [local, spec] : tpm->shard_specs()) {
-      if (spec.dim < 0) continue;
-      out[item.key().empty() ? local : item.key() + "." + local] = spec;
+      if (spec.dim >= 0) out[prefix.empty() ? local : prefix + "." + local] = spec;
     }
-  }
+  };
+  add("", &model);  // the model itself need not live in a shared_ptr
+  for (auto& item : model.named_modules("", /*include_self=*/false)) add(item.key(), item.value().get());
   return out;
 }
 

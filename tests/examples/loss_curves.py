@@ -40,17 +40,24 @@ def train(args, program, ranks, flags, name):
     return metrics(out)
 
 
-def compare(ref, other, name, tol):
+def compare(ref, other, name, tol, mean_tol=None):
+    """Every step within tol (relative); with mean_tol, also the mean difference."""
     assert len(ref) == len(other), f"{name}: {len(other)} steps logged, reference has {len(ref)}"
     worst = 0.0
+    total = 0.0
     for a, b in zip(ref, other):
         assert a["step"] == b["step"], (a["step"], b["step"])
         rel = abs(a["loss"] - b["loss"]) / max(abs(a["loss"]), 1e-12)
         worst = max(worst, rel)
+        total += rel
         if rel > tol:
             sys.exit(f"FAIL: {name}: step {a['step']} loss {b['loss']} vs reference {a['loss']} "
                      f"(relative difference {rel:.3g} > {tol})")
-    print(f"ok: {name} follows the reference over {len(ref)} steps (worst relative difference {worst:.2e})")
+    mean = total / len(ref)
+    if mean_tol is not None and mean > mean_tol:
+        sys.exit(f"FAIL: {name}: mean relative difference {mean:.3g} > {mean_tol}")
+    print(f"ok: {name} follows the reference over {len(ref)} steps (worst relative difference "
+          f"{worst:.2e}, mean {mean:.2e})")
 
 
 def scenario_data_parallel(args):
@@ -73,11 +80,12 @@ def scenario_amp(args):
     common = ["--steps=30", "--lr=0.003", "--workers=1", "--seed=3", "--batch_size=64"]
     ref = train(args, "train_mlp", 1, common, "fp32")
     bf16 = train(args, "train_mlp", 1, common + ["--amp=bf16"], "bf16")
-    compare(ref, bf16, "bf16", 0.05)
+    # bf16 rounds activations to 8 bits of mantissa: a few percent, step by step.
+    compare(ref, bf16, "bf16", 0.10, mean_tol=0.03)
     fp16 = train(args, "train_mlp", 2, common + ["--amp=fp16", "--batch_size=32"], "fp16")
     assert all("loss_scale" in m for m in fp16), "fp16 runs must log loss_scale"
     print("ok: fp16 logs loss_scale", [m["loss_scale"] for m in fp16[:3]])
-    compare(ref, fp16, "fp16", 0.05)
+    compare(ref, fp16, "fp16", 0.10, mean_tol=0.03)
 
 
 def scenario_seq2seq(args):

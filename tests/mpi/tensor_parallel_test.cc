@@ -103,7 +103,7 @@ TEST(TensorParallelLayers, VocabParallelEmbeddingWithAVocabularyThatDoesNotDivid
     EXPECT_EQ(emb->padded_vocab % T, 0);
     auto full = gather_full_state(*emb, tp)["weight"];
     ASSERT_EQ(full.size(0), V);
-    at::Tensor ids = at::remainder(at::arange(0, 3 * V, 2, at::kLong), V).view({3, -1});
+    at::Tensor ids = at::remainder(at::arange(3 * V, at::kLong) * 2, V).view({3, V});
     at::Tensor wr = full.clone().requires_grad_(true);
     at::Tensor y = emb->forward(ids);
     at::Tensor yr = at::embedding(wr, ids);
