@@ -122,7 +122,8 @@ void check_writable_file(const std::string& path, const char* flag) {
 }  // namespace
 
 Run init_run(int argc, char** argv, const std::string& usage,
-             const std::map<std::string, std::string>& defaults) {
+             const std::map<std::string, std::string>& defaults,
+             const std::function<void()>& model_checks) {
   for (auto& [name, value] : defaults) {
     gflags::SetCommandLineOptionWithMode(name.c_str(), value.c_str(), gflags::SET_FLAGS_DEFAULT);
   }
@@ -137,7 +138,10 @@ Run init_run(int argc, char** argv, const std::string& usage,
   dist::init_logging(argv[0], run.world);
   check_flags();
   check_writable_file(FLAGS_metrics, "metrics");
+  DTRAIN_CHECK(model_checks || FLAGS_tp == 1, "--tp=", FLAGS_tp, ": ", run.program,
+               " has no tensor-parallel layers; use train_gpt for tensor parallelism");
   dist::Mesh::check(run.world.size, FLAGS_tp);
+  if (model_checks) model_checks();
   run.device = dist::select_device(run.world, dist::parse_device_request(FLAGS_device));
   engine::parse_amp(FLAGS_amp);  // validates
   dist::CommOptions options;

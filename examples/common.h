@@ -71,8 +71,11 @@ struct Run {
 // Parses and validates the flags (dtrain::Error on bad values), detects the world, picks the
 // device, creates the communicator and the data x tensor mesh, and seeds the RNGs.
 // `defaults` overrides flag defaults for this program (before parsing), e.g. {"batch_size", "16"}.
+// `model_checks` runs after the flags are validated and before any communicator exists
+// (shape checks against --tp belong there); programs without it refuse --tp > 1.
 Run init_run(int argc, char** argv, const std::string& usage,
-             const std::map<std::string, std::string>& defaults);
+             const std::map<std::string, std::string>& defaults,
+             const std::function<void()>& model_checks = nullptr);
 
 // Trainer options from the flags; the example supplies its defaults for the optimizer.
 engine::TrainerOptions trainer_options(const Run& run, const std::string& default_optimizer);

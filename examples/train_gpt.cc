@@ -11,6 +11,7 @@
 
 #include "common.h"
 #include "datasets.h"
+#include "dtrain/dist/error.h"
 #include "gpt_model.h"
 
 using namespace dtrain;
@@ -21,7 +22,17 @@ int main(int argc, char** argv) {
         argc, argv, "train_gpt [flags]: GPT language model with tensor parallelism",
         {{"lr", "0.0006"}, {"batch_size", "8"}, {"steps", "100"}, {"d_model", "768"},
          {"heads", "12"}, {"layers", "12"}, {"ff", "3072"}, {"seq_len", "1024"},
-         {"dropout", "0"}, {"weight_decay", "0.1"}, {"clip_grad_norm", "1.0"}});
+         {"dropout", "0"}, {"weight_decay", "0.1"}, {"clip_grad_norm", "1.0"}},
+        [] {
+          // Shapes against --tp, before any collective.
+          const int64_t T = FLAGS_tp;
+          DTRAIN_CHECK(FLAGS_heads % T == 0, "--heads=", FLAGS_heads, " does not divide over --tp=", T,
+                       "; the number of heads must be a multiple of the tensor-parallel size");
+          DTRAIN_CHECK(FLAGS_ff % T == 0, "--ff=", FLAGS_ff, " does not divide over --tp=", T,
+                       "; the feed-forward width must be a multiple of the tensor-parallel size");
+          DTRAIN_CHECK(FLAGS_dropout == 0 || T == 1, "--dropout with --tp > 1 is not supported; "
+                       "use --dropout=0 (the default for train_gpt)");
+        });
     const int64_t S = FLAGS_seq_len;
     std::shared_ptr<engine::Dataset> data;
     if (FLAGS_data == "synthetic") {

@@ -246,9 +246,10 @@ void GradReducer::State::finish_step(bool abandoned) {
   finished = true;
   callback_queued = false;
   unused.clear();
-  if (!abandoned) ++synced_backwards;
+  // An abandoned step counts too: it matched the other ranks' synchronized backward, so every
+  // rank's count stays equal and the rebuild below happens at the same zero_grad everywhere.
+  ++synced_backwards;
   if (failure) std::rethrow_exception(failure);
-  if (!abandoned && synced_backwards == 1 && options.rebuild_buckets && !rebuilt) rebuild();
 }
 
 void GradReducer::State::rebuild() {
@@ -406,8 +407,12 @@ void GradReducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
 
 void GradReducer::zero_grad() {
   std::lock_guard<std::mutex> lock(state_->mutex);
-  for (Bucket& b : state_->buckets) b.flat.zero_();
-  state_->finished = false;
+  State& s = *state_;
+  if (s.options.rebuild_buckets && !s.rebuilt && s.synced_backwards >= 1) {
+    s.rebuild();  // collective: every rank reaches its first zero_grad after the first step
+  }
+  for (Bucket& b : s.buckets) b.flat.zero_();
+  s.finished = false;
 }
 
 void GradReducer::abandon_step() {
@@ -418,7 +423,9 @@ void GradReducer::abandon_step() {
     owes = !state_->finished;
   }
   if (owes) state_->finish_step(/*abandoned=*/true);
-  zero_grad();
+  // Zero without the (collective) bucket rebuild: the other ranks are elsewhere now.
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  for (Bucket& b : state_->buckets) b.flat.zero_();
 }
 
 int GradReducer::num_buckets() const {

@@ -75,7 +75,7 @@ bool Trainer::run_micro_batches(const Batch& batch, at::Tensor& loss_sum) {
   bool synced_backward_done = false;
   try {
     std::vector<Batch> micro = split_batch(batch, n);
-    loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device_));
+    loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device_));
     for (int i = 0; i < n; ++i) {
       std::optional<GradReducer::NoSync> no_sync;
       if (i + 1 < n) no_sync.emplace(reducer_.get());
@@ -86,7 +86,7 @@ bool Trainer::run_micro_batches(const Batch& batch, at::Tensor& loss_sum) {
       }
       DTRAIN_CHECK(loss.defined() && loss.numel() == 1, "the loss function must return a scalar, got ",
                    loss.defined() ? loss.sizes() : at::IntArrayRef{});
-      loss_sum.add_(loss.detach().to(at::kFloat).reshape({}));
+      loss_sum.add_(loss.detach().to(at::kDouble).reshape({}));
       at::Tensor scaled = scaler_->scale(loss.reshape({}) / n);
       loss.reset();
       scaled.backward();
@@ -99,7 +99,6 @@ bool Trainer::run_micro_batches(const Batch& batch, at::Tensor& loss_sum) {
                  << batch.size() / n << " rows: " << std::string(e.what_without_backtrace()).substr(0, 200);
     loss_sum.reset();
     if (!synced_backward_done) reducer_->abandon_step();
-    reducer_->zero_grad();
     release_cached_memory(device_);
     return true;
   }
@@ -162,6 +161,7 @@ StepResult Trainer::step(const Batch& batch) {
   for (;;) {
     bool failed = run_micro_batches(batch, loss_sum);
     if (!options_.oom_backoff || !agree_on_failure(failed)) break;
+    reducer_->zero_grad();  // every rank drops what the failed attempt accumulated
     back_off(batch.size());
     ++result.oom_retries;
   }

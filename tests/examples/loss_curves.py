@@ -98,16 +98,34 @@ def scenario_seq2seq(args):
     compare(one, ck, "seq2seq 2x4 checkpointed", 1e-4)
 
 
+def scenario_tensor_parallel(args):
+    shape = ["--d_model=64", "--heads=4", "--layers=2", "--seq_len=32", "--ff=128", "--steps=20",
+             "--workers=1", "--lr=0.003", "--warmup_steps=2", "--schedule=cosine"]
+    for vocab in (96, 97):  # 97 does not divide by the tensor-parallel size
+        flags = shape + [f"--vocab={vocab}"]
+        ref = train(args, "train_gpt", 1, flags + ["--batch_size=8"], f"gpt-v{vocab}-1")
+        assert ref[-1]["loss"] < ref[0]["loss"], "GPT loss did not fall"
+        compare(ref, train(args, "train_gpt", 2, flags + ["--batch_size=8", "--tp=2"], f"gpt-v{vocab}-tp2"),
+                f"vocab {vocab}: tp 2 on 2 ranks", 1e-4)
+        compare(ref, train(args, "train_gpt", 4, flags + ["--batch_size=4", "--tp=2"], f"gpt-v{vocab}-tp2dp2"),
+                f"vocab {vocab}: tp 2 x dp 2 on 4 ranks", 1e-4)
+    flags = shape + ["--vocab=96"]
+    ref = train(args, "train_gpt", 1, flags + ["--batch_size=8"], "gpt-1b")
+    compare(ref, train(args, "train_gpt", 4, flags + ["--batch_size=8", "--tp=4"], "gpt-tp4"),
+            "tp 4 on 4 ranks", 1e-4)
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("scenario", choices=["data_parallel", "amp", "seq2seq"])
+    ap.add_argument("scenario", choices=["data_parallel", "amp", "seq2seq", "tensor_parallel"])
     ap.add_argument("--bin", required=True)
     ap.add_argument("--mpirun", required=True)
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         args.workdir = args.workdir or tmp
-        {"data_parallel": scenario_data_parallel, "amp": scenario_amp, "seq2seq": scenario_seq2seq}[args.scenario](args)
+        {"data_parallel": scenario_data_parallel, "amp": scenario_amp, "seq2seq": scenario_seq2seq,
+         "tensor_parallel": scenario_tensor_parallel}[args.scenario](args)
 
 
 if __name__ == "__main__":

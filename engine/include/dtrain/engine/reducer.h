@@ -7,9 +7,9 @@
 // asynchronously, in bucket order, while backward continues. A callback queued at the end of
 // backward launches what is left (parameters that got no gradient count as zero), waits for
 // every bucket and writes results back, so when backward() returns the gradients are
-// averaged. After the first synchronized backward the buckets are rebuilt in the order the
-// gradients really arrived (rank 0's order, broadcast, so every rank launches the same
-// sequence).
+// averaged. At the first zero_grad() after the first synchronized backward the buckets are
+// rebuilt in the order the gradients really arrived (rank 0's order, broadcast, so every rank
+// launches the same sequence); zero_grad() is then collective, once.
 //
 // Threading: hooks run on autograd's threads; the reducer locks internally. Ownership: the
 // caller owns the parameters and the communicator, which must outlive the reducer. The
@@ -48,7 +48,7 @@ struct ReducerOptions {
   std::optional<at::ScalarType> compress;
   // Copy rank 0's parameter values to every rank at construction.
   bool broadcast_parameters = true;
-  // Rebuild buckets after the first synchronized backward in the arrival order.
+  // Rebuild buckets in the arrival order at the first zero_grad() after the first backward.
   bool rebuild_buckets = true;
   // Parameter names for messages (same length as the parameter list, or empty).
   std::vector<std::string> names;
@@ -100,8 +100,9 @@ class GradReducer {
   // After a failure on this rank (e.g. CUDA out of memory) during a step: unless this step's
   // synchronized backward already completed, issues the bucket all-reduces this rank still
   // owes (every bucket not yet launched, in order), so ranks that did not fail do not wait
-  // forever, and waits for them; ends any no_sync and zeroes the gradients. Then agree
-  // across ranks that the step is dropped.
+  // forever, and waits for them; ends any no_sync and zeroes the gradients (not
+  // collectively). Then agree across ranks that the step is dropped, and call zero_grad()
+  // on every rank.
   void abandon_step();
 
   const std::vector<at::Tensor>& params() const { return params_; }

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Bad input to the examples: each case must exit 2 with a message naming the problem.
+# usage: bad_input.sh BIN_DIR EXPECT_EXIT_SH
+set -u
+bin=$1
+expect=$2
+failed=0
+check() {
+  local code=$1 regex=$2
+  shift 2
+  bash "$expect" "$code" "$regex" -- "$@" >/tmp/dtrain_bad_input.$$ 2>&1 || { cat /tmp/dtrain_bad_input.$$; failed=1; }
+}
+check 2 'batch_size=0 must be >= 1' "$bin/train_mlp" --batch_size=0
+check 2 'batch_size=-4 must be >= 1' "$bin/train_mlp" --batch_size=-4
+check 2 "unknown AMP mode 'fp8'" "$bin/train_mlp" --amp=fp8
+check 2 "unknown optimizer name 'lamb'" "$bin/train_mlp" --optimizer=lamb
+check 2 'lr=nan must be a positive finite number' "$bin/train_mlp" --lr=nan
+check 2 'no usable CUDA GPU' env CUDA_VISIBLE_DEVICES= "$bin/train_mlp" --device=cuda
+check 2 'offload=disk is not one of' "$bin/train_mlp" --offload=disk
+check 2 'has no tensor-parallel layers' "$bin/train_mlp" --tp=2
+check 2 'not a multiple of --accum_steps=3' "$bin/train_mlp" --batch_size=64 --accum_steps=3
+check 2 "directory '/nonexistent' does not exist" "$bin/train_mlp" --metrics=/nonexistent/m.jsonl
+check 2 'd_model=50 is not divisible by --heads=8' "$bin/train_seq2seq" --d_model=50
+check 2 "unexpected argument 'extra'" "$bin/train_cnn" extra
+rm -f /tmp/dtrain_bad_input.$$
+[[ $failed == 0 ]] && echo "all bad-input cases exit 2 with a message"
+exit $failed
