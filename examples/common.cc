@@ -47,6 +47,7 @@ DEFINE_int64(eval_batches, 4, "batches per evaluation");
 DEFINE_int32(prefetch, 2, "batches prepared ahead by the loader");
 DEFINE_bool(inplace, true, "in-place activations where safe");
 DEFINE_bool(progress, true, "progress bar / periodic lines on rank 0");
+DEFINE_bool(eval_only, false, "only evaluate --eval_batches batches under no_grad (memory/speed of inference)");
 // Model shape
 DEFINE_int64(hidden, 256, "MLP: hidden width");
 DEFINE_int32(depth, 3, "MLP: hidden layers");
@@ -216,6 +217,28 @@ void report(const Run& run, const engine::StepMetrics& first, const engine::Step
               static_cast<long long>(first.step), last.loss, static_cast<long long>(last.step),
               last.step_ms, last.samples_per_s, last.mem_peak_mb);
   std::fflush(stdout);
+}
+
+engine::StepMetrics fit_and_report(const Run& run, engine::Trainer& trainer, engine::DataLoader& train,
+                                   engine::DataLoader* eval, const engine::StepMetrics& first) {
+  if (!FLAGS_eval_only) {
+    engine::StepMetrics last = trainer.fit(train, FLAGS_eval_every > 0 ? (eval ? eval : &train) : nullptr);
+    report(run, first, last);
+    return last;
+  }
+  engine::DataLoader& data = eval ? *eval : train;
+  trainer.evaluate(data, 1);  // warm-up
+  engine::reset_peak_memory(run.device);
+  auto t0 = std::chrono::steady_clock::now();
+  double loss = trainer.evaluate(data, FLAGS_eval_batches);
+  double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
+              FLAGS_eval_batches;
+  engine::MemoryStats mem = engine::memory_stats(run.device);
+  if (run.world.rank == 0) {
+    std::printf("%s: evaluated %lld batches under no_grad: loss %.4f, %.1f ms/batch, peak memory %.0f MB\n",
+                run.program.c_str(), static_cast<long long>(FLAGS_eval_batches), loss, ms, mem.peak_mb);
+  }
+  return engine::StepMetrics();
 }
 
 std::string sklearn_data_dir() {

@@ -46,6 +46,7 @@ DECLARE_int64(eval_batches);
 DECLARE_int32(prefetch);
 DECLARE_bool(inplace);
 DECLARE_bool(progress);
+DECLARE_bool(eval_only);
 // model shape
 DECLARE_int64(hidden);
 DECLARE_int32(depth);
@@ -85,6 +86,12 @@ engine::LoaderOptions loader_options(const Run& run, int64_t batch_size, bool sh
 // Runs body, turning dtrain::Error into "program: message" on stderr and exit code 2, and
 // other failures into exit code 1. Returns the exit code.
 int guarded_main(const char* program, const std::function<int()>& body);
+
+// Trains (or with --eval_only evaluates --eval_batches batches under no_grad, timing them)
+// and prints the summary on rank 0. eval may be null (then train's data is evaluated).
+// Returns the last logged metrics (step 0 when only evaluating).
+engine::StepMetrics fit_and_report(const Run& run, engine::Trainer& trainer, engine::DataLoader& train,
+                                   engine::DataLoader* eval, const engine::StepMetrics& first);
 
 // Prints the final summary line on rank 0.
 void report(const Run& run, const engine::StepMetrics& first, const engine::StepMetrics& last);

@@ -72,8 +72,7 @@ int main(int argc, char** argv) {
       return model->loss(w.narrow(1, 0, S), w.narrow(1, 1, S));
     }, *run.mesh, run.device, options);
     engine::DataLoader loader(data, examples::loader_options(run, FLAGS_batch_size, true, FLAGS_seed));
-    engine::StepMetrics last = trainer.fit(loader, FLAGS_eval_every > 0 ? &loader : nullptr);
-    examples::report(run, first, last);
+    engine::StepMetrics last = examples::fit_and_report(run, trainer, loader, nullptr, first);
     if (run.world.rank == 0 && run.device.is_cuda() && last.step_ms > 0) {
       // Model FLOPs per token: 6 N for the weights plus attention's 12 L d T (forward+backward).
       double flops_per_token = 6.0 * model->parameter_count() + 12.0 * mo.layers * mo.d_model * S;

@@ -52,8 +52,7 @@ int main(int argc, char** argv) {
     engine::DataLoader train_loader(train, examples::loader_options(run, FLAGS_batch_size, true, FLAGS_seed));
     int64_t eval_batch = std::max<int64_t>(1, std::min<int64_t>(FLAGS_batch_size, n_eval / run.mesh->dp_size()));
     engine::DataLoader eval_loader(eval, examples::loader_options(run, eval_batch, false, FLAGS_seed));
-    engine::StepMetrics last = trainer.fit(train_loader, FLAGS_eval_every > 0 ? &eval_loader : nullptr);
-    examples::report(run, first, last);
+    examples::fit_and_report(run, trainer, train_loader, &eval_loader, first);
     return 0;
   });
 }

@@ -50,8 +50,7 @@ int main(int argc, char** argv) {
       return model->loss(w.narrow(1, 0, S), w.narrow(1, S, S), w.narrow(1, S + 1, S));
     }, *run.mesh, run.device, options);
     engine::DataLoader loader(data, examples::loader_options(run, FLAGS_batch_size, true, FLAGS_seed));
-    engine::StepMetrics last = trainer.fit(loader, FLAGS_eval_every > 0 ? &loader : nullptr);
-    examples::report(run, first, last);
+    examples::fit_and_report(run, trainer, loader, nullptr, first);
     return 0;
   });
 }

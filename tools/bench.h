@@ -15,5 +15,6 @@ struct BenchContext {
 };
 
 int run_allreduce(BenchContext& ctx);
+int run_engine(BenchContext& ctx);
 
 }  // namespace dtrain::bench

@@ -1,5 +1,6 @@
 // dtrain-bench: benchmarks that print JSON lines. Usage: dtrain-bench BENCH [--flags]
 //   allreduce   Communicator all-reduce vs the backend's raw call, 1 KiB .. 256 MiB
+//   engine      Trainer step vs a hand-written libtorch loop at world size 1
 #include <gflags/gflags.h>
 
 #include <cstdio>
@@ -19,8 +20,9 @@ int main(int argc, char** argv) {
   using namespace dtrain;
   const std::map<std::string, std::function<int(bench::BenchContext&)>> benches = {
       {"allreduce", bench::run_allreduce},
+      {"engine", bench::run_engine},
   };
-  gflags::SetUsageMessage("dtrain-bench BENCH [flags]; BENCH is one of: allreduce");
+  gflags::SetUsageMessage("dtrain-bench BENCH [flags]; BENCH is one of: allreduce, engine");
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   if (argc < 2 || !benches.count(argv[1])) {
     std::fprintf(stderr, "dtrain-bench: name a benchmark: %s BENCH [flags], BENCH one of:", argv[0]);

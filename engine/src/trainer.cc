@@ -219,7 +219,8 @@ StepMetrics Trainer::fit(DataLoader& train, DataLoader* eval) {
     StepResult r = step(batch);
     ++window_steps;
     const bool eval_now = eval && options_.eval_every > 0 && r.step % options_.eval_every == 0;
-    const bool log_now = r.step % options_.log_every == 0 || r.step == options_.steps || eval_now;
+    const bool log_now =
+        r.step == 1 || r.step % options_.log_every == 0 || r.step == options_.steps || eval_now;
     if (!log_now) continue;  // no host sync between log steps
     StepMetrics m = last_;
     m.loss = read_loss();  // waits for the step's work: the window's time is now complete

@@ -41,7 +41,7 @@ struct TrainerOptions {
   ScheduleOptions schedule;
   double clip_grad_norm = 0;      // 0: no clipping (the norm is still reported)
   bool report_grad_norm = true;
-  int64_t log_every = 10;         // metrics line every this many steps (and the last)
+  int64_t log_every = 10;         // metrics line at step 1, every this many steps, and the last
   int64_t eval_every = 0;         // 0: never; else evaluate every this many steps
   int64_t eval_batches = 4;       // batches per evaluation (per rank)
   std::string metrics_path;       // JSON lines (rank 0); empty: none
