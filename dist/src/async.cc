@@ -71,9 +71,24 @@ bool HostWork::is_completed() {
   return done_;
 }
 
+void HostWork::mark_started() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  started_ = std::chrono::steady_clock::now();
+}
+
+bool HostWork::timing(std::chrono::steady_clock::time_point* start,
+                      std::chrono::steady_clock::time_point* end) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!done_ || started_ == std::chrono::steady_clock::time_point{}) return false;
+  *start = started_;
+  *end = ended_;
+  return true;
+}
+
 void HostWork::finish(std::exception_ptr error) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    ended_ = std::chrono::steady_clock::now();
     done_ = true;
     error_ = std::move(error);
   }

@@ -48,10 +48,15 @@ class HostWork : public Work {
   uint64_t sequence() const override { return seq_; }
   // Marks the operation done (with its failure, if any) and wakes waiters.
   void finish(std::exception_ptr error = nullptr);
+  // Records when the executor began the operation (finish() records the end).
+  void mark_started();
+  bool timing(std::chrono::steady_clock::time_point* start,
+              std::chrono::steady_clock::time_point* end) const override;
 
  private:
   const uint64_t seq_;
-  std::mutex mutex_;
+  std::chrono::steady_clock::time_point started_{}, ended_{};  // guarded by mutex_
+  mutable std::mutex mutex_;
   std::condition_variable cv_;
   bool done_ = false;          // guarded by mutex_
   std::exception_ptr error_;   // guarded by mutex_

@@ -78,6 +78,7 @@ class MpiCommunicator final : public Communicator {
       uint64_t token = Watchdog::instance().watch(
           {what, options().timeout, [work] { return work->is_completed(); },
            [comm = comm_] { MPI_Abort(comm, kExitCollectiveTimeout); }});
+      work->mark_started();
       try {
         if (ready) {
           run_staged(op, *ready);

@@ -179,7 +179,8 @@ void GradReducer::State::launch(size_t b) {
   if (!bucket.wire.is_same(bucket.flat)) bucket.wire.copy_(bucket.flat);
   stats.bucket_launch.push_back(Clock::now());
   stats.hooks_before_launch.push_back(hooks_fired);
-  stats.bytes += bucket.wire.numel() * bucket.wire.element_size();
+  stats.bucket_bytes.push_back(bucket.wire.numel() * bucket.wire.element_size());
+  stats.bytes += stats.bucket_bytes.back();
   bucket.work = comm.all_reduce(bucket.wire, dist::ReduceOp::kAvg);
 }
 
@@ -231,9 +232,19 @@ void GradReducer::State::finish_step(bool abandoned) {
                     "start their buckets early.";
   }
   std::exception_ptr failure;
-  for (Bucket& b : buckets) {
+  for (size_t k = 0; k < buckets.size(); ++k) {
+    Bucket& b = buckets[k];
     try {
-      if (b.work) b.work->wait();
+      if (b.work) {
+        b.work->wait();
+        Clock::time_point start, end;
+        if (!b.work->timing(&start, &end)) {
+          start = k < stats.bucket_launch.size() ? stats.bucket_launch[k] : Clock::now();
+          end = Clock::now();
+        }
+        stats.bucket_start.push_back(start);
+        stats.bucket_end.push_back(end);
+      }
       if (!b.wire.is_same(b.flat)) b.flat.copy_(b.wire);
     } catch (...) {
       if (!failure) failure = std::current_exception();

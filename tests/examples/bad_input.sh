@@ -22,6 +22,7 @@ check 2 'not a multiple of --accum_steps=3' "$bin/train_mlp" --batch_size=64 --a
 check 2 "directory '/nonexistent' does not exist" "$bin/train_mlp" --metrics=/nonexistent/m.jsonl
 check 2 'd_model=50 is not divisible by --heads=8' "$bin/train_seq2seq" --d_model=50
 check 2 "unexpected argument 'extra'" "$bin/train_cnn" extra
+check 2 "unknown communicator backend 'gloo'" "$bin/train_mlp" --backend=gloo
 rm -f /tmp/dtrain_bad_input.$$
 [[ $failed == 0 ]] && echo "all bad-input cases exit 2 with a message"
 exit $failed

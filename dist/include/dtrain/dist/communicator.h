@@ -58,6 +58,12 @@ class Work {
   virtual bool is_completed() = 0;
   // Sequence number of the operation on its communicator (1, 2, ...).
   virtual uint64_t sequence() const = 0;
+  // When the backend began and finished the operation, if it measures that (the MPI
+  // backend does, on its executor thread); valid once is_completed(). For timelines.
+  virtual bool timing(std::chrono::steady_clock::time_point* start,
+                      std::chrono::steady_clock::time_point* end) const {
+    return false;
+  }
 };
 using WorkPtr = std::shared_ptr<Work>;
 

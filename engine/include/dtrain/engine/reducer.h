@@ -59,6 +59,10 @@ struct ReducerStepStats {
   using Clock = std::chrono::steady_clock;
   std::vector<Clock::time_point> bucket_launch;  // per bucket, in launch order
   std::vector<int> hooks_before_launch;          // gradients ready when each bucket launched
+  // When the communicator began and finished each bucket's all-reduce, where the backend
+  // measures it (MPI); otherwise launch and the end of the wait.
+  std::vector<Clock::time_point> bucket_start, bucket_end;
+  std::vector<int64_t> bucket_bytes;
   Clock::time_point first_hook;
   Clock::time_point backward_end;                // when the end-of-backward callback began
   Clock::time_point reduced;                     // when every bucket was written back
