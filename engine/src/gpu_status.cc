@@ -63,7 +63,7 @@ const Nvml& nvml() {
     Nvml n;
     void* lib = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
     if (!lib) {
-      n.error = "libnvidia-ml.so.1 could not be loaded";
+      n.error = "libnvidia-ml.so.1 could not be loaded: no NVIDIA driver here?";
       return n;
     }
     bind(lib, "nvmlInit_v2", n.init);
