@@ -1,0 +1,152 @@
+// The run behind docs/OBSERVABILITY.md's pictures: a small data-parallel regression (an MLP,
+// AdamW, the GradReducer over MPI on CPU processes) recording a timeline, TensorBoard
+// scalars and a memory report with this module's APIs. Not part of the build; from the
+// repository root after building dtrain_engine:
+//   g++ -std=c++17 -O2 docs/images/obs_demo.cc -Iengine/include -Idist/include \
+//     -Ioffload/include -isystem $TORCH/include -isystem $TORCH/include/torch/csrc/api/include \
+//     -Lbuild/lib -ldtrain_engine -ldtrain_dist -ldtrain_offload -L$TORCH/lib -ltorch \
+//     -ltorch_cpu -lc10 -lglog -Wl,-rpath,$PWD/build/lib:$TORCH/lib -o /tmp/obs_demo
+//   mpirun -np 2 /tmp/obs_demo /tmp/obs_run
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include "dtrain/dist/communicator.h"
+#include "dtrain/dist/world.h"
+#include "dtrain/engine/memory.h"
+#include "dtrain/engine/memory_report.h"
+#include "dtrain/engine/optim.h"
+#include "dtrain/engine/reducer.h"
+#include "dtrain/engine/tensorboard.h"
+#include "dtrain/engine/timeline.h"
+
+using namespace dtrain;
+using namespace dtrain::engine;
+
+int main(int argc, char** argv) {
+  const std::string out = argc > 1 ? argv[1] : "/tmp/obs_run";
+  const int steps = 150, traced_steps = 8, batch = 64;
+  dist::World world = dist::detect_world();
+  track_cpu_memory();
+  const c10::Device cpu(c10::kCPU);
+  auto comm = dist::create_communicator(world.has_mpi_launcher() ? "mpi" : "local", world, cpu);
+
+  torch::manual_seed(0);
+  torch::nn::Sequential model(torch::nn::Linear(256, 1024), torch::nn::ReLU(),
+                              torch::nn::Linear(1024, 1024), torch::nn::ReLU(),
+                              torch::nn::Linear(1024, 1024), torch::nn::ReLU(),
+                              torch::nn::Linear(1024, 1));
+  auto params = model->parameters();
+  ReducerOptions ro;
+  ro.bucket_bytes = 2 << 20;
+  GradReducer reducer(params, *comm, ro);
+  OptimizerOptions oo;
+  oo.lr = 1e-3;
+  auto optimizer = make_optimizer(params, oo);
+  ScheduleOptions schedule;
+  schedule.name = "cosine";
+  schedule.warmup_steps = 10;
+  schedule.total_steps = steps;
+  schedule.min_lr_ratio = 0.1;
+  // y = tanh(mean of the first 8 features, scaled) + noise: learnable, with a noise floor.
+  auto make_batch = [](int rows) {
+    at::Tensor x = torch::randn({rows, 256});
+    at::Tensor y =
+        torch::tanh(x.narrow(1, 0, 8).sum(1, true) / 2.0) + 0.1 * torch::randn({rows, 1});
+    return std::make_pair(x, y);
+  };
+  torch::manual_seed(999);
+  const auto [eval_x, eval_y] = make_batch(512);
+
+  Timeline traced(true, world.rank), off(false, world.rank);
+  EventWriter tb(out + "/tensorboard", world.rank == 0);
+  torch::manual_seed(1000 + world.rank);  // each rank its own data
+  for (int step = 1; step <= steps; ++step) {
+    Timeline& tl = step <= traced_steps ? traced : off;
+    const auto t_step = Timeline::Clock::now();
+    at::Tensor x, y;
+    {
+      Timeline::Span load(tl, "load batch", category::kData, lane::kLoader, {{"rows", batch}});
+      std::tie(x, y) = make_batch(batch);
+    }
+    ActivationProbe probe(cpu);
+    if (step == 3) probe.begin();
+    at::Tensor loss;
+    {
+      Timeline::Span forward(tl, "forward", category::kCompute, lane::kMain);
+      loss = torch::mse_loss(model->forward(x), y);
+    }
+    const auto t_backward = Timeline::Clock::now();
+    loss.backward();
+    const auto t_returned = Timeline::Clock::now();
+    const ReducerStepStats stats = reducer.last_step_stats();
+    tl.add_complete("backward", category::kCompute, lane::kBackward, t_backward,
+                    stats.backward_end);
+    for (size_t b = 0; b < stats.bucket_launch.size(); ++b) {
+      tl.add_instant("launch bucket " + std::to_string(b), category::kComm, lane::kComm,
+                     stats.bucket_launch[b], {{"bucket", double(b)}});
+    }
+    tl.add_complete(
+        "all-reduce buckets", category::kComm, lane::kComm, stats.bucket_launch.front(),
+        stats.reduced,
+        {{"bytes", double(stats.bytes)}, {"buckets", double(stats.bucket_launch.size())}});
+    tl.add_complete("wait for all-reduce", category::kComm, lane::kMain, stats.backward_end,
+                    t_returned);
+    if (step == 3) {
+      probe.mark("backward");
+      std::vector<at::Tensor> grads, state;
+      for (const auto& p : params) grads.push_back(p.grad());
+      for (const auto& [name, t] : optimizer->state()) state.push_back(t);
+      MemoryReport r = build_memory_report(cpu, params, grads, state, probe.start_allocated_mb(),
+                                           probe.peak_mb());
+      r.step = step;
+      if (world.rank == 0) std::printf("%s", r.to_string().c_str());
+    }
+    std::vector<at::Tensor> grads;
+    for (const auto& p : params) grads.push_back(p.grad());
+    const double norm = grad_norm(grads).item<double>();
+    {
+      Timeline::Span opt(tl, "optimizer step", category::kOptimizer, lane::kOptimizer);
+      optimizer->set_lr(oo.lr * schedule_factor(schedule, step - 1));
+      optimizer->step();
+      reducer.zero_grad();
+    }
+    at::Tensor global = loss.detach().clone();
+    comm->all_reduce(global, dist::ReduceOp::kAvg)->wait();
+    const auto t_end = Timeline::Clock::now();
+    tl.add_complete("step", category::kCompute, lane::kMain, t_step, t_end, {{"step", step}});
+    StepMetrics m;
+    m.step = step;
+    m.loss = global.item<double>();
+    m.lr = optimizer->lr();
+    m.grad_norm = norm;
+    if (step % 25 == 0) {
+      torch::NoGradGuard no_grad;
+      at::Tensor e = torch::mse_loss(model->forward(eval_x), eval_y);
+      comm->all_reduce(e, dist::ReduceOp::kAvg)->wait();
+      m.eval_loss = e.item<double>();
+    }
+    m.step_ms = std::chrono::duration<double, std::milli>(t_end - t_step).count();
+    m.samples_per_s = batch * world.size * 1000.0 / m.step_ms;
+    const MemoryStats mem = memory_stats(cpu);
+    m.mem_allocated_mb = mem.allocated_mb;
+    m.mem_peak_mb = mem.peak_mb;
+    tb.add_metrics(m);
+  }
+  const std::string mine = timeline_path_for_rank(out + "/trace.json", world.rank, world.size);
+  traced.write(mine);
+  comm->barrier()->wait();
+  if (world.rank == 0) {
+    std::vector<std::string> files;
+    for (int r = 0; r < world.size; ++r) {
+      files.push_back(timeline_path_for_rank(out + "/trace.json", r, world.size));
+    }
+    merge_timelines(files, out + "/trace.merged.json");
+    std::printf("%s\n",
+                summarize_overlap(read_timeline(out + "/trace.merged.json")).to_string().c_str());
+  }
+  return 0;
+}
