@@ -4,7 +4,6 @@
 
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -33,7 +32,8 @@ DEFINE_string(metrics, "", "write metrics as JSON lines to this file (rank 0)");
 DEFINE_string(save_dir, "", "save checkpoints to this directory");
 DEFINE_bool(resume, false, "resume from the newest good checkpoint in --save_dir");
 DEFINE_string(tensorboard_dir, "", "write TensorBoard event files here (rank 0)");
-DEFINE_string(timeline, "", "write a Chrome trace of the run to this file");
+DEFINE_string(timeline, "", "write a Chrome trace of the run to this file (per-rank files merged by rank 0)");
+DEFINE_int64(memory_report_step, 0, "log where memory goes after this step (0: never)");
 DEFINE_int32(collective_timeout_s, 300, "seconds before a stuck collective ends the job");
 DEFINE_string(backend, "auto", "communicator backend: auto, mpi, nccl, local");
 DEFINE_string(optimizer, "", "sgd, adam, adamw or adagrad (default: the example's)");
@@ -108,16 +108,26 @@ void check_flags() {
                " is not available in this build yet; use --offload=none");
   DTRAIN_CHECK(FLAGS_save_dir.empty() && !FLAGS_resume,
                "--save_dir/--resume are not available in this build yet");
-  DTRAIN_CHECK(FLAGS_tensorboard_dir.empty(), "--tensorboard_dir is not available in this build yet");
-  DTRAIN_CHECK(FLAGS_timeline.empty(), "--timeline is not available in this build yet");
+}
+
+// POSIX rather than std::filesystem: libtorch.so exports its own copies of some
+// std::filesystem functions, and programs linking it bind to them.
+bool is_directory(const std::string& dir) {
+  struct stat st {};
+  return stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+std::string parent_directory(const std::string& path) {
+  auto slash = path.rfind('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : path.substr(0, slash);
 }
 
 void check_writable_file(const std::string& path, const char* flag) {
   if (path.empty()) return;
-  std::filesystem::path p(path);
-  std::filesystem::path dir = p.has_parent_path() ? p.parent_path() : std::filesystem::path(".");
-  DTRAIN_CHECK(std::filesystem::is_directory(dir), "--", flag, "=", path, ": directory '",
-               dir.string(), "' does not exist; create it first");
+  std::string dir = parent_directory(path);
+  DTRAIN_CHECK(is_directory(dir), "--", flag, "=", path, ": directory '",
+               dir, "' does not exist; create it first");
 }
 
 }  // namespace
@@ -134,11 +144,13 @@ Run init_run(int argc, char** argv, const std::string& usage,
                "'; flags are written --name=value");
   engine::track_cpu_memory();  // exact CPU tensor memory in the metrics
   Run run;
-  run.program = std::filesystem::path(argv[0]).filename().string();
+  std::string argv0 = argv[0];
+  run.program = argv0.substr(argv0.rfind('/') == std::string::npos ? 0 : argv0.rfind('/') + 1);
   run.world = dist::detect_world();
   dist::init_logging(argv[0], run.world);
   check_flags();
   check_writable_file(FLAGS_metrics, "metrics");
+  check_writable_file(FLAGS_timeline, "timeline");
   DTRAIN_CHECK(model_checks || FLAGS_tp == 1, "--tp=", FLAGS_tp, ": ", run.program,
                " has no tensor-parallel layers; use train_gpt for tensor parallelism");
   dist::Mesh::check(run.world.size, FLAGS_tp);
@@ -176,6 +188,9 @@ engine::TrainerOptions trainer_options(const Run& run, const std::string& defaul
   o.eval_every = FLAGS_eval_every;
   o.eval_batches = FLAGS_eval_batches;
   o.metrics_path = FLAGS_metrics;
+  o.tensorboard_dir = FLAGS_tensorboard_dir;
+  o.timeline_path = FLAGS_timeline;
+  o.memory_report_step = FLAGS_memory_report_step;
   o.progress = FLAGS_progress;
   o.oom_backoff = run.mesh->tp_size() == 1;
   return o;

@@ -33,6 +33,7 @@ DECLARE_string(save_dir);
 DECLARE_bool(resume);
 DECLARE_string(tensorboard_dir);
 DECLARE_string(timeline);
+DECLARE_int64(memory_report_step);
 DECLARE_int32(collective_timeout_s);
 DECLARE_string(backend);
 DECLARE_string(optimizer);

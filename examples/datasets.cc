@@ -4,7 +4,8 @@
 
 #include <algorithm>
 #include <cstring>
-#include <filesystem>
+#include <dirent.h>
+#include <sys/stat.h>
 #include <fstream>
 #include <sstream>
 
@@ -47,12 +48,17 @@ std::pair<at::Tensor, at::Tensor> load_digits(const std::string& path) {
 }
 
 at::Tensor load_text_bytes(const std::string& dir) {
-  DTRAIN_CHECK(std::filesystem::is_directory(dir), "text corpus directory '", dir,
-               "' does not exist; pass --data_path=DIR or --data=synthetic");
-  std::vector<std::filesystem::path> files;
-  for (auto& e : std::filesystem::directory_iterator(dir)) {
-    if (e.is_regular_file()) files.push_back(e.path());
+  // POSIX rather than std::filesystem (see examples/common.cc).
+  DIR* d = opendir(dir.c_str());
+  DTRAIN_CHECK(d != nullptr, "text corpus directory '", dir,
+               "' cannot be read; pass --data_path=DIR or --data=synthetic");
+  std::vector<std::string> files;
+  while (dirent* e = readdir(d)) {
+    std::string path = dir + "/" + e->d_name;
+    struct stat st {};
+    if (stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode)) files.push_back(path);
   }
+  closedir(d);
   std::sort(files.begin(), files.end());
   std::string all;
   for (auto& p : files) {

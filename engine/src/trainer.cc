@@ -66,6 +66,16 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
   scaler_options.enabled = options_.amp == AmpMode::kFp16;
   scaler_ = std::make_unique<LossScaler>(scaler_options, device_);
   metrics_ = std::make_unique<MetricsWriter>(options_.metrics_path, mesh_.world().rank() == 0);
+  const bool rank0 = mesh_.world().rank() == 0;
+  tensorboard_ = std::make_unique<EventWriter>(options_.tensorboard_dir,
+                                               rank0 && !options_.tensorboard_dir.empty());
+  TimelineOptions timeline;
+  timeline.enabled = !options_.timeline_path.empty();
+  timeline.rank = mesh_.world().rank();
+  if (timeline.enabled) {
+    timeline.path = timeline_path_for_rank(options_.timeline_path, mesh_.world().rank(), mesh_.world().size());
+  }
+  timeline_ = std::make_unique<Timeline>(timeline);
 }
 
 Trainer::~Trainer() = default;
@@ -81,6 +91,7 @@ bool Trainer::run_micro_batches(const Batch& batch, at::Tensor& loss_sum) {
       if (i + 1 < n) no_sync.emplace(reducer_.get());
       at::Tensor loss;
       {
+        Timeline::Span span(*timeline_, "forward", category::kCompute, lane::kMain);
         AutocastGuard autocast(device_.type(), options_.amp);
         loss = loss_(micro[i]);
       }
@@ -89,7 +100,20 @@ bool Trainer::run_micro_batches(const Batch& batch, at::Tensor& loss_sum) {
       loss_sum.add_(loss.detach().to(at::kDouble).reshape({}));
       at::Tensor scaled = scaler_->scale(loss.reshape({}) / n);
       loss.reset();
+      const auto backward_start = std::chrono::steady_clock::now();
       scaled.backward();
+      if (timeline_->enabled()) {
+        if (i + 1 < n) {
+          timeline_->add_complete("backward", category::kCompute, lane::kMain, backward_start,
+                                  std::chrono::steady_clock::now());
+        } else {
+          // The synchronized backward: computation until the end-of-backward callback, then
+          // the wait for the buckets still in flight (the communication not hidden).
+          ReducerStepStats st = reducer_->last_step_stats();
+          timeline_->add_complete("backward", category::kCompute, lane::kMain, backward_start, st.backward_end);
+          timeline_->add_complete("wait for gradients", "wait", lane::kMain, st.backward_end, st.reduced);
+        }
+      }
       if (i + 1 == n) synced_backward_done = true;
     }
     return false;
@@ -98,6 +122,7 @@ bool Trainer::run_micro_batches(const Batch& batch, at::Tensor& loss_sum) {
     LOG(WARNING) << "out of memory in step " << step_ + 1 << " with micro-batch of "
                  << batch.size() / n << " rows: " << std::string(e.what_without_backtrace()).substr(0, 200);
     loss_sum.reset();
+    if (device_.is_cuda()) LOG(WARNING) << "memory at the failure:\n" << memory_report().to_string();
     if (!synced_backward_done) reducer_->abandon_step();
     release_cached_memory(device_);
     return true;
@@ -150,12 +175,17 @@ void Trainer::apply_update(StepMetrics& m, bool& skipped) {
   optimizer_->set_lr(lr);
   m.lr = lr;
   skipped = !finite;
-  if (finite) optimizer_->step();
+  if (finite) {
+    Timeline::Span span(*timeline_, "optimizer", category::kOptimizer, lane::kOptimizer);
+    optimizer_->step();
+  }
   scaler_->update();
   reducer_->zero_grad();
 }
 
 StepResult Trainer::step(const Batch& batch) {
+  const auto started = std::chrono::steady_clock::now();
+  step_start_allocated_mb_ = memory_stats(device_).allocated_mb;
   StepResult result;
   at::Tensor loss_sum;
   for (;;) {
@@ -165,10 +195,15 @@ StepResult Trainer::step(const Batch& batch) {
     back_off(batch.size());
     ++result.oom_retries;
   }
+  step_peak_mb_ = memory_stats(device_).peak_mb;
   StepMetrics m;
   bool skipped = false;
   apply_update(m, skipped);
   ++step_;
+  record_step_timeline(started);
+  if (options_.memory_report_step == step_ && mesh_.world().rank() == 0) {
+    LOG(INFO) << "memory report after step " << step_ << ":\n" << memory_report().to_string();
+  }
   // The global-batch mean: average over micro-batches here, over data-parallel ranks there.
   at::Tensor loss = loss_sum.div(accum_steps_).reshape({1});
   pending_loss_ = mesh_.dp().all_reduce(loss, dist::ReduceOp::kAvg);
@@ -180,6 +215,44 @@ StepResult Trainer::step(const Batch& batch) {
   m.accum_steps = accum_steps_;
   last_ = m;
   return result;
+}
+
+void Trainer::record_step_timeline(std::chrono::steady_clock::time_point start) {
+  if (!timeline_->enabled()) return;
+  auto end = std::chrono::steady_clock::now();
+  ReducerStepStats s = reducer_->last_step_stats();
+  for (size_t k = 0; k < s.bucket_start.size(); ++k) {
+    TraceArgs args = {{"bucket", static_cast<double>(k)},
+                      {"bytes", k < s.bucket_bytes.size() ? static_cast<double>(s.bucket_bytes[k]) : 0.0}};
+    if (k < s.bucket_launch.size()) {
+      timeline_->add_instant("enqueue all_reduce", category::kComm, lane::kComm, s.bucket_launch[k], args);
+    }
+    timeline_->add_complete("all_reduce", category::kComm, lane::kComm, s.bucket_start[k], s.bucket_end[k], args);
+  }
+  timeline_->add_complete("step", category::kCompute, lane::kMain, start, end,
+                          {{"step", static_cast<double>(step_)}, {"accum_steps", static_cast<double>(accum_steps_)}});
+}
+
+void Trainer::finish_timeline() {
+  if (!timeline_->enabled()) return;
+  timeline_->write();
+  dist::Communicator& world = mesh_.world();
+  world.barrier()->wait();
+  if (world.rank() != 0) return;
+  std::vector<std::string> files;
+  for (int r = 0; r < world.size(); ++r) {
+    files.push_back(timeline_path_for_rank(options_.timeline_path, r, world.size()));
+  }
+  if (world.size() > 1) merge_timelines(files, options_.timeline_path);
+  LOG(INFO) << "timeline written to " << options_.timeline_path << ": "
+            << summarize_overlap(read_timeline(options_.timeline_path)).to_string();
+}
+
+MemoryReport Trainer::memory_report() const {
+  std::vector<at::Tensor> grads, state;
+  for (const at::Tensor& p : params_) grads.push_back(p.grad());
+  for (auto& [name, t] : optimizer_->state()) state.push_back(t);
+  return build_memory_report(device_, params_, grads, state, step_start_allocated_mb_, step_peak_mb_);
 }
 
 double Trainer::read_loss() {
@@ -215,7 +288,11 @@ StepMetrics Trainer::fit(DataLoader& train, DataLoader* eval) {
   StepMetrics logged;
   reset_peak_memory(device_);
   while (step_ < options_.steps) {
-    Batch batch = train.next();
+    Batch batch;
+    {
+      Timeline::Span span(*timeline_, "data", category::kData, lane::kLoader);
+      batch = train.next();
+    }
     StepResult r = step(batch);
     ++window_steps;
     const bool eval_now = eval && options_.eval_every > 0 && r.step % options_.eval_every == 0;
@@ -235,13 +312,18 @@ StepMetrics Trainer::fit(DataLoader& train, DataLoader* eval) {
     if (options_.report_grad_norm && last_grad_norm_.defined()) m.grad_norm = last_grad_norm_.item<double>();
     if (eval_now) m.eval_loss = evaluate(*eval, options_.eval_batches);
     metrics_->write(m);
+    tensorboard_->add_metrics(m);
     progress.update(m);
+    if (device_.is_cuda() && mesh_.world().rank() == 0 && !options_.progress) {
+      LOG(INFO) << gpu_summary_line(device_);
+    }
     if (options_.on_log) options_.on_log(m);
     logged = m;
     window_start = std::chrono::steady_clock::now();
     window_steps = 0;
   }
   progress.finish();
+  finish_timeline();
   return logged;
 }
 

@@ -23,6 +23,8 @@ check 2 "directory '/nonexistent' does not exist" "$bin/train_mlp" --metrics=/no
 check 2 'd_model=50 is not divisible by --heads=8' "$bin/train_seq2seq" --d_model=50
 check 2 "unexpected argument 'extra'" "$bin/train_cnn" extra
 check 2 "unknown communicator backend 'gloo'" "$bin/train_mlp" --backend=gloo
+check 2 "cannot create the TensorBoard directory '/proc/forbidden'" "$bin/train_mlp" --tensorboard_dir=/proc/forbidden
+check 2 "timeline=/nonexistent/t.json: directory '/nonexistent' does not exist" "$bin/train_mlp" --timeline=/nonexistent/t.json
 rm -f /tmp/dtrain_bad_input.$$
 [[ $failed == 0 ]] && echo "all bad-input cases exit 2 with a message"
 exit $failed

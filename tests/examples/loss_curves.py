@@ -115,9 +115,47 @@ def scenario_tensor_parallel(args):
             "tp 4 on 4 ranks", 1e-4)
 
 
+def scenario_observability(args):
+    tb = os.path.join(args.workdir, "tb")
+    tl = os.path.join(args.workdir, "trace.json")
+    flags = ["--steps=20", "--log_every=5", "--workers=1", "--data=synthetic", "--d_model=32", "--heads=4",
+             "--ff=64", "--layers=2", "--seq_len=16", "--vocab=300", "--batch_size=4",
+             f"--tensorboard_dir={tb}", f"--timeline={tl}", "--memory_report_step=2"]
+    m = train(args, "train_seq2seq", 2, flags, "obs")
+    # TensorBoard's own reader sees the logged steps and values.
+    out = subprocess.run([args.python, os.path.join(args.source, "tests/reference/read_tensorboard.py"), tb],
+                         stdout=subprocess.PIPE, text=True, check=True).stdout
+    scalars = json.loads(out)["scalars"]
+    for tag in ("train/loss", "train/lr", "perf/step_ms", "perf/samples_per_s", "memory/allocated_mb", "train/grad_norm"):
+        assert tag in scalars, f"TensorBoard has no {tag}: {sorted(scalars)}"
+    tb_loss = {int(s): v for s, v, _ in scalars["train/loss"]}
+    want = {row["step"]: row["loss"] for row in m}
+    assert sorted(tb_loss) == sorted(want), (sorted(tb_loss), sorted(want))
+    for step, loss in want.items():
+        assert abs(tb_loss[step] - loss) <= 1e-6 * abs(loss), (step, tb_loss[step], loss)
+    print(f"ok: TensorBoard reader sees steps {sorted(tb_loss)} with the metrics file's losses")
+    # The merged timeline is valid Chrome-trace JSON with backward and all-reduce events, and
+    # some all-reduce starts before the backward of its step ends (overlap).
+    with open(tl) as f:
+        trace = json.load(f)["traceEvents"]
+    spans = [e for e in trace if e.get("ph") == "X"]
+    ranks = {e["pid"] for e in spans}
+    assert ranks == {0, 1}, ranks
+    backward = [e for e in spans if e["name"] == "backward"]
+    comm = [e for e in spans if e["name"] == "all_reduce"]
+    assert backward and comm, "no backward or all_reduce events"
+    overlapping = sum(1 for c in comm for b in backward
+                      if b["pid"] == c["pid"] and c["ts"] < b["ts"] + b["dur"] and c["ts"] >= b["ts"])
+    assert overlapping > 0, "no all-reduce started inside a backward span"
+    print(f"ok: timeline has {len(backward)} backward and {len(comm)} all_reduce spans on ranks {sorted(ranks)}; "
+          f"{overlapping} all-reduces start during backward")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("scenario", choices=["data_parallel", "amp", "seq2seq", "tensor_parallel"])
+    ap.add_argument("scenario", choices=["data_parallel", "amp", "seq2seq", "tensor_parallel", "observability"])
+    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--source", default=os.path.join(os.path.dirname(__file__), "..", ".."))
     ap.add_argument("--bin", required=True)
     ap.add_argument("--mpirun", required=True)
     ap.add_argument("--workdir", default=None)
@@ -125,7 +163,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         args.workdir = args.workdir or tmp
         {"data_parallel": scenario_data_parallel, "amp": scenario_amp, "seq2seq": scenario_seq2seq,
-         "tensor_parallel": scenario_tensor_parallel}[args.scenario](args)
+         "tensor_parallel": scenario_tensor_parallel, "observability": scenario_observability}[args.scenario](args)
 
 
 if __name__ == "__main__":

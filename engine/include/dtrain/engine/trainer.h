@@ -26,9 +26,12 @@
 #include "dtrain/dist/mesh.h"
 #include "dtrain/engine/amp.h"
 #include "dtrain/engine/data.h"
+#include "dtrain/engine/memory_report.h"
 #include "dtrain/engine/metrics.h"
 #include "dtrain/engine/optim.h"
 #include "dtrain/engine/reducer.h"
+#include "dtrain/engine/tensorboard.h"
+#include "dtrain/engine/timeline.h"
 
 namespace dtrain::engine {
 
@@ -54,6 +57,10 @@ struct TrainerOptions {
   ReducerOptions reducer;
   // Called on every rank with each logged step's metrics (after they are written).
   std::function<void(const StepMetrics&)> on_log;
+  // Observability (docs/OBSERVABILITY.md). Paths are checked when the trainer is built.
+  std::string tensorboard_dir;     // rank 0 writes TensorBoard event files here
+  std::string timeline_path;       // Chrome trace: one file per rank, merged by rank 0 at the end
+  int64_t memory_report_step = 0;  // > 0: log the memory report after this step (and on OOM)
 };
 
 // Throws dtrain::Error naming the bad field (steps < 0, accum_steps < 1, log_every < 1, ...).
@@ -88,6 +95,9 @@ class Trainer {
   double evaluate(DataLoader& eval, int64_t batches);
 
   int64_t current_step() const { return step_; }
+  // The memory report of the last step (components, allocator figures), for logs.
+  MemoryReport memory_report() const;
+  Timeline& timeline() { return *timeline_; }
   int accum_steps() const { return accum_steps_; }
   Optimizer& optimizer() { return *optimizer_; }
   GradReducer& reducer() { return *reducer_; }
@@ -119,6 +129,12 @@ class Trainer {
   int accum_steps_ = 1;
   StepMetrics last_;
   at::Tensor last_grad_norm_;
+  std::unique_ptr<EventWriter> tensorboard_;
+  std::unique_ptr<Timeline> timeline_;
+  double step_start_allocated_mb_ = 0;
+  double step_peak_mb_ = 0;
+  void record_step_timeline(std::chrono::steady_clock::time_point start);
+  void finish_timeline();
   dist::WorkPtr pending_loss_;
   at::Tensor pending_loss_tensor_;
 };
