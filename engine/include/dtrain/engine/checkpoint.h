@@ -171,7 +171,7 @@ class CheckpointStore {
   std::optional<CheckpointInfo> latest_good(std::vector<std::string>* skipped = nullptr) const;
   // Reads a main file, checking it against its record first. Throws dtrain::Error naming the
   // file and the problem (missing, no record, truncated, checksum mismatch, not a dtrain
-  // checkpoint).
+  // checkpoint). Memory: the file's bytes plus the tensors made from them, at the peak.
   CheckpointData load(const std::string& path) const;
   RankState load_rank(int64_t step, int rank) const;
 
