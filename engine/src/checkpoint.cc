@@ -260,6 +260,8 @@ std::string save_checkpoint(CheckpointStore& store, dist::Communicator& world,
                             const CheckpointData& data, const RankState& rank_state) {
   DTRAIN_CHECK(rank_state.rank == world.rank(), "save_checkpoint: rank_state.rank is ",
                rank_state.rank, " on world rank ", world.rank());
+  DTRAIN_CHECK(data.world_size == world.size(), "save_checkpoint: data.world_size is ",
+               data.world_size, " but the world has ", world.size(), " ranks");
   std::string error;
   try {
     store.save_rank(data.step, rank_state);

@@ -240,9 +240,10 @@ NamedTensors load_resharded_optimizer(const CheckpointStore& store, const Checkp
 
 // Collective over world: every rank writes its rank file; once all succeeded, rank 0 writes
 // the main file (data, with rank_files = world.size(); other ranks' data is ignored except
-// step, which must match). Returns the main file's path on every rank, or throws
-// dtrain::Error on every rank when any rank failed (naming the ranks), in which case no
-// new checkpoint is committed.
+// step, which must match). data.world_size must be world.size() and rank_state.rank
+// world.rank() (checked before anything is written). Returns the main file's path on every rank, or
+// throws dtrain::Error on every rank when any rank failed (naming the ranks), in which case no new
+// checkpoint is committed.
 std::string save_checkpoint(CheckpointStore& store, dist::Communicator& world,
                             const CheckpointData& data, const RankState& rank_state);
 // Collective over world: rank 0 finds latest_good() and every rank gets the same answer.
