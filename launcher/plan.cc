@@ -46,8 +46,8 @@ std::string quoted(const std::string& s) { return "'" + s + "'"; }
 
 bool is_value_option(const std::string& name) {
   static const std::set<std::string> kValueOptions = {
-      "-np",   "--np",   "-n",       "--hostfile",        "--gpus-per-node",
-      "--env", "--bind", "--mpirun", "--backend-launcher"};
+      "-np",   "--np",   "-n",       "--hostfile",         "--gpus-per-node",
+      "--env", "--bind", "--mpirun", "--backend-launcher", "--mpirun-arg"};
   return kValueOptions.count(name) > 0;
 }
 
@@ -101,6 +101,9 @@ void apply_value(const std::string& name, const std::string& value, Options* opt
   } else if (name == "--mpirun") {
     if (value.empty()) usage_error("--mpirun needs a program name or path");
     options->mpirun = value;
+  } else if (name == "--mpirun-arg") {
+    if (value.empty()) usage_error("--mpirun-arg needs a value, e.g. --mpirun-arg --mca");
+    options->mpirun_args.push_back(value);
   } else if (name == "--backend-launcher") {
     static const std::map<std::string, LauncherKind> kKinds = {{"auto", LauncherKind::kAuto},
                                                                {"mpirun", LauncherKind::kMpirun},
@@ -225,6 +228,12 @@ bool in_slurm_allocation(const Environment& env) {
 void choose_launcher(const Options& options, bool have_hostfile, bool in_slurm, bool have_srun,
                      Plan* plan) {
   const int n = plan->num_processes;
+  const bool want_mpirun = have_hostfile || !options.mpirun_args.empty();
+  if (!options.mpirun_args.empty() &&
+      (options.launcher == LauncherKind::kDirect || options.launcher == LauncherKind::kSrun)) {
+    usage_error(std::string("--mpirun-arg needs mpirun, but --backend-launcher is ") +
+                launcher_name(options.launcher) + "; drop one of them");
+  }
   switch (options.launcher) {
     case LauncherKind::kDirect:
       if (n != 1) {
@@ -242,16 +251,17 @@ void choose_launcher(const Options& options, bool have_hostfile, bool in_slurm, 
           std::string(launcher_name(options.launcher)) + " (--backend-launcher)";
       break;
     case LauncherKind::kAuto:
-      if (in_slurm && have_srun && !have_hostfile) {
+      if (in_slurm && have_srun && !want_mpirun) {
         plan->launcher = LauncherKind::kSrun;
         plan->launcher_reason = "srun (inside Slurm job: SLURM_JOB_ID is set, srun is on PATH)";
-      } else if (n == 1 && !have_hostfile) {
+      } else if (n == 1 && !want_mpirun) {
         plan->launcher = LauncherKind::kDirect;
         plan->launcher_reason = "direct (one process, no hostfile)";
       } else {
         plan->launcher = LauncherKind::kMpirun;
-        plan->launcher_reason = have_hostfile
-                                    ? "mpirun (hosts from --hostfile)"
+        plan->launcher_reason = have_hostfile ? "mpirun (hosts from --hostfile)"
+                                : want_mpirun
+                                    ? "mpirun (--mpirun-arg given)"
                                     : "mpirun (" + std::to_string(n) + " processes, no Slurm job)";
       }
       return;
@@ -345,6 +355,7 @@ void build_mpirun(const Options& options, const Hostfile* hostfile, const Probes
   Binding binding = mpirun_binding(options.bind, plan->gpus_per_node, options.oversubscribe,
                                    std::max(1, probes.cpu_cores()), probes.numa_nodes());
   argv.insert(argv.end(), binding.args.begin(), binding.args.end());
+  argv.insert(argv.end(), options.mpirun_args.begin(), options.mpirun_args.end());
   plan->binding = binding.text;
 }
 
@@ -491,6 +502,9 @@ options:
   --oversubscribe         allow more processes than slots/cores
   --bind B                auto (default), none, core or numa
   --mpirun PATH           the mpirun to use (default: mpirun on PATH)
+  --mpirun-arg ARG        pass ARG to mpirun as it is (before the program); repeatable,
+                          e.g. --mpirun-arg --mca --mpirun-arg btl_tcp_if_include
+                          --mpirun-arg eth0; implies mpirun
   --dry-run               print the command (stdout) and its launcher and binding
                           (stderr, as '# ' lines); run nothing
   -h, --help              this text

@@ -66,6 +66,9 @@ struct Options {
   bool dry_run = false;                         // --dry-run
   BindPolicy bind = BindPolicy::kAuto;          // --bind
   std::string mpirun = "mpirun";                // --mpirun; a name (PATH) or a path
+  std::vector<std::string> mpirun_args;         // --mpirun-arg, in order: given to mpirun
+                                                // verbatim after its own options; the auto
+                                                // launcher then picks mpirun
   bool help = false;                            // -h / --help
   std::vector<std::string> program;             // the program and its arguments
 };

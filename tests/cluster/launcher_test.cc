@@ -161,6 +161,35 @@ TEST_F(LauncherTest, MissingMpirunOverrideIsNotFound) {
   EXPECT_NE(message.find("'/nope/mpirun'"), std::string::npos) << message;
 }
 
+TEST_F(LauncherTest, MpirunArgsGoVerbatimBeforeTheProgram) {
+  world_.files["hosts"] = "h1 slots=1\nh2 slots=1\n";
+  Plan plan = plan_for({"--hostfile", "hosts", "--mpirun-arg", "--mca", "--mpirun-arg",
+                        "plm_rsh_agent", "--mpirun-arg=/opt/agent arg", "--", "train", "--mca"});
+  EXPECT_EQ(plan.argv,
+            (Argv{"mpirun", "-np", "2", "--hostfile", "hosts", "--map-by", "core", "--bind-to",
+                  "core", "--mca", "plm_rsh_agent", "/opt/agent arg", "train", "--mca"}));
+  EXPECT_EQ(format_command(plan),
+            "mpirun -np 2 --hostfile hosts --map-by core --bind-to core --mca plm_rsh_agent "
+            "'/opt/agent arg' train --mca");
+}
+
+TEST_F(LauncherTest, MpirunArgsChooseMpirun) {
+  // One process would run directly, and inside Slurm srun would start it: --mpirun-arg asks
+  // for mpirun.
+  Plan plan = plan_for({"--mpirun-arg", "--report-bindings", "--", "train"});
+  EXPECT_EQ(plan.launcher, LauncherKind::kMpirun);
+  EXPECT_EQ(plan.argv, (Argv{"mpirun", "-np", "1", "--map-by", "core", "--bind-to", "core",
+                             "--report-bindings", "train"}));
+  enter_slurm(2);
+  EXPECT_EQ(plan_for({"--mpirun-arg", "-v", "--", "train"}).launcher, LauncherKind::kMpirun);
+  EXPECT_NE(error_for({"--backend-launcher", "srun", "--mpirun-arg", "-v", "--", "train"})
+                .find("--mpirun-arg needs mpirun, but --backend-launcher is srun"),
+            std::string::npos);
+  EXPECT_NE(error_for({"--backend-launcher", "direct", "--mpirun-arg", "-v", "--", "train"})
+                .find("--mpirun-arg needs mpirun, but --backend-launcher is direct"),
+            std::string::npos);
+}
+
 // ---- Slurm ------------------------------------------------------------------------------
 
 TEST_F(LauncherTest, SrunInsideSlurmWithPmix) {
@@ -377,6 +406,8 @@ TEST_F(LauncherTest, BadInputIsAUsageError) {
       {{"--env", "=2", "--", "train"}, "is not VAR or VAR=VALUE"},
       {{"--env", "UNSET_HERE", "-np", "2", "--", "train"}, "UNSET_HERE is not set"},
       {{"--mpirun", "", "--", "train"}, "--mpirun needs a program"},
+      {{"--mpirun-arg", "", "--", "train"}, "--mpirun-arg needs a value"},
+      {{"--mpirun-arg", "--", "train"}, "--mpirun-arg needs a value"},
   };
   for (const BadInput& c : cases) {
     std::string joined;
@@ -404,9 +435,27 @@ TEST_F(LauncherTest, HelpNeedsNoProgram) {
 }
 
 TEST_F(LauncherTest, ParsesEveryOption) {
-  Options o = parse_options({"-np", "4", "--hostfile=h", "--gpus-per-node", "2", "--env", "A=1",
-                             "--backend-launcher", "mpirun", "--oversubscribe", "--dry-run",
-                             "--bind=numa", "--mpirun", "/x/mpirun", "prog", "-np", "1"});
+  Options o = parse_options({"-np",
+                             "4",
+                             "--hostfile=h",
+                             "--gpus-per-node",
+                             "2",
+                             "--env",
+                             "A=1",
+                             "--backend-launcher",
+                             "mpirun",
+                             "--oversubscribe",
+                             "--dry-run",
+                             "--bind=numa",
+                             "--mpirun",
+                             "/x/mpirun",
+                             "--mpirun-arg",
+                             "--mca",
+                             "--mpirun-arg",
+                             "a",
+                             "prog",
+                             "-np",
+                             "1"});
   EXPECT_EQ(o.num_processes, 4);
   EXPECT_EQ(o.hostfile, "h");
   EXPECT_EQ(o.gpus_per_node, 2);
@@ -418,6 +467,7 @@ TEST_F(LauncherTest, ParsesEveryOption) {
   EXPECT_TRUE(o.dry_run);
   EXPECT_EQ(o.bind, BindPolicy::kNuma);
   EXPECT_EQ(o.mpirun, "/x/mpirun");
+  EXPECT_EQ(o.mpirun_args, (Argv{"--mca", "a"}));
   EXPECT_EQ(o.program, (Argv{"prog", "-np", "1"}));
 }
 

@@ -1,0 +1,161 @@
+// Collective checkpoints across ranks: every rank's file is committed together or not at
+// all, every rank agrees on the checkpoint to resume from, partitioned state saved by this
+// world re-shards to other data-parallel sizes equal to slicing the unsharded array, each
+// rank's RNG comes back, and a signal on one rank stops every rank.
+#include <ATen/ATen.h>
+#include <ftw.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <random>
+
+#include "dtrain/dist/communicator.h"
+#include "dtrain/dist/error.h"
+#include "dtrain/engine/checkpoint.h"
+#include "dtrain/engine/preemption.h"
+#include "test_util.h"
+
+namespace dtrain::engine {
+namespace {
+
+// (No std::filesystem::remove_all: libtorch.so exports an incompatible copy of it.)
+int remove_entry(const char* path, const struct stat*, int, struct FTW*) { return ::remove(path); }
+
+// A directory every rank sees (this host's temp dir; rank 0 picks the name), removed after.
+class SharedDir {
+ public:
+  SharedDir() : comm_(testing_util::world_comm()) {
+    at::Tensor id = at::zeros({1}, at::kLong);
+    if (comm_.rank() == 0) id.fill_(static_cast<int64_t>(std::random_device{}() & 0x7fffffff));
+    comm_.broadcast(id, 0)->wait();
+    const char* tmp = std::getenv("TMPDIR");
+    path_ = std::string(tmp && *tmp ? tmp : "/tmp") + "/dtrain_ckpt_mpi_" +
+            std::to_string(id.item<int64_t>());
+  }
+  ~SharedDir() {
+    comm_.barrier()->wait();
+    if (comm_.rank() == 0) ::nftw(path_.c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  dist::Communicator& comm_;
+  std::string path_;
+};
+
+// The flat array of entry k: values k*1000 + 0..numel-1.
+at::Tensor full_array(int64_t numel, int k) {
+  return at::arange(numel, at::kFloat) + 1000.f * static_cast<float>(k);
+}
+
+at::Tensor padded_shard(const at::Tensor& full, int ranks, int rank) {
+  FlatShard s = flat_shard(full.numel(), ranks, rank);
+  at::Tensor out = at::zeros({s.size}, full.options());
+  out.narrow(0, 0, s.end - s.begin).copy_(full.narrow(0, s.begin, s.end - s.begin));
+  return out;
+}
+
+RankState rank_state(dist::Communicator& comm, int64_t numel) {
+  RankState state;
+  state.rank = comm.rank();
+  state.dp_rank = comm.rank();
+  state.dp_size = comm.size();
+  state.flat_numel = numel;
+  state.optimizer_shard = {
+      {"step", at::scalar_tensor(3.f)},
+      {"exp_avg", padded_shard(full_array(numel, 1), comm.size(), comm.rank())},
+      {"exp_avg_sq", padded_shard(full_array(numel, 2), comm.size(), comm.rank())}};
+  state.rng = capture_rng_state();
+  return state;
+}
+
+CheckpointData main_data(dist::Communicator& comm, int64_t step) {
+  CheckpointData data;
+  data.step = step;
+  data.model = {{"w", at::full({2, 2}, static_cast<float>(step))}};
+  data.world_size = comm.size();
+  data.dp_size = comm.size();
+  data.meta = {{"loader.train", "0," + std::to_string(step)}};
+  return data;
+}
+
+TEST(CheckpointMpiTest, SaveAgreeAndReshardToOtherWorldSizes) {
+  dist::Communicator& comm = testing_util::world_comm();
+  SharedDir dir;
+  CheckpointStore store(dir.path());
+  const int64_t numel = 23;
+  at::manual_seed(100 + comm.rank());  // different RNG state on every rank
+  RankState mine = rank_state(comm, numel);
+  const std::string path = save_checkpoint(store, comm, main_data(comm, 5), mine);
+  EXPECT_EQ(path, store.path_for(5));
+
+  std::optional<CheckpointInfo> info = agree_latest_good(store, comm);
+  ASSERT_TRUE(info.has_value());
+  EXPECT_EQ(info->step, 5);
+  EXPECT_EQ(info->rank_files, comm.size());
+  CheckpointData main = store.load(info->path);
+  EXPECT_EQ(main.rank_files, comm.size());
+  EXPECT_EQ(main.meta.at("loader.train"), "0,5");
+
+  // This rank's RNG state comes back from its own file.
+  at::Tensor expected = at::randn({4});
+  at::manual_seed(7);
+  restore_rng_state(store.load_rank(5, comm.rank()).rng);
+  EXPECT_TRUE(at::equal(at::randn({4}), expected)) << "rank " << comm.rank();
+
+  // Every new data-parallel size from 1 to world + 1, each new rank computed here.
+  for (int new_dp = 1; new_dp <= comm.size() + 1; ++new_dp) {
+    for (int new_rank = 0; new_rank < new_dp; ++new_rank) {
+      NamedTensors got = load_resharded_optimizer(store, main, numel, 0, new_dp, new_rank);
+      ASSERT_EQ(got.size(), 3u);
+      EXPECT_EQ(got[0].first, "step");
+      EXPECT_EQ(got[0].second.item<float>(), 3.f);
+      for (int k = 1; k <= 2; ++k) {
+        EXPECT_TRUE(at::equal(got[k].second, padded_shard(full_array(numel, k), new_dp, new_rank)))
+            << comm.size() << " -> " << new_dp << " ranks, new rank " << new_rank << ", "
+            << got[k].first;
+      }
+    }
+  }
+}
+
+TEST(CheckpointMpiTest, ARankThatCannotWriteCommitsNothing) {
+  dist::Communicator& comm = testing_util::world_comm();
+  SharedDir dir;
+  CheckpointStore store(dir.path());
+  save_checkpoint(store, comm, main_data(comm, 1), rank_state(comm, 8));
+  RankState mine = rank_state(comm, 8);
+  const int failing = comm.size() - 1;
+  if (comm.rank() == failing) mine.dp_rank = -1;  // save_rank refuses it
+  std::string message;
+  try {
+    save_checkpoint(store, comm, main_data(comm, 2), mine);
+  } catch (const Error& e) {
+    message = e.what();
+  }
+  EXPECT_NE(message.find("checkpoint step 2 was not saved: rank(s) " + std::to_string(failing) +
+                         " could not write their rank files"),
+            std::string::npos)
+      << message;
+  comm.barrier()->wait();
+  EXPECT_NE(::access(store.path_for(2).c_str(), F_OK), 0);
+  std::optional<CheckpointInfo> info = agree_latest_good(store, comm);
+  ASSERT_TRUE(info.has_value());
+  EXPECT_EQ(info->step, 1);
+}
+
+TEST(CheckpointMpiTest, OneRanksSignalStopsEveryRank) {
+  dist::Communicator& comm = testing_util::world_comm();
+  install_preemption_handlers();
+  clear_preemption_request();
+  EXPECT_FALSE(agree_preempt(comm));
+  if (comm.rank() == comm.size() - 1) ASSERT_EQ(::raise(SIGUSR1), 0);
+  EXPECT_TRUE(agree_preempt(comm)) << "rank " << comm.rank();
+  clear_preemption_request();
+  EXPECT_FALSE(agree_preempt(comm));
+}
+
+}  // namespace
+}  // namespace dtrain::engine

@@ -1,0 +1,804 @@
+// Checkpoint store: CRC-32C against published vectors and a bitwise reference, round trips,
+// torch.load in Python reading the weights under nn.Module names, fault injection (crash
+// mid-write, truncation, flipped bytes, unfinished saves), pruning, model checks,
+// re-sharding of flat state against the unsharded array, RNG states, preemption flags and
+// Slurm requeue through a stand-in scontrol.
+#include "dtrain/engine/checkpoint.h"
+
+#include <dirent.h>
+#include <ftw.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "../../engine/src/checkpoint_internal.h"
+#include "dtrain/dist/error.h"
+#include "dtrain/engine/preemption.h"
+#include "test_util.h"
+
+namespace dtrain::engine {
+namespace {
+
+using testing_util::run_python;
+
+// POSIX file helpers: std::filesystem's remove_all, resize_file and permissions must not be
+// used in binaries linking libtorch, whose libtorch.so exports its own incompatible copies
+// of them (they crash here).
+bool exists(const std::string& path) { return ::access(path.c_str(), F_OK) == 0; }
+
+uint64_t file_size(const std::string& path) {
+  struct stat info;
+  EXPECT_EQ(::stat(path.c_str(), &info), 0) << path;
+  return static_cast<uint64_t>(info.st_size);
+}
+
+int remove_entry(const char* path, const struct stat*, int, struct FTW*) { return ::remove(path); }
+
+// A fresh directory under $TMPDIR (or /tmp), removed with the object.
+class TempDir {
+ public:
+  TempDir() {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string pattern = std::string(tmp && *tmp ? tmp : "/tmp") + "/dtrain_ckpt_XXXXXX";
+    path_ = ::mkdtemp(pattern.data());
+  }
+  ~TempDir() { ::nftw(path_.c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS); }
+  const std::string& path() const { return path_; }
+  std::string file(const std::string& name) const { return path_ + "/" + name; }
+  std::vector<std::string> names() const {
+    std::vector<std::string> out;
+    DIR* dir = ::opendir(path_.c_str());
+    while (const dirent* e = dir ? ::readdir(dir) : nullptr) {
+      std::string name = e->d_name;
+      if (name != "." && name != "..") out.push_back(name);
+    }
+    if (dir) ::closedir(dir);
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+
+ private:
+  std::string path_;
+};
+
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no dtrain::Error thrown";
+  return "";
+}
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+// ---- CRC-32C ----------------------------------------------------------------------------------
+
+// The definition: one bit at a time, reflected Castagnoli polynomial.
+uint32_t crc32c_bitwise(const std::vector<unsigned char>& data) {
+  uint32_t crc = 0xFFFFFFFFu;
+  for (unsigned char byte : data) {
+    crc ^= byte;
+    for (int k = 0; k < 8; ++k) crc = (crc >> 1) ^ (0x82F63B78u & (0u - (crc & 1u)));
+  }
+  return ~crc;
+}
+
+TEST(Crc32cTest, PublishedVectors) {
+  // The CRC catalogue's check value, and RFC 3720 (iSCSI) appendix B.4.
+  const std::string check = "123456789";
+  EXPECT_EQ(crc32c(0, check.data(), check.size()), 0xE3069283u);
+  std::vector<unsigned char> zeros(32, 0), ones(32, 0xFF), up(32), down(32);
+  for (int i = 0; i < 32; ++i) {
+    up[i] = static_cast<unsigned char>(i);
+    down[i] = static_cast<unsigned char>(31 - i);
+  }
+  EXPECT_EQ(crc32c(0, zeros.data(), 32), 0x8A9136AAu);
+  EXPECT_EQ(crc32c(0, ones.data(), 32), 0x62A8AB43u);
+  EXPECT_EQ(crc32c(0, up.data(), 32), 0x46DD794Eu);
+  EXPECT_EQ(crc32c(0, down.data(), 32), 0x113FDB5Cu);
+  EXPECT_EQ(ckpt_detail::crc32c_portable(0, up.data(), 32), 0x46DD794Eu);
+}
+
+TEST(Crc32cTest, AllPathsAgreeWithTheDefinitionAtAnyLengthAndAlignment) {
+  std::mt19937 gen(7);
+  std::vector<unsigned char> buffer(300);
+  for (auto& b : buffer) b = static_cast<unsigned char>(gen());
+  for (size_t offset = 0; offset < 9; ++offset) {
+    for (size_t n : {0, 1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 200, 291}) {
+      std::vector<unsigned char> piece(buffer.begin() + offset, buffer.begin() + offset + n);
+      const uint32_t expected = crc32c_bitwise(piece);
+      EXPECT_EQ(crc32c(0, buffer.data() + offset, n), expected) << offset << "+" << n;
+      EXPECT_EQ(ckpt_detail::crc32c_portable(0, buffer.data() + offset, n), expected);
+      // Streaming in two pieces gives the same value.
+      const size_t half = n / 3;
+      uint32_t c = crc32c(0, buffer.data() + offset, half);
+      EXPECT_EQ(crc32c(c, buffer.data() + offset + half, n - half), expected);
+    }
+  }
+}
+
+// ---- fixtures ---------------------------------------------------------------------------------
+
+// body: Linear(4, 8), BatchNorm1d(8), ReLU, Linear(8, 3); head: Linear(3, 2). The Python twin
+// is MlpBn in tests/reference/load_checkpoint.py.
+struct MlpBnImpl : torch::nn::Module {
+  explicit MlpBnImpl(int64_t hidden = 8) {
+    body = register_module(
+        "body", torch::nn::Sequential(torch::nn::Linear(4, hidden), torch::nn::BatchNorm1d(hidden),
+                                      torch::nn::ReLU(), torch::nn::Linear(hidden, 3)));
+    head = register_module("head", torch::nn::Linear(3, 2));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return head->forward(body->forward(x)); }
+  torch::nn::Sequential body{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(MlpBn);
+
+NamedTensors named(std::initializer_list<std::pair<std::string, at::Tensor>> items) {
+  return NamedTensors(items);
+}
+
+CheckpointData sample_data(int64_t step) {
+  torch::manual_seed(step);
+  CheckpointData data;
+  data.step = step;
+  data.model = named({{"w", torch::randn({3, 4})}, {"b", torch::randn({3}, torch::kDouble)}});
+  data.optimizer = named({{"0.step", torch::tensor(float(step))},
+                          {"0.exp_avg", torch::randn({3, 4}).to(torch::kBFloat16)}});
+  data.scaler = named(
+      {{"scale", torch::full({1}, 65536.f)}, {"growth_tracker", torch::zeros({1}, torch::kInt)}});
+  data.rng = capture_rng_state();
+  data.meta = {{"schedule", "cosine"}, {"loader.train", "1,17"}};
+  data.world_size = 4;
+  data.dp_size = 2;
+  return data;
+}
+
+void expect_same(const NamedTensors& a, const NamedTensors& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].first, b[i].first);
+    EXPECT_EQ(a[i].second.scalar_type(), b[i].second.scalar_type()) << a[i].first;
+    EXPECT_TRUE(a[i].second.device().is_cpu());
+    EXPECT_TRUE(at::equal(a[i].second, b[i].second.cpu())) << a[i].first;
+  }
+}
+
+// ---- round trip and Python --------------------------------------------------------------------
+
+TEST(CheckpointStoreTest, RoundTripKeepsEveryFieldExactly) {
+  TempDir dir;
+  CheckpointStore store(dir.path() + "/nested/ckpt");  // created on save
+  CheckpointData data = sample_data(123);
+  // A view into a larger storage and a non-contiguous tensor are saved as their own values.
+  at::Tensor big = torch::arange(100000, torch::kFloat);
+  data.model.emplace_back("view", big.narrow(0, 10, 5));
+  data.model.emplace_back("transposed", torch::randn({2, 3}).t());
+  const std::string path = store.save(data);
+  EXPECT_EQ(path, dir.path() + "/nested/ckpt/step-000123.pt");
+  EXPECT_LT(file_size(path), 40000u);  // not the view's whole 400 kB storage
+
+  CheckpointData back = store.load(path);
+  EXPECT_EQ(back.step, 123);
+  expect_same(back.model, data.model);
+  expect_same(back.optimizer, data.optimizer);
+  expect_same(back.scaler, data.scaler);
+  EXPECT_EQ(back.meta, data.meta);
+  EXPECT_EQ(back.world_size, 4);
+  EXPECT_EQ(back.dp_size, 2);
+  EXPECT_EQ(back.rank_files, 0);
+  ASSERT_TRUE(back.rng.cpu.defined());
+  EXPECT_TRUE(at::equal(back.rng.cpu, data.rng.cpu));
+  EXPECT_EQ(back.rng.cuda.size(), data.rng.cuda.size());
+
+  std::optional<CheckpointInfo> latest = store.latest_good();
+  ASSERT_TRUE(latest.has_value());
+  EXPECT_EQ(latest->step, 123);
+  EXPECT_EQ(latest->path, path);
+  // The record: format, version, CRC-32C of the file's bytes, size, rank files.
+  std::ifstream record_in(path + ".crc");
+  std::string record((std::istreambuf_iterator<char>(record_in)), {});
+  std::ifstream file_in(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(file_in)), {});
+  char expected[128];
+  std::snprintf(expected, sizeof(expected),
+                "dtrain.checkpoint 1 crc32c=%08x bytes=%zu rank_files=0\n",
+                crc32c(0, bytes.data(), bytes.size()), bytes.size());
+  EXPECT_EQ(record, expected);
+  EXPECT_EQ(dir.names(), std::vector<std::string>{"nested"});
+}
+
+TEST(CheckpointStoreTest, PythonLoadsTheWeightsUnderNnModuleNames) {
+  TempDir dir;
+  torch::manual_seed(3);
+  MlpBn net;
+  net->train();
+  net->forward(torch::randn({16, 4}));  // moves BatchNorm's running statistics
+  net->eval();
+  CheckpointData data;
+  data.step = 7;
+  data.model = model_state(*net);
+  data.meta = {{"program", "unit test"}};
+  CheckpointStore store(dir.path());
+  const std::string path = store.save(data);
+
+  nlohmann::json out =
+      nlohmann::json::parse(run_python("tests/reference/load_checkpoint.py", {path, "mlp_bn"}));
+  std::vector<std::string> names;
+  for (const auto& [name, tensor] : data.model) names.push_back(name);
+  // The file's names are exactly those of the equivalent nn.Module, in its state_dict order.
+  EXPECT_EQ(out["module_names"].get<std::vector<std::string>>(), names);
+  ASSERT_EQ(out["entries"].size(), names.size());
+  for (size_t i = 0; i < names.size(); ++i) {
+    const auto& e = out["entries"][i];
+    EXPECT_EQ(e["name"], names[i]);
+    const at::Tensor& t = data.model[i].second;
+    EXPECT_EQ(e["shape"].get<std::vector<int64_t>>(), t.sizes().vec()) << names[i];
+    EXPECT_DOUBLE_EQ(e["sum"].get<double>(), t.to(torch::kDouble).sum().item<double>()) << names[i];
+  }
+  EXPECT_EQ(out["entries"][6]["name"], "body.1.num_batches_tracked");
+  EXPECT_EQ(out["entries"][6]["dtype"], "int64");
+  EXPECT_EQ(out["step"], 7);
+  EXPECT_EQ(out["meta"]["program"], "unit test");
+  EXPECT_EQ(out["keys"],
+            nlohmann::json({"dp_size", "format", "kind", "meta", "model", "optimizer", "rank_files",
+                            "rng", "scaler", "step", "version", "world_size"}));
+  // PyTorch's module with the loaded weights computes what this module computes.
+  torch::NoGradGuard no_grad;
+  at::Tensor x = torch::linspace(-2.0, 2.0, 20, torch::kFloat).reshape({5, 4});
+  at::Tensor y = net->forward(x).to(torch::kDouble).flatten();
+  at::Tensor py = torch::tensor(out["output"].get<std::vector<double>>(), torch::kDouble);
+  EXPECT_LT(testing_util::rel_error(y, py), 1e-6);
+}
+
+// ---- faults -----------------------------------------------------------------------------------
+
+// The POSIX file system with injected failures: after `crash_after_bytes` bytes appended to
+// a file whose name contains crash_name, or at a rename whose target contains crash_rename,
+// it "crashes": that call and every later one throws, as if the process had died there.
+class FaultyFileSystem : public FileSystem {
+ public:
+  std::string crash_name;
+  int64_t crash_after_bytes = -1;
+  std::string crash_rename;
+  bool crashed = false;
+
+  std::unique_ptr<WritableFile> new_writable_file(const std::string& path) override {
+    check();
+    struct File : WritableFile {
+      FaultyFileSystem* owner;
+      std::unique_ptr<WritableFile> inner;
+      bool watched;
+      int64_t written = 0;
+      void append(const char* data, size_t n) override {
+        owner->check();
+        if (watched && owner->crash_after_bytes >= 0 &&
+            written + static_cast<int64_t>(n) > owner->crash_after_bytes) {
+          inner->append(data, static_cast<size_t>(owner->crash_after_bytes - written));
+          owner->crashed = true;
+          owner->check();
+        }
+        inner->append(data, n);
+        written += static_cast<int64_t>(n);
+      }
+      void sync() override {
+        owner->check();
+        inner->sync();
+      }
+      void close() override {
+        owner->check();
+        inner->close();
+      }
+    };
+    auto file = std::make_unique<File>();
+    file->owner = this;
+    file->inner = base()->new_writable_file(path);
+    file->watched = !crash_name.empty() && contains(path, crash_name);
+    return file;
+  }
+  std::unique_ptr<ReadableFile> new_readable_file(const std::string& path) override {
+    check();
+    return base()->new_readable_file(path);
+  }
+  bool exists(const std::string& path) override {
+    check();
+    return base()->exists(path);
+  }
+  uint64_t file_size(const std::string& path) override {
+    check();
+    return base()->file_size(path);
+  }
+  std::vector<std::string> list_dir(const std::string& dir) override {
+    check();
+    return base()->list_dir(dir);
+  }
+  void create_dirs(const std::string& dir) override {
+    check();
+    base()->create_dirs(dir);
+  }
+  void rename(const std::string& from, const std::string& to) override {
+    check();
+    if (!crash_rename.empty() && contains(to, crash_rename)) {
+      crashed = true;
+      check();
+    }
+    base()->rename(from, to);
+  }
+  void remove(const std::string& path) override {
+    check();
+    base()->remove(path);
+  }
+  void sync_dir(const std::string& dir) override {
+    check();
+    base()->sync_dir(dir);
+  }
+
+  void check() const {
+    if (crashed) throw std::runtime_error("injected crash");
+  }
+
+ private:
+  static FileSystem* base() { return default_file_system(); }
+};
+
+void truncate_file(const std::string& path, uint64_t size) {
+  ASSERT_EQ(::truncate(path.c_str(), static_cast<off_t>(size)), 0) << path;
+}
+
+void flip_byte(const std::string& path, uint64_t offset) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(static_cast<std::streamoff>(offset));
+  char c = 0;
+  f.read(&c, 1);
+  c = static_cast<char>(c ^ 0x20);
+  f.seekp(static_cast<std::streamoff>(offset));
+  f.write(&c, 1);
+}
+
+TEST(CheckpointStoreTest, TruncatedOrCorruptFilesAreSkippedForThePreviousOne) {
+  TempDir dir;
+  CheckpointStore store(dir.path());
+  for (int64_t step : {10, 20, 30}) store.save(sample_data(step));
+  ASSERT_EQ(store.latest_good()->step, 30);
+
+  const std::string p30 = store.path_for(30);
+  truncate_file(p30, file_size(p30) / 2);
+  std::vector<std::string> skipped;
+  std::optional<CheckpointInfo> latest = store.latest_good(&skipped);
+  ASSERT_TRUE(latest.has_value());
+  EXPECT_EQ(latest->step, 20);
+  ASSERT_EQ(skipped.size(), 1u);
+  EXPECT_TRUE(contains(skipped[0], p30 + ": truncated: ")) << skipped[0];
+  EXPECT_TRUE(contains(message_of([&] { store.load(p30); }),
+                       "cannot load checkpoint " + p30 + ": truncated"));
+
+  const std::string p20 = store.path_for(20);
+  flip_byte(p20, file_size(p20) / 2);
+  skipped.clear();
+  EXPECT_EQ(store.latest_good(&skipped)->step, 10);
+  ASSERT_EQ(skipped.size(), 2u);
+  EXPECT_TRUE(contains(skipped[1], p20 + ": checksum mismatch: crc32c ")) << skipped[1];
+  EXPECT_TRUE(contains(skipped[1], "(the file is corrupt)")) << skipped[1];
+  EXPECT_TRUE(contains(message_of([&] { store.load(p20); }), "checksum mismatch"));
+  // The survivor loads.
+  EXPECT_EQ(store.load(store.latest_good()->path).step, 10);
+  // Nothing good at all: nullopt, not an error.
+  flip_byte(store.path_for(10), 100);
+  EXPECT_FALSE(store.latest_good().has_value());
+  EXPECT_FALSE(CheckpointStore(dir.file("none")).latest_good().has_value());
+}
+
+TEST(CheckpointStoreTest, CrashMidWriteLeavesTheLastGoodCheckpoint) {
+  TempDir dir;
+  CheckpointStore(dir.path()).save(sample_data(1));
+  FaultyFileSystem faulty;
+  faulty.crash_name = "step-000002.pt.tmp.";
+  faulty.crash_after_bytes = 300;
+  CheckpointStoreOptions options;
+  options.fs = &faulty;
+  CheckpointStore crashing(dir.path(), options);
+  EXPECT_TRUE(contains(message_of([&] { crashing.save(sample_data(2)); }), "injected crash"));
+  // As after a real crash: the partial temporary file is still there, nothing was renamed.
+  std::vector<std::string> names = dir.names();
+  ASSERT_EQ(names.size(), 3u);
+  EXPECT_EQ(names[0], "step-000001.pt");
+  EXPECT_EQ(names[1], "step-000001.pt.crc");
+  EXPECT_EQ(names[2].rfind("step-000002.pt.tmp.", 0), 0u) << names[2];
+  EXPECT_EQ(file_size(dir.file(names[2])), 300u);
+
+  CheckpointStore store(dir.path());  // the restarted job
+  EXPECT_EQ(store.latest_good()->step, 1);
+  // The next save removes the leftovers of the crashed one.
+  store.save(sample_data(3));
+  EXPECT_EQ(dir.names(), (std::vector<std::string>{"step-000001.pt", "step-000001.pt.crc",
+                                                   "step-000003.pt", "step-000003.pt.crc"}));
+}
+
+TEST(CheckpointStoreTest, CrashBeforeTheRecordLeavesAnUncommittedFile) {
+  TempDir dir;
+  CheckpointStore(dir.path()).save(sample_data(5));
+  FaultyFileSystem faulty;
+  faulty.crash_rename = "step-000006.pt.crc";
+  CheckpointStoreOptions options;
+  options.fs = &faulty;
+  EXPECT_THROW(CheckpointStore(dir.path(), options).save(sample_data(6)), Error);
+  ASSERT_TRUE(exists(dir.file("step-000006.pt")));  // renamed, but never committed
+  CheckpointStore store(dir.path());
+  std::vector<std::string> skipped;
+  EXPECT_EQ(store.latest_good(&skipped)->step, 5);
+  ASSERT_EQ(skipped.size(), 1u);
+  EXPECT_TRUE(contains(skipped[0],
+                       "step-000006.pt: no checksum record step-000006.pt.crc (the "
+                       "save did not finish)"))
+      << skipped[0];
+  EXPECT_EQ(store.list().size(), 1u);
+}
+
+TEST(CheckpointStoreTest, RankFilesArePartOfTheCheckpoint) {
+  TempDir dir;
+  CheckpointStore store(dir.path());
+  CheckpointData data = sample_data(8);
+  data.rank_files = 2;
+  EXPECT_TRUE(contains(message_of([&] { store.save(data); }),
+                       "rank file " + store.rank_path_for(8, 0) + " has no record"));
+  EXPECT_FALSE(exists(store.path_for(8)));  // refused before writing anything
+  for (int r = 0; r < 2; ++r) {
+    RankState state;
+    state.rank = r;
+    state.dp_rank = r;
+    state.dp_size = 2;
+    state.flat_numel = 5;
+    state.optimizer_shard = named({{"exp_avg", torch::full({3}, float(r))}});
+    state.rng = capture_rng_state();
+    state.meta = {{"host", "h" + std::to_string(r)}};
+    EXPECT_EQ(store.save_rank(8, state), dir.file("step-000008.rank-" + std::to_string(r) + ".pt"));
+  }
+  store.save(data);
+  RankState back = store.load_rank(8, 1);
+  EXPECT_EQ(back.rank, 1);
+  EXPECT_EQ(back.dp_rank, 1);
+  EXPECT_EQ(back.flat_numel, 5);
+  EXPECT_EQ(back.meta.at("host"), "h1");
+  expect_same(back.optimizer_shard, named({{"exp_avg", torch::full({3}, 1.f)}}));
+  EXPECT_EQ(store.latest_good()->rank_files, 2);
+
+  ::unlink(store.rank_path_for(8, 1).c_str());
+  std::vector<std::string> skipped;
+  EXPECT_FALSE(store.latest_good(&skipped).has_value());
+  ASSERT_EQ(skipped.size(), 1u);
+  EXPECT_TRUE(contains(skipped[0], store.rank_path_for(8, 1) + ": the file is missing"))
+      << skipped[0];
+}
+
+TEST(CheckpointStoreTest, KeepLastPrunesOlderCheckpointsAndOrphans) {
+  TempDir dir;
+  CheckpointStoreOptions options;
+  options.keep_last = 2;
+  CheckpointStore store(dir.path(), options);
+  RankState orphan;  // a rank file of a collective save that never committed
+  store.save_rank(2, orphan);
+  for (int64_t step = 1; step <= 5; ++step) store.save(sample_data(step));
+  EXPECT_EQ(dir.names(), (std::vector<std::string>{"step-000004.pt", "step-000004.pt.crc",
+                                                   "step-000005.pt", "step-000005.pt.crc"}));
+  std::vector<CheckpointInfo> listed = store.list();
+  ASSERT_EQ(listed.size(), 2u);
+  EXPECT_EQ(listed[0].step, 5);
+  EXPECT_EQ(listed[1].step, 4);
+  EXPECT_THROW(CheckpointStore(dir.path(), {-1, nullptr}), Error);
+}
+
+TEST(CheckpointStoreTest, BadFilesAreRefusedWithTheirName) {
+  TempDir dir;
+  CheckpointStore store(dir.path());
+  EXPECT_TRUE(
+      contains(message_of([&] { store.load(store.path_for(4)); }),
+               "cannot load checkpoint " + store.path_for(4) + ": the file does not exist"));
+  // Bytes that are not a torch archive, with a valid record.
+  const std::string junk = "not a zip archive";
+  std::ofstream(store.path_for(4)) << junk;
+  std::ofstream(store.path_for(4) + ".crc")
+      << ckpt_detail::format_record({crc32c(0, junk.data(), junk.size()), junk.size(), 0});
+  EXPECT_TRUE(contains(message_of([&] { store.load(store.path_for(4)); }),
+                       store.path_for(4) + " is not a readable torch archive"));
+  std::ofstream(store.path_for(4) + ".crc") << "garbage\n";
+  EXPECT_TRUE(contains(message_of([&] { store.load(store.path_for(4)); }),
+                       "checksum record step-000004.pt.crc is malformed"));
+  EXPECT_THROW(CheckpointStore(""), Error);
+  CheckpointData bad = sample_data(1);
+  bad.model.emplace_back("w", torch::zeros({1}));
+  EXPECT_TRUE(contains(message_of([&] { store.save(bad); }), "has the name 'w' twice"));
+  EXPECT_FALSE(exists(store.path_for(1)));
+}
+
+TEST(CheckpointStoreTest, FileNamesAndRecordsParse) {
+  using ckpt_detail::FileName;
+  auto parsed = ckpt_detail::parse_file_name("step-000120.rank-3.pt.crc");
+  ASSERT_TRUE(parsed);
+  EXPECT_EQ(parsed->kind, FileName::kRankRecord);
+  EXPECT_EQ(parsed->step, 120);
+  EXPECT_EQ(parsed->rank, 3);
+  EXPECT_EQ(ckpt_detail::parse_file_name("step-1234567.pt")->step, 1234567);
+  EXPECT_EQ(ckpt_detail::parse_file_name("step-000001.pt.crc.tmp.99")->kind, FileName::kTemp);
+  EXPECT_FALSE(ckpt_detail::parse_file_name("step-.pt"));
+  EXPECT_FALSE(ckpt_detail::parse_file_name("notes.txt"));
+  EXPECT_FALSE(ckpt_detail::parse_file_name("step-1.pt.bak"));
+  auto record = ckpt_detail::parse_record(ckpt_detail::format_record({0xDEADBEEF, 42, 3}));
+  ASSERT_TRUE(record);
+  EXPECT_EQ(record->crc, 0xDEADBEEFu);
+  EXPECT_EQ(record->bytes, 42u);
+  EXPECT_EQ(record->rank_files, 3);
+  EXPECT_FALSE(ckpt_detail::parse_record("dtrain.checkpoint 2 crc32c=0 bytes=1 rank_files=0\n"));
+}
+
+// ---- model compatibility ------------------------------------------------------------------------
+
+TEST(ModelStateTest, LoadsIntoTheSameModelAndRefusesAnother) {
+  torch::manual_seed(1);
+  MlpBn source;
+  torch::manual_seed(2);
+  MlpBn target;
+  load_model_state(*target, model_state(*source), "step-000001.pt");
+  for (const auto& [name, tensor] : model_state(*target)) {
+    const auto src = model_state(*source);
+    auto it = std::find_if(src.begin(), src.end(), [&](const auto& e) { return e.first == name; });
+    EXPECT_TRUE(at::equal(tensor, it->second)) << name;
+  }
+
+  MlpBn wider(16);
+  const NamedTensors before = model_state(*wider);
+  std::vector<at::Tensor> snapshot;
+  for (const auto& [name, t] : before) snapshot.push_back(t.clone());
+  std::string message =
+      message_of([&] { load_model_state(*wider, model_state(*source), "step-000001.pt"); });
+  EXPECT_EQ(message,
+            "checkpoint step-000001.pt is of a different model: 'body.0.weight' has shape [8, 4] "
+            "there but [16, 4] here");
+  // Nothing was changed.
+  const NamedTensors after = model_state(*wider);
+  for (size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(at::equal(after[i].second, snapshot[i]));
+
+  NamedTensors missing = model_state(*source);
+  missing.erase(missing.begin() + 2);  // body.1.weight
+  EXPECT_TRUE(contains(message_of([&] { load_model_state(*target, missing, "c.pt"); }),
+                       "'body.1.weight' of this model is missing from it"));
+  NamedTensors extra = model_state(*source);
+  extra.emplace_back("tail.weight", torch::zeros({1}));
+  EXPECT_TRUE(contains(message_of([&] { load_model_state(*target, extra, "c.pt"); }),
+                       "it has 'tail.weight', which this model does not"));
+  EXPECT_TRUE(
+      contains(message_of([&] {
+                 check_same_layout(named({{"0.exp_avg", torch::zeros({2})}}),
+                                   named({{"0.exp_avg", torch::zeros({3})}}), "optimizer", "c.pt");
+               }),
+               "c.pt is of a different optimizer: '0.exp_avg' has shape [3] there but [2]"));
+}
+
+// ---- flat shards --------------------------------------------------------------------------------
+
+TEST(FlatShardTest, RangesFollowTheDocumentedLayout) {
+  // 10 elements over 4 ranks: s = 3; ranges [0,3) [3,6) [6,9) [9,10).
+  const int64_t ends[] = {3, 6, 9, 10};
+  for (int r = 0; r < 4; ++r) {
+    FlatShard s = flat_shard(10, 4, r);
+    EXPECT_EQ(s.size, 3);
+    EXPECT_EQ(s.begin, 3 * r);
+    EXPECT_EQ(s.end, ends[r]);
+  }
+  FlatShard empty = flat_shard(5, 4, 3);  // s = 2: [6, 8) clipped to nothing
+  EXPECT_EQ(empty.begin, 5);
+  EXPECT_EQ(empty.end, 5);
+  EXPECT_EQ(empty.size, 2);
+  EXPECT_EQ(overlapping_shards(10, 4, 3, 1), (std::vector<int>{1, 2}));  // [4, 8)
+  EXPECT_TRUE(overlapping_shards(5, 1, 4, 3).empty());
+  EXPECT_THROW(flat_shard(10, 0, 0), Error);
+  EXPECT_THROW(flat_shard(10, 2, 2), Error);
+}
+
+// Shards of values 0..numel-1 made by slicing the array directly (the reference).
+std::vector<at::Tensor> split_padded(const at::Tensor& full, int ranks, bool pad) {
+  std::vector<at::Tensor> shards;
+  for (int r = 0; r < ranks; ++r) {
+    FlatShard s = flat_shard(full.numel(), ranks, r);
+    at::Tensor piece = full.narrow(0, s.begin, s.end - s.begin);
+    if (pad) piece = at::cat({piece, at::zeros({s.size - (s.end - s.begin)}, full.options())});
+    shards.push_back(piece.clone());
+  }
+  return shards;
+}
+
+TEST(FlatShardTest, ReshardingEqualsSplittingTheWholeArray) {
+  for (int64_t numel : {0, 1, 7, 13, 16}) {
+    at::Tensor full = torch::arange(numel, torch::kFloat) * 0.5f + 1.f;
+    for (int old_ranks = 1; old_ranks <= 5; ++old_ranks) {
+      for (bool padded : {true, false}) {
+        std::vector<at::Tensor> old = split_padded(full, old_ranks, padded);
+        for (int new_ranks = 1; new_ranks <= 5; ++new_ranks) {
+          std::vector<at::Tensor> expected = split_padded(full, new_ranks, true);
+          for (int r = 0; r < new_ranks; ++r) {
+            // Only the overlapping old shards are given.
+            std::vector<at::Tensor> given(old_ranks);
+            for (int j : overlapping_shards(numel, old_ranks, new_ranks, r)) given[j] = old[j];
+            if (numel == 0) given[0] = old[0];
+            at::Tensor got = reshard_flat(given, numel, new_ranks, r);
+            EXPECT_TRUE(at::equal(got, expected[r]))
+                << numel << " elements, " << old_ranks << " -> " << new_ranks << " rank " << r;
+          }
+        }
+      }
+    }
+  }
+  std::vector<at::Tensor> missing(2);
+  EXPECT_TRUE(contains(message_of([&] { reshard_flat(missing, 10, 1, 0); }),
+                       "needs the shard of old rank 0 of 2, which is missing"));
+  std::vector<at::Tensor> wrong = {torch::zeros({7}), torch::zeros({5})};
+  EXPECT_TRUE(contains(message_of([&] { reshard_flat(wrong, 10, 1, 0); }),
+                       "the shard of old rank 0 has shape [7]"));
+}
+
+TEST(FlatShardTest, NamedStateKeepsReplicatedScalars) {
+  at::Tensor full = torch::arange(9, torch::kFloat);
+  std::vector<at::Tensor> a = split_padded(full, 2, true), b = split_padded(full * 2, 2, true);
+  std::vector<NamedTensors> old = {
+      named({{"step", torch::tensor(4.f)}, {"exp_avg", a[0]}, {"exp_avg_sq", b[0]}}),
+      named({{"step", torch::tensor(4.f)}, {"exp_avg", a[1]}, {"exp_avg_sq", b[1]}})};
+  NamedTensors got = reshard_flat_state(old, 9, 3, 2);  // elements [6, 9)
+  ASSERT_EQ(got.size(), 3u);
+  EXPECT_EQ(got[0].first, "step");
+  EXPECT_EQ(got[0].second.item<float>(), 4.f);
+  EXPECT_TRUE(at::equal(got[1].second, torch::tensor({6.f, 7.f, 8.f})));
+  EXPECT_TRUE(at::equal(got[2].second, torch::tensor({12.f, 14.f, 16.f})));
+  old[1][0].second = torch::tensor(5.f);
+  EXPECT_TRUE(contains(message_of([&] { reshard_flat_state(old, 9, 3, 2); }),
+                       "the replicated entry 'step' differs"));
+}
+
+TEST(FlatShardTest, LoadsOnlyTheNeededRankFilesAcrossTensorParallelRanks) {
+  TempDir dir;
+  CheckpointStore store(dir.path());
+  // world 6 = dp 3 x tp 2; tensor-parallel rank t's flat array is 100*t + (0..10).
+  const int64_t numel = 11;
+  CheckpointData main;
+  main.step = 9;
+  main.world_size = 6;
+  main.dp_size = 3;
+  main.rank_files = 6;
+  for (int d = 0; d < 3; ++d) {
+    for (int t = 0; t < 2; ++t) {
+      RankState state;
+      state.rank = d * 2 + t;
+      state.dp_rank = d;
+      state.dp_size = 3;
+      state.tp_rank = t;
+      state.flat_numel = numel;
+      at::Tensor full = torch::arange(numel, torch::kFloat) + 100.f * t;
+      state.optimizer_shard =
+          named({{"step", torch::tensor(9.f)}, {"master", split_padded(full, 3, true)[d]}});
+      store.save_rank(9, state);
+    }
+  }
+  store.save(main);
+  // Old dp rank 2 holds [8, 11): new rank 1 of 2 ([6, 11)) needs old ranks 1 and 2 only.
+  ::unlink(store.rank_path_for(9, 0 * 2 + 1).c_str());  // tp rank 1's dp-0 file is not needed
+  NamedTensors got = load_resharded_optimizer(store, store.load(store.path_for(9)), numel,
+                                              /*tp_rank=*/1, /*new_dp_size=*/2, /*new_dp_rank=*/1);
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_TRUE(at::equal(got[1].second, torch::tensor({106.f, 107.f, 108.f, 109.f, 110.f, 0.f})));
+  EXPECT_TRUE(
+      contains(message_of([&] {
+                 load_resharded_optimizer(store, store.load(store.path_for(9)), 12, 0, 2, 1);
+               }),
+               "holds partitioned optimizer state of 11 elements, but this model needs 12"));
+  EXPECT_TRUE(contains(message_of([&] {
+                         load_resharded_optimizer(store, store.load(store.path_for(9)), numel, 2, 2,
+                                                  1);
+                       }),
+                       "tensor-parallel size 2; tensor-parallel rank 2 has no state there"));
+}
+
+// ---- RNG ----------------------------------------------------------------------------------------
+
+TEST(RngStateTest, RestoreReplaysTheSameRandomNumbers) {
+  torch::manual_seed(11);
+  RngState state = capture_rng_state();
+  at::Tensor first = torch::randn({8});
+  torch::manual_seed(99);
+  restore_rng_state(state);
+  EXPECT_TRUE(at::equal(torch::randn({8}), first));
+  RngState bad;
+  bad.cpu = torch::zeros({3}, torch::kByte);
+  EXPECT_TRUE(contains(message_of([&] { restore_rng_state(bad); }),
+                       "cannot restore the CPU random generator state"));
+}
+
+// ---- preemption ---------------------------------------------------------------------------------
+
+TEST(PreemptionTest, SignalsOnlySetTheFlag) {
+  install_preemption_handlers();
+  install_preemption_handlers();  // idempotent
+  clear_preemption_request();
+  EXPECT_FALSE(preemption_requested());
+  EXPECT_FALSE(agree_preempt(testing_util::world_comm()));
+  ASSERT_EQ(::raise(SIGUSR1), 0);  // would end the process without the handler
+  EXPECT_TRUE(preemption_requested());
+  EXPECT_EQ(preemption_signal(), SIGUSR1);
+  EXPECT_TRUE(agree_preempt(testing_util::world_comm()));
+  clear_preemption_request();
+  ASSERT_EQ(::raise(SIGTERM), 0);
+  EXPECT_EQ(preemption_signal(), SIGTERM);
+  clear_preemption_request();
+}
+
+// Sets or unsets an environment variable for the scope.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
+    if (old) old_ = old;
+    if (value) {
+      ::setenv(name, value, 1);
+    } else {
+      ::unsetenv(name);
+    }
+  }
+  ~ScopedEnv() {
+    if (old_) {
+      ::setenv(name_.c_str(), old_->c_str(), 1);
+    } else {
+      ::unsetenv(name_.c_str());
+    }
+  }
+
+ private:
+  std::string name_;
+  std::optional<std::string> old_;
+};
+
+TEST(PreemptionTest, RequeueRunsScontrolOnlyInsideSlurm) {
+  TempDir dir;
+  const std::string fake = dir.file("scontrol");
+  const std::string log = dir.file("args");
+  std::ofstream(fake) << "#!/bin/sh\nprintf '%s|' \"$@\" > " << log << "\nexit ${FAKE_STATUS:-0}\n";
+  ASSERT_EQ(::chmod(fake.c_str(), 0700), 0);
+  RequeueOptions options;
+  options.scontrol = fake;
+  {
+    ScopedEnv job("SLURM_JOB_ID", nullptr);
+    RequeueResult r = request_requeue(options);
+    EXPECT_FALSE(r.attempted);
+    EXPECT_FALSE(exists(log));
+  }
+  ScopedEnv job("SLURM_JOB_ID", "4242");
+  RequeueResult r = request_requeue(options);
+  EXPECT_TRUE(r.ok()) << r.message;
+  std::ifstream in(log);
+  EXPECT_EQ(std::string((std::istreambuf_iterator<char>(in)), {}), "requeue|4242|");
+  {
+    ScopedEnv status("FAKE_STATUS", "3");
+    r = request_requeue(options);
+    EXPECT_FALSE(r.ok());
+    EXPECT_EQ(r.exit_code, 3);
+    EXPECT_TRUE(contains(r.message, "exited with status 3")) << r.message;
+  }
+  options.scontrol = dir.file("no-such-scontrol");
+  r = request_requeue(options);
+  EXPECT_EQ(r.exit_code, 127);
+  std::ofstream(fake) << "#!/bin/sh\nsleep 5\n";
+  options.scontrol = fake;
+  options.timeout_s = 0.2;
+  r = request_requeue(options);
+  EXPECT_EQ(r.exit_code, -1);
+  EXPECT_TRUE(contains(r.message, "did not finish in time")) << r.message;
+}
+
+}  // namespace
+}  // namespace dtrain::engine
