@@ -14,6 +14,8 @@ namespace {
 
 // Members' parts of a tile start on 64-byte boundaries of the fp32 arrays.
 constexpr int64_t kPartAlign = 16;
+// Tiles smaller than this run on the calling thread alone (waking the team costs more).
+constexpr int64_t kMinParallelElems = int64_t{1} << 15;
 
 // The first segment (sorted, disjoint) whose end is past i.
 template <class Seg>
@@ -33,10 +35,14 @@ void CpuOptimizer::Impl::update(int64_t lo, int64_t hi, const std::vector<GradSe
   for (int64_t t0 = lo; t0 < hi; t0 += options.tile_elems) {
     const int64_t t1 = std::min(hi, t0 + options.tile_elems);
     const std::vector<OutSeg>& outs = write ? copy_back.prepare_tile(t0, t1) : kNoOutput;
-    team->run([&](int member) {
-      auto [a, b] = ThreadPool::part(t0, t1, member, members, kPartAlign);
-      update_part(a, b, grads, outs);
-    });
+    if (members == 1 || t1 - t0 < kMinParallelElems) {
+      update_part(t0, t1, grads, outs);
+    } else {
+      team->run([&](int member) {
+        auto [a, b] = ThreadPool::part(t0, t1, member, members, kPartAlign);
+        update_part(a, b, grads, outs);
+      });
+    }
     if (write) copy_back.finish_tile();
   }
 }
@@ -119,6 +125,13 @@ void CopyBack::set_targets(const std::vector<at::Tensor>& flats,
   }
   wait_all();
   targets_ = std::move(targets);
+  // Staging for targets the kernel cannot write directly: allocated now, so a step never
+  // fails half-way for memory.
+  const bool staged = std::any_of(targets_.begin(), targets_.end(),
+                                  [](const Target& t) { return t.mode != Mode::kDirect; });
+  for (at::Tensor& slot : slots_) {
+    if (staged && !slot.defined()) slot = pool_.allocate(tile_elems_ * 4);
+  }
   if (device != device_) {
     device_ = device;
     copy_stream_.reset();
@@ -144,7 +157,6 @@ void CopyBack::begin_range() {
 
 char* CopyBack::acquire_slot() {
   if (!slot_acquired_) {
-    if (!slots_[slot_].defined()) slots_[slot_] = pool_.allocate(tile_elems_ * 4);
     if (!slot_events_.empty()) slot_events_[slot_].synchronize();  // its last copies are done
     slot_acquired_ = true;
   }

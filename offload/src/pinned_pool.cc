@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <glog/logging.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <cmath>
@@ -33,6 +34,16 @@ std::string format_gib(int64_t bytes) {
   char buf[32];
   std::snprintf(buf, sizeof(buf), "%g", static_cast<double>(bytes) / double(int64_t{1} << 30));
   return buf;
+}
+
+// Asks for transparent huge pages on the 2 MiB-aligned interior of [data, data + bytes).
+// Best effort: a failure only costs speed.
+void advise_huge_pages(void* data, int64_t bytes) {
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end =
+      (reinterpret_cast<uintptr_t>(data) + static_cast<uintptr_t>(bytes)) & ~(kHuge - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
 }
 
 int64_t next_power_of_two(int64_t x) {
@@ -137,6 +148,9 @@ at::Tensor PinnedPool::allocate(int64_t bytes) {
   }
   std::shared_ptr<State> state = state_;
   void* data = raw.data_ptr();
+  if (!state_->pin && opt.huge_pages && bytes >= (int64_t{4} << 20)) {
+    advise_huge_pages(data, bytes);  // before the first touch, so faults map huge pages
+  }
   // The returned tensor owns `raw`; when its storage dies, raw is freed and the charge lifted.
   return at::for_blob(data, {bytes})
       .options(at::TensorOptions().dtype(at::kByte))

@@ -84,6 +84,19 @@ TEST(OffloadPinnedPool, AllocatesAndAccounts) {
   EXPECT_EQ(pool.charged_bytes(3000), pool.pinned() ? 4096 : 3000);
 }
 
+// Large pageable blocks get a huge-page hint; they are ordinary memory all the same.
+TEST(OffloadPinnedPool, LargeAllocationsAreUsable) {
+  for (bool huge : {true, false}) {
+    PinnedPoolOptions options;
+    options.huge_pages = huge;
+    PinnedPool pool(options);
+    at::Tensor t = pool.allocate(9 * kMiB / 4, at::kFloat);
+    t.fill_(3.0f);
+    EXPECT_EQ(t.sum().item<double>(), 3.0 * t.numel());
+    EXPECT_EQ(pool.used_bytes(), pool.charged_bytes(9 * kMiB));
+  }
+}
+
 TEST(OffloadPinnedPool, MemoryOutlivesThePool) {
   at::Tensor t;
   {
