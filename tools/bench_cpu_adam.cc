@@ -331,6 +331,35 @@ std::vector<int> thread_counts() {
   return out;
 }
 
+// One impl at thread count t: its line (without rel_err) and its final weights.
+std::pair<json, at::Tensor> run_impl(const std::string& impl, const Problem& problem, int t,
+                                     int iters, const json& bandwidth) {
+  Result r;
+  std::string isa;
+  if (impl == "torch_fused") {
+    r = run_torch_fused(problem, FLAGS_warmup, iters);
+  } else if (impl == "torch_foreach") {
+    r = run_torch_foreach(problem, FLAGS_warmup, iters);
+  } else if (impl == "dtrain_aten_threads") {
+    r = run_dtrain_aten_threads(problem, FLAGS_warmup, iters);
+  } else {
+    r = run_dtrain(problem, t, impl == "dtrain_bf16_copy", FLAGS_warmup, iters, &isa);
+  }
+  const double n = static_cast<double>(FLAGS_params);
+  const double state_gbs = 28.0 * n / (r.ms * 1e-3) / 1e9;
+  json line = {{"bench", "cpu_adam"},
+               {"impl", impl},
+               {"params", FLAGS_params},
+               {"threads", t},
+               {"ms", r.ms},
+               {"iters", iters},
+               {"state_gbs", state_gbs},
+               {"fraction_of_limit", state_gbs / bandwidth["adam_pattern_gbs"].get<double>()}};
+  if (!isa.empty()) line["isa"] = isa;
+  if (impl == "dtrain_bf16_copy") line["total_gbs"] = 30.0 * n / (r.ms * 1e-3) / 1e9;
+  return {std::move(line), std::move(r.weights)};
+}
+
 }  // namespace
 
 int run_cpu_adam(BenchContext& ctx) {
@@ -339,60 +368,35 @@ int run_cpu_adam(BenchContext& ctx) {
   DTRAIN_CHECK(FLAGS_tensor_elems >= 1, "--tensor_elems = ", FLAGS_tensor_elems, " must be >= 1");
   DTRAIN_CHECK(FLAGS_warmup >= 0, "--warmup = ", FLAGS_warmup, " must be >= 0");
   const int iters = FLAGS_iters > 0 ? FLAGS_iters : 10;
-  const std::vector<std::string> impls = split(FLAGS_impls);
+  std::vector<std::string> impls = split(FLAGS_impls);
   const std::vector<std::string> known = {"dtrain", "torch_fused", "torch_foreach",
                                           "dtrain_bf16_copy", "dtrain_aten_threads"};
   for (const std::string& impl : impls) {
     DTRAIN_CHECK(std::find(known.begin(), known.end(), impl) != known.end(), "--impls: unknown '",
-                 impl,
-                 "'; known: dtrain, torch_fused, torch_foreach, dtrain_bf16_copy, "
+                 impl, "'; known: dtrain, torch_fused, torch_foreach, dtrain_bf16_copy, ",
                  "dtrain_aten_threads");
   }
+  // torch_fused first: its weights are the reference the others are checked against.
+  std::stable_partition(impls.begin(), impls.end(),
+                        [](const std::string& i) { return i == "torch_fused"; });
   const std::vector<int> threads = thread_counts();
   const Problem problem = make_problem(FLAGS_params, FLAGS_tensor_elems);
-  const double n = static_cast<double>(FLAGS_params);
   for (int t : threads) {
     at::set_num_threads(t);
-    json bw = measure_bandwidth(t);
-    if (print) std::printf("%s\n", bw.dump().c_str());
-    at::Tensor reference;  // torch_fused's weights
-    std::vector<std::pair<json, at::Tensor>> lines;
+    const json bandwidth = measure_bandwidth(t);
+    if (print) std::printf("%s\n", bandwidth.dump().c_str());
+    at::Tensor reference;  // torch_fused's weights (float64)
     for (const std::string& impl : impls) {
-      Result r;
-      std::string isa;
+      auto [line, weights] = run_impl(impl, problem, t, iters, bandwidth);
+      const at::Tensor w = weights.to(at::kDouble);
       if (impl == "torch_fused") {
-        r = run_torch_fused(problem, FLAGS_warmup, iters);
-        reference = r.weights;
-      } else if (impl == "torch_foreach") {
-        r = run_torch_foreach(problem, FLAGS_warmup, iters);
-      } else if (impl == "dtrain_aten_threads") {
-        r = run_dtrain_aten_threads(problem, FLAGS_warmup, iters);
-      } else {
-        r = run_dtrain(problem, t, impl == "dtrain_bf16_copy", FLAGS_warmup, iters, &isa);
-      }
-      json line = {{"bench", "cpu_adam"},
-                   {"impl", impl},
-                   {"params", FLAGS_params},
-                   {"threads", t},
-                   {"ms", r.ms},
-                   {"iters", iters},
-                   {"state_gbs", 28.0 * n / (r.ms * 1e-3) / 1e9}};
-      if (!isa.empty()) line["isa"] = isa;
-      if (impl == "dtrain_bf16_copy") line["total_gbs"] = 30.0 * n / (r.ms * 1e-3) / 1e9;
-      line["fraction_of_limit"] =
-          line["state_gbs"].get<double>() / bw["adam_pattern_gbs"].get<double>();
-      lines.emplace_back(std::move(line), r.weights);
-    }
-    for (auto& [line, weights] : lines) {
-      if (reference.defined() && line["impl"] != "torch_fused") {
-        const double err =
-            (weights.to(at::kDouble) - reference.to(at::kDouble)).norm().item<double>() /
-            reference.to(at::kDouble).norm().item<double>();
-        line["rel_err"] = err;
+        reference = w;
+      } else if (reference.defined()) {
+        line["rel_err"] = (w - reference).norm().item<double>() / reference.norm().item<double>();
       }
       if (print) std::printf("%s\n", line.dump().c_str());
+      std::fflush(stdout);
     }
-    std::fflush(stdout);
   }
   return 0;
 }

@@ -185,9 +185,8 @@ class CpuOptimizer {
   std::vector<std::pair<std::string, at::Tensor>> state() const;
   void load_state(const std::vector<std::pair<std::string, at::Tensor>>& state);
 
-  struct Impl;  // private (cpu_optimizer_impl.h)
-
  private:
+  struct Impl;  // cpu_optimizer_impl.h
   std::unique_ptr<Impl> impl_;
 };
 
