@@ -16,5 +16,6 @@ struct BenchContext {
 
 int run_allreduce(BenchContext& ctx);
 int run_engine(BenchContext& ctx);
+int run_cpu_adam(BenchContext& ctx);
 
 }  // namespace dtrain::bench

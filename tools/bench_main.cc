@@ -1,6 +1,8 @@
 // dtrain-bench: benchmarks that print JSON lines. Usage: dtrain-bench BENCH [--flags]
 //   allreduce   Communicator all-reduce vs the backend's raw call, 1 KiB .. 256 MiB
 //   engine      Trainer step vs a hand-written libtorch loop at world size 1
+//   cpu_adam    CPU AdamW step: dtrain's CpuOptimizer vs PyTorch's fused and foreach AdamW,
+//               and the machine's memory bandwidth (--params, --threads, --iters, --warmup)
 #include <gflags/gflags.h>
 
 #include <cstdio>
@@ -21,8 +23,9 @@ int main(int argc, char** argv) {
   const std::map<std::string, std::function<int(bench::BenchContext&)>> benches = {
       {"allreduce", bench::run_allreduce},
       {"engine", bench::run_engine},
+      {"cpu_adam", bench::run_cpu_adam},
   };
-  gflags::SetUsageMessage("dtrain-bench BENCH [flags]; BENCH is one of: allreduce, engine");
+  gflags::SetUsageMessage("dtrain-bench BENCH [flags]; BENCH is one of: allreduce, engine, cpu_adam");
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   if (argc < 2 || !benches.count(argv[1])) {
     std::fprintf(stderr, "dtrain-bench: name a benchmark: %s BENCH [flags], BENCH one of:", argv[0]);

@@ -1,0 +1,86 @@
+// Host memory for offloaded state, with a cap: the CPU optimizer's master weights and
+// optimizer state, copy-back staging buffers, offloaded layers.
+//
+// allocate() returns a 1-D uint8 CPU tensor. When a CUDA device is present (and
+// options.pin), the memory is page-locked (at::empty(..., pinned_memory(true)), PyTorch's
+// CachingHostAllocator) so device copies from and to it run asynchronously at full PCIe
+// speed. Without a CUDA device page-locking is not possible through libtorch, and ordinary
+// host memory is returned (pinned() says which); everything else behaves the same.
+//
+// Two checks run before any memory is taken, each a dtrain::Error that names the request,
+// what is in use and the fix, so a job stops with a message instead of the node's
+// out-of-memory killer ending it:
+//  * the cap (options.limit_bytes, from --host_mem_limit_gb): used + request > cap;
+//  * the machine: request > MemAvailable (/proc/meminfo) - options.min_free_bytes.
+// A request counts what it really takes: pinned blocks are rounded up to a power of two by
+// PyTorch's allocator, so that rounded size is charged (charged_bytes()). Freed pinned blocks
+// stay cached by that allocator for reuse, and are not returned to the system.
+//
+// The memory is released (and uncharged) when the last tensor sharing it is destroyed, which
+// may be after the pool itself is gone. Contents are uninitialized.
+// Thread-safety: every method may be called from any thread concurrently.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace dtrain::offload {
+
+struct PinnedPoolOptions {
+  // Cap on the bytes charged at once; 0: no cap of the pool's own (the machine check stays).
+  int64_t limit_bytes = 0;
+  // Flag that sets the cap, named in messages.
+  std::string limit_flag = "--host_mem_limit_gb";
+  // The machine check keeps this much of MemAvailable free for everything else (the
+  // process's other allocations, the data loader, the OS page cache).
+  int64_t min_free_bytes = int64_t{2} << 30;
+  // Where MemAvailable is read (tests point this at a fake file). If the file cannot be read
+  // or has no MemAvailable line, the machine check is skipped (logged once).
+  std::string meminfo_path = "/proc/meminfo";
+  // Page-lock when a CUDA device is present. false: ordinary host memory always.
+  bool pin = true;
+  // Pageable (not pinned) allocations of 4 MiB or more ask the kernel for transparent huge
+  // pages (madvise MADV_HUGEPAGE; a hint, ignored where THP is off): fewer TLB misses when
+  // the optimizer streams through gigabytes (~10% faster steps measured on the CPU).
+  bool huge_pages = true;
+};
+
+// GiB (2^30 bytes) as given to --host_mem_limit_gb -> bytes (0 stays 0: no cap). Throws
+// dtrain::Error for a negative or non-finite value, naming the flag.
+int64_t host_limit_bytes_from_gb(double gib, const std::string& flag = "--host_mem_limit_gb");
+
+// MemAvailable from a /proc/meminfo-format file, in bytes; -1 when unknown.
+int64_t read_mem_available(const std::string& meminfo_path = "/proc/meminfo");
+
+class PinnedPool {
+ public:
+  // Throws dtrain::Error for a negative limit_bytes or min_free_bytes.
+  explicit PinnedPool(PinnedPoolOptions options = {});
+  ~PinnedPool();
+  PinnedPool(const PinnedPool&) = delete;
+  PinnedPool& operator=(const PinnedPool&) = delete;
+
+  // A 1-D uint8 tensor of exactly `bytes` elements (bytes >= 1), 64-byte aligned.
+  // Synchronous. Throws dtrain::Error (nothing allocated, nothing charged) for bytes < 1,
+  // over the cap, over the machine's available memory, or when the allocator fails.
+  at::Tensor allocate(int64_t bytes);
+  // allocate() of numel elements of dtype, viewed as a 1-D tensor of that dtype.
+  at::Tensor allocate(int64_t numel, at::ScalarType dtype);
+
+  // What allocate(bytes) charges: bytes, or the next power of two when pinning.
+  int64_t charged_bytes(int64_t bytes) const;
+  int64_t used_bytes() const;   // charged and not yet released
+  int64_t peak_bytes() const;   // the most used_bytes() has been
+  int64_t limit_bytes() const;  // 0: no cap
+  bool pinned() const;          // whether allocations are page-locked
+  const PinnedPoolOptions& options() const;
+
+ private:
+  struct State;
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace dtrain::offload

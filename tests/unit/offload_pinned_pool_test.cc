@@ -1,0 +1,221 @@
+// The capped host memory pool: accounting, the cap and machine checks (before any memory is
+// taken), messages that name the fix, and concurrent use.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dtrain/dist/error.h"
+#include "dtrain/offload/pinned_pool.h"
+#include "test_util.h"
+
+namespace dtrain::offload {
+namespace {
+
+constexpr int64_t kMiB = int64_t{1} << 20;
+
+// A /proc/meminfo-format file claiming `available_kb` kB available; removed at scope exit.
+class FakeMeminfo {
+ public:
+  explicit FakeMeminfo(int64_t available_kb) {
+    char name[] = "/tmp/dtrain_meminfo_XXXXXX";
+    const int fd = mkstemp(name);
+    EXPECT_GE(fd, 0);
+    close(fd);
+    path_ = name;
+    std::ofstream out(path_);
+    out << "MemTotal:       98765432 kB\nMemFree:          123456 kB\nMemAvailable:   "
+        << available_kb << " kB\nBuffers:           1000 kB\n";
+  }
+  ~FakeMeminfo() { std::remove(path_.c_str()); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// The message of the dtrain::Error that fn throws ("" and a failure when it does not).
+template <class Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected a dtrain::Error";
+  return "";
+}
+
+TEST(OffloadPinnedPool, AllocatesAndAccounts) {
+  PinnedPool pool;
+  EXPECT_EQ(pool.pinned(), at::hasCUDA());
+  if (!pool.pinned()) {
+    std::printf("[ note ] no CUDA device: the pool hands out ordinary (pageable) host memory\n");
+  }
+  {
+    at::Tensor a = pool.allocate(1000);
+    EXPECT_EQ(a.scalar_type(), at::kByte);
+    EXPECT_EQ(a.numel(), 1000);
+    EXPECT_TRUE(a.is_cpu());
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(a.data_ptr()) % 64, 0u);
+    if (pool.pinned()) EXPECT_TRUE(a.is_pinned());
+    EXPECT_EQ(pool.used_bytes(), pool.charged_bytes(1000));
+    at::Tensor f = pool.allocate(300, at::kFloat);
+    EXPECT_EQ(f.scalar_type(), at::kFloat);
+    EXPECT_EQ(f.numel(), 300);
+    f.fill_(2.5f);  // usable memory
+    EXPECT_EQ(f.sum().item<float>(), 750.0f);
+    EXPECT_EQ(pool.used_bytes(), pool.charged_bytes(1000) + pool.charged_bytes(1200));
+    // A view keeps the memory (and its charge) alive after the original handle is gone.
+    at::Tensor view = f.narrow(0, 10, 5);
+    f = at::Tensor();
+    EXPECT_EQ(pool.used_bytes(), pool.charged_bytes(1000) + pool.charged_bytes(1200));
+    EXPECT_EQ(view.sum().item<float>(), 12.5f);
+  }
+  EXPECT_EQ(pool.used_bytes(), 0);
+  EXPECT_EQ(pool.peak_bytes(), pool.charged_bytes(1000) + pool.charged_bytes(1200));
+  // Pageable memory is charged as asked; pinned blocks as the power of two PyTorch takes.
+  EXPECT_EQ(pool.charged_bytes(3000), pool.pinned() ? 4096 : 3000);
+}
+
+// Large pageable blocks get a huge-page hint; they are ordinary memory all the same.
+TEST(OffloadPinnedPool, LargeAllocationsAreUsable) {
+  for (bool huge : {true, false}) {
+    PinnedPoolOptions options;
+    options.huge_pages = huge;
+    PinnedPool pool(options);
+    at::Tensor t = pool.allocate(9 * kMiB / 4, at::kFloat);
+    t.fill_(3.0f);
+    EXPECT_EQ(t.sum().item<double>(), 3.0 * t.numel());
+    EXPECT_EQ(pool.used_bytes(), pool.charged_bytes(9 * kMiB));
+  }
+}
+
+TEST(OffloadPinnedPool, MemoryOutlivesThePool) {
+  at::Tensor t;
+  {
+    PinnedPool pool;
+    t = pool.allocate(64, at::kFloat);
+  }
+  t.fill_(1.0f);  // the storage (and the pool's accounting state) are still alive
+  EXPECT_EQ(t.sum().item<float>(), 64.0f);
+}
+
+TEST(OffloadPinnedPool, CapIsCheckedBeforeAllocating) {
+  PinnedPoolOptions options;
+  options.limit_bytes = 1 * kMiB;
+  PinnedPool pool(options);
+  const int64_t part = pool.pinned() ? 256 * 1024 : 400 * 1024;
+  at::Tensor a = pool.allocate(part);
+  at::Tensor b = pool.allocate(part);
+  const int64_t used = pool.used_bytes();
+  const std::string msg = error_of([&] { pool.allocate(600 * 1024); });
+  EXPECT_NE(msg.find("--host_mem_limit_gb"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("cap"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("(" + std::to_string(pool.charged_bytes(600 * 1024)) + " bytes)"),
+            std::string::npos)
+      << "names the request: " << msg;
+  EXPECT_NE(msg.find("(" + std::to_string(used) + " bytes)"), std::string::npos)
+      << "names what is in use: " << msg;
+  EXPECT_NE(msg.find("(" + std::to_string(kMiB) + " bytes)"), std::string::npos)
+      << "names the cap: " << msg;
+  EXPECT_EQ(pool.used_bytes(), used) << "a refused request charges nothing";
+  // Freeing makes room again.
+  a = at::Tensor();
+  EXPECT_NO_THROW(pool.allocate(part));
+}
+
+TEST(OffloadPinnedPool, NamesTheConfiguredFlag) {
+  PinnedPoolOptions options;
+  options.limit_bytes = 1024;
+  options.limit_flag = "--layer_host_mem_gb";
+  PinnedPool pool(options);
+  const std::string msg = error_of([&] { pool.allocate(4096); });
+  EXPECT_NE(msg.find("--layer_host_mem_gb"), std::string::npos) << msg;
+}
+
+TEST(OffloadPinnedPool, RefusesBeyondMemAvailable) {
+  FakeMeminfo meminfo(10 * 1024);  // 10 MiB available
+  PinnedPoolOptions options;
+  options.meminfo_path = meminfo.path();
+  options.min_free_bytes = 4 * kMiB;
+  PinnedPool pool(options);  // no cap of its own
+  EXPECT_NO_THROW(pool.allocate(4 * kMiB));
+  const std::string msg = error_of([&] { pool.allocate(7 * kMiB); });
+  EXPECT_NE(msg.find("MemAvailable"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(meminfo.path()), std::string::npos) << msg;
+  EXPECT_NE(msg.find("(" + std::to_string(10 * kMiB) + " bytes) available"), std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("kept free"), std::string::npos) << msg;
+}
+
+TEST(OffloadPinnedPool, WithoutMeminfoOnlyTheCapCounts) {
+  PinnedPoolOptions options;
+  options.meminfo_path = "/nonexistent/meminfo";
+  options.limit_bytes = 2 * kMiB;
+  PinnedPool pool(options);
+  at::Tensor held = pool.allocate(kMiB);
+  EXPECT_THROW(pool.allocate(2 * kMiB), Error);
+}
+
+TEST(OffloadPinnedPool, ReadsMemAvailable) {
+  const int64_t available = read_mem_available();
+  EXPECT_GT(available, 0) << "this Linux machine has /proc/meminfo";
+  FakeMeminfo meminfo(12345);
+  EXPECT_EQ(read_mem_available(meminfo.path()), 12345 * 1024);
+  EXPECT_EQ(read_mem_available("/nonexistent/meminfo"), -1);
+}
+
+TEST(OffloadPinnedPool, BadInput) {
+  PinnedPool pool;
+  EXPECT_NE(error_of([&] { pool.allocate(0); }).find("at least 1 byte"), std::string::npos);
+  EXPECT_THROW(pool.allocate(-5), Error);
+  EXPECT_THROW(pool.allocate(0, at::kFloat), Error);
+  PinnedPoolOptions bad;
+  bad.limit_bytes = -1;
+  EXPECT_NE(error_of([&] { PinnedPool p(bad); }).find("--host_mem_limit_gb"), std::string::npos);
+  EXPECT_EQ(host_limit_bytes_from_gb(0.0), 0);
+  EXPECT_EQ(host_limit_bytes_from_gb(0.5), 512 * kMiB);
+  EXPECT_EQ(host_limit_bytes_from_gb(125), int64_t{125} << 30);
+  const std::string msg = error_of([] { host_limit_bytes_from_gb(-2.0); });
+  EXPECT_NE(msg.find("--host_mem_limit_gb=-2"), std::string::npos) << msg;
+  EXPECT_THROW(host_limit_bytes_from_gb(std::nan("")), Error);
+}
+
+// Several threads allocate and free at once: the cap holds at every moment (peak), refused
+// requests charge nothing, and everything is uncharged at the end.
+TEST(OffloadPinnedPool, ConcurrentUseRespectsTheCap) {
+  PinnedPoolOptions options;
+  options.limit_bytes = 64 * 1024;
+  PinnedPool pool(options);
+  std::atomic<int> refused{0}, granted{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::vector<at::Tensor> held;
+      for (int i = 0; i < 200; ++i) {
+        const int64_t bytes = 512 + ((i * 7 + t * 13) % 16) * 512;
+        try {
+          held.push_back(pool.allocate(bytes));
+          granted.fetch_add(1);
+        } catch (const Error&) {
+          refused.fetch_add(1);
+        }
+        if (held.size() > 3) held.erase(held.begin());
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_GT(granted.load(), 0);
+  EXPECT_LE(pool.peak_bytes(), options.limit_bytes);
+  EXPECT_EQ(pool.used_bytes(), 0);
+}
+
+}  // namespace
+}  // namespace dtrain::offload
