@@ -13,6 +13,7 @@
 #include "dtrain/dist/error.h"
 #include "dtrain/dist/logging.h"
 #include "dtrain/engine/memory.h"
+#include "dtrain/engine/preemption.h"
 
 // Run
 DEFINE_int64(steps, 100, "optimizer steps to train");
@@ -31,6 +32,8 @@ DEFINE_int64(log_every, 10, "log metrics every N steps");
 DEFINE_string(metrics, "", "write metrics as JSON lines to this file (rank 0)");
 DEFINE_string(save_dir, "", "save checkpoints to this directory");
 DEFINE_bool(resume, false, "resume from the newest good checkpoint in --save_dir");
+DEFINE_int64(save_every, 0, "save a checkpoint every N steps (0: at the end and on preemption only)");
+DEFINE_int32(keep_last, 3, "checkpoints kept in --save_dir (0: all)");
 DEFINE_string(tensorboard_dir, "", "write TensorBoard event files here (rank 0)");
 DEFINE_string(timeline, "", "write a Chrome trace of the run to this file (per-rank files merged by rank 0)");
 DEFINE_int64(memory_report_step, 0, "log where memory goes after this step (0: never)");
@@ -106,8 +109,9 @@ void check_flags() {
   // Flags of features that arrive with later parts of the engine: refuse rather than ignore.
   DTRAIN_CHECK(FLAGS_offload == "none", "--offload=", FLAGS_offload,
                " is not available in this build yet; use --offload=none");
-  DTRAIN_CHECK(FLAGS_save_dir.empty() && !FLAGS_resume,
-               "--save_dir/--resume are not available in this build yet");
+  DTRAIN_CHECK(FLAGS_save_every >= 0, "--save_every=", FLAGS_save_every, " must be >= 0");
+  DTRAIN_CHECK(FLAGS_keep_last >= 0, "--keep_last=", FLAGS_keep_last, " must be >= 0");
+  DTRAIN_CHECK(!FLAGS_resume || !FLAGS_save_dir.empty(), "--resume needs --save_dir");
 }
 
 // POSIX rather than std::filesystem: libtorch.so exports its own copies of some
@@ -142,6 +146,7 @@ Run init_run(int argc, char** argv, const std::string& usage,
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   DTRAIN_CHECK(argc == 1, "unexpected argument '", argc > 1 ? argv[1] : "",
                "'; flags are written --name=value");
+  engine::install_preemption_handlers();  // SIGTERM/SIGUSR1: save at the end of the step
   engine::track_cpu_memory();  // exact CPU tensor memory in the metrics
   Run run;
   std::string argv0 = argv[0];
@@ -191,6 +196,11 @@ engine::TrainerOptions trainer_options(const Run& run, const std::string& defaul
   o.tensorboard_dir = FLAGS_tensorboard_dir;
   o.timeline_path = FLAGS_timeline;
   o.memory_report_step = FLAGS_memory_report_step;
+  o.save_dir = FLAGS_save_dir;
+  o.save_every = FLAGS_save_every;
+  o.keep_last = FLAGS_keep_last;
+  o.resume = FLAGS_resume;
+  o.checkpoint_meta["program"] = run.program;
   o.progress = FLAGS_progress;
   o.oom_backoff = run.mesh->tp_size() == 1;
   return o;
@@ -212,6 +222,8 @@ engine::LoaderOptions loader_options(const Run& run, int64_t batch_size, bool sh
 int guarded_main(const char* program, const std::function<int()>& body) {
   try {
     return body();
+  } catch (const Preempted&) {
+    return kExitRequeue;
   } catch (const Error& e) {
     std::fprintf(stderr, "%s: %s\n", program, e.what());
     return kExitUsage;
@@ -238,6 +250,14 @@ engine::StepMetrics fit_and_report(const Run& run, engine::Trainer& trainer, eng
                                    engine::DataLoader* eval, const engine::StepMetrics& first) {
   if (!FLAGS_eval_only) {
     engine::StepMetrics last = trainer.fit(train, FLAGS_eval_every > 0 ? (eval ? eval : &train) : nullptr);
+    if (trainer.preempted()) {
+      if (run.world.rank == 0) {
+        std::printf("%s: preempted at step %lld; checkpoint saved, exiting with %d to be requeued\n",
+                    run.program.c_str(), static_cast<long long>(trainer.current_step()), kExitRequeue);
+      }
+      std::fflush(stdout);
+      throw Preempted();
+    }
     report(run, first, last);
     return last;
   }

@@ -31,6 +31,8 @@ DECLARE_int64(log_every);
 DECLARE_string(metrics);
 DECLARE_string(save_dir);
 DECLARE_bool(resume);
+DECLARE_int64(save_every);
+DECLARE_int32(keep_last);
 DECLARE_string(tensorboard_dir);
 DECLARE_string(timeline);
 DECLARE_int64(memory_report_step);
@@ -61,6 +63,10 @@ DECLARE_double(dropout);
 
 namespace dtrain::examples {
 
+// Thrown by fit_and_report when the job was preempted (after its checkpoint); guarded_main
+// turns it into the requeue exit code.
+struct Preempted {};
+
 // Everything a run needs from the environment, created in this order.
 struct Run {
   dist::World world;
@@ -84,8 +90,8 @@ engine::TrainerOptions trainer_options(const Run& run, const std::string& defaul
 // Loader options for this rank (dp rank/size from the mesh) from the flags.
 engine::LoaderOptions loader_options(const Run& run, int64_t batch_size, bool shuffle, uint64_t seed);
 
-// Runs body, turning dtrain::Error into "program: message" on stderr and exit code 2, and
-// other failures into exit code 1. Returns the exit code.
+// Runs body, turning dtrain::Error into "program: message" on stderr and exit code 2,
+// Preempted into kExitRequeue, and other failures into exit code 1. Returns the exit code.
 int guarded_main(const char* program, const std::function<int()>& body);
 
 // Trains (or with --eval_only evaluates --eval_batches batches under no_grad, timing them)

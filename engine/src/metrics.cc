@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 
 #include <glog/logging.h>
@@ -58,8 +59,16 @@ void MetricsWriter::write(const StepMetrics& m) {
   }
 }
 
+namespace {
+// A terminal the user looks at. Open MPI gives ranks a pseudo-terminal even when mpirun's own
+// output goes to a file, so under mpirun we print plain lines.
+bool interactive_terminal() {
+  return isatty(STDOUT_FILENO) == 1 && std::getenv("OMPI_COMM_WORLD_SIZE") == nullptr;
+}
+}  // namespace
+
 Progress::Progress(int64_t total_steps, bool enabled)
-    : total_(total_steps), enabled_(enabled), tty_(isatty(STDOUT_FILENO) == 1) {}
+    : total_(total_steps), enabled_(enabled), tty_(interactive_terminal()) {}
 
 void Progress::update(const StepMetrics& m) {
   if (!enabled_) return;

@@ -339,37 +339,37 @@ void load_full_state(torch::nn::Module& split_model, const std::map<std::string,
   }
 }
 
+at::Tensor gather_full_tensor(const at::Tensor& local_in, const ShardSpec& s, dist::Communicator& tp) {
+  at::Tensor local = local_in.detach().contiguous();
+  const int T = tp.size();
+  if (s.dim < 0) return local.clone();
+  if (T == 1) return local.narrow(s.dim, 0, std::min<int64_t>(s.full, local.size(s.dim))).clone();
+  at::Tensor all = at::empty({T * local.numel()}, local.options());
+  tp.all_gather(local.view(-1), all)->wait();
+  std::vector<at::Tensor> pieces;
+  for (const at::Tensor& c : all.chunk(T)) pieces.push_back(c.view(local.sizes()));
+  at::Tensor full;
+  if (s.parts == 1) {
+    full = at::cat(pieces, s.dim);
+  } else {
+    std::vector<at::Tensor> blocks;
+    for (int j = 0; j < s.parts; ++j) {
+      std::vector<at::Tensor> block_parts;
+      for (const at::Tensor& p : pieces) block_parts.push_back(p.chunk(s.parts, s.dim)[j]);
+      blocks.push_back(at::cat(block_parts, s.dim));
+    }
+    full = at::cat(blocks, s.dim);
+  }
+  return full.narrow(s.dim, 0, s.full).contiguous();
+}
+
 std::map<std::string, at::Tensor> gather_full_state(torch::nn::Module& split_model, dist::Communicator& tp) {
   auto specs = collect_shard_specs(split_model);
   std::map<std::string, at::Tensor> out;
-  const int T = tp.size();
   for (auto& item : split_model.named_parameters()) {
-    at::Tensor local = item.value().detach().contiguous();
     auto spec = specs.find(item.key());
-    if (spec == specs.end() || T == 1) {
-      at::Tensor t = local.cpu().clone();
-      if (spec != specs.end() && spec->second.padded > spec->second.full) t = t.narrow(spec->second.dim, 0, spec->second.full);
-      out[item.key()] = t;
-      continue;
-    }
-    const ShardSpec& s = spec->second;
-    at::Tensor all = at::empty({T * local.numel()}, local.options());
-    tp.all_gather(local.view(-1), all)->wait();
-    std::vector<at::Tensor> pieces;
-    for (const at::Tensor& c : all.chunk(T)) pieces.push_back(c.view(local.sizes()));
-    at::Tensor full;
-    if (s.parts == 1) {
-      full = at::cat(pieces, s.dim);
-    } else {
-      std::vector<at::Tensor> blocks;
-      for (int j = 0; j < s.parts; ++j) {
-        std::vector<at::Tensor> block_parts;
-        for (const at::Tensor& p : pieces) block_parts.push_back(p.chunk(s.parts, s.dim)[j]);
-        blocks.push_back(at::cat(block_parts, s.dim));
-      }
-      full = at::cat(blocks, s.dim);
-    }
-    out[item.key()] = full.narrow(s.dim, 0, s.full).cpu().contiguous();
+    out[item.key()] = spec == specs.end() ? item.value().detach().cpu().clone()
+                                          : gather_full_tensor(item.value(), spec->second, tp).cpu();
   }
   return out;
 }

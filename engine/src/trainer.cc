@@ -12,6 +12,7 @@
 
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/memory.h"
+#include "dtrain/engine/preemption.h"
 #include "dtrain/engine/tensor_parallel.h"
 
 namespace dtrain::engine {
@@ -56,8 +57,9 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
     }
   }
   DTRAIN_CHECK(!params_.empty(), "the model has no trainable parameters");
-  auto specs = collect_shard_specs(model_);
-  for (const std::string& name : names) sharded_.push_back(specs.count(name) > 0);
+  specs_ = collect_shard_specs(model_);
+  names_ = names;
+  for (const std::string& name : names) sharded_.push_back(specs_.count(name) > 0);
   ReducerOptions reducer_options = options_.reducer;
   if (reducer_options.names.empty()) reducer_options.names = names;
   reducer_ = std::make_unique<GradReducer>(params_, mesh_.dp(), reducer_options);
@@ -65,7 +67,12 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
   LossScalerOptions scaler_options = options_.loss_scaler;
   scaler_options.enabled = options_.amp == AmpMode::kFp16;
   scaler_ = std::make_unique<LossScaler>(scaler_options, device_);
-  metrics_ = std::make_unique<MetricsWriter>(options_.metrics_path, mesh_.world().rank() == 0);
+  DTRAIN_CHECK(!options_.resume || !options_.save_dir.empty(),
+               "--resume needs --save_dir (where the checkpoints are)");
+  DTRAIN_CHECK(options_.save_every >= 0, "--save_every must be >= 0");
+  // A resumed run appends to its metrics file.
+  metrics_ = options_.resume ? MetricsWriter::open_append(options_.metrics_path, mesh_.world().rank() == 0)
+                             : std::make_unique<MetricsWriter>(options_.metrics_path, mesh_.world().rank() == 0);
   const bool rank0 = mesh_.world().rank() == 0;
   tensorboard_ = std::make_unique<EventWriter>(options_.tensorboard_dir,
                                                rank0 && !options_.tensorboard_dir.empty());
@@ -280,13 +287,55 @@ double Trainer::evaluate(DataLoader& eval, int64_t batches) {
   return total.item<double>();
 }
 
+StepMetrics Trainer::log_step(bool eval_now, DataLoader* eval, int64_t global_batch,
+                              std::chrono::steady_clock::time_point window_start,
+                              int64_t window_steps, Progress& progress) {
+  StepMetrics m = last_;
+  m.loss = read_loss();  // waits for the step's work: the window's time is complete now
+  m.step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - window_start).count() /
+              window_steps;
+  m.samples_per_s = m.step_ms > 0 ? global_batch / (m.step_ms / 1000.0) : 0;
+  if (options_.tokens_per_sample > 0) m.tokens_per_s = m.samples_per_s * options_.tokens_per_sample;
+  MemoryStats mem = memory_stats(device_);
+  m.mem_allocated_mb = mem.allocated_mb;
+  m.mem_peak_mb = mem.peak_mb;
+  if (scaler_->enabled()) m.loss_scale = scaler_->scale_value();
+  if (options_.report_grad_norm && last_grad_norm_.defined()) m.grad_norm = last_grad_norm_.item<double>();
+  if (eval_now) m.eval_loss = evaluate(*eval, options_.eval_batches);
+  metrics_->write(m);
+  tensorboard_->add_metrics(m);
+  progress.update(m);
+  if (device_.is_cuda() && mesh_.world().rank() == 0 && !options_.progress) {
+    LOG(INFO) << gpu_summary_line(device_);
+  }
+  if (options_.on_log) options_.on_log(m);
+  return m;
+}
+
+bool Trainer::stop_for_preemption(const DataLoader& train) {
+  if (!options_.handle_preemption || !agree_preempt(mesh_.world())) return false;
+  if (mesh_.world().rank() == 0) {
+    LOG(WARNING) << "preempted (signal " << preemption_signal() << ") after step " << step_
+                 << (options_.save_dir.empty() ? "; no --save_dir, nothing saved" : "; saving a checkpoint");
+  }
+  if (!options_.save_dir.empty()) save_checkpoint(&train);
+  if (mesh_.world().rank() == 0) {
+    RequeueResult rq = request_requeue();
+    if (rq.attempted) LOG(WARNING) << "requeue: " << rq.message;
+  }
+  preempted_ = true;
+  return true;
+}
+
 StepMetrics Trainer::fit(DataLoader& train, DataLoader* eval) {
   Progress progress(options_.steps, options_.progress && mesh_.world().rank() == 0);
   const int64_t global_batch = train.options().batch_size * mesh_.dp_size();
+  StepMetrics logged;
+  if (options_.resume) resume_checkpoint(&train);
+  const int64_t first_step = step_ + 1;  // logged too, so a resumed run shows where it starts
+  reset_peak_memory(device_);
   auto window_start = std::chrono::steady_clock::now();
   int64_t window_steps = 0;
-  StepMetrics logged;
-  reset_peak_memory(device_);
   while (step_ < options_.steps) {
     Batch batch;
     {
@@ -296,33 +345,19 @@ StepMetrics Trainer::fit(DataLoader& train, DataLoader* eval) {
     StepResult r = step(batch);
     ++window_steps;
     const bool eval_now = eval && options_.eval_every > 0 && r.step % options_.eval_every == 0;
-    const bool log_now =
-        r.step == 1 || r.step % options_.log_every == 0 || r.step == options_.steps || eval_now;
-    if (!log_now) continue;  // no host sync between log steps
-    StepMetrics m = last_;
-    m.loss = read_loss();  // waits for the step's work: the window's time is now complete
-    auto now = std::chrono::steady_clock::now();
-    m.step_ms = std::chrono::duration<double, std::milli>(now - window_start).count() / window_steps;
-    m.samples_per_s = m.step_ms > 0 ? global_batch / (m.step_ms / 1000.0) : 0;
-    if (options_.tokens_per_sample > 0) m.tokens_per_s = m.samples_per_s * options_.tokens_per_sample;
-    MemoryStats mem = memory_stats(device_);
-    m.mem_allocated_mb = mem.allocated_mb;
-    m.mem_peak_mb = mem.peak_mb;
-    if (scaler_->enabled()) m.loss_scale = scaler_->scale_value();
-    if (options_.report_grad_norm && last_grad_norm_.defined()) m.grad_norm = last_grad_norm_.item<double>();
-    if (eval_now) m.eval_loss = evaluate(*eval, options_.eval_batches);
-    metrics_->write(m);
-    tensorboard_->add_metrics(m);
-    progress.update(m);
-    if (device_.is_cuda() && mesh_.world().rank() == 0 && !options_.progress) {
-      LOG(INFO) << gpu_summary_line(device_);
+    if (r.step == first_step || r.step % options_.log_every == 0 || r.step == options_.steps || eval_now) {
+      // No host sync between log steps: the loss is read here only.
+      logged = log_step(eval_now, eval, global_batch, window_start, window_steps, progress);
+      window_start = std::chrono::steady_clock::now();
+      window_steps = 0;
     }
-    if (options_.on_log) options_.on_log(m);
-    logged = m;
-    window_start = std::chrono::steady_clock::now();
-    window_steps = 0;
+    if (!options_.save_dir.empty() && options_.save_every > 0 && r.step % options_.save_every == 0) {
+      save_checkpoint(&train);
+    }
+    if (stop_for_preemption(train)) break;
   }
   progress.finish();
+  if (!preempted_ && !options_.save_dir.empty() && last_saved_step_ != step_) save_checkpoint(&train);
   finish_timeline();
   return logged;
 }

@@ -73,7 +73,7 @@ command_for job "$@" "$resume_flag"
 timeout "$RUN_TIMEOUT_S" "${cmd[@]}" > "$WORK/resumed.out" 2>&1 || fail "the resumed run exited with status $?"
 cat "$WORK/preempted.out" "$WORK/resumed.out" > "$WORK/both.out"
 grep -Eq -- "$compare" "$WORK/reference.out" || fail "no line of the uninterrupted run matches /$compare/"
-diff <(grep -E -- "$compare" "$WORK/reference.out") <(grep -E -- "$compare" "$WORK/both.out") ||
+diff <(grep -oE -- "$compare" "$WORK/reference.out") <(grep -oE -- "$compare" "$WORK/both.out") ||
   fail "lines /$compare/ differ between the uninterrupted run (<) and the preempted + resumed one (>)"
 cat "$WORK/both.out"
 echo "[test] $(grep -cE -- "$compare" "$WORK/both.out") lines /$compare/ equal an uninterrupted run's"

@@ -9,7 +9,7 @@
 #                       anchor lines)
 #   --preempt-at REGEX  once the output matches, send SIGUSR1 to the batch script as Slurm's
 #                       --signal=B:USR1@... does; the job must be requeued once and complete
-#   --compare REGEX     also run an uninterrupted job; the output lines matching REGEX must be
+#   --compare REGEX     also run an uninterrupted job; the parts of lines matching REGEX must be
 #                       the same in both (e.g. '^step [0-9]+ loss' for the loss curve)
 # In ARGS, @WORK@ stands for a fresh directory of each job (e.g. --save_dir=@WORK@/ckpt).
 #
@@ -146,7 +146,7 @@ if [[ -n $compare ]]; then
   wait_job "$ref"
   check_completed "$ref" reference
   grep -Eq -- "$compare" "$WORK/reference.out" || fail "no line of the reference job matches /$compare/"
-  diff <(grep -E -- "$compare" "$WORK/reference.out") <(grep -E -- "$compare" "$WORK/main.out") ||
+  diff <(grep -oE -- "$compare" "$WORK/reference.out") <(grep -oE -- "$compare" "$WORK/main.out") ||
     fail "lines /$compare/ differ between the uninterrupted job (<) and job $id (>)"
   echo "[test] $(grep -cE -- "$compare" "$WORK/main.out") lines /$compare/ equal an uninterrupted job's"
 fi

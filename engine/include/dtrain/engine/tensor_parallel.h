@@ -142,6 +142,10 @@ void load_full_state(torch::nn::Module& split_model, const std::map<std::string,
 std::map<std::string, at::Tensor> gather_full_state(torch::nn::Module& split_model,
                                                     dist::Communicator& tp);
 
+// The unsplit tensor of which local is this rank's shard under spec (collective over tp;
+// every rank receives it, on local's device; padding dropped).
+at::Tensor gather_full_tensor(const at::Tensor& local, const ShardSpec& spec, dist::Communicator& tp);
+
 // Global L2 norm of the gradients of a split model's parameters: squares of sharded
 // parameters summed over the group, replicated ones counted once. A 0-dim float tensor.
 at::Tensor tensor_parallel_grad_norm(const std::vector<at::Tensor>& params,

@@ -15,7 +15,9 @@
 // step() / fit() the same number of times.
 #pragma once
 
+#include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -25,6 +27,8 @@
 
 #include "dtrain/dist/mesh.h"
 #include "dtrain/engine/amp.h"
+#include "dtrain/engine/checkpoint.h"
+#include "dtrain/engine/tensor_parallel.h"
 #include "dtrain/engine/data.h"
 #include "dtrain/engine/memory_report.h"
 #include "dtrain/engine/metrics.h"
@@ -61,6 +65,16 @@ struct TrainerOptions {
   std::string tensorboard_dir;     // rank 0 writes TensorBoard event files here
   std::string timeline_path;       // Chrome trace: one file per rank, merged by rank 0 at the end
   int64_t memory_report_step = 0;  // > 0: log the memory report after this step (and on OOM)
+  // Checkpoints (docs/CLUSTER.md): the model unsplit under PyTorch state_dict names, the
+  // optimizer (unsplit), loss scaler, RNG states, step, accumulation and data position.
+  std::string save_dir;           // empty: no checkpoints
+  int64_t save_every = 0;         // also every this many steps (0: only at the end / preemption)
+  int keep_last = 3;              // checkpoints kept (0: all)
+  bool resume = false;            // fit() continues from the newest good checkpoint in save_dir
+  // Each step, agree across ranks on SIGTERM/SIGUSR1 (install_preemption_handlers() first);
+  // then fit() saves, asks Slurm to requeue and returns with preempted() set.
+  bool handle_preemption = true;
+  std::map<std::string, std::string> checkpoint_meta;  // saved along (program, flags, ...)
 };
 
 // Throws dtrain::Error naming the bad field (steps < 0, accum_steps < 1, log_every < 1, ...).
@@ -95,6 +109,15 @@ class Trainer {
   double evaluate(DataLoader& eval, int64_t batches);
 
   int64_t current_step() const { return step_; }
+  // Saves a checkpoint of this step to options.save_dir (collective); loader gives the data
+  // position. Returns the path of the main file.
+  std::string save_checkpoint(const DataLoader* loader);
+  // Restores the newest good checkpoint in options.save_dir (collective); throws
+  // dtrain::Error when there is none or it belongs to a different model. Moves loader to the
+  // saved position. Any tensor-parallel or data-parallel layout may resume any other.
+  void resume_checkpoint(DataLoader* loader);
+  // fit() stopped early because the job was preempted (after saving a checkpoint).
+  bool preempted() const { return preempted_; }
   // The memory report of the last step (components, allocator figures), for logs.
   MemoryReport memory_report() const;
   Timeline& timeline() { return *timeline_; }
@@ -113,6 +136,12 @@ class Trainer {
   void apply_update(StepMetrics& m, bool& skipped);
   // The last step's global-batch loss (waits for its reduction), NaN if none is pending.
   double read_loss();
+  // Builds, writes and shows the metrics of the step just taken.
+  StepMetrics log_step(bool eval_now, DataLoader* eval, int64_t global_batch,
+                       std::chrono::steady_clock::time_point window_start, int64_t window_steps,
+                       Progress& progress);
+  // Agrees on preemption; when preempted saves (with save_dir), asks to requeue, returns true.
+  bool stop_for_preemption(const DataLoader& train);
 
   torch::nn::Module& model_;
   LossFn loss_;
@@ -121,6 +150,12 @@ class Trainer {
   TrainerOptions options_;
   std::vector<at::Tensor> params_;
   std::vector<bool> sharded_;  // split across the tensor-parallel group
+  std::vector<std::string> names_;
+  std::map<std::string, ShardSpec> specs_;
+  bool preempted_ = false;
+  int64_t last_saved_step_ = -1;
+  NamedTensors full_model_state();
+  NamedTensors full_optimizer_state();
   std::unique_ptr<GradReducer> reducer_;
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<LossScaler> scaler_;

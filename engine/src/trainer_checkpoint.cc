@@ -1,0 +1,134 @@
+// Trainer checkpoints: what a step's state is, written unsplit so any layout can resume it.
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <glog/logging.h>
+
+#include "dtrain/dist/error.h"
+#include "dtrain/engine/trainer.h"
+
+namespace dtrain::engine {
+namespace {
+
+// "<param index>.<state name>" -> the parameter index.
+int64_t param_index_of(const std::string& state_name) {
+  auto dot = state_name.find('.');
+  return dot == std::string::npos ? -1 : std::stoll(state_name.substr(0, dot));
+}
+
+std::pair<int64_t, int64_t> parse_position(const std::string& text, const std::string& source) {
+  std::istringstream in(text);
+  int64_t epoch = 0, index = 0;
+  char comma = 0;
+  DTRAIN_CHECK((in >> epoch >> comma >> index) && comma == ',', source,
+               ": malformed data position '", text, "'");
+  return {epoch, index};
+}
+
+}  // namespace
+
+NamedTensors Trainer::full_model_state() {
+  NamedTensors state = model_state(model_);
+  std::map<std::string, at::Tensor> full;
+  if (mesh_.tp_size() > 1) full = gather_full_state(model_, mesh_.tp());
+  for (auto& [name, t] : state) {
+    auto it = full.find(name);
+    t = it != full.end() ? it->second : t.detach().cpu().clone();
+  }
+  return state;
+}
+
+NamedTensors Trainer::full_optimizer_state() {
+  NamedTensors state = optimizer_->state();
+  for (auto& [name, t] : state) {
+    int64_t i = param_index_of(name);
+    const bool sharded = i >= 0 && i < static_cast<int64_t>(params_.size()) && sharded_[i] &&
+                         t.sizes() == params_[i].sizes();
+    t = sharded ? gather_full_tensor(t, specs_.at(names_[i]), mesh_.tp()).cpu()
+                : t.detach().cpu().clone();
+  }
+  return state;
+}
+
+std::string Trainer::save_checkpoint(const DataLoader* loader) {
+  CheckpointStoreOptions so;
+  so.keep_last = options_.keep_last;
+  CheckpointStore store(options_.save_dir, so);
+  dist::Communicator& world = mesh_.world();
+  CheckpointData data;
+  data.step = step_;
+  data.model = full_model_state();        // collective over tp
+  data.optimizer = full_optimizer_state();  // collective over tp
+  for (auto& [name, t] : scaler_->state()) data.scaler.emplace_back(name, t.detach().cpu().clone());
+  data.rng = capture_rng_state();
+  data.meta = options_.checkpoint_meta;
+  data.meta["accum_steps"] = std::to_string(accum_steps_);
+  if (loader) {
+    auto [epoch, index] = loader->position();
+    data.meta["loader.train"] = std::to_string(epoch) + "," + std::to_string(index);
+  }
+  data.world_size = world.size();
+  data.dp_size = mesh_.dp_size();
+  data.rank_files = world.size();
+  RankState rank;
+  rank.rank = world.rank();
+  rank.dp_rank = mesh_.dp_rank();
+  rank.dp_size = mesh_.dp_size();
+  rank.tp_rank = mesh_.tp_rank();
+  rank.rng = data.rng;
+  std::string path = engine::save_checkpoint(store, world, data, rank);
+  last_saved_step_ = step_;
+  if (world.rank() == 0) LOG(INFO) << "saved checkpoint of step " << step_ << " to " << path;
+  return path;
+}
+
+void Trainer::resume_checkpoint(DataLoader* loader) {
+  CheckpointStore store(options_.save_dir);
+  dist::Communicator& world = mesh_.world();
+  std::optional<CheckpointInfo> info = agree_latest_good(store, world);
+  DTRAIN_CHECK(info.has_value(), "--resume: no good checkpoint in '", options_.save_dir,
+               "'; train without --resume first (or point --save_dir at the run's directory)");
+  CheckpointData data = store.load(info->path);
+  // The model: every tensor-parallel layout resumes from the unsplit tensors.
+  NamedTensors local = data.model;
+  for (auto& [name, t] : local) {
+    auto spec = specs_.find(name);
+    if (spec != specs_.end()) t = shard_of(t, spec->second, mesh_.tp_rank(), mesh_.tp_size());
+  }
+  load_model_state(model_, local, info->path);
+  // The optimizer, sharded the same way.
+  NamedTensors optimizer = data.optimizer;
+  for (auto& [name, t] : optimizer) {
+    int64_t i = param_index_of(name);
+    if (i >= 0 && i < static_cast<int64_t>(params_.size()) && sharded_[i] && t.dim() > 0) {
+      t = shard_of(t, specs_.at(names_[i]), mesh_.tp_rank(), mesh_.tp_size());
+    }
+    t = t.to(params_[std::max<int64_t>(0, std::min<int64_t>(i, params_.size() - 1))].device());
+  }
+  try {
+    optimizer_->load_state(optimizer);
+  } catch (const Error& e) {
+    throw Error(detail::concat(info->path, ": the optimizer state does not fit this run (",
+                               e.what(), "); resume with the same --optimizer and model"));
+  }
+  if (!data.scaler.empty() && scaler_->enabled()) scaler_->load_state(data.scaler);
+  // Random streams: this rank's own when the layout is the same, else rank 0's.
+  RngState rng = data.rng;
+  if (data.world_size == world.size() && data.rank_files == world.size()) {
+    rng = store.load_rank(info->step, world.rank()).rng;
+  }
+  restore_rng_state(rng);
+  step_ = data.step;
+  last_saved_step_ = data.step;
+  if (data.meta.count("accum_steps")) accum_steps_ = std::stoi(data.meta.at("accum_steps"));
+  if (loader && data.meta.count("loader.train")) {
+    auto [epoch, index] = parse_position(data.meta.at("loader.train"), info->path);
+    loader->seek(epoch, index);
+  }
+  if (world.rank() == 0) {
+    LOG(INFO) << "resumed from " << info->path << " at step " << step_ << " (saved by "
+              << data.world_size << " rank(s), dp " << data.dp_size << ")";
+  }
+}
+
+}  // namespace dtrain::engine
