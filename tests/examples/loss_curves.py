@@ -30,14 +30,21 @@ def metrics(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def train(args, program, ranks, flags, name):
+def train(args, program, ranks, flags, name, expect_status=0):
     out = os.path.join(args.workdir, name + ".jsonl")
     cmd = [os.path.join(args.bin, program), f"--metrics={out}", "--log_every=1", "--device=cpu",
            "--progress=false"] + flags
     if ranks > 1:
         cmd = shlex.split(args.mpirun) + ["-np", str(ranks)] + cmd
-    run(cmd)
-    return metrics(out)
+    if expect_status == 0:
+        run(cmd)
+        return metrics(out)
+    print("$", " ".join(shlex.quote(c) for c in cmd), flush=True)
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    print(p.stdout[-3000:], flush=True)
+    if p.returncode != expect_status:
+        sys.exit(f"FAIL: expected exit status {expect_status}, got {p.returncode}")
+    return p.stdout
 
 
 def compare(ref, other, name, tol, mean_tol=None):
@@ -151,9 +158,91 @@ def scenario_observability(args):
           f"{overlapping} all-reduces start during backward")
 
 
+def steps_after(rows, step):
+    return [r for r in rows if r["step"] > step]
+
+
+def dir_digest(path):
+    import hashlib
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(path)):
+        with open(os.path.join(path, name), "rb") as f:
+            h.update(name.encode() + f.read())
+    return h.hexdigest()
+
+
+def scenario_checkpoint(args):
+    w = args.workdir
+    common = ["--lr=0.003", "--workers=1", "--seed=5", "--schedule=constant"]
+    ref = train(args, "train_mlp", 2, common + ["--steps=20", "--batch_size=32"], "ref")
+    # 10 steps, then --resume to 20: steps 11-20 equal the uninterrupted run.
+    part = os.path.join(w, "ck")
+    train(args, "train_mlp", 2, common + ["--steps=10", "--batch_size=32", f"--save_dir={part}", "--save_every=5"], "part")
+    resumed = train(args, "train_mlp", 2, common + ["--steps=20", "--batch_size=32", f"--save_dir={part}", "--resume"], "resumed")
+    compare(steps_after(ref, 10), steps_after(resumed, 10), "resumed 2 ranks", 1e-6)
+    # The weights load in PyTorch under an equivalent nn.Module's names.
+    code = (
+        "import sys, torch\n"
+        "ck = torch.load(sys.argv[1], weights_only=True)\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(),\n"
+        "    torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))\n"
+        "m.load_state_dict(ck['model'], strict=True)\n"
+        "print('torch.load ok', sorted(ck['model'])[:3], ck['step'] if 'step' in ck else '')\n")
+    out = subprocess.run([args.python, "-c", code, os.path.join(part, "step-000020.pt")],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    print(out.stdout)
+    assert out.returncode == 0, "PyTorch could not load the checkpoint into an equivalent nn.Module"
+    # Resuming with a different number of data-parallel ranks (1 x 64 from 2 x 32).
+    other = os.path.join(w, "ck_dp")
+    train(args, "train_mlp", 2, common + ["--steps=10", "--batch_size=32", f"--save_dir={other}"], "part_dp")
+    one = train(args, "train_mlp", 1, common + ["--steps=20", "--batch_size=64", f"--save_dir={other}", "--resume"], "resumed_dp1")
+    compare(steps_after(ref, 10), steps_after(one, 10), "resumed on 1 rank x 64", 1e-4)
+    # A corrupted newest checkpoint is refused and the previous one is used.
+    bad = os.path.join(w, "ck_bad")
+    train(args, "train_mlp", 2, common + ["--steps=10", "--batch_size=32", f"--save_dir={bad}", "--save_every=5"], "part_bad")
+    newest = os.path.join(bad, "step-000010.pt")
+    with open(newest, "r+b") as f:
+        f.seek(os.path.getsize(newest) // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    out = train(args, "train_mlp", 2, common + ["--steps=20", "--batch_size=32", f"--save_dir={bad}", "--resume"],
+                "resumed_bad")
+    compare(steps_after(ref, 5), steps_after(out, 5), "resumed past a corrupted checkpoint", 1e-6)
+    # Bad input: nothing to resume; a checkpoint of another model (nothing overwritten).
+    empty = os.path.join(w, "empty")
+    os.makedirs(empty)
+    text = train(args, "train_mlp", 1, common + ["--steps=2", f"--save_dir={empty}", "--resume"], "noresume",
+                 expect_status=2)
+    assert "no good checkpoint" in text, text
+    before = dir_digest(part)
+    text = train(args, "train_mlp", 1, common + ["--steps=30", "--hidden=128", f"--save_dir={part}", "--resume"],
+                 "othermodel", expect_status=2)
+    assert "0.weight" in text and "[256, 64]" in text.replace(" ", "").replace("[256,64]", "[256, 64]"), text
+    assert dir_digest(part) == before, "a refused resume changed the checkpoint directory"
+    print("ok: resume without a checkpoint and with another model are refused; nothing overwritten")
+
+
+def scenario_checkpoint_tp(args):
+    w = args.workdir
+    shape = ["--d_model=64", "--heads=4", "--layers=2", "--seq_len=32", "--ff=128", "--vocab=97", "--workers=1",
+             "--lr=0.003", "--batch_size=8"]
+    ref = train(args, "train_gpt", 1, shape + ["--steps=16"], "gpt-ref")
+    split = os.path.join(w, "tp2")
+    train(args, "train_gpt", 2, shape + ["--steps=8", "--tp=2", f"--save_dir={split}"], "gpt-tp2-part")
+    whole = train(args, "train_gpt", 1, shape + ["--steps=16", f"--save_dir={split}", "--resume"], "gpt-tp1-resumed")
+    compare(steps_after(ref, 8), steps_after(whole, 8), "split (tp 2) checkpoint resumed unsplit", 1e-4)
+    unsplit = os.path.join(w, "tp1")
+    train(args, "train_gpt", 1, shape + ["--steps=8", f"--save_dir={unsplit}"], "gpt-tp1-part")
+    back = train(args, "train_gpt", 2, shape + ["--steps=16", "--tp=2", f"--save_dir={unsplit}", "--resume"],
+                 "gpt-tp2-resumed")
+    compare(steps_after(ref, 8), steps_after(back, 8), "unsplit checkpoint resumed split (tp 2)", 1e-4)
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("scenario", choices=["data_parallel", "amp", "seq2seq", "tensor_parallel", "observability"])
+    ap.add_argument("scenario", choices=["data_parallel", "amp", "seq2seq", "tensor_parallel", "observability",
+                                         "checkpoint", "checkpoint_tp"])
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--source", default=os.path.join(os.path.dirname(__file__), "..", ".."))
     ap.add_argument("--bin", required=True)
@@ -163,7 +252,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         args.workdir = args.workdir or tmp
         {"data_parallel": scenario_data_parallel, "amp": scenario_amp, "seq2seq": scenario_seq2seq,
-         "tensor_parallel": scenario_tensor_parallel, "observability": scenario_observability}[args.scenario](args)
+         "tensor_parallel": scenario_tensor_parallel, "observability": scenario_observability,
+         "checkpoint": scenario_checkpoint, "checkpoint_tp": scenario_checkpoint_tp}[args.scenario](args)
 
 
 if __name__ == "__main__":
