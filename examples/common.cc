@@ -13,6 +13,7 @@
 #include "dtrain/dist/error.h"
 #include "dtrain/dist/logging.h"
 #include "dtrain/engine/memory.h"
+#include "dtrain/engine/offload.h"
 #include "dtrain/engine/preemption.h"
 
 // Run
@@ -26,6 +27,8 @@ DEFINE_int32(accum_steps, 1, "micro-batches accumulated per step (must divide --
 DEFINE_int32(tp, 1, "tensor-parallel size (consecutive ranks form a group)");
 DEFINE_bool(checkpoint_activations, false, "recompute each block's activations in backward");
 DEFINE_string(offload, "none", "none, optimizer, layers or all");
+DEFINE_double(host_mem_limit_gb, 0, "cap of pinned host memory for offload (0: none besides what the machine has free)");
+DEFINE_int32(offload_threads, 0, "CPU optimizer threads (0: OMP_NUM_THREADS or the cores)");
 DEFINE_int32(workers, 2, "data-loading worker threads");
 DEFINE_int64(eval_every, 0, "evaluate every N steps (0: never)");
 DEFINE_int64(log_every, 10, "log metrics every N steps");
@@ -107,8 +110,10 @@ void check_flags() {
   sched.total_steps = FLAGS_steps;
   engine::validate(sched);
   // Flags of features that arrive with later parts of the engine: refuse rather than ignore.
-  DTRAIN_CHECK(FLAGS_offload == "none", "--offload=", FLAGS_offload,
-               " is not available in this build yet; use --offload=none");
+  engine::OffloadChoice offload = engine::parse_offload(FLAGS_offload);
+  DTRAIN_CHECK(!offload.layers, "--offload=", FLAGS_offload,
+               ": layer offload is not available yet; use --offload=optimizer or none");
+  DTRAIN_CHECK(FLAGS_host_mem_limit_gb >= 0, "--host_mem_limit_gb=", FLAGS_host_mem_limit_gb, " must be >= 0");
   DTRAIN_CHECK(FLAGS_save_every >= 0, "--save_every=", FLAGS_save_every, " must be >= 0");
   DTRAIN_CHECK(FLAGS_keep_last >= 0, "--keep_last=", FLAGS_keep_last, " must be >= 0");
   DTRAIN_CHECK(!FLAGS_resume || !FLAGS_save_dir.empty(), "--resume needs --save_dir");
@@ -196,6 +201,9 @@ engine::TrainerOptions trainer_options(const Run& run, const std::string& defaul
   o.tensorboard_dir = FLAGS_tensorboard_dir;
   o.timeline_path = FLAGS_timeline;
   o.memory_report_step = FLAGS_memory_report_step;
+  o.offload_optimizer = engine::parse_offload(FLAGS_offload).optimizer;
+  o.offload.host_mem_limit_gb = FLAGS_host_mem_limit_gb;
+  o.offload.threads = FLAGS_offload_threads;
   o.save_dir = FLAGS_save_dir;
   o.save_every = FLAGS_save_every;
   o.keep_last = FLAGS_keep_last;

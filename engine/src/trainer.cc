@@ -63,7 +63,11 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
   ReducerOptions reducer_options = options_.reducer;
   if (reducer_options.names.empty()) reducer_options.names = names;
   reducer_ = std::make_unique<GradReducer>(params_, mesh_.dp(), reducer_options);
-  optimizer_ = make_optimizer(params_, options_.optimizer);
+  if (options_.offload_optimizer) {
+    optimizer_ = std::make_unique<OffloadedOptimizer>(params_, options_.optimizer, mesh_.dp(), options_.offload);
+  } else {
+    optimizer_ = make_optimizer(params_, options_.optimizer);
+  }
   LossScalerOptions scaler_options = options_.loss_scaler;
   scaler_options.enabled = options_.amp == AmpMode::kFp16;
   scaler_ = std::make_unique<LossScaler>(scaler_options, device_);

@@ -239,10 +239,33 @@ def scenario_checkpoint_tp(args):
     compare(steps_after(ref, 8), steps_after(back, 8), "unsplit checkpoint resumed split (tp 2)", 1e-4)
 
 
+def scenario_offload(args):
+    shape = ["--d_model=64", "--heads=4", "--layers=2", "--seq_len=32", "--ff=128", "--vocab=96", "--workers=1",
+             "--lr=0.003", "--steps=16"]
+    ref = train(args, "train_gpt", 1, shape + ["--batch_size=8"], "gpt-gpu-optimizer")
+    one = train(args, "train_gpt", 1, shape + ["--batch_size=8", "--offload=optimizer"], "gpt-offload-1")
+    compare(ref, one, "--offload=optimizer on 1 rank", 1e-5)
+    two = train(args, "train_gpt", 2, shape + ["--batch_size=4", "--offload=optimizer"], "gpt-offload-2")
+    compare(ref, two, "--offload=optimizer on 2 ranks, state partitioned", 1e-5)
+    # Partitioned state saved by 2 ranks resumes on 1 (re-sharded) and the reverse.
+    ck = os.path.join(args.workdir, "ck_off")
+    train(args, "train_gpt", 2, shape[:-1] + ["--steps=8", "--batch_size=4", "--offload=optimizer", f"--save_dir={ck}"],
+          "gpt-offload-part")
+    res = train(args, "train_gpt", 1, shape + ["--batch_size=8", "--offload=optimizer", f"--save_dir={ck}", "--resume"],
+                "gpt-offload-resumed")
+    compare(steps_after(ref, 8), steps_after(res, 8), "offloaded state of 2 ranks resumed on 1", 1e-5)
+    ck1 = os.path.join(args.workdir, "ck_off1")
+    train(args, "train_gpt", 1, shape[:-1] + ["--steps=8", "--batch_size=8", "--offload=optimizer", f"--save_dir={ck1}"],
+          "gpt-offload-part1")
+    res2 = train(args, "train_gpt", 2, shape + ["--batch_size=4", "--offload=optimizer", f"--save_dir={ck1}", "--resume"],
+                 "gpt-offload-resumed2")
+    compare(steps_after(ref, 8), steps_after(res2, 8), "offloaded state of 1 rank resumed on 2", 1e-5)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("scenario", choices=["data_parallel", "amp", "seq2seq", "tensor_parallel", "observability",
-                                         "checkpoint", "checkpoint_tp"])
+                                         "checkpoint", "checkpoint_tp", "offload"])
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--source", default=os.path.join(os.path.dirname(__file__), "..", ".."))
     ap.add_argument("--bin", required=True)
@@ -253,7 +276,8 @@ def main():
         args.workdir = args.workdir or tmp
         {"data_parallel": scenario_data_parallel, "amp": scenario_amp, "seq2seq": scenario_seq2seq,
          "tensor_parallel": scenario_tensor_parallel, "observability": scenario_observability,
-         "checkpoint": scenario_checkpoint, "checkpoint_tp": scenario_checkpoint_tp}[args.scenario](args)
+         "checkpoint": scenario_checkpoint, "checkpoint_tp": scenario_checkpoint_tp,
+         "offload": scenario_offload}[args.scenario](args)
 
 
 if __name__ == "__main__":

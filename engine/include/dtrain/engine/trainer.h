@@ -32,6 +32,7 @@
 #include "dtrain/engine/data.h"
 #include "dtrain/engine/memory_report.h"
 #include "dtrain/engine/metrics.h"
+#include "dtrain/engine/offload.h"
 #include "dtrain/engine/optim.h"
 #include "dtrain/engine/reducer.h"
 #include "dtrain/engine/tensorboard.h"
@@ -59,6 +60,10 @@ struct TrainerOptions {
   bool oom_backoff = true;
   int64_t tokens_per_sample = 0;  // > 0: report tokens_per_s
   ReducerOptions reducer;
+  // Optimizer offload (engine/offload.h): fp32 master weights and state in host memory,
+  // partitioned over the data-parallel group. Layer offload is not implemented yet.
+  bool offload_optimizer = false;
+  OffloadOptions offload;
   // Called on every rank with each logged step's metrics (after they are written).
   std::function<void(const StepMetrics&)> on_log;
   // Observability (docs/OBSERVABILITY.md). Paths are checked when the trainer is built.
