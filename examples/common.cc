@@ -110,9 +110,7 @@ void check_flags() {
   sched.total_steps = FLAGS_steps;
   engine::validate(sched);
   // Flags of features that arrive with later parts of the engine: refuse rather than ignore.
-  engine::OffloadChoice offload = engine::parse_offload(FLAGS_offload);
-  DTRAIN_CHECK(!offload.layers, "--offload=", FLAGS_offload,
-               ": layer offload is not available yet; use --offload=optimizer or none");
+  engine::parse_offload(FLAGS_offload);  // validates
   DTRAIN_CHECK(FLAGS_host_mem_limit_gb >= 0, "--host_mem_limit_gb=", FLAGS_host_mem_limit_gb, " must be >= 0");
   DTRAIN_CHECK(FLAGS_save_every >= 0, "--save_every=", FLAGS_save_every, " must be >= 0");
   DTRAIN_CHECK(FLAGS_keep_last >= 0, "--keep_last=", FLAGS_keep_last, " must be >= 0");
@@ -161,6 +159,11 @@ Run init_run(int argc, char** argv, const std::string& usage,
   check_flags();
   check_writable_file(FLAGS_metrics, "metrics");
   check_writable_file(FLAGS_timeline, "timeline");
+  engine::OffloadChoice offload = engine::parse_offload(FLAGS_offload);
+  DTRAIN_CHECK(!offload.layers || model_checks, "--offload=", FLAGS_offload, ": ", run.program,
+               " has no offloadable layers (train_gpt streams its blocks); use --offload=optimizer");
+  DTRAIN_CHECK(!(offload.layers && offload.optimizer) || FLAGS_tp == 1,
+               "--offload=all needs --tp=1 (use --offload=layers or optimizer with tensor parallelism)");
   DTRAIN_CHECK(model_checks || FLAGS_tp == 1, "--tp=", FLAGS_tp, ": ", run.program,
                " has no tensor-parallel layers; use train_gpt for tensor parallelism");
   dist::Mesh::check(run.world.size, FLAGS_tp);

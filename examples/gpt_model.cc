@@ -39,11 +39,23 @@ at::Tensor GptImpl::forward(const at::Tensor& tokens) {
   at::Tensor pos = at::arange(T, tokens.options());
   at::Tensor x = drop->forward(wte->forward(tokens) + wpe->forward(pos));
   const bool ckpt = options.checkpoint_activations && is_training();
-  for (auto& m : *blocks) {
-    auto* block = m->as<GptBlockImpl>();
-    x = ckpt ? engine::checkpoint([block](const at::Tensor& in) { return block->forward(in); }, x,
-                                  block->parameters())
-             : block->forward(x);
+  const size_t n = blocks->size();
+  for (size_t i = 0; i < n; ++i) {
+    auto* block = (*blocks)[i]->as<GptBlockImpl>();
+    auto fn = [block](const at::Tensor& in) { return block->forward(in); };
+    if (streamer) {
+      // Weights come to the device just in time (the next block's already on its way) and go
+      // back right after; backward recomputes the block with them fetched again.
+      offload::LayerStreamer* s = streamer.get();
+      engine::CheckpointHooks hooks;
+      hooks.before_forward = [s, i, n] { s->acquire(i, i + 1 < n ? i + 1 : n); };
+      hooks.after_forward = [s, i] { s->release(i); };
+      hooks.before_recompute = [s, i, n] { s->acquire(i, i > 0 ? i - 1 : n); };
+      hooks.after_recompute = [s, i] { s->release(i); };
+      x = engine::checkpoint(fn, x, block->parameters(), hooks);
+    } else {
+      x = ckpt ? engine::checkpoint(fn, x, block->parameters()) : block->forward(x);
+    }
   }
   return head->forward(ln_f->forward(x));
 }
@@ -53,6 +65,12 @@ at::Tensor GptImpl::loss(const at::Tensor& inputs, const at::Tensor& targets) {
   const int64_t local = logits.size(-1);
   return engine::vocab_parallel_cross_entropy(logits.reshape({-1, local}), targets.reshape({-1}),
                                               local * tp->rank(), options.vocab, *tp);
+}
+
+void GptImpl::offload_blocks(c10::Device device) {
+  std::vector<std::shared_ptr<torch::nn::Module>> layers;
+  for (auto& m : *blocks) layers.push_back(m);
+  streamer = std::make_shared<offload::LayerStreamer>(layers, device);
 }
 
 int64_t GptImpl::parameter_count() const {

@@ -11,6 +11,7 @@
 #include <torch/nn/modules/normalization.h>
 
 #include "dtrain/engine/tensor_parallel.h"
+#include "dtrain/offload/layer_offload.h"
 
 namespace dtrain::examples {
 
@@ -38,6 +39,10 @@ struct GptImpl : torch::nn::Module {
   // Mean next-token cross-entropy: inputs [B, T], targets [B, T].
   at::Tensor loss(const at::Tensor& inputs, const at::Tensor& targets);
   int64_t parameter_count() const;  // of the full (unsplit) model
+  // Layer offload: keeps every block's parameters in host memory, streamed to `device` one
+  // block ahead in forward and backward (blocks are recomputed in backward). Call after
+  // moving the model to the device.
+  void offload_blocks(c10::Device device);
   GptOptions options;
   dist::Communicator* tp;
   engine::VocabParallelEmbedding wte{nullptr};
@@ -46,6 +51,7 @@ struct GptImpl : torch::nn::Module {
   torch::nn::LayerNorm ln_f{nullptr};
   engine::ColumnParallelLinear head{nullptr};
   torch::nn::Dropout drop{nullptr};
+  std::shared_ptr<offload::LayerStreamer> streamer;
 };
 TORCH_MODULE(Gpt);
 

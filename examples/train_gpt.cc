@@ -12,6 +12,7 @@
 #include "common.h"
 #include "datasets.h"
 #include "dtrain/dist/error.h"
+#include "dtrain/engine/offload.h"
 #include "gpt_model.h"
 
 using namespace dtrain;
@@ -58,6 +59,7 @@ int main(int argc, char** argv) {
     torch::manual_seed(FLAGS_seed);  // the same full weights on every rank, for any --tp
     examples::Gpt model(mo, run.mesh->tp());
     model->to(run.device);
+    if (engine::parse_offload(FLAGS_offload).layers) model->offload_blocks(run.device);
     if (run.world.rank == 0) {
       LOG(INFO) << "GPT with " << model->parameter_count() / 1e6 << "M parameters, tp "
                 << run.mesh->tp_size() << ", dp " << run.mesh->dp_size();

@@ -123,8 +123,34 @@ class ForkedRng {
 };
 
 // What backward needs besides the saved inputs; lives as long as the autograd node.
+// Runs a hook pair around a scope; the second even when the scope throws.
+class HookScope {
+ public:
+  HookScope(const std::function<void()>& before, const std::function<void()>& after) : after_(after) {
+    if (before) before();
+  }
+  ~HookScope() noexcept(false) {
+    if (!after_) return;
+    if (std::uncaught_exceptions() > 0) {
+      try {
+        after_();
+      } catch (const std::exception& e) {
+        LOG(ERROR) << "checkpoint hook failed while unwinding: " << e.what();
+      }
+    } else {
+      after_();
+    }
+  }
+  HookScope(const HookScope&) = delete;
+  HookScope& operator=(const HookScope&) = delete;
+
+ private:
+  const std::function<void()>& after_;
+};
+
 struct CheckpointState : torch::CustomClassHolder {
   TensorFn fn;
+  CheckpointHooks hooks;
   std::vector<at::Tensor> params;  // not SavedVariables: refilling them in place is allowed
   std::vector<bool> input_requires_grad;
   std::vector<c10::Device> cuda_devices;
@@ -159,13 +185,20 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       state->input_requires_grad.push_back(x.defined() && x.requires_grad());
     ctx->save_for_backward(inputs.vec());
     ctx->set_materialize_grads(false);
-    std::vector<at::Tensor> outputs = state->fn(inputs.vec());
+    std::vector<at::Tensor> outputs;
+    {
+      HookScope hooks(state->hooks.before_forward, state->hooks.after_forward);
+      outputs = state->fn(inputs.vec());
+    }
     ctx->saved_data[kStateKey] = at::IValue::make_capsule(std::move(state));
     return outputs;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs);
 };
+
+variable_list recompute_and_differentiate(const CheckpointState& state, std::vector<at::Tensor>& inputs,
+                                          const variable_list& grad_outputs);
 
 // Reruns fn on detached copies of the inputs under the forward's RNG and autocast state.
 std::vector<at::Tensor> recompute(const CheckpointState& state, std::vector<at::Tensor>& inputs) {
@@ -187,6 +220,22 @@ variable_list CheckpointFunction::backward(AutogradContext* ctx, variable_list g
   auto state = c10::static_intrusive_pointer_cast<CheckpointState>(
       ctx->saved_data.at(kStateKey).toCapsule());
   std::vector<at::Tensor> inputs = ctx->get_saved_variables();
+  variable_list result = recompute_and_differentiate(*state, inputs, grad_outputs);
+  // Parameters may live on another device than the computation (layer offload): their
+  // gradients go where they are.
+  const size_t first_param = 1 + inputs.size();
+  for (size_t j = 0; j < state->params.size(); ++j) {
+    at::Tensor& g = result[first_param + j];
+    const at::Tensor& p = state->params[j];
+    if (g.defined() && p.defined() && g.device() != p.device()) g = g.to(p.device());
+  }
+  return result;
+}
+
+variable_list recompute_and_differentiate(const CheckpointState& cstate, std::vector<at::Tensor>& inputs,
+                                          const variable_list& grad_outputs) {
+  const CheckpointState* state = &cstate;
+  HookScope hooks(state->hooks.before_recompute, state->hooks.after_recompute);
   std::vector<at::Tensor> outputs = recompute(*state, inputs);
   DTRAIN_CHECK(outputs.size() == grad_outputs.size(), "checkpoint: fn returned ",
                grad_outputs.size(), " tensors in forward but ", outputs.size(),
@@ -236,14 +285,28 @@ bool any_requires_grad(const std::vector<at::Tensor>& tensors) {
 
 std::vector<at::Tensor> checkpoint(const TensorFn& fn, const std::vector<at::Tensor>& inputs,
                                    const std::vector<at::Tensor>& params) {
+  return checkpoint(fn, inputs, params, CheckpointHooks{});
+}
+
+std::vector<at::Tensor> checkpoint(const TensorFn& fn, const std::vector<at::Tensor>& inputs,
+                                   const std::vector<at::Tensor>& params, const CheckpointHooks& hooks) {
   DTRAIN_CHECK(static_cast<bool>(fn), "checkpoint: fn is empty; pass the block's forward function");
   if (!at::GradMode::is_enabled() || (!any_requires_grad(inputs) && !any_requires_grad(params))) {
+    HookScope scope(hooks.before_forward, hooks.after_forward);
     return fn(inputs);
   }
   auto state = c10::make_intrusive<CheckpointState>();
   state->fn = fn;
+  state->hooks = hooks;
   return CheckpointFunction::apply(std::move(state), at::TensorList(inputs),
                                    at::TensorList(params));
+}
+
+at::Tensor checkpoint(const std::function<at::Tensor(const at::Tensor&)>& fn, const at::Tensor& input,
+                      const std::vector<at::Tensor>& params, const CheckpointHooks& hooks) {
+  DTRAIN_CHECK(static_cast<bool>(fn), "checkpoint: fn is empty; pass the block's forward function");
+  TensorFn wrapped = [fn](const std::vector<at::Tensor>& xs) { return std::vector<at::Tensor>{fn(xs[0])}; };
+  return checkpoint(wrapped, {input}, params, hooks)[0];
 }
 
 at::Tensor checkpoint(const std::function<at::Tensor(const at::Tensor&)>& fn,

@@ -64,7 +64,7 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
   if (reducer_options.names.empty()) reducer_options.names = names;
   reducer_ = std::make_unique<GradReducer>(params_, mesh_.dp(), reducer_options);
   if (options_.offload_optimizer) {
-    optimizer_ = std::make_unique<OffloadedOptimizer>(params_, options_.optimizer, mesh_.dp(), options_.offload);
+    optimizer_ = make_offload_optimizer(params_, options_.optimizer, mesh_.dp(), options_.offload, device_);
   } else {
     optimizer_ = make_optimizer(params_, options_.optimizer);
   }

@@ -39,7 +39,8 @@ NamedTensors Trainer::full_model_state() {
 }
 
 NamedTensors Trainer::full_optimizer_state() {
-  if (options_.offload_optimizer) return {};  // partitioned: in the rank files
+  // The partitioned part is in the rank files; state() holds what is replicated.
+  if (dynamic_cast<OffloadedOptimizer*>(optimizer_.get())) return {};
   NamedTensors state = optimizer_->state();
   for (auto& [name, t] : state) {
     int64_t i = param_index_of(name);
@@ -78,7 +79,7 @@ std::string Trainer::save_checkpoint(const DataLoader* loader) {
   rank.tp_rank = mesh_.tp_rank();
   rank.rng = data.rng;
   data.meta["optimizer.offloaded"] = options_.offload_optimizer ? "1" : "0";
-  if (auto* off = dynamic_cast<OffloadedOptimizer*>(optimizer_.get())) {
+  if (auto* off = offloaded_part(optimizer_.get())) {
     for (auto& [name, t] : off->state()) rank.optimizer_shard.emplace_back(name, t.detach().cpu().clone());
     rank.flat_numel = off->numel();
     rank.meta["offload.begin"] = std::to_string(off->shard_begin());
@@ -107,7 +108,7 @@ void Trainer::resume_checkpoint(DataLoader* loader) {
   const bool saved_offloaded = data.meta.count("optimizer.offloaded") && data.meta.at("optimizer.offloaded") == "1";
   DTRAIN_CHECK(saved_offloaded == options_.offload_optimizer, info->path, ": the checkpoint was saved ",
                saved_offloaded ? "with" : "without", " --offload=optimizer; resume the same way");
-  if (auto* off = dynamic_cast<OffloadedOptimizer*>(optimizer_.get())) {
+  if (auto* off = offloaded_part(optimizer_.get())) {
     // Partitioned state: read the saved shards of this tensor-parallel rank that overlap ours.
     std::vector<std::pair<std::pair<int64_t, int64_t>, NamedTensors>> shards;
     for (int r = 0; r < data.rank_files; ++r) {
@@ -129,7 +130,7 @@ void Trainer::resume_checkpoint(DataLoader* loader) {
     t = t.to(params_[std::max<int64_t>(0, std::min<int64_t>(i, params_.size() - 1))].device());
   }
   try {
-    if (!options_.offload_optimizer) optimizer_->load_state(optimizer);
+    if (!dynamic_cast<OffloadedOptimizer*>(optimizer_.get())) optimizer_->load_state(optimizer);
   } catch (const Error& e) {
     throw Error(detail::concat(info->path, ": the optimizer state does not fit this run (",
                                e.what(), "); resume with the same --optimizer and model"));

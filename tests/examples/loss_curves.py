@@ -247,6 +247,9 @@ def scenario_offload(args):
     compare(ref, one, "--offload=optimizer on 1 rank", 1e-5)
     two = train(args, "train_gpt", 2, shape + ["--batch_size=4", "--offload=optimizer"], "gpt-offload-2")
     compare(ref, two, "--offload=optimizer on 2 ranks, state partitioned", 1e-5)
+    for mode in ("layers", "all"):
+        run_ = train(args, "train_gpt", 2, shape + ["--batch_size=4", f"--offload={mode}"], f"gpt-offload-{mode}")
+        compare(ref, run_, f"--offload={mode} on 2 ranks", 1e-5)
     # Partitioned state saved by 2 ranks resumes on 1 (re-sharded) and the reverse.
     ck = os.path.join(args.workdir, "ck_off")
     train(args, "train_gpt", 2, shape[:-1] + ["--steps=8", "--batch_size=4", "--offload=optimizer", f"--save_dir={ck}"],

@@ -44,6 +44,19 @@ using TensorFn = std::function<std::vector<at::Tensor>(const std::vector<at::Ten
 std::vector<at::Tensor> checkpoint(const TensorFn& fn, const std::vector<at::Tensor>& inputs,
                                    const std::vector<at::Tensor>& params);
 
+// Calls around the block's two runs, e.g. to bring offloaded weights to the device
+// (offload::LayerStreamer) and send them back. Any may be empty. after_* run even when the
+// block throws. Gradients of params are returned on each param's device as it is after
+// after_recompute (so host-resident parameters get host gradients).
+struct CheckpointHooks {
+  std::function<void()> before_forward, after_forward, before_recompute, after_recompute;
+};
+std::vector<at::Tensor> checkpoint(const TensorFn& fn, const std::vector<at::Tensor>& inputs,
+                                   const std::vector<at::Tensor>& params, const CheckpointHooks& hooks);
+at::Tensor checkpoint(const std::function<at::Tensor(const at::Tensor&)>& fn,
+                      const at::Tensor& input, const std::vector<at::Tensor>& params,
+                      const CheckpointHooks& hooks);
+
 // Convenience for one tensor in, one out.
 at::Tensor checkpoint(const std::function<at::Tensor(const at::Tensor&)>& fn,
                       const at::Tensor& input, const std::vector<at::Tensor>& params);

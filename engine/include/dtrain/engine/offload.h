@@ -70,4 +70,13 @@ class OffloadedOptimizer : public Optimizer {
   std::unique_ptr<Impl> impl_;
 };
 
+// The optimizer of --offload=all on a GPU: device parameters through an OffloadedOptimizer,
+// host-resident parameters (layer offload) through the fused CPU optimizer. state() holds the
+// host part ("<index in params>.<name>"); offloaded() the partitioned part.
+std::unique_ptr<Optimizer> make_offload_optimizer(std::vector<at::Tensor> params, const OptimizerOptions& options,
+                                                  dist::Communicator& dp, const OffloadOptions& offload,
+                                                  c10::Device device);
+// The partitioned optimizer inside opt (itself or a composite's part), or nullptr.
+OffloadedOptimizer* offloaded_part(Optimizer* opt);
+
 }  // namespace dtrain::engine

@@ -1,0 +1,112 @@
+#include "dtrain/offload/layer_offload.h"
+
+#include <optional>
+
+#include <ATen/ATen.h>
+#include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <glog/logging.h>
+
+#include "dtrain/dist/error.h"
+
+namespace dtrain::offload {
+
+struct LayerStreamer::Impl {
+  struct Layer {
+    std::vector<at::Tensor> params;  // the modules' parameters (their data switches)
+    std::vector<at::Tensor> host;    // the host copies (the parameters' home)
+    std::vector<at::Tensor> device;  // device copies while fetched / acquired
+    std::optional<c10::Event> ready;
+    bool acquired = false;
+  };
+  c10::Device device{c10::kCPU};
+  std::vector<Layer> layers;
+  std::optional<c10::Stream> copy_stream;
+  int64_t host_bytes = 0;
+
+  bool streaming() const { return !device.is_cpu(); }
+
+  c10::Stream current_stream() const {
+    c10::impl::VirtualGuardImpl impl(device.type());
+    return impl.getStream(device);
+  }
+};
+
+LayerStreamer::LayerStreamer(std::vector<std::shared_ptr<torch::nn::Module>> layers, c10::Device device)
+    : impl_(std::make_unique<Impl>()) {
+  DTRAIN_CHECK(!layers.empty(), "layer offload needs at least one layer");
+  impl_->device = device;
+  at::NoGradGuard no_grad;
+  const bool pin = device.is_cuda();
+  for (auto& module : layers) {
+    DTRAIN_CHECK(module != nullptr, "layer offload: a layer is null");
+    Impl::Layer layer;
+    for (at::Tensor& p : module->parameters()) {
+      at::Tensor host = at::empty(p.sizes(), p.options().device(c10::kCPU).pinned_memory(pin));
+      host.copy_(p.detach());
+      p.set_data(host);
+      layer.params.push_back(p);
+      layer.host.push_back(host);
+      impl_->host_bytes += static_cast<int64_t>(host.nbytes());
+    }
+    impl_->layers.push_back(std::move(layer));
+  }
+  if (impl_->streaming()) {
+    c10::impl::VirtualGuardImpl impl(device.type());
+    impl_->copy_stream = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false);
+  }
+}
+
+LayerStreamer::~LayerStreamer() = default;
+
+size_t LayerStreamer::size() const { return impl_->layers.size(); }
+int64_t LayerStreamer::host_bytes() const { return impl_->host_bytes; }
+
+void LayerStreamer::prefetch(size_t i) {
+  if (i >= impl_->layers.size() || !impl_->streaming()) return;
+  Impl::Layer& layer = impl_->layers[i];
+  if (!layer.device.empty()) return;
+  c10::DeviceGuard device_guard(impl_->device);
+  // The copy may overwrite memory just freed by kernels on the compute stream: order it after.
+  c10::Event compute_done(impl_->device.type());
+  compute_done.record(impl_->current_stream());
+  compute_done.block(*impl_->copy_stream);
+  c10::StreamGuard stream_guard(*impl_->copy_stream);
+  for (const at::Tensor& h : layer.host) {
+    at::Tensor d = at::empty(h.sizes(), h.options().device(impl_->device).pinned_memory(false));
+    d.copy_(h, /*non_blocking=*/true);
+    layer.device.push_back(d);
+  }
+  layer.ready.emplace(impl_->device.type());
+  layer.ready->record(*impl_->copy_stream);
+}
+
+void LayerStreamer::acquire(size_t i, size_t next) {
+  DTRAIN_CHECK(i < impl_->layers.size(), "layer offload: no layer ", i);
+  Impl::Layer& layer = impl_->layers[i];
+  if (!impl_->streaming()) return;  // CPU training: the parameters already live on the host
+  prefetch(i);
+  layer.ready->block(impl_->current_stream());
+  // The copies were allocated on the copy stream and are used on the compute stream.
+  auto* allocator = c10::getDeviceAllocator(impl_->device.type());
+  for (size_t k = 0; k < layer.params.size(); ++k) {
+    allocator->recordStream(layer.device[k].storage().data_ptr(), impl_->current_stream());
+    layer.params[k].set_data(layer.device[k]);
+  }
+  layer.acquired = true;
+  if (next < impl_->layers.size() && next != i) prefetch(next);
+}
+
+void LayerStreamer::release(size_t i) {
+  DTRAIN_CHECK(i < impl_->layers.size(), "layer offload: no layer ", i);
+  Impl::Layer& layer = impl_->layers[i];
+  if (!impl_->streaming()) return;
+  for (size_t k = 0; k < layer.params.size(); ++k) layer.params[k].set_data(layer.host[k]);
+  layer.device.clear();  // freed once the compute stream's work on them is done (recordStream)
+  layer.ready.reset();
+  layer.acquired = false;
+}
+
+}  // namespace dtrain::offload
