@@ -1,5 +1,7 @@
 #include "common.h"
 
+#include "datasets.h"
+
 #include <sys/stat.h>
 
 #include <cmath>
@@ -258,7 +260,7 @@ void report(const Run& run, const engine::StepMetrics& first, const engine::Step
 }
 
 engine::StepMetrics fit_and_report(const Run& run, engine::Trainer& trainer, engine::DataLoader& train,
-                                   engine::DataLoader* eval, const engine::StepMetrics& first) {
+                                   engine::DataLoader* eval) {
   if (!FLAGS_eval_only) {
     engine::StepMetrics last = trainer.fit(train, FLAGS_eval_every > 0 ? (eval ? eval : &train) : nullptr);
     if (trainer.preempted()) {
@@ -269,7 +271,7 @@ engine::StepMetrics fit_and_report(const Run& run, engine::Trainer& trainer, eng
       std::fflush(stdout);
       throw Preempted();
     }
-    report(run, first, last);
+    report(run, trainer.first_logged(), last);
     return last;
   }
   engine::DataLoader& data = eval ? *eval : train;
@@ -285,6 +287,41 @@ engine::StepMetrics fit_and_report(const Run& run, engine::Trainer& trainer, eng
                 run.program.c_str(), static_cast<long long>(FLAGS_eval_batches), loss, ms, mem.peak_mb);
   }
   return engine::StepMetrics();
+}
+
+ClassificationData classification_data() {
+  at::Tensor x, y;
+  if (FLAGS_data == "synthetic") {
+    std::tie(x, y) = synthetic_classification(4096, 64, 10, 1234);
+  } else {
+    std::tie(x, y) = load_digits(FLAGS_data_path.empty() ? sklearn_data_dir() + "/digits.csv.gz" : FLAGS_data_path);
+  }
+  ClassificationData d;
+  d.features = x.size(1);
+  d.eval_rows = x.size(0) / 5;
+  const int64_t n_train = x.size(0) - d.eval_rows;
+  d.train = std::make_shared<engine::TensorDataset>(
+      std::vector<at::Tensor>{x.narrow(0, 0, n_train), y.narrow(0, 0, n_train)});
+  d.eval = std::make_shared<engine::TensorDataset>(
+      std::vector<at::Tensor>{x.narrow(0, n_train, d.eval_rows), y.narrow(0, n_train, d.eval_rows)});
+  return d;
+}
+
+std::unique_ptr<engine::DataLoader> eval_loader(const Run& run, const ClassificationData& data) {
+  int64_t rows = std::max<int64_t>(1, std::min<int64_t>(FLAGS_batch_size, data.eval_rows / run.mesh->dp_size()));
+  return std::make_unique<engine::DataLoader>(data.eval, loader_options(run, rows, false, FLAGS_seed));
+}
+
+std::shared_ptr<engine::Dataset> token_data(const Run& run, int64_t window_len, bool fold_bytes) {
+  if (FLAGS_data == "synthetic") {
+    return synthetic_tokens(std::max<int64_t>(1024, 4 * FLAGS_batch_size * run.world.size), window_len,
+                            FLAGS_vocab, 4321);
+  }
+  DTRAIN_CHECK(fold_bytes || FLAGS_vocab >= 256, "--vocab=", FLAGS_vocab,
+               " is too small for byte tokens of the text corpus (needs >= 256)");
+  at::Tensor bytes = load_text_bytes(FLAGS_data_path.empty() ? text_corpus_dir() : FLAGS_data_path);
+  if (FLAGS_vocab < 256) bytes = at::remainder(bytes.to(at::kLong), FLAGS_vocab);
+  return std::make_shared<TokenWindows>(bytes, window_len, std::max<int64_t>(1, FLAGS_seq_len / 2));
 }
 
 std::string sklearn_data_dir() {

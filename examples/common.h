@@ -100,7 +100,22 @@ int guarded_main(const char* program, const std::function<int()>& body);
 // and prints the summary on rank 0. eval may be null (then train's data is evaluated).
 // Returns the last logged metrics (step 0 when only evaluating).
 engine::StepMetrics fit_and_report(const Run& run, engine::Trainer& trainer, engine::DataLoader& train,
-                                   engine::DataLoader* eval, const engine::StepMetrics& first);
+                                   engine::DataLoader* eval);
+
+// Classification data from the flags: scikit-learn's digits (or --data_path), or with
+// --data=synthetic a learnable random task; the last 20% held out for evaluation.
+struct ClassificationData {
+  std::shared_ptr<engine::Dataset> train, eval;
+  int64_t features = 0, classes = 10, eval_rows = 0;
+};
+ClassificationData classification_data();
+// An evaluation loader whose per-rank batch fits the held-out rows.
+std::unique_ptr<engine::DataLoader> eval_loader(const Run& run, const ClassificationData& data);
+
+// Token windows from the flags: Debian's license texts as bytes (or --data_path), or random
+// tokens with --data=synthetic. Each sample has window_len + 1 tokens. Byte tokens need a
+// vocabulary of 256 unless fold_bytes (then bytes are taken modulo --vocab).
+std::shared_ptr<engine::Dataset> token_data(const Run& run, int64_t window_len, bool fold_bytes);
 
 // Prints the final summary line on rank 0.
 void report(const Run& run, const engine::StepMetrics& first, const engine::StepMetrics& last);

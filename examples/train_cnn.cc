@@ -46,31 +46,17 @@ int main(int argc, char** argv) {
     examples::Run run = examples::init_run(argc, argv, "train_cnn [flags]: CNN on 8x8 images",
                                            {{"lr", "0.001"}, {"batch_size", "64"}, {"steps", "200"},
                                             {"hidden", "128"}});
-    at::Tensor x, y;
-    if (FLAGS_data == "synthetic") {
-      std::tie(x, y) = examples::synthetic_classification(4096, 64, 10, 1234);
-    } else {
-      std::tie(x, y) = examples::load_digits(
-          FLAGS_data_path.empty() ? examples::sklearn_data_dir() + "/digits.csv.gz" : FLAGS_data_path);
-    }
-    const int64_t n_eval = x.size(0) / 5, n_train = x.size(0) - n_eval;
-    auto train = std::make_shared<engine::TensorDataset>(
-        std::vector<at::Tensor>{x.narrow(0, 0, n_train), y.narrow(0, 0, n_train)});
-    auto eval = std::make_shared<engine::TensorDataset>(
-        std::vector<at::Tensor>{x.narrow(0, n_train, n_eval), y.narrow(0, n_train, n_eval)});
+    examples::ClassificationData data = examples::classification_data();
     torch::manual_seed(FLAGS_seed);
     auto model = std::make_shared<ConvNet>(FLAGS_hidden, FLAGS_inplace, FLAGS_checkpoint_activations);
     model->to(run.device);
     engine::TrainerOptions options = examples::trainer_options(run, "adamw");
-    engine::StepMetrics first;
-    options.on_log = [&](const engine::StepMetrics& m) { if (first.step == 0) first = m; };
     engine::Trainer trainer(*model, [&](const engine::Batch& b) {
       return torch::nn::functional::cross_entropy(model->forward(b.fields[0]), b.fields[1]);
     }, *run.mesh, run.device, options);
-    engine::DataLoader train_loader(train, examples::loader_options(run, FLAGS_batch_size, true, FLAGS_seed));
-    int64_t eval_batch = std::max<int64_t>(1, std::min<int64_t>(FLAGS_batch_size, n_eval / run.mesh->dp_size()));
-    engine::DataLoader eval_loader(eval, examples::loader_options(run, eval_batch, false, FLAGS_seed));
-    examples::fit_and_report(run, trainer, train_loader, &eval_loader, first);
+    engine::DataLoader train_loader(data.train, examples::loader_options(run, FLAGS_batch_size, true, FLAGS_seed));
+    auto eval_loader = examples::eval_loader(run, data);
+    examples::fit_and_report(run, trainer, train_loader, eval_loader.get());
     return 0;
   });
 }

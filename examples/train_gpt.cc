@@ -35,18 +35,7 @@ int main(int argc, char** argv) {
                        "use --dropout=0 (the default for train_gpt)");
         });
     const int64_t S = FLAGS_seq_len;
-    std::shared_ptr<engine::Dataset> data;
-    if (FLAGS_data == "synthetic") {
-      data = examples::synthetic_tokens(std::max<int64_t>(512, 4 * FLAGS_batch_size * run.world.size),
-                                        S, FLAGS_vocab, 4321);
-    } else {
-      at::Tensor bytes = examples::load_text_bytes(
-          FLAGS_data_path.empty() ? examples::text_corpus_dir() : FLAGS_data_path);
-      // Bytes become tokens; a vocabulary smaller than 256 folds them (keeps small test shapes
-      // on real text).
-      if (FLAGS_vocab < 256) bytes = at::remainder(bytes.to(at::kLong), FLAGS_vocab);
-      data = std::make_shared<examples::TokenWindows>(bytes, S, std::max<int64_t>(1, S / 2));
-    }
+    std::shared_ptr<engine::Dataset> data = examples::token_data(run, S, /*fold_bytes=*/true);
     examples::GptOptions mo;
     mo.vocab = FLAGS_vocab;
     mo.d_model = FLAGS_d_model;
@@ -67,14 +56,12 @@ int main(int argc, char** argv) {
     engine::TrainerOptions options = examples::trainer_options(run, "adamw");
     options.optimizer.beta2 = 0.95;
     options.tokens_per_sample = S;
-    engine::StepMetrics first;
-    options.on_log = [&](const engine::StepMetrics& m) { if (first.step == 0) first = m; };
     engine::Trainer trainer(*model, [&](const engine::Batch& b) {
       const at::Tensor& w = b.fields[0];  // [B, S+1]
       return model->loss(w.narrow(1, 0, S), w.narrow(1, 1, S));
     }, *run.mesh, run.device, options);
     engine::DataLoader loader(data, examples::loader_options(run, FLAGS_batch_size, true, FLAGS_seed));
-    engine::StepMetrics last = examples::fit_and_report(run, trainer, loader, nullptr, first);
+    engine::StepMetrics last = examples::fit_and_report(run, trainer, loader, nullptr);
     if (run.world.rank == 0 && run.device.is_cuda() && last.step_ms > 0) {
       // Model FLOPs per token: 6 N for the weights plus attention's 12 L d T (forward+backward).
       double flops_per_token = 6.0 * model->parameter_count() + 12.0 * mo.layers * mo.d_model * S;

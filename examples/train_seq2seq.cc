@@ -16,17 +16,7 @@ int main(int argc, char** argv) {
         argc, argv, "train_seq2seq [flags]: encoder-decoder transformer",
         {{"lr", "0.01"}, {"batch_size", "16"}, {"steps", "100"}, {"seq_len", "256"}});
     const int64_t S = FLAGS_seq_len;
-    std::shared_ptr<engine::Dataset> data;
-    if (FLAGS_data == "synthetic") {
-      data = examples::synthetic_tokens(std::max<int64_t>(1024, 4 * FLAGS_batch_size * run.world.size),
-                                        2 * S, FLAGS_vocab, 4321);
-    } else {
-      DTRAIN_CHECK(FLAGS_vocab >= 256, "--vocab=", FLAGS_vocab,
-                   " is too small for byte tokens of the text corpus (needs >= 256)");
-      at::Tensor bytes = examples::load_text_bytes(
-          FLAGS_data_path.empty() ? examples::text_corpus_dir() : FLAGS_data_path);
-      data = std::make_shared<examples::TokenWindows>(bytes, 2 * S, S / 2);
-    }
+    std::shared_ptr<engine::Dataset> data = examples::token_data(run, 2 * S, /*fold_bytes=*/false);
     examples::Seq2SeqOptions mo;
     mo.vocab = FLAGS_vocab;
     mo.d_model = FLAGS_d_model;
@@ -43,14 +33,12 @@ int main(int argc, char** argv) {
 
     engine::TrainerOptions options = examples::trainer_options(run, "adagrad");
     options.tokens_per_sample = 2 * S;
-    engine::StepMetrics first;
-    options.on_log = [&](const engine::StepMetrics& m) { if (first.step == 0) first = m; };
     engine::Trainer trainer(*model, [&](const engine::Batch& b) {
       const at::Tensor& w = b.fields[0];  // [B, 2S+1]
       return model->loss(w.narrow(1, 0, S), w.narrow(1, S, S), w.narrow(1, S + 1, S));
     }, *run.mesh, run.device, options);
     engine::DataLoader loader(data, examples::loader_options(run, FLAGS_batch_size, true, FLAGS_seed));
-    examples::fit_and_report(run, trainer, loader, nullptr, first);
+    examples::fit_and_report(run, trainer, loader, nullptr);
     return 0;
   });
 }

@@ -13,10 +13,8 @@
 #include "checkpoint_internal.h"
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/checkpoint.h"
+#include "dtrain/engine/crc32c.h"
 
-#if defined(__x86_64__)
-#include <nmmintrin.h>
-#endif
 
 namespace dtrain::engine {
 namespace {
@@ -25,82 +23,6 @@ namespace {
   throw Error(
       detail::concat("checkpoint I/O: cannot ", what, " '", path, "': ", std::strerror(error)));
 }
-
-// ---- CRC-32C ------------------------------------------------------------------------------------
-
-constexpr uint32_t kCastagnoliReflected = 0x82F63B78u;
-
-// Tables for slicing-by-8: table[0] is the byte-wise table, table[k][b] the CRC of byte b
-// followed by k zero bytes.
-struct Crc32cTables {
-  std::array<std::array<uint32_t, 256>, 8> table;
-  Crc32cTables() {
-    for (uint32_t b = 0; b < 256; ++b) {
-      uint32_t crc = b;
-      for (int bit = 0; bit < 8; ++bit) crc = (crc >> 1) ^ ((crc & 1u) ? kCastagnoliReflected : 0u);
-      table[0][b] = crc;
-    }
-    for (int k = 1; k < 8; ++k) {
-      for (uint32_t b = 0; b < 256; ++b) {
-        table[k][b] = (table[k - 1][b] >> 8) ^ table[0][table[k - 1][b] & 0xFFu];
-      }
-    }
-  }
-};
-
-const Crc32cTables& tables() {
-  static const Crc32cTables instance;
-  return instance;
-}
-
-uint64_t load_le64(const unsigned char* p) {
-  uint64_t v = 0;
-  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
-  return v;
-}
-
-// Works on the inverted register (the caller inverts before and after).
-uint32_t crc32c_sliced(uint32_t crc, const unsigned char* p, size_t n) {
-  const auto& t = tables().table;
-  while (n > 0 && (reinterpret_cast<uintptr_t>(p) & 7u) != 0) {
-    crc = (crc >> 8) ^ t[0][(crc ^ *p++) & 0xFFu];
-    --n;
-  }
-  for (; n >= 8; n -= 8, p += 8) {
-    const uint64_t w = load_le64(p) ^ crc;
-    crc = t[7][w & 0xFF] ^ t[6][(w >> 8) & 0xFF] ^ t[5][(w >> 16) & 0xFF] ^ t[4][(w >> 24) & 0xFF] ^
-          t[3][(w >> 32) & 0xFF] ^ t[2][(w >> 40) & 0xFF] ^ t[1][(w >> 48) & 0xFF] ^
-          t[0][(w >> 56) & 0xFF];
-  }
-  while (n-- > 0) crc = (crc >> 8) ^ t[0][(crc ^ *p++) & 0xFFu];
-  return crc;
-}
-
-#if defined(__x86_64__)
-__attribute__((target("sse4.2"))) uint32_t crc32c_sse42(uint32_t crc, const unsigned char* p,
-                                                        size_t n) {
-  while (n > 0 && (reinterpret_cast<uintptr_t>(p) & 7u) != 0) {
-    crc = _mm_crc32_u8(crc, *p++);
-    --n;
-  }
-  uint64_t c = crc;
-  for (; n >= 8; n -= 8, p += 8) {
-    uint64_t w;
-    std::memcpy(&w, p, 8);
-    c = _mm_crc32_u64(c, w);
-  }
-  crc = static_cast<uint32_t>(c);
-  while (n-- > 0) crc = _mm_crc32_u8(crc, *p++);
-  return crc;
-}
-
-bool have_sse42() {
-  static const bool have = __builtin_cpu_supports("sse4.2");
-  return have;
-}
-#endif
-
-// ---- POSIX files --------------------------------------------------------------------------------
 
 class PosixWritableFile : public WritableFile {
  public:
@@ -217,18 +139,13 @@ class PosixFileSystem : public FileSystem {
 
 }  // namespace
 
-uint32_t crc32c(uint32_t crc, const void* data, size_t n) {
-  const auto* p = static_cast<const unsigned char*>(data);
-  crc = ~crc;
-#if defined(__x86_64__)
-  if (have_sse42()) return ~crc32c_sse42(crc, p, n);
-#endif
-  return ~crc32c_sliced(crc, p, n);
-}
+// One CRC-32C implementation for the project (crc32c.h); these keep the checkpoint code's
+// argument order.
+uint32_t crc32c(uint32_t crc, const void* data, size_t n) { return crc32c(data, n, crc); }
 
 namespace ckpt_detail {
 uint32_t crc32c_portable(uint32_t crc, const void* data, size_t n) {
-  return ~crc32c_sliced(~crc, static_cast<const unsigned char*>(data), n);
+  return dtrain::engine::crc32c_portable(data, n, crc);
 }
 }  // namespace ckpt_detail
 

@@ -352,6 +352,7 @@ StepMetrics Trainer::fit(DataLoader& train, DataLoader* eval) {
     if (r.step == first_step || r.step % options_.log_every == 0 || r.step == options_.steps || eval_now) {
       // No host sync between log steps: the loss is read here only.
       logged = log_step(eval_now, eval, global_batch, window_start, window_steps, progress);
+      if (first_logged_.step == 0) first_logged_ = logged;
       window_start = std::chrono::steady_clock::now();
       window_steps = 0;
     }

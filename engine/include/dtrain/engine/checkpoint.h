@@ -84,7 +84,7 @@ class FileSystem {
 // The POSIX file system (process-wide, never destroyed).
 FileSystem* default_file_system();
 
-// CRC-32C (Castagnoli, as iSCSI and ext4 use) of data, continuing from crc (0 to start).
+// CRC-32C of data continuing from crc (0 to start): crc32c.h's, argument order of the store.
 uint32_t crc32c(uint32_t crc, const void* data, size_t n);
 
 // ---- what a checkpoint holds --------------------------------------------------------------------

@@ -6,6 +6,8 @@
 // Event{wall_time, step, summary{value{tag, simple_value}}}.
 #pragma once
 
+#include "dtrain/engine/crc32c.h"
+
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -61,15 +63,6 @@ class EventWriter {
 
 // ---- TFRecord framing (public for tests and tools) ----------------------------------------
 
-// CRC-32C (Castagnoli, as iSCSI and TFRecord use), extending `crc` (the CRC of the bytes
-// before these; 0 to start). Uses the SSE4.2 crc32 instruction when the CPU has it, else
-// crc32c_portable(). crc32c("123456789") == 0xE3069283. Thread-safe (pure).
-uint32_t crc32c(const void* data, size_t size, uint32_t crc = 0);
-inline uint32_t crc32c(std::string_view s, uint32_t crc = 0) {
-  return crc32c(s.data(), s.size(), crc);
-}
-// The table-driven (slice-by-8) implementation, on every CPU.
-uint32_t crc32c_portable(const void* data, size_t size, uint32_t crc = 0);
 // TFRecord's mask: ((crc >> 15) | (crc << 17)) + 0xa282ead8.
 uint32_t mask_crc32c(uint32_t crc);
 // One TFRecord: length (uint64 little-endian), masked CRC of the length, data, masked CRC of

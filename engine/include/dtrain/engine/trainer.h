@@ -133,6 +133,8 @@ class Trainer {
   const TrainerOptions& options() const { return options_; }
   // The metrics of the last step (host-side; loss only valid at log steps).
   const StepMetrics& last_metrics() const { return last_; }
+  // The first metrics fit() logged in this process (step 0 before any).
+  const StepMetrics& first_logged() const { return first_logged_; }
 
  private:
   bool run_micro_batches(const Batch& batch, at::Tensor& loss_sum);
@@ -168,6 +170,7 @@ class Trainer {
   int64_t step_ = 0;
   int accum_steps_ = 1;
   StepMetrics last_;
+  StepMetrics first_logged_;
   at::Tensor last_grad_norm_;
   std::unique_ptr<EventWriter> tensorboard_;
   std::unique_ptr<Timeline> timeline_;
