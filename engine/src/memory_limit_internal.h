@@ -1,0 +1,16 @@
+// The CUDA part of apply_memory_limit(), implemented in src/cuda/ when dtrain is built with
+// CUDA and in src/no_cuda/ (throwing) otherwise: engine/CMakeLists.txt picks the file.
+#pragma once
+
+#include <c10/core/Device.h>
+
+#include <cstdint>
+
+namespace dtrain::engine::detail {
+
+// Sets the CUDA caching allocator's memory fraction of `device` (no index: the current one)
+// to bytes / its total memory (at most 1; bytes == 0: 1). Throws dtrain::Error when dtrain
+// was built without CUDA.
+void set_cuda_memory_limit(c10::Device device, int64_t bytes);
+
+}  // namespace dtrain::engine::detail

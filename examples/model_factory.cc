@@ -1,0 +1,241 @@
+#include "model_factory.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/utils.h>
+
+#include "dtrain/dist/error.h"
+#include "dtrain/engine/tensor_parallel.h"
+#include "gpt_model.h"
+#include "seq2seq_model.h"
+
+namespace dtrain::examples {
+namespace {
+
+constexpr int64_t kMlpFeatures = 64, kMlpClasses = 10;  // the digits data
+
+at::Tensor random_tokens(int64_t rows, int64_t len, c10::Device device) {
+  return at::randint(FLAGS_vocab, {rows, len}, at::TensorOptions().dtype(at::kLong).device(device));
+}
+
+ExampleModel seq2seq(const Run& run) {
+  const int64_t S = FLAGS_seq_len;
+  Seq2SeqOptions mo;
+  mo.vocab = FLAGS_vocab;
+  mo.d_model = FLAGS_d_model;
+  mo.heads = FLAGS_heads;
+  mo.ff = FLAGS_ff;
+  mo.layers = FLAGS_layers;
+  mo.max_len = S;
+  mo.dropout = FLAGS_dropout;
+  mo.inplace = FLAGS_inplace;
+  mo.checkpoint_activations = FLAGS_checkpoint_activations;
+  torch::manual_seed(FLAGS_seed);
+  auto model = Seq2Seq(mo).ptr();
+  model->to(run.device);
+  ExampleModel m;
+  m.name = "seq2seq";
+  m.module = model;
+  m.loss = [model, S](const engine::Batch& b) {
+    const at::Tensor& w = b.fields[0];  // [B, 2S+1]
+    return model->loss(w.narrow(1, 0, S), w.narrow(1, S, S), w.narrow(1, S + 1, S));
+  };
+  const c10::Device device = run.device;
+  m.synthetic_batch = [S, device](int64_t rows) {
+    engine::Batch b;
+    b.fields.push_back(random_tokens(rows, 2 * S + 1, device));
+    return b;
+  };
+  m.set_checkpointing = [model](bool on) { model->options.checkpoint_activations = on; };
+  m.block_prefixes = {"encoder.", "decoder."};
+  m.blocks = 2 * FLAGS_layers;
+  m.input_bytes_per_row = (2 * S + 1) * 8;
+  m.largest_activation_bytes_per_row = S * FLAGS_vocab * 4;  // the fp32 logits
+  m.default_optimizer = "adagrad";
+  return m;
+}
+
+ExampleModel gpt(const Run& run) {
+  const int64_t S = FLAGS_seq_len;
+  GptOptions mo;
+  mo.vocab = FLAGS_vocab;
+  mo.d_model = FLAGS_d_model;
+  mo.heads = FLAGS_heads;
+  mo.ff = FLAGS_ff;
+  mo.layers = FLAGS_layers;
+  mo.seq_len = S;
+  mo.dropout = FLAGS_dropout;
+  mo.checkpoint_activations = FLAGS_checkpoint_activations;
+  torch::manual_seed(FLAGS_seed);
+  auto model = Gpt(mo, run.mesh->tp()).ptr();
+  model->to(run.device);
+  ExampleModel m;
+  m.name = "gpt";
+  m.module = model;
+  m.loss = [model, S](const engine::Batch& b) {
+    const at::Tensor& w = b.fields[0];  // [B, S+1]
+    return model->loss(w.narrow(1, 0, S), w.narrow(1, 1, S));
+  };
+  const c10::Device device = run.device;
+  m.synthetic_batch = [S, device](int64_t rows) {
+    engine::Batch b;
+    b.fields.push_back(random_tokens(rows, S + 1, device));
+    return b;
+  };
+  m.set_checkpointing = [model](bool on) { model->options.checkpoint_activations = on; };
+  m.block_prefixes = {"blocks."};
+  m.blocks = FLAGS_layers;
+  m.input_bytes_per_row = (S + 1) * 8;
+  const int64_t tp = run.mesh->tp_size();
+  m.largest_activation_bytes_per_row = S * ((FLAGS_vocab + tp - 1) / tp) * 4;
+  m.default_optimizer = "adamw";
+  return m;
+}
+
+ExampleModel mlp(const Run& run) {
+  torch::manual_seed(FLAGS_seed);
+  auto model = torch::nn::Sequential().ptr();
+  int64_t in = kMlpFeatures;
+  for (int d = 0; d < FLAGS_depth; ++d) {
+    model->push_back(torch::nn::Linear(in, FLAGS_hidden));
+    model->push_back(torch::nn::ReLU(torch::nn::ReLUOptions().inplace(FLAGS_inplace)));
+    in = FLAGS_hidden;
+  }
+  model->push_back(torch::nn::Linear(in, kMlpClasses));
+  model->to(run.device);
+  ExampleModel m;
+  m.name = "mlp";
+  m.module = model;
+  m.loss = [model](const engine::Batch& b) {
+    return torch::nn::functional::cross_entropy(model->forward(b.fields[0]), b.fields[1]);
+  };
+  const c10::Device device = run.device;
+  m.synthetic_batch = [device](int64_t rows) {
+    engine::Batch b;
+    b.fields.push_back(at::rand({rows, kMlpFeatures}, at::TensorOptions().device(device)));
+    b.fields.push_back(
+        at::randint(kMlpClasses, {rows}, at::TensorOptions().dtype(at::kLong).device(device)));
+    return b;
+  };
+  m.input_bytes_per_row = kMlpFeatures * 4 + 8;
+  m.largest_activation_bytes_per_row = std::max<int64_t>(FLAGS_hidden, kMlpClasses) * 4;
+  m.default_optimizer = "adamw";
+  return m;
+}
+
+bool has_prefix(const std::string& name, const std::vector<std::string>& prefixes) {
+  for (const std::string& p : prefixes) {
+    if (name.compare(0, p.size(), p) == 0) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+std::map<std::string, std::string> model_flag_defaults(const std::string& model) {
+  if (model == "seq2seq") {
+    return {{"lr", "0.01"}, {"batch_size", "16"}, {"steps", "100"}, {"seq_len", "256"}};
+  }
+  if (model == "gpt") {
+    return {{"lr", "0.0006"},        {"batch_size", "8"},      {"steps", "100"},
+            {"d_model", "768"},      {"heads", "12"},          {"layers", "12"},
+            {"ff", "3072"},          {"seq_len", "1024"},      {"dropout", "0"},
+            {"weight_decay", "0.1"}, {"clip_grad_norm", "1.0"}};
+  }
+  if (model == "mlp") return {{"lr", "0.001"}, {"batch_size", "64"}, {"steps", "200"}};
+  DTRAIN_CHECK(false, "--model=", model, " is not one of: seq2seq, gpt, mlp");
+  return {};
+}
+
+std::function<void()> model_checks(const std::string& model) {
+  if (model != "gpt") return nullptr;
+  return [] {
+    const int64_t T = FLAGS_tp;
+    DTRAIN_CHECK(FLAGS_heads % T == 0, "--heads=", FLAGS_heads, " does not divide over --tp=", T,
+                 "; the number of heads must be a multiple of the tensor-parallel size");
+    DTRAIN_CHECK(FLAGS_ff % T == 0, "--ff=", FLAGS_ff, " does not divide over --tp=", T,
+                 "; the feed-forward width must be a multiple of the tensor-parallel size");
+    DTRAIN_CHECK(FLAGS_dropout == 0 || T == 1,
+                 "--dropout with --tp > 1 is not supported; "
+                 "use --dropout=0 (the default for train_gpt)");
+  };
+}
+
+ExampleModel build_example_model(const std::string& model, const Run& run) {
+  model_flag_defaults(model);  // validates the name
+  ExampleModel m = model == "seq2seq" ? seq2seq(run) : model == "gpt" ? gpt(run) : mlp(run);
+  m.module->train();
+  return m;
+}
+
+engine::PlanInputs plan_inputs(const Run& run, const ExampleModel& m,
+                               const engine::TrainerOptions& options) {
+  engine::PlanInputs in;
+  const auto specs = engine::collect_shard_specs(*m.module);
+  const int tp = run.mesh->tp_size();
+  for (const auto& item : m.module->named_parameters()) {
+    const at::Tensor& p = item.value();
+    if (!p.requires_grad()) {  // frozen: as static as a buffer
+      in.buffer_bytes += static_cast<int64_t>(p.nbytes());
+      continue;
+    }
+    const bool sharded = specs.count(item.key()) > 0;
+    const int64_t full = sharded ? p.numel() * tp : p.numel();
+    in.parameters += full;
+    if (sharded) in.sharded_parameters += full;
+    if (has_prefix(item.key(), m.block_prefixes)) in.layer_parameters += full;
+    in.bytes_per_parameter = static_cast<int64_t>(p.element_size());
+  }
+  for (const at::Tensor& b : m.module->buffers())
+    in.buffer_bytes += static_cast<int64_t>(b.nbytes());
+  in.tp = tp;
+  in.dp = run.mesh->dp_size();
+  in.layers = m.blocks;
+  in.input_bytes_per_row = m.input_bytes_per_row;
+  in.input_batches = 1 + FLAGS_prefetch;  // the step's batch and the loader's prefetched ones
+  in.optimizer = options.optimizer.name;
+  in.momentum = options.optimizer.momentum;
+  in.amsgrad = options.optimizer.amsgrad;
+  in.batch_size = FLAGS_batch_size;
+  in.amp = options.amp;
+  in.can_checkpoint = static_cast<bool>(m.set_checkpointing);
+  in.largest_activation_bytes_per_row = m.largest_activation_bytes_per_row;
+  in.cuda_context_bytes = run.device.is_cuda() ? engine::kDefaultCudaContextBytes : 0;
+  return in;
+}
+
+engine::ActivationProfile probe_example_model(const Run& run, ExampleModel& m,
+                                              const std::vector<engine::AmpMode>& amps,
+                                              int64_t probe_rows) {
+  engine::ProbeOptions po;
+  po.rows_small = probe_rows;
+  po.rows_large = 2 * probe_rows;
+  po.techniques.clear();
+  for (engine::AmpMode a : amps) {
+    po.techniques.push_back({false, a});
+    if (m.set_checkpointing) po.techniques.push_back({true, a});
+  }
+  const bool was_training = m.module->is_training();
+  m.module->train();
+  engine::ActivationProfile profile;
+  try {
+    profile = engine::probe_activations(
+        [&](int64_t rows, bool checkpoint) {
+          if (m.set_checkpointing) m.set_checkpointing(checkpoint);
+          return m.loss(m.synthetic_batch(rows));
+        },
+        m.module->parameters(), run.device, po);
+  } catch (...) {
+    if (m.set_checkpointing) m.set_checkpointing(FLAGS_checkpoint_activations);
+    m.module->train(was_training);
+    throw;
+  }
+  if (m.set_checkpointing) m.set_checkpointing(FLAGS_checkpoint_activations);
+  m.module->train(was_training);
+  return profile;
+}
+
+}  // namespace dtrain::examples

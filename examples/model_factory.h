@@ -1,0 +1,65 @@
+// The example models built from the shared flags, for programs that handle any of them
+// (dtrain-plan): the model on the run's device, its loss over the example's batches, and
+// synthetic batches of the same shape. Shapes and defaults are those of train_seq2seq,
+// train_gpt and train_mlp (keep them in step when those change).
+#pragma once
+
+#include <torch/nn/module.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "dtrain/engine/data.h"
+#include "dtrain/engine/planner.h"
+#include "dtrain/engine/trainer.h"
+
+namespace dtrain::examples {
+
+struct ExampleModel {
+  std::string name;                           // "seq2seq", "gpt", "mlp"
+  std::shared_ptr<torch::nn::Module> module;  // on the run's device, in train mode
+  engine::LossFn loss;  // mean loss of a batch as the example's loader yields it
+  // A batch of `rows` random rows on the device, shaped as the example's batches. Draws from
+  // the default generators.
+  std::function<engine::Batch(int64_t rows)> synthetic_batch;
+  // Switches activation checkpointing of every block; null for a model without blocks.
+  std::function<void(bool)> set_checkpointing;
+  // Parameter-name prefixes of the blocks (what layer offload would stream) and their number.
+  std::vector<std::string> block_prefixes;
+  int blocks = 0;
+  int64_t input_bytes_per_row = 0;               // one row of a batch on the device
+  int64_t largest_activation_bytes_per_row = 0;  // the largest single tensor per row (logits)
+  std::string default_optimizer;                 // the example's --optimizer default
+};
+
+// The flag defaults the example program sets for `model` (as given to init_run), e.g.
+// {"lr", "0.01"}, {"batch_size", "16"} for seq2seq. Throws dtrain::Error for an unknown model,
+// naming the known ones.
+std::map<std::string, std::string> model_flag_defaults(const std::string& model);
+// The shape checks against --tp that init_run runs before any communicator (gpt), or null
+// for a model without tensor-parallel layers.
+std::function<void()> model_checks(const std::string& model);
+// Builds `model` from the flags (seeded with --seed as the example is) on run.device.
+ExampleModel build_example_model(const std::string& model, const Run& run);
+
+// The planner's description of `model` as the flags and `options` train it: parameter counts
+// (whole model; tensor-parallel shards found with collect_shard_specs), dtype, buffers,
+// blocks, input rows (with --prefetch batches ahead), optimizer, --batch_size, AMP, whether
+// checkpointing is possible, the CUDA context allowance for the device. Budgets, offload and
+// allow_amp_change are left at their defaults (none, off, false) for the caller to set.
+engine::PlanInputs plan_inputs(const Run& run, const ExampleModel& model,
+                               const engine::TrainerOptions& options);
+
+// probe_activations() of `model` on synthetic batches of probe_rows and 2 * probe_rows rows,
+// checkpointing off and (for a model with blocks) on, under each AMP mode of `amps`. Call
+// before the Trainer exists; collective when the model is tensor-parallel (every rank of the
+// group probes). Leaves the model's checkpointing as --checkpoint_activations says.
+engine::ActivationProfile probe_example_model(const Run& run, ExampleModel& model,
+                                              const std::vector<engine::AmpMode>& amps,
+                                              int64_t probe_rows);
+
+}  // namespace dtrain::examples

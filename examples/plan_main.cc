@@ -1,0 +1,197 @@
+// dtrain-plan: how much memory an example model needs and the fastest way to fit it.
+//
+// Builds the model (--model=seq2seq|gpt|mlp with the usual shape flags) on the device, runs
+// the activation probe (a real forward + backward of a small synthetic batch per technique),
+// prints the memory estimate of the technique the flags select, and the plan for the budget:
+// the flags to add, why, and one JSON line for scripts. --verify_steps=N then trains N steps
+// of the flags' technique with the engine's Trainer on a synthetic batch and prints the
+// measured allocated peak against the estimate.
+//   dtrain-plan --model=seq2seq --gpu_mem_limit_gb=20
+//   dtrain-plan --model=gpt --batch_size=16 --gpu_mem_limit_gb=40 --allow_amp_change
+#include <c10/core/CachingDeviceAllocator.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+#include "common.h"
+#include "dtrain/dist/error.h"
+#include "dtrain/engine/memory.h"
+#include "dtrain/engine/planner.h"
+#include "dtrain/offload/pinned_pool.h"
+#include "model_factory.h"
+
+DEFINE_string(model, "seq2seq", "the example model to plan for: seq2seq, gpt or mlp");
+DEFINE_double(gpu_mem_limit_gb, 0,
+              "GPU memory budget in GiB (the process's device memory, CUDA context included); "
+              "0: the whole device (CUDA), no limit (CPU)");
+DEFINE_double(host_mem_limit_gb, 0, "host memory budget of offload in GiB (0: no limit)");
+DEFINE_bool(allow_amp_change, false, "the plan may switch --amp to bf16 (changes the numerics)");
+DEFINE_string(allow_offload, "none", "offload the plan may use: none, optimizer, layers or all");
+DEFINE_int64(probe_rows, 2, "activation probe micro-batch sizes: this many rows and twice as many");
+DEFINE_int64(cuda_context_mb, -1,
+             "CUDA context outside the allocator in MiB (-1: 500 on CUDA, 0 on the CPU)");
+DEFINE_int64(verify_steps, 0,
+             "train this many steps of the flags' technique and compare the peak (0: off)");
+
+using namespace dtrain;
+
+namespace {
+
+constexpr double kMiBf = 1024.0 * 1024.0;
+
+// --model must be known before the flags are parsed (it selects the defaults).
+std::string model_from_argv(int argc, char** argv) {
+  std::string model = "seq2seq";
+  for (int i = 1; i < argc; ++i) {
+    const char* a = argv[i];
+    if (std::strncmp(a, "--model=", 8) == 0) model = a + 8;
+    if (std::strcmp(a, "--model") == 0 && i + 1 < argc) model = argv[i + 1];
+  }
+  return model;
+}
+
+// The model's inputs plus this program's budgets and permissions.
+engine::PlanInputs budgeted_inputs(const examples::Run& run, const examples::ExampleModel& m,
+                                   const engine::TrainerOptions& options) {
+  engine::PlanInputs in = examples::plan_inputs(run, m, options);
+  in.allow_amp_change = FLAGS_allow_amp_change;
+  in.can_offload_optimizer = FLAGS_allow_offload == "optimizer" || FLAGS_allow_offload == "all";
+  in.can_offload_layers = FLAGS_allow_offload == "layers" || FLAGS_allow_offload == "all";
+  if (FLAGS_gpu_mem_limit_gb > 0) {
+    in.gpu_budget_bytes = static_cast<int64_t>(FLAGS_gpu_mem_limit_gb * 1024 * 1024 * 1024);
+  } else if (run.device.is_cuda()) {
+    in.gpu_budget_bytes = static_cast<int64_t>(
+        c10::getDeviceAllocator(c10::kCUDA)->getMemoryInfo(run.device.index()).second);
+  }
+  in.host_budget_bytes = offload::host_limit_bytes_from_gb(FLAGS_host_mem_limit_gb);
+  if (FLAGS_cuda_context_mb >= 0)
+    in.cuda_context_bytes = FLAGS_cuda_context_mb * (int64_t{1} << 20);
+  return in;
+}
+
+// Trains --verify_steps steps of the flags' technique on one synthetic batch and compares
+// the allocator's peak (above what was allocated before the model) with the estimate.
+// With --gpu_mem_limit_gb on a GPU the caching allocator is capped first (apply_memory_limit
+// with the budget less the CUDA context), so a plan that does not really fit fails here.
+void verify(const examples::Run& run, examples::ExampleModel& m, const engine::PlanInputs& in,
+            const engine::MemoryEstimate& e, int64_t baseline_bytes) {
+  engine::TrainerOptions o = examples::trainer_options(run, m.default_optimizer);
+  o.steps = FLAGS_verify_steps;
+  o.progress = false;
+  o.oom_backoff = false;
+  o.metrics_path.clear();
+  o.tensorboard_dir.clear();
+  o.timeline_path.clear();
+  o.save_dir.clear();
+  o.memory_report_step = 0;
+  if (m.set_checkpointing) m.set_checkpointing(FLAGS_checkpoint_activations);
+  engine::release_cached_memory(run.device);
+  bool capped = false;
+  if (FLAGS_gpu_mem_limit_gb > 0) {
+    capped = engine::apply_memory_limit(
+        run.device, std::max<int64_t>(1, in.gpu_budget_bytes - in.cuda_context_bytes));
+  }
+  engine::Trainer trainer(*m.module, m.loss, *run.mesh, run.device, o);
+  engine::Batch batch = m.synthetic_batch(FLAGS_batch_size);
+  engine::reset_peak_memory(run.device);
+  for (int64_t s = 0; s < FLAGS_verify_steps; ++s) trainer.step(batch);
+  const double measured =
+      engine::memory_stats(run.device).peak_mb * kMiBf - static_cast<double>(baseline_bytes);
+  const double predicted = static_cast<double>(e.gpu.allocated_peak());
+  const double error = (predicted - measured) / measured;
+  if (run.world.rank != 0) return;
+  std::printf(
+      "verify: %lld steps of %s%s: measured allocated peak %.1f MiB, estimated %.1f MiB "
+      "(%+.1f%%)\n",
+      static_cast<long long>(FLAGS_verify_steps),
+      e.technique.flags().empty() ? "the plain step" : e.technique.flags().c_str(),
+      capped ? " under the GPU cap" : "", measured / kMiBf, predicted / kMiBf, 100 * error);
+  nlohmann::json j;
+  j["verify_steps"] = FLAGS_verify_steps;
+  j["flags"] = e.technique.flags();
+  j["measured_peak_bytes"] = static_cast<int64_t>(measured);
+  j["estimated_peak_bytes"] = e.gpu.allocated_peak();
+  j["relative_error"] = error;
+  j["capped"] = capped;
+  std::printf("%s\n", j.dump().c_str());
+}
+
+int plan_main(int argc, char** argv) {
+  const std::string model_name = model_from_argv(argc, argv);
+  examples::Run run = examples::init_run(argc, argv,
+                                         "dtrain-plan --model=seq2seq|gpt|mlp [shape flags] "
+                                         "[--gpu_mem_limit_gb=X]: memory estimate and plan",
+                                         examples::model_flag_defaults(model_name),
+                                         examples::model_checks(model_name));
+  DTRAIN_CHECK(FLAGS_allow_offload == "none" || FLAGS_allow_offload == "optimizer" ||
+                   FLAGS_allow_offload == "layers" || FLAGS_allow_offload == "all",
+               "--allow_offload=", FLAGS_allow_offload,
+               " is not one of: none, optimizer, layers, all");
+  DTRAIN_CHECK(FLAGS_probe_rows >= 1, "--probe_rows=", FLAGS_probe_rows, " must be >= 1");
+  DTRAIN_CHECK(std::isfinite(FLAGS_gpu_mem_limit_gb) && FLAGS_gpu_mem_limit_gb >= 0,
+               "--gpu_mem_limit_gb=", FLAGS_gpu_mem_limit_gb,
+               " must be >= 0 (0: the whole device)");
+  DTRAIN_CHECK(FLAGS_verify_steps >= 0, "--verify_steps=", FLAGS_verify_steps, " must be >= 0");
+  const bool rank0 = run.world.rank == 0;
+  const int64_t baseline = std::llround(engine::memory_stats(run.device).allocated_mb * kMiBf);
+  examples::ExampleModel m = examples::build_example_model(model_name, run);
+  const engine::TrainerOptions options = examples::trainer_options(run, m.default_optimizer);
+  const engine::PlanInputs in = budgeted_inputs(run, m, options);
+
+  std::vector<engine::AmpMode> amps = {in.amp};
+  if (FLAGS_allow_amp_change && in.amp != engine::AmpMode::kBf16)
+    amps.push_back(engine::AmpMode::kBf16);
+  if (FLAGS_allow_amp_change && in.amp != engine::AmpMode::kOff)
+    amps.push_back(engine::AmpMode::kOff);
+  const engine::ActivationProfile profile =
+      examples::probe_example_model(run, m, amps, FLAGS_probe_rows);
+
+  engine::Technique current;
+  current.checkpoint = FLAGS_checkpoint_activations;
+  current.accum_steps = FLAGS_accum_steps;
+  current.amp = in.amp;
+  current.offload_optimizer = FLAGS_offload == "optimizer" || FLAGS_offload == "all";
+  current.offload_layers = FLAGS_offload == "layers" || FLAGS_offload == "all";
+  const engine::MemoryEstimate now = engine::estimate(in, profile, current);
+  if (rank0) {
+    std::printf(
+        "dtrain-plan: %s on %s, %.2fM parameters (%lld sharded over tp %d), dp %d, batch %lld, "
+        "optimizer %s, amp %s\n",
+        model_name.c_str(), run.device.str().c_str(), in.parameters / 1e6,
+        static_cast<long long>(in.sharded_parameters), in.tp, in.dp,
+        static_cast<long long>(in.batch_size), in.optimizer.c_str(), engine::to_string(in.amp));
+    std::printf("activation probe:\n%s", profile.to_string().c_str());
+    std::printf("%s", now.to_string().c_str());
+    auto budget = [](int64_t bytes) {
+      return bytes == 0 ? std::string("no limit")
+                        : std::to_string(bytes / (1024 * kMiBf)).substr(0, 6) + " GiB";
+    };
+    std::printf("budget: GPU %s, host %s\n", budget(in.gpu_budget_bytes).c_str(),
+                budget(in.host_budget_bytes).c_str());
+    std::fflush(stdout);
+  }
+  engine::Plan plan = engine::choose_plan(in, profile);  // dtrain::Error when nothing fits
+  if (rank0) {
+    std::printf("plan: %s\n", plan.flags().empty() ? "the plain step (no flags to add)"
+                                                   : ("add " + plan.flags()).c_str());
+    std::printf("reason: %s\n", plan.reason.c_str());
+    nlohmann::json j = nlohmann::json::parse(plan.to_json());
+    j["model"] = model_name;
+    j["current_flags_gpu_bytes"] = now.gpu.total();
+    j["current_flags_fit"] =
+        (in.gpu_budget_bytes == 0 || now.gpu.total() <= in.gpu_budget_bytes) &&
+        (in.host_budget_bytes == 0 || now.host.total() <= in.host_budget_bytes);
+    std::printf("%s\n", j.dump().c_str());
+    std::fflush(stdout);
+  }
+  if (FLAGS_verify_steps > 0) verify(run, m, in, now, baseline);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return examples::guarded_main("dtrain-plan", [&] { return plan_main(argc, argv); });
+}

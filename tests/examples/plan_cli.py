@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""dtrain-plan on the example seq2seq at a small shape, on the CPU (exact memory through the
+counting allocator):
+
+1. a budget below the plain step's estimate: the plan adds checkpointing or accumulation,
+   its estimate fits the budget and the current flags do not;
+2. training the plan's technique (--verify_steps) peaks within 10% of the estimate and within
+   the budget; so do the plain, checkpointed, accumulated and bf16 steps;
+3. a budget nothing fits: exit 2 naming the smallest estimate; bad flags: exit 2.
+
+usage: plan_cli.py BIN_DIR
+"""
+import json
+import os
+import subprocess
+import sys
+
+SHAPE = ["--model=seq2seq", "--device=cpu", "--d_model=64", "--heads=4", "--ff=256", "--layers=2",
+         "--seq_len=32", "--vocab=512", "--batch_size=8", "--progress=false"]
+MIB = 1 << 20
+
+
+def run(bin_dir, *flags):
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOG_minloglevel="1")
+    p = subprocess.run([os.path.join(bin_dir, "dtrain-plan"), *SHAPE, *flags], capture_output=True, text=True,
+                       env=env, timeout=120)
+    return p.returncode, p.stdout, p.stderr
+
+
+def json_lines(out):
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def check(cond, what, out=""):
+    if not cond:
+        print("FAILED:", what)
+        if out:
+            print(out)
+        sys.exit(1)
+
+
+def main():
+    bin_dir = sys.argv[1]
+    # The plain step's estimate, with no budget.
+    rc, out, err = run(bin_dir)
+    check(rc == 0, "dtrain-plan without a budget", out + err)
+    plain = json_lines(out)[0]
+    check(plain["flags"] == "", "with no budget the plain step is the plan", out)
+    plain_bytes = plain["gpu_bytes"]
+    check("activation probe:" in out and "= total" in out, "probe and estimate table printed", out)
+
+    # 1. A budget 60% of the plain step's.
+    budget_gb = 0.6 * plain_bytes / (1 << 30)
+    rc, out, err = run(bin_dir, "--gpu_mem_limit_gb=%.6f" % budget_gb)
+    check(rc == 0, "dtrain-plan with a small budget", out + err)
+    plan = json_lines(out)[0]
+    flags = plan["flags"]
+    check("--checkpoint_activations" in flags or "--accum_steps=" in flags,
+          "the plan adds checkpointing or accumulation, got '%s'" % flags, out)
+    check(plan["gpu_bytes"] <= budget_gb * (1 << 30), "the plan's estimate fits the budget", out)
+    check(plan["current_flags_fit"] is False, "the current flags do not fit", out)
+    check(("plan: add " + flags) in out, "the flags to add are printed", out)
+    print("budget %.1f MiB (plain step %.1f MiB): plan '%s' at %.1f MiB" %
+          (budget_gb * 1024, plain_bytes / MIB, flags, plan["gpu_bytes"] / MIB))
+
+    # 2. Train the plan's technique and the seed variants; the estimate is within 10% of the peak.
+    variants = [flags] + [v for v in ["", "--checkpoint_activations", "--accum_steps=4", "--amp=bf16"] if v != flags]
+    for variant in variants:
+        rc, out, err = run(bin_dir, "--verify_steps=3", *variant.split())
+        check(rc == 0, "verify '%s'" % variant, out + err)
+        v = [j for j in json_lines(out) if "verify_steps" in j][0]
+        print("verify %-45s measured %7.2f MiB, estimated %7.2f MiB (%+.1f%%)" %
+              ("'%s'" % variant, v["measured_peak_bytes"] / MIB, v["estimated_peak_bytes"] / MIB,
+               100 * v["relative_error"]))
+        check(abs(v["relative_error"]) < 0.10, "estimate within 10%% of the measured peak for '%s'" % variant, out)
+        if variant == flags:
+            check(v["measured_peak_bytes"] <= budget_gb * (1 << 30), "the plan's measured peak is within the budget",
+                  out)
+
+    # 3. Nothing fits 1 MiB; bad flags.
+    rc, out, err = run(bin_dir, "--gpu_mem_limit_gb=0.001")
+    check(rc == 2 and "no combination of techniques fits" in err and "smallest GPU estimate is" in err
+          and "raise --gpu_mem_limit_gb to at least" in err, "a budget nothing fits is a clear error", out + err)
+    rc, out, err = run(bin_dir, "--model=resnet")
+    check(rc == 2 and "--model=resnet is not one of: seq2seq, gpt, mlp" in err, "unknown model refused", err)
+    rc, out, err = run(bin_dir, "--allow_offload=disk")
+    check(rc == 2 and "--allow_offload=disk is not one of" in err, "unknown offload refused", err)
+    print("dtrain-plan: plans, estimates within 10% and errors as expected")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,376 @@
+// The planner's arithmetic: estimate() against closed forms for every optimizer, dtype,
+// offload and tensor-parallel split, and choose_plan()'s choices on synthetic activation
+// profiles whose budgets need nothing, accumulation, checkpointing, optimizer offload, or
+// cannot be met.
+#include "dtrain/engine/planner.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "dtrain/dist/error.h"
+
+namespace dtrain::engine {
+namespace {
+
+constexpr int64_t kMB = int64_t{1} << 20;
+
+// A fit with the given line and timings t(rows) = overhead + per_row * rows at rows 1 and 2.
+ActivationFit line(bool checkpoint, AmpMode amp, double intercept, double per_row,
+                   double overhead_s = 0.005, double per_row_s = 0.010) {
+  ActivationFit f;
+  f.checkpoint = checkpoint;
+  f.amp = amp;
+  f.rows[0] = 1;
+  f.rows[1] = 2;
+  f.peak_bytes[0] = static_cast<int64_t>(intercept + per_row);
+  f.peak_bytes[1] = static_cast<int64_t>(intercept + 2 * per_row);
+  f.seconds[0] = overhead_s + per_row_s;
+  f.seconds[1] = overhead_s + 2 * per_row_s;
+  f.intercept_bytes = intercept;
+  f.bytes_per_row = per_row;
+  return f;
+}
+
+// Plain activations 50 MiB per row, checkpointed 10 MiB per row (fp32); bf16 half of each.
+ActivationProfile profile() {
+  ActivationProfile p;
+  p.fits = {line(false, AmpMode::kOff, 0, 50.0 * kMB), line(true, AmpMode::kOff, 0, 10.0 * kMB),
+            line(false, AmpMode::kBf16, 0, 25.0 * kMB, 0.005, 0.005),
+            line(true, AmpMode::kBf16, 0, 5.0 * kMB, 0.005, 0.005)};
+  return p;
+}
+
+// 10 Mi fp32 parameters with AdamW: 40 MiB each of parameters and gradients, 80 MiB of state.
+PlanInputs inputs() {
+  PlanInputs in;
+  in.parameters = 10 * kMB;
+  in.bytes_per_parameter = 4;
+  in.optimizer = "adamw";
+  in.batch_size = 16;
+  in.workspace_fraction = 0;
+  in.cuda_context_bytes = 0;
+  return in;
+}
+
+// Sizes in messages: MiB with one decimal below 1 GiB.
+std::string mib(int64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(bytes) / kMB);
+  return buf;
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(PlannerEstimate, StaticMemoryOfEachOptimizerInClosedForm) {
+  struct Case {
+    const char* name;
+    double momentum;
+    bool amsgrad;
+    int states;
+  };
+  const Case cases[] = {{"adam", 0, false, 2},    {"adamw", 0, false, 2}, {"adam", 0, true, 3},
+                        {"adagrad", 0, false, 1}, {"sgd", 0.9, false, 1}, {"sgd", 0, false, 0}};
+  for (int64_t bpp : {4, 2}) {
+    for (const Case& c : cases) {
+      PlanInputs in = inputs();
+      in.parameters = 1000003;  // odd: no rounding hides an off-by-one
+      in.bytes_per_parameter = bpp;
+      in.optimizer = c.name;
+      in.momentum = c.momentum;
+      in.amsgrad = c.amsgrad;
+      MemoryEstimate e = estimate(in, profile(), Technique{});
+      SCOPED_TRACE(std::string(c.name) + " bytes/param " + std::to_string(bpp));
+      EXPECT_EQ(e.gpu.parameters, 1000003 * bpp);
+      EXPECT_EQ(e.gpu.gradients, 1000003 * bpp);
+      EXPECT_EQ(e.gpu.optimizer_state, 1000003 * bpp * c.states);
+      EXPECT_EQ(e.host.total(), 0);
+    }
+  }
+}
+
+TEST(PlannerEstimate, ActivationsFollowTheMicroBatchAndTheTotalsAddUp) {
+  PlanInputs in = inputs();
+  in.buffer_bytes = 3000;
+  in.input_bytes_per_row = 100;
+  in.input_batches = 3;
+  in.workspace_fraction = 0.05;
+  in.largest_activation_bytes_per_row = 1000;
+  in.cuda_context_bytes = 500 * kMB;
+  ActivationProfile p = profile();
+  p.persistent_bytes = 7000;
+  p.fits[0].intercept_bytes = 12345;  // the plain line: 12345 + 50 MiB per row
+  for (int accum : {1, 2, 4, 16}) {
+    MemoryEstimate e = estimate(in, p, Technique{false, accum});
+    const int64_t rows = 16 / accum;
+    EXPECT_EQ(e.micro_batch_rows, rows);
+    EXPECT_EQ(e.gpu.activations, 12345 + rows * 50 * kMB);
+    EXPECT_EQ(e.gpu.other,
+              3000 + 7000 + 100 * 16 * 3);       // the whole batch, whatever the accumulation
+    EXPECT_EQ(e.gpu.transient, 0);               // the fused optimizers need no temporaries
+    EXPECT_EQ(e.gpu.stale_gradients, 40 * kMB);  // step 2 still holds the old gradient buckets
+    const int64_t fixed = 40 * kMB + 40 * kMB + 80 * kMB + 40 * kMB + e.gpu.other;
+    EXPECT_EQ(e.gpu.allocated_peak(), fixed + e.gpu.activations);
+    const int64_t workspace =
+        static_cast<int64_t>(std::ceil(0.05 * static_cast<double>(e.gpu.allocated_peak()))) +
+        1000 * rows;
+    EXPECT_EQ(e.gpu.workspace, workspace);
+    EXPECT_EQ(e.gpu.total(), e.gpu.allocated_peak() + workspace + 500 * kMB);
+  }
+  // Checkpointing and AMP read their own lines; AMP keeps fp32 parameters and gradients.
+  MemoryEstimate ck = estimate(in, p, Technique{true, 4});
+  EXPECT_EQ(ck.gpu.activations, 4 * 10 * kMB);
+  MemoryEstimate bf = estimate(in, p, Technique{false, 1, AmpMode::kBf16});
+  EXPECT_EQ(bf.gpu.activations, 16 * 25 * kMB);
+  EXPECT_EQ(bf.gpu.parameters, 40 * kMB);
+  EXPECT_EQ(bf.gpu.gradients, 40 * kMB);
+  // A large optimizer transient (the _foreach_ fallback) sets the peak instead of activations.
+  in.optimizer_transient_bytes = 2000 * kMB;
+  MemoryEstimate tr = estimate(in, p, Technique{true, 16});
+  EXPECT_EQ(tr.gpu.transient, 2000 * kMB);
+  EXPECT_EQ(tr.gpu.allocated_peak(), 200 * kMB + tr.gpu.other + 2000 * kMB);
+  in.optimizer_transient_bytes = 0;
+  in.reducer_rebuild = false;
+  EXPECT_EQ(estimate(in, p, Technique{}).gpu.stale_gradients, 0);
+}
+
+TEST(PlannerEstimate, TensorParallelKeepsItsShareOfTheShardedParameters) {
+  PlanInputs in = inputs();
+  in.parameters = 1000000;
+  in.sharded_parameters = 600000;
+  in.tp = 4;
+  MemoryEstimate e = estimate(in, profile(), Technique{});
+  const int64_t local = 400000 + 150000;
+  EXPECT_EQ(e.gpu.parameters, local * 4);
+  EXPECT_EQ(e.gpu.gradients, local * 4);
+  EXPECT_EQ(e.gpu.optimizer_state, local * 4 * 2);
+  in.sharded_parameters = 600001;  // a share rounds up
+  EXPECT_EQ(estimate(in, profile(), Technique{}).gpu.parameters, (399999 + 150001) * 4);
+}
+
+TEST(PlannerEstimate, OptimizerOffloadMovesMasterWeightsAndStateToTheHost) {
+  PlanInputs in = inputs();
+  in.parameters = 1000000;
+  in.bytes_per_parameter = 2;  // a bf16 model: fp32 master weights live on the host
+  for (int dp : {1, 4}) {
+    in.dp = dp;
+    Technique t;
+    t.offload_optimizer = true;
+    MemoryEstimate e = estimate(in, profile(), t);
+    const int64_t shard = 1000000 / dp;
+    EXPECT_EQ(e.gpu.optimizer_state, 0);
+    EXPECT_EQ(e.gpu.parameters, 2000000);
+    EXPECT_EQ(e.gpu.gradients, 2000000);
+    EXPECT_EQ(e.host.optimizer_state, shard * 4 * 3);  // master + exp_avg + exp_avg_sq, fp32
+    EXPECT_EQ(e.host.gradients, shard * 4);
+    EXPECT_GT(e.host.total(), e.host.optimizer_state);  // staging counted too
+  }
+}
+
+TEST(PlannerEstimate, LayerOffloadKeepsTwoLayersOnTheGpu) {
+  PlanInputs in = inputs();
+  in.parameters = 1000000;
+  in.layer_parameters = 800000;
+  in.layers = 8;
+  in.optimizer = "adagrad";
+  Technique t;
+  t.offload_layers = true;
+  MemoryEstimate e = estimate(in, profile(), t);
+  const int64_t on_gpu = 200000 + 2 * 100000;
+  EXPECT_EQ(e.gpu.parameters, on_gpu * 4);
+  EXPECT_EQ(e.gpu.gradients, on_gpu * 4);
+  EXPECT_EQ(e.gpu.optimizer_state,
+            200000 * 4);  // the resident parameters' sum; the rest on the host
+  EXPECT_EQ(e.host.parameters, 800000 * 4);
+  EXPECT_EQ(e.host.gradients, 800000 * 4);
+  EXPECT_EQ(e.host.optimizer_state, 800000 * 4 * 2);
+  t.offload_optimizer = true;
+  MemoryEstimate all = estimate(in, profile(), t);
+  EXPECT_EQ(all.gpu.optimizer_state, 0);
+  EXPECT_EQ(all.host.optimizer_state, 1000000 * 4 * 2);
+  EXPECT_EQ(all.host.parameters, 800000 * 4);
+}
+
+TEST(PlannerEstimate, BadInputIsAClearError) {
+  PlanInputs in = inputs();
+  in.optimizer = "lamb";
+  EXPECT_NE(
+      error_of([&] { estimate(in, profile(), Technique{}); }).find("unknown optimizer name 'lamb'"),
+      std::string::npos);
+  in = inputs();
+  EXPECT_NE(error_of([&] {
+              estimate(in, profile(), Technique{false, 3});
+            }).find("accum_steps=3"),
+            std::string::npos);
+  in.sharded_parameters = in.parameters + 1;
+  EXPECT_NE(error_of([&] { validate(in); }).find("sharded_parameters"), std::string::npos);
+  in = inputs();
+  in.accum_candidates = {1, 5};
+  EXPECT_NE(error_of([&] { validate(in); }).find("accumulation candidate 5"), std::string::npos);
+  in = inputs();
+  ActivationProfile only_plain;
+  only_plain.fits = {line(false, AmpMode::kOff, 0, kMB)};
+  const std::string msg = error_of([&] { estimate(in, only_plain, Technique{true}); });
+  EXPECT_NE(msg.find("no measurement for checkpoint on with amp off"), std::string::npos) << msg;
+}
+
+// Static memory 200 MiB (with step 2's old gradient buckets); activations 50 MiB/row plain, 10
+// MiB/row checkpointed; batch 16; compute 10 ms/row and 5 ms per micro-batch from the profile's
+// timings.
+TEST(PlannerChoice, FitsPlainlyWithARoomyBudget) {
+  PlanInputs in = inputs();
+  in.gpu_budget_bytes = 2048 * kMB;
+  Plan plan = choose_plan(in, profile());
+  EXPECT_EQ(plan.flags(), "");
+  EXPECT_NEAR(plan.step_seconds, 16 * 0.010 + 0.005, 1e-9);
+  EXPECT_NE(plan.reason.find("plain step needs"), std::string::npos) << plan.reason;
+  EXPECT_NE(plan.reason.find("(fits)"), std::string::npos) << plan.reason;
+  EXPECT_EQ(plan.allocator_limit_bytes, 2048 * kMB);
+  nlohmann::json j = nlohmann::json::parse(plan.to_json());
+  EXPECT_EQ(j["accum_steps"], 1);
+  EXPECT_EQ(j["gpu_bytes"], plan.estimate.gpu.total());
+}
+
+TEST(PlannerChoice, NeedsAccumulation) {
+  // Plain: 200 + 800 MiB. Accumulating 2 (200 + 400, 170 ms) beats checkpointing
+  // (200 + 160, 218 ms) by the cost model.
+  PlanInputs in = inputs();
+  in.gpu_budget_bytes = 650 * kMB;
+  Plan plan = choose_plan(in, profile());
+  EXPECT_EQ(plan.flags(), "--accum_steps=2");
+  EXPECT_NEAR(plan.step_seconds, 16 * 0.010 + 2 * 0.005, 1e-9);
+  EXPECT_NE(plan.reason.find("(does not fit)"), std::string::npos) << plan.reason;
+  for (const MemoryEstimate& e : plan.fitting) EXPECT_LE(e.gpu.total(), in.gpu_budget_bytes);
+}
+
+TEST(PlannerChoice, NeedsCheckpointing) {
+  PlanInputs in = inputs();
+  in.accum_candidates = {1};
+  in.gpu_budget_bytes = 400 * kMB;  // plain 1000 MiB; checkpointed 200 + 160
+  Plan plan = choose_plan(in, profile());
+  EXPECT_EQ(plan.flags(), "--checkpoint_activations");
+  EXPECT_NEAR(plan.step_seconds, 16 * 0.010 * 4 / 3 + 0.005, 1e-9);
+  // With accumulation allowed too: nothing without checkpointing fits 240 MiB (16 micro-batches
+  // of one row: 200 + 50), checkpointing with micro-batches of 4 rows does (200 + 40).
+  in.accum_candidates = {};
+  in.gpu_budget_bytes = 240 * kMB;
+  plan = choose_plan(in, profile());
+  EXPECT_EQ(plan.flags(), "--checkpoint_activations --accum_steps=4");
+}
+
+TEST(PlannerChoice, NeedsOptimizerOffload) {
+  // 100 Mi parameters: 400 + 400 + 800 MiB on the GPU (+ 400 MiB of old gradient buckets in
+  // step 2); offloaded, 400 + 400 (+ 400) MiB, plus 1 MiB/row of activations.
+  PlanInputs in = inputs();
+  in.parameters = 100 * kMB;
+  in.can_offload_optimizer = true;
+  in.gpu_budget_bytes = 1300 * kMB;
+  ActivationProfile p;
+  p.fits = {line(false, AmpMode::kOff, 0, 1.0 * kMB), line(true, AmpMode::kOff, 0, 0.5 * kMB)};
+  Plan plan = choose_plan(in, p);
+  EXPECT_TRUE(plan.technique.offload_optimizer);
+  EXPECT_FALSE(plan.technique.checkpoint);
+  EXPECT_EQ(plan.technique.accum_steps, 1);
+  EXPECT_EQ(plan.flags(), "--offload=optimizer");
+  EXPECT_EQ(plan.estimate.host.optimizer_state, 100 * kMB * 4 * 3);
+  // A host budget below the master weights and state: nothing fits, and the message says
+  // that the host is short.
+  in.host_budget_bytes = 512 * kMB;
+  const std::string msg = error_of([&] { choose_plan(in, p); });
+  EXPECT_NE(msg.find("raise --host_mem_limit_gb to at least"), std::string::npos) << msg;
+}
+
+TEST(PlannerChoice, KeepsTheNumericsUnlessAllowed) {
+  PlanInputs in = inputs();
+  in.accum_candidates = {1};
+  in.can_checkpoint = false;
+  in.gpu_budget_bytes = 650 * kMB;  // fp32 needs 1000 MiB; bf16 200 + 400
+  EXPECT_NE(error_of([&] { choose_plan(in, profile()); }).find("allow mixed precision"),
+            std::string::npos);
+  in.allow_amp_change = true;
+  Plan plan = choose_plan(in, profile());
+  EXPECT_EQ(plan.flags(), "--amp=bf16");
+}
+
+TEST(PlannerChoice, NothingFitsNamesTheSmallestEstimate) {
+  PlanInputs in = inputs();
+  in.gpu_budget_bytes = 100 * kMB;
+  // Closed form of the smallest: checkpointing with micro-batches of one row: static 200 MiB
+  // + 10 MiB of activations.
+  const int64_t smallest = 200 * kMB + 10 * kMB;
+  const std::string msg = error_of([&] { choose_plan(in, profile()); });
+  EXPECT_NE(msg.find("the smallest GPU estimate is " + mib(smallest)), std::string::npos) << msg;
+  EXPECT_NE(msg.find("with --checkpoint_activations --accum_steps=16 "), std::string::npos) << msg;
+  EXPECT_NE(msg.find("raise --gpu_mem_limit_gb to at least " + mib(smallest)), std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("allow --offload=optimizer"), std::string::npos) << msg;
+}
+
+TEST(PlannerCost, ClosedFormsOfTheCostModel) {
+  PlanInputs in = inputs();
+  in.layer_parameters = 8 * kMB;
+  in.layers = 4;
+  in.dp = 2;
+  const ActivationProfile p = profile();  // 10 ms/row, 5 ms/micro-batch
+  const double plain = 16 * 0.010 + 0.005;
+  EXPECT_NEAR(estimate_step_seconds(in, p, Technique{}), plain, 1e-12);
+  EXPECT_NEAR(estimate_step_seconds(in, p, Technique{true, 4}), 16 * 0.010 * 4 / 3 + 4 * 0.005,
+              1e-12);
+  EXPECT_NEAR(estimate_step_seconds(in, p, Technique{false, 1, AmpMode::kBf16}), 16 * 0.005 + 0.005,
+              1e-12);
+  Technique off;
+  off.offload_optimizer = true;
+  // AdamW: master + 2 states read and written (8 bytes each), fp32 gradient read, weights
+  // written back; this rank's half at 20 GB/s; gradients down and weights up over PCIe.
+  const double cpu = (8.0 * 3 + 4 + 4) * 10 * kMB / 2 / 20e9, pcie = 2.0 * 10 * kMB * 4 / 55e9;
+  EXPECT_NEAR(estimate_step_seconds(in, p, off), plain + cpu + pcie, 1e-12);
+  Technique layers;
+  layers.offload_layers = true;
+  layers.accum_steps = 2;
+  // Per micro-batch: the streamed parameters in forward and backward, their gradients back.
+  EXPECT_NEAR(estimate_step_seconds(in, p, layers),
+              16 * 0.010 + 2 * 0.005 + 2 * 3.0 * 8 * kMB * 4 / 55e9, 1e-12);
+  // PlanInputs' own figures override the profile's; without either, 1 ms per row and per
+  // micro-batch.
+  in.compute_seconds_per_row = 0.1;
+  in.micro_batch_overhead_seconds = 0.2;
+  EXPECT_NEAR(estimate_step_seconds(in, p, Technique{false, 2}), 1.6 + 0.4, 1e-12);
+  ActivationProfile untimed;
+  untimed.fits = {line(false, AmpMode::kOff, 0, kMB, 0, 0)};
+  untimed.fits[0].seconds[0] = untimed.fits[0].seconds[1] = 0;
+  EXPECT_NEAR(estimate_step_seconds(inputs(), untimed, Technique{false, 4}), 16e-3 + 4e-3, 1e-12);
+}
+
+TEST(PlannerChoice, OffloadIsChosenOnlyWhenNeeded) {
+  PlanInputs in = inputs();
+  in.can_offload_optimizer = true;
+  in.can_checkpoint = false;
+  in.accum_candidates = {1};
+  Plan plan = choose_plan(in, profile());  // no budget: everything fits
+  EXPECT_EQ(plan.flags(), "");
+  ASSERT_EQ(plan.fitting.size(), 2u);
+  EXPECT_EQ(plan.fitting[1].technique.flags(), "--offload=optimizer");
+  EXPECT_NE(plan.reason.find("next best: --offload=optimizer"), std::string::npos) << plan.reason;
+  EXPECT_EQ(plan.allocator_limit_bytes, 0);
+}
+
+TEST(PlannerMemoryLimit, CpuEnforcesNothingAndBadBytesAreRefused) {
+  EXPECT_FALSE(apply_memory_limit(c10::Device(c10::kCPU), 1 << 30));
+  EXPECT_NE(
+      error_of([] { apply_memory_limit(c10::Device(c10::kCPU), -1); }).find("--gpu_mem_limit_gb"),
+      std::string::npos);
+  EXPECT_NE(error_of([] { apply_memory_limit(c10::Device(c10::kMeta), 1); }).find("not supported"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace dtrain::engine
