@@ -29,6 +29,8 @@ DEFINE_int32(accum_steps, 1, "micro-batches accumulated per step (must divide --
 DEFINE_int32(tp, 1, "tensor-parallel size (consecutive ranks form a group)");
 DEFINE_bool(checkpoint_activations, false, "recompute each block's activations in backward");
 DEFINE_string(offload, "none", "none, optimizer, layers or all");
+DEFINE_string(plan, "none", "none, or auto: choose checkpointing/accumulation/offload to fit --gpu_mem_limit_gb");
+DEFINE_double(gpu_mem_limit_gb, 0, "GPU memory budget in GiB, CUDA context included (0: the whole device); caps the caching allocator");
 DEFINE_double(host_mem_limit_gb, 0, "cap of pinned host memory for offload (0: none besides what the machine has free)");
 DEFINE_int32(offload_threads, 0, "CPU optimizer threads (0: OMP_NUM_THREADS or the cores)");
 DEFINE_int32(workers, 2, "data-loading worker threads");
@@ -113,6 +115,9 @@ void check_flags() {
   engine::validate(sched);
   // Flags of features that arrive with later parts of the engine: refuse rather than ignore.
   engine::parse_offload(FLAGS_offload);  // validates
+  DTRAIN_CHECK(FLAGS_plan == "none" || FLAGS_plan == "auto", "--plan=", FLAGS_plan, " is not one of: none, auto");
+  DTRAIN_CHECK(FLAGS_gpu_mem_limit_gb >= 0, "--gpu_mem_limit_gb=", FLAGS_gpu_mem_limit_gb, " must be >= 0");
+  DTRAIN_CHECK(FLAGS_plan != "auto" || FLAGS_gpu_mem_limit_gb > 0, "--plan=auto needs --gpu_mem_limit_gb (the budget to fit)");
   DTRAIN_CHECK(FLAGS_host_mem_limit_gb >= 0, "--host_mem_limit_gb=", FLAGS_host_mem_limit_gb, " must be >= 0");
   DTRAIN_CHECK(FLAGS_save_every >= 0, "--save_every=", FLAGS_save_every, " must be >= 0");
   DTRAIN_CHECK(FLAGS_keep_last >= 0, "--keep_last=", FLAGS_keep_last, " must be >= 0");

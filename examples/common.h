@@ -26,6 +26,8 @@ DECLARE_int32(tp);
 DECLARE_bool(checkpoint_activations);
 DECLARE_string(offload);
 DECLARE_double(host_mem_limit_gb);
+DECLARE_string(plan);
+DECLARE_double(gpu_mem_limit_gb);
 DECLARE_int32(offload_threads);
 DECLARE_int32(workers);
 DECLARE_int64(eval_every);

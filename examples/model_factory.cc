@@ -8,6 +8,10 @@
 #include <torch/utils.h>
 
 #include "dtrain/dist/error.h"
+#include "dtrain/engine/memory.h"
+#include "dtrain/engine/offload.h"
+#include <glog/logging.h>
+#include <cstdio>
 #include "dtrain/engine/tensor_parallel.h"
 #include "gpt_model.h"
 #include "seq2seq_model.h"
@@ -92,6 +96,7 @@ ExampleModel gpt(const Run& run) {
   const int64_t tp = run.mesh->tp_size();
   m.largest_activation_bytes_per_row = S * ((FLAGS_vocab + tp - 1) / tp) * 4;
   m.default_optimizer = "adamw";
+  m.offload_layers = [model, device] { model->offload_blocks(device); };
   return m;
 }
 
@@ -236,6 +241,54 @@ engine::ActivationProfile probe_example_model(const Run& run, ExampleModel& m,
   if (m.set_checkpointing) m.set_checkpointing(FLAGS_checkpoint_activations);
   m.module->train(was_training);
   return profile;
+}
+
+void plan_and_apply(const Run& run, ExampleModel& model, engine::TrainerOptions& options) {
+  const bool planning = FLAGS_plan == "auto";
+  const int64_t budget = FLAGS_gpu_mem_limit_gb > 0
+                             ? static_cast<int64_t>(FLAGS_gpu_mem_limit_gb * 1024.0 * 1024.0 * 1024.0)
+                             : 0;
+  int64_t allocator_limit = budget > 0 && run.device.is_cuda() ? budget - engine::kDefaultCudaContextBytes : budget;
+  engine::OffloadChoice offload = engine::parse_offload(FLAGS_offload);
+  if (planning) {
+    engine::PlanInputs in = plan_inputs(run, model, options);
+    in.gpu_budget_bytes = budget;
+    in.host_budget_bytes = FLAGS_host_mem_limit_gb > 0
+                               ? static_cast<int64_t>(FLAGS_host_mem_limit_gb * 1024.0 * 1024.0 * 1024.0)
+                               : 0;
+    // Offload moves memory from the device to the host: on a CPU run it frees nothing.
+    in.can_offload_optimizer = run.device.is_cuda();
+    in.can_offload_layers = run.device.is_cuda() && static_cast<bool>(model.offload_layers) &&
+                            run.mesh->tp_size() == 1;
+    engine::ActivationProfile profile = probe_example_model(run, model, {options.amp}, /*probe_rows=*/2);
+    engine::Plan plan = engine::choose_plan(in, profile);
+    // Every rank takes rank 0's plan (measurements can differ slightly).
+    at::Tensor t = at::tensor({static_cast<int64_t>(plan.technique.checkpoint), static_cast<int64_t>(plan.technique.accum_steps),
+                               static_cast<int64_t>(plan.technique.offload_optimizer),
+                               static_cast<int64_t>(plan.technique.offload_layers), plan.allocator_limit_bytes},
+                              at::kLong);
+    run.comm->broadcast(t, 0)->wait();
+    if (model.set_checkpointing) model.set_checkpointing(t[0].item<int64_t>() != 0);
+    options.accum_steps = static_cast<int>(t[1].item<int64_t>());
+    offload.optimizer = offload.optimizer || t[2].item<int64_t>() != 0;
+    offload.layers = offload.layers || t[3].item<int64_t>() != 0;
+    allocator_limit = t[4].item<int64_t>();
+    if (run.world.rank == 0) {
+      LOG(INFO) << "--plan=auto: " << plan.reason << "\n" << plan.estimate.to_string();
+      std::printf("%s: plan: %s\n", run.program.c_str(), plan.technique.flags().empty() ? "(as given)" : plan.technique.flags().c_str());
+      std::fflush(stdout);
+    }
+    engine::release_cached_memory(run.device);
+  }
+  options.offload_optimizer = offload.optimizer;
+  if (offload.layers) {
+    DTRAIN_CHECK(static_cast<bool>(model.offload_layers), "--offload=layers: the ", model.name,
+                 " model has no blocks to stream");
+    model.offload_layers();
+  }
+  if (allocator_limit > 0 && engine::apply_memory_limit(run.device, allocator_limit) && run.world.rank == 0) {
+    LOG(INFO) << "GPU memory capped at " << allocator_limit / (1024.0 * 1024.0) << " MiB by the caching allocator";
+  }
 }
 
 }  // namespace dtrain::examples

@@ -34,6 +34,9 @@ struct ExampleModel {
   int64_t input_bytes_per_row = 0;               // one row of a batch on the device
   int64_t largest_activation_bytes_per_row = 0;  // the largest single tensor per row (logits)
   std::string default_optimizer;                 // the example's --optimizer default
+  // Keeps the blocks' weights in host memory, streamed per block (--offload=layers); null
+  // for a model without blocks that can be streamed.
+  std::function<void()> offload_layers;
 };
 
 // The flag defaults the example program sets for `model` (as given to init_run), e.g.
@@ -61,5 +64,11 @@ engine::PlanInputs plan_inputs(const Run& run, const ExampleModel& model,
 engine::ActivationProfile probe_example_model(const Run& run, ExampleModel& model,
                                               const std::vector<engine::AmpMode>& amps,
                                               int64_t probe_rows);
+
+// --plan=auto: probes `model`, chooses the fastest technique whose estimate fits
+// --gpu_mem_limit_gb (and --host_mem_limit_gb), and applies it to the model and `options`
+// (every rank takes rank 0's plan). With --gpu_mem_limit_gb the caching allocator is capped
+// (CUDA) whether or not a plan is made. Then applies --offload=layers. Collective.
+void plan_and_apply(const Run& run, ExampleModel& model, engine::TrainerOptions& options);
 
 }  // namespace dtrain::examples

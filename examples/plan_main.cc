@@ -23,10 +23,6 @@
 #include "model_factory.h"
 
 DEFINE_string(model, "seq2seq", "the example model to plan for: seq2seq, gpt or mlp");
-DEFINE_double(gpu_mem_limit_gb, 0,
-              "GPU memory budget in GiB (the process's device memory, CUDA context included); "
-              "0: the whole device (CUDA), no limit (CPU)");
-DEFINE_double(host_mem_limit_gb, 0, "host memory budget of offload in GiB (0: no limit)");
 DEFINE_bool(allow_amp_change, false, "the plan may switch --amp to bf16 (changes the numerics)");
 DEFINE_string(allow_offload, "none", "offload the plan may use: none, optimizer, layers or all");
 DEFINE_int64(probe_rows, 2, "activation probe micro-batch sizes: this many rows and twice as many");

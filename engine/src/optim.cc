@@ -194,11 +194,16 @@ void MultiTensorOptimizer::step() {
     }
   }
   for (ParamGroup& group : groups_) {
+    // The gradient tensors are taken afresh each step and dropped after it: holding them
+    // would keep memory alive that its owner (the reducer's buckets, rebuilt once) freed.
+    group.grads.clear();
     for (size_t k = 0; k < group.indices.size(); ++k) {
       group.host_steps[k] = ++host_steps_[group.indices[k]];
+      group.grads.push_back(params_[group.indices[k]].grad());
     }
     if (device_steps_) at::_foreach_add_(group.slots[0], at::Scalar(1.0));
     update(group);
+    group.grads.clear();
     // Those parameters' next update is not a first one: regroup.
     if (group.first_step) groups_stale_ = true;
   }

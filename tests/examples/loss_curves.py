@@ -265,10 +265,23 @@ def scenario_offload(args):
     compare(steps_after(ref, 8), steps_after(res2, 8), "offloaded state of 1 rank resumed on 2", 1e-5)
 
 
+def scenario_plan(args):
+    shape = ["--data=synthetic", "--d_model=128", "--heads=4", "--ff=256", "--layers=2", "--seq_len=64",
+             "--vocab=1000", "--batch_size=8", "--steps=4", "--workers=1"]
+    budget_mib = 30
+    plain = train(args, "train_seq2seq", 1, shape, "plain")
+    assert plain[-1]["mem_peak_mb"] > budget_mib, f"the plain run fits {budget_mib} MiB already: {plain[-1]}"
+    planned = train(args, "train_seq2seq", 1, shape + ["--plan=auto", f"--gpu_mem_limit_gb={budget_mib / 1024}"], "planned")
+    peak = max(m["mem_peak_mb"] for m in planned)
+    assert peak <= budget_mib, f"the auto plan peaked at {peak} MiB over the {budget_mib} MiB budget"
+    print(f"ok: --plan=auto trains under {budget_mib} MiB (peak {peak:.1f} MiB) where the plain step needs "
+          f"{plain[-1]['mem_peak_mb']:.1f} MiB; accumulation {planned[-1].get('accum_steps')}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("scenario", choices=["data_parallel", "amp", "seq2seq", "tensor_parallel", "observability",
-                                         "checkpoint", "checkpoint_tp", "offload"])
+                                         "checkpoint", "checkpoint_tp", "offload", "plan"])
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--source", default=os.path.join(os.path.dirname(__file__), "..", ".."))
     ap.add_argument("--bin", required=True)
@@ -280,7 +293,7 @@ def main():
         {"data_parallel": scenario_data_parallel, "amp": scenario_amp, "seq2seq": scenario_seq2seq,
          "tensor_parallel": scenario_tensor_parallel, "observability": scenario_observability,
          "checkpoint": scenario_checkpoint, "checkpoint_tp": scenario_checkpoint_tp,
-         "offload": scenario_offload}[args.scenario](args)
+         "offload": scenario_offload, "plan": scenario_plan}[args.scenario](args)
 
 
 if __name__ == "__main__":

@@ -160,11 +160,11 @@ struct PlanInputs {
   // engine uses on CPU and CUDA; the _foreach_ fallback needs about one more copy of the
   // parameters).
   int64_t optimizer_transient_bytes = 0;
-  // The trainer's reducer rebuilds its gradient buckets at the end of the first step, and the
-  // optimizer keeps its lists of the old gradient tensors until its next step: the old
-  // buckets stay allocated through the second step's forward and backward, one more copy of
-  // the gradients at that step's peak. Counted (as stale_gradients) unless false.
-  bool reducer_rebuild = true;
+  // Whether an extra copy of the gradients is alive at a step's peak (stale_gradients). The
+  // reducer rebuilds its buckets once and nothing keeps the old ones (the optimizer takes
+  // gradient tensors afresh each step), so false for dtrain's trainer; true models a training
+  // loop that holds on to old gradient tensors.
+  bool reducer_rebuild = false;
 
   // The step and the choices the planner may make.
   int64_t batch_size = 1;             // rows per data-parallel rank per optimizer step
