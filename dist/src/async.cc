@@ -108,7 +108,8 @@ Watchdog::Watchdog() {
 uint64_t Watchdog::watch(Entry entry) {
   std::lock_guard<std::mutex> lock(mutex_);
   uint64_t token = next_token_++;
-  watched_.emplace(token, Watched{std::move(entry), std::chrono::steady_clock::now(), false});
+  watched_.emplace(token,
+                   Watched{std::move(entry), std::chrono::steady_clock::now(), false, nullptr});
   return token;
 }
 
@@ -122,14 +123,105 @@ void Watchdog::set_timeout_handler_for_testing(std::function<void(const std::str
   on_timeout_ = std::move(handler);
 }
 
+void Watchdog::set_warning_handler_for_testing(std::function<void(const std::string&)> handler) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  on_warning_ = handler
+                    ? std::make_shared<std::function<void(const std::string&)>>(std::move(handler))
+                    : nullptr;
+}
+
+namespace {
+
+std::string seconds(std::chrono::milliseconds ms) {
+  std::ostringstream os;
+  os << ms.count() / 1000.0 << " s";
+  return os.str();
+}
+
+}  // namespace
+
+std::string Watchdog::oldest_in_flight() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const Watched* oldest = nullptr;
+  for (auto& [token, w] : watched_) {
+    if (!oldest || w.start < oldest->start) oldest = &w;
+  }
+  if (!oldest) return "";
+  auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(
+      std::chrono::steady_clock::now() - oldest->start);
+  // Tenths of a second are enough here, and keep the text short.
+  std::ostringstream os;
+  os << oldest->entry.what << " for " << waited.count() / 100 / 10.0 << " s";
+  return os.str();
+}
+
+// Called with mutex_ held.
+void Watchdog::warn(const Watched& w, double waited_s) {
+  std::ostringstream head;
+  head << "collective stall: " << w.entry.what << " has been waiting " << waited_s
+       << " s (timeout " << seconds(w.entry.timeout) << ")";
+  auto handler = on_warning_;
+  if (!w.report) {
+    LOG(WARNING) << head.str();
+    if (handler) (*handler)(head.str());
+    return;
+  }
+  // Asking the peers may take a while: do it, and log, off the watchdog thread.
+  std::thread([head = head.str(), arrivals = w.entry.arrivals, report = w.report, handler] {
+    std::string text;
+    try {
+      text = arrivals();
+    } catch (const std::exception& e) {
+      text = std::string("(could not find out which ranks have arrived: ") + e.what() + ")";
+    }
+    {
+      std::lock_guard<std::mutex> lock(report->mutex);
+      report->text = text;
+      report->done = true;
+    }
+    std::string message = text.empty() ? head : head + "; " + text;
+    LOG(WARNING) << message;
+    if (handler) (*handler)(message);
+  }).detach();
+}
+
+std::string Watchdog::timeout_message(const Watched& w, double not_running_s) {
+  std::ostringstream msg;
+  msg << "collective timeout: " << w.entry.what << " did not complete within "
+      << seconds(w.entry.timeout) << " (" << process_identity() << ")";
+  if (not_running_s > 0) {
+    msg << "; this process itself did not run for " << not_running_s
+        << " s just before (stopped or starved), so the stall may be its own";
+  }
+  if (w.report) {
+    std::lock_guard<std::mutex> lock(w.report->mutex);
+    if (!w.report->done) {
+      msg << "; the check of which ranks had arrived did not finish";
+    } else if (!w.report->text.empty()) {
+      msg << "; at " << w.report->waited_s << " s " << w.report->text;
+    }
+  }
+  msg << "; a peer rank is stalled, dead, or issued a different collective. "
+      << "Raise --collective_timeout_s if the step is legitimately this slow; set "
+      << "DTRAIN_DEBUG_COLLECTIVES=1 to check that ranks issue the same collectives.";
+  return msg.str();
+}
+
 void Watchdog::loop() {
+  // A tick much later than planned means this process was stopped (SIGSTOP) or starved.
+  constexpr auto kTick = std::chrono::milliseconds(100);
+  constexpr auto kNotRunning = std::chrono::seconds(2);
+  auto last_tick = std::chrono::steady_clock::now();
   for (;;) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::this_thread::sleep_for(kTick);
     std::vector<std::pair<std::string, std::function<void()>>> expired;
     std::function<void(const std::string&)> handler;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto now = std::chrono::steady_clock::now();
+      auto gap = std::chrono::duration_cast<std::chrono::milliseconds>(now - last_tick - kTick);
+      double not_running_s = gap >= kNotRunning ? gap.count() / 1000.0 : 0.0;
+      last_tick = now;
       for (auto it = watched_.begin(); it != watched_.end();) {
         Watched& w = it->second;
         if (w.entry.done && w.entry.done()) {
@@ -138,21 +230,17 @@ void Watchdog::loop() {
         }
         auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - w.start);
         if (waited >= w.entry.timeout) {
-          std::ostringstream msg;
-          msg << "collective timeout: " << w.entry.what << " did not complete within "
-              << w.entry.timeout.count() / 1000.0 << " s (" << process_identity()
-              << "); a peer rank is stalled, dead, or issued a different collective. "
-              << "Raise --collective_timeout_s if the step is legitimately this slow; set "
-              << "DTRAIN_DEBUG_COLLECTIVES=1 to check that ranks issue the same collectives.";
-          expired.emplace_back(msg.str(), w.entry.abort);
+          expired.emplace_back(timeout_message(w, not_running_s), w.entry.abort);
           it = watched_.erase(it);
           continue;
         }
         if (!w.warned && waited >= w.entry.timeout / 2) {
           w.warned = true;
-          LOG(WARNING) << "collective stall: " << w.entry.what << " has been waiting "
-                       << waited.count() / 1000.0 << " s (timeout "
-                       << w.entry.timeout.count() / 1000.0 << " s)";
+          if (w.entry.arrivals) {
+            w.report = std::make_shared<StallReport>();
+            w.report->waited_s = waited.count() / 1000.0;
+          }
+          warn(w, waited.count() / 1000.0);
         }
         ++it;
       }

@@ -64,7 +64,9 @@ class HostWork : public Work {
 
 // Watches every collective in flight in this process. One that is not done after its
 // timeout is logged (what, sequence, timeout), its communicator is aborted and the process
-// exits with kExitCollectiveTimeout. Halfway to the timeout a warning is logged.
+// exits with kExitCollectiveTimeout. Halfway to the timeout a warning is logged
+// ("collective stall: ..."), naming the ranks that have not reached the operation when the
+// entry can find them out (Entry::arrivals); the timeout message repeats that finding.
 class Watchdog {
  public:
   struct Entry {
@@ -72,6 +74,11 @@ class Watchdog {
     std::chrono::milliseconds timeout{0};
     std::function<bool()> done;            // polled from the watchdog thread
     std::function<void()> abort;           // best effort; may be empty
+    // Optional: who has and has not reached the operation ("rank 3 (host h) has not reached
+    // it; ..."). Called once, at the stall warning, on a thread of its own (the warning is
+    // logged when it returns), so it may block, but it must return well within the rest of
+    // the timeout (HealthTicket::arrivals waits at most arrival_window(timeout)).
+    std::function<std::string()> arrivals;
   };
   // The process-wide watchdog (started on first use; its thread is a daemon).
   static Watchdog& instance();
@@ -81,20 +88,38 @@ class Watchdog {
   void unwatch(uint64_t token);
   // Replaces the exit on timeout (tests): called with the message instead of exiting.
   void set_timeout_handler_for_testing(std::function<void(const std::string&)> handler);
+  // Tests: also called with every stall warning (after it is logged), from the thread that
+  // logs it. nullptr removes the handler.
+  void set_warning_handler_for_testing(std::function<void(const std::string&)> handler);
+  // The watched operation in flight longest, with how long it has waited
+  // ("all_reduce #4 on 'world/tp1' (...) for 2.5 s"), or "" when none is.
+  std::string oldest_in_flight();
 
  private:
   Watchdog();
   void loop();
+  // The outcome of an entry's arrivals() call, shared with the thread that makes it.
+  struct StallReport {
+    std::mutex mutex;
+    bool done = false;        // guarded by mutex
+    std::string text;         // guarded by mutex
+    double waited_s = 0;      // when the check began (immutable)
+  };
   struct Watched {
     Entry entry;
     std::chrono::steady_clock::time_point start;
     bool warned = false;
+    std::shared_ptr<StallReport> report;  // set at the warning when entry.arrivals is
   };
+  void warn(const Watched& w, double waited_s);
+  // not_running_s > 0: this process itself did not run for that long just before the check.
+  static std::string timeout_message(const Watched& w, double not_running_s);
   std::mutex mutex_;
   std::condition_variable cv_;
   std::map<uint64_t, Watched> watched_;  // guarded by mutex_
   uint64_t next_token_ = 1;              // guarded by mutex_
   std::function<void(const std::string&)> on_timeout_;  // guarded by mutex_
+  std::shared_ptr<std::function<void(const std::string&)>> on_warning_;  // guarded by mutex_
 };
 
 // Describes an operation for messages: "all_reduce #3 on 'world' (mpi, rank 0/2, float32[4,4], sum)".

@@ -1,7 +1,9 @@
 // "mpi": collectives through MPI, one executor thread per communicator, so MPI calls on a
 // communicator happen on one thread in issue order. CPU tensors are passed to MPI directly;
 // CUDA tensors are staged through a reusable pinned host buffer on a copy stream of the
-// communicator's own (device-generic c10 APIs: no CUDA headers here).
+// communicator's own (device-generic c10 APIs: no CUDA headers here). Each communicator is
+// registered with the runtime's health service, which answers peers' stall checks from the
+// operation its executor has entered and the last it finished (see health.h).
 #include <mpi.h>
 
 #include <algorithm>
@@ -19,6 +21,8 @@
 #include "async.h"
 #include "backends.h"
 #include "dtrain/dist/error.h"
+#include "health.h"
+#include "mpi_health.h"
 #include "mpi_runtime.h"
 
 namespace dtrain::dist {
@@ -27,15 +31,41 @@ namespace {
 // MPI counts are ints; large all-reduces and broadcasts go in chunks of this many elements.
 constexpr int64_t kMaxCount = int64_t{1} << 30;
 
+// Registers a new communicator with the health service: its members' world ranks and a key
+// every member agrees on (the lowest member's creation counter, broadcast from it). Collective
+// over comm, on the thread that made it. nullptr when the runtime has no health service.
+std::shared_ptr<HealthTicket> join_health(MpiRuntime& runtime, MPI_Comm comm) {
+  if (!runtime.health()) return nullptr;
+  int size = 0;
+  MPI_Group group = MPI_GROUP_NULL, world_group = MPI_GROUP_NULL;
+  MPI_CHECK(MPI_Comm_size(comm, &size));
+  MPI_CHECK(MPI_Comm_group(comm, &group));
+  MPI_CHECK(MPI_Comm_group(MPI_COMM_WORLD, &world_group));
+  std::vector<int> local(size), members(size);
+  for (int i = 0; i < size; ++i) local[i] = i;
+  int rc = MPI_Group_translate_ranks(group, size, local.data(), world_group, members.data());
+  MPI_Group_free(&group);
+  MPI_Group_free(&world_group);
+  MPI_CHECK(rc);
+  int owner_local =
+      static_cast<int>(std::min_element(members.begin(), members.end()) - members.begin());
+  int64_t counter = runtime.next_comm_counter();
+  MPI_CHECK(MPI_Bcast(&counter, 1, MPI_INT64_T, owner_local, comm));
+  CommKey key{members[owner_local], counter, 0};
+  return runtime.health()->join(key, std::move(members), std::make_shared<OpProgress>());
+}
+
 class MpiCommunicator final : public Communicator {
  public:
   MpiCommunicator(std::shared_ptr<MpiRuntime> runtime, MPI_Comm comm, int rank, int size,
-                  c10::Device device, CommOptions options)
+                  c10::Device device, CommOptions options, std::shared_ptr<HealthTicket> health)
       : Communicator(rank, size, std::move(options)), runtime_(std::move(runtime)), comm_(comm),
-        device_(device), executor_(std::make_unique<SerialExecutor>("mpi:" + name())) {}
+        device_(device), health_(std::move(health)),
+        executor_(std::make_unique<SerialExecutor>("mpi:" + name())) {}
 
   ~MpiCommunicator() override {
     executor_.reset();  // finishes queued operations first
+    health_.reset();
     if (comm_ != MPI_COMM_NULL) {
       auto lock = runtime_->lock();
       int rc = MPI_Comm_free(&comm_);
@@ -77,16 +107,20 @@ class MpiCommunicator final : public Communicator {
     executor_->post([this, op = std::move(op), work, ready, what = std::move(what)]() {
       uint64_t token = Watchdog::instance().watch(
           {what, options().timeout, [work] { return work->is_completed(); },
-           [comm = comm_] { MPI_Abort(comm, kExitCollectiveTimeout); }});
+           [comm = comm_] { MPI_Abort(comm, kExitCollectiveTimeout); },
+           arrivals_reporter(health_, op.seq)});
       work->mark_started();
+      if (health_) health_->progress().reached = op.seq;
       try {
         if (ready) {
           run_staged(op, *ready);
         } else {
           run_host(op, op.input, op.output);
         }
+        if (health_) health_->progress().complete(op.seq);
         work->finish();
       } catch (...) {
+        if (health_) health_->progress().complete(op.seq);
         work->finish(std::current_exception());
       }
       Watchdog::instance().unwatch(token);
@@ -104,17 +138,36 @@ class MpiCommunicator final : public Communicator {
       }
       if (sub == MPI_COMM_NULL) return;
       int r = 0, s = 0;
+      std::shared_ptr<HealthTicket> health;
       {
         auto lock = runtime_->lock();
         MPI_CHECK(MPI_Comm_set_errhandler(sub, MPI_ERRORS_RETURN));
         MPI_CHECK(MPI_Comm_rank(sub, &r));
         MPI_CHECK(MPI_Comm_size(sub, &s));
+        health = join_health(*runtime_, sub);
       }
-      result = std::make_unique<MpiCommunicator>(runtime_, sub, r, s, device_, std::move(child));
+      result = std::make_unique<MpiCommunicator>(runtime_, sub, r, s, device_, std::move(child),
+                                                 std::move(health));
     });
     return result;
   }
 
+ public:
+  // The arrivals callback of a watchdog entry for operation seq (see Watchdog::Entry).
+  std::function<std::string()> arrivals_reporter(std::shared_ptr<HealthTicket> ticket,
+                                                 uint64_t seq) const {
+    if (!ticket) {
+      if (runtime_->health_unavailable().empty()) return nullptr;
+      return [why = runtime_->health_unavailable()] {
+        return "(which ranks have not arrived is unknown: " + why + ")";
+      };
+    }
+    auto window = arrival_window(options().timeout);
+    return [ticket = std::move(ticket), seq, window] { return ticket->arrivals(seq, window); };
+  }
+  const std::shared_ptr<HealthTicket>& health() const { return health_; }
+
+ protected:
   std::vector<int64_t> exchange(const std::vector<int64_t>& mine) override {
     std::vector<int64_t> all(mine.size() * size());
     executor_->run_sync([&] {
@@ -250,6 +303,7 @@ class MpiCommunicator final : public Communicator {
   std::shared_ptr<MpiRuntime> runtime_;
   MPI_Comm comm_;
   c10::Device device_;
+  std::shared_ptr<HealthTicket> health_;  // null without a health service
   std::optional<c10::Stream> copy_stream_;  // used on the executor thread only
   at::Tensor staging_;                      // used on the executor thread only
   std::unique_ptr<SerialExecutor> executor_;
@@ -262,6 +316,7 @@ std::unique_ptr<Communicator> make_mpi_communicator(const World& world, c10::Dev
   auto runtime = MpiRuntime::acquire();
   MPI_Comm comm = MPI_COMM_NULL;
   int rank = 0, size = 0;
+  std::shared_ptr<HealthTicket> health;
   {
     auto lock = runtime->lock();
     MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm));
@@ -272,8 +327,18 @@ std::unique_ptr<Communicator> make_mpi_communicator(const World& world, c10::Dev
   DTRAIN_CHECK(rank == world.rank && size == world.size, "MPI reports rank ", rank, " of ", size,
                " but the launcher's environment says ", world.describe(),
                "; start every rank with the same mpirun/srun command");
+  {
+    auto lock = runtime->lock();
+    health = join_health(*runtime, comm);
+  }
   return std::make_unique<MpiCommunicator>(std::move(runtime), comm, rank, size, device,
-                                           std::move(options));
+                                           std::move(options), std::move(health));
+}
+
+std::shared_ptr<HealthTicket> sibling_health(const Communicator& partner, int64_t kind) {
+  auto* mpi = dynamic_cast<const MpiCommunicator*>(&partner);
+  if (!mpi || !mpi->health()) return nullptr;
+  return mpi->health()->sibling(kind);
 }
 
 }  // namespace dtrain::dist

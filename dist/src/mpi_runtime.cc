@@ -1,10 +1,13 @@
 #include "mpi_runtime.h"
 
+#include <cstdlib>
 #include <functional>
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <glog/logging.h>
+
+#include "mpi_health.h"
 
 namespace dtrain::dist {
 namespace {
@@ -59,6 +62,11 @@ std::shared_ptr<MpiRuntime> MpiRuntime::acquire() {
   return rt;
 }
 
+std::shared_ptr<MpiRuntime> MpiRuntime::current() {
+  std::lock_guard<std::mutex> lock(runtime_mutex);
+  return current_runtime.lock();
+}
+
 MpiRuntime::MpiRuntime() {
   int initialized = 0;
   MPI_Initialized(&initialized);
@@ -78,6 +86,16 @@ MpiRuntime::MpiRuntime() {
     LOG(WARNING) << "MPI (" << version_ << ") does not provide MPI_THREAD_MULTIPLE (got level "
                  << provided << "); dtrain serializes its MPI calls with a process-wide lock";
   }
+  int world_size = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+  const char* stall_check = std::getenv("DTRAIN_STALL_CHECK");
+  if (stall_check && std::string(stall_check) == "0") {
+    health_unavailable_ = "DTRAIN_STALL_CHECK=0";
+  } else if (serialize_) {
+    health_unavailable_ = "this MPI lacks MPI_THREAD_MULTIPLE";
+  } else if (world_size > 1) {
+    health_ = HealthService::start();  // collective over MPI_COMM_WORLD
+  }
   MPI_Op_create(&reduce16<c10::Half, Sum>, 1, &half_ops_[0]);
   MPI_Op_create(&reduce16<c10::Half, Max>, 1, &half_ops_[1]);
   MPI_Op_create(&reduce16<c10::Half, Min>, 1, &half_ops_[2]);
@@ -87,6 +105,10 @@ MpiRuntime::MpiRuntime() {
 }
 
 MpiRuntime::~MpiRuntime() {
+  if (health_) {
+    health_->shutdown();  // collective: every rank finalizes
+    health_.reset();
+  }
   for (MPI_Op* op : {&half_ops_[0], &half_ops_[1], &half_ops_[2], &bf16_ops_[0], &bf16_ops_[1],
                      &bf16_ops_[2]}) {
     if (*op != MPI_OP_NULL) MPI_Op_free(op);

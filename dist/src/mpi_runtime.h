@@ -4,6 +4,7 @@
 
 #include <mpi.h>
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -16,11 +17,15 @@
 
 namespace dtrain::dist {
 
+class HealthService;  // mpi_health.h
+
 class MpiRuntime {
  public:
   // Initializes MPI (asking for MPI_THREAD_MULTIPLE) on first use. Throws once MPI was
   // finalized: MPI cannot start twice in one process.
   static std::shared_ptr<MpiRuntime> acquire();
+  // The runtime in use, if any (never starts one).
+  static std::shared_ptr<MpiRuntime> current();
   ~MpiRuntime();
 
   MPI_Datatype datatype(c10::ScalarType type) const;
@@ -31,10 +36,23 @@ class MpiRuntime {
   // mutex otherwise.
   std::unique_lock<std::mutex> lock();
 
+  // The collective health service (which ranks reached a stalled operation), started with
+  // the runtime when the world has more than one rank and MPI gives MPI_THREAD_MULTIPLE;
+  // nullptr otherwise, or when DTRAIN_STALL_CHECK=0 (which must then be set on every rank:
+  // starting the service is collective). Shut down (collectively) just before MPI_Finalize.
+  const std::shared_ptr<HealthService>& health() const { return health_; }
+  // Why health() is null, for messages ("" when it is not).
+  const std::string& health_unavailable() const { return health_unavailable_; }
+  // A new value for each communicator this process joins (for CommKey::counter).
+  int64_t next_comm_counter() { return ++comm_counter_; }
+
  private:
   MpiRuntime();
   bool owns_init_ = false;
   bool serialize_ = false;
+  std::shared_ptr<HealthService> health_;
+  std::string health_unavailable_;
+  std::atomic<int64_t> comm_counter_{0};
   std::mutex mutex_;
   std::string version_;
   MPI_Op half_ops_[3] = {MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL};  // sum, max, min

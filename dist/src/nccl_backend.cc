@@ -2,6 +2,11 @@
 // ordered after the caller's current stream by an event and back by Work::wait(). The
 // NCCL unique id is broadcast over the partner CPU communicator (MPI, or local for a lone
 // process), which also carries collectives on CPU tensors.
+// Stall reports: an NCCL communicator registers with the health service over its MPI
+// partner's ranks (as kind 1), so its stall warnings name the ranks that have not reached an
+// operation too. For NCCL, "reached" means the rank has issued the operation (its GPU may
+// still be busy with earlier work) and "completed" that the operation's event has fired
+// (seen by the watchdog's poll). A lone process has no health service and no peers.
 #include <nccl.h>
 
 #include <ATen/ATen.h>
@@ -99,9 +104,11 @@ class NcclCommunicator final : public Communicator {
                    CommOptions options)
       : Communicator(cpu->rank(), cpu->size(), std::move(options)), comm_(comm),
         cpu_(std::move(cpu)), device_(device),
-        stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device.index())) {}
+        stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device.index())),
+        health_(sibling_health(*cpu_, /*kind=*/1)) {}
 
   ~NcclCommunicator() override {
+    health_.reset();
     c10::cuda::CUDAGuard guard(device_);
     ncclResult_t rc = ncclCommDestroy(comm_);
     if (rc != ncclSuccess) LOG(ERROR) << "ncclCommDestroy failed: " << ncclGetErrorString(rc);
@@ -165,10 +172,25 @@ class NcclCommunicator final : public Communicator {
     }
     work->end().record(stream_);
     auto* done_event = &work->end();
+    // Health: an NCCL operation is "reached" once its rank has issued it (its GPU may still
+    // be busy with earlier work), completed once its event has fired.
+    std::function<std::string()> arrivals;
+    std::shared_ptr<OpProgress> progress;
+    if (health_) {
+      health_->progress().reached = op.seq;
+      progress = std::shared_ptr<OpProgress>(health_, &health_->progress());
+      arrivals = [ticket = health_, seq = op.seq, window = arrival_window(options().timeout)] {
+        return ticket->arrivals(seq, window);
+      };
+    }
     Watchdog::instance().watch(
         {describe_op(*this, op.type, op.input, op.reduce, op.root, op.seq), options().timeout,
-         [work, done_event] { return done_event->query(); },
-         [comm = comm_] { ncclCommAbort(comm); }});
+         [work, done_event, progress, seq = op.seq] {
+           bool done = done_event->query();
+           if (done && progress) progress->complete(seq);
+           return done;
+         },
+         [comm = comm_] { ncclCommAbort(comm); }, std::move(arrivals)});
     return work;
   }
 
@@ -211,6 +233,8 @@ class NcclCommunicator final : public Communicator {
   c10::Device device_;
   c10::cuda::CUDAStream stream_;
   at::Tensor barrier_buf_;
+  // Registered over cpu_'s ranks; null for a lone process or without a health service.
+  std::shared_ptr<HealthTicket> health_;
 };
 
 }  // namespace

@@ -1,6 +1,9 @@
 // Fault scenarios run under mpirun by ctest through expect_exit.sh:
 //   --mode=timeout   rank 1 never joins; rank 0's all-reduce must end the job by the timeout
 //   --mode=mismatch  ranks issue different shapes; debug mode must name the mismatch at once
+//   --mode=drain     the other ranks' health services do not answer (as if stopped) and they
+//                    join rank 0's all-reduce after its stall check; the job must finish
+//                    normally, the unanswered question drained before MPI_Finalize
 #include <gflags/gflags.h>
 
 #include <cstdio>
@@ -8,11 +11,12 @@
 
 #include <ATen/ATen.h>
 
+#include "../../dist/src/health.h"
 #include "dtrain/dist/communicator.h"
 #include "dtrain/dist/error.h"
 #include "dtrain/dist/logging.h"
 
-DEFINE_string(mode, "timeout", "timeout or mismatch");
+DEFINE_string(mode, "timeout", "timeout, mismatch or drain");
 DEFINE_double(timeout_s, 2.0, "collective timeout");
 
 int main(int argc, char** argv) {
@@ -34,6 +38,21 @@ int main(int argc, char** argv) {
       at::Tensor x = at::ones({1024});
       comm->all_reduce(x)->wait();
       std::printf("all_reduce returned although rank 1 never joined\n");
+      return 0;
+    }
+    if (FLAGS_mode == "drain") {
+      comm->barrier()->wait();
+      if (comm->rank() != 0) {
+        if (!dist::pause_health_service_for_testing(std::chrono::seconds(60))) {
+          std::fprintf(stderr, "fault_main: no health service to pause\n");
+          return kExitFailure;
+        }
+        // Past rank 0's stall check (at half the timeout) and its window (a quarter).
+        std::this_thread::sleep_for(options.timeout * 4 / 5);
+      }
+      at::Tensor x = at::ones({16});
+      comm->all_reduce(x)->wait();
+      std::printf("drain: rank %d all_reduce gave %g\n", comm->rank(), x[0].item<double>());
       return 0;
     }
     at::Tensor x = comm->rank() == 0 ? at::ones({4, 4}) : at::ones({8});
