@@ -27,6 +27,9 @@ DEFINE_string(device, "auto", "auto, cpu or cuda");
 DEFINE_string(amp, "off", "mixed precision: off, bf16 or fp16 (with dynamic loss scaling)");
 DEFINE_int32(accum_steps, 1, "micro-batches accumulated per step (must divide --batch_size)");
 DEFINE_int32(tp, 1, "tensor-parallel size (consecutive ranks form a group)");
+DEFINE_bool(sequence_parallel, false,
+            "with --tp: split activations between the tensor-parallel layers along the sequence "
+            "(--seq_len must divide by --tp; no effect with --tp=1)");
 DEFINE_bool(checkpoint_activations, false, "recompute each block's activations in backward");
 DEFINE_string(offload, "none", "none, optimizer, layers or all");
 DEFINE_string(plan, "none", "none, or auto: choose checkpointing/accumulation/offload to fit --gpu_mem_limit_gb");
@@ -173,6 +176,8 @@ Run init_run(int argc, char** argv, const std::string& usage,
                "--offload=all needs --tp=1 (use --offload=layers or optimizer with tensor parallelism)");
   DTRAIN_CHECK(model_checks || FLAGS_tp == 1, "--tp=", FLAGS_tp, ": ", run.program,
                " has no tensor-parallel layers; use train_gpt for tensor parallelism");
+  DTRAIN_CHECK(model_checks || !FLAGS_sequence_parallel, "--sequence_parallel: ", run.program,
+               " has no tensor-parallel layers; use train_gpt for sequence parallelism");
   dist::Mesh::check(run.world.size, FLAGS_tp);
   if (model_checks) model_checks();
   run.device = dist::select_device(run.world, dist::parse_device_request(FLAGS_device));

@@ -23,6 +23,7 @@ DECLARE_string(device);
 DECLARE_string(amp);
 DECLARE_int32(accum_steps);
 DECLARE_int32(tp);
+DECLARE_bool(sequence_parallel);
 DECLARE_bool(checkpoint_activations);
 DECLARE_string(offload);
 DECLARE_double(host_mem_limit_gb);

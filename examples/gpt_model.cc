@@ -6,21 +6,32 @@
 
 namespace dtrain::examples {
 
-GptBlockImpl::GptBlockImpl(const GptOptions& o, dist::Communicator& tp) {
+namespace {
+engine::SequenceParallel sp_of(const GptOptions& o) {
+  return o.sequence_parallel ? engine::SequenceParallel::kOn : engine::SequenceParallel::kOff;
+}
+}  // namespace
+
+GptBlockImpl::GptBlockImpl(const GptOptions& o, dist::Communicator& comm)
+    : sequence_parallel(o.sequence_parallel), tp(&comm) {
   ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.d_model})));
-  attn = register_module("attn", engine::ParallelSelfAttention(o.d_model, o.heads, true, tp));
+  attn = register_module("attn", engine::ParallelSelfAttention(o.d_model, o.heads, true, comm, sp_of(o)));
   ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.d_model})));
-  mlp = register_module("mlp", engine::ParallelMlp(o.d_model, o.ff, tp));
+  mlp = register_module("mlp", engine::ParallelMlp(o.d_model, o.ff, comm, sp_of(o)));
   drop = register_module("drop", torch::nn::Dropout(o.dropout));
 }
 
+at::Tensor GptBlockImpl::norm(torch::nn::LayerNorm& ln, const at::Tensor& x) {
+  return sequence_parallel ? engine::sequence_parallel_layer_norm(ln, x, *tp) : ln->forward(x);
+}
+
 at::Tensor GptBlockImpl::forward(const at::Tensor& x) {
-  at::Tensor h = x + drop->forward(attn->forward(ln1->forward(x)));
-  return h + drop->forward(mlp->forward(ln2->forward(h)));
+  at::Tensor h = x + drop->forward(attn->forward(norm(ln1, x)));
+  return h + drop->forward(mlp->forward(norm(ln2, h)));
 }
 
 GptImpl::GptImpl(const GptOptions& o, dist::Communicator& comm) : options(o), tp(&comm) {
-  wte = register_module("wte", engine::VocabParallelEmbedding(o.vocab, o.d_model, comm));
+  wte = register_module("wte", engine::VocabParallelEmbedding(o.vocab, o.d_model, comm, sp_of(o)));
   wpe = register_module("wpe", torch::nn::Embedding(o.seq_len, o.d_model));
   blocks = register_module("blocks", torch::nn::ModuleList());
   for (int i = 0; i < o.layers; ++i) blocks->push_back(GptBlock(o, comm));
@@ -30,14 +41,23 @@ GptImpl::GptImpl(const GptOptions& o, dist::Communicator& comm) : options(o), tp
   head_options.out = o.vocab;
   head_options.bias = false;
   head_options.pad_output = true;
+  head_options.sequence_parallel = o.sequence_parallel;  // gathers the sequence first
   head = register_module("head", engine::ColumnParallelLinear(head_options, comm));
   drop = register_module("drop", torch::nn::Dropout(o.dropout));
 }
 
 at::Tensor GptImpl::forward(const at::Tensor& tokens) {
   const int64_t T = tokens.size(1);
-  at::Tensor pos = at::arange(T, tokens.options());
-  at::Tensor x = drop->forward(wte->forward(tokens) + wpe->forward(pos));
+  at::Tensor x;
+  if (options.sequence_parallel) {
+    // This rank's part of the sequence: its rows of the position table, whose gradient the
+    // scatter's backward all-gathers (each position's gradient comes from one rank).
+    at::Tensor positions = engine::scatter_to_sequence_parallel(wpe->weight.narrow(0, 0, T), *tp, 0);
+    x = drop->forward(wte->forward(tokens) + positions);  // [B, T/tp, d]
+  } else {
+    at::Tensor pos = at::arange(T, tokens.options());
+    x = drop->forward(wte->forward(tokens) + wpe->forward(pos));
+  }
   const bool ckpt = options.checkpoint_activations && is_training();
   const size_t n = blocks->size();
   for (size_t i = 0; i < n; ++i) {
@@ -57,7 +77,8 @@ at::Tensor GptImpl::forward(const at::Tensor& tokens) {
       x = ckpt ? engine::checkpoint(fn, x, block->parameters()) : block->forward(x);
     }
   }
-  return head->forward(ln_f->forward(x));
+  at::Tensor h = options.sequence_parallel ? engine::sequence_parallel_layer_norm(ln_f, x, *tp) : ln_f->forward(x);
+  return head->forward(h);
 }
 
 at::Tensor GptImpl::loss(const at::Tensor& inputs, const at::Tensor& targets) {

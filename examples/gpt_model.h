@@ -2,6 +2,9 @@
 // through scaled_dot_product_attention, GELU MLP, learned positions, untied output head)
 // built from dtrain's tensor-parallel layers, so --tp splits heads, MLP and vocabulary.
 // With tp = 1 it is the plain model; any tp draws the same initial full weights.
+// sequence_parallel additionally splits the residual stream and the layer norms along the
+// sequence over the tensor-parallel group (Megatron-LM sequence parallelism): each rank keeps
+// [B, S/T, d] between the parallel regions; the result is the same model (float rounding).
 #pragma once
 
 #include <torch/nn/module.h>
@@ -20,11 +23,17 @@ struct GptOptions {
   int layers = 12;
   double dropout = 0.0;
   bool checkpoint_activations = false;
+  // Split activations between the tensor-parallel regions along the sequence (seq_len must
+  // divide by the group size). No effect with a group of one rank.
+  bool sequence_parallel = false;
 };
 
 struct GptBlockImpl : torch::nn::Module {
   GptBlockImpl(const GptOptions& o, dist::Communicator& tp);
-  at::Tensor forward(const at::Tensor& x);
+  at::Tensor forward(const at::Tensor& x);  // [B, S, d], or [B, S/T, d] when sequence-parallel
+  at::Tensor norm(torch::nn::LayerNorm& ln, const at::Tensor& x);
+  bool sequence_parallel;
+  dist::Communicator* tp;
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   engine::ParallelSelfAttention attn{nullptr};
   engine::ParallelMlp mlp{nullptr};

@@ -73,6 +73,7 @@ ExampleModel gpt(const Run& run) {
   mo.seq_len = S;
   mo.dropout = FLAGS_dropout;
   mo.checkpoint_activations = FLAGS_checkpoint_activations;
+  mo.sequence_parallel = FLAGS_sequence_parallel;
   torch::manual_seed(FLAGS_seed);
   auto model = Gpt(mo, run.mesh->tp()).ptr();
   model->to(run.device);
@@ -163,6 +164,9 @@ std::function<void()> model_checks(const std::string& model) {
                  "; the number of heads must be a multiple of the tensor-parallel size");
     DTRAIN_CHECK(FLAGS_ff % T == 0, "--ff=", FLAGS_ff, " does not divide over --tp=", T,
                  "; the feed-forward width must be a multiple of the tensor-parallel size");
+    DTRAIN_CHECK(!FLAGS_sequence_parallel || FLAGS_seq_len % T == 0, "--sequence_parallel: --seq_len=",
+                 FLAGS_seq_len, " does not divide over --tp=", T,
+                 "; the sequence length must be a multiple of the tensor-parallel size");
     DTRAIN_CHECK(FLAGS_dropout == 0 || T == 1,
                  "--dropout with --tp > 1 is not supported; "
                  "use --dropout=0 (the default for train_gpt)");

@@ -208,7 +208,9 @@ std::map<std::string, ShardSpec> ColumnParallelLinearImpl::shard_specs() const {
 }
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
-  at::Tensor y = at::linear(copy_to_tensor_parallel(x, *tp), weight, bias);
+  // Sequence-parallel: the gather's backward reduce-scatters (sums) the input gradient.
+  at::Tensor in = options.sequence_parallel ? gather_from_sequence_parallel(x, *tp, 1) : copy_to_tensor_parallel(x, *tp);
+  at::Tensor y = at::linear(in, weight, bias);
   return options.gather_output ? gather_from_tensor_parallel(y, *tp) : y;
 }
 
@@ -238,12 +240,19 @@ std::map<std::string, ShardSpec> RowParallelLinearImpl::shard_specs() const {
 }
 
 at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x_parallel) {
-  at::Tensor y = reduce_from_tensor_parallel(at::linear(x_parallel, weight), *tp);
-  return options.bias ? y + bias : y;
+  at::Tensor partial = at::linear(x_parallel, weight);
+  if (!options.sequence_parallel) {
+    at::Tensor y = reduce_from_tensor_parallel(partial, *tp);
+    return options.bias ? y + bias : y;
+  }
+  at::Tensor y = reduce_scatter_to_sequence_parallel(partial, *tp, 1);
+  // The bias meets only this rank's part of the sequence: sum its gradient over the group.
+  return options.bias ? y + copy_to_tensor_parallel(bias, *tp) : y;
 }
 
-VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(int64_t v, int64_t d, dist::Communicator& c)
-    : vocab(v), dim(d), tp(&c) {
+VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(int64_t v, int64_t d, dist::Communicator& c,
+                                                       SequenceParallel sp)
+    : vocab(v), dim(d), sequence_parallel(sp == SequenceParallel::kOn), tp(&c) {
   DTRAIN_CHECK(v >= 1 && d >= 1, "embedding sizes must be positive");
   padded_vocab = round_up(v, c.size());
   const int64_t local = padded_vocab / c.size();
@@ -261,10 +270,16 @@ std::map<std::string, ShardSpec> VocabParallelEmbeddingImpl::shard_specs() const
 
 at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& ids) {
   if (tp->size() == 1) return at::embedding(weight, ids);
+  if (sequence_parallel) {
+    DTRAIN_CHECK(ids.dim() >= 2, "a sequence-parallel embedding takes ids [B, S, ...], got ", ids.sizes());
+    DTRAIN_CHECK(ids.size(1) % tp->size() == 0, "sequence parallelism: a sequence of ", ids.size(1),
+                 " tokens does not split over ", tp->size(),
+                 " tensor-parallel ranks; --seq_len must be a multiple of --tp");
+  }
   at::Tensor outside = (ids < start) | (ids >= end);
   at::Tensor local = (ids - start).masked_fill(outside, 0);
   at::Tensor out = at::embedding(weight, local).masked_fill(outside.unsqueeze(-1), 0);
-  return reduce_from_tensor_parallel(out, *tp);
+  return sequence_parallel ? reduce_scatter_to_sequence_parallel(out, *tp, 1) : reduce_from_tensor_parallel(out, *tp);
 }
 
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,
@@ -277,31 +292,34 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
 }
 
 ParallelSelfAttentionImpl::ParallelSelfAttentionImpl(int64_t d_model, int64_t h, bool is_causal,
-                                                     dist::Communicator& tp)
+                                                     dist::Communicator& tp, SequenceParallel sp)
     : heads(h), causal(is_causal) {
   DTRAIN_CHECK(h >= 1 && d_model % h == 0, "--d_model=", d_model, " is not divisible by --heads=", h);
   DTRAIN_CHECK(h % tp.size() == 0, "--heads=", h, " does not divide over --tp=", tp.size(),
                "; the number of heads must be a multiple of the tensor-parallel size");
   local_heads = h / tp.size();
   head_dim = d_model / h;
-  qkv = register_module("qkv", ColumnParallelLinear(ParallelLinearOptions{d_model, 3 * d_model, true, false, 3}, tp));
-  proj = register_module("proj", RowParallelLinear(ParallelLinearOptions{d_model, d_model, true, false, 1}, tp));
+  const bool seq = sp == SequenceParallel::kOn;
+  qkv = register_module("qkv", ColumnParallelLinear(ParallelLinearOptions{d_model, 3 * d_model, true, false, 3, false, seq}, tp));
+  proj = register_module("proj", RowParallelLinear(ParallelLinearOptions{d_model, d_model, true, false, 1, false, seq}, tp));
 }
 
 at::Tensor ParallelSelfAttentionImpl::forward(const at::Tensor& x) {
-  const int64_t B = x.size(0), T = x.size(1);
-  auto parts = qkv->forward(x).chunk(3, -1);  // each [B, T, local_heads * head_dim]
+  at::Tensor fused = qkv->forward(x);  // the whole sequence, also when x is a sequence-parallel part
+  const int64_t B = fused.size(0), T = fused.size(1);
+  auto parts = fused.chunk(3, -1);  // each [B, T, local_heads * head_dim]
   auto heads_first = [&](const at::Tensor& t) { return t.view({B, T, local_heads, head_dim}).transpose(1, 2); };
   at::Tensor a = at::scaled_dot_product_attention(heads_first(parts[0]), heads_first(parts[1]),
                                                   heads_first(parts[2]), {}, 0.0, causal);
   return proj->forward(a.transpose(1, 2).reshape({B, T, local_heads * head_dim}));
 }
 
-ParallelMlpImpl::ParallelMlpImpl(int64_t d_model, int64_t hidden, dist::Communicator& tp) {
+ParallelMlpImpl::ParallelMlpImpl(int64_t d_model, int64_t hidden, dist::Communicator& tp, SequenceParallel sp) {
+  const bool seq = sp == SequenceParallel::kOn;
   DTRAIN_CHECK(hidden % tp.size() == 0, "--ff=", hidden, " does not divide over --tp=", tp.size(),
                "; the feed-forward width must be a multiple of the tensor-parallel size");
-  fc1 = register_module("fc1", ColumnParallelLinear(ParallelLinearOptions{d_model, hidden, true, false, 1}, tp));
-  fc2 = register_module("fc2", RowParallelLinear(ParallelLinearOptions{hidden, d_model, true, false, 1}, tp));
+  fc1 = register_module("fc1", ColumnParallelLinear(ParallelLinearOptions{d_model, hidden, true, false, 1, false, seq}, tp));
+  fc2 = register_module("fc2", RowParallelLinear(ParallelLinearOptions{hidden, d_model, true, false, 1, false, seq}, tp));
 }
 
 at::Tensor ParallelMlpImpl::forward(const at::Tensor& x) {

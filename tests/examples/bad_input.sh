@@ -20,6 +20,7 @@ check 2 'offload=disk is not one of' "$bin/train_mlp" --offload=disk
 check 2 'host_mem_limit_gb=-1 must be >= 0' "$bin/train_mlp" --offload=optimizer --host_mem_limit_gb=-1
 check 2 'cap' "$bin/train_gpt" --device=cpu --d_model=64 --heads=4 --layers=1 --seq_len=16 --vocab=96 --offload=optimizer --host_mem_limit_gb=0.0001
 check 2 'has no tensor-parallel layers' "$bin/train_mlp" --tp=2
+check 2 'sequence_parallel: train_mlp has no tensor-parallel layers' "$bin/train_mlp" --sequence_parallel
 check 2 'not a multiple of --accum_steps=3' "$bin/train_mlp" --batch_size=64 --accum_steps=3
 check 2 "directory '/nonexistent' does not exist" "$bin/train_mlp" --metrics=/nonexistent/m.jsonl
 check 2 'd_model=50 is not divisible by --heads=8' "$bin/train_seq2seq" --d_model=50

@@ -122,6 +122,33 @@ def scenario_tensor_parallel(args):
             "tp 4 on 4 ranks", 1e-4)
 
 
+def scenario_sequence_parallel(args):
+    shape = ["--d_model=64", "--heads=4", "--layers=2", "--seq_len=32", "--ff=128", "--steps=20",
+             "--workers=1", "--lr=0.003", "--warmup_steps=2", "--schedule=cosine", "--vocab=96"]
+    ref = train(args, "train_gpt", 1, shape + ["--batch_size=8"], "gpt-sp-ref")
+    assert ref[-1]["loss"] < ref[0]["loss"], "GPT loss did not fall"
+    sp = ["--tp=2", "--sequence_parallel"]
+    layouts = [
+        (2, ["--batch_size=8"], "tp 2 sequence-parallel on 2 ranks"),
+        (4, ["--batch_size=4"], "tp 2 sequence-parallel x dp 2 on 4 ranks"),
+        (2, ["--batch_size=8", "--checkpoint_activations"], "tp 2 sequence-parallel, checkpointed"),
+        (4, ["--batch_size=4", "--accum_steps=2", "--clip_grad_norm=0.5"],
+         "tp 2 sequence-parallel x dp 2, 2 micro-batches, clipped"),
+    ]
+    for i, (ranks, flags, name) in enumerate(layouts):
+        other = train(args, "train_gpt", ranks, shape + sp + flags, f"gpt-sp-{i}")
+        base = ref
+        if "--clip_grad_norm=0.5" in flags:
+            base = train(args, "train_gpt", 1, shape + ["--batch_size=8", "--clip_grad_norm=0.5"], "gpt-sp-ref-clip")
+        compare(base, other, name, 1e-4)
+        # The gradient norm (which the layer norms' group-summed gradients enter) matches too.
+        norms = [(a["grad_norm"], b["grad_norm"]) for a, b in zip(base, other) if "grad_norm" in a and "grad_norm" in b]
+        assert norms, f"{name}: no grad_norm logged"
+        worst = max(abs(x - y) / max(abs(x), 1e-12) for x, y in norms)
+        assert worst < 1e-4, f"{name}: gradient norm differs from the reference by {worst:.3g} (relative)"
+        print(f"ok: {name}: gradient norms match over {len(norms)} steps (worst {worst:.2e})")
+
+
 def scenario_observability(args):
     tb = os.path.join(args.workdir, "tb")
     tl = os.path.join(args.workdir, "trace.json")
@@ -281,7 +308,8 @@ def scenario_plan(args):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("scenario", choices=["data_parallel", "amp", "seq2seq", "tensor_parallel", "observability",
-                                         "checkpoint", "checkpoint_tp", "offload", "plan"])
+                                         "checkpoint", "checkpoint_tp", "offload", "plan",
+                                         "sequence_parallel"])
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--source", default=os.path.join(os.path.dirname(__file__), "..", ".."))
     ap.add_argument("--bin", required=True)
@@ -293,7 +321,8 @@ def main():
         {"data_parallel": scenario_data_parallel, "amp": scenario_amp, "seq2seq": scenario_seq2seq,
          "tensor_parallel": scenario_tensor_parallel, "observability": scenario_observability,
          "checkpoint": scenario_checkpoint, "checkpoint_tp": scenario_checkpoint_tp,
-         "offload": scenario_offload, "plan": scenario_plan}[args.scenario](args)
+         "offload": scenario_offload, "plan": scenario_plan,
+         "sequence_parallel": scenario_sequence_parallel}[args.scenario](args)
 
 
 if __name__ == "__main__":

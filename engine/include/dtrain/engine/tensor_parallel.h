@@ -5,6 +5,20 @@
 // Every rank of the group runs the same forward on the same input (ranks of one
 // tensor-parallel group read the same data). Collectives go over the group's communicator,
 // synchronously (the result is needed right away). The communicator must outlive the layer.
+//
+// Sequence parallelism (Megatron-LM, "Reducing Activation Recomputation in Large Transformer
+// Models"), an option of the layers below: between the tensor-parallel regions activations are
+// split along the sequence (dimension 1 of batch-first [B, S, ...] tensors), each rank holding
+// [B, S/T, ...]. A column-parallel layer all-gathers its input along the sequence (backward:
+// reduce-scatter), a row-parallel layer reduce-scatters its output instead of all-reducing it
+// (backward: all-gather), and the vocabulary-parallel embedding reduce-scatters its output.
+// Parameters replicated over the group that act on sequence-split activations (layer norms,
+// the row-parallel bias, position embeddings) see only part of the sequence on each rank:
+// route them through copy_to_tensor_parallel (or sequence_parallel_layer_norm) in forward, so
+// autograd sums their gradients over the group before they are accumulated. This works with
+// gradient accumulation, activation checkpointing (the sum is part of the recomputed graph,
+// so it happens once) and the data-parallel reducer (which sees the summed gradient). With a
+// group of one rank every sequence-parallel primitive is the identity.
 #pragma once
 
 #include <map>
@@ -12,6 +26,7 @@
 #include <vector>
 
 #include <torch/nn/module.h>
+#include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
 #include "dtrain/dist/communicator.h"
@@ -19,7 +34,9 @@
 namespace dtrain::engine {
 
 // ---- the communication primitives (autograd functions) --------------------------------
-// identity forward, all-reduce(sum) of the gradient in backward (Megatron's "f")
+// identity forward, all-reduce(sum) of the gradient in backward (Megatron's "f"). Also the
+// way to give a replicated parameter used on sequence-split activations its full gradient:
+// use copy_to_tensor_parallel(param, tp) in place of param.
 at::Tensor copy_to_tensor_parallel(const at::Tensor& x, dist::Communicator& tp);
 // all-reduce(sum) forward, identity backward (Megatron's "g")
 at::Tensor reduce_from_tensor_parallel(const at::Tensor& x, dist::Communicator& tp);
@@ -27,6 +44,31 @@ at::Tensor reduce_from_tensor_parallel(const at::Tensor& x, dist::Communicator& 
 at::Tensor gather_from_tensor_parallel(const at::Tensor& x, dist::Communicator& tp);
 // this rank's slice of the last dimension forward, all-gather of the gradient backward
 at::Tensor scatter_to_tensor_parallel(const at::Tensor& x, dist::Communicator& tp);
+
+// Sequence-parallel primitives along dimension `dim` (negative counts from the end). Every
+// rank must pass tensors of the same shape and dtype. Results are new contiguous tensors.
+// Forward: the concatenation along dim of every rank's x, in rank order ([.., n, ..] ->
+// [.., T*n, ..]). Backward: reduce-scatter(sum) of the gradient along dim (the consumer, a
+// tensor-parallel region, produces partial gradients on each rank).
+at::Tensor gather_from_sequence_parallel(const at::Tensor& x, dist::Communicator& tp, int64_t dim = 1);
+// Forward: this rank's chunk along dim of the sum over ranks of x ([.., T*n, ..] -> [.., n,
+// ..]). Backward: all-gather of the gradient along dim. Throws dtrain::Error naming the sizes
+// when x.size(dim) does not divide by the group size.
+at::Tensor reduce_scatter_to_sequence_parallel(const at::Tensor& x, dist::Communicator& tp,
+                                               int64_t dim = 1);
+// Forward: this rank's chunk along dim of x (x identical on every rank). Backward: all-gather
+// of the gradient along dim. Throws dtrain::Error when x.size(dim) does not divide.
+at::Tensor scatter_to_sequence_parallel(const at::Tensor& x, dist::Communicator& tp, int64_t dim = 1);
+
+// ln applied to sequence-split x with ln's (replicated) weight and bias routed through one
+// copy_to_tensor_parallel, so their gradients are summed over the group (one all-reduce per
+// call in backward). The parameters keep their names ("weight", "bias"): checkpoints of the
+// plain and the sequence-parallel model are interchangeable.
+at::Tensor sequence_parallel_layer_norm(const torch::nn::LayerNorm& ln, const at::Tensor& x,
+                                        dist::Communicator& tp);
+
+// Whether the composite layers (attention, MLP, embedding) run sequence-parallel.
+enum class SequenceParallel { kOff, kOn };
 
 // How one parameter of a parallel layer is split (for split_state / gather_state and for
 // the gradient norm: sharded parameters' squares are summed over the group).
@@ -57,10 +99,14 @@ struct ParallelLinearOptions {
   int parts = 1;               // column-parallel: out holds `parts` blocks split separately
   bool pad_output = false;     // column-parallel: pad out with zero rows up to a multiple of
                                // the group size (a vocabulary head); else out must divide
+  bool sequence_parallel = false;  // column: the input [B, S/T, in] is all-gathered along the
+                                   // sequence first; row: the output is reduce-scattered to
+                                   // [B, S/T, out] (S must divide by T) and the bias gradient
+                                   // summed over the group
 };
 
 // y = x W^T + b with W split by output features (rows): this rank computes its slice of y.
-// Input gradient all-reduced in backward.
+// Input gradient all-reduced in backward (sequence_parallel: reduce-scattered).
 struct ColumnParallelLinearImpl : torch::nn::Module, TensorParallelModule {
   ColumnParallelLinearImpl(ParallelLinearOptions options, dist::Communicator& tp);
   at::Tensor forward(const at::Tensor& x);
@@ -74,7 +120,8 @@ struct ColumnParallelLinearImpl : torch::nn::Module, TensorParallelModule {
 TORCH_MODULE(ColumnParallelLinear);
 
 // y = x W^T + b with W split by input features (columns); x is already split (the output of
-// a column-parallel layer). The partial products are all-reduced; the bias is added once.
+// a column-parallel layer). The partial products are all-reduced (sequence_parallel:
+// reduce-scattered along the sequence); the bias is added once.
 struct RowParallelLinearImpl : torch::nn::Module, TensorParallelModule {
   RowParallelLinearImpl(ParallelLinearOptions options, dist::Communicator& tp);
   at::Tensor forward(const at::Tensor& x_parallel);
@@ -88,11 +135,15 @@ TORCH_MODULE(RowParallelLinear);
 
 // Embedding whose vocabulary rows are split: rank r owns ids [r*V/T, (r+1)*V/T) of the
 // vocabulary padded to a multiple of T; other ids give zeros; the results are all-reduced.
+// SequenceParallel::kOn: ids [B, S, ...] give this rank's [B, S/T, ..., dim] (reduce-scatter
+// along dimension 1; S must divide by T).
 struct VocabParallelEmbeddingImpl : torch::nn::Module, TensorParallelModule {
-  VocabParallelEmbeddingImpl(int64_t vocab, int64_t dim, dist::Communicator& tp);
+  VocabParallelEmbeddingImpl(int64_t vocab, int64_t dim, dist::Communicator& tp,
+                             SequenceParallel sp = SequenceParallel::kOff);
   at::Tensor forward(const at::Tensor& ids);
   std::map<std::string, ShardSpec> shard_specs() const override;
   int64_t vocab, dim, padded_vocab, start, end;  // this rank's [start, end)
+  bool sequence_parallel;
   dist::Communicator* tp;
   at::Tensor weight;  // [padded_vocab/T, dim]
 };
@@ -109,9 +160,11 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
 
 // Multi-head self-attention with heads split across the group: fused q,k,v column-parallel
 // projection (heads/T heads per rank), scaled_dot_product_attention, row-parallel output.
+// SequenceParallel::kOn: x and the result are this rank's [B, S/T, d] of the sequence.
 struct ParallelSelfAttentionImpl : torch::nn::Module {
-  ParallelSelfAttentionImpl(int64_t d_model, int64_t heads, bool causal, dist::Communicator& tp);
-  at::Tensor forward(const at::Tensor& x);  // [B, T, d] -> [B, T, d]
+  ParallelSelfAttentionImpl(int64_t d_model, int64_t heads, bool causal, dist::Communicator& tp,
+                            SequenceParallel sp = SequenceParallel::kOff);
+  at::Tensor forward(const at::Tensor& x);  // [B, S, d] -> [B, S, d] (each S/T when sequence-parallel)
   int64_t heads, local_heads, head_dim;
   bool causal;
   ColumnParallelLinear qkv{nullptr};
@@ -120,8 +173,10 @@ struct ParallelSelfAttentionImpl : torch::nn::Module {
 TORCH_MODULE(ParallelSelfAttention);
 
 // Two-layer MLP (GELU) with the hidden features split: column- then row-parallel.
+// SequenceParallel::kOn: x and the result are this rank's [B, S/T, d] of the sequence.
 struct ParallelMlpImpl : torch::nn::Module {
-  ParallelMlpImpl(int64_t d_model, int64_t hidden, dist::Communicator& tp);
+  ParallelMlpImpl(int64_t d_model, int64_t hidden, dist::Communicator& tp,
+                  SequenceParallel sp = SequenceParallel::kOff);
   at::Tensor forward(const at::Tensor& x);
   ColumnParallelLinear fc1{nullptr};
   RowParallelLinear fc2{nullptr};
