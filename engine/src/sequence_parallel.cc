@@ -11,21 +11,24 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-int64_t to_int(dist::Communicator* c) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(c)); }
+int64_t to_int(dist::Communicator* c) {
+  return static_cast<int64_t>(reinterpret_cast<intptr_t>(c));
+}
 dist::Communicator& comm_of(AutogradContext* ctx) {
-  return *reinterpret_cast<dist::Communicator*>(static_cast<intptr_t>(ctx->saved_data["tp"].toInt()));
+  return *reinterpret_cast<dist::Communicator*>(
+      static_cast<intptr_t>(ctx->saved_data["tp"].toInt()));
 }
 
 int64_t checked_dim(const at::Tensor& x, int64_t dim, const char* what) {
   DTRAIN_CHECK(x.dim() >= 1, what, ": a tensor of at least one dimension is needed, got a scalar");
-  DTRAIN_CHECK(dim >= -x.dim() && dim < x.dim(), what, ": dimension ", dim, " is out of range for a tensor of shape ",
-               x.sizes());
+  DTRAIN_CHECK(dim >= -x.dim() && dim < x.dim(), what, ": dimension ", dim,
+               " is out of range for a tensor of shape ", x.sizes());
   return dim < 0 ? dim + x.dim() : dim;
 }
 
 void check_divides(const at::Tensor& x, int64_t dim, dist::Communicator& tp, const char* what) {
-  DTRAIN_CHECK(x.size(dim) % tp.size() == 0, what, ": cannot split a sequence of ", x.size(dim), " (dimension ",
-               dim, " of ", x.sizes(), ") over ", tp.size(),
+  DTRAIN_CHECK(x.size(dim) % tp.size() == 0, what, ": cannot split a sequence of ", x.size(dim),
+               " (dimension ", dim, " of ", x.sizes(), ") over ", tp.size(),
                " tensor-parallel ranks; the sequence length must be a multiple of --tp");
 }
 
@@ -63,7 +66,8 @@ struct GatherFromSp : torch::autograd::Function<GatherFromSp> {
     return all_gather_along(x, dim, comm_of(ctx));
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return {reduce_scatter_along(g[0], ctx->saved_data["dim"].toInt(), comm_of(ctx)), at::Tensor(), at::Tensor()};
+    return {reduce_scatter_along(g[0], ctx->saved_data["dim"].toInt(), comm_of(ctx)), at::Tensor(),
+            at::Tensor()};
   }
 };
 
@@ -74,7 +78,8 @@ struct ReduceScatterToSp : torch::autograd::Function<ReduceScatterToSp> {
     return reduce_scatter_along(x, dim, comm_of(ctx));
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return {all_gather_along(g[0], ctx->saved_data["dim"].toInt(), comm_of(ctx)), at::Tensor(), at::Tensor()};
+    return {all_gather_along(g[0], ctx->saved_data["dim"].toInt(), comm_of(ctx)), at::Tensor(),
+            at::Tensor()};
   }
 };
 
@@ -85,7 +90,8 @@ struct ScatterToSp : torch::autograd::Function<ScatterToSp> {
     return chunk_along(x, dim, comm_of(ctx));
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return {all_gather_along(g[0], ctx->saved_data["dim"].toInt(), comm_of(ctx)), at::Tensor(), at::Tensor()};
+    return {all_gather_along(g[0], ctx->saved_data["dim"].toInt(), comm_of(ctx)), at::Tensor(),
+            at::Tensor()};
   }
 };
 
@@ -96,7 +102,8 @@ at::Tensor gather_from_sequence_parallel(const at::Tensor& x, dist::Communicator
   return tp.size() == 1 ? x : GatherFromSp::apply(x, to_int(&tp), dim);
 }
 
-at::Tensor reduce_scatter_to_sequence_parallel(const at::Tensor& x, dist::Communicator& tp, int64_t dim) {
+at::Tensor reduce_scatter_to_sequence_parallel(const at::Tensor& x, dist::Communicator& tp,
+                                               int64_t dim) {
   dim = checked_dim(x, dim, "reduce_scatter_to_sequence_parallel");
   if (tp.size() == 1) return x;
   check_divides(x, dim, tp, "reduce_scatter_to_sequence_parallel");  // before any collective

@@ -3,7 +3,6 @@
 // same weights in the plain (tensor-parallel size 1) model, in float64, for T = 2 and 4: loss
 // and every parameter gradient, with activation checkpointing and gradient accumulation.
 #include <gtest/gtest.h>
-
 #include <torch/torch.h>
 
 #include "dtrain/dist/error.h"
@@ -64,13 +63,15 @@ TEST(SequenceParallelPrimitives, GatherReduceScatterAndScatterMatchClosedForms) 
       at::Tensor y = gather_from_sequence_parallel(x, tp, dim);
       EXPECT_LT(rel_error(y, at::cat(xs, d)), kTol) << "gather T=" << T << " dim=" << dim;
       (y * probes[r]).sum().backward();
-      EXPECT_LT(rel_error(x.grad(), sum_of(probes).chunk(T, d)[r]), kTol) << "gather backward T=" << T;
+      EXPECT_LT(rel_error(x.grad(), sum_of(probes).chunk(T, d)[r]), kTol)
+          << "gather backward T=" << T;
       // reduce-scatter: this rank's chunk of the sum; backward: the gradients concatenated.
       auto zs = per_rank(full, 300, T);
       auto qs = per_rank(local, 400, T);
       at::Tensor z = zs[r].clone().requires_grad_(true);
       at::Tensor w = reduce_scatter_to_sequence_parallel(z, tp, dim);
-      EXPECT_LT(rel_error(w, sum_of(zs).chunk(T, d)[r]), kTol) << "reduce-scatter T=" << T << " dim=" << dim;
+      EXPECT_LT(rel_error(w, sum_of(zs).chunk(T, d)[r]), kTol)
+          << "reduce-scatter T=" << T << " dim=" << dim;
       (w * qs[r]).sum().backward();
       EXPECT_LT(rel_error(z.grad(), at::cat(qs, d)), kTol) << "reduce-scatter backward T=" << T;
       // scatter of a tensor identical everywhere: the chunk; backward: the gradients concatenated.
@@ -95,17 +96,21 @@ TEST(SequenceParallelPrimitives, ASequenceThatDoesNotSplitIsRefusedWithTheNumber
     reduce_scatter_to_sequence_parallel(seeded({2, 5, 3}, 1), mesh.tp());
     ADD_FAILURE() << "no error";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("cannot split a sequence of 5"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("over 2 tensor-parallel ranks"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("cannot split a sequence of 5"), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("over 2 tensor-parallel ranks"), std::string::npos)
+        << e.what();
   }
   EXPECT_THROW(scatter_to_sequence_parallel(seeded({3, 4}, 1), mesh.tp(), 0), Error);
-  EXPECT_THROW(gather_from_sequence_parallel(seeded({3, 4}, 1), mesh.tp(), 2), Error);  // no such dim
+  EXPECT_THROW(gather_from_sequence_parallel(seeded({3, 4}, 1), mesh.tp(), 2),
+               Error);  // no such dim
   VocabParallelEmbedding emb(10, 4, mesh.tp(), SequenceParallel::kOn);
   try {
     emb->forward(at::zeros({2, 7}, at::kLong));
     ADD_FAILURE() << "no error";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("a sequence of 7 tokens does not split over 2"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("a sequence of 7 tokens does not split over 2"),
+              std::string::npos)
         << e.what();
   }
   // The communicator is still in step on every rank after the refusals.
@@ -142,9 +147,12 @@ TORCH_MODULE(TinyBlock);
 
 struct TinyGpt : torch::nn::Module {
   TinyGpt(dist::Communicator& c, bool sp, bool ckpt) : tp(&c), sp(sp), ckpt(ckpt) {
-    wte = register_module("wte", VocabParallelEmbedding(kVocab, kD, c, sp ? SequenceParallel::kOn : SequenceParallel::kOff));
+    wte = register_module(
+        "wte",
+        VocabParallelEmbedding(kVocab, kD, c, sp ? SequenceParallel::kOn : SequenceParallel::kOff));
     wpe = register_parameter("wpe", at::randn({kSeq, kD}));
-    for (int i = 0; i < 2; ++i) blocks.push_back(register_module("block" + std::to_string(i), TinyBlock(c, sp)));
+    for (int i = 0; i < 2; ++i)
+      blocks.push_back(register_module("block" + std::to_string(i), TinyBlock(c, sp)));
     ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kD})));
     ParallelLinearOptions o{kD, kVocab, false, false, 1, true, sp};
     head = register_module("head", ColumnParallelLinear(o, c));
@@ -156,13 +164,15 @@ struct TinyGpt : torch::nn::Module {
     at::Tensor x = embed(tokens);
     for (TinyBlock& b : blocks) {
       TinyBlockImpl* block = b.get();
-      x = ckpt ? checkpoint([block](const at::Tensor& in) { return block->forward(in); }, x, block->parameters())
+      x = ckpt ? checkpoint([block](const at::Tensor& in) { return block->forward(in); }, x,
+                            block->parameters())
                : block->forward(x);
     }
-    at::Tensor logits = head->forward(sp ? sequence_parallel_layer_norm(ln_f, x, *tp) : ln_f->forward(x));
+    at::Tensor logits =
+        head->forward(sp ? sequence_parallel_layer_norm(ln_f, x, *tp) : ln_f->forward(x));
     const int64_t local = logits.size(-1);
-    return vocab_parallel_cross_entropy(logits.reshape({-1, local}), targets.reshape({-1}), local * tp->rank(),
-                                        kVocab, *tp);
+    return vocab_parallel_cross_entropy(logits.reshape({-1, local}), targets.reshape({-1}),
+                                        local * tp->rank(), kVocab, *tp);
   }
   dist::Communicator* tp;
   bool sp, ckpt;
@@ -187,7 +197,8 @@ TEST(SequenceParallelModel, LossAndEveryGradientEqualThePlainModel) {
   {
     torch::NoGradGuard ng;
     uint64_t seed = 1000;
-    for (auto& item : ref.named_parameters()) item.value().copy_(seeded(item.value().sizes().vec(), seed++));
+    for (auto& item : ref.named_parameters())
+      item.value().copy_(seeded(item.value().sizes().vec(), seed++));
   }
   // Two micro-batches accumulated.
   const at::Tensor a = tokens(1), b = tokens(2);
@@ -211,7 +222,8 @@ TEST(SequenceParallelModel, LossAndEveryGradientEqualThePlainModel) {
       load_full_state(split, full_state, tp);
       {
         torch::NoGradGuard ng;
-        EXPECT_EQ(split.embed(a.narrow(1, 0, kSeq)).size(1), kSeq / T) << "activations are not split";
+        EXPECT_EQ(split.embed(a.narrow(1, 0, kSeq)).size(1), kSeq / T)
+            << "activations are not split";
       }
       at::Tensor loss = run(split);
       EXPECT_LT(rel_error(loss, ref_loss), kTol) << "T=" << T << " ckpt=" << ckpt;
