@@ -1,7 +1,9 @@
 // train_gpt: a GPT-style decoder language model, GPT-2 small shape by default (12 pre-norm
 // blocks, d 768, 12 heads, sequence 1024, vocabulary 32000, untied head, AdamW, no dropout).
 // --tp=T splits attention heads, the MLP and the vocabulary over T consecutive ranks
-// (Megatron-style); the remaining factor of the world is data-parallel. --offload=layers
+// (Megatron-style); the remaining factor of the world is data-parallel. --sequence_parallel
+// also splits the residual stream and layer norms along the sequence over each tensor-parallel
+// group (--seq_len must divide by --tp; no effect with --tp=1). --offload=layers
 // streams the blocks' weights from host memory. By default it learns the license texts
 // Debian ships (bytes as tokens); --data=synthetic uses random tokens.
 //   dtrain-run -np 4 -- train_gpt --tp=2 --d_model=64 --heads=4 --layers=2 --seq_len=32 --vocab=96

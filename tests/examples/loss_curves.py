@@ -127,13 +127,16 @@ def scenario_sequence_parallel(args):
              "--workers=1", "--lr=0.003", "--warmup_steps=2", "--schedule=cosine", "--vocab=96"]
     ref = train(args, "train_gpt", 1, shape + ["--batch_size=8"], "gpt-sp-ref")
     assert ref[-1]["loss"] < ref[0]["loss"], "GPT loss did not fall"
-    sp = ["--tp=2", "--sequence_parallel"]
+    sp = ["--sequence_parallel"]
     layouts = [
-        (2, ["--batch_size=8"], "tp 2 sequence-parallel on 2 ranks"),
-        (4, ["--batch_size=4"], "tp 2 sequence-parallel x dp 2 on 4 ranks"),
-        (2, ["--batch_size=8", "--checkpoint_activations"], "tp 2 sequence-parallel, checkpointed"),
-        (4, ["--batch_size=4", "--accum_steps=2", "--clip_grad_norm=0.5"],
+        (2, ["--tp=2", "--batch_size=8"], "tp 2 sequence-parallel on 2 ranks"),
+        (4, ["--tp=2", "--batch_size=4"], "tp 2 sequence-parallel x dp 2 on 4 ranks"),
+        (2, ["--tp=2", "--batch_size=8", "--checkpoint_activations"], "tp 2 sequence-parallel, checkpointed"),
+        (4, ["--tp=2", "--batch_size=4", "--accum_steps=2", "--clip_grad_norm=0.5"],
          "tp 2 sequence-parallel x dp 2, 2 micro-batches, clipped"),
+        # On the CPU the blocks are not streamed, but they run through the streamer's checkpoint path.
+        (2, ["--tp=2", "--batch_size=8", "--offload=layers"], "tp 2 sequence-parallel, --offload=layers"),
+        (4, ["--tp=4", "--batch_size=8"], "tp 4 sequence-parallel on 4 ranks"),
     ]
     for i, (ranks, flags, name) in enumerate(layouts):
         other = train(args, "train_gpt", ranks, shape + sp + flags, f"gpt-sp-{i}")
