@@ -13,9 +13,11 @@
 // reduce-scatter), a row-parallel layer reduce-scatters its output instead of all-reducing it
 // (backward: all-gather), and the vocabulary-parallel embedding reduce-scatters its output.
 // Parameters replicated over the group that act on sequence-split activations (layer norms,
-// the row-parallel bias, position embeddings) see only part of the sequence on each rank:
-// route them through copy_to_tensor_parallel (or sequence_parallel_layer_norm) in forward, so
-// autograd sums their gradients over the group before they are accumulated. This works with
+// the row-parallel bias) see only part of the sequence on each rank: route them through
+// copy_to_tensor_parallel (or sequence_parallel_layer_norm) in forward, so autograd sums their
+// gradients over the group before they are accumulated. A position table instead gives each
+// rank its own rows through scatter_to_sequence_parallel(table, tp, 0), whose backward
+// all-gathers the rows' gradients (each position's comes from one rank). This works with
 // gradient accumulation, activation checkpointing (the sum is part of the recomputed graph,
 // so it happens once) and the data-parallel reducer (which sees the summed gradient). With a
 // group of one rank every sequence-parallel primitive is the identity.
