@@ -150,6 +150,14 @@ def scenario_sequence_parallel(args):
         worst = max(abs(x - y) / max(abs(x), 1e-12) for x, y in norms)
         assert worst < 1e-4, f"{name}: gradient norm differs from the reference by {worst:.3g} (relative)"
         print(f"ok: {name}: gradient norms match over {len(norms)} steps (worst {worst:.2e})")
+    # The parameters keep their names: a sequence-parallel checkpoint resumes unsplit.
+    const = [f for f in shape if not f.startswith(("--steps", "--warmup_steps", "--schedule"))]
+    const += ["--schedule=constant", "--batch_size=8"]
+    ref16 = train(args, "train_gpt", 1, const + ["--steps=16"], "gpt-sp-ref16")
+    ck = os.path.join(args.workdir, "ck_sp")
+    train(args, "train_gpt", 2, const + sp + ["--tp=2", "--steps=8", f"--save_dir={ck}"], "gpt-sp-part")
+    whole = train(args, "train_gpt", 1, const + ["--steps=16", f"--save_dir={ck}", "--resume"], "gpt-sp-resumed")
+    compare(steps_after(ref16, 8), steps_after(whole, 8), "sequence-parallel checkpoint resumed unsplit", 1e-4)
 
 
 def scenario_observability(args):
