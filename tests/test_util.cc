@@ -1,6 +1,13 @@
 #include "test_util.h"
 
+#include "dtrain/dist/error.h"
+
+#include <ftw.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cstdio>
+#include <cstdlib>
 
 #include <ATen/Context.h>
 
@@ -59,6 +66,34 @@ double rel_error(const at::Tensor& a, const at::Tensor& b) {
   at::Tensor y = b.detach().to(at::kCPU, at::kDouble);
   double denom = std::max(y.norm().item<double>(), 1e-300);
   return (x - y).norm().item<double>() / denom;
+}
+
+void remove_tree(const std::string& path) {
+  nftw(
+      path.c_str(),
+      [](const char* p, const struct stat*, int, struct FTW*) { return std::remove(p); }, 16,
+      FTW_DEPTH | FTW_PHYS);
+}
+
+ScratchDir::ScratchDir(const std::string& name, bool create) {
+  static int counter = 0;
+  const char* tmp = std::getenv("TMPDIR");
+  path_ = std::string(tmp && *tmp ? tmp : "/tmp") + "/dtrain_" + name + "_" +
+          std::to_string(getpid()) + "_" + std::to_string(counter++);
+  remove_tree(path_);
+  if (create) mkdir(path_.c_str(), 0700);
+}
+
+ScratchDir::~ScratchDir() { remove_tree(path_); }
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const dtrain::Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no dtrain::Error thrown";
+  return "";
 }
 
 }  // namespace dtrain::testing_util

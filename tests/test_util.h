@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -32,6 +33,30 @@ std::string source_path(const std::string& relative);
 
 // ‖a − b‖ / max(‖b‖, tiny), computed in float64 on the CPU.
 double rel_error(const at::Tensor& a, const at::Tensor& b);
+
+// Removes a file or directory tree (POSIX nftw, not std::filesystem: libtorch.so exports its
+// own std::filesystem functions and a test binary binds to them, which crashes with this
+// libstdc++). Missing paths are ignored.
+void remove_tree(const std::string& path);
+
+// A fresh path under $TMPDIR (default /tmp) unique to this process, created as an empty
+// directory when `create`, removed with everything under it at the end.
+class ScratchDir {
+ public:
+  ScratchDir(const std::string& name, bool create);
+  ~ScratchDir();
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+  const std::string& str() const { return path_; }
+  std::string operator/(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+// The message of the dtrain::Error that fn throws; fails the calling test (ADD_FAILURE) and
+// returns "" when it throws none.
+std::string error_of(const std::function<void()>& fn);
 
 }  // namespace dtrain::testing_util
 

@@ -23,16 +23,7 @@ using testing_util::rel_error;
 
 const std::vector<int64_t> kSizes = {300, 7, 1, 129, 33, 64};  // 534 elements
 
-template <class Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected a dtrain::Error";
-  return "";
-}
+using testing_util::error_of;
 
 std::vector<at::Tensor> make_params(uint64_t seed, at::ScalarType dtype = at::kFloat) {
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);

@@ -40,17 +40,7 @@ class FakeMeminfo {
   std::string path_;
 };
 
-// The message of the dtrain::Error that fn throws ("" and a failure when it does not).
-template <class Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected a dtrain::Error";
-  return "";
-}
+using testing_util::error_of;
 
 TEST(OffloadPinnedPool, AllocatesAndAccounts) {
   PinnedPool pool;

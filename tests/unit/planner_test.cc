@@ -11,6 +11,7 @@
 #include <string>
 
 #include "dtrain/dist/error.h"
+#include "test_util.h"
 
 namespace dtrain::engine {
 namespace {
@@ -63,14 +64,7 @@ std::string mib(int64_t bytes) {
   return buf;
 }
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing_util::error_of;
 
 TEST(PlannerEstimate, StaticMemoryOfEachOptimizerInClosedForm) {
   struct Case {

@@ -26,38 +26,14 @@ namespace dtrain::engine {
 namespace {
 
 using nlohmann::json;
-
-// POSIX calls, not std::filesystem: libtorch.so exports its own std::filesystem functions
-// and the test binary binds to them (its remove_all crashes with this libstdc++).
-void remove_tree(const std::string& path) {
-  nftw(
-      path.c_str(),
-      [](const char* p, const struct stat*, int, struct FTW*) { return std::remove(p); }, 16,
-      FTW_DEPTH | FTW_PHYS);
-}
+using testing_util::error_of;
+using testing_util::remove_tree;
+using testing_util::ScratchDir;
 
 bool exists(const std::string& path) {
   struct stat st {};
   return ::stat(path.c_str(), &st) == 0;
 }
-
-// A fresh directory path under /tmp (not created), removed at the end.
-class ScratchDir {
- public:
-  explicit ScratchDir(const std::string& name) {
-    static int counter = 0;
-    const char* tmp = std::getenv("TMPDIR");
-    path_ = std::string(tmp && *tmp ? tmp : "/tmp") + "/dtrain_" + name + "_" +
-            std::to_string(getpid()) + "_" + std::to_string(counter++);
-    remove_tree(path_);
-  }
-  ~ScratchDir() { remove_tree(path_); }
-  const std::string& str() const { return path_; }
-  std::string operator/(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
 
 std::vector<std::string> events_files(const std::string& dir) {
   std::vector<std::string> out;
@@ -72,16 +48,6 @@ std::vector<std::string> events_files(const std::string& dir) {
 }
 
 std::string file_name(const std::string& path) { return path.substr(path.find_last_of('/') + 1); }
-
-std::string expect_error(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const dtrain::Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no dtrain::Error thrown";
-  return "";
-}
 
 // ---------------------------------------------------------------------------------------
 // CRC-32C and framing
@@ -156,7 +122,7 @@ double norm_at(int s) { return 1.0 + 0.5 * std::sin(s); }
 double eval_at(int s) { return 2.5 * std::exp(-0.08 * s); }
 
 TEST(TensorBoard, TwentyStepRunReadsBackInTensorBoard) {
-  ScratchDir dir("tb_run");
+  ScratchDir dir("tb_run", /*create=*/false);
   const double t0 = 1.7e9;  // a fixed wall clock: seconds since the epoch
   std::string file;
   {
@@ -229,14 +195,14 @@ TEST(TensorBoard, TwentyStepRunReadsBackInTensorBoard) {
 }
 
 TEST(TensorBoard, WritersOfOneProcessGetTheirOwnFiles) {
-  ScratchDir dir("tb_two");
+  ScratchDir dir("tb_two", /*create=*/false);
   EventWriter a(dir.str(), true), b(dir.str(), true);
   EXPECT_NE(a.path(), b.path());
   EXPECT_EQ(events_files(dir.str()).size(), 2u);
 }
 
 TEST(TensorBoard, DisabledWriterTouchesNothing) {
-  ScratchDir dir("tb_off");
+  ScratchDir dir("tb_off", /*create=*/false);
   EventWriter w(dir.str(), /*enabled=*/false);
   w.add_scalar("x", 1, 1.0);
   w.flush();
@@ -246,7 +212,7 @@ TEST(TensorBoard, DisabledWriterTouchesNothing) {
 }
 
 TEST(TensorBoard, CreatesMissingDirectoriesAndWritesTheVersionRecordAtOnce) {
-  ScratchDir dir("tb_nested");
+  ScratchDir dir("tb_nested", /*create=*/false);
   EventWriter w(dir / "a/b", true);
   const auto files = events_files(dir / "a/b");
   ASSERT_EQ(files.size(), 1u);
@@ -258,22 +224,22 @@ TEST(TensorBoard, CreatesMissingDirectoriesAndWritesTheVersionRecordAtOnce) {
 }
 
 TEST(TensorBoard, UnwritableDirectoryIsReportedAtConstruction) {
-  ScratchDir dir("tb_bad");
+  ScratchDir dir("tb_bad", /*create=*/false);
   ASSERT_EQ(mkdir(dir.str().c_str(), 0700), 0);
   const std::string blocker = dir / "file";
   std::ofstream(blocker) << "a file, not a directory";
   // A directory below a regular file cannot be created.
   const std::string below = blocker + "/logs";
-  std::string what = expect_error([&] { EventWriter w(below, true); });
+  std::string what = error_of([&] { EventWriter w(below, true); });
   EXPECT_NE(what.find(below), std::string::npos) << what;
   EXPECT_NE(what.find("--tensorboard_dir"), std::string::npos) << what;
   // The path names a regular file.
-  what = expect_error([&] { EventWriter w(blocker, true); });
+  what = error_of([&] { EventWriter w(blocker, true); });
   EXPECT_NE(what.find(blocker), std::string::npos) << what;
   // An existing directory nobody may create files in (even root): /proc/self.
-  what = expect_error([&] { EventWriter w("/proc/self", true); });
+  what = error_of([&] { EventWriter w("/proc/self", true); });
   EXPECT_NE(what.find("/proc/self"), std::string::npos) << what;
-  what = expect_error([&] { EventWriter w("", true); });
+  what = error_of([&] { EventWriter w("", true); });
   EXPECT_NE(what.find("--tensorboard_dir"), std::string::npos) << what;
 }
 

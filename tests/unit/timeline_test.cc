@@ -24,48 +24,17 @@ namespace dtrain::engine {
 namespace {
 
 using nlohmann::json;
+using testing_util::error_of;
+using testing_util::remove_tree;
+using testing_util::ScratchDir;
 using Clock = Timeline::Clock;
 using std::chrono::microseconds;
 using std::chrono::milliseconds;
-
-// POSIX, not std::filesystem (see tensorboard_test.cc: libtorch exports its own copies).
-void remove_tree(const std::string& path) {
-  nftw(
-      path.c_str(),
-      [](const char* p, const struct stat*, int, struct FTW*) { return std::remove(p); }, 16,
-      FTW_DEPTH | FTW_PHYS);
-}
-
-class ScratchDir {
- public:
-  explicit ScratchDir(const std::string& name) {
-    static int counter = 0;
-    path_ =
-        "/tmp/dtrain_" + name + "_" + std::to_string(getpid()) + "_" + std::to_string(counter++);
-    remove_tree(path_);
-    mkdir(path_.c_str(), 0700);
-  }
-  ~ScratchDir() { remove_tree(path_); }
-  std::string operator/(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
 
 json parse_file(const std::string& path) {
   std::ifstream in(path);
   EXPECT_TRUE(in.good()) << path;
   return json::parse(in);
-}
-
-std::string expect_error(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const dtrain::Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no dtrain::Error thrown";
-  return "";
 }
 
 // Three steps of 100 ms from t0. Rank 0 (per step, ms from the step's start): forward
@@ -95,7 +64,7 @@ void record_steps(Timeline& t, Clock::time_point t0, int rank) {
 }
 
 TEST(Timeline, WritesChromeTraceJson) {
-  ScratchDir dir("tl_json");
+  ScratchDir dir("tl_json", /*create=*/true);
   Timeline t(true, /*rank=*/3);
   const auto t0 = Clock::now();
   t.add_complete("h2d batch", category::kCopy, lane::kCopy, t0, t0 + microseconds(1500),
@@ -168,7 +137,7 @@ TEST(Timeline, SpansAndThreads) {
       }
     });
   }
-  ScratchDir dir("tl_threads");
+  ScratchDir dir("tl_threads", /*create=*/true);
   for (int i = 0; i < 3; ++i) t.write(dir / "snapshot.json");
   for (auto& th : threads) th.join();
 
@@ -203,7 +172,7 @@ TEST(Timeline, DisabledRecordsNothing) {
 }
 
 TEST(Timeline, MaxEventsDropsAndCounts) {
-  ScratchDir dir("tl_cap");
+  ScratchDir dir("tl_cap", /*create=*/true);
   TimelineOptions o;
   o.enabled = true;
   o.max_events = 5;
@@ -236,7 +205,7 @@ TEST(Timeline, OverlapSummaryMatchesClosedForm) {
   EXPECT_NEAR(s1.hidden_ms, 0.0, 1e-3);
 
   // Both ranks through files: per-rank files, merged, read back.
-  ScratchDir dir("tl_merge");
+  ScratchDir dir("tl_merge", /*create=*/true);
   r0.write(dir / "trace.rank0.json");
   r1.write(dir / "trace.rank1.json");
   merge_timelines({dir / "trace.rank0.json", dir / "trace.rank1.json"}, dir / "merged.json");
@@ -284,13 +253,13 @@ TEST(Timeline, OverlapWithoutStepEventsCountsBackwardPasses) {
 }
 
 TEST(Timeline, MergeRejectsTwoFilesOfOneRank) {
-  ScratchDir dir("tl_dup");
+  ScratchDir dir("tl_dup", /*create=*/true);
   Timeline a(true, 0), b(true, 0);
   a.add_instant("x", "y", lane::kMain, Clock::now());
   b.add_instant("x", "y", lane::kMain, Clock::now());
   a.write(dir / "a.json");
   b.write(dir / "b.json");
-  const std::string what = expect_error([&] {
+  const std::string what = error_of([&] {
     merge_timelines({dir / "a.json", dir / "b.json"}, dir / "m.json");
   });
   EXPECT_NE(what.find("rank 0"), std::string::npos) << what;
@@ -298,7 +267,7 @@ TEST(Timeline, MergeRejectsTwoFilesOfOneRank) {
 }
 
 TEST(Timeline, BadPathsAreReportedAtStartUp) {
-  ScratchDir dir("tl_bad");
+  ScratchDir dir("tl_bad", /*create=*/true);
   // With a path, the constructor creates the directory and an empty, valid trace at once.
   TimelineOptions o;
   o.enabled = true;
@@ -313,22 +282,22 @@ TEST(Timeline, BadPathsAreReportedAtStartUp) {
   }
   std::ofstream(dir / "file") << "not a directory";
   o.path = dir / "file/trace.json";
-  std::string what = expect_error([&] { Timeline t(o); });
+  std::string what = error_of([&] { Timeline t(o); });
   EXPECT_NE(what.find(o.path), std::string::npos) << what;
   EXPECT_NE(what.find("--timeline"), std::string::npos) << what;
   o.path = "/proc/self/trace.json";  // no one may create files there, not even root
-  what = expect_error([&] { Timeline t(o); });
+  what = error_of([&] { Timeline t(o); });
   EXPECT_NE(what.find(o.path), std::string::npos) << what;
   // Disabled: the path is not touched.
   o.enabled = false;
   Timeline off(o);
-  what = expect_error([&] { Timeline(true, 0).write(); });
+  what = error_of([&] { Timeline(true, 0).write(); });
   EXPECT_NE(what.find("path"), std::string::npos) << what;
   // Reading: a missing file and a file that is not JSON name the path.
-  what = expect_error([&] { read_timeline(dir / "missing.json"); });
+  what = error_of([&] { read_timeline(dir / "missing.json"); });
   EXPECT_NE(what.find("missing.json"), std::string::npos) << what;
   std::ofstream(dir / "bad.json") << "{\"traceEvents\": [";
-  what = expect_error([&] { read_timeline(dir / "bad.json"); });
+  what = error_of([&] { read_timeline(dir / "bad.json"); });
   EXPECT_NE(what.find("bad.json"), std::string::npos) << what;
 }
 
