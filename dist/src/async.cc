@@ -109,7 +109,7 @@ uint64_t Watchdog::watch(Entry entry) {
   std::lock_guard<std::mutex> lock(mutex_);
   uint64_t token = next_token_++;
   watched_.emplace(token,
-                   Watched{std::move(entry), std::chrono::steady_clock::now(), false, nullptr});
+                   Watched{std::move(entry), std::chrono::steady_clock::now(), false, false, nullptr});
   return token;
 }
 
@@ -224,7 +224,19 @@ void Watchdog::loop() {
       last_tick = now;
       for (auto it = watched_.begin(); it != watched_.end();) {
         Watched& w = it->second;
-        if (w.entry.done && w.entry.done()) {
+        bool done = false;
+        try {
+          done = w.entry.done && w.entry.done();
+        } catch (const std::exception& e) {
+          // E.g. a sticky CUDA error from an event query: the operation cannot complete
+          // normally; its timeout ends the process with the usual message.
+          if (!w.query_failed) {
+            LOG(ERROR) << "cannot tell whether " << w.entry.what << " completed: " << e.what()
+                       << "; waiting for its timeout";
+          }
+          w.query_failed = true;
+        }
+        if (done) {
           it = watched_.erase(it);
           continue;
         }

@@ -72,7 +72,7 @@ class Watchdog {
   struct Entry {
     std::string what;                      // "all_reduce #12 on 'world' (mpi, rank 0/2, float32[1024])"
     std::chrono::milliseconds timeout{0};
-    std::function<bool()> done;            // polled from the watchdog thread
+    std::function<bool()> done;            // polled from the watchdog thread; may throw
     std::function<void()> abort;           // best effort; may be empty
     // Optional: who has and has not reached the operation ("rank 3 (host h) has not reached
     // it; ..."). Called once, at the stall warning, on a thread of its own (the warning is
@@ -109,6 +109,7 @@ class Watchdog {
     Entry entry;
     std::chrono::steady_clock::time_point start;
     bool warned = false;
+    bool query_failed = false;  // done() threw (logged once)
     std::shared_ptr<StallReport> report;  // set at the warning when entry.arrivals is
   };
   void warn(const Watched& w, double waited_s);

@@ -253,13 +253,13 @@ class MpiCommunicator final : public Communicator {
       case OpType::kAllReduce:
       case OpType::kBroadcast:
         host_out = stage(out_bytes, op.output);
+        // host_out is flat: copy from flat views of the (contiguous) device tensors.
         if (op.type == OpType::kBroadcast || op.input.data_ptr() == op.output.data_ptr()) {
-          host_out.copy_(op.output, /*non_blocking=*/true);
-          host_in = host_out;
+          host_out.copy_(op.output.view(-1), /*non_blocking=*/true);
         } else {
-          host_out.copy_(op.input, /*non_blocking=*/true);  // reduce in place on the host copy
-          host_in = host_out;
+          host_out.copy_(op.input.view(-1), /*non_blocking=*/true);  // reduce in place on the host copy
         }
+        host_in = host_out;
         break;
       case OpType::kAllGather:
         host_out = stage(out_bytes, op.output);

@@ -185,7 +185,10 @@ class NcclCommunicator final : public Communicator {
     }
     Watchdog::instance().watch(
         {describe_op(*this, op.type, op.input, op.reduce, op.root, op.seq), options().timeout,
-         [work, done_event, progress, seq = op.seq] {
+         [work, done_event, progress, seq = op.seq, device = device_] {
+           // The watchdog thread has no current device: without the guard the query would
+           // create a CUDA context on GPU 0 in every process.
+           c10::cuda::CUDAGuard guard(device);
            bool done = done_event->query();
            if (done && progress) progress->complete(seq);
            return done;

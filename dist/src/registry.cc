@@ -3,6 +3,9 @@
 #include <functional>
 #include <map>
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <glog/logging.h>
+
 #include "backends.h"
 #include "dtrain/dist/error.h"
 
@@ -38,22 +41,36 @@ std::vector<std::string> available_backends() {
   return names;
 }
 
+std::string choose_backend(const std::string& requested, const World& world, bool cuda_device,
+                           int gpu_count, bool have_nccl) {
+  // NCCL refuses two ranks on one GPU ("Duplicate GPU detected"): more ranks on this node than
+  // GPUs means ranks share a GPU (select_device maps local ranks round-robin).
+  const bool shared_gpu = cuda_device && world.local_size > gpu_count;
+  if (requested == "auto") {
+    if (cuda_device && have_nccl && !shared_gpu) return "nccl";
+    return world.size > 1 || world.has_mpi_launcher() ? "mpi" : "local";
+  }
+  if (requested == "nccl") {
+    DTRAIN_CHECK(have_nccl,
+                 "cannot create communicator 'nccl': this dtrain was built without NCCL "
+                 "(reconfigure with -DDTRAIN_WITH_CUDA=ON -DDTRAIN_WITH_NCCL=ON where the CUDA "
+                 "toolkit and torch's nvidia-nccl wheel are present), or use --backend=mpi");
+    DTRAIN_CHECK(!shared_gpu, "--backend=nccl: ", world.local_size, " ranks on this node share ",
+                 gpu_count, " GPU(s), and NCCL needs a GPU per rank; start at most ", gpu_count,
+                 " ranks per node, or use --backend=mpi (CUDA tensors staged through host memory)");
+  }
+  return requested;
+}
+
 std::unique_ptr<Communicator> create_communicator(const std::string& backend, const World& world,
                                                   c10::Device device, CommOptions options) {
-  std::string name = backend;
-  if (name == "auto") {
-    if (device.is_cuda() && factories().count("nccl")) {
-      name = "nccl";
-    } else if (world.size > 1 || world.has_mpi_launcher()) {
-      name = "mpi";
-    } else {
-      name = "local";
-    }
-  }
-  if (name == "nccl" && !factories().count("nccl")) {
-    throw Error("cannot create communicator 'nccl': this dtrain was built without NCCL "
-                "(reconfigure with -DDTRAIN_WITH_CUDA=ON -DDTRAIN_WITH_NCCL=ON where the CUDA "
-                "toolkit and torch's nvidia-nccl wheel are present), or use --backend=mpi");
+  const bool cuda = device.is_cuda();
+  const int gpus =
+      cuda ? static_cast<int>(c10::impl::getDeviceGuardImpl(c10::kCUDA)->deviceCount()) : 0;
+  std::string name = choose_backend(backend, world, cuda, gpus, factories().count("nccl") > 0);
+  if (backend == "auto" && cuda && name != "nccl" && world.rank == 0) {
+    LOG_FIRST_N(INFO, 1) << "backend auto: mpi, not nccl (" << world.local_size
+                         << " ranks per node share " << gpus << " GPU(s)";
   }
   auto it = factories().find(name);
   DTRAIN_CHECK(it != factories().end(), "unknown communicator backend '", backend,

@@ -11,6 +11,7 @@
 
 #include <ATen/Context.h>
 #include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 namespace dtrain::engine {
 namespace {
@@ -85,10 +86,27 @@ void track_cpu_memory() {
 
 bool cpu_memory_tracked() { return CountingCpuAllocator::instance != nullptr; }
 
+namespace {
+
+// The CUDA caching allocator throws ("did you call init?") when asked for statistics before
+// CUDA is initialized in this process (no CUDA tensor yet): initialize it first.
+c10::DeviceAllocator* cuda_allocator() {
+  at::globalContext().lazyInitDevice(c10::kCUDA);
+  return c10::getDeviceAllocator(c10::kCUDA);
+}
+
+// A CUDA device without an index means the current one.
+c10::DeviceIndex cuda_index(c10::Device device) {
+  return device.has_index() ? device.index()
+                            : c10::impl::VirtualGuardImpl(c10::kCUDA).getDevice().index();
+}
+
+}  // namespace
+
 MemoryStats memory_stats(c10::Device device) {
   MemoryStats s;
   if (device.is_cuda()) {
-    auto stats = c10::getDeviceAllocator(c10::kCUDA)->getDeviceStats(device.index());
+    auto stats = cuda_allocator()->getDeviceStats(cuda_index(device));
     const auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
     s.allocated_mb = stats.allocated_bytes[all].current / kMiB;
     s.peak_mb = stats.allocated_bytes[all].peak / kMiB;
@@ -108,7 +126,7 @@ MemoryStats memory_stats(c10::Device device) {
 
 void reset_peak_memory(c10::Device device) {
   if (device.is_cuda()) {
-    c10::getDeviceAllocator(c10::kCUDA)->resetPeakStats(device.index());
+    cuda_allocator()->resetPeakStats(cuda_index(device));
   } else if (auto* counting = CountingCpuAllocator::instance) {
     counting->peak_.store(counting->current_.load());
   }

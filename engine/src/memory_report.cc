@@ -1,5 +1,6 @@
 #include "dtrain/engine/memory_report.h"
 
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/core/StorageImpl.h>
 
 #include <algorithm>
@@ -31,7 +32,9 @@ int64_t count_storages(const std::vector<at::Tensor>& tensors, const c10::Device
 
 // A device index of -1 means "the current one"; memory_stats() wants a concrete index.
 c10::Device concrete(c10::Device device) {
-  if (device.is_cuda() && !device.has_index()) return c10::Device(c10::kCUDA, 0);
+  if (device.is_cuda() && !device.has_index()) {
+    return c10::Device(c10::kCUDA, c10::impl::VirtualGuardImpl(c10::kCUDA).getDevice().index());
+  }
   return device;
 }
 

@@ -1,6 +1,7 @@
 #include "dtrain/engine/reducer.h"
 
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <set>
@@ -11,7 +12,7 @@
 #include <glog/logging.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include "dtrain/dist/error.h"
@@ -77,6 +78,25 @@ std::string shape_of(const at::Tensor& t) {
   return os.str();
 }
 
+// Runs after a parameter's gradient has been accumulated, whichever AccumulateGrad node did
+// it. A hook on the tensor (not on its AccumulateGrad node) survives set_data() to another
+// device or dtype, which gives the parameter a new node: layer offload moves parameters
+// between host and GPU every step. Chains to a hook that was there before.
+class ReadyHook final : public torch::autograd::PostAccumulateGradHook {
+ public:
+  ReadyHook(std::function<void()> ready, std::unique_ptr<PostAccumulateGradHook> previous)
+      : ready_(std::move(ready)), previous_(std::move(previous)) {}
+  void operator()(const torch::autograd::Variable& tensor) override {
+    if (previous_) (*previous_)(tensor);
+    ready_();
+  }
+  std::unique_ptr<PostAccumulateGradHook> take_previous() { return std::move(previous_); }
+
+ private:
+  std::function<void()> ready_;
+  std::unique_ptr<PostAccumulateGradHook> previous_;
+};
+
 }  // namespace
 
 struct GradReducer::State {
@@ -86,8 +106,7 @@ struct GradReducer::State {
   ReducerOptions options;
   std::weak_ptr<State> shared_from_state;
   std::vector<at::Tensor> params;
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
-  std::vector<uintptr_t> hook_keys;
+  std::vector<ReadyHook*> hooks;  // by parameter; owned by the parameters' autograd meta
 
   mutable std::mutex mutex;
   // Everything below is guarded by mutex.
@@ -315,20 +334,22 @@ GradReducer::GradReducer(std::vector<at::Tensor> params, dist::Communicator& com
                                state_->options.bucket_bytes));
   std::weak_ptr<State> weak = state_;
   for (size_t i = 0; i < params_.size(); ++i) {
-    auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
-    state_->hook_keys.push_back(acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-        [weak, i](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+    auto& slot = torch::autograd::impl::post_acc_grad_hooks(params_[i]);
+    auto hook = std::make_unique<ReadyHook>(
+        [weak, i] {
           if (auto self = weak.lock()) self->on_hook(i);
-          return outputs;
-        })));
-    state_->accumulators.push_back(std::move(acc));
+        },
+        std::move(slot));
+    state_->hooks.push_back(hook.get());
+    torch::autograd::impl::set_post_acc_grad_hooks(params_[i], std::move(hook));
   }
 }
 
 GradReducer::~GradReducer() {
   try {
-    for (size_t i = 0; i < state_->accumulators.size(); ++i) {
-      state_->accumulators[i]->del_post_hook(state_->hook_keys[i]);
+    for (size_t i = 0; i < state_->hooks.size(); ++i) {
+      auto& slot = torch::autograd::impl::post_acc_grad_hooks(params_[i]);
+      if (slot.get() == state_->hooks[i]) slot = state_->hooks[i]->take_previous();
     }
     // Gradients become ordinary tensors again (they keep the bucket storage alive).
   } catch (const std::exception& e) {
@@ -408,7 +429,9 @@ void GradReducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   if (!state_->sync) return;
   if (!state_->in_step) state_->start_step();
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (!seen.count(state_->accumulators[i].get()) && !state_->param_ready[i]) {
+    // The parameter's current AccumulateGrad node (the graph just built made it, if it uses it).
+    auto acc = torch::autograd::impl::try_get_grad_accumulator(params_[i]);
+    if ((!acc || !seen.count(acc.get())) && !state_->param_ready[i]) {
       state_->mark_ready(i);
       ++state_->stats.unused_parameters;
     }

@@ -41,6 +41,25 @@ void check_all_collectives(Communicator& c, c10::Device dev) {
       EXPECT_TRUE(at::equal(b.cpu().to(at::kDouble), p + (N - 1)));
     }
   }
+  // Multi-dimensional tensors (the tensor-parallel layers all-reduce [B, T, d] activations).
+  at::Tensor p3 = at::remainder(at::arange(2 * 3 * 5, at::kLong), 7).to(at::kDouble).view({2, 3, 5});
+  at::Tensor x3 = (p3 + (r + 1)).to(opts.dtype(at::kFloat));
+  c.all_reduce(x3)->wait();
+  EXPECT_TRUE(at::equal(x3.cpu().to(at::kDouble), p3 * N + N * (N + 1) / 2.0));
+  at::Tensor o3 = at::empty_like(x3);
+  c.all_reduce((p3 + r).to(opts.dtype(at::kFloat)), o3, ReduceOp::kMax)->wait();
+  EXPECT_TRUE(at::equal(o3.cpu().to(at::kDouble), p3 + (N - 1)));
+  at::Tensor b3 = (p3 + r).to(opts.dtype(at::kFloat));
+  c.broadcast(b3, 0)->wait();
+  EXPECT_TRUE(at::equal(b3.cpu().to(at::kDouble), p3));
+  at::Tensor g3 = at::empty({N * 2, 3, 5}, opts.dtype(at::kFloat));
+  c.all_gather((p3 + 10 * r).to(opts.dtype(at::kFloat)), g3)->wait();
+  for (int j = 0; j < N; ++j) {
+    EXPECT_TRUE(at::equal(g3.narrow(0, 2 * j, 2).cpu().to(at::kDouble), p3 + 10 * j));
+  }
+  at::Tensor rs3 = at::empty({2, 3, 5}, opts.dtype(at::kFloat));
+  c.reduce_scatter(at::cat(std::vector<at::Tensor>(N, p3)).to(opts.dtype(at::kFloat)), rs3)->wait();
+  EXPECT_TRUE(at::equal(rs3.cpu().to(at::kDouble), p3 * N));
   c.barrier()->wait();
 }
 

@@ -57,7 +57,9 @@ TEST(LayerOffloadGpu, StreamedBlocksMatchResidentBlocksAndLeaveTheDevice) {
   at::Tensor probe = at::randn({8, d}, at::TensorOptions().device(dev));
   at::Tensor xa = x.clone().requires_grad_(true), xb = x.clone().requires_grad_(true);
   (run(resident, nullptr, xa) * probe).sum().backward();
+  // The resident blocks' weights and gradients stay allocated: measure the growth over them.
   engine::reset_peak_memory(dev);
+  const double start_mb = engine::memory_stats(dev).allocated_mb;
   (run(streamed, &streamer, xb) * probe).sum().backward();
   EXPECT_LT(testing_util::rel_error(xb.grad(), xa.grad()), 1e-5);
   for (size_t i = 0; i < resident.size(); ++i) {
@@ -69,9 +71,12 @@ TEST(LayerOffloadGpu, StreamedBlocksMatchResidentBlocksAndLeaveTheDevice) {
       EXPECT_LT(testing_util::rel_error(pb[k].grad(), pa[k].grad()), 1e-5);
     }
   }
-  // At most about two blocks' weights were on the device at once (plus activations).
+  // block_mb: one block's weights and gradients. Streaming keeps at most two blocks' weights
+  // (the one running and the one prefetched) and a block's gradients (until they go back to
+  // the host) on the device, plus small activations: well under the 6 * block_mb that the
+  // six blocks would need resident.
   const double block_mb = 2.0 * (d * d + d) * 4 / (1024.0 * 1024.0);
-  EXPECT_LT(engine::memory_stats(dev).peak_mb, 6 * block_mb);
+  EXPECT_LT(engine::memory_stats(dev).peak_mb - start_mb, 3.5 * block_mb);
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include "../../dist/src/async.h"
+#include "../../dist/src/backends.h"
 #include "dtrain/dist/communicator.h"
 #include "dtrain/dist/error.h"
 #include "test_util.h"
@@ -85,6 +86,27 @@ TEST(Registry, NcclNeedsACudaDevice) {
   }
 }
 
+TEST(Registry, AutoChoosesMpiWhenRanksShareAGpu) {
+  World w;
+  w.size = 4;
+  w.local_size = 2;  // two ranks on this node
+  EXPECT_EQ(choose_backend("auto", w, /*cuda_device=*/true, /*gpu_count=*/2, true), "nccl");
+  EXPECT_EQ(choose_backend("auto", w, true, 1, true), "mpi");  // the one-GPU machine
+  EXPECT_EQ(choose_backend("auto", w, true, 2, /*have_nccl=*/false), "mpi");
+  EXPECT_EQ(choose_backend("auto", w, /*cuda_device=*/false, 0, true), "mpi");
+  EXPECT_EQ(choose_backend("auto", World{}, false, 0, true), "local");
+  EXPECT_EQ(choose_backend("mpi", w, true, 1, true), "mpi");
+  try {
+    choose_backend("nccl", w, true, 1, true);
+    FAIL() << "nccl with two ranks on one GPU";
+  } catch (const Error& e) {
+    std::string m = e.what();
+    EXPECT_NE(m.find("2 ranks on this node share 1 GPU(s)"), std::string::npos) << m;
+    EXPECT_NE(m.find("--backend=mpi"), std::string::npos) << m;
+  }
+  EXPECT_THROW(choose_backend("nccl", w, true, 2, /*have_nccl=*/false), Error);
+}
+
 TEST(Registry, NonPositiveTimeoutIsRejected) {
   CommOptions o;
   o.timeout = std::chrono::milliseconds(0);
@@ -112,6 +134,30 @@ TEST(Watchdog, ReportsAnOperationThatOutlivesItsTimeout) {
   Watchdog::instance().set_timeout_handler_for_testing(nullptr);
   EXPECT_NE(message.find("collective timeout: all_reduce #42 on 'world'"), std::string::npos) << message;
   EXPECT_NE(message.find("0.3 s"), std::string::npos) << message;
+}
+
+// A completion check that throws (a sticky CUDA error in an event query) must not take the
+// watchdog thread down: the operation is reported at its timeout like any other.
+TEST(Watchdog, ACompletionCheckThatThrowsEndsInTheTimeout) {
+  std::mutex m;
+  std::condition_variable cv;
+  std::string message;
+  Watchdog::instance().set_timeout_handler_for_testing([&](const std::string& msg) {
+    std::lock_guard<std::mutex> lock(m);
+    message = msg;
+    cv.notify_all();
+  });
+  uint64_t token = Watchdog::instance().watch(
+      {"all_reduce #7 on 'gpu' (fake)", std::chrono::milliseconds(300),
+       []() -> bool { throw std::runtime_error("CUDA error: an illegal memory access"); },
+       nullptr});
+  {
+    std::unique_lock<std::mutex> lock(m);
+    cv.wait_for(lock, std::chrono::seconds(5), [&] { return !message.empty(); });
+  }
+  Watchdog::instance().unwatch(token);
+  Watchdog::instance().set_timeout_handler_for_testing(nullptr);
+  EXPECT_NE(message.find("collective timeout: all_reduce #7 on 'gpu'"), std::string::npos) << message;
 }
 
 TEST(Watchdog, FinishedOperationsAreNotReported) {
