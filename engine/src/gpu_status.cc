@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "dtrain/engine/memory_report.h"
+#include "memory_limit_internal.h"
 
 namespace dtrain::engine {
 namespace {
@@ -43,6 +44,8 @@ struct Nvml {
   nvmlReturn_t (*init)() = nullptr;
   nvmlReturn_t (*by_index)(unsigned int, nvmlDevice_t*) = nullptr;
   nvmlReturn_t (*by_uuid)(const char*, nvmlDevice_t*) = nullptr;
+  nvmlReturn_t (*by_pci_bus_id)(const char*, nvmlDevice_t*) = nullptr;
+  nvmlReturn_t (*index_of)(nvmlDevice_t, unsigned int*) = nullptr;
   nvmlReturn_t (*name)(nvmlDevice_t, char*, unsigned int) = nullptr;
   nvmlReturn_t (*utilization)(nvmlDevice_t, NvmlUtilization*) = nullptr;
   nvmlReturn_t (*memory)(nvmlDevice_t, NvmlMemory*) = nullptr;
@@ -69,6 +72,8 @@ const Nvml& nvml() {
     bind(lib, "nvmlInit_v2", n.init);
     bind(lib, "nvmlDeviceGetHandleByIndex_v2", n.by_index);
     bind(lib, "nvmlDeviceGetHandleByUUID", n.by_uuid);
+    bind(lib, "nvmlDeviceGetHandleByPciBusId_v2", n.by_pci_bus_id);
+    bind(lib, "nvmlDeviceGetIndex", n.index_of);
     bind(lib, "nvmlDeviceGetName", n.name);
     bind(lib, "nvmlDeviceGetUtilizationRates", n.utilization);
     bind(lib, "nvmlDeviceGetMemoryInfo", n.memory);
@@ -86,9 +91,20 @@ const Nvml& nvml() {
   return instance;
 }
 
-// The NVML handle of CUDA device `index`, through CUDA_VISIBLE_DEVICES when it is set.
+// The NVML handle of CUDA device `index`: by its PCI bus id (NVML numbers GPUs in PCI order,
+// CUDA by default fastest first), else through CUDA_VISIBLE_DEVICES when it is set.
 bool device_handle(const Nvml& n, int index, nvmlDevice_t* handle, int* nvml_index,
                    std::string* error) {
+  if (n.by_pci_bus_id) {
+    const std::string bus_id = detail::cuda_pci_bus_id(index);
+    unsigned int found = 0;
+    if (!bus_id.empty() && n.by_pci_bus_id(bus_id.c_str(), handle) == kNvmlSuccess) {
+      *nvml_index = n.index_of && n.index_of(*handle, &found) == kNvmlSuccess
+                        ? static_cast<int>(found)
+                        : index;
+      return true;
+    }
+  }
   std::vector<std::string> visible;
   if (const char* env = std::getenv("CUDA_VISIBLE_DEVICES")) {
     std::stringstream ss(env);

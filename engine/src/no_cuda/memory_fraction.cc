@@ -9,4 +9,6 @@ void set_cuda_memory_limit(c10::Device device, int64_t) {
                " because dtrain was not compiled with CUDA; rebuild with -DDTRAIN_WITH_CUDA=ON");
 }
 
+std::string cuda_pci_bus_id(int) { return ""; }
+
 }  // namespace dtrain::engine::detail
