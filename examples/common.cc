@@ -272,7 +272,8 @@ void report(const Run& run, const engine::StepMetrics& first, const engine::Step
 engine::StepMetrics fit_and_report(const Run& run, engine::Trainer& trainer, engine::DataLoader& train,
                                    engine::DataLoader* eval) {
   if (!FLAGS_eval_only) {
-    engine::StepMetrics last = trainer.fit(train, FLAGS_eval_every > 0 ? (eval ? eval : &train) : nullptr);
+    DTRAIN_CHECK(FLAGS_eval_every == 0 || eval, run.program, " has no held-out data to evaluate on; drop --eval_every");
+    engine::StepMetrics last = trainer.fit(train, FLAGS_eval_every > 0 ? eval : nullptr);
     if (trainer.preempted()) {
       if (run.world.rank == 0) {
         std::printf("%s: preempted at step %lld; checkpoint saved, exiting with %d to be requeued\n",
@@ -317,21 +318,41 @@ ClassificationData classification_data() {
   return d;
 }
 
-std::unique_ptr<engine::DataLoader> eval_loader(const Run& run, const ClassificationData& data) {
-  int64_t rows = std::max<int64_t>(1, std::min<int64_t>(FLAGS_batch_size, data.eval_rows / run.mesh->dp_size()));
-  return std::make_unique<engine::DataLoader>(data.eval, loader_options(run, rows, false, FLAGS_seed));
+namespace {
+
+std::unique_ptr<engine::DataLoader> held_out_loader(const Run& run, std::shared_ptr<engine::Dataset> data) {
+  const int64_t rows = std::max<int64_t>(1, std::min<int64_t>(FLAGS_batch_size, data->size() / run.mesh->dp_size()));
+  return std::make_unique<engine::DataLoader>(std::move(data), loader_options(run, rows, false, FLAGS_seed));
 }
 
-std::shared_ptr<engine::Dataset> token_data(const Run& run, int64_t window_len, bool fold_bytes) {
+}  // namespace
+
+std::unique_ptr<engine::DataLoader> eval_loader(const Run& run, const ClassificationData& data) {
+  return held_out_loader(run, data.eval);
+}
+
+std::unique_ptr<engine::DataLoader> eval_loader(const Run& run, const TokenData& data) {
+  return held_out_loader(run, data.eval);
+}
+
+TokenData token_data(const Run& run, int64_t window_len, bool fold_bytes) {
   if (FLAGS_data == "synthetic") {
-    return synthetic_tokens(std::max<int64_t>(1024, 4 * FLAGS_batch_size * run.world.size), window_len,
-                            FLAGS_vocab, 4321);
+    const int64_t count = std::max<int64_t>(1024, 4 * FLAGS_batch_size * run.world.size);
+    return {synthetic_tokens(count, window_len, FLAGS_vocab, 4321),
+            synthetic_tokens(std::max<int64_t>(64, FLAGS_batch_size * run.world.size), window_len, FLAGS_vocab,
+                             8765)};
   }
   DTRAIN_CHECK(fold_bytes || FLAGS_vocab >= 256, "--vocab=", FLAGS_vocab,
                " is too small for byte tokens of the text corpus (needs >= 256)");
-  at::Tensor bytes = load_text_bytes(FLAGS_data_path.empty() ? text_corpus_dir() : FLAGS_data_path);
+  const std::string path = FLAGS_data_path.empty() ? text_corpus_dir() : FLAGS_data_path;
+  at::Tensor bytes = load_text_bytes(path);
   if (FLAGS_vocab < 256) bytes = at::remainder(bytes.to(at::kLong), FLAGS_vocab);
-  return std::make_shared<TokenWindows>(bytes, window_len, std::max<int64_t>(1, FLAGS_seq_len / 2));
+  const int64_t n = bytes.numel(), held = std::max<int64_t>(n / 10, window_len + 1);
+  DTRAIN_CHECK(n - held >= window_len + 1, path, " has ", n, " tokens: too few for windows of ", window_len + 1,
+               " tokens to train on and ", held, " held out for evaluation; use more text or a shorter --seq_len");
+  const int64_t stride = std::max<int64_t>(1, FLAGS_seq_len / 2);
+  return {std::make_shared<TokenWindows>(bytes.narrow(0, 0, n - held), window_len, stride),
+          std::make_shared<TokenWindows>(bytes.narrow(0, n - held, held), window_len, stride)};
 }
 
 std::string sklearn_data_dir() {

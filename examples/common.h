@@ -117,8 +117,14 @@ std::unique_ptr<engine::DataLoader> eval_loader(const Run& run, const Classifica
 
 // Token windows from the flags: Debian's license texts as bytes (or --data_path), or random
 // tokens with --data=synthetic. Each sample has window_len + 1 tokens. Byte tokens need a
-// vocabulary of 256 unless fold_bytes (then bytes are taken modulo --vocab).
-std::shared_ptr<engine::Dataset> token_data(const Run& run, int64_t window_len, bool fold_bytes);
+// vocabulary of 256 unless fold_bytes (then bytes are taken modulo --vocab). The last 10% of
+// the text (synthetic: other random tokens) is held out for evaluation.
+struct TokenData {
+  std::shared_ptr<engine::Dataset> train, eval;
+};
+TokenData token_data(const Run& run, int64_t window_len, bool fold_bytes);
+// An evaluation loader over the held-out windows, its per-rank batch fitting them.
+std::unique_ptr<engine::DataLoader> eval_loader(const Run& run, const TokenData& data);
 
 // Prints the final summary line on rank 0.
 void report(const Run& run, const engine::StepMetrics& first, const engine::StepMetrics& last);

@@ -33,9 +33,10 @@ int main(int argc, char** argv) {
     options.tokens_per_sample = S;
     examples::plan_and_apply(run, model, options);
     engine::Trainer trainer(*model.module, model.loss, *run.mesh, run.device, options);
-    engine::DataLoader loader(examples::token_data(run, S, /*fold_bytes=*/true),
-                              examples::loader_options(run, FLAGS_batch_size, true, FLAGS_seed));
-    engine::StepMetrics last = examples::fit_and_report(run, trainer, loader, nullptr);
+    examples::TokenData data = examples::token_data(run, S, /*fold_bytes=*/true);
+    engine::DataLoader loader(data.train, examples::loader_options(run, FLAGS_batch_size, true, FLAGS_seed));
+    auto eval = examples::eval_loader(run, data);
+    engine::StepMetrics last = examples::fit_and_report(run, trainer, loader, eval.get());
     if (run.world.rank == 0 && run.device.is_cuda() && last.step_ms > 0) {
       // Model FLOPs per token: 6 N for the weights plus attention's 12 L d T (forward+backward).
       double flops_per_token = 6.0 * gpt->parameter_count() + 12.0 * FLAGS_layers * FLAGS_d_model * S;

@@ -18,9 +18,10 @@ int main(int argc, char** argv) {
     options.tokens_per_sample = 2 * S;
     examples::plan_and_apply(run, model, options);
     engine::Trainer trainer(*model.module, model.loss, *run.mesh, run.device, options);
-    engine::DataLoader loader(examples::token_data(run, 2 * S, /*fold_bytes=*/false),
-                              examples::loader_options(run, FLAGS_batch_size, true, FLAGS_seed));
-    examples::fit_and_report(run, trainer, loader, nullptr);
+    examples::TokenData data = examples::token_data(run, 2 * S, /*fold_bytes=*/false);
+    engine::DataLoader loader(data.train, examples::loader_options(run, FLAGS_batch_size, true, FLAGS_seed));
+    auto eval = examples::eval_loader(run, data);
+    examples::fit_and_report(run, trainer, loader, eval.get());
     return 0;
   });
 }

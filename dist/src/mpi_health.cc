@@ -303,8 +303,8 @@ void HealthService::test_sends() {
   }
 }
 
-void HealthService::shutdown() {
-  if (shut_down_) return;
+bool HealthService::shutdown(std::chrono::milliseconds deadline) {
+  if (shut_down_) return true;
   shut_down_ = true;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -315,9 +315,25 @@ void HealthService::shutdown() {
   if (thread_.joinable()) thread_.join();
   try {
     // How many messages each rank sent to this one; receive those not yet received.
+    // Non-blocking, so a rank leaving alone (on an error of its own) does not wait forever
+    // for peers that are not finishing.
     std::vector<int64_t> expected(sent_to_.size(), 0);
-    MPI_CHECK(
-        MPI_Alltoall(sent_to_.data(), 1, MPI_INT64_T, expected.data(), 1, MPI_INT64_T, comm_));
+    MPI_Request exchange = MPI_REQUEST_NULL;
+    MPI_CHECK(MPI_Ialltoall(sent_to_.data(), 1, MPI_INT64_T, expected.data(), 1, MPI_INT64_T,
+                            comm_, &exchange));
+    const bool bounded = deadline != std::chrono::milliseconds::max();
+    const auto give_up = std::chrono::steady_clock::now() + (bounded ? deadline : deadline.zero());
+    for (int done = 0;;) {
+      MPI_CHECK(MPI_Test(&exchange, &done, MPI_STATUS_IGNORE));
+      if (done) break;
+      if (bounded && std::chrono::steady_clock::now() >= give_up) {
+        LOG(WARNING) << "collective health service: the other ranks did not shut down with this "
+                        "one within "
+                     << deadline.count() / 1000.0 << " s; leaving without waiting for them";
+        return false;  // the request and the communicator are left to the process's exit
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
     int64_t stray = 0;
     for (size_t r = 0; r < expected.size(); ++r) {
       for (; received_from_[r] < expected[r]; ++received_from_[r], ++stray) {
@@ -333,6 +349,7 @@ void HealthService::shutdown() {
   } catch (const std::exception& e) {
     LOG(ERROR) << "collective health service did not shut down cleanly: " << e.what();
   }
+  return true;
 }
 
 }  // namespace dtrain::dist

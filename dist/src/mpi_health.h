@@ -41,8 +41,10 @@ class HealthService : public std::enable_shared_from_this<HealthService> {
   // Collective over MPI_COMM_WORLD; call once, before MPI_Finalize, on every rank. Stops the
   // service thread (queries in progress return at once), exchanges how many messages each rank
   // sent to each other one, receives every message still on its way, completes this rank's
-  // sends and frees the communicator, so MPI_Finalize finds nothing pending.
-  void shutdown();
+  // sends and frees the communicator, so MPI_Finalize finds nothing pending. Returns false,
+  // leaving all that undone, when the other ranks have not joined the exchange within
+  // `deadline` (this rank is leaving on an error of its own; MPI_Finalize would hang too).
+  bool shutdown(std::chrono::milliseconds deadline = std::chrono::milliseconds::max());
 
   int world_rank() const { return world_rank_; }
   int world_size() const { return static_cast<int>(hosts_.size()); }

@@ -1,6 +1,7 @@
 #include "mpi_runtime.h"
 
 #include <cstdlib>
+#include <exception>
 #include <functional>
 
 #include <c10/util/BFloat16.h>
@@ -11,6 +12,9 @@
 
 namespace dtrain::dist {
 namespace {
+
+// How long a failing rank waits for the others to shut down with it (see ~MpiRuntime).
+constexpr int64_t kFailingShutdownMs = 5000;
 
 std::mutex runtime_mutex;
 std::weak_ptr<MpiRuntime> current_runtime;  // guarded by runtime_mutex
@@ -105,9 +109,23 @@ MpiRuntime::MpiRuntime() {
 }
 
 MpiRuntime::~MpiRuntime() {
+  // Destroyed while an exception unwinds (the program is failing): maybe on this rank alone,
+  // while the others wait in a collective. Then the collective shutdown gets a deadline, and
+  // if the others do not join it this rank leaves without MPI_Finalize (which would wait for
+  // them too), so its error is printed and the launcher ends the job at once.
+  const bool failing = std::uncaught_exceptions() > 0;
+  bool peers_finishing = true;
   if (health_) {
-    health_->shutdown();  // collective: every rank finalizes
+    peers_finishing = health_->shutdown(failing ? std::chrono::milliseconds(kFailingShutdownMs)
+                                                : std::chrono::milliseconds::max());
     health_.reset();
+  }
+  if (!peers_finishing) {
+    LOG(ERROR) << "leaving without MPI_Finalize: this rank is failing and the other ranks are "
+                  "not finishing with it; the launcher ends the job";
+    std::lock_guard<std::mutex> lock(runtime_mutex);
+    runtime_finalized = owns_init_;
+    return;
   }
   for (MPI_Op* op : {&half_ops_[0], &half_ops_[1], &half_ops_[2], &bf16_ops_[0], &bf16_ops_[1],
                      &bf16_ops_[2]}) {

@@ -103,7 +103,8 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     at::Tensor s = e.sum(1);
     at::Tensor in_range = (targets >= vocab_start) & (targets < vocab_start + local);
     at::Tensor t_local = (targets - vocab_start).clamp(0, local - 1);
-    at::Tensor t = l.gather(1, t_local.unsqueeze(1)).squeeze(1) * in_range.to(l.scalar_type());
+    // where, not a product with in_range: a shard of padding only holds -inf (and -inf * 0 is NaN).
+    at::Tensor t = at::where(in_range, l.gather(1, t_local.unsqueeze(1)).squeeze(1), at::zeros_like(s));
     if (tp.size() > 1) {
       at::Tensor both = at::stack({s, t});  // one all-reduce for the sums and target logits
       tp.all_reduce(both)->wait();

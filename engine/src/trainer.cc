@@ -140,18 +140,23 @@ bool Trainer::run_micro_batches(const Batch& batch, at::Tensor& loss_sum) {
   }
 }
 
-bool Trainer::agree_on_failure(bool failed) {
+std::string Trainer::failing_ranks(bool failed) {
   dist::Communicator& world = mesh_.world();
   at::Tensor mine = at::full({1}, failed ? 1 : 0, at::kLong);
   at::Tensor all = at::empty({world.size()}, at::kLong);
   world.all_gather(mine, all)->wait();
-  if (all.sum().item<int64_t>() == 0) return false;
-  if (world.rank() == 0) {
-    std::ostringstream ranks;
-    for (int r = 0; r < world.size(); ++r) {
-      if (all[r].item<int64_t>()) ranks << (ranks.tellp() ? "," : "") << r;
-    }
-    LOG(WARNING) << "step " << step_ + 1 << ": out of memory on rank(s) " << ranks.str()
+  std::ostringstream ranks;
+  for (int r = 0; r < world.size(); ++r) {
+    if (all[r].item<int64_t>()) ranks << (ranks.tellp() ? "," : "") << r;
+  }
+  return ranks.str();
+}
+
+bool Trainer::agree_on_failure(bool failed) {
+  const std::string ranks = failing_ranks(failed);
+  if (ranks.empty()) return false;
+  if (mesh_.world().rank() == 0) {
+    LOG(WARNING) << "step " << step_ + 1 << ": out of memory on rank(s) " << ranks
                  << "; every rank drops the step and retries it with smaller micro-batches";
   }
   return true;

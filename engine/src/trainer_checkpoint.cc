@@ -97,6 +97,25 @@ void Trainer::resume_checkpoint(DataLoader* loader) {
   std::optional<CheckpointInfo> info = agree_latest_good(store, world);
   DTRAIN_CHECK(info.has_value(), "--resume: no good checkpoint in '", options_.save_dir,
                "'; train without --resume first (or point --save_dir at the run's directory)");
+  std::string error;
+  try {
+    restore_from(store, *info, loader);
+  } catch (const std::exception& e) {
+    error = e.what();
+    LOG(ERROR) << "cannot resume from " << info->path << ": " << error;
+  }
+  const std::string ranks = failing_ranks(!error.empty());  // collective: all throw or none
+  if (!ranks.empty()) {
+    throw Error(error.empty() ? detail::concat("cannot resume from ", info->path, ": it failed on rank(s) ",
+                                               ranks, " (their messages say why)")
+                              : error);
+  }
+}
+
+void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& info_ref,
+                           DataLoader* loader) {
+  const CheckpointInfo* info = &info_ref;
+  dist::Communicator& world = mesh_.world();
   CheckpointData data = store.load(info->path);
   // The model: every tensor-parallel layout resumes from the unsplit tensors.
   NamedTensors local = data.model;

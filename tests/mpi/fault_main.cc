@@ -1,6 +1,8 @@
 // Fault scenarios run under mpirun by ctest through expect_exit.sh:
 //   --mode=timeout   rank 1 never joins; rank 0's all-reduce must end the job by the timeout
 //   --mode=mismatch  ranks issue different shapes; debug mode must name the mismatch at once
+//   --mode=lone_failure  rank 1 throws while rank 0 is in a collective: the job must end
+//                    promptly, non-zero, with rank 1's message (not hang, not wait for the timeout)
 //   --mode=drain     the other ranks' health services do not answer (as if stopped) and they
 //                    join rank 0's all-reduce after its stall check; the job must finish
 //                    normally, the unanswered question drained before MPI_Finalize
@@ -16,7 +18,7 @@
 #include "dtrain/dist/error.h"
 #include "dtrain/dist/logging.h"
 
-DEFINE_string(mode, "timeout", "timeout, mismatch or drain");
+DEFINE_string(mode, "timeout", "timeout, mismatch, lone_failure or drain");
 DEFINE_double(timeout_s, 2.0, "collective timeout");
 
 int main(int argc, char** argv) {
@@ -38,6 +40,16 @@ int main(int argc, char** argv) {
       at::Tensor x = at::ones({1024});
       comm->all_reduce(x)->wait();
       std::printf("all_reduce returned although rank 1 never joined\n");
+      return 0;
+    }
+    if (FLAGS_mode == "lone_failure") {
+      // Rank 1 fails on its own (a file only it cannot read, say) while rank 0 waits in a
+      // collective: the communicator goes away during the exception's unwinding.
+      comm->barrier()->wait();
+      if (comm->rank() == 1) throw Error("rank 1 cannot read its shard of the data set");
+      at::Tensor x = at::ones({16});
+      comm->all_reduce(x)->wait();
+      std::printf("all_reduce returned although rank 1 had failed\n");
       return 0;
     }
     if (FLAGS_mode == "drain") {

@@ -119,7 +119,9 @@ class Trainer {
   std::string save_checkpoint(const DataLoader* loader);
   // Restores the newest good checkpoint in options.save_dir (collective); throws
   // dtrain::Error when there is none or it belongs to a different model. Moves loader to the
-  // saved position. Any tensor-parallel or data-parallel layout may resume any other.
+  // saved position. Any tensor-parallel or data-parallel layout may resume any other. A
+  // failure to read or apply it on some ranks only (a rank file that cannot be read there)
+  // is agreed on: every rank throws, none goes on training.
   void resume_checkpoint(DataLoader* loader);
   // fit() stopped early because the job was preempted (after saving a checkpoint).
   bool preempted() const { return preempted_; }
@@ -139,6 +141,10 @@ class Trainer {
  private:
   bool run_micro_batches(const Batch& batch, at::Tensor& loss_sum);
   bool agree_on_failure(bool failed);
+  // Collective over the world: the ranks where `failed` is true ("1,3"), "" when none.
+  std::string failing_ranks(bool failed);
+  // resume_checkpoint()'s loads and restores on this rank (no collectives; may throw).
+  void restore_from(const CheckpointStore& store, const CheckpointInfo& info, DataLoader* loader);
   void back_off(int64_t batch_rows);
   void apply_update(StepMetrics& m, bool& skipped);
   // The last step's global-batch loss (waits for its reduction), NaN if none is pending.
