@@ -340,6 +340,12 @@ StepMetrics Trainer::fit(DataLoader& train, DataLoader* eval) {
   Progress progress(options_.steps, options_.progress && mesh_.world().rank() == 0);
   const int64_t global_batch = train.options().batch_size * mesh_.dp_size();
   StepMetrics logged;
+  // The evaluation loader's position is saved and restored with the training loader's.
+  struct EvalScope {
+    DataLoader*& slot;
+    ~EvalScope() { slot = nullptr; }
+  } eval_scope{eval_};
+  eval_ = eval;
   if (options_.resume) resume_checkpoint(&train);
   const int64_t first_step = step_ + 1;  // logged too, so a resumed run shows where it starts
   reset_peak_memory(device_);

@@ -69,6 +69,10 @@ std::string Trainer::save_checkpoint(const DataLoader* loader) {
     auto [epoch, index] = loader->position();
     data.meta["loader.train"] = std::to_string(epoch) + "," + std::to_string(index);
   }
+  if (eval_) {
+    auto [epoch, index] = eval_->position();
+    data.meta["loader.eval"] = std::to_string(epoch) + "," + std::to_string(index);
+  }
   data.world_size = world.size();
   data.dp_size = mesh_.dp_size();
   data.rank_files = world.size();
@@ -167,6 +171,10 @@ void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& i
   if (loader && data.meta.count("loader.train")) {
     auto [epoch, index] = parse_position(data.meta.at("loader.train"), info->path);
     loader->seek(epoch, index);
+  }
+  if (eval_ && data.meta.count("loader.eval")) {
+    auto [epoch, index] = parse_position(data.meta.at("loader.eval"), info->path);
+    eval_->seek(epoch, index);
   }
   if (world.rank() == 0) {
     LOG(INFO) << "resumed from " << info->path << " at step " << step_ << " (saved by "

@@ -212,12 +212,20 @@ def dir_digest(path):
 def scenario_checkpoint(args):
     w = args.workdir
     common = ["--lr=0.003", "--workers=1", "--seed=5", "--schedule=constant"]
-    ref = train(args, "train_mlp", 2, common + ["--steps=20", "--batch_size=32"], "ref")
-    # 10 steps, then --resume to 20: steps 11-20 equal the uninterrupted run.
+    evals = ["--eval_every=5", "--eval_batches=2"]
+    ref = train(args, "train_mlp", 2, common + evals + ["--steps=20", "--batch_size=32"], "ref")
+    # 10 steps, then --resume to 20: steps 11-20 equal the uninterrupted run, evaluations too
+    # (the evaluation loader continues where it was).
     part = os.path.join(w, "ck")
-    train(args, "train_mlp", 2, common + ["--steps=10", "--batch_size=32", f"--save_dir={part}", "--save_every=5"], "part")
-    resumed = train(args, "train_mlp", 2, common + ["--steps=20", "--batch_size=32", f"--save_dir={part}", "--resume"], "resumed")
+    train(args, "train_mlp", 2, common + evals + ["--steps=10", "--batch_size=32", f"--save_dir={part}", "--save_every=5"], "part")
+    resumed = train(args, "train_mlp", 2, common + evals + ["--steps=20", "--batch_size=32", f"--save_dir={part}", "--resume"], "resumed")
     compare(steps_after(ref, 10), steps_after(resumed, 10), "resumed 2 ranks", 1e-6)
+    want = [(r["step"], r["eval_loss"]) for r in steps_after(ref, 10) if "eval_loss" in r]
+    got = [(r["step"], r["eval_loss"]) for r in steps_after(resumed, 10) if "eval_loss" in r]
+    assert len(want) == 2 and [s for s, _ in want] == [s for s, _ in got], (want, got)
+    for (step, a), (_, b) in zip(want, got):
+        assert abs(a - b) <= 1e-6 * abs(a), f"FAIL: eval_loss at step {step}: resumed {b} vs {a}"
+    print(f"ok: resumed evaluations equal the uninterrupted run's: {want}")
     # The weights load in PyTorch under an equivalent nn.Module's names.
     code = (
         "import sys, torch\n"

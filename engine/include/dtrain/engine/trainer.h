@@ -119,7 +119,8 @@ class Trainer {
   std::string save_checkpoint(const DataLoader* loader);
   // Restores the newest good checkpoint in options.save_dir (collective); throws
   // dtrain::Error when there is none or it belongs to a different model. Moves loader to the
-  // saved position. Any tensor-parallel or data-parallel layout may resume any other. A
+  // saved position (and, inside fit(), its evaluation loader too). Any tensor-parallel or
+  // data-parallel layout may resume any other. A
   // failure to read or apply it on some ranks only (a rank file that cannot be read there)
   // is agreed on: every rank throws, none goes on training.
   void resume_checkpoint(DataLoader* loader);
@@ -167,6 +168,7 @@ class Trainer {
   std::map<std::string, ShardSpec> specs_;
   bool preempted_ = false;
   int64_t last_saved_step_ = -1;
+  DataLoader* eval_ = nullptr;  // fit()'s evaluation loader while it runs (checkpointed position)
   NamedTensors full_model_state();
   NamedTensors full_optimizer_state();
   std::unique_ptr<GradReducer> reducer_;
