@@ -4,12 +4,6 @@
 // communicator's own (device-generic c10 APIs: no CUDA headers here). Each communicator is
 // registered with the runtime's health service, which answers peers' stall checks from the
 // operation its executor has entered and the last it finished (see health.h).
-#include <mpi.h>
-
-#include <algorithm>
-#include <climits>
-#include <cstring>
-
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
@@ -17,6 +11,12 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <glog/logging.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <thread>
 
 #include "async.h"
 #include "backends.h"
@@ -59,8 +59,11 @@ class MpiCommunicator final : public Communicator {
  public:
   MpiCommunicator(std::shared_ptr<MpiRuntime> runtime, MPI_Comm comm, int rank, int size,
                   c10::Device device, CommOptions options, std::shared_ptr<HealthTicket> health)
-      : Communicator(rank, size, std::move(options)), runtime_(std::move(runtime)), comm_(comm),
-        device_(device), health_(std::move(health)),
+      : Communicator(rank, size, std::move(options)),
+        runtime_(std::move(runtime)),
+        comm_(comm),
+        device_(device),
+        health_(std::move(health)),
         executor_(std::make_unique<SerialExecutor>("mpi:" + name())) {}
 
   ~MpiCommunicator() override {
@@ -79,9 +82,9 @@ class MpiCommunicator final : public Communicator {
   }
 
   void raw_all_reduce_blocking(const at::Tensor& in, const at::Tensor& out) override {
-    DTRAIN_CHECK(in.device().is_cpu() && out.device().is_cpu() && in.is_contiguous() &&
-                     out.is_contiguous(),
-                 "raw MPI all-reduce takes contiguous CPU tensors");
+    DTRAIN_CHECK(
+        in.device().is_cpu() && out.device().is_cpu() && in.is_contiguous() && out.is_contiguous(),
+        "raw MPI all-reduce takes contiguous CPU tensors");
     const bool in_place = in.data_ptr() == out.data_ptr();
     auto lock = runtime_->lock();
     for (int64_t off = 0; off < out.numel(); off += kMaxCount) {
@@ -171,26 +174,70 @@ class MpiCommunicator final : public Communicator {
   std::vector<int64_t> exchange(const std::vector<int64_t>& mine) override {
     std::vector<int64_t> all(mine.size() * size());
     executor_->run_sync([&] {
-      auto lock = runtime_->lock();
-      MPI_CHECK(MPI_Allgather(mine.data(), static_cast<int>(mine.size()), MPI_INT64_T, all.data(),
-                              static_cast<int>(mine.size()), MPI_INT64_T, comm_));
+      const int n = static_cast<int>(mine.size());
+      collective(
+          "MPI_Allgather",
+          [&] {
+            return MPI_Allgather(mine.data(), n, MPI_INT64_T, all.data(), n, MPI_INT64_T, comm_);
+          },
+          [&](MPI_Request* r) {
+            return MPI_Iallgather(mine.data(), n, MPI_INT64_T, all.data(), n, MPI_INT64_T, comm_,
+                                  r);
+          });
     });
     return all;
   }
 
  private:
+  // Runs one MPI collective: `blocking` (the blocking call) with MPI_THREAD_MULTIPLE. When
+  // MPI calls are serialized, `start` (its non-blocking variant) under the lock, then
+  // MPI_Test under the lock, released between tests: holding the process-wide lock through a
+  // blocking collective deadlocks when two ranks enter two communicators' operations in
+  // different orders (each waits in MPI for a peer whose thread waits for the lock).
+  // `what` names the call in errors ("MPI_Allreduce").
+  template <class Blocking, class Start>
+  void collective(const char* what, Blocking blocking, Start start) {
+    auto check = [what](int rc) {
+      if (rc != MPI_SUCCESS) {
+        DTRAIN_LIBRARY_FAILURE("MPI (" + mpi_version() + ")", what, " returned ",
+                               mpi_error_string(rc));
+      }
+    };
+    if (!runtime_->serialized()) {
+      check(blocking());
+      return;
+    }
+    MPI_Request request = MPI_REQUEST_NULL;
+    {
+      auto lock = runtime_->lock();
+      check(start(&request));
+    }
+    for (int done = 0;;) {
+      {
+        auto lock = runtime_->lock();
+        check(MPI_Test(&request, &done, MPI_STATUS_IGNORE));
+      }
+      if (done) return;
+      std::this_thread::yield();
+    }
+  }
+
   // Runs op on host tensors (in and out may be the same tensor).
   void run_host(const Op& op, const at::Tensor& in, const at::Tensor& out) {
-    auto lock = runtime_->lock();
     switch (op.type) {
       case OpType::kBarrier:
-        MPI_CHECK(MPI_Barrier(comm_));
+        collective(
+            "MPI_Barrier", [&] { return MPI_Barrier(comm_); },
+            [&](MPI_Request* r) { return MPI_Ibarrier(comm_, r); });
         return;
       case OpType::kBroadcast: {
         MPI_Datatype type = runtime_->datatype(out.scalar_type());
         for (int64_t off = 0; off < out.numel(); off += kMaxCount) {
           int n = static_cast<int>(std::min(kMaxCount, out.numel() - off));
-          MPI_CHECK(MPI_Bcast(byte_ptr(out, off), n, type, op.root, comm_));
+          void* buf = byte_ptr(out, off);
+          collective(
+              "MPI_Bcast", [&] { return MPI_Bcast(buf, n, type, op.root, comm_); },
+              [&](MPI_Request* r) { return MPI_Ibcast(buf, n, type, op.root, comm_, r); });
         }
         return;
       }
@@ -200,19 +247,28 @@ class MpiCommunicator final : public Communicator {
         bool in_place = in.data_ptr() == out.data_ptr();
         for (int64_t off = 0; off < out.numel(); off += kMaxCount) {
           int n = static_cast<int>(std::min(kMaxCount, out.numel() - off));
-          MPI_CHECK(MPI_Allreduce(in_place ? MPI_IN_PLACE : byte_ptr(in, off), byte_ptr(out, off),
-                                  n, type, mop, comm_));
+          const void* src = in_place ? MPI_IN_PLACE : byte_ptr(in, off);
+          void* dst = byte_ptr(out, off);
+          collective(
+              "MPI_Allreduce", [&] { return MPI_Allreduce(src, dst, n, type, mop, comm_); },
+              [&](MPI_Request* r) { return MPI_Iallreduce(src, dst, n, type, mop, comm_, r); });
         }
         break;
       }
       case OpType::kAllGather: {
         int n = per_rank_count(in.numel(), "all_gather");
         MPI_Datatype type = runtime_->datatype(in.scalar_type());
-        if (byte_ptr(out, int64_t{rank()} * n) == in.data_ptr()) {
-          MPI_CHECK(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, out.data_ptr(), n, type, comm_));
-        } else {
-          MPI_CHECK(MPI_Allgather(in.data_ptr(), n, type, out.data_ptr(), n, type, comm_));
-        }
+        const bool in_place = byte_ptr(out, int64_t{rank()} * n) == in.data_ptr();
+        const void* src = in_place ? MPI_IN_PLACE : in.data_ptr();
+        const int send_n = in_place ? 0 : n;
+        const MPI_Datatype send_type = in_place ? MPI_DATATYPE_NULL : type;
+        void* dst = out.data_ptr();
+        collective(
+            "MPI_Allgather",
+            [&] { return MPI_Allgather(src, send_n, send_type, dst, n, type, comm_); },
+            [&](MPI_Request* r) {
+              return MPI_Iallgather(src, send_n, send_type, dst, n, type, comm_, r);
+            });
         return;
       }
       case OpType::kReduceScatter: {
@@ -222,15 +278,24 @@ class MpiCommunicator final : public Communicator {
         if (byte_ptr(in, int64_t{rank()} * n) == out.data_ptr() && n > 0) {
           // In place: reduce into a scratch chunk, leaving the other chunks of input intact.
           at::Tensor tmp = at::empty_like(out);
-          MPI_CHECK(MPI_Reduce_scatter_block(in.data_ptr(), tmp.data_ptr(), n, type, mop, comm_));
+          reduce_scatter(in.data_ptr(), tmp.data_ptr(), n, type, mop);
           out.copy_(tmp);
         } else {
-          MPI_CHECK(MPI_Reduce_scatter_block(in.data_ptr(), out.data_ptr(), n, type, mop, comm_));
+          reduce_scatter(in.data_ptr(), out.data_ptr(), n, type, mop);
         }
         break;
       }
     }
     if (op.reduce == ReduceOp::kAvg) out.div_(size());
+  }
+
+  void reduce_scatter(const void* src, void* dst, int n, MPI_Datatype type, MPI_Op mop) {
+    collective(
+        "MPI_Reduce_scatter_block",
+        [&] { return MPI_Reduce_scatter_block(src, dst, n, type, mop, comm_); },
+        [&](MPI_Request* r) {
+          return MPI_Ireduce_scatter_block(src, dst, n, type, mop, comm_, r);
+        });
   }
 
   // CUDA tensors: copy into pinned host memory, run on host, copy back, on our copy stream.
@@ -257,7 +322,8 @@ class MpiCommunicator final : public Communicator {
         if (op.type == OpType::kBroadcast || op.input.data_ptr() == op.output.data_ptr()) {
           host_out.copy_(op.output.view(-1), /*non_blocking=*/true);
         } else {
-          host_out.copy_(op.input.view(-1), /*non_blocking=*/true);  // reduce in place on the host copy
+          host_out.copy_(op.input.view(-1),
+                         /*non_blocking=*/true);  // reduce in place on the host copy
         }
         host_in = host_out;
         break;
@@ -284,7 +350,8 @@ class MpiCommunicator final : public Communicator {
   at::Tensor stage(int64_t bytes, const at::Tensor& like) {
     if (!staging_.defined() || staging_.nbytes() < static_cast<size_t>(bytes)) {
       int64_t cap = std::max<int64_t>(bytes, staging_.defined() ? 2 * staging_.nbytes() : 0);
-      staging_ = at::empty({std::max<int64_t>(cap, 1)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+      staging_ = at::empty({std::max<int64_t>(cap, 1)},
+                           at::TensorOptions().dtype(at::kByte).pinned_memory(true));
     }
     int64_t elems = bytes / like.element_size();
     return staging_.narrow(0, 0, elems * like.element_size()).view(like.scalar_type());
@@ -303,7 +370,7 @@ class MpiCommunicator final : public Communicator {
   std::shared_ptr<MpiRuntime> runtime_;
   MPI_Comm comm_;
   c10::Device device_;
-  std::shared_ptr<HealthTicket> health_;  // null without a health service
+  std::shared_ptr<HealthTicket> health_;    // null without a health service
   std::optional<c10::Stream> copy_stream_;  // used on the executor thread only
   at::Tensor staging_;                      // used on the executor thread only
   std::unique_ptr<SerialExecutor> executor_;

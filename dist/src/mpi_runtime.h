@@ -35,6 +35,9 @@ class MpiRuntime {
   // Held around MPI calls. A no-op when MPI gives MPI_THREAD_MULTIPLE; a process-wide
   // mutex otherwise.
   std::unique_lock<std::mutex> lock();
+  // Whether MPI calls are serialized by lock() (no MPI_THREAD_MULTIPLE, or
+  // DTRAIN_MPI_SERIALIZE=1 for tests).
+  bool serialized() const { return serialize_; }
 
   // The collective health service (which ranks reached a stalled operation), started with
   // the runtime when the world has more than one rank and MPI gives MPI_THREAD_MULTIPLE;
