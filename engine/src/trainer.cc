@@ -337,6 +337,11 @@ bool Trainer::stop_for_preemption(const DataLoader& train) {
 }
 
 StepMetrics Trainer::fit(DataLoader& train, DataLoader* eval) {
+  // The same on every rank (options and dataset are), so every rank refuses together.
+  DTRAIN_CHECK(train.options().drop_last || mesh_.dp_size() == 1,
+               "Trainer::fit: the training loader has drop_last = false, which gives ranks "
+               "unequal (possibly empty) shares of an epoch's last global batch; with ",
+               mesh_.dp_size(), " data-parallel ranks set drop_last = true");
   Progress progress(options_.steps, options_.progress && mesh_.world().rank() == 0);
   const int64_t global_batch = train.options().batch_size * mesh_.dp_size();
   StepMetrics logged;

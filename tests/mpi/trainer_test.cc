@@ -195,6 +195,28 @@ TEST(Trainer, EvaluateAveragesOverTheDataParallelGroupInEvalModeWithoutGrad) {
   EXPECT_NEAR(got, want, 1e-12 * std::abs(want));
 }
 
+TEST(Trainer, ALoaderWithoutDropLastIsRefusedOnEveryDataParallelRank) {
+  auto& comm = world_comm();
+  if (comm.size() < 2) GTEST_SKIP();
+  dist::Mesh mesh(comm, 1);
+  auto model = make_model();
+  TrainerOptions o = base_options();
+  LossFn loss = [&](const Batch& b) { return torch::mse_loss(model->forward(b.fields[0]), b.fields[1]); };
+  Trainer trainer(*model, loss, mesh, c10::Device(c10::kCPU), o);
+  auto data = std::make_shared<TensorDataset>(
+      std::vector<at::Tensor>{at::randn({9, 6}, at::kDouble), at::randn({9, 1}, at::kDouble)});
+  LoaderOptions lo;
+  lo.batch_size = 4;
+  lo.dp_rank = comm.rank();
+  lo.dp_size = comm.size();
+  lo.workers = 0;
+  lo.drop_last = false;
+  DataLoader loader(data, lo);
+  const std::string what = testing_util::error_of([&] { trainer.fit(loader); });
+  EXPECT_NE(what.find("drop_last = false"), std::string::npos) << what;
+  comm.barrier()->wait();  // every rank refused without a collective: still in step
+}
+
 TEST(TrainerOptionsCheck, BadValuesAreNamed) {
   TrainerOptions o;
   o.accum_steps = 0;
