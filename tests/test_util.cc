@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
 
 namespace dtrain::testing_util {
@@ -94,6 +95,19 @@ std::string error_of(const std::function<void()>& fn) {
   }
   ADD_FAILURE() << "no dtrain::Error thrown";
   return "";
+}
+
+std::vector<int> tp_group_sizes() {
+  std::vector<int> t;
+  for (int T = 2; T <= world_comm().size(); T *= 2) {
+    if (world_comm().size() % T == 0) t.push_back(T);
+  }
+  return t;
+}
+
+at::Tensor same_everywhere(std::vector<int64_t> shape, uint64_t seed) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randn(shape, g, at::kDouble);
 }
 
 }  // namespace dtrain::testing_util

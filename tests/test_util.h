@@ -31,6 +31,11 @@ std::string run_python(const std::string& script, const std::vector<std::string>
 // Path of a file in the source tree.
 std::string source_path(const std::string& relative);
 
+// Tensor-parallel group sizes to test on this world: 2, 4, ... dividing the world size.
+std::vector<int> tp_group_sizes();
+// A float64 CPU tensor of normal random numbers drawn from `seed`: the same on every rank.
+at::Tensor same_everywhere(std::vector<int64_t> shape, uint64_t seed);
+
 // ‖a − b‖ / max(‖b‖, tiny), computed in float64 on the CPU.
 double rel_error(const at::Tensor& a, const at::Tensor& b);
 

@@ -4,6 +4,7 @@
 
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/tensor_parallel.h"
+#include "parallel_comm_internal.h"
 
 namespace dtrain::engine {
 namespace {
@@ -11,13 +12,9 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-int64_t to_int(dist::Communicator* c) {
-  return static_cast<int64_t>(reinterpret_cast<intptr_t>(c));
-}
-dist::Communicator& comm_of(AutogradContext* ctx) {
-  return *reinterpret_cast<dist::Communicator*>(
-      static_cast<intptr_t>(ctx->saved_data["tp"].toInt()));
-}
+using detail::all_gather_along;
+using detail::comm_of;
+int64_t to_int(dist::Communicator* c) { return detail::comm_handle(c); }
 
 int64_t checked_dim(const at::Tensor& x, int64_t dim, const char* what) {
   DTRAIN_CHECK(x.dim() >= 1, what, ": a tensor of at least one dimension is needed, got a scalar");
@@ -30,17 +27,6 @@ void check_divides(const at::Tensor& x, int64_t dim, dist::Communicator& tp, con
   DTRAIN_CHECK(x.size(dim) % tp.size() == 0, what, ": cannot split a sequence of ", x.size(dim),
                " (dimension ", dim, " of ", x.sizes(), ") over ", tp.size(),
                " tensor-parallel ranks; the sequence length must be a multiple of --tp");
-}
-
-// Concatenation along dim of every rank's x (rank order). The communicator concatenates flat
-// buffers, so dim is moved to the front for the exchange.
-at::Tensor all_gather_along(const at::Tensor& x, int64_t dim, dist::Communicator& tp) {
-  at::Tensor in = x.movedim(dim, 0).contiguous();
-  std::vector<int64_t> shape(in.sizes().begin(), in.sizes().end());
-  shape[0] *= tp.size();
-  at::Tensor out = at::empty(shape, in.options());
-  tp.all_gather(in.view(-1), out.view(-1))->wait();
-  return out.movedim(0, dim).contiguous();
 }
 
 // This rank's chunk along dim of the sum over ranks of x.

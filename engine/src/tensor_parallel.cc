@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "dtrain/dist/error.h"
+#include "parallel_comm_internal.h"
 
 namespace dtrain::engine {
 namespace {
@@ -13,10 +14,9 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-int64_t to_int(dist::Communicator* c) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(c)); }
-dist::Communicator* comm_of(AutogradContext* ctx) {
-  return reinterpret_cast<dist::Communicator*>(static_cast<intptr_t>(ctx->saved_data["tp"].toInt()));
-}
+using detail::comm_from;
+using detail::comm_of;
+int64_t to_int(dist::Communicator* c) { return detail::comm_handle(c); }
 
 at::Tensor all_reduce_copy(const at::Tensor& x, dist::Communicator& tp) {
   at::Tensor y = x.contiguous().clone();
@@ -26,17 +26,7 @@ at::Tensor all_reduce_copy(const at::Tensor& x, dist::Communicator& tp) {
 
 // Concatenation along the last dimension of every rank's x.
 at::Tensor all_gather_last(const at::Tensor& x, dist::Communicator& tp) {
-  if (tp.size() == 1) return x.clone();
-  at::Tensor in = x.contiguous();
-  at::Tensor out = at::empty({tp.size() * in.numel()}, in.options());
-  tp.all_gather(in.view(-1), out)->wait();
-  std::vector<int64_t> shape = {tp.size()};
-  for (int64_t s : in.sizes()) shape.push_back(s);
-  // [T, ..., last] -> [..., T, last] -> [..., T * last]
-  at::Tensor stacked = out.view(shape).movedim(0, -2);
-  std::vector<int64_t> final_shape(in.sizes().begin(), in.sizes().end());
-  final_shape.back() *= tp.size();
-  return stacked.reshape(final_shape);
+  return detail::all_gather_along(x, x.dim() - 1, tp);
 }
 
 at::Tensor slice_last(const at::Tensor& x, dist::Communicator& tp) {
@@ -53,13 +43,13 @@ struct CopyToTp : torch::autograd::Function<CopyToTp> {
     return x.view_as(x);
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return {all_reduce_copy(g[0], *comm_of(ctx)), at::Tensor()};
+    return {all_reduce_copy(g[0], comm_of(ctx)), at::Tensor()};
   }
 };
 
 struct ReduceFromTp : torch::autograd::Function<ReduceFromTp> {
   static at::Tensor forward(AutogradContext*, const at::Tensor& x, int64_t tp) {
-    return all_reduce_copy(x, *reinterpret_cast<dist::Communicator*>(static_cast<intptr_t>(tp)));
+    return all_reduce_copy(x, comm_from(tp));
   }
   static variable_list backward(AutogradContext*, variable_list g) { return {g[0], at::Tensor()}; }
 };
@@ -67,20 +57,20 @@ struct ReduceFromTp : torch::autograd::Function<ReduceFromTp> {
 struct GatherFromTp : torch::autograd::Function<GatherFromTp> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t tp) {
     ctx->saved_data["tp"] = tp;
-    return all_gather_last(x, *comm_of(ctx));
+    return all_gather_last(x, comm_of(ctx));
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return {slice_last(g[0], *comm_of(ctx)), at::Tensor()};
+    return {slice_last(g[0], comm_of(ctx)), at::Tensor()};
   }
 };
 
 struct ScatterToTp : torch::autograd::Function<ScatterToTp> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t tp) {
     ctx->saved_data["tp"] = tp;
-    return slice_last(x, *comm_of(ctx)).clone();
+    return slice_last(x, comm_of(ctx)).clone();
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return {all_gather_last(g[0], *comm_of(ctx)), at::Tensor()};
+    return {all_gather_last(g[0], comm_of(ctx)), at::Tensor()};
   }
 };
 
@@ -88,7 +78,7 @@ struct ScatterToTp : torch::autograd::Function<ScatterToTp> {
 struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets,
                             int64_t vocab_start, int64_t real_vocab, int64_t tp_ptr) {
-    auto& tp = *reinterpret_cast<dist::Communicator*>(static_cast<intptr_t>(tp_ptr));
+    auto& tp = comm_from(tp_ptr);
     const int64_t local = logits.size(1);
     // Reduced-precision logits are computed in float32; float64 stays float64.
     at::Tensor l = logits.scalar_type() == at::kDouble ? logits : logits.to(at::kFloat);

@@ -116,26 +116,25 @@ void Trainer::resume_checkpoint(DataLoader* loader) {
   }
 }
 
-void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& info_ref,
+void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& info,
                            DataLoader* loader) {
-  const CheckpointInfo* info = &info_ref;
   dist::Communicator& world = mesh_.world();
-  CheckpointData data = store.load(info->path);
+  CheckpointData data = store.load(info.path);
   // The model: every tensor-parallel layout resumes from the unsplit tensors.
   NamedTensors local = data.model;
   for (auto& [name, t] : local) {
     auto spec = specs_.find(name);
     if (spec != specs_.end()) t = shard_of(t, spec->second, mesh_.tp_rank(), mesh_.tp_size());
   }
-  load_model_state(model_, local, info->path);
+  load_model_state(model_, local, info.path);
   const bool saved_offloaded = data.meta.count("optimizer.offloaded") && data.meta.at("optimizer.offloaded") == "1";
-  DTRAIN_CHECK(saved_offloaded == options_.offload_optimizer, info->path, ": the checkpoint was saved ",
+  DTRAIN_CHECK(saved_offloaded == options_.offload_optimizer, info.path, ": the checkpoint was saved ",
                saved_offloaded ? "with" : "without", " --offload=optimizer; resume the same way");
   if (auto* off = offloaded_part(optimizer_.get())) {
     // Partitioned state: read the saved shards of this tensor-parallel rank that overlap ours.
     std::vector<std::pair<std::pair<int64_t, int64_t>, NamedTensors>> shards;
     for (int r = 0; r < data.rank_files; ++r) {
-      RankState rs = store.load_rank(info->step, r);
+      RankState rs = store.load_rank(info.step, r);
       if (rs.tp_rank != mesh_.tp_rank() || !rs.meta.count("offload.begin")) continue;
       const int64_t b = std::stoll(rs.meta.at("offload.begin")), e = std::stoll(rs.meta.at("offload.end"));
       if (e <= off->shard_begin() || b >= off->shard_end()) continue;
@@ -155,29 +154,29 @@ void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& i
   try {
     if (!dynamic_cast<OffloadedOptimizer*>(optimizer_.get())) optimizer_->load_state(optimizer);
   } catch (const Error& e) {
-    throw Error(detail::concat(info->path, ": the optimizer state does not fit this run (",
+    throw Error(detail::concat(info.path, ": the optimizer state does not fit this run (",
                                e.what(), "); resume with the same --optimizer and model"));
   }
   if (!data.scaler.empty() && scaler_->enabled()) scaler_->load_state(data.scaler);
   // Random streams: this rank's own when the layout is the same, else rank 0's.
   RngState rng = data.rng;
   if (data.world_size == world.size() && data.rank_files == world.size()) {
-    rng = store.load_rank(info->step, world.rank()).rng;
+    rng = store.load_rank(info.step, world.rank()).rng;
   }
   restore_rng_state(rng);
   step_ = data.step;
   last_saved_step_ = data.step;
   if (data.meta.count("accum_steps")) accum_steps_ = std::stoi(data.meta.at("accum_steps"));
   if (loader && data.meta.count("loader.train")) {
-    auto [epoch, index] = parse_position(data.meta.at("loader.train"), info->path);
+    auto [epoch, index] = parse_position(data.meta.at("loader.train"), info.path);
     loader->seek(epoch, index);
   }
   if (eval_ && data.meta.count("loader.eval")) {
-    auto [epoch, index] = parse_position(data.meta.at("loader.eval"), info->path);
+    auto [epoch, index] = parse_position(data.meta.at("loader.eval"), info.path);
     eval_->seek(epoch, index);
   }
   if (world.rank() == 0) {
-    LOG(INFO) << "resumed from " << info->path << " at step " << step_ << " (saved by "
+    LOG(INFO) << "resumed from " << info.path << " at step " << step_ << " (saved by "
               << data.world_size << " rank(s), dp " << data.dp_size << ")";
   }
 }

@@ -15,27 +15,15 @@ namespace dtrain::engine {
 namespace {
 
 using testing_util::rel_error;
+using testing_util::same_everywhere;
 using testing_util::world_comm;
 
 constexpr double kTol = 1e-12;
 
-std::vector<int> group_sizes() {
-  std::vector<int> t;
-  for (int T = 2; T <= world_comm().size(); T *= 2) {
-    if (world_comm().size() % T == 0) t.push_back(T);
-  }
-  return t;
-}
-
-at::Tensor seeded(std::vector<int64_t> shape, uint64_t seed) {
-  auto g = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::randn(shape, g, at::kDouble);
-}
-
-// Tensors of rank k of the group are seeded(shape, base + k): every rank can build them all.
+// Tensors of rank k of the group are same_everywhere(shape, base + k): every rank can build them all.
 std::vector<at::Tensor> per_rank(std::vector<int64_t> shape, uint64_t base, int T) {
   std::vector<at::Tensor> out;
-  for (int k = 0; k < T; ++k) out.push_back(seeded(shape, base + k));
+  for (int k = 0; k < T; ++k) out.push_back(same_everywhere(shape, base + k));
   return out;
 }
 
@@ -47,7 +35,7 @@ at::Tensor sum_of(const std::vector<at::Tensor>& ts) {
 
 TEST(SequenceParallelPrimitives, GatherReduceScatterAndScatterMatchClosedForms) {
   if (world_comm().size() < 2) GTEST_SKIP() << "needs 2 ranks";
-  for (int T : group_sizes()) {
+  for (int T : testing_util::tp_group_sizes()) {
     dist::Mesh mesh(world_comm(), T);
     auto& tp = mesh.tp();
     const int r = tp.rank();
@@ -75,7 +63,7 @@ TEST(SequenceParallelPrimitives, GatherReduceScatterAndScatterMatchClosedForms) 
       (w * qs[r]).sum().backward();
       EXPECT_LT(rel_error(z.grad(), at::cat(qs, d)), kTol) << "reduce-scatter backward T=" << T;
       // scatter of a tensor identical everywhere: the chunk; backward: the gradients concatenated.
-      at::Tensor s = seeded(full, 500).requires_grad_(true);
+      at::Tensor s = same_everywhere(full, 500).requires_grad_(true);
       at::Tensor c = scatter_to_sequence_parallel(s, tp, dim);
       EXPECT_TRUE(at::equal(c, s.detach().chunk(T, d)[r]));
       (c * qs[r]).sum().backward();
@@ -84,7 +72,7 @@ TEST(SequenceParallelPrimitives, GatherReduceScatterAndScatterMatchClosedForms) 
   }
   // A group of one: the identity, no communication.
   dist::Mesh alone(world_comm(), 1);
-  at::Tensor x = seeded({2, 3}, 7);
+  at::Tensor x = same_everywhere({2, 3}, 7);
   EXPECT_TRUE(gather_from_sequence_parallel(x, alone.tp()).is_same(x));
   EXPECT_TRUE(reduce_scatter_to_sequence_parallel(x, alone.tp()).is_same(x));
 }
@@ -93,7 +81,7 @@ TEST(SequenceParallelPrimitives, ASequenceThatDoesNotSplitIsRefusedWithTheNumber
   if (world_comm().size() < 2) GTEST_SKIP();
   dist::Mesh mesh(world_comm(), 2);
   try {
-    reduce_scatter_to_sequence_parallel(seeded({2, 5, 3}, 1), mesh.tp());
+    reduce_scatter_to_sequence_parallel(same_everywhere({2, 5, 3}, 1), mesh.tp());
     ADD_FAILURE() << "no error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("cannot split a sequence of 5"), std::string::npos)
@@ -101,8 +89,8 @@ TEST(SequenceParallelPrimitives, ASequenceThatDoesNotSplitIsRefusedWithTheNumber
     EXPECT_NE(std::string(e.what()).find("over 2 tensor-parallel ranks"), std::string::npos)
         << e.what();
   }
-  EXPECT_THROW(scatter_to_sequence_parallel(seeded({3, 4}, 1), mesh.tp(), 0), Error);
-  EXPECT_THROW(gather_from_sequence_parallel(seeded({3, 4}, 1), mesh.tp(), 2),
+  EXPECT_THROW(scatter_to_sequence_parallel(same_everywhere({3, 4}, 1), mesh.tp(), 0), Error);
+  EXPECT_THROW(gather_from_sequence_parallel(same_everywhere({3, 4}, 1), mesh.tp(), 2),
                Error);  // no such dim
   VocabParallelEmbedding emb(10, 4, mesh.tp(), SequenceParallel::kOn);
   try {
@@ -198,7 +186,7 @@ TEST(SequenceParallelModel, LossAndEveryGradientEqualThePlainModel) {
     torch::NoGradGuard ng;
     uint64_t seed = 1000;
     for (auto& item : ref.named_parameters())
-      item.value().copy_(seeded(item.value().sizes().vec(), seed++));
+      item.value().copy_(same_everywhere(item.value().sizes().vec(), seed++));
   }
   // Two micro-batches accumulated.
   const at::Tensor a = tokens(1), b = tokens(2);
@@ -213,7 +201,7 @@ TEST(SequenceParallelModel, LossAndEveryGradientEqualThePlainModel) {
   std::map<std::string, at::Tensor> ref_grads;
   for (auto& item : ref.named_parameters()) ref_grads[item.key()] = item.value().grad();
   const auto full_state = gather_full_state(ref, plain_mesh.tp());
-  for (int T : group_sizes()) {
+  for (int T : testing_util::tp_group_sizes()) {
     dist::Mesh mesh(world_comm(), T);
     auto& tp = mesh.tp();
     for (bool ckpt : {false, true}) {

@@ -15,28 +15,15 @@ namespace dtrain::engine {
 namespace {
 
 using testing_util::rel_error;
+using testing_util::same_everywhere;
 using testing_util::world_comm;
 
 constexpr double kTol = 1e-12;
 
-std::vector<int> group_sizes() {
-  std::vector<int> t;
-  for (int T = 2; T <= world_comm().size(); T *= 2) {
-    if (world_comm().size() % T == 0) t.push_back(T);
-  }
-  return t;
-}
-
-// Random tensor identical on every rank (seeded), float64.
-at::Tensor same_everywhere(std::vector<int64_t> shape, uint64_t seed) {
-  auto g = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::randn(shape, g, at::kDouble);
-}
-
 
 TEST(TensorParallelLayers, ColumnRowAndMlpMatchTheUnsplitLinears) {
   if (world_comm().size() < 2) GTEST_SKIP() << "needs 2 ranks";
-  for (int T : group_sizes()) {
+  for (int T : testing_util::tp_group_sizes()) {
     dist::Mesh mesh(world_comm(), T);
     auto& tp = mesh.tp();
     torch::manual_seed(5);
@@ -82,7 +69,7 @@ TEST(TensorParallelLayers, ColumnRowAndMlpMatchTheUnsplitLinears) {
 
 TEST(TensorParallelLayers, ScatterAndGatherAreInverse) {
   if (world_comm().size() < 2) GTEST_SKIP();
-  for (int T : group_sizes()) {
+  for (int T : testing_util::tp_group_sizes()) {
     dist::Mesh mesh(world_comm(), T);
     at::Tensor x = same_everywhere({2, 3, 4 * T}, 3).requires_grad_(true);
     at::Tensor y = gather_from_tensor_parallel(scatter_to_tensor_parallel(x, mesh.tp()), mesh.tp());
@@ -95,7 +82,7 @@ TEST(TensorParallelLayers, ScatterAndGatherAreInverse) {
 
 TEST(TensorParallelLayers, VocabParallelEmbeddingWithAVocabularyThatDoesNotDivide) {
   if (world_comm().size() < 2) GTEST_SKIP();
-  for (int T : group_sizes()) {
+  for (int T : testing_util::tp_group_sizes()) {
     dist::Mesh mesh(world_comm(), T);
     auto& tp = mesh.tp();
     const int64_t V = 4 * T + 1;  // never divisible by T
@@ -119,7 +106,7 @@ TEST(TensorParallelLayers, VocabParallelEmbeddingWithAVocabularyThatDoesNotDivid
 
 TEST(TensorParallelLayers, VocabParallelCrossEntropyNeverGathersTheLogits) {
   if (world_comm().size() < 2) GTEST_SKIP();
-  for (int T : group_sizes()) {
+  for (int T : testing_util::tp_group_sizes()) {
     dist::Mesh mesh(world_comm(), T);
     auto& tp = mesh.tp();
     // A vocabulary that does not divide, and one so small that the last shard is all padding
@@ -153,7 +140,7 @@ TEST(TensorParallelLayers, VocabParallelCrossEntropyNeverGathersTheLogits) {
 
 TEST(TensorParallelLayers, ParallelSelfAttentionMatchesFullAttention) {
   if (world_comm().size() < 2) GTEST_SKIP();
-  for (int T : group_sizes()) {
+  for (int T : testing_util::tp_group_sizes()) {
     dist::Mesh mesh(world_comm(), T);
     auto& tp = mesh.tp();
     const int64_t d = 8 * T, H = 2 * T;
@@ -199,7 +186,7 @@ struct TinyModel : torch::nn::Module {
 
 TEST(TensorParallelLayers, SplitThenGatherReturnsTheOriginalWeightsBitForBit) {
   if (world_comm().size() < 2) GTEST_SKIP();
-  for (int T : group_sizes()) {
+  for (int T : testing_util::tp_group_sizes()) {
     dist::Mesh mesh(world_comm(), T);
     torch::manual_seed(1);
     TinyModel split(mesh.tp());
@@ -234,7 +221,7 @@ TEST(TensorParallelLayers, SizesThatDoNotDivideAreRefusedWithTheNumbers) {
 
 TEST(TensorParallelLayers, GradNormCountsShardsOnceAcrossTheGroup) {
   if (world_comm().size() < 2) GTEST_SKIP();
-  for (int T : group_sizes()) {
+  for (int T : testing_util::tp_group_sizes()) {
     dist::Mesh mesh(world_comm(), T);
     // A sharded parameter whose slice on rank r has gradient r+1 everywhere (3 elements),
     // and a replicated one with gradient 2 (4 elements) on every rank.
