@@ -36,6 +36,12 @@ DEFINE_string(plan, "none", "none, or auto: choose checkpointing/accumulation/of
 DEFINE_double(gpu_mem_limit_gb, 0, "GPU memory budget in GiB, CUDA context included (0: the whole device); caps the caching allocator");
 DEFINE_double(host_mem_limit_gb, 0, "cap of pinned host memory for offload (0: none besides what the machine has free)");
 DEFINE_int32(offload_threads, 0, "CPU optimizer threads (0: OMP_NUM_THREADS or the cores)");
+DEFINE_string(offload_stream_gradients, "auto",
+              "with --offload=optimizer: copy each reduced gradient bucket to the host during backward "
+              "(auto: on a GPU; on: on the CPU too; off)");
+DEFINE_int64(offload_delayed_update_after, -1,
+             "with --offload=optimizer: after this many ordinary steps, run each step's CPU update "
+             "during the next step's forward/backward (one-step-delayed update; -1: off)");
 DEFINE_int32(workers, 2, "data-loading worker threads");
 DEFINE_int64(eval_every, 0, "evaluate every N steps (0: never)");
 DEFINE_int64(log_every, 10, "log metrics every N steps");
@@ -122,6 +128,13 @@ void check_flags() {
   DTRAIN_CHECK(FLAGS_gpu_mem_limit_gb >= 0, "--gpu_mem_limit_gb=", FLAGS_gpu_mem_limit_gb, " must be >= 0");
   DTRAIN_CHECK(FLAGS_plan != "auto" || FLAGS_gpu_mem_limit_gb > 0, "--plan=auto needs --gpu_mem_limit_gb (the budget to fit)");
   DTRAIN_CHECK(FLAGS_host_mem_limit_gb >= 0, "--host_mem_limit_gb=", FLAGS_host_mem_limit_gb, " must be >= 0");
+  DTRAIN_CHECK(FLAGS_offload_stream_gradients == "auto" || FLAGS_offload_stream_gradients == "on" ||
+                   FLAGS_offload_stream_gradients == "off",
+               "--offload_stream_gradients=", FLAGS_offload_stream_gradients, " is not one of: auto, on, off");
+  DTRAIN_CHECK(FLAGS_offload_delayed_update_after >= -1, "--offload_delayed_update_after=",
+               FLAGS_offload_delayed_update_after, " must be >= 0 (warm-up steps) or -1 (off)");
+  DTRAIN_CHECK(FLAGS_offload_delayed_update_after < 0 || engine::parse_offload(FLAGS_offload).optimizer,
+               "--offload_delayed_update_after needs --offload=optimizer or --offload=all");
   DTRAIN_CHECK(FLAGS_save_every >= 0, "--save_every=", FLAGS_save_every, " must be >= 0");
   DTRAIN_CHECK(FLAGS_keep_last >= 0, "--keep_last=", FLAGS_keep_last, " must be >= 0");
   DTRAIN_CHECK(!FLAGS_resume || !FLAGS_save_dir.empty(), "--resume needs --save_dir");
@@ -219,6 +232,8 @@ engine::TrainerOptions trainer_options(const Run& run, const std::string& defaul
   o.offload_optimizer = engine::parse_offload(FLAGS_offload).optimizer;
   o.offload.host_mem_limit_gb = FLAGS_host_mem_limit_gb;
   o.offload.threads = FLAGS_offload_threads;
+  o.offload.stream_gradients = FLAGS_offload_stream_gradients;
+  o.offload.delayed_update_after = FLAGS_offload_delayed_update_after;
   o.save_dir = FLAGS_save_dir;
   o.save_every = FLAGS_save_every;
   o.keep_last = FLAGS_keep_last;

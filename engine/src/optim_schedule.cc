@@ -76,21 +76,24 @@ at::Tensor grad_norm(const std::vector<at::Tensor>& grads) {
   return total.to(at::kFloat);
 }
 
-void clip_grads(const std::vector<at::Tensor>& grads, const at::Tensor& norm, double max_norm) {
+at::Tensor clip_coefficient(const at::Tensor& norm, double max_norm) {
   DTRAIN_CHECK(std::isfinite(max_norm) && max_norm >= 0.0, "clip_grads: max_norm = ", max_norm,
                " must be a finite number >= 0");
   DTRAIN_CHECK(norm.defined() && norm.numel() == 1,
                "clip_grads: norm must be a single-element tensor (from grad_norm), got ",
                norm.defined() ? norm.toString() : std::string("an undefined tensor"));
   at::NoGradGuard no_grad;
+  at::Tensor limit = at::full(c10::IntArrayRef{}, max_norm, norm.options());
+  return at::clamp_max(limit / (norm.reshape({}) + 1e-6), 1.0);
+}
+
+void clip_grads(const std::vector<at::Tensor>& grads, const at::Tensor& norm, double max_norm) {
+  at::Tensor coef = clip_coefficient(norm, max_norm);
+  at::NoGradGuard no_grad;
   std::map<std::string, std::vector<at::Tensor>> by_device;
   for (const at::Tensor& g : grads) {
     if (g.defined()) by_device[g.device().str()].push_back(g);
   }
-  if (by_device.empty()) return;
-  // coef = min(1, max_norm / (norm + 1e-6)), computed on the norm's device.
-  at::Tensor limit = at::full(c10::IntArrayRef{}, max_norm, norm.options());
-  at::Tensor coef = at::clamp_max(limit / (norm.reshape({}) + 1e-6), 1.0);
   for (auto& [device, list] : by_device) {
     c10::Device target = list.front().device();
     at::Tensor local = coef.to(target, /*non_blocking=*/!target.is_cpu());

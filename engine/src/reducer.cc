@@ -127,6 +127,7 @@ struct GradReducer::State {
   std::vector<size_t> unused;  // from prepare_for_backward
   ReducerStepStats stats;
   ReducerStepStats last_stats;
+  std::function<void(const LaunchedBucket&)> observer;
 
   void build(const std::vector<std::vector<size_t>>& assignment);
   void start_step();
@@ -201,6 +202,17 @@ void GradReducer::State::launch(size_t b) {
   stats.bucket_bytes.push_back(bucket.wire.numel() * bucket.wire.element_size());
   stats.bytes += stats.bucket_bytes.back();
   bucket.work = comm.all_reduce(bucket.wire, dist::ReduceOp::kAvg);
+  if (observer) {
+    LaunchedBucket event;
+    event.backward = synced_backwards;
+    event.index = b;
+    event.count = buckets.size();
+    event.params = bucket.params;
+    event.offsets = bucket.offsets;
+    event.values = bucket.wire;
+    event.work = bucket.work;
+    observer(event);
+  }
 }
 
 void GradReducer::State::on_hook(size_t i) {
@@ -460,6 +472,11 @@ void GradReducer::abandon_step() {
   // Zero without the (collective) bucket rebuild: the other ranks are elsewhere now.
   std::lock_guard<std::mutex> lock(state_->mutex);
   for (Bucket& b : state_->buckets) b.flat.zero_();
+}
+
+void GradReducer::set_bucket_observer(std::function<void(const LaunchedBucket&)> observer) {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->observer = std::move(observer);
 }
 
 int GradReducer::num_buckets() const {

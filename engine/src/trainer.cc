@@ -65,6 +65,8 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
   reducer_ = std::make_unique<GradReducer>(params_, mesh_.dp(), reducer_options);
   if (options_.offload_optimizer) {
     optimizer_ = make_offload_optimizer(params_, options_.optimizer, mesh_.dp(), options_.offload, device_);
+    // Gradients of the optimizer's shard stream to the host bucket by bucket during backward.
+    offloaded_part(optimizer_.get())->attach(reducer_.get());
   } else {
     optimizer_ = make_optimizer(params_, options_.optimizer);
   }
@@ -180,11 +182,21 @@ void Trainer::apply_update(StepMetrics& m, bool& skipped) {
   std::vector<at::Tensor> grads;
   grads.reserve(params_.size());
   for (const at::Tensor& p : params_) grads.push_back(p.grad());
+  // Streamed host copies of the gradients were taken before unscaling and clipping: order
+  // those in-place changes after the copies and pass the offloaded optimizer their factor.
+  OffloadedOptimizer* streamed = offloaded_part(optimizer_.get());
+  if (streamed && !streamed->streams_gradients()) streamed = nullptr;
+  if (streamed) streamed->wait_streamed_gradients();
+  double factor = 1.0;
+  if (streamed && scaler_->enabled()) factor = static_cast<float>(1.0 / scaler_->scale_value());
   const bool finite = scaler_->unscale(grads, &mesh_.world());
   if (finite && (options_.clip_grad_norm > 0 || options_.report_grad_norm)) {
     at::Tensor norm = mesh_.tp_size() > 1 ? tensor_parallel_grad_norm(params_, sharded_, mesh_.tp())
                                           : grad_norm(grads);
-    if (options_.clip_grad_norm > 0) clip_grads(grads, norm, options_.clip_grad_norm);
+    if (options_.clip_grad_norm > 0) {
+      clip_grads(grads, norm, options_.clip_grad_norm);
+      if (streamed) factor *= clip_coefficient(norm, options_.clip_grad_norm).item<double>();
+    }
     last_grad_norm_ = norm;  // read on the host only at log steps
   }
   const double lr = options_.optimizer.lr * schedule_factor(options_.schedule, step_);
@@ -193,6 +205,7 @@ void Trainer::apply_update(StepMetrics& m, bool& skipped) {
   skipped = !finite;
   if (finite) {
     Timeline::Span span(*timeline_, "optimizer", category::kOptimizer, lane::kOptimizer);
+    if (streamed) streamed->set_streamed_gradient_factor(factor);
     optimizer_->step();
   }
   scaler_->update();
@@ -269,6 +282,10 @@ MemoryReport Trainer::memory_report() const {
   for (const at::Tensor& p : params_) grads.push_back(p.grad());
   for (auto& [name, t] : optimizer_->state()) state.push_back(t);
   return build_memory_report(device_, params_, grads, state, step_start_allocated_mb_, step_peak_mb_);
+}
+
+void Trainer::flush_updates() {
+  if (OffloadedOptimizer* off = offloaded_part(optimizer_.get())) off->flush();
 }
 
 double Trainer::read_loss() {
@@ -378,6 +395,7 @@ StepMetrics Trainer::fit(DataLoader& train, DataLoader* eval) {
     if (stop_for_preemption(train)) break;
   }
   progress.finish();
+  flush_updates();  // the model holds every step's update when fit() returns
   if (!preempted_ && !options_.save_dir.empty() && last_saved_step_ != step_) save_checkpoint(&train);
   finish_timeline();
   return logged;

@@ -53,6 +53,7 @@ NamedTensors Trainer::full_optimizer_state() {
 }
 
 std::string Trainer::save_checkpoint(const DataLoader* loader) {
+  flush_updates();  // a delayed update in flight goes into the saved weights
   CheckpointStoreOptions so;
   so.keep_last = options_.keep_last;
   CheckpointStore store(options_.save_dir, so);

@@ -228,7 +228,7 @@ void CpuOptimizer::Impl::set_default_targets() {
   std::vector<int64_t> starts;
   if (output.defined()) {
     flats.push_back(output);
-    starts.push_back(0);
+    starts.push_back(output_start);
   } else {
     for (size_t i = 0; i < params.size(); ++i) {
       if (params[i].numel() == 0) continue;
@@ -409,13 +409,14 @@ void CpuOptimizer::set_output(const at::Tensor& flat) {
   Impl& s = *impl_;
   DTRAIN_CHECK(!s.open, "CPU optimizer: set_output() while step ", s.step, " is open");
   if (flat.defined()) {
-    DTRAIN_CHECK(
-        flat.dim() == 1 && flat.is_contiguous() && at::isFloatingType(flat.scalar_type()) &&
-            (flat.numel() == s.numel || flat.numel() == s.padded),
-        "CPU optimizer: set_output needs a contiguous 1-D floating-point tensor of ", s.numel,
-        " or ", s.padded, " elements, got ", flat.toString(), " with sizes ", flat.sizes());
+    DTRAIN_CHECK(flat.dim() == 1 && flat.is_contiguous() && at::isFloatingType(flat.scalar_type()) &&
+                     (flat.numel() == s.numel || flat.numel() == s.padded || flat.numel() == s.shard.size()),
+                 "CPU optimizer: set_output needs a contiguous 1-D floating-point tensor of ", s.numel, " or ",
+                 s.padded, " elements (the flat space) or ", s.shard.size(), " (this rank's shard), got ",
+                 flat.toString(), " with sizes ", flat.sizes());
   }
   s.output = flat.defined() ? flat.detach() : at::Tensor();
+  s.output_start = flat.defined() && flat.numel() != s.numel && flat.numel() != s.padded ? s.shard.begin : 0;
   s.set_default_targets();
 }
 

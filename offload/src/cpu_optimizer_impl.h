@@ -138,6 +138,7 @@ struct CpuOptimizer::Impl {
   std::map<int64_t, int64_t> covered;  // begin -> end of ranges updated in the open step
 
   at::Tensor output;  // set_output's tensor, or undefined: the parameters
+  int64_t output_start = 0;  // the flat element output[0] holds
   CopyBack copy_back;
 };
 

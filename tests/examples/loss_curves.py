@@ -311,6 +311,41 @@ def scenario_offload(args):
     compare(steps_after(ref, 8), steps_after(res2, 8), "offloaded state of 1 rank resumed on 2", 1e-5)
 
 
+def scenario_offload_stream(args):
+    """Optimizer offload with gradients streamed per bucket during backward (forced on the CPU)
+    and the one-step-delayed update."""
+    shape = ["--d_model=64", "--heads=4", "--layers=2", "--seq_len=32", "--ff=128", "--vocab=96", "--workers=1",
+             "--lr=0.003", "--steps=16"]
+    clip = ["--clip_grad_norm=0.5"]
+    ref = train(args, "train_gpt", 1, shape + clip + ["--batch_size=8"], "gpt-clip")
+    streamed = train(args, "train_gpt", 2, shape + clip + ["--batch_size=4", "--offload=optimizer",
+                                                           "--offload_stream_gradients=on"], "gpt-stream-2")
+    compare(ref, streamed, "--offload=optimizer, gradients streamed per bucket, clipped, 2 ranks", 1e-5)
+    # Delayed update after 4 steps: the warm-up equals the ordinary run, then the curve departs
+    # (the update lands one step late) and still falls; 1 rank and 2 partitioned ranks agree.
+    delay = ["--offload=optimizer", "--offload_delayed_update_after=4"]
+    d1 = train(args, "train_gpt", 1, shape + clip + delay + ["--batch_size=8"], "gpt-delay-1")
+    compare(ref[:4], d1[:4], "delayed update: the 4 warm-up steps", 1e-5)
+    departs = max(abs(a["loss"] - b["loss"]) / abs(a["loss"]) for a, b in zip(ref[5:], d1[5:]))
+    assert departs > 1e-4, f"the delayed update did not change the curve after the warm-up ({departs:.2e})"
+    assert d1[-1]["loss"] < 0.8 * d1[0]["loss"], f"delayed update: loss did not fall: {d1[0]['loss']} -> {d1[-1]['loss']}"
+    print(f"ok: delayed update departs from the ordinary curve after the warm-up (up to {departs:.2e}) and "
+          f"falls {d1[0]['loss']:.4f} -> {d1[-1]['loss']:.4f}")
+    d2 = train(args, "train_gpt", 2, shape + clip + delay + ["--batch_size=4", "--offload_stream_gradients=on"],
+               "gpt-delay-2")
+    compare(d1, d2, "delayed update on 2 ranks, state partitioned, gradients streamed", 1e-5)
+    # Saving publishes the update in flight; a run resumed there continues as the saving run.
+    ck_full = os.path.join(args.workdir, "ck_delay_full")
+    full = train(args, "train_gpt", 2, shape + clip + delay + ["--batch_size=4", "--save_every=8",
+                                                               f"--save_dir={ck_full}"], "gpt-delay-full")
+    ck = os.path.join(args.workdir, "ck_delay")
+    train(args, "train_gpt", 2, shape[:-1] + clip + delay + ["--steps=8", "--batch_size=4", f"--save_dir={ck}"],
+          "gpt-delay-part")
+    res = train(args, "train_gpt", 2, shape + clip + delay + ["--batch_size=4", f"--save_dir={ck}", "--resume"],
+                "gpt-delay-resumed")
+    compare(steps_after(full, 8), steps_after(res, 8), "delayed update resumed from a checkpoint", 1e-5)
+
+
 def scenario_plan(args):
     shape = ["--data=synthetic", "--d_model=128", "--heads=4", "--ff=256", "--layers=2", "--seq_len=64",
              "--vocab=1000", "--batch_size=8", "--steps=4", "--workers=1"]
@@ -327,7 +362,7 @@ def scenario_plan(args):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("scenario", choices=["data_parallel", "amp", "seq2seq", "tensor_parallel", "observability",
-                                         "checkpoint", "checkpoint_tp", "offload", "plan",
+                                         "checkpoint", "checkpoint_tp", "offload", "offload_stream", "plan",
                                          "sequence_parallel"])
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--source", default=os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -340,7 +375,7 @@ def main():
         {"data_parallel": scenario_data_parallel, "amp": scenario_amp, "seq2seq": scenario_seq2seq,
          "tensor_parallel": scenario_tensor_parallel, "observability": scenario_observability,
          "checkpoint": scenario_checkpoint, "checkpoint_tp": scenario_checkpoint_tp,
-         "offload": scenario_offload, "plan": scenario_plan,
+         "offload": scenario_offload, "offload_stream": scenario_offload_stream, "plan": scenario_plan,
          "sequence_parallel": scenario_sequence_parallel}[args.scenario](args)
 
 

@@ -130,5 +130,8 @@ at::Tensor grad_norm(const std::vector<at::Tensor>& grads);
 // first, e.g. with the loss scaler). Throws dtrain::Error for a negative or non-finite
 // max_norm or a norm that is not a single-element tensor.
 void clip_grads(const std::vector<at::Tensor>& grads, const at::Tensor& norm, double max_norm);
+// The factor clip_grads applies: min(1, max_norm / (norm + 1e-6)), a 0-dim tensor on the
+// norm's device (enqueued, no host sync). Same checks as clip_grads.
+at::Tensor clip_coefficient(const at::Tensor& norm, double max_norm);
 
 }  // namespace dtrain::engine

@@ -70,6 +70,22 @@ struct ReducerStepStats {
   int unused_parameters = 0;
 };
 
+// A bucket whose average was just launched in a synchronized backward (see
+// GradReducer::set_bucket_observer).
+struct LaunchedBucket {
+  int64_t backward = 0;          // which synchronized backward: 0, 1, ... (as counted by
+                                 // synchronized_backwards() before it ends)
+  size_t index = 0;              // launch position in this backward
+  size_t count = 0;              // buckets launched by every synchronized backward now
+  std::vector<size_t> params;    // parameter indices, in bucket order
+  std::vector<int64_t> offsets;  // element offset of each parameter in values
+  // The averaged gradients once work completes (after work->wait(), ordered as a
+  // collective's result): the bucket's flat storage, or its compressed (bf16/fp16) copy.
+  // Valid until the next zero_grad() or abandon_step(); never write to it.
+  at::Tensor values;
+  dist::WorkPtr work;
+};
+
 class GradReducer {
  public:
   // params: leaf tensors requiring grad, contiguous. Collective (broadcast and checks).
@@ -108,6 +124,14 @@ class GradReducer {
   // collectively). Then agree across ranks that the step is dropped, and call zero_grad()
   // on every rank.
   void abandon_step();
+
+  // Calls observer for every bucket as its average is launched in a synchronized backward
+  // (abandoned steps included), on the launching thread (autograd's, or the caller's at the
+  // end of backward) under the reducer's lock: the observer must only hand the event on
+  // (e.g. queue it for a thread of its own), not block, and not call the reducer. Used by
+  // optimizer offload to copy each bucket's gradients to the host while backward runs.
+  // An empty function removes the observer.
+  void set_bucket_observer(std::function<void(const LaunchedBucket&)> observer);
 
   const std::vector<at::Tensor>& params() const { return params_; }
   int num_buckets() const;

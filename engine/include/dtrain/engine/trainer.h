@@ -61,7 +61,9 @@ struct TrainerOptions {
   int64_t tokens_per_sample = 0;  // > 0: report tokens_per_s
   ReducerOptions reducer;
   // Optimizer offload (engine/offload.h): fp32 master weights and state in host memory,
-  // partitioned over the data-parallel group. Layer offload is not implemented yet.
+  // partitioned over the data-parallel group, gradients streamed to the host during
+  // backward on a GPU, optionally the delayed update (offload.delayed_update_after). Layer
+  // offload is the model's part (offload::LayerStreamer, e.g. the example GPT's blocks).
   bool offload_optimizer = false;
   OffloadOptions offload;
   // Called on every rank with each logged step's metrics (after they are written).
@@ -117,6 +119,10 @@ class Trainer {
   // Saves a checkpoint of this step to options.save_dir (collective); loader gives the data
   // position. Returns the path of the main file.
   std::string save_checkpoint(const DataLoader* loader);
+  // With the offloaded optimizer's delayed update: publishes the update in flight, so the
+  // model holds every step's update (save_checkpoint() and the end of fit() do it). After
+  // step() the model otherwise holds the weights one update behind. Collective over dp.
+  void flush_updates();
   // Restores the newest good checkpoint in options.save_dir (collective); throws
   // dtrain::Error when there is none or it belongs to a different model. Moves loader to the
   // saved position (and, inside fit(), its evaluation loader too). Any tensor-parallel or

@@ -163,7 +163,8 @@ class CpuOptimizer {
   // Copy-back target instead of the parameters: a contiguous 1-D tensor of numel() or
   // padded_numel() elements (any device, floating dtype) in flat order; after each step it
   // holds the new weights of the shard's elements (the rest untouched), e.g. for an in-place
-  // all-gather. An undefined tensor switches back to the parameters. Waits for copies in
+  // all-gather. A tensor of shard().size() elements holds just the shard (element k is flat
+  // element shard().begin + k), e.g. a staging buffer for a delayed update. An undefined tensor switches back to the parameters. Waits for copies in
   // flight. Throws when a step is open or for a wrong size, layout or dtype.
   void set_output(const at::Tensor& flat);
   // Reloads the shard's master weights from the parameters (e.g. after loading a model
