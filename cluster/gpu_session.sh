@@ -97,6 +97,10 @@ bench() {
     echo "## offload: optimizer (gpt 1.3B shape) and layers (gpt124m)"
     timeout 240 "$bin/train_gpt" --device=cuda --data=synthetic --amp=bf16 --offload=optimizer --d_model=2048 \
       --heads=16 --layers=24 --ff=8192 --batch_size=4 --steps=8 --log_every=4 --progress=false 2>&1 | grep -E "trained|MFU|offload"
+    echo "## the same with the delayed update (CPU step hidden behind the next forward/backward)"
+    timeout 240 "$bin/train_gpt" --device=cuda --data=synthetic --amp=bf16 --offload=optimizer --d_model=2048 \
+      --heads=16 --layers=24 --ff=8192 --batch_size=4 --steps=8 --log_every=4 --progress=false \
+      --offload_delayed_update_after=2 2>&1 | grep -E "trained|MFU|offload"
     timeout 180 "$bin/train_gpt" --device=cuda --data=synthetic --amp=bf16 --offload=layers --steps=10 \
       --log_every=5 --progress=false 2>&1 | grep -E "trained|MFU|offload"
     echo

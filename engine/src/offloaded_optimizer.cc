@@ -106,7 +106,7 @@ struct OffloadedOptimizer::Impl {
   bool streamed_ready();
   void wait_streamed(bool host_sync);
   void copy_grads_from_params(HostGrads& g, const std::vector<at::Tensor>& params);
-  void update_from_host(const HostGrads& g, double multiplier);
+  void update_from_host(const HostGrads& g, double multiplier, double rate);
   void all_gather(const at::Tensor& shard);
   void update_loop();
   void start_update(int buffer, double multiplier);
@@ -231,8 +231,8 @@ void OffloadedOptimizer::Impl::copy_grads_from_params(HostGrads& g, const std::v
   }
 }
 
-void OffloadedOptimizer::Impl::update_from_host(const HostGrads& g, double multiplier) {
-  cpu->set_lr(lr);
+void OffloadedOptimizer::Impl::update_from_host(const HostGrads& g, double multiplier, double rate) {
+  cpu->set_lr(rate);
   cpu->begin_step(multiplier);
   for_each_piece(0, hi - lo, [&](size_t c, int64_t in, int64_t n, int64_t at_) {
     cpu->step_range(lo + at_, lo + at_ + n, g.chunks[c].narrow(0, in, n));
@@ -271,8 +271,7 @@ void OffloadedOptimizer::Impl::update_loop() {
         guard.emplace(*update_stream);
         published->block(*update_stream);  // `next` was read by the last all-gather
       }
-      lr = j.lr;
-      update_from_host(host[j.buffer], j.multiplier);
+      update_from_host(host[j.buffer], j.multiplier, j.lr);
       if (update_stream) update_done->record(*update_stream);
     } catch (...) {
       failure = std::current_exception();
@@ -507,7 +506,7 @@ void OffloadedOptimizer::step() {
     s.finish_update();  // none in flight unless a checkpoint moved the step count back
     s.set_output_next(false);
     if (streamed) {
-      s.update_from_host(s.host[fill], factor);
+      s.update_from_host(s.host[fill], factor, s.lr);
     } else {
       s.cpu->set_lr(s.lr);
       s.cpu->step();  // this rank's shard from .grad, written back into the flat buffer

@@ -18,6 +18,9 @@ check 2 'lr=nan must be a positive finite number' "$bin/train_mlp" --lr=nan
 check 2 'no usable CUDA GPU' env CUDA_VISIBLE_DEVICES= "$bin/train_mlp" --device=cuda
 check 2 'offload=disk is not one of' "$bin/train_mlp" --offload=disk
 check 2 'host_mem_limit_gb=-1 must be >= 0' "$bin/train_mlp" --offload=optimizer --host_mem_limit_gb=-1
+check 2 'offload_stream_gradients=sometimes is not one of: auto, on, off' "$bin/train_mlp" --offload=optimizer --offload_stream_gradients=sometimes
+check 2 'offload_delayed_update_after=-2 must be >= 0' "$bin/train_mlp" --offload=optimizer --offload_delayed_update_after=-2
+check 2 'offload_delayed_update_after needs --offload=optimizer' "$bin/train_mlp" --offload_delayed_update_after=3
 check 2 'cap' "$bin/train_gpt" --device=cpu --d_model=64 --heads=4 --layers=1 --seq_len=16 --vocab=96 --offload=optimizer --host_mem_limit_gb=0.0001
 check 2 'has no tensor-parallel layers' "$bin/train_mlp" --tp=2
 check 2 'sequence_parallel: train_mlp has no tensor-parallel layers' "$bin/train_mlp" --sequence_parallel

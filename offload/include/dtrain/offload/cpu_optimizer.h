@@ -37,8 +37,8 @@
 // Failures: bad input throws dtrain::Error naming the value and the fix, before anything of
 // the call is updated (a host memory cap or MemAvailable error from the pool at construction).
 //
-// Not here (left to the caller): a one-step-delayed update overlapping the next forward /
-// backward; gathering the shards of a checkpoint into one file.
+// Not here (left to the caller; engine::OffloadedOptimizer does both): a one-step-delayed
+// update overlapping the next forward / backward; gathering the shards of a checkpoint.
 #pragma once
 
 #include <ATen/core/Tensor.h>
