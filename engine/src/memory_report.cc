@@ -158,6 +158,9 @@ std::string MemoryReport::to_string() const {
             "cuda_context");
     add_row(os, "= this process on the device (NVML)", process_total_mb, p, "total");
   }
+  if (host_offload_mb > 0) {
+    add_row(os, "host: optimizer offload (master, state, buffers)", host_offload_mb, p, "host_offload");
+  }
   for (const auto& note : notes) os << "  note: " << note << "\n";
   return os.str();
 }

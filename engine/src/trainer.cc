@@ -280,8 +280,14 @@ void Trainer::finish_timeline() {
 MemoryReport Trainer::memory_report() const {
   std::vector<at::Tensor> grads, state;
   for (const at::Tensor& p : params_) grads.push_back(p.grad());
-  for (auto& [name, t] : optimizer_->state()) state.push_back(t);
-  return build_memory_report(device_, params_, grads, state, step_start_allocated_mb_, step_peak_mb_);
+  // Offloaded state lives on the host (its state() would copy all of it): its own row.
+  OffloadedOptimizer* off = offloaded_part(optimizer_.get());
+  if (!off) {
+    for (auto& [name, t] : optimizer_->state()) state.push_back(t);
+  }
+  MemoryReport r = build_memory_report(device_, params_, grads, state, step_start_allocated_mb_, step_peak_mb_);
+  if (off) r.host_offload_mb = static_cast<double>(off->host_bytes()) / (1024.0 * 1024.0);
+  return r;
 }
 
 void Trainer::flush_updates() {

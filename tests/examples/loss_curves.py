@@ -331,6 +331,12 @@ def scenario_offload_stream(args):
     assert d1[-1]["loss"] < 0.8 * d1[0]["loss"], f"delayed update: loss did not fall: {d1[0]['loss']} -> {d1[-1]['loss']}"
     print(f"ok: delayed update departs from the ordinary curve after the warm-up (up to {departs:.2e}) and "
           f"falls {d1[0]['loss']:.4f} -> {d1[-1]['loss']:.4f}")
+    # The memory report has a host row for the offloaded state (rank 0 alone calls it).
+    out = run(shlex.split(args.mpirun) + ["-np", "2", os.path.join(args.bin, "train_gpt"), "--device=cpu",
+                                          "--progress=false", "--batch_size=4", "--memory_report_step=6"]
+              + shape + delay)
+    assert "host: optimizer offload (master, state, buffers)" in out, "no host row in the memory report"
+    print("ok: the memory report shows the offloaded host memory")
     d2 = train(args, "train_gpt", 2, shape + clip + delay + ["--batch_size=4", "--offload_stream_gradients=on"],
                "gpt-delay-2")
     compare(d1, d2, "delayed update on 2 ranks, state partitioned, gradients streamed", 1e-5)

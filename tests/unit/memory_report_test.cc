@@ -123,6 +123,12 @@ TEST(MemoryReport, CpuComponentsAddUpToTheCountingAllocator) {
     EXPECT_NE(table.find("predicted"), std::string::npos);
     EXPECT_NE(table.find("0.3"), std::string::npos);
     EXPECT_EQ(table.find("reserved"), std::string::npos);  // CPU: no allocator cache rows
+    EXPECT_EQ(table.find("host:"), std::string::npos);  // no offload, no host row
+    r.host_offload_mb = 12.5;
+    const std::string with_host = r.to_string();
+    EXPECT_NE(with_host.find("host: optimizer offload (master, state, buffers)"), std::string::npos) << with_host;
+    EXPECT_NE(with_host.find("12.5"), std::string::npos) << with_host;
+    EXPECT_NEAR(r.total_mb(), r.allocated_peak_mb, 1e-9);  // not part of the device's total
   }
 }
 

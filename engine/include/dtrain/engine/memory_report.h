@@ -39,6 +39,11 @@ struct MemoryReport {
   double reserved_mb = 0;        // CUDA: the caching allocator's reserved bytes (else 0)
   double process_total_mb = 0;   // NVML: this process's device memory (0: unknown)
 
+  // Host memory of optimizer offload (pinned pool: fp32 master weights, optimizer state,
+  // gradient and copy-back buffers); shown in a row of its own after the device's total,
+  // when > 0. Not part of total_mb() (another memory, except on a CPU device, where the
+  // allocator figures already include it).
+  double host_offload_mb = 0;
   std::vector<std::string> notes;  // caveats: NVML missing, CPU memory untracked, ...
   // What a planner predicted, by key: "parameters", "gradients", "optimizer_state",
   // "activations", "other", "allocated", "allocator_cache", "reserved", "cuda_context",
