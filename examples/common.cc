@@ -39,6 +39,9 @@ DEFINE_int32(offload_threads, 0, "CPU optimizer threads (0: OMP_NUM_THREADS or t
 DEFINE_string(offload_stream_gradients, "auto",
               "with --offload=optimizer: copy each reduced gradient bucket to the host during backward "
               "(auto: on a GPU; on: on the CPU too; off)");
+DEFINE_bool(offload_reduce_to_owner, true,
+            "with --offload=optimizer and data parallelism: reduce each gradient only to the rank whose "
+            "optimizer shard holds it instead of all-reducing it");
 DEFINE_int64(offload_delayed_update_after, -1,
              "with --offload=optimizer: after this many ordinary steps, run each step's CPU update "
              "during the next step's forward/backward (one-step-delayed update; -1: off)");
@@ -234,6 +237,7 @@ engine::TrainerOptions trainer_options(const Run& run, const std::string& defaul
   o.offload.threads = FLAGS_offload_threads;
   o.offload.stream_gradients = FLAGS_offload_stream_gradients;
   o.offload.delayed_update_after = FLAGS_offload_delayed_update_after;
+  o.offload.reduce_to_owner = FLAGS_offload_reduce_to_owner;
   o.save_dir = FLAGS_save_dir;
   o.save_every = FLAGS_save_every;
   o.keep_last = FLAGS_keep_last;

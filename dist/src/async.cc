@@ -285,8 +285,10 @@ std::string describe_op(const Communicator& comm, OpType type, const at::Tensor&
   if (tensor.defined()) {
     os << ", " << c10::toString(tensor.scalar_type()) << tensor.sizes();
   }
-  if (type == OpType::kAllReduce || type == OpType::kReduceScatter) os << ", " << to_string(reduce);
-  if (type == OpType::kBroadcast) os << ", root " << root;
+  if (type == OpType::kAllReduce || type == OpType::kReduceScatter || type == OpType::kReduce) {
+    os << ", " << to_string(reduce);
+  }
+  if (type == OpType::kBroadcast || type == OpType::kReduce) os << ", root " << root;
   os << ")";
   return os.str();
 }

@@ -29,6 +29,7 @@ const char* to_string(OpType type) {
     case OpType::kAllGather: return "all_gather";
     case OpType::kReduceScatter: return "reduce_scatter";
     case OpType::kBarrier: return "barrier";
+    case OpType::kReduce: return "reduce";
   }
   return "?";
 }
@@ -106,9 +107,9 @@ std::string describe_descriptor(const std::vector<int64_t>& d) {
     for (int64_t i = 0; i < std::min<int64_t>(d[6], kMaxDims); ++i) os << (i ? "," : "") << d[7 + i];
     os << "]";
     auto type = static_cast<OpType>(d[1]);
-    if (type == OpType::kAllReduce || type == OpType::kReduceScatter)
+    if (type == OpType::kAllReduce || type == OpType::kReduceScatter || type == OpType::kReduce)
       os << ", " << to_string(static_cast<ReduceOp>(d[3]));
-    if (type == OpType::kBroadcast) os << ", root " << d[4];
+    if (type == OpType::kBroadcast || type == OpType::kReduce) os << ", root " << d[4];
     if (type != OpType::kBroadcast) os << ", output numel " << d[5];
     os << ")";
   }
@@ -186,6 +187,14 @@ WorkPtr Communicator::broadcast(const at::Tensor& tensor, int root) {
   DTRAIN_CHECK(root >= 0 && root < size_, name(), ".broadcast: root ", root,
                " is not a rank of this communicator (size ", size_, ")");
   return submit(Op{OpType::kBroadcast, tensor, tensor, ReduceOp::kSum, root, 0});
+}
+
+WorkPtr Communicator::reduce(const at::Tensor& tensor, int root, ReduceOp op) {
+  check_tensor(*this, "reduce", "", tensor);
+  check_reduce(*this, "reduce", op, tensor);
+  DTRAIN_CHECK(root >= 0 && root < size_, name(), ".reduce: root ", root,
+               " is not a rank of this communicator (size ", size_, ")");
+  return submit(Op{OpType::kReduce, tensor, tensor, op, root, 0});
 }
 
 WorkPtr Communicator::all_gather(const at::Tensor& input, const at::Tensor& output) {

@@ -255,6 +255,22 @@ class MpiCommunicator final : public Communicator {
         }
         break;
       }
+      case OpType::kReduce: {
+        MPI_Datatype type = runtime_->datatype(out.scalar_type());
+        MPI_Op mop = runtime_->reduce_op(op.reduce, out.scalar_type());
+        const bool root = rank() == op.root;
+        for (int64_t off = 0; off < out.numel(); off += kMaxCount) {
+          int n = static_cast<int>(std::min(kMaxCount, out.numel() - off));
+          void* buf = byte_ptr(out, off);
+          const void* src = root ? MPI_IN_PLACE : buf;
+          void* dst = root ? buf : nullptr;
+          collective(
+              "MPI_Reduce", [&] { return MPI_Reduce(src, dst, n, type, mop, op.root, comm_); },
+              [&](MPI_Request* r) { return MPI_Ireduce(src, dst, n, type, mop, op.root, comm_, r); });
+        }
+        if (root && op.reduce == ReduceOp::kAvg) out.div_(size());
+        return;
+      }
       case OpType::kAllGather: {
         int n = per_rank_count(in.numel(), "all_gather");
         MPI_Datatype type = runtime_->datatype(in.scalar_type());
@@ -317,9 +333,10 @@ class MpiCommunicator final : public Communicator {
         return;
       case OpType::kAllReduce:
       case OpType::kBroadcast:
+      case OpType::kReduce:
         host_out = stage(out_bytes, op.output);
         // host_out is flat: copy from flat views of the (contiguous) device tensors.
-        if (op.type == OpType::kBroadcast || op.input.data_ptr() == op.output.data_ptr()) {
+        if (op.type != OpType::kAllReduce || op.input.data_ptr() == op.output.data_ptr()) {
           host_out.copy_(op.output.view(-1), /*non_blocking=*/true);
         } else {
           host_out.copy_(op.input.view(-1),

@@ -156,6 +156,10 @@ class NcclCommunicator final : public Communicator {
         NCCL_CHECK(ncclBroadcast(op.output.data_ptr(), op.output.data_ptr(), op.output.numel(),
                                  nccl_type(op.output.scalar_type()), op.root, comm_, s));
         break;
+      case OpType::kReduce:
+        NCCL_CHECK(ncclReduce(op.input.data_ptr(), op.output.data_ptr(), op.output.numel(),
+                              nccl_type(op.output.scalar_type()), nccl_reduce(op), op.root, comm_, s));
+        break;
       case OpType::kAllGather:
         NCCL_CHECK(ncclAllGather(op.input.data_ptr(), op.output.data_ptr(), op.input.numel(),
                                  nccl_type(op.input.scalar_type()), comm_, s));
@@ -227,6 +231,7 @@ class NcclCommunicator final : public Communicator {
       case OpType::kAllGather: return cpu_->all_gather(op.input, op.output);
       case OpType::kReduceScatter: return cpu_->reduce_scatter(op.input, op.output, op.reduce);
       case OpType::kBarrier: return cpu_->barrier();
+      case OpType::kReduce: return cpu_->reduce(op.output, op.root, op.reduce);
     }
     return nullptr;
   }

@@ -28,10 +28,41 @@ struct Bucket {
   std::vector<int64_t> offsets;  // element offsets in flat
   at::Tensor flat;               // the gradients' storage
   at::Tensor wire;               // what is reduced (flat, or its compressed copy)
+  int64_t flat_begin = 0;        // owner mode: the flat-space offset of element 0
   int pending = 0;
   bool ready = false;
-  dist::WorkPtr work;
+  std::vector<dist::WorkPtr> works;  // one all-reduce, or one reduce per owner
+  dist::WorkPtr mine;                // the work after which this rank's values are final
 };
+
+// Owner mode: consecutive parameters (from the last to the first, the order backward
+// produces them) closed into a bucket at the byte limit or where dtype or device changes;
+// each bucket lists its parameters in increasing order, so its storage is one flat range.
+std::vector<std::vector<size_t>> assign_consecutive_buckets(const std::vector<at::Tensor>& params,
+                                                            int64_t first_bytes, int64_t bytes) {
+  std::vector<std::vector<size_t>> buckets;
+  std::vector<size_t> open;
+  int64_t open_bytes = 0;
+  auto close = [&] {
+    if (open.empty()) return;
+    std::reverse(open.begin(), open.end());
+    buckets.push_back(std::move(open));
+    open.clear();
+    open_bytes = 0;
+  };
+  for (size_t k = params.size(); k-- > 0;) {
+    const at::Tensor& p = params[k];
+    if (!open.empty()) {
+      const at::Tensor& q = params[open.back()];
+      if (q.scalar_type() != p.scalar_type() || q.device() != p.device()) close();
+    }
+    open.push_back(k);
+    open_bytes += p.numel() * p.element_size();
+    if (open_bytes >= (buckets.empty() ? first_bytes : bytes)) close();
+  }
+  close();
+  return buckets;
+}
 
 // Groups parameter indices (taken in `order`) into buckets of one dtype and device, the
 // first at most first_bytes, the rest at most bytes (a parameter larger than the limit gets
@@ -130,6 +161,7 @@ struct GradReducer::State {
   std::function<void(const LaunchedBucket&)> observer;
 
   void build(const std::vector<std::vector<size_t>>& assignment);
+  std::vector<int64_t> flat_offsets;  // owner mode: each parameter's flat-space offset
   void start_step();
   void mark_ready(size_t i);
   void launch_in_order();
@@ -156,6 +188,7 @@ void GradReducer::State::build(const std::vector<std::vector<size_t>>& assignmen
     bucket.wire = options.compress && *options.compress != first.scalar_type()
                       ? at::empty({numel}, first.options().dtype(*options.compress))
                       : bucket.flat;
+    if (!flat_offsets.empty()) bucket.flat_begin = flat_offsets[bucket.params.front()];
     for (size_t k = 0; k < bucket.params.size(); ++k) {
       size_t i = bucket.params[k];
       at::Tensor& grad = params[i].mutable_grad();
@@ -177,7 +210,8 @@ void GradReducer::State::start_step() {
   for (Bucket& b : buckets) {
     b.pending = static_cast<int>(b.params.size());
     b.ready = false;
-    b.work.reset();
+    b.works.clear();
+    b.mine.reset();
   }
   stats = ReducerStepStats();
   stats.bucket_launch.reserve(buckets.size());
@@ -201,7 +235,20 @@ void GradReducer::State::launch(size_t b) {
   stats.hooks_before_launch.push_back(hooks_fired);
   stats.bucket_bytes.push_back(bucket.wire.numel() * bucket.wire.element_size());
   stats.bytes += stats.bucket_bytes.back();
-  bucket.work = comm.all_reduce(bucket.wire, dist::ReduceOp::kAvg);
+  if (options.owned.empty()) {
+    bucket.works.push_back(comm.all_reduce(bucket.wire, dist::ReduceOp::kAvg));
+    bucket.mine = bucket.works.back();
+  } else {
+    // Each owner of a part of the bucket receives that part's average.
+    const int64_t begin = bucket.flat_begin, end = begin + bucket.wire.numel();
+    for (int r = 0; r < comm.size(); ++r) {
+      const int64_t lo = std::max(begin, options.owned[r].first), hi = std::min(end, options.owned[r].second);
+      if (lo >= hi) continue;
+      bucket.works.push_back(comm.reduce(bucket.wire.narrow(0, lo - begin, hi - lo), r, dist::ReduceOp::kAvg));
+      if (r == comm.rank()) bucket.mine = bucket.works.back();
+    }
+    if (!bucket.mine) bucket.mine = bucket.works.back();
+  }
   if (observer) {
     LaunchedBucket event;
     event.backward = synced_backwards;
@@ -210,7 +257,7 @@ void GradReducer::State::launch(size_t b) {
     event.params = bucket.params;
     event.offsets = bucket.offsets;
     event.values = bucket.wire;
-    event.work = bucket.work;
+    event.work = bucket.mine;
     observer(event);
   }
 }
@@ -266,10 +313,10 @@ void GradReducer::State::finish_step(bool abandoned) {
   for (size_t k = 0; k < buckets.size(); ++k) {
     Bucket& b = buckets[k];
     try {
-      if (b.work) {
-        b.work->wait();
-        Clock::time_point start, end;
-        if (!b.work->timing(&start, &end)) {
+      if (!b.works.empty()) {
+        for (const dist::WorkPtr& w : b.works) w->wait();
+        Clock::time_point start, end, s2, e2;
+        if (!b.works.front()->timing(&start, &s2) || !b.works.back()->timing(&e2, &end)) {
           start = k < stats.bucket_launch.size() ? stats.bucket_launch[k] : Clock::now();
           end = Clock::now();
         }
@@ -280,7 +327,8 @@ void GradReducer::State::finish_step(bool abandoned) {
     } catch (...) {
       if (!failure) failure = std::current_exception();
     }
-    b.work.reset();
+    b.works.clear();
+    b.mine.reset();
   }
   stats.reduced = Clock::now();
   last_stats = stats;
@@ -340,10 +388,39 @@ GradReducer::GradReducer(std::vector<at::Tensor> params, dist::Communicator& com
   state_ = std::make_shared<State>(comm, std::move(options));
   state_->shared_from_state = state_;
   state_->params = params_;
-  std::vector<size_t> order(params_.size());
-  for (size_t k = 0; k < order.size(); ++k) order[k] = params_.size() - 1 - k;  // reverse
-  state_->build(assign_buckets(params_, order, state_->options.first_bucket_bytes,
-                               state_->options.bucket_bytes));
+  const auto& owned = state_->options.owned;
+  if (!owned.empty()) {
+    int64_t total = 0;
+    for (const at::Tensor& p : params_) {
+      state_->flat_offsets.push_back(total);
+      total += p.numel();
+    }
+    DTRAIN_CHECK(static_cast<int>(owned.size()) == comm.size(), "ReducerOptions.owned has ", owned.size(),
+                 " ranges for a communicator of ", comm.size(), " ranks");
+    std::vector<std::pair<int64_t, int64_t>> sorted;
+    for (const auto& range : owned) {
+      DTRAIN_CHECK(range.first >= 0 && range.first <= range.second, "ReducerOptions.owned: [", range.first, ", ",
+                   range.second, ") is not a range");
+      if (range.first < range.second) sorted.push_back(range);
+    }
+    std::sort(sorted.begin(), sorted.end());
+    int64_t next = 0;
+    for (const auto& range : sorted) {
+      DTRAIN_CHECK(range.first == next, "ReducerOptions.owned must cover the ", total,
+                   " gradient elements once: element ", next, " is ",
+                   range.first > next ? "owned by no rank" : "owned twice");
+      next = range.second;
+    }
+    DTRAIN_CHECK(next == total, "ReducerOptions.owned covers ", next, " elements; the parameters have ", total);
+    state_->rebuilt = true;  // the buckets stay consecutive ranges of the flat space
+    state_->build(assign_consecutive_buckets(params_, state_->options.first_bucket_bytes,
+                                             state_->options.bucket_bytes));
+  } else {
+    std::vector<size_t> order(params_.size());
+    for (size_t k = 0; k < order.size(); ++k) order[k] = params_.size() - 1 - k;  // reverse
+    state_->build(assign_buckets(params_, order, state_->options.first_bucket_bytes,
+                                 state_->options.bucket_bytes));
+  }
   std::weak_ptr<State> weak = state_;
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& slot = torch::autograd::impl::post_acc_grad_hooks(params_[i]);

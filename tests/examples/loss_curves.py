@@ -320,7 +320,15 @@ def scenario_offload_stream(args):
     ref = train(args, "train_gpt", 1, shape + clip + ["--batch_size=8"], "gpt-clip")
     streamed = train(args, "train_gpt", 2, shape + clip + ["--batch_size=4", "--offload=optimizer",
                                                            "--offload_stream_gradients=on"], "gpt-stream-2")
-    compare(ref, streamed, "--offload=optimizer, gradients streamed per bucket, clipped, 2 ranks", 1e-5)
+    compare(ref, streamed, "--offload=optimizer, gradients reduced to their owners and streamed per bucket, "
+            "clipped, 2 ranks", 1e-5)
+    allreduced = train(args, "train_gpt", 2, shape + clip + ["--batch_size=4", "--offload=optimizer",
+                                                             "--offload_reduce_to_owner=false"], "gpt-allreduce-2")
+    compare(ref, allreduced, "--offload=optimizer, gradients all-reduced, clipped, 2 ranks", 1e-5)
+    clip_norms = [(a["grad_norm"], b["grad_norm"]) for a, b in zip(ref, streamed)]
+    worst = max(abs(x - y) / x for x, y in clip_norms)
+    assert worst < 1e-5, f"the gradient norm over owned shards differs from the whole model's by {worst:.2e}"
+    print(f"ok: the gradient norm summed over the owners' shards equals the whole model's (worst {worst:.2e})")
     # Delayed update after 4 steps: the warm-up equals the ordinary run, then the curve departs
     # (the update lands one step late) and still falls; 1 rank and 2 partitioned ranks agree.
     delay = ["--offload=optimizer", "--offload_delayed_update_after=4"]
@@ -332,10 +340,13 @@ def scenario_offload_stream(args):
     print(f"ok: delayed update departs from the ordinary curve after the warm-up (up to {departs:.2e}) and "
           f"falls {d1[0]['loss']:.4f} -> {d1[-1]['loss']:.4f}")
     # The memory report has a host row for the offloaded state (rank 0 alone calls it).
-    out = run(shlex.split(args.mpirun) + ["-np", "2", os.path.join(args.bin, "train_gpt"), "--device=cpu",
-                                          "--progress=false", "--batch_size=4", "--memory_report_step=6"]
-              + shape + delay)
+    # (INFO lines, which the test environment may silence with GLOG_minloglevel.)
+    out = run(shlex.split(args.mpirun) + ["-np", "2", "-x", "GLOG_minloglevel=0", os.path.join(args.bin, "train_gpt"),
+                                          "--device=cpu", "--progress=false", "--batch_size=4",
+                                          "--memory_report_step=6"] + shape + delay,
+              env=dict(os.environ, GLOG_minloglevel="0"))
     assert "host: optimizer offload (master, state, buffers)" in out, "no host row in the memory report"
+    assert "each gradient is reduced only to the rank whose shard holds it" in out, "not reduced to owners"
     print("ok: the memory report shows the offloaded host memory")
     d2 = train(args, "train_gpt", 2, shape + clip + delay + ["--batch_size=4", "--offload_stream_gradients=on"],
                "gpt-delay-2")

@@ -36,6 +36,9 @@ void check_all_collectives(Communicator& c, c10::Device dev) {
       at::Tensor rs = at::empty({n}, opts.dtype(t));
       c.reduce_scatter(in, rs)->wait();
       EXPECT_TRUE(at::equal(rs.cpu().to(at::kDouble), p * N));
+      at::Tensor red = (p + (r + 1)).to(opts.dtype(t));
+      c.reduce(red, N - 1)->wait();
+      if (r == N - 1) EXPECT_TRUE(at::equal(red.cpu().to(at::kDouble), p * N + N * (N + 1) / 2.0));
       at::Tensor b = (p + r).to(opts.dtype(t));
       c.broadcast(b, N - 1)->wait();
       EXPECT_TRUE(at::equal(b.cpu().to(at::kDouble), p + (N - 1)));

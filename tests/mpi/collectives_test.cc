@@ -105,6 +105,36 @@ TEST(MpiCollectives, BroadcastFromEveryRoot) {
   }
 }
 
+TEST(MpiCollectives, ReduceToEveryRootEveryOpAndDtype) {
+  Communicator& c = world_comm();
+  const int N = c.size(), r = c.rank();
+  for (at::ScalarType t : kAllTypes) {
+    for (int64_t n : sizes_for(t)) {
+      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin}) {
+        if (op == ReduceOp::kAvg && !at::isFloatingType(t)) continue;
+        if (n == kLarge && op != ReduceOp::kSum) continue;
+        if (t == at::kByte && op == ReduceOp::kSum && N * (N + 1) / 2 + N * 6 > 255) continue;
+        for (int root = 0; root < N; ++root) {
+          if (n == kLarge && root != N - 1) continue;
+          at::Tensor x = pattern(n, 7, t).add_(r + 1);  // x_r[i] = (r + 1) + i % 7
+          at::Tensor p = pattern(n, 7, at::kDouble);
+          at::Tensor want;
+          switch (op) {
+            case ReduceOp::kSum: want = p * N + N * (N + 1) / 2.0; break;
+            case ReduceOp::kAvg: want = p + (N + 1) / 2.0; break;
+            case ReduceOp::kMax: want = p + N; break;
+            case ReduceOp::kMin: want = p + 1; break;
+          }
+          c.reduce(x, root, op)->wait();
+          if (r == root) expect_equal(x, want, label("reduce", t, n, true, op) + " root " + std::to_string(root));
+        }
+      }
+    }
+  }
+  at::Tensor x = at::ones({3});
+  EXPECT_THROW(c.reduce(x, N), Error);  // no such root
+}
+
 TEST(MpiCollectives, AllGatherEveryDtypeSizeAndPlacement) {
   Communicator& c = world_comm();
   const int N = c.size(), r = c.rank();

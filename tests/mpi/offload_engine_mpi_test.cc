@@ -9,6 +9,7 @@
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/offload.h"
 #include "dtrain/engine/reducer.h"
+#include "dtrain/offload/cpu_optimizer.h"
 #include "test_util.h"
 
 namespace dtrain::engine {
@@ -123,6 +124,40 @@ TEST(OffloadEngineMpi, StreamedCompressedBucketsUpdateAsTheirDecompressedGradien
   ReducerOptions ro = small_buckets();
   ro.compress = at::kBFloat16;
   expect_streaming_matches_reading_grad(oo, ro, 1.0);
+}
+
+// Gradients reduced only to the rank whose shard holds them (what the trainer does with
+// data parallelism) update the weights as all-reduced gradients do.
+void expect_owner_reduce_matches_all_reduce(const std::string& stream) {
+  dist::Communicator& comm = world_comm();
+  const int64_t rows = 4 * comm.size();
+  OptimizerOptions oo;
+  oo.name = "adamw";
+  oo.lr = 0.01;
+  OffloadOptions off;
+  off.stream_gradients = stream;
+  ReducerOptions owners = small_buckets();
+  int64_t numel = 0;
+  for (auto& p : offload_net(0)->parameters()) numel += p.numel();
+  for (int r = 0; r < comm.size(); ++r) {
+    offload::ShardRange s = offload::shard_range(numel, r, comm.size());
+    owners.owned.emplace_back(std::min(s.begin, numel), std::min(s.end, numel));
+  }
+  Run owned(comm, oo, off, owners), all(comm, oo, off, small_buckets());
+  for (int64_t step = 0; step < 6; ++step) {
+    owned.backward(step, rows, comm);
+    all.backward(step, rows, comm);
+    owned.opt->step();
+    all.opt->step();
+    owned.reducer->zero_grad();
+    all.reducer->zero_grad();
+  }
+  EXPECT_LE(max_rel_error(flat_params(*owned.net), flat_params(*all.net)), 1e-6);
+}
+
+TEST(OffloadEngineMpi, GradientsReducedToTheirOwnersUpdateAsAllReduced) {
+  expect_owner_reduce_matches_all_reduce("off");
+  expect_owner_reduce_matches_all_reduce("on");
 }
 
 // Delayed update against a reference: ATen's optimizer over master copies, fed the gradient

@@ -87,6 +87,83 @@ TEST(Reducer, GradientsEqualASingleProcessOnTheGlobalBatch) {
   EXPECT_EQ(reducer.synchronized_backwards(), 4);
 }
 
+// Owner mode: rank r's range of the flat space equals the single process on the global
+// batch (float64, 1e-12); elsewhere the values are not averages. Odd cuts through parameters,
+// an empty range, accumulation, and bf16-compressed buckets.
+TEST(Reducer, OwnerModeAveragesEachRanksOwnRangeOnly) {
+  auto& comm = world_comm();
+  const int N = comm.size();
+  for (bool compress : {false, true}) {
+    auto model = make_mlp(0);
+    std::vector<at::Tensor> ps = model->parameters();
+    int64_t total = 0;
+    for (auto& p : ps) total += p.numel();
+    // Uneven ranges: rank 0 owns nothing, the rest split the space at odd points.
+    ReducerOptions options;
+    options.first_bucket_bytes = 256;
+    options.bucket_bytes = 1024;
+    if (compress) options.compress = at::kBFloat16;
+    options.owned.assign(N, {0, 0});
+    int64_t begin = 0;
+    for (int r = 1; r < N; ++r) {
+      int64_t end = r == N - 1 ? total : begin + total / (N - 1) + 7;
+      options.owned[r] = {begin, end};
+      begin = end;
+    }
+    if (N == 1) options.owned[0] = {0, total};
+    GradReducer reducer(ps, comm, options);
+    // Buckets are consecutive parameters, launched from the last.
+    auto buckets = reducer.bucket_params();
+    ASSERT_GT(buckets.size(), 1u);
+    EXPECT_EQ(buckets.front().back(), ps.size() - 1);
+    for (auto& b : buckets) {
+      for (size_t k = 1; k < b.size(); ++k) EXPECT_EQ(b[k], b[k - 1] + 1);
+    }
+    auto ref = make_mlp(0);
+    for (int64_t step = 0; step < 3; ++step) {
+      auto [x, y] = global_batch(step, 8 * N);
+      reducer.zero_grad();
+      at::Tensor xs = shard(x, comm.rank(), N), ys = shard(y, comm.rank(), N);
+      {
+        auto guard = reducer.no_sync();
+        (torch::mse_loss(model->forward(xs.narrow(0, 0, 4)), ys.narrow(0, 0, 4)) / 2).backward();
+      }
+      (torch::mse_loss(model->forward(xs.narrow(0, 4, 4)), ys.narrow(0, 4, 4)) / 2).backward();
+      for (auto& p : ref->parameters()) p.mutable_grad() = at::Tensor();
+      torch::mse_loss(ref->forward(x), y).backward();
+      std::vector<at::Tensor> got, want;
+      for (auto& g : grads_of(*model)) got.push_back(g.reshape({-1}));
+      for (auto& g : grads_of(*ref)) want.push_back(g.reshape({-1}));
+      at::Tensor g = at::cat(got), w = at::cat(want);
+      auto [lo, hi] = options.owned[comm.rank()];
+      if (hi > lo) {
+        // bf16 on the wire rounds each rank's contribution: within bf16's precision.
+        EXPECT_LT(rel_error(g.narrow(0, lo, hi - lo), w.narrow(0, lo, hi - lo)), compress ? 2e-2 : 1e-12)
+            << "step " << step;
+      }
+      if (N > 1 && hi - lo < total) {
+        // Not everything is averaged on this rank (its own batch's gradient is not the mean).
+        EXPECT_GT(rel_error(g, w), 1e-6) << "step " << step;
+      }
+    }
+    EXPECT_EQ(reducer.synchronized_backwards(), 3);
+  }
+}
+
+TEST(Reducer, OwnerRangesThatDoNotCoverTheParametersAreNamed) {
+  auto& comm = world_comm();
+  auto model = make_mlp(0);
+  ReducerOptions options;
+  options.owned.assign(comm.size(), {0, 0});
+  options.owned[0] = {0, 5};  // the rest owned by no rank
+  try {
+    GradReducer reducer(model->parameters(), comm, options);
+    FAIL() << "accepted owned ranges that cover 5 elements";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("ReducerOptions.owned covers 5 elements"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Reducer, NoSyncIssuesNoCollectiveAndAveragesTheAccumulatedSum) {
   auto& comm = world_comm();
   const int N = comm.size();

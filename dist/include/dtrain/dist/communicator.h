@@ -42,7 +42,7 @@ namespace dtrain::dist {
 enum class ReduceOp { kSum, kAvg, kMax, kMin };
 const char* to_string(ReduceOp op);
 
-enum class OpType { kAllReduce, kBroadcast, kAllGather, kReduceScatter, kBarrier };
+enum class OpType { kAllReduce, kBroadcast, kAllGather, kReduceScatter, kBarrier, kReduce };
 const char* to_string(OpType type);
 
 // Completion handle of one collective.
@@ -99,6 +99,10 @@ class Communicator {
   WorkPtr all_reduce(const at::Tensor& input, const at::Tensor& output, ReduceOp op);
   // tensor := root's tensor.
   WorkPtr broadcast(const at::Tensor& tensor, int root);
+  // root's tensor := op over ranks of tensor. On the other ranks the tensor's contents are
+  // unspecified afterwards (a backend may use it as scratch). kAvg needs a floating-point
+  // dtype.
+  WorkPtr reduce(const at::Tensor& tensor, int root, ReduceOp op = ReduceOp::kSum);
   // output (size() * input.numel() elements) := inputs of ranks 0..size()-1, concatenated.
   // In place when input is output's slice for this rank.
   WorkPtr all_gather(const at::Tensor& input, const at::Tensor& output);

@@ -2,9 +2,10 @@
 // master weights and state live in (pinned) host memory, partitioned across the ranks of
 // the data-parallel group, updated by offload::CpuOptimizer.
 //
-// One step (after the reducer averaged the gradients on every rank): rank r copies the
-// gradients of its shard of the flat parameter space to the host (streamed per bucket during
-// backward, see attach()), updates its shard there, copies the new weights back into the
+// One step (after the reducer averaged the gradients: on every rank, or only each rank's
+// shard with ReducerOptions::owned, which the trainer sets): rank r copies the gradients of
+// its shard of the flat parameter space to the host (streamed per bucket during backward,
+// see attach()), updates its shard there, copies the new weights back into the
 // parameters, and the ranks all-gather the shards, so every rank ends the step with the same
 // full weights. Host memory per rank falls with the group size; the GPU keeps parameters and
 // gradients only. With the delayed update (OffloadOptions::delayed_update_after) the CPU
@@ -42,6 +43,12 @@ struct OffloadOptions {
   // the background while step t + 1's forward and backward run on the weights of step
   // t - 1. < 0: off. See OffloadedOptimizer::flush().
   int64_t delayed_update_after = -1;
+  // Trainer: with data parallelism (and --tp=1, every parameter on the training device),
+  // reduce each gradient only to the rank whose shard holds it (ReducerOptions::owned)
+  // instead of all-reducing it: the optimizer reads only its shard, so this moves about
+  // half the bytes. The gradient norm (clipping, metrics) is then taken over each rank's
+  // shard and summed across the ranks.
+  bool reduce_to_owner = true;
 };
 
 // Parses --offload: "none", "optimizer", "layers", "all" (throws naming the accepted values).

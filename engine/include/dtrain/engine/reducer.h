@@ -52,6 +52,17 @@ struct ReducerOptions {
   bool rebuild_buckets = true;
   // Parameter names for messages (same length as the parameter list, or empty).
   std::vector<std::string> names;
+  // Reduce each gradient element only to the rank that owns it instead of to every rank
+  // (ZeRO-2 style, for a partitioned optimizer such as optimizer offload; about half the bytes
+  // of an all-reduce): owned[r] = [begin, end) of the flat space (the parameters end to end,
+  // in the given order) owned by rank r of the communicator; ascending, disjoint, together
+  // covering every element (empty ranges allowed). After a synchronized backward a rank's
+  // gradients are averaged inside its own range only; elsewhere they hold unspecified values.
+  // Buckets then hold consecutive parameters (one flat range each, launched last-first) and
+  // are not rebuilt; a bucket is reduced to each owner of a part of it. Empty: every rank
+  // gets every average (all-reduce). Needs one dtype and device per bucket (consecutive
+  // parameters of another dtype or device start a new bucket).
+  std::vector<std::pair<int64_t, int64_t>> owned;
 };
 
 // What happened in the last synchronized backward, for tests, metrics and the timeline.
@@ -81,9 +92,10 @@ struct LaunchedBucket {
   std::vector<int64_t> offsets;  // element offset of each parameter in values
   // The averaged gradients once work completes (after work->wait(), ordered as a
   // collective's result): the bucket's flat storage, or its compressed (bf16/fp16) copy.
-  // Valid until the next zero_grad() or abandon_step(); never write to it.
+  // With ReducerOptions::owned only the elements this rank owns are averages. Valid until
+  // the next zero_grad() or abandon_step(); never write to it.
   at::Tensor values;
-  dist::WorkPtr work;
+  dist::WorkPtr work;  // completes when this rank's values of the bucket are final
 };
 
 class GradReducer {
