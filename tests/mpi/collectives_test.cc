@@ -43,26 +43,35 @@ std::string label(const char* op, at::ScalarType t, int64_t n, bool in_place, Re
          (in_place ? " in-place " : " out-of-place ") + to_string(r);
 }
 
+// Whether a reduction case runs (avg needs floats, the 16M size only sums, bytes overflow).
+bool reduction_case(at::ScalarType t, int64_t n, ReduceOp op, int N) {
+  if (op == ReduceOp::kAvg && !at::isFloatingType(t)) return false;
+  if (n == kLarge && op != ReduceOp::kSum) return false;
+  return !(t == at::kByte && op == ReduceOp::kSum && N * (N + 1) / 2 + N * 6 > 255);
+}
+
+// op over N ranks of x_r[i] = (r + 1) + p[i], in closed form.
+at::Tensor reduced_pattern(const at::Tensor& p, ReduceOp op, int N) {
+  switch (op) {
+    case ReduceOp::kSum: return p * N + N * (N + 1) / 2.0;
+    case ReduceOp::kAvg: return p + (N + 1) / 2.0;
+    case ReduceOp::kMax: return p + N;
+    case ReduceOp::kMin: return p + 1;
+  }
+  return p;
+}
+
 TEST(MpiCollectives, AllReduceEveryOpDtypeSizeAndPlacement) {
   Communicator& c = world_comm();
   const int N = c.size(), r = c.rank();
   for (at::ScalarType t : kAllTypes) {
     for (int64_t n : sizes_for(t)) {
       for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin}) {
-        if (op == ReduceOp::kAvg && !at::isFloatingType(t)) continue;
-        if (n == kLarge && op != ReduceOp::kSum) continue;
-        if (t == at::kByte && op == ReduceOp::kSum && N * (N + 1) / 2 + N * 6 > 255) continue;
+        if (!reduction_case(t, n, op, N)) continue;
         for (bool in_place : {true, false}) {
           // x_r[i] = (r + 1) + i % 7
           at::Tensor x = pattern(n, 7, t).add_(r + 1);
-          at::Tensor p = pattern(n, 7, at::kDouble);
-          at::Tensor want;
-          switch (op) {
-            case ReduceOp::kSum: want = p * N + N * (N + 1) / 2.0; break;
-            case ReduceOp::kAvg: want = p + (N + 1) / 2.0; break;
-            case ReduceOp::kMax: want = p + N; break;
-            case ReduceOp::kMin: want = p + 1; break;
-          }
+          at::Tensor want = reduced_pattern(pattern(n, 7, at::kDouble), op, N);
           if (in_place) {
             c.all_reduce(x, op)->wait();
             expect_equal(x, want, label("all_reduce", t, n, in_place, op));
@@ -111,20 +120,11 @@ TEST(MpiCollectives, ReduceToEveryRootEveryOpAndDtype) {
   for (at::ScalarType t : kAllTypes) {
     for (int64_t n : sizes_for(t)) {
       for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin}) {
-        if (op == ReduceOp::kAvg && !at::isFloatingType(t)) continue;
-        if (n == kLarge && op != ReduceOp::kSum) continue;
-        if (t == at::kByte && op == ReduceOp::kSum && N * (N + 1) / 2 + N * 6 > 255) continue;
+        if (!reduction_case(t, n, op, N)) continue;
         for (int root = 0; root < N; ++root) {
           if (n == kLarge && root != N - 1) continue;
           at::Tensor x = pattern(n, 7, t).add_(r + 1);  // x_r[i] = (r + 1) + i % 7
-          at::Tensor p = pattern(n, 7, at::kDouble);
-          at::Tensor want;
-          switch (op) {
-            case ReduceOp::kSum: want = p * N + N * (N + 1) / 2.0; break;
-            case ReduceOp::kAvg: want = p + (N + 1) / 2.0; break;
-            case ReduceOp::kMax: want = p + N; break;
-            case ReduceOp::kMin: want = p + 1; break;
-          }
+          at::Tensor want = reduced_pattern(pattern(n, 7, at::kDouble), op, N);
           c.reduce(x, root, op)->wait();
           if (r == root) expect_equal(x, want, label("reduce", t, n, true, op) + " root " + std::to_string(root));
         }
