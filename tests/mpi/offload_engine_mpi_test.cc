@@ -1,112 +1,22 @@
-// The engine's optimizer offload with the reducer: gradients streamed to the host bucket by
-// bucket during backward give the same update as reading .grad after backward, and the
-// one-step-delayed update trains on exactly the weights a hand-driven reference optimizer
-// (ATen's kernels, not the CPU ones) gives when its update is applied one step late.
+// Optimizer offload with the reducer on the CPU over MPI (2 and 4 ranks): the cases of
+// offload_engine_cases.h.
 #include <gtest/gtest.h>
 
-#include <torch/torch.h>
-
 #include "dtrain/dist/error.h"
-#include "dtrain/engine/offload.h"
-#include "dtrain/engine/reducer.h"
-#include "dtrain/offload/cpu_optimizer.h"
-#include "test_util.h"
+#include "offload_engine_cases.h"
 
-namespace dtrain::engine {
-namespace offload_engine_test {  // a name of its own: test files share unity batches
+namespace dtrain::engine::offload_engine_cases {
 namespace {
 
-using testing_util::rel_error;
 using testing_util::world_comm;
-
-// Odd sizes, so the shards of 2 or 4 ranks cut through parameters (223 elements).
-torch::nn::Sequential offload_net(int64_t seed) {
-  torch::manual_seed(seed);
-  torch::nn::Sequential net(torch::nn::Linear(8, 13), torch::nn::Tanh(), torch::nn::Linear(13, 7),
-                            torch::nn::Tanh(), torch::nn::Linear(7, 1));
-  return net;
-}
-
-std::pair<at::Tensor, at::Tensor> offload_batch(int64_t step, int64_t rows) {
-  auto g = at::make_generator<at::CPUGeneratorImpl>(500 + step);
-  return {at::randn({rows, 8}, g), at::randn({rows, 1}, g)};
-}
-
-at::Tensor offload_rows(const at::Tensor& t, int rank, int size) {
-  const int64_t b = t.size(0) / size;
-  return t.narrow(0, rank * b, b);
-}
-
-// Several buckets of a few parameters each.
-ReducerOptions small_buckets() {
-  ReducerOptions o;
-  o.first_bucket_bytes = 128;
-  o.bucket_bytes = 256;
-  return o;
-}
-
-std::vector<at::Tensor> flat_params(torch::nn::Module& m) { return m.parameters(); }
-
-double max_rel_error(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
-  double worst = 0;
-  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, rel_error(a[i], b[i]));
-  return worst;
-}
-
-// One data-parallel training run of offload_net(0) with optimizer offload.
-struct Run {
-  torch::nn::Sequential net = offload_net(0);
-  std::unique_ptr<GradReducer> reducer;
-  std::unique_ptr<OffloadedOptimizer> opt;
-
-  Run(dist::Communicator& comm, const OptimizerOptions& oo, OffloadOptions off, ReducerOptions ro) {
-    reducer = std::make_unique<GradReducer>(net->parameters(), comm, ro);
-    opt = std::make_unique<OffloadedOptimizer>(net->parameters(), oo, comm, off);
-    opt->attach(reducer.get());
-  }
-  void backward(int64_t step, int64_t rows, dist::Communicator& comm) {
-    auto [x, y] = offload_batch(step, rows);
-    torch::mse_loss(net->forward(offload_rows(x, comm.rank(), comm.size())),
-                    offload_rows(y, comm.rank(), comm.size()))
-        .backward();
-  }
-};
-
-void expect_streaming_matches_reading_grad(OptimizerOptions oo, ReducerOptions ro, double factor) {
-  dist::Communicator& comm = world_comm();
-  const int64_t rows = 4 * comm.size();
-  OffloadOptions on, off;
-  on.stream_gradients = "on";
-  off.stream_gradients = "off";
-  Run streamed(comm, oo, on, ro), read(comm, oo, off, ro);
-  ASSERT_TRUE(streamed.opt->streams_gradients());
-  ASSERT_FALSE(read.opt->streams_gradients());
-  for (int64_t step = 0; step < 6; ++step) {
-    streamed.backward(step, rows, comm);
-    read.backward(step, rows, comm);
-    if (factor != 1.0) {  // as the trainer's unscaling / clipping: in place, after the copies
-      torch::NoGradGuard no_grad;
-      streamed.opt->wait_streamed_gradients();
-      for (auto& p : streamed.net->parameters()) p.grad().mul_(factor);
-      for (auto& p : read.net->parameters()) p.grad().mul_(factor);
-      streamed.opt->set_streamed_gradient_factor(factor);
-    }
-    streamed.opt->step();
-    read.opt->step();
-    streamed.reducer->zero_grad();
-    read.reducer->zero_grad();
-  }
-  // The same values in, the same kernel: equal up to the factor's rounding order.
-  EXPECT_LE(max_rel_error(flat_params(*streamed.net), flat_params(*read.net)), factor == 1.0 ? 0.0 : 1e-5);
-  EXPECT_GT(rel_error(flat_params(*streamed.net)[0], offload_net(0)->parameters()[0]), 1e-3);  // it trained
-}
+const c10::Device kCpu(c10::kCPU);
 
 TEST(OffloadEngineMpi, StreamedGradientsUpdateAsGradientsReadAfterBackward) {
   OptimizerOptions oo;
   oo.name = "adamw";
   oo.lr = 0.01;
   oo.weight_decay = 0.1;
-  expect_streaming_matches_reading_grad(oo, small_buckets(), 1.0);
+  expect_streaming_matches_reading_grad(world_comm(), kCpu, oo, small_buckets(), 1.0);
 }
 
 TEST(OffloadEngineMpi, StreamedGradientsTakeTheFactorAppliedInPlaceAfterTheCopies) {
@@ -114,7 +24,7 @@ TEST(OffloadEngineMpi, StreamedGradientsTakeTheFactorAppliedInPlaceAfterTheCopie
   oo.name = "sgd";
   oo.lr = 0.05;
   oo.momentum = 0.9;
-  expect_streaming_matches_reading_grad(oo, small_buckets(), 0.37);
+  expect_streaming_matches_reading_grad(world_comm(), kCpu, oo, small_buckets(), 0.37);
 }
 
 TEST(OffloadEngineMpi, StreamedCompressedBucketsUpdateAsTheirDecompressedGradients) {
@@ -123,114 +33,24 @@ TEST(OffloadEngineMpi, StreamedCompressedBucketsUpdateAsTheirDecompressedGradien
   oo.lr = 0.01;
   ReducerOptions ro = small_buckets();
   ro.compress = at::kBFloat16;
-  expect_streaming_matches_reading_grad(oo, ro, 1.0);
-}
-
-// Gradients reduced only to the rank whose shard holds them (what the trainer does with
-// data parallelism) update the weights as all-reduced gradients do.
-void expect_owner_reduce_matches_all_reduce(const std::string& stream) {
-  dist::Communicator& comm = world_comm();
-  const int64_t rows = 4 * comm.size();
-  OptimizerOptions oo;
-  oo.name = "adamw";
-  oo.lr = 0.01;
-  OffloadOptions off;
-  off.stream_gradients = stream;
-  ReducerOptions owners = small_buckets();
-  int64_t numel = 0;
-  for (auto& p : offload_net(0)->parameters()) numel += p.numel();
-  for (int r = 0; r < comm.size(); ++r) {
-    offload::ShardRange s = offload::shard_range(numel, r, comm.size());
-    owners.owned.emplace_back(std::min(s.begin, numel), std::min(s.end, numel));
-  }
-  Run owned(comm, oo, off, owners), all(comm, oo, off, small_buckets());
-  for (int64_t step = 0; step < 6; ++step) {
-    owned.backward(step, rows, comm);
-    all.backward(step, rows, comm);
-    owned.opt->step();
-    all.opt->step();
-    owned.reducer->zero_grad();
-    all.reducer->zero_grad();
-  }
-  EXPECT_LE(max_rel_error(flat_params(*owned.net), flat_params(*all.net)), 1e-6);
+  expect_streaming_matches_reading_grad(world_comm(), kCpu, oo, ro, 1.0);
 }
 
 TEST(OffloadEngineMpi, GradientsReducedToTheirOwnersUpdateAsAllReduced) {
-  expect_owner_reduce_matches_all_reduce("off");
-  expect_owner_reduce_matches_all_reduce("on");
-}
-
-// Delayed update against a reference: ATen's optimizer over master copies, fed the gradient
-// of the whole global batch at the weights the model had, its result made visible to the
-// model one step late (after `warmup` ordinary steps).
-void expect_delayed_update_matches_reference(const std::string& stream) {
-  dist::Communicator& comm = world_comm();
-  const int64_t rows = 4 * comm.size();
-  const int64_t warmup = 2, steps = 8;
-  OptimizerOptions oo;
-  oo.name = "adamw";
-  oo.lr = 0.02;
-  oo.weight_decay = 0.05;
-  OffloadOptions off;
-  off.stream_gradients = stream;
-  off.delayed_update_after = warmup;
-  Run run(comm, oo, off, small_buckets());
-
-  torch::nn::Sequential ref = offload_net(0);  // the weights the model should see
-  std::vector<at::Tensor> master;
-  for (auto& p : ref->parameters()) master.push_back(p.detach().clone().requires_grad_(true));
-  auto ref_opt = make_optimizer(master, oo);
-  auto publish = [&] {
-    torch::NoGradGuard no_grad;
-    auto ps = ref->parameters();
-    for (size_t i = 0; i < ps.size(); ++i) ps[i].copy_(master[i]);
-  };
-  for (int64_t step = 1; step <= steps; ++step) {
-    auto [x, y] = offload_batch(step, rows);
-    ref->zero_grad();
-    torch::mse_loss(ref->forward(x), y).backward();
-    auto ps = ref->parameters();
-    for (size_t i = 0; i < ps.size(); ++i) master[i].mutable_grad() = ps[i].grad().clone();
-    if (step <= warmup) {
-      ref_opt->step();
-      publish();
-    } else {
-      publish();  // the previous step's update becomes visible now
-      ref_opt->step();
-    }
-    run.backward(step, rows, comm);
-    run.opt->step();
-    run.reducer->zero_grad();
-    EXPECT_EQ(run.opt->update_in_flight(), step > warmup) << "step " << step;
-    EXPECT_LE(max_rel_error(flat_params(*run.net), ref->parameters()), 1e-5) << "weights after step " << step;
-  }
-  // The state already holds the update in flight; the model does after flush().
-  at::Tensor saved_master;
-  for (auto& [name, t] : run.opt->state()) {
-    if (name == "master") saved_master = t;
-  }
-  std::vector<at::Tensor> flat_master;
-  for (auto& m : master) flat_master.push_back(m.detach().reshape({-1}));
-  at::Tensor whole = at::cat(flat_master);
-  ASSERT_TRUE(saved_master.defined());
-  EXPECT_LE(rel_error(saved_master, whole.narrow(0, run.opt->shard_begin(),
-                                                 run.opt->shard_end() - run.opt->shard_begin())),
-            1e-5);
-  EXPECT_GT(rel_error(flat_params(*run.net)[0], master[0].detach()), 1e-7);  // not published yet
-  run.opt->flush();
-  EXPECT_FALSE(run.opt->update_in_flight());
-  publish();
-  EXPECT_LE(max_rel_error(flat_params(*run.net), ref->parameters()), 1e-5) << "after flush";
+  expect_owner_reduce_matches_all_reduce(world_comm(), kCpu, "off");
+  expect_owner_reduce_matches_all_reduce(world_comm(), kCpu, "on");
 }
 
 TEST(OffloadEngineMpi, DelayedUpdateTrainsOnTheWeightsOfOneUpdateBefore) {
-  expect_delayed_update_matches_reference("off");
+  expect_delayed_update_matches_reference(world_comm(), kCpu, "off");
 }
 
-TEST(OffloadEngineMpi, DelayedUpdateWithStreamedGradients) { expect_delayed_update_matches_reference("on"); }
+TEST(OffloadEngineMpi, DelayedUpdateWithStreamedGradients) {
+  expect_delayed_update_matches_reference(world_comm(), kCpu, "on");
+}
 
 TEST(OffloadEngineMpi, BadStreamingModeIsNamed) {
-  auto net = offload_net(0);
+  auto net = offload_net(0, kCpu);
   OffloadOptions off;
   off.stream_gradients = "sometimes";
   try {
@@ -242,5 +62,4 @@ TEST(OffloadEngineMpi, BadStreamingModeIsNamed) {
 }
 
 }  // namespace
-}  // namespace offload_engine_test
-}  // namespace dtrain::engine
+}  // namespace dtrain::engine::offload_engine_cases

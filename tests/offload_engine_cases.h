@@ -1,0 +1,200 @@
+// Cases of the engine's optimizer offload with the reducer, on any device, shared by the MPI
+// tests (CPU) and the GPU tests (CUDA: copy streams, pinned buffers, events). Gradients
+// streamed to the host bucket by bucket during backward give the same update as reading .grad
+// after backward; gradients reduced only to their owners update as all-reduced ones; the
+// one-step-delayed update trains on exactly the weights a hand-driven reference optimizer
+// (ATen's kernels, not the CPU ones) gives when its update is applied one step late.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <torch/torch.h>
+
+#include "dtrain/engine/offload.h"
+#include "dtrain/engine/reducer.h"
+#include "dtrain/offload/cpu_optimizer.h"
+#include "test_util.h"
+
+namespace dtrain::engine::offload_engine_cases {
+
+using testing_util::rel_error;
+
+// Odd sizes, so the shards of 2 or 4 ranks cut through parameters (223 elements).
+inline torch::nn::Sequential offload_net(int64_t seed, c10::Device device) {
+  torch::manual_seed(seed);
+  torch::nn::Sequential net(torch::nn::Linear(8, 13), torch::nn::Tanh(), torch::nn::Linear(13, 7),
+                            torch::nn::Tanh(), torch::nn::Linear(7, 1));
+  net->to(device);
+  return net;
+}
+
+inline std::pair<at::Tensor, at::Tensor> offload_batch(int64_t step, int64_t rows, c10::Device device) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(500 + step);
+  at::Tensor x = at::randn({rows, 8}, g), y = at::randn({rows, 1}, g);
+  return {x.to(device), y.to(device)};
+}
+
+inline at::Tensor offload_rows(const at::Tensor& t, int rank, int size) {
+  const int64_t b = t.size(0) / size;
+  return t.narrow(0, rank * b, b);
+}
+
+// Several buckets of a few parameters each.
+inline ReducerOptions small_buckets() {
+  ReducerOptions o;
+  o.first_bucket_bytes = 128;
+  o.bucket_bytes = 256;
+  return o;
+}
+
+inline std::vector<at::Tensor> flat_params(torch::nn::Module& m) { return m.parameters(); }
+
+inline double max_rel_error(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, rel_error(a[i], b[i]));
+  return worst;
+}
+
+// One data-parallel training run of offload_net(0) with optimizer offload.
+struct Run {
+  c10::Device device;
+  torch::nn::Sequential net;
+  std::unique_ptr<GradReducer> reducer;
+  std::unique_ptr<OffloadedOptimizer> opt;
+
+  Run(dist::Communicator& comm, c10::Device dev, const OptimizerOptions& oo, OffloadOptions off, ReducerOptions ro)
+      : device(dev), net(offload_net(0, dev)) {
+    reducer = std::make_unique<GradReducer>(net->parameters(), comm, ro);
+    opt = std::make_unique<OffloadedOptimizer>(net->parameters(), oo, comm, off);
+    opt->attach(reducer.get());
+  }
+  void backward(int64_t step, int64_t rows, dist::Communicator& comm) {
+    auto [x, y] = offload_batch(step, rows, device);
+    torch::mse_loss(net->forward(offload_rows(x, comm.rank(), comm.size())),
+                    offload_rows(y, comm.rank(), comm.size()))
+        .backward();
+  }
+};
+
+inline void expect_streaming_matches_reading_grad(dist::Communicator& comm, c10::Device device, OptimizerOptions oo,
+                                                  ReducerOptions ro, double factor) {
+  const int64_t rows = 4 * comm.size();
+  OffloadOptions on, off;
+  on.stream_gradients = "on";
+  off.stream_gradients = "off";
+  Run streamed(comm, device, oo, on, ro), read(comm, device, oo, off, ro);
+  ASSERT_TRUE(streamed.opt->streams_gradients());
+  ASSERT_FALSE(read.opt->streams_gradients());
+  for (int64_t step = 0; step < 6; ++step) {
+    streamed.backward(step, rows, comm);
+    read.backward(step, rows, comm);
+    if (factor != 1.0) {  // as the trainer's unscaling / clipping: in place, after the copies
+      torch::NoGradGuard no_grad;
+      streamed.opt->wait_streamed_gradients();
+      for (auto& p : streamed.net->parameters()) p.grad().mul_(factor);
+      for (auto& p : read.net->parameters()) p.grad().mul_(factor);
+      streamed.opt->set_streamed_gradient_factor(factor);
+    }
+    streamed.opt->step();
+    read.opt->step();
+    streamed.reducer->zero_grad();
+    read.reducer->zero_grad();
+  }
+  // The same values in, the same kernel: equal up to the factor's rounding order.
+  EXPECT_LE(max_rel_error(flat_params(*streamed.net), flat_params(*read.net)), factor == 1.0 ? 0.0 : 1e-5);
+  EXPECT_GT(rel_error(flat_params(*streamed.net)[0], offload_net(0, device)->parameters()[0]), 1e-3);  // it trained
+}
+
+// Gradients reduced only to the rank whose shard holds them (what the trainer does with
+// data parallelism) update the weights as all-reduced gradients do.
+inline void expect_owner_reduce_matches_all_reduce(dist::Communicator& comm, c10::Device device,
+                                                   const std::string& stream) {
+  const int64_t rows = 4 * comm.size();
+  OptimizerOptions oo;
+  oo.name = "adamw";
+  oo.lr = 0.01;
+  OffloadOptions off;
+  off.stream_gradients = stream;
+  ReducerOptions owners = small_buckets();
+  int64_t numel = 0;
+  for (auto& p : offload_net(0, device)->parameters()) numel += p.numel();
+  for (int r = 0; r < comm.size(); ++r) {
+    offload::ShardRange s = offload::shard_range(numel, r, comm.size());
+    owners.owned.emplace_back(std::min(s.begin, numel), std::min(s.end, numel));
+  }
+  Run owned(comm, device, oo, off, owners), all(comm, device, oo, off, small_buckets());
+  for (int64_t step = 0; step < 6; ++step) {
+    owned.backward(step, rows, comm);
+    all.backward(step, rows, comm);
+    owned.opt->step();
+    all.opt->step();
+    owned.reducer->zero_grad();
+    all.reducer->zero_grad();
+  }
+  EXPECT_LE(max_rel_error(flat_params(*owned.net), flat_params(*all.net)), 1e-6);
+}
+
+// Delayed update against a reference: ATen's optimizer over master copies, fed the gradient
+// of the whole global batch at the weights the model had, its result made visible to the
+// model one step late (after `warmup` ordinary steps).
+inline void expect_delayed_update_matches_reference(dist::Communicator& comm, c10::Device device,
+                                                    const std::string& stream) {
+  const int64_t rows = 4 * comm.size();
+  const int64_t warmup = 2, steps = 8;
+  OptimizerOptions oo;
+  oo.name = "adamw";
+  oo.lr = 0.02;
+  oo.weight_decay = 0.05;
+  OffloadOptions off;
+  off.stream_gradients = stream;
+  off.delayed_update_after = warmup;
+  Run run(comm, device, oo, off, small_buckets());
+
+  torch::nn::Sequential ref = offload_net(0, device);  // the weights the model should see
+  std::vector<at::Tensor> master;
+  for (auto& p : ref->parameters()) master.push_back(p.detach().clone().requires_grad_(true));
+  auto ref_opt = make_optimizer(master, oo);
+  auto publish = [&] {
+    torch::NoGradGuard no_grad;
+    auto ps = ref->parameters();
+    for (size_t i = 0; i < ps.size(); ++i) ps[i].copy_(master[i]);
+  };
+  for (int64_t step = 1; step <= steps; ++step) {
+    auto [x, y] = offload_batch(step, rows, device);
+    ref->zero_grad();
+    torch::mse_loss(ref->forward(x), y).backward();
+    auto ps = ref->parameters();
+    for (size_t i = 0; i < ps.size(); ++i) master[i].mutable_grad() = ps[i].grad().clone();
+    if (step <= warmup) {
+      ref_opt->step();
+      publish();
+    } else {
+      publish();  // the previous step's update becomes visible now
+      ref_opt->step();
+    }
+    run.backward(step, rows, comm);
+    run.opt->step();
+    run.reducer->zero_grad();
+    EXPECT_EQ(run.opt->update_in_flight(), step > warmup) << "step " << step;
+    EXPECT_LE(max_rel_error(flat_params(*run.net), ref->parameters()), 1e-5) << "weights after step " << step;
+  }
+  // The state already holds the update in flight; the model does after flush().
+  at::Tensor saved_master;
+  for (auto& [name, t] : run.opt->state()) {
+    if (name == "master") saved_master = t;
+  }
+  std::vector<at::Tensor> flat_master;
+  for (auto& m : master) flat_master.push_back(m.detach().reshape({-1}));
+  at::Tensor whole = at::cat(flat_master);
+  ASSERT_TRUE(saved_master.defined());
+  EXPECT_LE(rel_error(saved_master, whole.narrow(0, run.opt->shard_begin(),
+                                                 run.opt->shard_end() - run.opt->shard_begin())),
+            1e-5);
+  EXPECT_GT(rel_error(flat_params(*run.net)[0], master[0].detach()), 1e-7);  // not published yet
+  run.opt->flush();
+  EXPECT_FALSE(run.opt->update_in_flight());
+  publish();
+  EXPECT_LE(max_rel_error(flat_params(*run.net), ref->parameters()), 1e-5) << "after flush";
+}
+
+}  // namespace dtrain::engine::offload_engine_cases
