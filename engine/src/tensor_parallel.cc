@@ -1,6 +1,8 @@
 #include "dtrain/engine/tensor_parallel.h"
 
+#include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -384,24 +386,40 @@ std::map<std::string, at::Tensor> gather_full_state(torch::nn::Module& split_mod
 }
 
 at::Tensor tensor_parallel_grad_norm(const std::vector<at::Tensor>& params, const std::vector<bool>& sharded,
-                                     dist::Communicator& tp) {
+                                     dist::Communicator& tp, const std::pair<int64_t, int64_t>* owned,
+                                     dist::Communicator* dp) {
   DTRAIN_CHECK(params.size() == sharded.size(), "tensor_parallel_grad_norm: ", params.size(),
                " parameters but ", sharded.size(), " flags");
+  DTRAIN_CHECK(!owned || dp, "tensor_parallel_grad_norm: owned ranges need the data-parallel communicator");
   at::Tensor sq_shard, sq_rep;
+  std::optional<c10::Device> device;
+  int64_t offset = 0;
   for (size_t i = 0; i < params.size(); ++i) {
+    const int64_t n = params[i].numel();
     const at::Tensor& g = params[i].grad();
-    if (!g.defined()) continue;
-    at::Tensor sq = g.to(at::kFloat).pow(2).sum();
+    if (!device) device = params[i].device();
+    int64_t a = 0, b = n;  // this rank's part of the parameter
+    if (owned) {
+      a = std::clamp<int64_t>(owned->first - offset, 0, n);
+      b = std::clamp<int64_t>(owned->second - offset, 0, n);
+    }
+    offset += n;
+    if (!g.defined() || a >= b) continue;
+    at::Tensor part = a == 0 && b == n ? g : g.reshape({-1}).narrow(0, a, b - a);
+    at::Tensor sq = part.to(at::kFloat).pow(2).sum();
     at::Tensor& acc = sharded[i] ? sq_shard : sq_rep;
     acc = acc.defined() ? acc + sq : sq;
   }
   const at::Tensor& any = sq_shard.defined() ? sq_shard : sq_rep;
-  DTRAIN_CHECK(any.defined(), "tensor_parallel_grad_norm: no gradients");
-  if (!sq_shard.defined()) sq_shard = at::zeros({}, any.options());
-  if (!sq_rep.defined()) sq_rep = at::zeros({}, any.options());
+  DTRAIN_CHECK(any.defined() || owned, "tensor_parallel_grad_norm: no gradients");
+  const auto options = any.defined() ? any.options() : at::TensorOptions().dtype(at::kFloat).device(*device);
+  if (!sq_shard.defined()) sq_shard = at::zeros({}, options);
+  if (!sq_rep.defined()) sq_rep = at::zeros({}, options);
   at::Tensor s = sq_shard.reshape({1}).clone();
   if (tp.size() > 1) tp.all_reduce(s)->wait();
-  return (s.reshape({}) + sq_rep).sqrt();
+  at::Tensor total = s + sq_rep.reshape({1});
+  if (owned && dp->size() > 1) dp->all_reduce(total)->wait();
+  return total.sqrt().reshape({});
 }
 
 }  // namespace dtrain::engine

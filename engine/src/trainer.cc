@@ -64,7 +64,7 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
   ReducerOptions reducer_options = options_.reducer;
   if (reducer_options.names.empty()) reducer_options.names = names;
   if (options_.offload_optimizer && options_.offload.reduce_to_owner && mesh_.dp_size() > 1 &&
-      mesh_.tp_size() == 1 && reducer_options.owned.empty()) {
+      reducer_options.owned.empty()) {
     // The offloaded optimizer keeps shard r of the flat space on rank r: reduce to owners.
     bool uniform = true;
     int64_t numel = 0;
@@ -213,9 +213,10 @@ void Trainer::apply_update(StepMetrics& m, bool& skipped) {
   if (streamed && scaler_->enabled()) factor = static_cast<float>(1.0 / scaler_->scale_value());
   const bool finite = scaler_->unscale(grads, &mesh_.world());
   if (finite && (options_.clip_grad_norm > 0 || options_.report_grad_norm)) {
-    at::Tensor norm = owned_range_            ? owned_grad_norm(grads)
-                      : mesh_.tp_size() > 1 ? tensor_parallel_grad_norm(params_, sharded_, mesh_.tp())
-                                            : grad_norm(grads);
+    at::Tensor norm = owned_range_ || mesh_.tp_size() > 1
+                          ? tensor_parallel_grad_norm(params_, sharded_, mesh_.tp(),
+                                                      owned_range_ ? &*owned_range_ : nullptr, &mesh_.dp())
+                          : grad_norm(grads);
     if (options_.clip_grad_norm > 0) {
       clip_grads(grads, norm, options_.clip_grad_norm);
       if (streamed) factor *= clip_coefficient(norm, options_.clip_grad_norm).item<double>();
@@ -311,23 +312,6 @@ MemoryReport Trainer::memory_report() const {
   MemoryReport r = build_memory_report(device_, params_, grads, state, step_start_allocated_mb_, step_peak_mb_);
   if (off) r.host_offload_mb = static_cast<double>(off->host_bytes()) / (1024.0 * 1024.0);
   return r;
-}
-
-at::Tensor Trainer::owned_grad_norm(const std::vector<at::Tensor>& grads) {
-  // Sum of squares over this rank's range, summed over the data-parallel group.
-  const auto [lo, hi] = *owned_range_;
-  std::vector<at::Tensor> pieces;
-  int64_t offset = 0;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const int64_t n = params_[i].numel();
-    const int64_t a = std::max(offset, lo), b = std::min(offset + n, hi);
-    if (a < b && grads[i].defined()) pieces.push_back(grads[i].reshape({-1}).narrow(0, a - offset, b - a));
-    offset += n;
-  }
-  at::Tensor squares = pieces.empty() ? at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device_))
-                                      : grad_norm(pieces).square().reshape({1});
-  mesh_.dp().all_reduce(squares, dist::ReduceOp::kSum)->wait();
-  return squares.sqrt().reshape({});
 }
 
 void Trainer::flush_updates() {

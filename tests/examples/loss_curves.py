@@ -325,6 +325,12 @@ def scenario_offload_stream(args):
     allreduced = train(args, "train_gpt", 2, shape + clip + ["--batch_size=4", "--offload=optimizer",
                                                              "--offload_reduce_to_owner=false"], "gpt-allreduce-2")
     compare(ref, allreduced, "--offload=optimizer, gradients all-reduced, clipped, 2 ranks", 1e-5)
+    # Tensor parallelism 2 x data parallelism 2: shards of the tp-split model reduced to owners.
+    tp_dp = train(args, "train_gpt", 4, shape + clip + ["--batch_size=4", "--tp=2", "--offload=optimizer"],
+                  "gpt-tp2-owner")
+    compare(ref, tp_dp, "--offload=optimizer with --tp=2 on 4 ranks, gradients reduced to owners, clipped", 1e-4)
+    worst_tp = max(abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"] for a, b in zip(ref, tp_dp))
+    assert worst_tp < 1e-4, f"tp 2 x dp 2: the gradient norm differs from the whole model's by {worst_tp:.2e}"
     clip_norms = [(a["grad_norm"], b["grad_norm"]) for a, b in zip(ref, streamed)]
     worst = max(abs(x - y) / x for x, y in clip_norms)
     assert worst < 1e-5, f"the gradient norm over owned shards differs from the whole model's by {worst:.2e}"

@@ -43,7 +43,7 @@ struct OffloadOptions {
   // the background while step t + 1's forward and backward run on the weights of step
   // t - 1. < 0: off. See OffloadedOptimizer::flush().
   int64_t delayed_update_after = -1;
-  // Trainer: with data parallelism (and --tp=1, every parameter on the training device),
+  // Trainer: with data parallelism (every parameter on one device, in one dtype),
   // reduce each gradient only to the rank whose shard holds it (ReducerOptions::owned)
   // instead of all-reducing it: the optimizer reads only its shard, so this moves about
   // half the bytes. The gradient norm (clipping, metrics) is then taken over each rank's

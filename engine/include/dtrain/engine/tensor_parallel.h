@@ -205,7 +205,12 @@ at::Tensor gather_full_tensor(const at::Tensor& local, const ShardSpec& spec, di
 
 // Global L2 norm of the gradients of a split model's parameters: squares of sharded
 // parameters summed over the group, replicated ones counted once. A 0-dim float tensor.
-at::Tensor tensor_parallel_grad_norm(const std::vector<at::Tensor>& params,
-                                     const std::vector<bool>& sharded, dist::Communicator& tp);
+// With `owned` (gradients reduced to their owners, ReducerOptions::owned), only the
+// elements [owned->first, owned->second) of the parameters' flat space count on this rank
+// and the squares are summed over dp as well (every element is owned by one dp rank).
+at::Tensor tensor_parallel_grad_norm(const std::vector<at::Tensor>& params, const std::vector<bool>& sharded,
+                                     dist::Communicator& tp,
+                                     const std::pair<int64_t, int64_t>* owned = nullptr,
+                                     dist::Communicator* dp = nullptr);
 
 }  // namespace dtrain::engine

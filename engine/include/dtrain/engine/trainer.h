@@ -173,7 +173,6 @@ class Trainer {
   // OffloadOptions::reduce_to_owner in effect: this rank's range of the flat gradient space
   // (the only part averaged after backward).
   std::optional<std::pair<int64_t, int64_t>> owned_range_;
-  at::Tensor owned_grad_norm(const std::vector<at::Tensor>& grads);
   std::vector<std::string> names_;
   std::map<std::string, ShardSpec> specs_;
   bool preempted_ = false;
