@@ -98,6 +98,7 @@ struct OffloadedOptimizer::Impl {
   std::optional<c10::Event> published;    // main stream: the all-gather read `next`
   std::optional<c10::Event> update_done;  // update stream: `next` written
   std::thread updater;
+  std::optional<UpdateTiming> timing;  // guarded by mu
 
   ~Impl();
   void allocate_host(HostGrads& g);
@@ -271,8 +272,11 @@ void OffloadedOptimizer::Impl::update_loop() {
         guard.emplace(*update_stream);
         published->block(*update_stream);  // `next` was read by the last all-gather
       }
+      const auto start = std::chrono::steady_clock::now();
       update_from_host(host[j.buffer], j.multiplier, j.lr);
       if (update_stream) update_done->record(*update_stream);
+      std::lock_guard<std::mutex> lock(mu);
+      timing = UpdateTiming{start, std::chrono::steady_clock::now(), true};
     } catch (...) {
       failure = std::current_exception();
     }
@@ -505,11 +509,16 @@ void OffloadedOptimizer::step() {
   if (!delayed) {
     s.finish_update();  // none in flight unless a checkpoint moved the step count back
     s.set_output_next(false);
+    const auto start = std::chrono::steady_clock::now();
     if (streamed) {
       s.update_from_host(s.host[fill], factor, s.lr);
     } else {
       s.cpu->set_lr(s.lr);
       s.cpu->step();  // this rank's shard from .grad, written back into the flat buffer
+    }
+    {
+      std::lock_guard<std::mutex> lock(s.mu);
+      s.timing = UpdateTiming{start, std::chrono::steady_clock::now(), false};
     }
     const int64_t n = s.flat.numel() / s.dp->size();
     s.all_gather(s.flat.narrow(0, s.dp->rank() * n, n));
@@ -532,6 +541,13 @@ void OffloadedOptimizer::flush() {
 }
 
 bool OffloadedOptimizer::update_in_flight() const { return impl_->in_flight; }
+
+std::optional<OffloadedOptimizer::UpdateTiming> OffloadedOptimizer::take_update_timing() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::optional<UpdateTiming> t = impl_->timing;
+  impl_->timing.reset();
+  return t;
+}
 
 void OffloadedOptimizer::zero_grad() {
   for (const at::Tensor& p : params_) {

@@ -274,13 +274,21 @@ void Trainer::record_step_timeline(std::chrono::steady_clock::time_point start) 
   if (!timeline_->enabled()) return;
   auto end = std::chrono::steady_clock::now();
   ReducerStepStats s = reducer_->last_step_stats();
+  const std::string collective = owned_range_ ? "reduce to owners" : "all_reduce";
   for (size_t k = 0; k < s.bucket_start.size(); ++k) {
     TraceArgs args = {{"bucket", static_cast<double>(k)},
                       {"bytes", k < s.bucket_bytes.size() ? static_cast<double>(s.bucket_bytes[k]) : 0.0}};
     if (k < s.bucket_launch.size()) {
-      timeline_->add_instant("enqueue all_reduce", category::kComm, lane::kComm, s.bucket_launch[k], args);
+      timeline_->add_instant("enqueue " + collective, category::kComm, lane::kComm, s.bucket_launch[k], args);
     }
-    timeline_->add_complete("all_reduce", category::kComm, lane::kComm, s.bucket_start[k], s.bucket_end[k], args);
+    timeline_->add_complete(collective, category::kComm, lane::kComm, s.bucket_start[k], s.bucket_end[k], args);
+  }
+  if (OffloadedOptimizer* off = offloaded_part(optimizer_.get())) {
+    // The CPU update; with the delayed update it ran during this step's forward and backward.
+    if (auto t = off->take_update_timing()) {
+      timeline_->add_complete(t->background ? "cpu update (delayed)" : "cpu update", category::kOptimizer,
+                              lane::kOptimizer, t->start, t->end);
+    }
   }
   timeline_->add_complete("step", category::kCompute, lane::kMain, start, end,
                           {{"step", static_cast<double>(step_)}, {"accum_steps", static_cast<double>(accum_steps_)}});

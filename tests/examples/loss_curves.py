@@ -30,14 +30,14 @@ def metrics(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def train(args, program, ranks, flags, name, expect_status=0):
+def train(args, program, ranks, flags, name, expect_status=0, env=None):
     out = os.path.join(args.workdir, name + ".jsonl")
     cmd = [os.path.join(args.bin, program), f"--metrics={out}", "--log_every=1", "--device=cpu",
            "--progress=false"] + flags
     if ranks > 1:
         cmd = shlex.split(args.mpirun) + ["-np", str(ranks)] + cmd
     if expect_status == 0:
-        run(cmd)
+        run(cmd, env=dict(os.environ, **env) if env else None)
         return metrics(out)
     print("$", " ".join(shlex.quote(c) for c in cmd), flush=True)
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
@@ -357,6 +357,22 @@ def scenario_offload_stream(args):
     d2 = train(args, "train_gpt", 2, shape + clip + delay + ["--batch_size=4", "--offload_stream_gradients=on"],
                "gpt-delay-2")
     compare(d1, d2, "delayed update on 2 ranks, state partitioned, gradients streamed", 1e-5)
+    # The timeline shows the delayed CPU updates running alongside forward/backward (a model
+    # whose update takes longer than the gap between steps; one core for the compute and one
+    # for the update, which otherwise waits for a core until the main thread blocks).
+    tl = os.path.join(args.workdir, "delay_timeline.json")
+    train(args, "train_gpt", 1, ["--d_model=128", "--heads=4", "--layers=2", "--seq_len=32", "--ff=256",
+                                 "--vocab=4096", "--workers=1", "--steps=8", "--batch_size=4", "--offload_threads=1",
+                                 f"--timeline={tl}"] + delay, "gpt-delay-timeline", env={"OMP_NUM_THREADS": "1"})
+    with open(tl) as f:
+        spans = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    updates = [e for e in spans if e["name"] == "cpu update (delayed)"]
+    compute = [e for e in spans if e["name"] in ("forward", "backward")]
+    assert len(updates) >= 3, f"{len(updates)} delayed cpu update spans in the timeline"
+    overlapping = sum(1 for u in updates for c in compute
+                      if u["ts"] < c["ts"] + c["dur"] and c["ts"] < u["ts"] + u["dur"])
+    assert overlapping > 0, "no delayed cpu update overlaps a forward or backward span"
+    print(f"ok: timeline has {len(updates)} delayed cpu updates, {overlapping} overlapping forward/backward spans")
     # Saving publishes the update in flight; a run resumed there continues as the saving run.
     ck_full = os.path.join(args.workdir, "ck_delay_full")
     full = train(args, "train_gpt", 2, shape + clip + delay + ["--batch_size=4", "--save_every=8",

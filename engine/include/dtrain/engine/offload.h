@@ -15,7 +15,9 @@
 // are kept), so the all-gather writes them in place. Not thread-safe. Collective over dp.
 #pragma once
 
+#include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -98,6 +100,13 @@ class OffloadedOptimizer : public Optimizer {
   // exporting the model; a no-op otherwise. Collective over dp when an update is in flight.
   void flush();
   bool update_in_flight() const;
+  // When the last finished CPU update ran (for the timeline): taken once; empty when no
+  // update finished since the last call. background: it ran on the updater thread (delayed).
+  struct UpdateTiming {
+    std::chrono::steady_clock::time_point start, end;
+    bool background = false;
+  };
+  std::optional<UpdateTiming> take_update_timing();
 
   int64_t numel() const;        // elements of all parameters
   int64_t shard_begin() const;  // this rank's real elements of the flat space
