@@ -33,13 +33,11 @@ OffloadChoice parse_offload(const std::string& text) {
 
 namespace {
 
-// Host arrays are allocated in chunks of this many elements (pinned blocks are rounded up to
-// a power of two, so one 12 GB buffer would take 16 GB).
-constexpr int64_t kHostChunk = int64_t{1} << 26;
-
-// A gradient buffer of the shard's real elements in pinned host memory, in chunks.
+// A gradient buffer of the shard's real elements in pinned host memory, in chunks of the CPU
+// optimizer's chunk_elems (pinned blocks are rounded up to a power of two, so one 12 GB
+// buffer would take 16 GB).
 struct HostGrads {
-  std::vector<at::Tensor> chunks;  // chunk c: shard elements [c * kHostChunk, ...)
+  std::vector<at::Tensor> chunks;  // chunk c: shard elements [c * chunk, ...)
 };
 
 }  // namespace
@@ -52,6 +50,7 @@ struct OffloadedOptimizer::Impl {
   at::Tensor flat;  // the parameters' storage, padded_numel elements
   std::vector<std::string> arrays;  // the rule's state arrays besides "master"
   int64_t lo = 0, hi = 0;           // this rank's real elements [lo, hi) of the flat space
+  int64_t chunk = 0;                // elements per host chunk (the CPU optimizer's chunk_elems)
   at::ScalarType host_dtype = at::kFloat;
   std::optional<c10::Device> device;  // the parameters' device when not the CPU
   double lr = 0.0;
@@ -128,18 +127,18 @@ OffloadedOptimizer::Impl::~Impl() {
 
 void OffloadedOptimizer::Impl::allocate_host(HostGrads& g) {
   g.chunks.clear();
-  for (int64_t off = 0; off < hi - lo; off += kHostChunk) {
-    g.chunks.push_back(pool->allocate(std::min(kHostChunk, hi - lo - off), host_dtype));
+  for (int64_t off = 0; off < hi - lo; off += chunk) {
+    g.chunks.push_back(pool->allocate(std::min(chunk, hi - lo - off), host_dtype));
   }
 }
 
-// Calls fn(chunk, offset in chunk, n, offset in [lo, hi)) for the pieces of shard elements
-// [a, b) (relative to lo) split at chunk boundaries.
+// Calls fn(chunk index, offset in chunk, n, offset in [lo, hi)) for the pieces of shard
+// elements [a, b) (relative to lo) split at boundaries of `chunk` elements.
 template <typename Fn>
-void for_each_piece(int64_t a, int64_t b, Fn&& fn) {
+void for_each_piece(int64_t chunk, int64_t a, int64_t b, Fn&& fn) {
   while (a < b) {
-    const int64_t c = a / kHostChunk, in = a % kHostChunk;
-    const int64_t n = std::min(b - a, kHostChunk - in);
+    const int64_t c = a / chunk, in = a % chunk;
+    const int64_t n = std::min(b - a, chunk - in);
     fn(static_cast<size_t>(c), in, n, a);
     a += n;
   }
@@ -184,7 +183,7 @@ void OffloadedOptimizer::Impl::copy_bucket(const LaunchedBucket& event) {
     const int64_t a = std::max(p_lo, lo), b = std::min(offsets[j + 1], hi);
     if (a >= b) continue;
     at::Tensor src = event.values.narrow(0, event.offsets[k] + (a - p_lo), b - a);
-    for_each_piece(a - lo, b - lo, [&](size_t c, int64_t in, int64_t n, int64_t at_) {
+    for_each_piece(chunk, a - lo, b - lo, [&](size_t c, int64_t in, int64_t n, int64_t at_) {
       g.chunks[c].narrow(0, in, n).copy_(src.narrow(0, at_ - (a - lo), n), /*non_blocking=*/copy_stream.has_value());
     });
   }
@@ -221,7 +220,7 @@ void OffloadedOptimizer::Impl::copy_grads_from_params(HostGrads& g, const std::v
     const int64_t a = std::max(p_lo, lo), b = std::min(offsets[j + 1], hi);
     if (a >= b) continue;
     at::Tensor grad = params[j].grad();
-    for_each_piece(a - lo, b - lo, [&](size_t c, int64_t in, int64_t n, int64_t at_) {
+    for_each_piece(chunk, a - lo, b - lo, [&](size_t c, int64_t in, int64_t n, int64_t at_) {
       at::Tensor dst = g.chunks[c].narrow(0, in, n);
       if (grad.defined()) {
         dst.copy_(grad.detach().reshape({-1}).narrow(0, at_ + lo - p_lo, n));
@@ -235,7 +234,7 @@ void OffloadedOptimizer::Impl::copy_grads_from_params(HostGrads& g, const std::v
 void OffloadedOptimizer::Impl::update_from_host(const HostGrads& g, double multiplier, double rate) {
   cpu->set_lr(rate);
   cpu->begin_step(multiplier);
-  for_each_piece(0, hi - lo, [&](size_t c, int64_t in, int64_t n, int64_t at_) {
+  for_each_piece(chunk, 0, hi - lo, [&](size_t c, int64_t in, int64_t n, int64_t at_) {
     cpu->step_range(lo + at_, lo + at_ + n, g.chunks[c].narrow(0, in, n));
   });
   cpu->end_step();
@@ -399,6 +398,7 @@ OffloadedOptimizer::OffloadedOptimizer(std::vector<at::Tensor> params, const Opt
   s.cpu = std::make_unique<offload::CpuOptimizer>(
       params_, cpu_options(options_, dp.rank(), dp.size(), offload_options.threads), *s.pool);
   s.cpu->set_output(s.flat);
+  s.chunk = s.cpu->options().chunk_elems;
   s.lo = std::min(s.cpu->shard().begin, numel);
   s.hi = std::min(s.cpu->shard().end, numel);
   s.offsets.push_back(0);
@@ -507,8 +507,7 @@ void OffloadedOptimizer::step() {
   }
   const int fill = s.fill.load();
   if (!delayed) {
-    s.finish_update();  // none in flight unless a checkpoint moved the step count back
-    s.set_output_next(false);
+    s.set_output_next(false);  // back to the parameters if a checkpoint moved the step count back
     const auto start = std::chrono::steady_clock::now();
     if (streamed) {
       s.update_from_host(s.host[fill], factor, s.lr);

@@ -76,6 +76,8 @@ at::Tensor grad_norm(const std::vector<at::Tensor>& grads) {
   return total.to(at::kFloat);
 }
 
+namespace {
+
 at::Tensor clip_coefficient(const at::Tensor& norm, double max_norm) {
   DTRAIN_CHECK(std::isfinite(max_norm) && max_norm >= 0.0, "clip_grads: max_norm = ", max_norm,
                " must be a finite number >= 0");
@@ -87,7 +89,9 @@ at::Tensor clip_coefficient(const at::Tensor& norm, double max_norm) {
   return at::clamp_max(limit / (norm.reshape({}) + 1e-6), 1.0);
 }
 
-void clip_grads(const std::vector<at::Tensor>& grads, const at::Tensor& norm, double max_norm) {
+}  // namespace
+
+at::Tensor clip_grads(const std::vector<at::Tensor>& grads, const at::Tensor& norm, double max_norm) {
   at::Tensor coef = clip_coefficient(norm, max_norm);
   at::NoGradGuard no_grad;
   std::map<std::string, std::vector<at::Tensor>> by_device;
@@ -99,6 +103,7 @@ void clip_grads(const std::vector<at::Tensor>& grads, const at::Tensor& norm, do
     at::Tensor local = coef.to(target, /*non_blocking=*/!target.is_cpu());
     at::_foreach_mul_(list, local);
   }
+  return coef;
 }
 
 }  // namespace dtrain::engine

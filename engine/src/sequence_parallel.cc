@@ -14,7 +14,7 @@ using torch::autograd::variable_list;
 
 using detail::all_gather_along;
 using detail::comm_of;
-int64_t to_int(dist::Communicator* c) { return detail::comm_handle(c); }
+using detail::comm_handle;
 
 int64_t checked_dim(const at::Tensor& x, int64_t dim, const char* what) {
   DTRAIN_CHECK(x.dim() >= 1, what, ": a tensor of at least one dimension is needed, got a scalar");
@@ -85,7 +85,7 @@ struct ScatterToSp : torch::autograd::Function<ScatterToSp> {
 
 at::Tensor gather_from_sequence_parallel(const at::Tensor& x, dist::Communicator& tp, int64_t dim) {
   dim = checked_dim(x, dim, "gather_from_sequence_parallel");
-  return tp.size() == 1 ? x : GatherFromSp::apply(x, to_int(&tp), dim);
+  return tp.size() == 1 ? x : GatherFromSp::apply(x, comm_handle(&tp), dim);
 }
 
 at::Tensor reduce_scatter_to_sequence_parallel(const at::Tensor& x, dist::Communicator& tp,
@@ -93,14 +93,14 @@ at::Tensor reduce_scatter_to_sequence_parallel(const at::Tensor& x, dist::Commun
   dim = checked_dim(x, dim, "reduce_scatter_to_sequence_parallel");
   if (tp.size() == 1) return x;
   check_divides(x, dim, tp, "reduce_scatter_to_sequence_parallel");  // before any collective
-  return ReduceScatterToSp::apply(x, to_int(&tp), dim);
+  return ReduceScatterToSp::apply(x, comm_handle(&tp), dim);
 }
 
 at::Tensor scatter_to_sequence_parallel(const at::Tensor& x, dist::Communicator& tp, int64_t dim) {
   dim = checked_dim(x, dim, "scatter_to_sequence_parallel");
   if (tp.size() == 1) return x;
   check_divides(x, dim, tp, "scatter_to_sequence_parallel");
-  return ScatterToSp::apply(x, to_int(&tp), dim);
+  return ScatterToSp::apply(x, comm_handle(&tp), dim);
 }
 
 at::Tensor sequence_parallel_layer_norm(const torch::nn::LayerNorm& ln, const at::Tensor& x,

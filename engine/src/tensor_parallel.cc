@@ -18,7 +18,7 @@ using torch::autograd::variable_list;
 
 using detail::comm_from;
 using detail::comm_of;
-int64_t to_int(dist::Communicator* c) { return detail::comm_handle(c); }
+using detail::comm_handle;
 
 at::Tensor all_reduce_copy(const at::Tensor& x, dist::Communicator& tp) {
   at::Tensor y = x.contiguous().clone();
@@ -132,16 +132,16 @@ at::Tensor full_linear_init(int64_t rows, int64_t cols, int64_t fan_in) {
 }  // namespace
 
 at::Tensor copy_to_tensor_parallel(const at::Tensor& x, dist::Communicator& tp) {
-  return tp.size() == 1 ? x : CopyToTp::apply(x, to_int(&tp));
+  return tp.size() == 1 ? x : CopyToTp::apply(x, comm_handle(&tp));
 }
 at::Tensor reduce_from_tensor_parallel(const at::Tensor& x, dist::Communicator& tp) {
-  return tp.size() == 1 ? x : ReduceFromTp::apply(x, to_int(&tp));
+  return tp.size() == 1 ? x : ReduceFromTp::apply(x, comm_handle(&tp));
 }
 at::Tensor gather_from_tensor_parallel(const at::Tensor& x, dist::Communicator& tp) {
-  return tp.size() == 1 ? x : GatherFromTp::apply(x, to_int(&tp));
+  return tp.size() == 1 ? x : GatherFromTp::apply(x, comm_handle(&tp));
 }
 at::Tensor scatter_to_tensor_parallel(const at::Tensor& x, dist::Communicator& tp) {
-  return tp.size() == 1 ? x : ScatterToTp::apply(x, to_int(&tp));
+  return tp.size() == 1 ? x : ScatterToTp::apply(x, comm_handle(&tp));
 }
 
 at::Tensor shard_of(const at::Tensor& full, const ShardSpec& spec, int rank, int size) {
@@ -281,7 +281,7 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
   DTRAIN_CHECK(logits.dim() == 2 && targets.dim() == 1 && logits.size(0) == targets.size(0),
                "vocab_parallel_cross_entropy takes logits [N, V/T] and targets [N], got ",
                logits.sizes(), " and ", targets.sizes());
-  return VocabParallelCrossEntropy::apply(logits, targets, vocab_start, real_vocab, to_int(&tp));
+  return VocabParallelCrossEntropy::apply(logits, targets, vocab_start, real_vocab, comm_handle(&tp));
 }
 
 ParallelSelfAttentionImpl::ParallelSelfAttentionImpl(int64_t d_model, int64_t h, bool is_causal,

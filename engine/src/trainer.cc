@@ -218,8 +218,8 @@ void Trainer::apply_update(StepMetrics& m, bool& skipped) {
                                                       owned_range_ ? &*owned_range_ : nullptr, &mesh_.dp())
                           : grad_norm(grads);
     if (options_.clip_grad_norm > 0) {
-      clip_grads(grads, norm, options_.clip_grad_norm);
-      if (streamed) factor *= clip_coefficient(norm, options_.clip_grad_norm).item<double>();
+      at::Tensor coef = clip_grads(grads, norm, options_.clip_grad_norm);
+      if (streamed) factor *= coef.item<double>();
     }
     last_grad_norm_ = norm;  // read on the host only at log steps
   }

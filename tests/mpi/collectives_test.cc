@@ -43,11 +43,20 @@ std::string label(const char* op, at::ScalarType t, int64_t n, bool in_place, Re
          (in_place ? " in-place " : " out-of-place ") + to_string(r);
 }
 
-// Whether a reduction case runs (avg needs floats, the 16M size only sums, bytes overflow).
-bool reduction_case(at::ScalarType t, int64_t n, ReduceOp op, int N) {
-  if (op == ReduceOp::kAvg && !at::isFloatingType(t)) return false;
-  if (n == kLarge && op != ReduceOp::kSum) return false;
-  return !(t == at::kByte && op == ReduceOp::kSum && N * (N + 1) / 2 + N * 6 > 255);
+// Calls fn(dtype, size, op) for every reduction case on N ranks (avg needs floats, the 16M
+// size only sums, a byte sum must not overflow).
+template <typename Fn>
+void for_each_reduction_case(int N, Fn&& fn) {
+  for (at::ScalarType t : kAllTypes) {
+    for (int64_t n : sizes_for(t)) {
+      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin}) {
+        if (op == ReduceOp::kAvg && !at::isFloatingType(t)) continue;
+        if (n == kLarge && op != ReduceOp::kSum) continue;
+        if (t == at::kByte && op == ReduceOp::kSum && N * (N + 1) / 2 + N * 6 > 255) continue;
+        fn(t, n, op);
+      }
+    }
+  }
 }
 
 // op over N ranks of x_r[i] = (r + 1) + p[i], in closed form.
@@ -64,28 +73,23 @@ at::Tensor reduced_pattern(const at::Tensor& p, ReduceOp op, int N) {
 TEST(MpiCollectives, AllReduceEveryOpDtypeSizeAndPlacement) {
   Communicator& c = world_comm();
   const int N = c.size(), r = c.rank();
-  for (at::ScalarType t : kAllTypes) {
-    for (int64_t n : sizes_for(t)) {
-      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin}) {
-        if (!reduction_case(t, n, op, N)) continue;
-        for (bool in_place : {true, false}) {
-          // x_r[i] = (r + 1) + i % 7
-          at::Tensor x = pattern(n, 7, t).add_(r + 1);
-          at::Tensor want = reduced_pattern(pattern(n, 7, at::kDouble), op, N);
-          if (in_place) {
-            c.all_reduce(x, op)->wait();
-            expect_equal(x, want, label("all_reduce", t, n, in_place, op));
-          } else {
-            at::Tensor before = x.clone();
-            at::Tensor out = at::full({n}, 99, x.options());
-            c.all_reduce(x, out, op)->wait();
-            expect_equal(out, want, label("all_reduce", t, n, in_place, op));
-            expect_equal(x, before, "input untouched by out-of-place all_reduce");
-          }
-        }
+  for_each_reduction_case(N, [&](at::ScalarType t, int64_t n, ReduceOp op) {
+    for (bool in_place : {true, false}) {
+      // x_r[i] = (r + 1) + i % 7
+      at::Tensor x = pattern(n, 7, t).add_(r + 1);
+      at::Tensor want = reduced_pattern(pattern(n, 7, at::kDouble), op, N);
+      if (in_place) {
+        c.all_reduce(x, op)->wait();
+        expect_equal(x, want, label("all_reduce", t, n, in_place, op));
+      } else {
+        at::Tensor before = x.clone();
+        at::Tensor out = at::full({n}, 99, x.options());
+        c.all_reduce(x, out, op)->wait();
+        expect_equal(out, want, label("all_reduce", t, n, in_place, op));
+        expect_equal(x, before, "input untouched by out-of-place all_reduce");
       }
     }
-  }
+  });
 }
 
 TEST(MpiCollectives, AllReduceBoolAnyAll) {
@@ -117,20 +121,15 @@ TEST(MpiCollectives, BroadcastFromEveryRoot) {
 TEST(MpiCollectives, ReduceToEveryRootEveryOpAndDtype) {
   Communicator& c = world_comm();
   const int N = c.size(), r = c.rank();
-  for (at::ScalarType t : kAllTypes) {
-    for (int64_t n : sizes_for(t)) {
-      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin}) {
-        if (!reduction_case(t, n, op, N)) continue;
-        for (int root = 0; root < N; ++root) {
-          if (n == kLarge && root != N - 1) continue;
-          at::Tensor x = pattern(n, 7, t).add_(r + 1);  // x_r[i] = (r + 1) + i % 7
-          at::Tensor want = reduced_pattern(pattern(n, 7, at::kDouble), op, N);
-          c.reduce(x, root, op)->wait();
-          if (r == root) expect_equal(x, want, label("reduce", t, n, true, op) + " root " + std::to_string(root));
-        }
-      }
+  for_each_reduction_case(N, [&](at::ScalarType t, int64_t n, ReduceOp op) {
+    for (int root = 0; root < N; ++root) {
+      if (n == kLarge && root != N - 1) continue;
+      at::Tensor x = pattern(n, 7, t).add_(r + 1);  // x_r[i] = (r + 1) + i % 7
+      at::Tensor want = reduced_pattern(pattern(n, 7, at::kDouble), op, N);
+      c.reduce(x, root, op)->wait();
+      if (r == root) expect_equal(x, want, label("reduce", t, n, true, op) + " root " + std::to_string(root));
     }
-  }
+  });
   at::Tensor x = at::ones({3});
   EXPECT_THROW(c.reduce(x, N), Error);  // no such root
 }

@@ -129,9 +129,8 @@ at::Tensor grad_norm(const std::vector<at::Tensor>& grads);
 // Enqueues work, no host sync. A non-finite norm makes the gradients non-finite (check
 // first, e.g. with the loss scaler). Throws dtrain::Error for a negative or non-finite
 // max_norm or a norm that is not a single-element tensor.
-void clip_grads(const std::vector<at::Tensor>& grads, const at::Tensor& norm, double max_norm);
-// The factor clip_grads applies: min(1, max_norm / (norm + 1e-6)), a 0-dim tensor on the
-// norm's device (enqueued, no host sync). Same checks as clip_grads.
-at::Tensor clip_coefficient(const at::Tensor& norm, double max_norm);
+// Returns the factor applied, min(1, max_norm / (norm + 1e-6)), as a 0-dim tensor on the
+// norm's device.
+at::Tensor clip_grads(const std::vector<at::Tensor>& grads, const at::Tensor& norm, double max_norm);
 
 }  // namespace dtrain::engine
