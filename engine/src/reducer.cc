@@ -135,6 +135,7 @@ struct GradReducer::State {
 
   dist::Communicator& comm;
   ReducerOptions options;
+  std::shared_ptr<BucketComm> bucket_comm;  // options.bucket_comm, or the one they describe
   std::weak_ptr<State> shared_from_state;
   std::vector<at::Tensor> params;
   std::vector<ReadyHook*> hooks;  // by parameter; owned by the parameters' autograd meta
@@ -161,7 +162,7 @@ struct GradReducer::State {
   std::function<void(const LaunchedBucket&)> observer;
 
   void build(const std::vector<std::vector<size_t>>& assignment);
-  std::vector<int64_t> flat_offsets;  // owner mode: each parameter's flat-space offset
+  std::vector<int64_t> flat_offsets;  // consecutive buckets: each parameter's flat-space offset
   void start_step();
   void mark_ready(size_t i);
   void launch_in_order();
@@ -185,9 +186,7 @@ void GradReducer::State::build(const std::vector<std::vector<size_t>>& assignmen
     }
     const at::Tensor& first = params[bucket.params.front()];
     bucket.flat = at::zeros({numel}, first.options());
-    bucket.wire = options.compress && *options.compress != first.scalar_type()
-                      ? at::empty({numel}, first.options().dtype(*options.compress))
-                      : bucket.flat;
+    bucket.wire = bucket_comm->wire(bucket.flat);
     if (!flat_offsets.empty()) bucket.flat_begin = flat_offsets[bucket.params.front()];
     for (size_t k = 0; k < bucket.params.size(); ++k) {
       size_t i = bucket.params[k];
@@ -235,20 +234,9 @@ void GradReducer::State::launch(size_t b) {
   stats.hooks_before_launch.push_back(hooks_fired);
   stats.bucket_bytes.push_back(bucket.wire.numel() * bucket.wire.element_size());
   stats.bytes += stats.bucket_bytes.back();
-  if (options.owned.empty()) {
-    bucket.works.push_back(comm.all_reduce(bucket.wire, dist::ReduceOp::kAvg));
-    bucket.mine = bucket.works.back();
-  } else {
-    // Each owner of a part of the bucket receives that part's average.
-    const int64_t begin = bucket.flat_begin, end = begin + bucket.wire.numel();
-    for (int r = 0; r < comm.size(); ++r) {
-      const int64_t lo = std::max(begin, options.owned[r].first), hi = std::min(end, options.owned[r].second);
-      if (lo >= hi) continue;
-      bucket.works.push_back(comm.reduce(bucket.wire.narrow(0, lo - begin, hi - lo), r, dist::ReduceOp::kAvg));
-      if (r == comm.rank()) bucket.mine = bucket.works.back();
-    }
-    if (!bucket.mine) bucket.mine = bucket.works.back();
-  }
+  BucketLaunch launched = bucket_comm->launch(bucket.wire, bucket.flat_begin, comm);
+  bucket.works = std::move(launched.works);
+  bucket.mine = std::move(launched.mine);
   if (observer) {
     LaunchedBucket event;
     event.backward = synced_backwards;
@@ -369,8 +357,6 @@ GradReducer::GradReducer(std::vector<at::Tensor> params, dist::Communicator& com
   DTRAIN_CHECK(options.bucket_bytes > 0 && options.first_bucket_bytes > 0,
                "bucket sizes must be positive (got first ", options.first_bucket_bytes, ", then ",
                options.bucket_bytes, " bytes)");
-  DTRAIN_CHECK(!options.compress || *options.compress == at::kBFloat16 || *options.compress == at::kHalf,
-               "reducer compression must be bfloat16 or float16");
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& p = params_[i];
     DTRAIN_CHECK(p.defined() && p.requires_grad() && p.is_leaf(), "parameter ",
@@ -380,7 +366,25 @@ GradReducer::GradReducer(std::vector<at::Tensor> params, dist::Communicator& com
     DTRAIN_CHECK(at::isFloatingType(p.scalar_type()), "parameter ", param_label(options.names, i),
                  " has dtype ", p.scalar_type(), "; gradients must be floating point");
   }
-  check_same_parameters(comm, options.names);
+  // The bucket strategy first: its bad options throw before any collective.
+  std::shared_ptr<BucketComm> bucket_comm = options.bucket_comm;
+  std::vector<int64_t> flat_offsets;
+  int64_t total = 0;
+  for (const at::Tensor& p : params_) {
+    flat_offsets.push_back(total);
+    total += p.numel();
+  }
+  if (!bucket_comm) {
+    std::unique_ptr<BucketComm> made;
+    if (options.owned.empty()) {
+      made = std::make_unique<AllReduceBuckets>();
+    } else {
+      made = std::make_unique<ReduceToOwnerBuckets>(options.owned, comm.size(), total);
+    }
+    if (options.compress) made = std::make_unique<CompressedBuckets>(std::move(made), *options.compress);
+    bucket_comm = std::move(made);
+  }
+  check_same_parameters(params_, comm, options.names);
   if (options.broadcast_parameters) {
     at::NoGradGuard no_grad;
     broadcast_tensors(comm, params_, 0);
@@ -388,30 +392,9 @@ GradReducer::GradReducer(std::vector<at::Tensor> params, dist::Communicator& com
   state_ = std::make_shared<State>(comm, std::move(options));
   state_->shared_from_state = state_;
   state_->params = params_;
-  const auto& owned = state_->options.owned;
-  if (!owned.empty()) {
-    int64_t total = 0;
-    for (const at::Tensor& p : params_) {
-      state_->flat_offsets.push_back(total);
-      total += p.numel();
-    }
-    DTRAIN_CHECK(static_cast<int>(owned.size()) == comm.size(), "ReducerOptions.owned has ", owned.size(),
-                 " ranges for a communicator of ", comm.size(), " ranks");
-    std::vector<std::pair<int64_t, int64_t>> sorted;
-    for (const auto& range : owned) {
-      DTRAIN_CHECK(range.first >= 0 && range.first <= range.second, "ReducerOptions.owned: [", range.first, ", ",
-                   range.second, ") is not a range");
-      if (range.first < range.second) sorted.push_back(range);
-    }
-    std::sort(sorted.begin(), sorted.end());
-    int64_t next = 0;
-    for (const auto& range : sorted) {
-      DTRAIN_CHECK(range.first == next, "ReducerOptions.owned must cover the ", total,
-                   " gradient elements once: element ", next, " is ",
-                   range.first > next ? "owned by no rank" : "owned twice");
-      next = range.second;
-    }
-    DTRAIN_CHECK(next == total, "ReducerOptions.owned covers ", next, " elements; the parameters have ", total);
+  state_->bucket_comm = std::move(bucket_comm);
+  if (state_->bucket_comm->consecutive_buckets()) {
+    state_->flat_offsets = std::move(flat_offsets);
     state_->rebuilt = true;  // the buckets stay consecutive ranges of the flat space
     state_->build(assign_consecutive_buckets(params_, state_->options.first_bucket_bytes,
                                              state_->options.bucket_bytes));
@@ -446,9 +429,10 @@ GradReducer::~GradReducer() {
   }
 }
 
-void GradReducer::check_same_parameters(dist::Communicator& comm, const std::vector<std::string>& names) {
+void check_same_parameters(const std::vector<at::Tensor>& params, dist::Communicator& comm,
+                           const std::vector<std::string>& names) {
   // Count first, then every parameter's dtype and shape against rank 0's.
-  const int64_t count = static_cast<int64_t>(params_.size());
+  const int64_t count = static_cast<int64_t>(params.size());
   at::Tensor counts = at::tensor({count, -count}, at::kLong);
   comm.all_reduce(counts, dist::ReduceOp::kMax)->wait();
   DTRAIN_CHECK(counts[0].item<int64_t>() == count && -counts[1].item<int64_t>() == count,
@@ -458,7 +442,7 @@ void GradReducer::check_same_parameters(dist::Communicator& comm, const std::vec
   constexpr int kCols = 9;
   at::Tensor mine = at::full({count, kCols}, -1, at::kLong);
   for (int64_t i = 0; i < count; ++i) {
-    const at::Tensor& p = params_[i];
+    const at::Tensor& p = params[i];
     mine[i][0] = static_cast<int64_t>(p.scalar_type());
     mine[i][1] = p.dim();
     for (int64_t d = 0; d < std::min<int64_t>(p.dim(), kCols - 2); ++d) mine[i][2 + d] = p.size(d);
@@ -478,7 +462,7 @@ void GradReducer::check_same_parameters(dist::Communicator& comm, const std::vec
     theirs << "]";
     throw Error(detail::concat("parameter ", param_label(names, static_cast<size_t>(bad)),
                                " differs across ranks: rank 0 has ", theirs.str(), ", rank ",
-                               comm.rank(), " has ", shape_of(params_[bad]),
+                               comm.rank(), " has ", shape_of(params[bad]),
                                "; every rank must build the same model"));
   }
 }
@@ -555,6 +539,8 @@ void GradReducer::set_bucket_observer(std::function<void(const LaunchedBucket&)>
   std::lock_guard<std::mutex> lock(state_->mutex);
   state_->observer = std::move(observer);
 }
+
+const BucketComm& GradReducer::bucket_comm() const { return *state_->bucket_comm; }
 
 int GradReducer::num_buckets() const {
   std::lock_guard<std::mutex> lock(state_->mutex);

@@ -87,6 +87,45 @@ TEST(Reducer, GradientsEqualASingleProcessOnTheGlobalBatch) {
   EXPECT_EQ(reducer.synchronized_backwards(), 4);
 }
 
+// A strategy of the user's own (bucket_comm.h) carries every bucket: here each rank divides
+// its gradients by the group size and all-reduces the sum, which must give the same averages,
+// one launch per bucket per backward.
+class DivideThenSumBuckets : public BucketComm {
+ public:
+  std::string name() const override { return "divide then sum"; }
+  BucketLaunch launch(const at::Tensor& wire, int64_t, dist::Communicator& comm) override {
+    ++launches;
+    wire.div_(comm.size());
+    BucketLaunch out;
+    out.works.push_back(comm.all_reduce(wire, dist::ReduceOp::kSum));
+    out.mine = out.works.back();
+    return out;
+  }
+  int launches = 0;
+};
+
+TEST(Reducer, ACustomBucketStrategyCarriesEveryBucket) {
+  auto& comm = world_comm();
+  const int N = comm.size();
+  auto model = make_mlp(0);
+  auto strategy = std::make_shared<DivideThenSumBuckets>();
+  ReducerOptions options;
+  options.first_bucket_bytes = 256;
+  options.bucket_bytes = 1024;
+  options.bucket_comm = strategy;
+  GradReducer reducer(model->parameters(), comm, options);
+  EXPECT_EQ(reducer.bucket_comm().name(), "divide then sum");
+  auto [x, y] = global_batch(0, 8 * N);
+  torch::mse_loss(model->forward(shard(x, comm.rank(), N)), shard(y, comm.rank(), N)).backward();
+  auto got = grads_of(*model);
+  auto want = reference_grads(0, 8 * N);
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_LT(rel_error(got[i], want[i]), 1e-12) << "param " << i;
+  EXPECT_EQ(strategy->launches, reducer.num_buckets());
+  // The default strategies' names, as the timeline shows them.
+  GradReducer plain(make_mlp(0)->parameters(), comm);
+  EXPECT_EQ(plain.bucket_comm().name(), "all_reduce");
+}
+
 // Owner mode: rank r's range of the flat space equals the single process on the global
 // batch (float64, 1e-12); elsewhere the values are not averages. Odd cuts through parameters,
 // an empty range, accumulation, and bf16-compressed buckets.

@@ -31,6 +31,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "dtrain/dist/communicator.h"
+#include "dtrain/engine/bucket_comm.h"
 
 namespace dtrain::engine {
 
@@ -63,6 +64,9 @@ struct ReducerOptions {
   // gets every average (all-reduce). Needs one dtype and device per bucket (consecutive
   // parameters of another dtype or device start a new bucket).
   std::vector<std::pair<int64_t, int64_t>> owned;
+  // How each bucket is averaged (bucket_comm.h). Empty: AllReduceBuckets, or
+  // ReduceToOwnerBuckets with `owned`, inside CompressedBuckets with `compress`.
+  std::shared_ptr<BucketComm> bucket_comm;
 };
 
 // What happened in the last synchronized backward, for tests, metrics and the timeline.
@@ -146,6 +150,7 @@ class GradReducer {
   void set_bucket_observer(std::function<void(const LaunchedBucket&)> observer);
 
   const std::vector<at::Tensor>& params() const { return params_; }
+  const BucketComm& bucket_comm() const;
   int num_buckets() const;
   // Parameter indices of each bucket, in launch order.
   std::vector<std::vector<size_t>> bucket_params() const;
@@ -155,10 +160,15 @@ class GradReducer {
  private:
   struct State;
   void set_sync(bool enabled);
-  void check_same_parameters(dist::Communicator& comm, const std::vector<std::string>& names);
   std::vector<at::Tensor> params_;
   std::shared_ptr<State> state_;
 };
+
+// Checks that every rank of comm has the same number of parameters with the same dtypes and
+// shapes; otherwise throws dtrain::Error on every rank naming the first parameter that differs
+// (by names[i] when given). Collective and synchronous. The reducer runs it at construction.
+void check_same_parameters(const std::vector<at::Tensor>& params, dist::Communicator& comm,
+                           const std::vector<std::string>& names = {});
 
 // Copies root's values of tensors to every rank of comm (coalesced by dtype and device,
 // in chunks). Collective and synchronous.
