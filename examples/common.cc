@@ -101,9 +101,6 @@ void check_flags() {
                FLAGS_collective_timeout_s, " must be positive");
   DTRAIN_CHECK(FLAGS_data == "real" || FLAGS_data == "synthetic", "--data=", FLAGS_data,
                " is not one of: real, synthetic");
-  DTRAIN_CHECK(FLAGS_offload == "none" || FLAGS_offload == "optimizer" || FLAGS_offload == "layers" ||
-                   FLAGS_offload == "all",
-               "--offload=", FLAGS_offload, " is not one of: none, optimizer, layers, all");
   DTRAIN_CHECK(FLAGS_hidden >= 1 && FLAGS_depth >= 0 && FLAGS_d_model >= 1 && FLAGS_heads >= 1 &&
                    FLAGS_layers >= 1 && FLAGS_ff >= 1 && FLAGS_seq_len >= 1 && FLAGS_vocab >= 2,
                "model sizes must be positive (--hidden, --depth, --d_model, --heads, --layers, "
@@ -131,16 +128,13 @@ void check_flags() {
   DTRAIN_CHECK(FLAGS_gpu_mem_limit_gb >= 0, "--gpu_mem_limit_gb=", FLAGS_gpu_mem_limit_gb, " must be >= 0");
   DTRAIN_CHECK(FLAGS_plan != "auto" || FLAGS_gpu_mem_limit_gb > 0, "--plan=auto needs --gpu_mem_limit_gb (the budget to fit)");
   DTRAIN_CHECK(FLAGS_host_mem_limit_gb >= 0, "--host_mem_limit_gb=", FLAGS_host_mem_limit_gb, " must be >= 0");
-  DTRAIN_CHECK(FLAGS_offload_stream_gradients == "auto" || FLAGS_offload_stream_gradients == "on" ||
-                   FLAGS_offload_stream_gradients == "off",
-               "--offload_stream_gradients=", FLAGS_offload_stream_gradients, " is not one of: auto, on, off");
+  engine::parse_stream_gradients(FLAGS_offload_stream_gradients);  // validates
   DTRAIN_CHECK(FLAGS_offload_delayed_update_after >= -1, "--offload_delayed_update_after=",
                FLAGS_offload_delayed_update_after, " must be >= 0 (warm-up steps) or -1 (off)");
   DTRAIN_CHECK(FLAGS_offload_delayed_update_after < 0 || engine::parse_offload(FLAGS_offload).optimizer,
                "--offload_delayed_update_after needs --offload=optimizer or --offload=all");
   DTRAIN_CHECK(FLAGS_save_every >= 0, "--save_every=", FLAGS_save_every, " must be >= 0");
   DTRAIN_CHECK(FLAGS_keep_last >= 0, "--keep_last=", FLAGS_keep_last, " must be >= 0");
-  DTRAIN_CHECK(!FLAGS_resume || !FLAGS_save_dir.empty(), "--resume needs --save_dir");
 }
 
 // POSIX rather than std::filesystem: libtorch.so exports its own copies of some

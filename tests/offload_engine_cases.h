@@ -66,7 +66,7 @@ struct Run {
       : device(dev), net(offload_net(0, dev)) {
     reducer = std::make_unique<GradReducer>(net->parameters(), comm, ro);
     opt = std::make_unique<OffloadedOptimizer>(net->parameters(), oo, comm, off);
-    opt->attach(reducer.get());
+    opt->attach(*reducer);
   }
   void backward(int64_t step, int64_t rows, dist::Communicator& comm) {
     auto [x, y] = offload_batch(step, rows, device);
@@ -88,15 +88,10 @@ inline void expect_streaming_matches_reading_grad(dist::Communicator& comm, c10:
   for (int64_t step = 0; step < 6; ++step) {
     streamed.backward(step, rows, comm);
     read.backward(step, rows, comm);
-    if (factor != 1.0) {  // as the trainer's unscaling / clipping: in place, after the copies
-      torch::NoGradGuard no_grad;
-      streamed.opt->wait_streamed_gradients();
-      for (auto& p : streamed.net->parameters()) p.grad().mul_(factor);
-      for (auto& p : read.net->parameters()) p.grad().mul_(factor);
-      streamed.opt->set_streamed_gradient_factor(factor);
-    }
-    streamed.opt->step();
-    read.opt->step();
+    // As the trainer's unscaling / clipping: a multiplier the update applies.
+    at::Tensor multiplier = factor != 1.0 ? torch::tensor(factor, torch::kFloat) : at::Tensor();
+    streamed.opt->step(multiplier);
+    read.opt->step(multiplier);
     streamed.reducer->zero_grad();
     read.reducer->zero_grad();
   }
@@ -119,8 +114,8 @@ inline void expect_owner_reduce_matches_all_reduce(dist::Communicator& comm, c10
   int64_t numel = 0;
   for (auto& p : offload_net(0, device)->parameters()) numel += p.numel();
   for (int r = 0; r < comm.size(); ++r) {
-    offload::ShardRange s = offload::shard_range(numel, r, comm.size());
-    owners.owned.emplace_back(std::min(s.begin, numel), std::min(s.end, numel));
+    FlatRange s = shard_range(numel, comm.size(), r);
+    owners.owned.emplace_back(s.begin, s.end);
   }
   Run owned(comm, device, oo, off, owners), all(comm, device, oo, off, small_buckets());
   for (int64_t step = 0; step < 6; ++step) {
@@ -180,16 +175,16 @@ inline void expect_delayed_update_matches_reference(dist::Communicator& comm, c1
   }
   // The state already holds the update in flight; the model does after flush().
   at::Tensor saved_master;
-  for (auto& [name, t] : run.opt->state()) {
+  EXPECT_TRUE(run.opt->state().empty());  // nothing replicated
+  for (auto& [name, t] : run.opt->shard_state().tensors) {
     if (name == "master") saved_master = t;
   }
   std::vector<at::Tensor> flat_master;
   for (auto& m : master) flat_master.push_back(m.detach().reshape({-1}));
   at::Tensor whole = at::cat(flat_master);
   ASSERT_TRUE(saved_master.defined());
-  EXPECT_LE(rel_error(saved_master, whole.narrow(0, run.opt->shard_begin(),
-                                                 run.opt->shard_end() - run.opt->shard_begin())),
-            1e-5);
+  const FlatRange mine = run.opt->shard_layout()->range;
+  EXPECT_LE(rel_error(saved_master, whole.narrow(0, mine.begin, mine.size())), 1e-5);
   EXPECT_GT(rel_error(flat_params(*run.net)[0], master[0].detach()), 1e-7);  // not published yet
   run.opt->flush();
   EXPECT_FALSE(run.opt->update_in_flight());

@@ -119,24 +119,45 @@ std::vector<GradGroup> group_grads(const std::vector<at::Tensor>& grads) {
 
 }  // namespace
 
+at::Tensor LossScaler::inverse_scale() const {
+  // As GradScaler: the reciprocal in double, rounded once to float.
+  return scale_.to(at::kDouble).reciprocal().to(at::kFloat).reshape({});
+}
+
 bool LossScaler::unscale(const std::vector<at::Tensor>& grads, dist::Communicator* comm) {
+  return check(grads, comm, /*unscale=*/true);
+}
+
+bool LossScaler::check_finite(const std::vector<at::Tensor>& grads, dist::Communicator* comm) {
+  return check(grads, comm, /*unscale=*/false);
+}
+
+bool LossScaler::check(const std::vector<at::Tensor>& grads, dist::Communicator* comm, bool unscale) {
   if (!options_.enabled) return true;
   DTRAIN_CHECK(!unscaled_,
-               "LossScaler::unscale called twice in one step: call update() after each step "
-               "(skipped or not) before unscaling the next step's gradients");
+               "LossScaler: unscale() or check_finite() called twice in one step: call update() after each "
+               "step (skipped or not) before checking the next step's gradients");
   at::NoGradGuard no_grad;
-  // As GradScaler: the reciprocal in double, rounded once to float.
-  at::Tensor inv_scale = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
+  at::Tensor inv_scale = inverse_scale().reshape({1});
   found_inf_.zero_();
   for (GradGroup& group : group_grads(grads)) {
-    if (group.device == found_inf_.device()) {
-      at::_amp_foreach_non_finite_check_and_unscale_(group.grads, found_inf_, inv_scale);
+    at::Tensor found = group.device == found_inf_.device()
+                           ? found_inf_
+                           : at::zeros({1}, found_inf_.options().device(group.device));
+    if (unscale) {
+      at::_amp_foreach_non_finite_check_and_unscale_(group.grads, found, inv_scale.to(group.device));
     } else {
-      at::Tensor found = at::zeros({1}, found_inf_.options().device(group.device));
-      at::_amp_foreach_non_finite_check_and_unscale_(group.grads, found,
-                                                     inv_scale.to(group.device));
-      found_inf_.add_(found.to(found_inf_.device()));
+      // Read only: the largest magnitude of each gradient is inf or NaN exactly when an
+      // element is (max propagates NaN).
+      std::vector<at::Tensor> nonempty;
+      for (const at::Tensor& g : group.grads) {
+        if (g.numel() > 0) nonempty.push_back(g);
+      }
+      if (nonempty.empty()) continue;
+      at::Tensor largest = at::stack(at::_foreach_norm(nonempty, INFINITY));
+      found.add_(at::isfinite(largest).logical_not().any().to(at::kFloat));
     }
+    if (!found.is_same(found_inf_)) found_inf_.add_(found.to(found_inf_.device()));
   }
   if (comm != nullptr && comm->size() > 1) {
     if (comm->supports(found_inf_.device().type())) {
@@ -156,8 +177,8 @@ bool LossScaler::unscale(const std::vector<at::Tensor>& grads, dist::Communicato
 void LossScaler::update() {
   if (!options_.enabled) return;
   DTRAIN_CHECK(unscaled_,
-               "LossScaler::update called without unscale() in this step: call "
-               "unscale(grads, comm) after backward (it decides whether to skip the step), "
+               "LossScaler::update called without unscale() or check_finite() in this step: call "
+               "one of them after backward (it decides whether to skip the step), "
                "then update()");
   at::NoGradGuard no_grad;
   at::_amp_update_scale_(scale_, growth_tracker_, found_inf_, options_.growth_factor,

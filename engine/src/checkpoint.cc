@@ -1,4 +1,4 @@
-// Model state in state_dict form, RNG states, re-sharding of partitioned state, and the
+// Model state in state_dict form, RNG states, loading partitioned state, and the
 // collective save / resume helpers.
 #include "dtrain/engine/checkpoint.h"
 
@@ -130,101 +130,10 @@ void restore_rng_state(const RngState& state) {
   }
 }
 
-// ---- flat shards --------------------------------------------------------------------------------
+// ---- partitioned state ------------------------------------------------------------------------
 
-FlatShard flat_shard(int64_t numel, int ranks, int rank) {
-  DTRAIN_CHECK(numel >= 0, "flat array size ", numel, " must be >= 0");
-  DTRAIN_CHECK(ranks >= 1, "number of ranks ", ranks, " must be >= 1");
-  DTRAIN_CHECK(rank >= 0 && rank < ranks, "rank ", rank, " is not in [0, ", ranks, ")");
-  FlatShard shard;
-  shard.size = (numel + ranks - 1) / ranks;
-  shard.begin = std::min(numel, rank * shard.size);
-  shard.end = std::min(numel, shard.begin + shard.size);
-  return shard;
-}
-
-std::vector<int> overlapping_shards(int64_t numel, int old_ranks, int new_ranks, int new_rank) {
-  const FlatShard target = flat_shard(numel, new_ranks, new_rank);
-  std::vector<int> ranks;
-  if (target.begin == target.end) return ranks;
-  const int64_t old_size = flat_shard(numel, old_ranks, 0).size;
-  for (int64_t r = target.begin / old_size; r <= (target.end - 1) / old_size; ++r) {
-    ranks.push_back(static_cast<int>(r));
-  }
-  return ranks;
-}
-
-at::Tensor reshard_flat(const std::vector<at::Tensor>& old_shards, int64_t numel, int new_ranks,
-                        int new_rank) {
-  const int old_ranks = static_cast<int>(old_shards.size());
-  DTRAIN_CHECK(old_ranks >= 1, "reshard_flat needs the shards of at least one old rank");
-  const FlatShard target = flat_shard(numel, new_ranks, new_rank);
-  c10::ScalarType dtype = at::kFloat;
-  for (const at::Tensor& s : old_shards) {
-    if (s.defined()) {
-      dtype = s.scalar_type();
-      break;
-    }
-  }
-  at::Tensor out = at::zeros({target.size}, at::TensorOptions().dtype(dtype));
-  for (int r : overlapping_shards(numel, old_ranks, new_ranks, new_rank)) {
-    const FlatShard source = flat_shard(numel, old_ranks, r);
-    const at::Tensor& shard = old_shards[r];
-    DTRAIN_CHECK(shard.defined(), "re-sharding to rank ", new_rank, " of ", new_ranks,
-                 " needs the shard of old rank ", r, " of ", old_ranks, ", which is missing");
-    DTRAIN_CHECK(shard.dim() == 1 && shard.numel() >= source.end - source.begin &&
-                     shard.numel() <= source.size,
-                 "the shard of old rank ", r, " has shape ", shape_text(shard), "; a 1-D shard of ",
-                 source.end - source.begin, " to ", source.size, " elements was expected for ",
-                 numel, " elements over ", old_ranks, " ranks");
-    const int64_t lo = std::max(source.begin, target.begin);
-    const int64_t hi = std::min(source.end, target.end);
-    out.narrow(0, lo - target.begin, hi - lo)
-        .copy_(shard.narrow(0, lo - source.begin, hi - lo).to(at::kCPU));
-  }
-  return out;
-}
-
-NamedTensors reshard_flat_state(const std::vector<NamedTensors>& old_shards, int64_t numel,
-                                int new_ranks, int new_rank) {
-  const NamedTensors* first = nullptr;
-  for (const NamedTensors& s : old_shards) {
-    if (!s.empty()) {
-      first = &s;
-      break;
-    }
-  }
-  DTRAIN_CHECK(first != nullptr, "re-sharding needs the state of at least one old rank");
-  NamedTensors out;
-  for (size_t k = 0; k < first->size(); ++k) {
-    const std::string& name = (*first)[k].first;
-    std::vector<at::Tensor> pieces(old_shards.size());
-    for (size_t r = 0; r < old_shards.size(); ++r) {
-      if (old_shards[r].empty()) continue;
-      DTRAIN_CHECK(old_shards[r].size() == first->size() && old_shards[r][k].first == name,
-                   "the optimizer shards of the old ranks hold different entries (rank ", r,
-                   " lacks '", name, "' at position ", k, ")");
-      pieces[r] = old_shards[r][k].second;
-    }
-    const at::Tensor& sample = (*first)[k].second;
-    if (sample.dim() == 0) {
-      for (const at::Tensor& p : pieces) {
-        DTRAIN_CHECK(!p.defined() || at::equal(p.to(at::kCPU), sample.to(at::kCPU)),
-                     "the replicated entry '", name, "' differs between the old ranks");
-      }
-      out.emplace_back(name, sample.clone());
-    } else {
-      DTRAIN_CHECK(sample.dim() == 1, "optimizer shard entry '", name, "' has shape ",
-                   shape_text(sample), "; only 1-D shards and 0-dim values can be re-sharded");
-      out.emplace_back(name, reshard_flat(pieces, numel, new_ranks, new_rank));
-    }
-  }
-  return out;
-}
-
-NamedTensors load_resharded_optimizer(const CheckpointStore& store, const CheckpointData& main,
-                                      int64_t numel, int tp_rank, int new_dp_size,
-                                      int new_dp_rank) {
+ShardState load_resharded_optimizer(const CheckpointStore& store, const CheckpointData& main, int tp_rank,
+                                    const ShardLayout& target) {
   DTRAIN_CHECK(main.dp_size >= 1 && main.world_size % main.dp_size == 0, "checkpoint step ",
                main.step, " has an invalid mesh (world ", main.world_size, ", dp ", main.dp_size,
                ")");
@@ -235,23 +144,22 @@ NamedTensors load_resharded_optimizer(const CheckpointStore& store, const Checkp
   DTRAIN_CHECK(main.rank_files == main.world_size, "checkpoint step ", main.step, " has ",
                main.rank_files, " rank files for ", main.world_size,
                " ranks; it holds no partitioned optimizer state");
-  std::vector<int> needed = overlapping_shards(numel, main.dp_size, new_dp_size, new_dp_rank);
+  std::vector<int> needed = overlapping_shards(target.numel, main.dp_size, target.range);
   if (needed.empty()) needed.push_back(0);  // for the replicated entries
-  std::vector<NamedTensors> shards(main.dp_size);
+  std::vector<ShardState> pieces;
   for (int dp_rank : needed) {
     const int world_rank = dp_rank * old_tp + tp_rank;
     RankState state = store.load_rank(main.step, world_rank);
-    DTRAIN_CHECK(state.flat_numel == numel, "checkpoint ",
-                 store.rank_path_for(main.step, world_rank),
-                 " holds partitioned optimizer state of ", state.flat_numel,
-                 " elements, but this model needs ", numel, "; it is of a different model");
-    DTRAIN_CHECK(state.dp_rank == dp_rank && state.tp_rank == tp_rank, "checkpoint ",
-                 store.rank_path_for(main.step, world_rank), " is of data-parallel rank ",
-                 state.dp_rank, " / tensor-parallel rank ", state.tp_rank, ", expected ", dp_rank,
-                 " / ", tp_rank);
-    shards[dp_rank] = std::move(state.optimizer_shard);
+    const std::string path = store.rank_path_for(main.step, world_rank);
+    DTRAIN_CHECK(state.dp_rank == dp_rank && state.tp_rank == tp_rank, "checkpoint ", path,
+                 " is of data-parallel rank ", state.dp_rank, " / tensor-parallel rank ", state.tp_rank,
+                 ", expected ", dp_rank, " / ", tp_rank);
+    DTRAIN_CHECK(state.optimizer_shard.layout.numel == target.numel, "checkpoint ", path,
+                 " holds partitioned optimizer state of ", state.optimizer_shard.layout.numel,
+                 " elements, but this model needs ", target.numel, "; it is of a different model");
+    pieces.push_back(std::move(state.optimizer_shard));
   }
-  return reshard_flat_state(shards, numel, new_dp_size, new_dp_rank);
+  return assemble_shard(pieces, target);
 }
 
 // ---- collectives ------------------------------------------------------------------------------

@@ -223,8 +223,10 @@ void write_rank_archive(int64_t step, const RankState& state,
   dict.insert("dp_rank", static_cast<int64_t>(state.dp_rank));
   dict.insert("dp_size", static_cast<int64_t>(state.dp_size));
   dict.insert("tp_rank", static_cast<int64_t>(state.tp_rank));
-  dict.insert("flat_numel", state.flat_numel);
-  dict.insert("optimizer_shard", tensor_dict(state.optimizer_shard, "optimizer_shard"));
+  dict.insert("flat_numel", state.optimizer_shard.layout.numel);
+  dict.insert("shard_begin", state.optimizer_shard.layout.range.begin);
+  dict.insert("shard_end", state.optimizer_shard.layout.range.end);
+  dict.insert("optimizer_shard", tensor_dict(state.optimizer_shard.tensors, "optimizer_shard"));
   dict.insert("rng", rng_dict(state.rng));
   dict.insert("meta", string_dict(state.meta));
   write_archive(dict, sink);
@@ -254,10 +256,17 @@ RankState read_rank_archive(const std::vector<char>& bytes, const std::string& s
   state.dp_rank = static_cast<int>(int_entry(dict, "dp_rank", source));
   state.dp_size = static_cast<int>(int_entry(dict, "dp_size", source));
   state.tp_rank = static_cast<int>(int_entry(dict, "tp_rank", source));
-  state.flat_numel = int_entry(dict, "flat_numel", source);
-  state.optimizer_shard = named_entry(dict, "optimizer_shard", source);
+  ShardState& shard = state.optimizer_shard;
+  shard.layout.numel = int_entry(dict, "flat_numel", source);
+  shard.tensors = named_entry(dict, "optimizer_shard", source);
   state.rng = rng_entry(dict, source);
   state.meta = meta_entry(dict, source);
+  if (dict.contains("shard_begin")) {
+    shard.layout.range = {int_entry(dict, "shard_begin", source), int_entry(dict, "shard_end", source)};
+  } else if (state.meta.count("offload.begin") && state.meta.count("offload.end")) {
+    // Written before the range had entries of its own (November 2026).
+    shard.layout.range = {std::stoll(state.meta.at("offload.begin")), std::stoll(state.meta.at("offload.end"))};
+  }
   return state;
 }
 

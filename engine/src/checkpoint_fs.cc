@@ -139,16 +139,6 @@ class PosixFileSystem : public FileSystem {
 
 }  // namespace
 
-// One CRC-32C implementation for the project (crc32c.h); these keep the checkpoint code's
-// argument order.
-uint32_t crc32c(uint32_t crc, const void* data, size_t n) { return crc32c(data, n, crc); }
-
-namespace ckpt_detail {
-uint32_t crc32c_portable(uint32_t crc, const void* data, size_t n) {
-  return dtrain::engine::crc32c_portable(data, n, crc);
-}
-}  // namespace ckpt_detail
-
 FileSystem* default_file_system() {
   static PosixFileSystem* fs = new PosixFileSystem();  // never destroyed: used at exit
   return fs;

@@ -11,8 +11,6 @@
 
 namespace dtrain::engine::ckpt_detail {
 
-// Bit-for-bit the same as crc32c(), without the SSE4.2 instruction (tests compare the two).
-uint32_t crc32c_portable(uint32_t crc, const void* data, size_t n);
 
 // Format tag and version stored in every .pt file and every record.
 inline constexpr const char* kFormat = "dtrain.checkpoint";

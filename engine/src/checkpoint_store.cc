@@ -10,6 +10,7 @@
 
 #include "checkpoint_internal.h"
 #include "dtrain/dist/error.h"
+#include "dtrain/engine/crc32c.h"
 #include "dtrain/engine/checkpoint.h"
 
 namespace dtrain::engine {
@@ -53,7 +54,7 @@ void write_with_record(FileSystem* fs, const std::string& dir, const std::string
       std::unique_ptr<WritableFile> file = fs->new_writable_file(tmp);
       produce([&](const char* p, size_t n) {
         file->append(p, n);
-        record.crc = crc32c(record.crc, p, n);
+        record.crc = crc32c(p, n, record.crc);
         record.bytes += n;
       });
       file->sync();
@@ -130,7 +131,7 @@ std::string check_file(FileSystem* fs, const std::string& path, std::vector<char
       size_t want = static_cast<size_t>(std::min<uint64_t>(kReadChunk, size - done));
       size_t n = file->read(at, want);
       if (n == 0) break;
-      crc = crc32c(crc, at, n);
+      crc = crc32c(at, n, crc);
       done += n;
     }
     if (done != size) {
@@ -200,7 +201,11 @@ std::string CheckpointStore::save_rank(int64_t step, const RankState& state) {
   DTRAIN_CHECK(state.rank >= 0, "rank ", state.rank, " must be >= 0");
   DTRAIN_CHECK(state.dp_size >= 1 && state.dp_rank >= 0 && state.dp_rank < state.dp_size,
                "dp_rank ", state.dp_rank, " is not in [0, dp_size=", state.dp_size, ")");
-  DTRAIN_CHECK(state.flat_numel >= 0, "flat_numel ", state.flat_numel, " must be >= 0");
+  const ShardLayout& shard = state.optimizer_shard.layout;
+  DTRAIN_CHECK(shard.numel >= 0 && 0 <= shard.range.begin && shard.range.begin <= shard.range.end &&
+                   shard.range.end <= shard.numel,
+               "optimizer shard [", shard.range.begin, ", ", shard.range.end, ") of a flat space of ",
+               shard.numel, " elements is not a range of it");
   fs_->create_dirs(dir_);
   const std::string path = rank_path_for(step, state.rank);
   write_with_record(fs_, dir_, path, 0,

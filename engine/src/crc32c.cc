@@ -1,10 +1,10 @@
-// CRC-32C for TFRecord framing: a slice-by-8 table implementation and, on x86-64 CPUs with
-// SSE4.2, the crc32 instruction (chosen once at run time).
+// CRC-32C (checkpoint records, TFRecord framing): a slice-by-8 table implementation and, on
+// x86-64 CPUs with SSE4.2, the crc32 instruction (chosen once at run time).
 #include <array>
 #include <cstdint>
 #include <cstring>
 
-#include "dtrain/engine/tensorboard.h"
+#include "dtrain/engine/crc32c.h"
 
 #if defined(__x86_64__)
 #include <nmmintrin.h>
@@ -14,7 +14,6 @@ namespace dtrain::engine {
 namespace {
 
 constexpr uint32_t kPolynomial = 0x82F63B78u;  // Castagnoli, bit-reversed
-constexpr uint32_t kMaskDelta = 0xa282ead8u;
 
 using Tables = std::array<std::array<uint32_t, 256>, 8>;
 
@@ -72,10 +71,6 @@ uint32_t crc32c_tables(const unsigned char* p, size_t n, uint32_t state) {
   return state;
 }
 
-void put_le32(char* out, uint32_t v) {
-  for (int i = 0; i < 4; ++i) out[i] = static_cast<char>((v >> (8 * i)) & 0xFFu);
-}
-
 }  // namespace
 
 uint32_t crc32c_portable(const void* data, size_t size, uint32_t crc) {
@@ -87,18 +82,6 @@ uint32_t crc32c(const void* data, size_t size, uint32_t crc) {
   if (cpu_has_sse42()) return ~crc32c_sse42(static_cast<const unsigned char*>(data), size, ~crc);
 #endif
   return crc32c_portable(data, size, crc);
-}
-
-uint32_t mask_crc32c(uint32_t crc) { return ((crc >> 15) | (crc << 17)) + kMaskDelta; }
-
-std::string tfrecord_frame(std::string_view data) {
-  std::string out(8 + 4 + data.size() + 4, '\0');
-  const uint64_t length = data.size();
-  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((length >> (8 * i)) & 0xFFu);
-  put_le32(&out[8], mask_crc32c(crc32c(out.data(), 8)));
-  if (!data.empty()) std::memcpy(&out[12], data.data(), data.size());
-  put_le32(&out[12 + data.size()], mask_crc32c(crc32c(data.data(), data.size())));
-  return out;
 }
 
 }  // namespace dtrain::engine

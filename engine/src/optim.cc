@@ -15,21 +15,6 @@
 #include "optim_internal.h"
 
 namespace dtrain::engine {
-namespace {
-
-constexpr const char* kOptimizerNames = "sgd, adam, adamw, adagrad";
-
-void check_non_negative(double value, const char* field, const std::string& name) {
-  DTRAIN_CHECK(std::isfinite(value) && value >= 0.0, "optimizer ", name, ": ", field, " = ", value,
-               " must be a finite number >= 0");
-}
-
-void check_beta(double value, const char* field, const std::string& name) {
-  DTRAIN_CHECK(value >= 0.0 && value < 1.0, "optimizer ", name, ": ", field, " = ", value,
-               " must be in [0, 1)");
-}
-
-}  // namespace
 
 double effective_eps(const OptimizerOptions& options) {
   if (options.name == "adagrad" && options.eps == OptimizerOptions{}.eps) {
@@ -38,29 +23,7 @@ double effective_eps(const OptimizerOptions& options) {
   return options.eps;
 }
 
-void validate(const OptimizerOptions& options) {
-  const std::string& name = options.name;
-  DTRAIN_CHECK(name == "sgd" || name == "adam" || name == "adamw" || name == "adagrad",
-               "unknown optimizer name '", name, "'; known names: ", kOptimizerNames);
-  check_non_negative(options.lr, "lr", name);
-  check_non_negative(options.weight_decay, "weight_decay", name);
-  if (name == "sgd") {
-    check_non_negative(options.momentum, "momentum", name);
-    check_non_negative(options.dampening, "dampening", name);
-    DTRAIN_CHECK(!options.nesterov || (options.momentum > 0.0 && options.dampening == 0.0),
-                 "optimizer sgd: nesterov needs momentum > 0 and dampening = 0 (momentum = ",
-                 options.momentum, ", dampening = ", options.dampening,
-                 "); set momentum or turn nesterov off");
-  } else if (name == "adam" || name == "adamw") {
-    check_beta(options.beta1, "beta1", name);
-    check_beta(options.beta2, "beta2", name);
-    check_non_negative(options.eps, "eps", name);
-  } else {
-    check_non_negative(options.eps, "eps", name);
-    check_non_negative(options.lr_decay, "lr_decay", name);
-    check_non_negative(options.initial_accumulator_value, "initial_accumulator_value", name);
-  }
-}
+void validate(const OptimizerOptions& options) { offload::validate_rule(options, "optimizer"); }
 
 std::unique_ptr<Optimizer> make_optimizer(std::vector<at::Tensor> params,
                                           const OptimizerOptions& options) {
@@ -70,6 +33,18 @@ std::unique_ptr<Optimizer> make_optimizer(std::vector<at::Tensor> params,
   if (options.name == "sgd") return optim_detail::make_sgd(std::move(params), options);
   if (options.name == "adagrad") return optim_detail::make_adagrad(std::move(params), options);
   return optim_detail::make_adam(std::move(params), options);
+}
+
+std::vector<at::Tensor> Optimizer::device_state() const {
+  std::vector<at::Tensor> out;
+  for (auto& [name, t] : state()) out.push_back(t);
+  return out;
+}
+
+void Optimizer::load_shard_state(const ShardState& state) {
+  DTRAIN_CHECK(state.tensors.empty(), "optimizer ", options().name, ": load_shard_state got ",
+               state.tensors.size(), " partitioned entries, but this optimizer is not partitioned; resume "
+               "with the --offload setting of the run that saved");
 }
 
 namespace optim_detail {
@@ -181,8 +156,16 @@ void MultiTensorOptimizer::rebuild_groups() {
   groups_stale_ = false;
 }
 
-void MultiTensorOptimizer::step() {
+std::vector<at::Tensor> ParamGroup::multiplied_grads() const {
+  return multiplier.defined() ? at::_foreach_mul(grads, multiplier) : grads;
+}
+
+void MultiTensorOptimizer::step(const at::Tensor& grad_multiplier) {
   at::NoGradGuard no_grad;
+  DTRAIN_CHECK(!grad_multiplier.defined() ||
+                   (grad_multiplier.numel() == 1 && at::isFloatingType(grad_multiplier.scalar_type())),
+               "optimizer ", options_.name, ": the gradient multiplier must be a one-element floating tensor, got ",
+               grad_multiplier.defined() ? grad_multiplier.toString() : std::string());
   if (grads_changed() || groups_stale_) {
     try {
       rebuild_groups();
@@ -202,8 +185,14 @@ void MultiTensorOptimizer::step() {
       group.grads.push_back(params_[group.indices[k]].grad());
     }
     if (device_steps_) at::_foreach_add_(group.slots[0], at::Scalar(1.0));
+    if (grad_multiplier.defined()) {
+      group.multiplier = grad_multiplier.reshape({}).to(group.device, at::kFloat, /*non_blocking=*/true);
+      group.grad_scale = at::reciprocal(group.multiplier);
+    }
     update(group);
     group.grads.clear();
+    group.multiplier.reset();
+    group.grad_scale.reset();
     // Those parameters' next update is not a first one: regroup.
     if (group.first_step) groups_stale_ = true;
   }

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -28,13 +29,23 @@ struct ParamGroup {
   std::vector<at::Tensor> grads;
   std::vector<std::vector<at::Tensor>> slots;
   std::vector<int64_t> host_steps;  // updates taken by params[k], including this one
+  // This step's gradient multiplier (Optimizer::step) on the group's device, float32 0-dim,
+  // and its reciprocal, the grad_scale ATen's fused kernels divide by; undefined: 1.
+  at::Tensor multiplier;
+  at::Tensor grad_scale;
+  // The gradients times the multiplier (a new list when there is one): for the _foreach_ path.
+  std::vector<at::Tensor> multiplied_grads() const;
+  std::optional<at::Tensor> fused_grad_scale() const {
+    return grad_scale.defined() ? std::optional<at::Tensor>(grad_scale) : std::nullopt;
+  }
 };
 
 // Keeps the state slots, the per-parameter step counts on the host, and the cached groups;
 // a subclass supplies the update of one group.
 class MultiTensorOptimizer : public Optimizer {
  public:
-  void step() override;
+  using Optimizer::step;
+  void step(const at::Tensor& grad_multiplier) override;
   void zero_grad() override;
   void set_lr(double lr) override;
   double lr() const override { return options_.lr; }

@@ -16,9 +16,12 @@ namespace {
 using TensorVector = std::vector<at::Tensor>;
 
 // The gradients with L2 weight decay added (a new list), or the gradients themselves.
+// The gradients times the step's multiplier, with L2 weight decay added (a new list), or the
+// gradients themselves.
 TensorVector with_weight_decay(const ParamGroup& group, double weight_decay) {
-  if (weight_decay == 0.0) return group.grads;
-  return at::_foreach_add(group.grads, group.params, weight_decay);
+  TensorVector grads = group.multiplied_grads();
+  if (weight_decay == 0.0) return grads;
+  return at::_foreach_add(grads, group.params, weight_decay);
 }
 
 class Sgd final : public MultiTensorOptimizer {
@@ -42,7 +45,8 @@ class Sgd final : public MultiTensorOptimizer {
         at::_fused_sgd_(group.params, group.grads,
                         has_buffer ? at::TensorList(group.slots[0]) : at::TensorList(),
                         o.weight_decay, o.momentum, o.lr, o.dampening, o.nesterov,
-                        /*maximize=*/false, /*is_first_step=*/has_buffer && group.first_step);
+                        /*maximize=*/false, /*is_first_step=*/has_buffer && group.first_step,
+                        group.fused_grad_scale());
         return;
       } catch (const c10::NotImplementedError&) {
         remember_no_fused(group);
@@ -79,7 +83,7 @@ class Adam final : public MultiTensorOptimizer {
       try {
         auto fused = decoupled_ ? &fused_adamw : &fused_adam;
         fused(group.params, group.grads, group.slots[1], group.slots[2], max_sqs, group.slots[0],
-              o.lr, o.beta1, o.beta2, o.weight_decay, o.eps, o.amsgrad);
+              o.lr, o.beta1, o.beta2, o.weight_decay, o.eps, o.amsgrad, group.fused_grad_scale());
         return;
       } catch (const c10::NotImplementedError&) {
         remember_no_fused(group);
@@ -97,13 +101,15 @@ class Adam final : public MultiTensorOptimizer {
   // The fused kernels with the lr overload chosen (double) and maximize off.
   static void fused_adam(at::TensorList p, at::TensorList g, at::TensorList m, at::TensorList v,
                          at::TensorList vmax, at::TensorList steps, double lr, double beta1,
-                         double beta2, double wd, double eps, bool amsgrad) {
-    at::_fused_adam_(p, g, m, v, vmax, steps, lr, beta1, beta2, wd, eps, amsgrad, false);
+                         double beta2, double wd, double eps, bool amsgrad,
+                         const std::optional<at::Tensor>& grad_scale) {
+    at::_fused_adam_(p, g, m, v, vmax, steps, lr, beta1, beta2, wd, eps, amsgrad, false, grad_scale);
   }
   static void fused_adamw(at::TensorList p, at::TensorList g, at::TensorList m, at::TensorList v,
                           at::TensorList vmax, at::TensorList steps, double lr, double beta1,
-                          double beta2, double wd, double eps, bool amsgrad) {
-    at::_fused_adamw_(p, g, m, v, vmax, steps, lr, beta1, beta2, wd, eps, amsgrad, false);
+                          double beta2, double wd, double eps, bool amsgrad,
+                          const std::optional<at::Tensor>& grad_scale) {
+    at::_fused_adamw_(p, g, m, v, vmax, steps, lr, beta1, beta2, wd, eps, amsgrad, false, grad_scale);
   }
 
   void update_foreach(ParamGroup& group) {
@@ -111,7 +117,7 @@ class Adam final : public MultiTensorOptimizer {
     TensorVector d;
     if (decoupled_) {
       if (o.weight_decay != 0.0) at::_foreach_mul_(group.params, 1.0 - o.lr * o.weight_decay);
-      d = group.grads;
+      d = group.multiplied_grads();
     } else {
       d = with_weight_decay(group, o.weight_decay);
     }
@@ -156,7 +162,7 @@ class Adagrad final : public MultiTensorOptimizer {
     if (try_fused(group)) {
       try {
         at::_fused_adagrad_(group.params, group.grads, group.slots[1], group.slots[0], o.lr,
-                            o.lr_decay, o.weight_decay, eps_, /*maximize=*/false);
+                            o.lr_decay, o.weight_decay, eps_, /*maximize=*/false, group.fused_grad_scale());
         return;
       } catch (const c10::NotImplementedError&) {
         remember_no_fused(group);

@@ -48,36 +48,6 @@ double schedule_factor(const ScheduleOptions& options, int64_t step) {
   return floor + (1.0 - floor) * shape;
 }
 
-at::Tensor grad_norm(const std::vector<at::Tensor>& grads) {
-  at::NoGradGuard no_grad;
-  // Per (device, dtype): the per-tensor norms in one multi-tensor launch.
-  std::map<std::pair<std::string, at::ScalarType>, std::vector<at::Tensor>> groups;
-  c10::optional<c10::Device> first_device;
-  for (const at::Tensor& g : grads) {
-    if (!g.defined()) continue;
-    DTRAIN_CHECK(g.layout() == at::kStrided && at::isFloatingType(g.scalar_type()),
-                 "grad_norm: gradients must be dense floating-point tensors, got ", g.toString());
-    if (!first_device) first_device = g.device();
-    groups[{g.device().str(), g.scalar_type()}].push_back(g);
-  }
-  if (!first_device) return at::zeros(c10::IntArrayRef{}, at::kFloat);
-  // float64 gradients are accumulated in float64 (all of them then); the rest in float32.
-  bool any_double = false;
-  for (const auto& [key, list] : groups) any_double = any_double || key.second == at::kDouble;
-  at::ScalarType acc = any_double ? at::kDouble : at::kFloat;
-  std::vector<at::Tensor> norms;
-  for (auto& [key, list] : groups) {
-    for (at::Tensor& n : at::_foreach_norm(list, 2, acc)) {
-      // Asynchronous unless the copy lands on the host (the CPU ops after it would race).
-      norms.push_back(n.to(*first_device, acc, /*non_blocking=*/!first_device->is_cpu()));
-    }
-  }
-  at::Tensor total = at::linalg_vector_norm(at::stack(norms), 2);
-  return total.to(at::kFloat);
-}
-
-namespace {
-
 at::Tensor clip_coefficient(const at::Tensor& norm, double max_norm) {
   DTRAIN_CHECK(std::isfinite(max_norm) && max_norm >= 0.0, "clip_grads: max_norm = ", max_norm,
                " must be a finite number >= 0");
@@ -88,8 +58,6 @@ at::Tensor clip_coefficient(const at::Tensor& norm, double max_norm) {
   at::Tensor limit = at::full(c10::IntArrayRef{}, max_norm, norm.options());
   return at::clamp_max(limit / (norm.reshape({}) + 1e-6), 1.0);
 }
-
-}  // namespace
 
 at::Tensor clip_grads(const std::vector<at::Tensor>& grads, const at::Tensor& norm, double max_norm) {
   at::Tensor coef = clip_coefficient(norm, max_norm);

@@ -293,8 +293,11 @@ ParallelSelfAttentionImpl::ParallelSelfAttentionImpl(int64_t d_model, int64_t h,
   local_heads = h / tp.size();
   head_dim = d_model / h;
   const bool seq = sp == SequenceParallel::kOn;
-  qkv = register_module("qkv", ColumnParallelLinear(ParallelLinearOptions{d_model, 3 * d_model, true, false, 3, false, seq}, tp));
-  proj = register_module("proj", RowParallelLinear(ParallelLinearOptions{d_model, d_model, true, false, 1, false, seq}, tp));
+  ParallelLinearOptions qkv_options(d_model, 3 * d_model), proj_options(d_model, d_model);
+  qkv_options.parts = 3;  // q, k and v blocks, each split by heads
+  qkv_options.sequence_parallel = proj_options.sequence_parallel = seq;
+  qkv = register_module("qkv", ColumnParallelLinear(qkv_options, tp));
+  proj = register_module("proj", RowParallelLinear(proj_options, tp));
 }
 
 at::Tensor ParallelSelfAttentionImpl::forward(const at::Tensor& x) {
@@ -311,8 +314,10 @@ ParallelMlpImpl::ParallelMlpImpl(int64_t d_model, int64_t hidden, dist::Communic
   const bool seq = sp == SequenceParallel::kOn;
   DTRAIN_CHECK(hidden % tp.size() == 0, "--ff=", hidden, " does not divide over --tp=", tp.size(),
                "; the feed-forward width must be a multiple of the tensor-parallel size");
-  fc1 = register_module("fc1", ColumnParallelLinear(ParallelLinearOptions{d_model, hidden, true, false, 1, false, seq}, tp));
-  fc2 = register_module("fc2", RowParallelLinear(ParallelLinearOptions{hidden, d_model, true, false, 1, false, seq}, tp));
+  ParallelLinearOptions fc1_options(d_model, hidden), fc2_options(hidden, d_model);
+  fc1_options.sequence_parallel = fc2_options.sequence_parallel = seq;
+  fc1 = register_module("fc1", ColumnParallelLinear(fc1_options, tp));
+  fc2 = register_module("fc2", RowParallelLinear(fc2_options, tp));
 }
 
 at::Tensor ParallelMlpImpl::forward(const at::Tensor& x) {
@@ -383,43 +388,6 @@ std::map<std::string, at::Tensor> gather_full_state(torch::nn::Module& split_mod
                                           : gather_full_tensor(item.value(), spec->second, tp).cpu();
   }
   return out;
-}
-
-at::Tensor tensor_parallel_grad_norm(const std::vector<at::Tensor>& params, const std::vector<bool>& sharded,
-                                     dist::Communicator& tp, const std::pair<int64_t, int64_t>* owned,
-                                     dist::Communicator* dp) {
-  DTRAIN_CHECK(params.size() == sharded.size(), "tensor_parallel_grad_norm: ", params.size(),
-               " parameters but ", sharded.size(), " flags");
-  DTRAIN_CHECK(!owned || dp, "tensor_parallel_grad_norm: owned ranges need the data-parallel communicator");
-  at::Tensor sq_shard, sq_rep;
-  std::optional<c10::Device> device;
-  int64_t offset = 0;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const int64_t n = params[i].numel();
-    const at::Tensor& g = params[i].grad();
-    if (!device) device = params[i].device();
-    int64_t a = 0, b = n;  // this rank's part of the parameter
-    if (owned) {
-      a = std::clamp<int64_t>(owned->first - offset, 0, n);
-      b = std::clamp<int64_t>(owned->second - offset, 0, n);
-    }
-    offset += n;
-    if (!g.defined() || a >= b) continue;
-    at::Tensor part = a == 0 && b == n ? g : g.reshape({-1}).narrow(0, a, b - a);
-    at::Tensor sq = part.to(at::kFloat).pow(2).sum();
-    at::Tensor& acc = sharded[i] ? sq_shard : sq_rep;
-    acc = acc.defined() ? acc + sq : sq;
-  }
-  const at::Tensor& any = sq_shard.defined() ? sq_shard : sq_rep;
-  DTRAIN_CHECK(any.defined() || owned, "tensor_parallel_grad_norm: no gradients");
-  const auto options = any.defined() ? any.options() : at::TensorOptions().dtype(at::kFloat).device(*device);
-  if (!sq_shard.defined()) sq_shard = at::zeros({}, options);
-  if (!sq_rep.defined()) sq_rep = at::zeros({}, options);
-  at::Tensor s = sq_shard.reshape({1}).clone();
-  if (tp.size() > 1) tp.all_reduce(s)->wait();
-  at::Tensor total = s + sq_rep.reshape({1});
-  if (owned && dp->size() > 1) dp->all_reduce(total)->wait();
-  return total.sqrt().reshape({});
 }
 
 }  // namespace dtrain::engine

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <string_view>
 
 #include "dtrain/dist/error.h"
 #include "obs_files.h"
@@ -42,6 +43,12 @@ void create_directory(const std::string& dir) {
   const std::string why = obs_detail::make_directories(dir);
   DTRAIN_CHECK(why.empty(), "cannot create the TensorBoard directory '", dir, "': ", why,
                " (pass a writable --tensorboard_dir)");
+}
+
+constexpr uint32_t kMaskDelta = 0xa282ead8u;
+
+void put_le32(char* out, uint32_t v) {
+  for (int i = 0; i < 4; ++i) out[i] = static_cast<char>((v >> (8 * i)) & 0xFFu);
 }
 
 }  // namespace
@@ -115,6 +122,18 @@ void EventWriter::flush() {
   if (std::fflush(file_) != 0) {
     throw Error("flushing the TensorBoard file '" + path_ + "' failed: " + std::strerror(errno));
   }
+}
+
+uint32_t mask_crc32c(uint32_t crc) { return ((crc >> 15) | (crc << 17)) + kMaskDelta; }
+
+std::string tfrecord_frame(std::string_view data) {
+  std::string out(8 + 4 + data.size() + 4, '\0');
+  const uint64_t length = data.size();
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((length >> (8 * i)) & 0xFFu);
+  put_le32(&out[8], mask_crc32c(crc32c(out.data(), 8)));
+  if (!data.empty()) std::memcpy(&out[12], data.data(), data.size());
+  put_le32(&out[12 + data.size()], mask_crc32c(crc32c(data.data(), data.size())));
+  return out;
 }
 
 }  // namespace dtrain::engine

@@ -14,7 +14,6 @@
 #include "dtrain/engine/memory.h"
 #include "dtrain/engine/preemption.h"
 #include "dtrain/engine/tensor_parallel.h"
-#include "dtrain/offload/cpu_optimizer.h"
 
 namespace dtrain::engine {
 
@@ -61,37 +60,35 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
   specs_ = collect_shard_specs(model_);
   names_ = names;
   for (const std::string& name : names) sharded_.push_back(specs_.count(name) > 0);
+  norm_layout_.sharded = sharded_;
+  norm_layout_.tp = &mesh_.tp();
+  // Rank 0's parameters everywhere first: a partitioned optimizer copies them into its
+  // master weights when it is built, before the reducer exists.
   ReducerOptions reducer_options = options_.reducer;
   if (reducer_options.names.empty()) reducer_options.names = names;
-  if (options_.offload_optimizer && options_.offload.reduce_to_owner && mesh_.dp_size() > 1 &&
-      reducer_options.owned.empty()) {
-    // The offloaded optimizer keeps shard r of the flat space on rank r: reduce to owners.
-    bool uniform = true;
-    int64_t numel = 0;
-    for (const at::Tensor& p : params_) {
-      uniform = uniform && p.device() == params_.front().device() &&
-                p.scalar_type() == params_.front().scalar_type();
-      numel += p.numel();
-    }
-    if (uniform) {
-      for (int r = 0; r < mesh_.dp_size(); ++r) {
-        offload::ShardRange s = offload::shard_range(numel, r, mesh_.dp_size());
-        reducer_options.owned.emplace_back(std::min(s.begin, numel), std::min(s.end, numel));
-      }
-      owned_range_ = reducer_options.owned[mesh_.dp().rank()];
+  if (reducer_options.broadcast_parameters) {
+    check_same_parameters(params_, mesh_.dp(), reducer_options.names);
+    at::NoGradGuard no_grad;
+    broadcast_tensors(mesh_.dp(), params_, 0);
+    reducer_options.broadcast_parameters = false;
+  }
+  optimizer_ = options_.offload_optimizer
+                   ? make_offload_optimizer(params_, options_.optimizer, mesh_.dp(), options_.offload, device_)
+                   : make_optimizer(params_, options_.optimizer);
+  // A partitioned optimizer reads only its rank's range: each gradient is reduced to its owner.
+  if (reducer_options.owned.empty()) {
+    for (const FlatRange& r : optimizer_->gradient_owners()) reducer_options.owned.emplace_back(r.begin, r.end);
+    if (!reducer_options.owned.empty()) {
+      const auto& mine = reducer_options.owned[mesh_.dp().rank()];
+      norm_layout_.owned = FlatRange{mine.first, mine.second};
+      norm_layout_.dp = &mesh_.dp();
       LOG_IF(INFO, mesh_.world().rank() == 0)
-          << "optimizer offload: each gradient is reduced only to the rank whose shard holds it ("
-          << mesh_.dp_size() << " shards)";
+          << "each gradient is reduced only to the rank whose shard holds it (the optimizer's, "
+          << reducer_options.owned.size() << " shards)";
     }
   }
   reducer_ = std::make_unique<GradReducer>(params_, mesh_.dp(), reducer_options);
-  if (options_.offload_optimizer) {
-    optimizer_ = make_offload_optimizer(params_, options_.optimizer, mesh_.dp(), options_.offload, device_);
-    // Gradients of the optimizer's shard stream to the host bucket by bucket during backward.
-    offloaded_part(optimizer_.get())->attach(reducer_.get());
-  } else {
-    optimizer_ = make_optimizer(params_, options_.optimizer);
-  }
+  optimizer_->attach(*reducer_);
   LossScalerOptions scaler_options = options_.loss_scaler;
   scaler_options.enabled = options_.amp == AmpMode::kFp16;
   scaler_ = std::make_unique<LossScaler>(scaler_options, device_);
@@ -201,25 +198,20 @@ void Trainer::back_off(int64_t batch_rows) {
 }
 
 void Trainer::apply_update(StepMetrics& m, bool& skipped) {
+  // The gradients are read only: unscaling and clipping become one multiplier that the
+  // optimizer applies inside its update.
   std::vector<at::Tensor> grads;
   grads.reserve(params_.size());
   for (const at::Tensor& p : params_) grads.push_back(p.grad());
-  // Streamed host copies of the gradients were taken before unscaling and clipping: order
-  // those in-place changes after the copies and pass the offloaded optimizer their factor.
-  OffloadedOptimizer* streamed = offloaded_part(optimizer_.get());
-  if (streamed && !streamed->streams_gradients()) streamed = nullptr;
-  if (streamed) streamed->wait_streamed_gradients();
-  double factor = 1.0;
-  if (streamed && scaler_->enabled()) factor = static_cast<float>(1.0 / scaler_->scale_value());
-  const bool finite = scaler_->unscale(grads, &mesh_.world());
+  const bool finite = scaler_->check_finite(grads, &mesh_.world());
+  at::Tensor multiplier;  // undefined: 1
+  if (scaler_->enabled()) multiplier = scaler_->inverse_scale();
   if (finite && (options_.clip_grad_norm > 0 || options_.report_grad_norm)) {
-    at::Tensor norm = owned_range_ || mesh_.tp_size() > 1
-                          ? tensor_parallel_grad_norm(params_, sharded_, mesh_.tp(),
-                                                      owned_range_ ? &*owned_range_ : nullptr, &mesh_.dp())
-                          : grad_norm(grads);
+    at::Tensor norm = global_grad_norm(params_, norm_layout_);  // of the scaled gradients
+    if (multiplier.defined()) norm = norm * multiplier.to(norm.device());
     if (options_.clip_grad_norm > 0) {
-      at::Tensor coef = clip_grads(grads, norm, options_.clip_grad_norm);
-      if (streamed) factor *= coef.item<double>();
+      at::Tensor coef = clip_coefficient(norm, options_.clip_grad_norm);
+      multiplier = multiplier.defined() ? multiplier.to(coef.device()) * coef : coef;
     }
     last_grad_norm_ = norm;  // read on the host only at log steps
   }
@@ -229,8 +221,9 @@ void Trainer::apply_update(StepMetrics& m, bool& skipped) {
   skipped = !finite;
   if (finite) {
     Timeline::Span span(*timeline_, "optimizer", category::kOptimizer, lane::kOptimizer);
-    if (streamed) streamed->set_streamed_gradient_factor(factor);
-    optimizer_->step();
+    optimizer_->step(multiplier);
+  } else {
+    optimizer_->skip_step();
   }
   scaler_->update();
   reducer_->zero_grad();
@@ -274,7 +267,7 @@ void Trainer::record_step_timeline(std::chrono::steady_clock::time_point start) 
   if (!timeline_->enabled()) return;
   auto end = std::chrono::steady_clock::now();
   ReducerStepStats s = reducer_->last_step_stats();
-  const std::string collective = owned_range_ ? "reduce to owners" : "all_reduce";
+  const std::string collective = reducer_->bucket_comm().name();
   for (size_t k = 0; k < s.bucket_start.size(); ++k) {
     TraceArgs args = {{"bucket", static_cast<double>(k)},
                       {"bytes", k < s.bucket_bytes.size() ? static_cast<double>(s.bucket_bytes[k]) : 0.0}};
@@ -283,12 +276,10 @@ void Trainer::record_step_timeline(std::chrono::steady_clock::time_point start) 
     }
     timeline_->add_complete(collective, category::kComm, lane::kComm, s.bucket_start[k], s.bucket_end[k], args);
   }
-  if (OffloadedOptimizer* off = offloaded_part(optimizer_.get())) {
-    // The CPU update; with the delayed update it ran during this step's forward and backward.
-    if (auto t = off->take_update_timing()) {
-      timeline_->add_complete(t->background ? "cpu update (delayed)" : "cpu update", category::kOptimizer,
-                              lane::kOptimizer, t->start, t->end);
-    }
+  // A host update (optimizer offload); a delayed one ran during this step's forward and backward.
+  if (auto t = optimizer_->take_update_timing()) {
+    timeline_->add_complete(t->background ? "cpu update (delayed)" : "cpu update", category::kOptimizer,
+                            lane::kOptimizer, t->start, t->end);
   }
   timeline_->add_complete("step", category::kCompute, lane::kMain, start, end,
                           {{"step", static_cast<double>(step_)}, {"accum_steps", static_cast<double>(accum_steps_)}});
@@ -310,21 +301,15 @@ void Trainer::finish_timeline() {
 }
 
 MemoryReport Trainer::memory_report() const {
-  std::vector<at::Tensor> grads, state;
+  std::vector<at::Tensor> grads;
   for (const at::Tensor& p : params_) grads.push_back(p.grad());
-  // Offloaded state lives on the host (its state() would copy all of it): its own row.
-  OffloadedOptimizer* off = offloaded_part(optimizer_.get());
-  if (!off) {
-    for (auto& [name, t] : optimizer_->state()) state.push_back(t);
-  }
-  MemoryReport r = build_memory_report(device_, params_, grads, state, step_start_allocated_mb_, step_peak_mb_);
-  if (off) r.host_offload_mb = static_cast<double>(off->host_bytes()) / (1024.0 * 1024.0);
+  MemoryReport r = build_memory_report(device_, params_, grads, optimizer_->device_state(),
+                                       step_start_allocated_mb_, step_peak_mb_);
+  if (const int64_t host = optimizer_->host_bytes()) r.host_offload_mb = static_cast<double>(host) / (1024.0 * 1024.0);
   return r;
 }
 
-void Trainer::flush_updates() {
-  if (OffloadedOptimizer* off = offloaded_part(optimizer_.get())) off->flush();
-}
+void Trainer::flush_updates() { optimizer_->flush(); }
 
 double Trainer::read_loss() {
   if (!pending_loss_) return std::numeric_limits<double>::quiet_NaN();

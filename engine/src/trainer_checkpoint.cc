@@ -39,8 +39,7 @@ NamedTensors Trainer::full_model_state() {
 }
 
 NamedTensors Trainer::full_optimizer_state() {
-  // The partitioned part is in the rank files; state() holds what is replicated.
-  if (dynamic_cast<OffloadedOptimizer*>(optimizer_.get())) return {};
+  // The replicated part (a partitioned part goes into the rank files).
   NamedTensors state = optimizer_->state();
   for (auto& [name, t] : state) {
     int64_t i = param_index_of(name);
@@ -84,12 +83,7 @@ std::string Trainer::save_checkpoint(const DataLoader* loader) {
   rank.tp_rank = mesh_.tp_rank();
   rank.rng = data.rng;
   data.meta["optimizer.offloaded"] = options_.offload_optimizer ? "1" : "0";
-  if (auto* off = offloaded_part(optimizer_.get())) {
-    for (auto& [name, t] : off->state()) rank.optimizer_shard.emplace_back(name, t.detach().cpu().clone());
-    rank.flat_numel = off->numel();
-    rank.meta["offload.begin"] = std::to_string(off->shard_begin());
-    rank.meta["offload.end"] = std::to_string(off->shard_end());
-  }
+  if (optimizer_->shard_layout()) rank.optimizer_shard = optimizer_->shard_state();
   std::string path = engine::save_checkpoint(store, world, data, rank);
   last_saved_step_ = step_;
   if (world.rank() == 0) LOG(INFO) << "saved checkpoint of step " << step_ << " to " << path;
@@ -131,17 +125,10 @@ void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& i
   const bool saved_offloaded = data.meta.count("optimizer.offloaded") && data.meta.at("optimizer.offloaded") == "1";
   DTRAIN_CHECK(saved_offloaded == options_.offload_optimizer, info.path, ": the checkpoint was saved ",
                saved_offloaded ? "with" : "without", " --offload=optimizer; resume the same way");
-  if (auto* off = offloaded_part(optimizer_.get())) {
-    // Partitioned state: read the saved shards of this tensor-parallel rank that overlap ours.
-    std::vector<std::pair<std::pair<int64_t, int64_t>, NamedTensors>> shards;
-    for (int r = 0; r < data.rank_files; ++r) {
-      RankState rs = store.load_rank(info.step, r);
-      if (rs.tp_rank != mesh_.tp_rank() || !rs.meta.count("offload.begin")) continue;
-      const int64_t b = std::stoll(rs.meta.at("offload.begin")), e = std::stoll(rs.meta.at("offload.end"));
-      if (e <= off->shard_begin() || b >= off->shard_end()) continue;
-      shards.push_back({{b, e}, rs.optimizer_shard});
-    }
-    off->load_resharded(shards);
+  if (auto layout = optimizer_->shard_layout()) {
+    // Partitioned state: this rank's range, from the saved shards of this tensor-parallel rank
+    // that overlap it (any old data-parallel size).
+    optimizer_->load_shard_state(load_resharded_optimizer(store, data, mesh_.tp_rank(), *layout));
   }
   // The optimizer, sharded the same way.
   NamedTensors optimizer = data.optimizer;
@@ -153,7 +140,7 @@ void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& i
     t = t.to(params_[std::max<int64_t>(0, std::min<int64_t>(i, params_.size() - 1))].device());
   }
   try {
-    if (!dynamic_cast<OffloadedOptimizer*>(optimizer_.get())) optimizer_->load_state(optimizer);
+    optimizer_->load_state(optimizer);
   } catch (const Error& e) {
     throw Error(detail::concat(info.path, ": the optimizer state does not fit this run (",
                                e.what(), "); resume with the same --optimizer and model"));

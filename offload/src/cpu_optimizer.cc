@@ -11,28 +11,12 @@
 namespace dtrain::offload {
 namespace {
 
-constexpr const char* kRuleNames = "sgd, adam, adamw, adagrad";
-
-void check_non_negative(double value, const char* field, const std::string& name) {
-  DTRAIN_CHECK(std::isfinite(value) && value >= 0.0, "CPU optimizer ", name, ": ", field, " = ",
-               value, " must be a finite number >= 0");
-}
-
-void check_beta(double value, const char* field, const std::string& name) {
-  DTRAIN_CHECK(value >= 0.0 && value < 1.0, "CPU optimizer ", name, ": ", field, " = ", value,
-               " must be in [0, 1)");
-}
-
 Isa parse_isa(const std::string& name) {
   if (name == "auto") return best_isa();
   for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
     if (name == to_string(isa)) return isa;
   }
   throw Error("CPU optimizer: unknown isa '" + name + "'; use auto, scalar, avx2 or avx512");
-}
-
-bool is_rule(const std::string& name) {
-  return name == "sgd" || name == "adam" || name == "adamw" || name == "adagrad";
 }
 
 }  // namespace
@@ -55,25 +39,7 @@ int elem_size(ElemType type) {
 }
 
 void validate(const CpuOptimizerOptions& o) {
-  const std::string& name = o.name;
-  DTRAIN_CHECK(is_rule(name), "unknown CPU optimizer name '", name, "'; known names: ", kRuleNames);
-  check_non_negative(o.lr, "lr", name);
-  check_non_negative(o.weight_decay, "weight_decay", name);
-  if (name == "sgd") {
-    check_non_negative(o.momentum, "momentum", name);
-    check_non_negative(o.dampening, "dampening", name);
-    DTRAIN_CHECK(!o.nesterov || (o.momentum > 0.0 && o.dampening == 0.0),
-                 "CPU optimizer sgd: nesterov needs momentum > 0 and dampening = 0 (momentum = ",
-                 o.momentum, ", dampening = ", o.dampening, "); set momentum or turn nesterov off");
-  } else if (name == "adam" || name == "adamw") {
-    check_beta(o.beta1, "beta1", name);
-    check_beta(o.beta2, "beta2", name);
-    check_non_negative(o.eps, "eps", name);
-  } else {
-    check_non_negative(o.eps, "eps", name);
-    check_non_negative(o.lr_decay, "lr_decay", name);
-    check_non_negative(o.initial_accumulator_value, "initial_accumulator_value", name);
-  }
+  validate_rule(o, "CPU optimizer");
   DTRAIN_CHECK(o.shard_count >= 1, "CPU optimizer: shard_count = ", o.shard_count,
                " must be >= 1 (the data-parallel world size)");
   DTRAIN_CHECK(o.shard_rank >= 0 && o.shard_rank < o.shard_count,

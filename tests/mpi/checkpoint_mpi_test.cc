@@ -50,11 +50,10 @@ at::Tensor full_array(int64_t numel, int k) {
   return at::arange(numel, at::kFloat) + 1000.f * static_cast<float>(k);
 }
 
-at::Tensor padded_shard(const at::Tensor& full, int ranks, int rank) {
-  FlatShard s = flat_shard(full.numel(), ranks, rank);
-  at::Tensor out = at::zeros({s.size}, full.options());
-  out.narrow(0, 0, s.end - s.begin).copy_(full.narrow(0, s.begin, s.end - s.begin));
-  return out;
+// Rank `rank` of `ranks`'s part of a flat array (the layout of shard.h), cut directly.
+at::Tensor shard_of_array(const at::Tensor& full, int ranks, int rank) {
+  FlatRange r = shard_range(full.numel(), ranks, rank);
+  return full.narrow(0, r.begin, r.size()).clone();
 }
 
 RankState rank_state(dist::Communicator& comm, int64_t numel) {
@@ -62,11 +61,11 @@ RankState rank_state(dist::Communicator& comm, int64_t numel) {
   state.rank = comm.rank();
   state.dp_rank = comm.rank();
   state.dp_size = comm.size();
-  state.flat_numel = numel;
-  state.optimizer_shard = {
+  state.optimizer_shard.layout = {numel, shard_range(numel, comm.size(), comm.rank())};
+  state.optimizer_shard.tensors = {
       {"step", at::scalar_tensor(3.f)},
-      {"exp_avg", padded_shard(full_array(numel, 1), comm.size(), comm.rank())},
-      {"exp_avg_sq", padded_shard(full_array(numel, 2), comm.size(), comm.rank())}};
+      {"exp_avg", shard_of_array(full_array(numel, 1), comm.size(), comm.rank())},
+      {"exp_avg_sq", shard_of_array(full_array(numel, 2), comm.size(), comm.rank())}};
   state.rng = capture_rng_state();
   return state;
 }
@@ -85,7 +84,7 @@ TEST(CheckpointMpiTest, SaveAgreeAndReshardToOtherWorldSizes) {
   dist::Communicator& comm = testing_util::world_comm();
   SharedDir dir;
   CheckpointStore store(dir.path());
-  const int64_t numel = 23;
+  const int64_t numel = 200;  // 64-element shards: 2 and 4 ranks both cut it
   at::manual_seed(100 + comm.rank());  // different RNG state on every rank
   RankState mine = rank_state(comm, numel);
   const std::string path = save_checkpoint(store, comm, main_data(comm, 5), mine);
@@ -108,12 +107,13 @@ TEST(CheckpointMpiTest, SaveAgreeAndReshardToOtherWorldSizes) {
   // Every new data-parallel size from 1 to world + 1, each new rank computed here.
   for (int new_dp = 1; new_dp <= comm.size() + 1; ++new_dp) {
     for (int new_rank = 0; new_rank < new_dp; ++new_rank) {
-      NamedTensors got = load_resharded_optimizer(store, main, numel, 0, new_dp, new_rank);
+      const ShardLayout target{numel, shard_range(numel, new_dp, new_rank)};
+      NamedTensors got = load_resharded_optimizer(store, main, 0, target).tensors;
       ASSERT_EQ(got.size(), 3u);
       EXPECT_EQ(got[0].first, "step");
       EXPECT_EQ(got[0].second.item<float>(), 3.f);
       for (int k = 1; k <= 2; ++k) {
-        EXPECT_TRUE(at::equal(got[k].second, padded_shard(full_array(numel, k), new_dp, new_rank)))
+        EXPECT_TRUE(at::equal(got[k].second, shard_of_array(full_array(numel, k), new_dp, new_rank)))
             << comm.size() << " -> " << new_dp << " ranks, new rank " << new_rank << ", "
             << got[k].first;
       }

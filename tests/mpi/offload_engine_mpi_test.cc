@@ -57,7 +57,7 @@ TEST(OffloadEngineMpi, BadStreamingModeIsNamed) {
     OffloadedOptimizer opt(net->parameters(), OptimizerOptions{}, world_comm(), off);
     FAIL() << "accepted stream_gradients = sometimes";
   } catch (const dtrain::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("'sometimes' is not one of: auto, on, off"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("--offload_stream_gradients=sometimes is not one of: auto, on, off"), std::string::npos) << e.what();
   }
 }
 

@@ -142,7 +142,10 @@ struct TinyGpt : torch::nn::Module {
     for (int i = 0; i < 2; ++i)
       blocks.push_back(register_module("block" + std::to_string(i), TinyBlock(c, sp)));
     ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kD})));
-    ParallelLinearOptions o{kD, kVocab, false, false, 1, true, sp};
+    ParallelLinearOptions o(kD, kVocab);
+    o.bias = false;
+    o.pad_output = true;
+    o.sequence_parallel = sp;
     head = register_module("head", ColumnParallelLinear(o, c));
   }
   at::Tensor embed(const at::Tensor& tokens) {

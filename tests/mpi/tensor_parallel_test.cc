@@ -8,6 +8,7 @@
 
 #include "dtrain/dist/error.h"
 #include "dtrain/dist/mesh.h"
+#include "dtrain/engine/grad_norm.h"
 #include "dtrain/engine/tensor_parallel.h"
 #include "test_util.h"
 
@@ -27,8 +28,8 @@ TEST(TensorParallelLayers, ColumnRowAndMlpMatchTheUnsplitLinears) {
     dist::Mesh mesh(world_comm(), T);
     auto& tp = mesh.tp();
     torch::manual_seed(5);
-    ColumnParallelLinear fc1(ParallelLinearOptions{6, 8 * T, true, false, 1}, tp);
-    RowParallelLinear fc2(ParallelLinearOptions{8 * T, 5, true, false, 1}, tp);
+    ColumnParallelLinear fc1(ParallelLinearOptions(6, 8 * T), tp);
+    RowParallelLinear fc2(ParallelLinearOptions(8 * T, 5), tp);
     fc1->to(at::kDouble);
     fc2->to(at::kDouble);
     auto full1 = gather_full_state(*fc1, tp);
@@ -59,7 +60,10 @@ TEST(TensorParallelLayers, ColumnRowAndMlpMatchTheUnsplitLinears) {
     EXPECT_LT(rel_error(fc2->weight.grad(), shard_of(ref2->weight.grad(), fc2->shard_specs()["weight"], tp.rank(), T)), kTol);
     EXPECT_LT(rel_error(fc2->bias.grad(), ref2->bias.grad()), kTol);
     // Gathered output of a column-parallel layer.
-    ColumnParallelLinear gathered(ParallelLinearOptions{6, 4 * T, false, true, 1}, tp);
+    ParallelLinearOptions gathered_options(6, 4 * T);
+    gathered_options.bias = false;
+    gathered_options.gather_output = true;
+    ColumnParallelLinear gathered(gathered_options, tp);
     gathered->to(at::kDouble);
     auto fullg = gather_full_state(*gathered, tp);
     at::Tensor out = gathered->forward(x.detach());
@@ -216,7 +220,7 @@ TEST(TensorParallelLayers, SizesThatDoNotDivideAreRefusedWithTheNumbers) {
     EXPECT_NE(std::string(e.what()).find("--heads=3 does not divide over --tp=2"), std::string::npos) << e.what();
   }
   EXPECT_THROW(ParallelMlp(8, 7, mesh.tp()), Error);
-  EXPECT_THROW(RowParallelLinear(ParallelLinearOptions{7, 4, true, false, 1}, mesh.tp()), Error);
+  EXPECT_THROW(RowParallelLinear(ParallelLinearOptions(7, 4), mesh.tp()), Error);
 }
 
 TEST(TensorParallelLayers, GradNormCountsShardsOnceAcrossTheGroup) {
@@ -229,7 +233,10 @@ TEST(TensorParallelLayers, GradNormCountsShardsOnceAcrossTheGroup) {
     at::Tensor r = at::zeros({4}, at::kDouble).requires_grad_(true);
     s.mutable_grad() = at::full({3}, mesh.tp_rank() + 1.0, at::kDouble);
     r.mutable_grad() = at::full({4}, 2.0, at::kDouble);
-    at::Tensor n = tensor_parallel_grad_norm({s, r}, {true, false}, mesh.tp());
+    GradNormLayout layout;
+    layout.sharded = {true, false};
+    layout.tp = &mesh.tp();
+    at::Tensor n = global_grad_norm({s, r}, layout);
     double sq = 16.0;
     for (int k = 1; k <= T; ++k) sq += 3.0 * k * k;
     EXPECT_NEAR(n.item<double>(), std::sqrt(sq), 1e-5);

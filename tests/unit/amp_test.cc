@@ -294,6 +294,46 @@ TEST(AmpLossScaler, MisuseIsAClearError) {
   EXPECT_THROW(LossScaler(bad, c10::Device(c10::kCPU)), dtrain::Error);
 }
 
+// check_finite() decides as unscale() does, without touching a gradient; inverse_scale() is
+// the factor unscale() multiplies by.
+TEST(AmpLossScaler, CheckFiniteDecidesAsUnscaleAndLeavesTheGradientsAlone) {
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<std::vector<at::Tensor>> cases = {
+      {at::tensor({1.5f, -2.0f}), at::tensor({3.0f}, at::kDouble)},
+      {at::tensor({1.5f, inf}), at::tensor({3.0f})},
+      {at::tensor({1.5f, 2.0f}), at::tensor({nan}).to(at::kBFloat16)},
+      {at::tensor({-inf}).to(at::kHalf), at::zeros({0})},
+      {at::zeros({0}), at::Tensor()},
+  };
+  for (size_t k = 0; k < cases.size(); ++k) {
+    SCOPED_TRACE("case " + std::to_string(k));
+    LossScalerOptions options;
+    options.init_scale = 1024.0;
+    LossScaler checker(options, c10::Device(c10::kCPU)), unscaler(options, c10::Device(c10::kCPU));
+    std::vector<at::Tensor> grads, copies;
+    for (const at::Tensor& g : cases[k]) {
+      grads.push_back(g.defined() ? g.clone() : g);
+      copies.push_back(g.defined() ? g.clone() : g);
+    }
+    const bool finite = checker.check_finite(grads, nullptr);
+    EXPECT_EQ(finite, unscaler.unscale(copies, nullptr));
+    for (size_t i = 0; i < grads.size(); ++i) {
+      if (grads[i].defined()) EXPECT_TRUE(at::equal(grads[i].isnan(), cases[k][i].isnan()) &&
+                                          at::equal(at::nan_to_num(grads[i]), at::nan_to_num(cases[k][i])));
+    }
+    EXPECT_EQ(checker.inverse_scale().item<float>(), static_cast<float>(1.0 / 1024.0));
+    EXPECT_THROW(checker.check_finite(grads, nullptr), dtrain::Error);  // twice in one step
+    checker.update();
+    unscaler.update();
+    EXPECT_EQ(checker.scale_value(), unscaler.scale_value());
+    EXPECT_EQ(checker.skipped_steps(), finite ? 0 : 1);
+  }
+  LossScalerOptions off;
+  off.enabled = false;
+  LossScaler disabled(off, c10::Device(c10::kCPU));
+  EXPECT_EQ(disabled.inverse_scale().item<float>(), 1.0f);
+}
+
 // A scaler restored from state() continues exactly as the original.
 TEST(AmpLossScaler, StateRoundTripContinuesTheSequence) {
   const ScalerRun& run = runs()[0];

@@ -4,6 +4,8 @@
 // re-sharding of flat state against the unsharded array, RNG states, preemption flags and
 // Slurm requeue through a stand-in scontrol.
 #include "dtrain/engine/checkpoint.h"
+#include "dtrain/engine/crc32c.h"
+#include "dtrain/offload/cpu_optimizer.h"
 
 #include <dirent.h>
 #include <ftw.h>
@@ -93,22 +95,6 @@ uint32_t crc32c_bitwise(const std::vector<unsigned char>& data) {
   return ~crc;
 }
 
-TEST(Crc32cTest, PublishedVectors) {
-  // The CRC catalogue's check value, and RFC 3720 (iSCSI) appendix B.4.
-  const std::string check = "123456789";
-  EXPECT_EQ(crc32c(0, check.data(), check.size()), 0xE3069283u);
-  std::vector<unsigned char> zeros(32, 0), ones(32, 0xFF), up(32), down(32);
-  for (int i = 0; i < 32; ++i) {
-    up[i] = static_cast<unsigned char>(i);
-    down[i] = static_cast<unsigned char>(31 - i);
-  }
-  EXPECT_EQ(crc32c(0, zeros.data(), 32), 0x8A9136AAu);
-  EXPECT_EQ(crc32c(0, ones.data(), 32), 0x62A8AB43u);
-  EXPECT_EQ(crc32c(0, up.data(), 32), 0x46DD794Eu);
-  EXPECT_EQ(crc32c(0, down.data(), 32), 0x113FDB5Cu);
-  EXPECT_EQ(ckpt_detail::crc32c_portable(0, up.data(), 32), 0x46DD794Eu);
-}
-
 TEST(Crc32cTest, AllPathsAgreeWithTheDefinitionAtAnyLengthAndAlignment) {
   std::mt19937 gen(7);
   std::vector<unsigned char> buffer(300);
@@ -117,12 +103,12 @@ TEST(Crc32cTest, AllPathsAgreeWithTheDefinitionAtAnyLengthAndAlignment) {
     for (size_t n : {0, 1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 200, 291}) {
       std::vector<unsigned char> piece(buffer.begin() + offset, buffer.begin() + offset + n);
       const uint32_t expected = crc32c_bitwise(piece);
-      EXPECT_EQ(crc32c(0, buffer.data() + offset, n), expected) << offset << "+" << n;
-      EXPECT_EQ(ckpt_detail::crc32c_portable(0, buffer.data() + offset, n), expected);
+      EXPECT_EQ(crc32c(buffer.data() + offset, n), expected) << offset << "+" << n;
+      EXPECT_EQ(crc32c_portable(buffer.data() + offset, n), expected);
       // Streaming in two pieces gives the same value.
       const size_t half = n / 3;
-      uint32_t c = crc32c(0, buffer.data() + offset, half);
-      EXPECT_EQ(crc32c(c, buffer.data() + offset + half, n - half), expected);
+      uint32_t c = crc32c(buffer.data() + offset, half);
+      EXPECT_EQ(crc32c(buffer.data() + offset + half, n - half, c), expected);
     }
   }
 }
@@ -213,7 +199,7 @@ TEST(CheckpointStoreTest, RoundTripKeepsEveryFieldExactly) {
   char expected[128];
   std::snprintf(expected, sizeof(expected),
                 "dtrain.checkpoint 1 crc32c=%08x bytes=%zu rank_files=0\n",
-                crc32c(0, bytes.data(), bytes.size()), bytes.size());
+                crc32c(bytes.data(), bytes.size()), bytes.size());
   EXPECT_EQ(record, expected);
   EXPECT_EQ(dir.names(), std::vector<std::string>{"nested"});
 }
@@ -457,8 +443,8 @@ TEST(CheckpointStoreTest, RankFilesArePartOfTheCheckpoint) {
     state.rank = r;
     state.dp_rank = r;
     state.dp_size = 2;
-    state.flat_numel = 5;
-    state.optimizer_shard = named({{"exp_avg", torch::full({3}, float(r))}});
+    state.optimizer_shard.layout = {6, {3 * r, 3 * r + 3}};
+    state.optimizer_shard.tensors = named({{"exp_avg", torch::full({3}, float(r))}});
     state.rng = capture_rng_state();
     state.meta = {{"host", "h" + std::to_string(r)}};
     EXPECT_EQ(store.save_rank(8, state), dir.file("step-000008.rank-" + std::to_string(r) + ".pt"));
@@ -467,9 +453,10 @@ TEST(CheckpointStoreTest, RankFilesArePartOfTheCheckpoint) {
   RankState back = store.load_rank(8, 1);
   EXPECT_EQ(back.rank, 1);
   EXPECT_EQ(back.dp_rank, 1);
-  EXPECT_EQ(back.flat_numel, 5);
+  EXPECT_EQ(back.optimizer_shard.layout.numel, 6);
+  EXPECT_TRUE(back.optimizer_shard.layout.range == (FlatRange{3, 6}));
   EXPECT_EQ(back.meta.at("host"), "h1");
-  expect_same(back.optimizer_shard, named({{"exp_avg", torch::full({3}, 1.f)}}));
+  expect_same(back.optimizer_shard.tensors, named({{"exp_avg", torch::full({3}, 1.f)}}));
   EXPECT_EQ(store.latest_good()->rank_files, 2);
 
   ::unlink(store.rank_path_for(8, 1).c_str());
@@ -507,7 +494,7 @@ TEST(CheckpointStoreTest, BadFilesAreRefusedWithTheirName) {
   const std::string junk = "not a zip archive";
   std::ofstream(store.path_for(4)) << junk;
   std::ofstream(store.path_for(4) + ".crc")
-      << ckpt_detail::format_record({crc32c(0, junk.data(), junk.size()), junk.size(), 0});
+      << ckpt_detail::format_record({crc32c(junk.data(), junk.size()), junk.size(), 0});
   EXPECT_TRUE(contains(message_of([&] { store.load(store.path_for(4)); }),
                        store.path_for(4) + " is not a readable torch archive"));
   std::ofstream(store.path_for(4) + ".crc") << "garbage\n";
@@ -583,90 +570,101 @@ TEST(ModelStateTest, LoadsIntoTheSameModelAndRefusesAnother) {
                "c.pt is of a different optimizer: '0.exp_avg' has shape [3] there but [2]"));
 }
 
-// ---- flat shards --------------------------------------------------------------------------------
+// ---- partitioned state --------------------------------------------------------------------------
 
-TEST(FlatShardTest, RangesFollowTheDocumentedLayout) {
-  // 10 elements over 4 ranks: s = 3; ranges [0,3) [3,6) [6,9) [9,10).
-  const int64_t ends[] = {3, 6, 9, 10};
+TEST(ShardLayoutTest, RangesFollowTheOffloadedOptimizersLayout) {
+  // 200 elements over 4 ranks: padded to 256 (4 x 64), 64 each: the last rank holds 8 real ones.
+  const int64_t ends[] = {64, 128, 192, 200};
   for (int r = 0; r < 4; ++r) {
-    FlatShard s = flat_shard(10, 4, r);
-    EXPECT_EQ(s.size, 3);
-    EXPECT_EQ(s.begin, 3 * r);
+    FlatRange s = shard_range(200, 4, r);
+    EXPECT_EQ(s.begin, 64 * r);
     EXPECT_EQ(s.end, ends[r]);
+    offload::ShardRange o = offload::shard_range(200, r, 4);  // the optimizer's own ranges
+    EXPECT_EQ(s.begin, std::min<int64_t>(o.begin, 200));
+    EXPECT_EQ(s.end, std::min<int64_t>(o.end, 200));
   }
-  FlatShard empty = flat_shard(5, 4, 3);  // s = 2: [6, 8) clipped to nothing
-  EXPECT_EQ(empty.begin, 5);
-  EXPECT_EQ(empty.end, 5);
-  EXPECT_EQ(empty.size, 2);
-  EXPECT_EQ(overlapping_shards(10, 4, 3, 1), (std::vector<int>{1, 2}));  // [4, 8)
-  EXPECT_TRUE(overlapping_shards(5, 1, 4, 3).empty());
-  EXPECT_THROW(flat_shard(10, 0, 0), Error);
-  EXPECT_THROW(flat_shard(10, 2, 2), Error);
+  EXPECT_TRUE(shard_range(10, 4, 3) == (FlatRange{10, 10}));  // only padding
+  EXPECT_EQ(overlapping_shards(200, 4, {100, 150}), (std::vector<int>{1, 2}));
+  EXPECT_EQ(overlapping_shards(10, 4, {0, 10}), (std::vector<int>{0}));
+  EXPECT_TRUE(overlapping_shards(10, 4, {10, 10}).empty());
+  EXPECT_THROW(shard_range(10, 0, 0), Error);
+  EXPECT_THROW(shard_range(10, 2, 2), Error);
+  EXPECT_THROW(shard_range(-1, 2, 0), Error);
 }
 
-// Shards of values 0..numel-1 made by slicing the array directly (the reference).
-std::vector<at::Tensor> split_padded(const at::Tensor& full, int ranks, bool pad) {
-  std::vector<at::Tensor> shards;
+// The pieces `ranks` ranks save of arrays "exp_avg" = full and "exp_avg_sq" = 2 full, with a
+// replicated "step", cut directly from the whole arrays (the reference).
+std::vector<ShardState> saved_pieces(const at::Tensor& full, int ranks) {
+  std::vector<ShardState> pieces;
   for (int r = 0; r < ranks; ++r) {
-    FlatShard s = flat_shard(full.numel(), ranks, r);
-    at::Tensor piece = full.narrow(0, s.begin, s.end - s.begin);
-    if (pad) piece = at::cat({piece, at::zeros({s.size - (s.end - s.begin)}, full.options())});
-    shards.push_back(piece.clone());
+    ShardState piece;
+    piece.layout = {full.numel(), shard_range(full.numel(), ranks, r)};
+    const FlatRange s = piece.layout.range;
+    piece.tensors = named({{"step", torch::tensor(4.f)},
+                           {"exp_avg", full.narrow(0, s.begin, s.size()).clone()},
+                           {"exp_avg_sq", (2 * full).narrow(0, s.begin, s.size()).clone()}});
+    pieces.push_back(piece);
   }
-  return shards;
+  return pieces;
 }
 
-TEST(FlatShardTest, ReshardingEqualsSplittingTheWholeArray) {
-  for (int64_t numel : {0, 1, 7, 13, 16}) {
+TEST(ShardLayoutTest, AssemblingEqualsCuttingTheWholeArray) {
+  for (int64_t numel : {0, 1, 7, 130, 300}) {
     at::Tensor full = torch::arange(numel, torch::kFloat) * 0.5f + 1.f;
     for (int old_ranks = 1; old_ranks <= 5; ++old_ranks) {
-      for (bool padded : {true, false}) {
-        std::vector<at::Tensor> old = split_padded(full, old_ranks, padded);
-        for (int new_ranks = 1; new_ranks <= 5; ++new_ranks) {
-          std::vector<at::Tensor> expected = split_padded(full, new_ranks, true);
-          for (int r = 0; r < new_ranks; ++r) {
-            // Only the overlapping old shards are given.
-            std::vector<at::Tensor> given(old_ranks);
-            for (int j : overlapping_shards(numel, old_ranks, new_ranks, r)) given[j] = old[j];
-            if (numel == 0) given[0] = old[0];
-            at::Tensor got = reshard_flat(given, numel, new_ranks, r);
-            EXPECT_TRUE(at::equal(got, expected[r]))
-                << numel << " elements, " << old_ranks << " -> " << new_ranks << " rank " << r;
-          }
+      std::vector<ShardState> old = saved_pieces(full, old_ranks);
+      for (int new_ranks = 1; new_ranks <= 5; ++new_ranks) {
+        for (int r = 0; r < new_ranks; ++r) {
+          const ShardLayout target{numel, shard_range(numel, new_ranks, r)};
+          // Only the overlapping old pieces are given (one for the replicated entry if none).
+          std::vector<ShardState> given;
+          for (int j : overlapping_shards(numel, old_ranks, target.range)) given.push_back(old[j]);
+          if (given.empty()) given.push_back(old[0]);
+          ShardState got = assemble_shard(given, target);
+          ASSERT_EQ(got.tensors.size(), 3u);
+          EXPECT_TRUE(got.layout.range == target.range);
+          EXPECT_EQ(got.tensors[0].second.item<float>(), 4.f);
+          const std::string where = std::to_string(numel) + " elements, " + std::to_string(old_ranks) + " -> " +
+                                    std::to_string(new_ranks) + " rank " + std::to_string(r);
+          EXPECT_TRUE(at::equal(got.tensors[1].second, full.narrow(0, target.range.begin, target.range.size())))
+              << where;
+          EXPECT_TRUE(
+              at::equal(got.tensors[2].second, (2 * full).narrow(0, target.range.begin, target.range.size())))
+              << where;
         }
       }
     }
   }
-  std::vector<at::Tensor> missing(2);
-  EXPECT_TRUE(contains(message_of([&] { reshard_flat(missing, 10, 1, 0); }),
-                       "needs the shard of old rank 0 of 2, which is missing"));
-  std::vector<at::Tensor> wrong = {torch::zeros({7}), torch::zeros({5})};
-  EXPECT_TRUE(contains(message_of([&] { reshard_flat(wrong, 10, 1, 0); }),
-                       "the shard of old rank 0 has shape [7]"));
 }
 
-TEST(FlatShardTest, NamedStateKeepsReplicatedScalars) {
-  at::Tensor full = torch::arange(9, torch::kFloat);
-  std::vector<at::Tensor> a = split_padded(full, 2, true), b = split_padded(full * 2, 2, true);
-  std::vector<NamedTensors> old = {
-      named({{"step", torch::tensor(4.f)}, {"exp_avg", a[0]}, {"exp_avg_sq", b[0]}}),
-      named({{"step", torch::tensor(4.f)}, {"exp_avg", a[1]}, {"exp_avg_sq", b[1]}})};
-  NamedTensors got = reshard_flat_state(old, 9, 3, 2);  // elements [6, 9)
-  ASSERT_EQ(got.size(), 3u);
-  EXPECT_EQ(got[0].first, "step");
-  EXPECT_EQ(got[0].second.item<float>(), 4.f);
-  EXPECT_TRUE(at::equal(got[1].second, torch::tensor({6.f, 7.f, 8.f})));
-  EXPECT_TRUE(at::equal(got[2].second, torch::tensor({12.f, 14.f, 16.f})));
-  old[1][0].second = torch::tensor(5.f);
-  EXPECT_TRUE(contains(message_of([&] { reshard_flat_state(old, 9, 3, 2); }),
-                       "the replicated entry 'step' differs"));
+TEST(ShardLayoutTest, AssemblyNamesWhatIsWrong) {
+  at::Tensor full = torch::arange(300, torch::kFloat);
+  std::vector<ShardState> old = saved_pieces(full, 3);  // [0, 128) [128, 256) [256, 300)
+  const ShardLayout whole{300, {0, 300}};
+  EXPECT_TRUE(contains(message_of([&] { assemble_shard({old[0], old[2]}, whole); }),
+                       "no saved optimizer shard holds elements [128, 256) of this rank's [0, 300)"));
+  EXPECT_TRUE(contains(message_of([&] { assemble_shard({old[0], old[1]}, whole); }),
+                       "no saved optimizer shard holds elements [256, 300)"));
+  std::vector<ShardState> bad = old;
+  bad[1].tensors[0].second = torch::tensor(5.f);
+  EXPECT_TRUE(contains(message_of([&] { assemble_shard(bad, whole); }), "the replicated entry 'step' differs"));
+  bad = old;
+  bad[1].tensors[1].second = torch::zeros({7});
+  EXPECT_TRUE(contains(message_of([&] { assemble_shard(bad, whole); }),
+                       "optimizer shard entry 'exp_avg' of [128, 256) has 7 elements; 128 were expected"));
+  bad = old;
+  bad[2].tensors[2].first = "sum";
+  EXPECT_TRUE(contains(message_of([&] { assemble_shard(bad, whole); }), "hold different entries"));
+  EXPECT_TRUE(contains(message_of([&] { assemble_shard(old, ShardLayout{301, {0, 301}}); }),
+                       "holds partitioned state of 300 elements, but this model needs 301"));
 }
 
-TEST(FlatShardTest, LoadsOnlyTheNeededRankFilesAcrossTensorParallelRanks) {
+TEST(ShardLayoutTest, LoadsOnlyTheNeededRankFilesAcrossTensorParallelRanks) {
   TempDir dir;
   CheckpointStore store(dir.path());
-  // world 6 = dp 3 x tp 2; tensor-parallel rank t's flat array is 100*t + (0..10).
-  const int64_t numel = 11;
+  // world 6 = dp 3 x tp 2; tensor-parallel rank t's flat array is 100*t + (0..299), saved in
+  // ranges [0, 128) [128, 256) [256, 300).
+  const int64_t numel = 300;
   CheckpointData main;
   main.step = 9;
   main.world_size = 6;
@@ -679,29 +677,24 @@ TEST(FlatShardTest, LoadsOnlyTheNeededRankFilesAcrossTensorParallelRanks) {
       state.dp_rank = d;
       state.dp_size = 3;
       state.tp_rank = t;
-      state.flat_numel = numel;
-      at::Tensor full = torch::arange(numel, torch::kFloat) + 100.f * t;
-      state.optimizer_shard =
-          named({{"step", torch::tensor(9.f)}, {"master", split_padded(full, 3, true)[d]}});
+      state.optimizer_shard = saved_pieces(torch::arange(numel, torch::kFloat) + 100.f * t, 3)[d];
       store.save_rank(9, state);
     }
   }
   store.save(main);
-  // Old dp rank 2 holds [8, 11): new rank 1 of 2 ([6, 11)) needs old ranks 1 and 2 only.
+  // New rank 1 of 2 holds [192, 300): old dp ranks 1 and 2 only.
   ::unlink(store.rank_path_for(9, 0 * 2 + 1).c_str());  // tp rank 1's dp-0 file is not needed
-  NamedTensors got = load_resharded_optimizer(store, store.load(store.path_for(9)), numel,
-                                              /*tp_rank=*/1, /*new_dp_size=*/2, /*new_dp_rank=*/1);
-  ASSERT_EQ(got.size(), 2u);
-  EXPECT_TRUE(at::equal(got[1].second, torch::tensor({106.f, 107.f, 108.f, 109.f, 110.f, 0.f})));
-  EXPECT_TRUE(
-      contains(message_of([&] {
-                 load_resharded_optimizer(store, store.load(store.path_for(9)), 12, 0, 2, 1);
-               }),
-               "holds partitioned optimizer state of 11 elements, but this model needs 12"));
+  const ShardLayout target{numel, shard_range(numel, 2, 1)};
+  ASSERT_TRUE(target.range == (FlatRange{192, 300}));
+  ShardState got = load_resharded_optimizer(store, store.load(store.path_for(9)), /*tp_rank=*/1, target);
+  ASSERT_EQ(got.tensors.size(), 3u);
+  EXPECT_TRUE(at::equal(got.tensors[1].second, torch::arange(192, 300, torch::kFloat) + 100.f));
   EXPECT_TRUE(contains(message_of([&] {
-                         load_resharded_optimizer(store, store.load(store.path_for(9)), numel, 2, 2,
-                                                  1);
+                         load_resharded_optimizer(store, store.load(store.path_for(9)), 0,
+                                                  ShardLayout{301, shard_range(301, 2, 1)});
                        }),
+                       "holds partitioned optimizer state of 300 elements, but this model needs 301"));
+  EXPECT_TRUE(contains(message_of([&] { load_resharded_optimizer(store, store.load(store.path_for(9)), 2, target); }),
                        "tensor-parallel size 2; tensor-parallel rank 2 has no state there"));
 }
 

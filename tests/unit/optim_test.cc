@@ -1,6 +1,7 @@
 // Optimizers, lr schedules and gradient clipping against PyTorch (float64) and closed forms.
 // PyTorch runs once for the whole file (tests/reference/optim_reference.py on one request
 // holding every case), so the file stays within a few seconds.
+#include "dtrain/engine/grad_norm.h"
 #include "dtrain/engine/optim.h"
 
 #include <ATen/ATen.h>
@@ -421,6 +422,75 @@ TEST(OptimLr, SetLrTakesEffectOnTheNextStep) {
   EXPECT_TRUE(at::allclose(params[0], at::full({4}, -0.75, at::kDouble), 0, 0));
   EXPECT_THROW(opt->set_lr(-1.0), dtrain::Error);
   EXPECT_THROW(opt->set_lr(std::nan("")), dtrain::Error);
+}
+
+// step(grad_multiplier) equals step() on gradients multiplied by hand (what the trainer did
+// before it stopped rewriting gradients), for every rule, fused and _foreach_, and leaves the
+// caller's gradient values to the kernels (the _foreach_ path does not touch them).
+TEST(OptimMultiplier, EqualsMultiplyingTheGradientsFirst) {
+  for (const std::string name : {"sgd", "adam", "adamw", "adagrad"}) {
+    for (bool fused : {true, false}) {
+      for (double m : {0.25, 0.3712}) {  // a power of two (exact either way) and a clipping-like factor
+        SCOPED_TRACE(name + (fused ? " fused" : " foreach") + " multiplier " + std::to_string(m));
+        OptimizerOptions o;
+        o.name = name;
+        o.lr = 0.01;
+        o.weight_decay = 0.1;
+        o.fused = fused;
+        if (name == "sgd") o.momentum = 0.9;
+        auto make = [&] {
+          auto g = at::make_generator<at::CPUGeneratorImpl>(11);
+          std::vector<at::Tensor> p = {at::randn({37}, g).requires_grad_(true),
+                                       at::randn({5, 3}, g).requires_grad_(true)};
+          return p;
+        };
+        std::vector<at::Tensor> a = make(), b = make();
+        std::unique_ptr<Optimizer> with = make_optimizer(a, o), by_hand = make_optimizer(b, o);
+        for (int step = 0; step < 4; ++step) {
+          auto g = at::make_generator<at::CPUGeneratorImpl>(100 + step);
+          for (size_t i = 0; i < a.size(); ++i) {
+            at::Tensor grad = at::randn(a[i].sizes(), g);
+            a[i].mutable_grad() = grad.clone();
+            b[i].mutable_grad() = grad * m;
+          }
+          with->step(at::scalar_tensor(m, at::kFloat));
+          by_hand->step();
+        }
+        for (size_t i = 0; i < a.size(); ++i) {
+          if (m == 0.25) {
+            EXPECT_TRUE(at::equal(a[i], b[i])) << "parameter " << i;
+          } else {
+            EXPECT_LE((a[i] - b[i]).abs().max().item<double>(), 1e-6 * b[i].abs().max().item<double>())
+                << "parameter " << i;
+          }
+        }
+      }
+    }
+  }
+  std::vector<at::Tensor> p = {at::zeros({2}).requires_grad_(true)};
+  p[0].mutable_grad() = at::ones({2});
+  std::unique_ptr<Optimizer> opt = make_optimizer(p, OptimizerOptions{});
+  EXPECT_THROW(opt->step(at::ones({2})), dtrain::Error);  // not a single value
+  EXPECT_TRUE(at::equal(p[0], at::zeros({2})));
+}
+
+// A replicated optimizer's defaults of the partitioned / asynchronous part of the contract.
+TEST(OptimContract, ReplicatedDefaults) {
+  std::vector<at::Tensor> p = {at::zeros({3}).requires_grad_(true)};
+  std::unique_ptr<Optimizer> opt = make_optimizer(p, OptimizerOptions{});
+  EXPECT_TRUE(opt->gradient_owners().empty());
+  EXPECT_FALSE(opt->shard_layout().has_value());
+  EXPECT_TRUE(opt->shard_state().tensors.empty());
+  EXPECT_EQ(opt->host_bytes(), 0);
+  EXPECT_FALSE(opt->take_update_timing().has_value());
+  EXPECT_EQ(opt->device_state().size(), opt->state().size());
+  opt->flush();
+  opt->skip_step();
+  opt->load_shard_state(ShardState{});
+  ShardState foreign;
+  foreign.tensors = {{"master", at::zeros({3})}};
+  EXPECT_TRUE(testing_util::error_of([&] { opt->load_shard_state(foreign); }).find("not partitioned") !=
+              std::string::npos);
 }
 
 // A gradient replaced by a new tensor between steps is picked up (the cached lists rebuilt).

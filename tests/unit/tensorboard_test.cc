@@ -54,17 +54,17 @@ std::string file_name(const std::string& path) { return path.substr(path.find_la
 
 TEST(Crc32c, MatchesPublishedVectors) {
   // "123456789" is the standard check value; the 32-byte vectors are RFC 3720, B.4.
-  EXPECT_EQ(crc32c(std::string_view("123456789")), 0xE3069283u);
+  EXPECT_EQ(crc32c("123456789", 9), 0xE3069283u);
   std::string zeros(32, '\0'), ones(32, '\xff'), up(32, '\0'), down(32, '\0');
   for (int i = 0; i < 32; ++i) {
     up[i] = static_cast<char>(i);
     down[i] = static_cast<char>(31 - i);
   }
-  EXPECT_EQ(crc32c(zeros), 0x8A9136AAu);
-  EXPECT_EQ(crc32c(ones), 0x62A8AB43u);
-  EXPECT_EQ(crc32c(up), 0x46DD794Eu);
-  EXPECT_EQ(crc32c(down), 0x113FDB5Cu);
-  EXPECT_EQ(crc32c(std::string_view()), 0u);
+  EXPECT_EQ(crc32c(zeros.data(), zeros.size()), 0x8A9136AAu);
+  EXPECT_EQ(crc32c(ones.data(), ones.size()), 0x62A8AB43u);
+  EXPECT_EQ(crc32c(up.data(), up.size()), 0x46DD794Eu);
+  EXPECT_EQ(crc32c(down.data(), down.size()), 0x113FDB5Cu);
+  EXPECT_EQ(crc32c(nullptr, 0), 0u);
   EXPECT_EQ(crc32c_portable("123456789", 9), 0xE3069283u);
   EXPECT_EQ(crc32c_portable(up.data(), up.size()), 0x46DD794Eu);
 }
@@ -108,7 +108,7 @@ TEST(TfRecord, FrameLayout) {
   };
   EXPECT_EQ(le32(8), mask_crc32c(crc32c(rec.data(), 8)));
   EXPECT_EQ(rec.substr(12, data.size()), data);
-  EXPECT_EQ(le32(12 + data.size()), mask_crc32c(crc32c(data)));
+  EXPECT_EQ(le32(12 + data.size()), mask_crc32c(crc32c(data.data(), data.size())));
 }
 
 // ---------------------------------------------------------------------------------------

@@ -69,8 +69,8 @@ struct LossScalerOptions {
 // for a single process. unscale() syncs with the host once (to return); it increments
 // skipped_steps() when it returns false.
 //
-// Misuse throws dtrain::Error: unscale() twice without update() in between, or update()
-// without unscale() since the last update() (pass an empty list when a step has no grads).
+// Misuse throws dtrain::Error: unscale() (or check_finite()) twice without update() in
+// between, or update() without either since the last update() (pass an empty list when a step has no grads).
 // A disabled scaler (options.enabled = false) does nothing: scale() returns loss itself,
 // unscale() returns true without touching grads or comm, update() returns, scale_value()
 // is 1, state() is empty and load_state() ignores its argument.
@@ -83,6 +83,14 @@ class LossScaler {
   // loss * scale (a new tensor in the autograd graph, float32 or wider, on loss's device).
   at::Tensor scale(const at::Tensor& loss) const;
   bool unscale(const std::vector<at::Tensor>& grads, dist::Communicator* comm);
+  // unscale() without touching the gradients: only the inf/NaN check (read-only, one pass
+  // over each gradient), agreed over comm the same way. The caller then multiplies the
+  // gradients by inverse_scale() where it uses them (Optimizer::step's grad_multiplier).
+  // Either this or unscale() once per step, then update().
+  bool check_finite(const std::vector<at::Tensor>& grads, dist::Communicator* comm);
+  // 1 / scale as GradScaler computes it (reciprocal in double, rounded to float): a float32
+  // 0-dim tensor on the scaler's device. 1 when disabled.
+  at::Tensor inverse_scale() const;
   void update();
   double scale_value() const;  // host read of the current scale (syncs)
   bool enabled() const { return options_.enabled; }
@@ -95,6 +103,8 @@ class LossScaler {
   void load_state(const std::vector<std::pair<std::string, at::Tensor>>& state);
 
  private:
+  bool check(const std::vector<at::Tensor>& grads, dist::Communicator* comm, bool unscale);
+
   LossScalerOptions options_;
   at::Tensor scale_;           // float32 [1]
   at::Tensor growth_tracker_;  // int32 [1]

@@ -32,6 +32,8 @@
 #include <utility>
 #include <vector>
 
+#include "dtrain/engine/shard.h"
+
 namespace torch::nn {
 class Module;
 }
@@ -40,8 +42,6 @@ class Communicator;
 }
 
 namespace dtrain::engine {
-
-using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
 // ---- file system ------------------------------------------------------------------------------
 // The store reaches files only through this interface (LevelDB's Env), so tests can inject
@@ -84,9 +84,6 @@ class FileSystem {
 // The POSIX file system (process-wide, never destroyed).
 FileSystem* default_file_system();
 
-// CRC-32C of data continuing from crc (0 to start): crc32c.h's, argument order of the store.
-uint32_t crc32c(uint32_t crc, const void* data, size_t n);
-
 // ---- what a checkpoint holds --------------------------------------------------------------------
 
 // Random generator states of this process.
@@ -121,11 +118,9 @@ struct RankState {
   int dp_rank = 0;  // position in its data-parallel group
   int dp_size = 1;
   int tp_rank = 0;  // world rank = dp_rank * (world_size / dp_size) + tp_rank
-  // Partitioned optimizer state of this data-parallel rank: 1-D tensors, each this rank's
-  // shard of a flat array of flat_numel elements (layout: flat_shard()), and 0-dim tensors
-  // that are the same on every rank (e.g. a step count).
-  NamedTensors optimizer_shard;
-  int64_t flat_numel = 0;  // 0: no partitioned state
+  // Partitioned optimizer state of this data-parallel rank (Optimizer::shard_state(): its
+  // range of the flat space and the tensors of that range); layout.numel 0: none.
+  ShardState optimizer_shard;
   RngState rng;
   std::map<std::string, std::string> meta;
 };
@@ -205,36 +200,14 @@ void check_same_layout(const NamedTensors& live, const NamedTensors& saved, cons
                        const std::string& source);
 
 // ---- partitioned (flat) state -------------------------------------------------------------------
-// A flat array of numel elements split over n ranks: shard size s = ceil(numel / n); rank r
-// holds elements [r*s, min((r+1)*s, numel)) as a 1-D tensor of s elements, zero-padded at
-// the end (so every rank's shard has the same length, as reduce_scatter/all_gather need).
-
-struct FlatShard {
-  int64_t begin = 0;  // first element held
-  int64_t end = 0;    // one past the last element held (begin <= end <= numel)
-  int64_t size = 0;   // s: the shard tensor's length, padding included
-};
-// Throws dtrain::Error for numel < 0, ranks < 1 or rank outside [0, ranks).
-FlatShard flat_shard(int64_t numel, int ranks, int rank);
-// The old ranks whose shards overlap new_rank's range when numel elements move from
-// old_ranks to new_ranks ranks (ascending).
-std::vector<int> overlapping_shards(int64_t numel, int old_ranks, int new_ranks, int new_rank);
-// new_rank's shard (padded, the old shards' dtype) under new_ranks ranks, from the shards
-// saved by old_shards.size() ranks; only the overlapping ones must be defined. Old shards may
-// be padded or exactly their range long. Throws dtrain::Error for a missing or mis-sized one.
-at::Tensor reshard_flat(const std::vector<at::Tensor>& old_shards, int64_t numel, int new_ranks,
-                        int new_rank);
-// reshard_flat for every 1-D entry of named shard states (one per old rank, the same names
-// in each defined one); 0-dim entries are copied from the first defined shard after checking
-// that every defined shard agrees.
-NamedTensors reshard_flat_state(const std::vector<NamedTensors>& old_shards, int64_t numel,
-                                int new_ranks, int new_rank);
-// Reads from `store` only the rank files of checkpoint `main` (already loaded) that hold
-// parts of this rank's new shard and reshards them: for tensor-parallel rank tp_rank, the old
-// data-parallel ranks 0..main.dp_size-1 to new_dp_size ranks. numel is this rank's flat
-// array length (checked against the files).
-NamedTensors load_resharded_optimizer(const CheckpointStore& store, const CheckpointData& main,
-                                      int64_t numel, int tp_rank, int new_dp_size, int new_dp_rank);
+// Layout and assembly: shard.h. Reads from `store` only the rank files of checkpoint `main`
+// (already loaded) of tensor-parallel rank tp_rank whose ranges (main.dp_size ranks in the
+// layout of shard.h) overlap target.range, and assembles target's state from them
+// (assemble_shard); any old data-parallel size resumes any new one. Throws dtrain::Error for
+// a tensor-parallel rank the checkpoint does not have, a checkpoint without rank files, a
+// rank file of another position or model, or what assemble_shard throws.
+ShardState load_resharded_optimizer(const CheckpointStore& store, const CheckpointData& main,
+                                    int tp_rank, const ShardLayout& target);
 
 // ---- collective save and resume ---------------------------------------------------------------
 

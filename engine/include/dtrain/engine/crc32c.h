@@ -11,7 +11,6 @@ namespace dtrain::engine {
 // crc32 instruction when the CPU has it, else crc32c_portable(). crc32c("123456789") ==
 // 0xE3069283. Thread-safe (pure).
 uint32_t crc32c(const void* data, size_t size, uint32_t crc = 0);
-inline uint32_t crc32c(std::string_view s, uint32_t crc = 0) { return crc32c(s.data(), s.size(), crc); }
 // The table-driven (slice-by-8) implementation, on every CPU.
 uint32_t crc32c_portable(const void* data, size_t size, uint32_t crc = 0);
 

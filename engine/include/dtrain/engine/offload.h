@@ -22,9 +22,7 @@
 #include <vector>
 
 #include "dtrain/dist/communicator.h"
-#include "dtrain/engine/checkpoint.h"
 #include "dtrain/engine/optim.h"
-#include "dtrain/engine/reducer.h"
 
 namespace dtrain::offload {
 class PinnedPool;
@@ -39,7 +37,7 @@ struct OffloadOptions {
   // to pinned host memory as soon as the reducer has averaged it, while backward goes on,
   // so step() finds the gradients on the host. "auto": when the parameters are on a GPU;
   // "on": for CPU parameters too (one extra copy; used by tests); "off": step() reads .grad.
-  std::string stream_gradients = "auto";
+  std::string stream_gradients = "auto";  // parsed by parse_stream_gradients()
   // One-step-delayed parameter update (ZeRO-Offload's DPU) from the step after this many
   // ordinary steps (steps taken before a resume count): step t's CPU update then runs in
   // the background while step t + 1's forward and backward run on the weights of step
@@ -60,6 +58,11 @@ struct OffloadChoice {
 };
 OffloadChoice parse_offload(const std::string& text);
 
+// Gradient streaming mode (OffloadOptions::stream_gradients).
+enum class StreamGradients { kAuto, kOn, kOff };
+// "auto", "on", "off"; throws dtrain::Error naming the accepted values otherwise.
+StreamGradients parse_stream_gradients(const std::string& text);
+
 class OffloadedOptimizer : public Optimizer {
  public:
   // params: same dtype and device, contiguous. dp: the data-parallel group (the shards).
@@ -70,51 +73,46 @@ class OffloadedOptimizer : public Optimizer {
   ~OffloadedOptimizer() override;  // finishes an update in flight (its result is dropped)
   // With the delayed update after its warm-up: publishes the update in flight (its new
   // weights go into the parameters), then starts this step's update in the background and
-  // returns. Otherwise synchronous: the parameters hold the new weights on return.
-  void step() override;
+  // returns. Otherwise synchronous: the parameters hold the new weights on return. The
+  // multiplier is applied by the CPU kernels (read on the host: a device multiplier syncs).
+  using Optimizer::step;
+  void step(const at::Tensor& grad_multiplier) override;
+  // Waits for this step's streamed gradient copies (the calling thread's current stream waits
+  // for them; no host sync) and forgets them.
+  void skip_step() override;
   void zero_grad() override;
   void set_lr(double lr) override;
   double lr() const override;
   const OptimizerOptions& options() const override { return options_; }
-  // This rank's shard only, as 1-D fp32 tensors of its real elements: "master", the rule's
-  // arrays ("exp_avg", ...), and "step" (0-dim); see shard_begin()/shard_end(). Flushes.
+  // Nothing is replicated: state() is empty and load_state() accepts only an empty state.
+  // The whole state is partitioned: see shard_state().
   std::vector<std::pair<std::string, at::Tensor>> state() const override;
   void load_state(const std::vector<std::pair<std::string, at::Tensor>>& state) override;
   const std::vector<at::Tensor>& params() const override { return params_; }
 
+  // With OffloadOptions::reduce_to_owner and more than one rank: each rank's shard.
+  std::vector<FlatRange> gradient_owners() const override;
   // Gradient streaming: observes reducer's buckets (reducer over the same parameters, in
   // any order, possibly more: those not given to this optimizer are ignored). Streams when
-  // OffloadOptions::stream_gradients says so (streams_gradients()). The reducer must
-  // outlive this optimizer or be detached (attach(nullptr)).
-  void attach(GradReducer* reducer);
+  // OffloadOptions::stream_gradients says so (streams_gradients()). Copies are taken of the
+  // gradients as the reducer leaves them (the caller must not change them before step() or
+  // skip_step(); the multiplier of step() is applied by the update).
+  void attach(GradReducer& reducer) override;
   bool streams_gradients() const;
-  // Streamed copies are taken before the caller unscales or clips the gradients: before
-  // touching the gradients after backward, call wait_streamed_gradients() (the calling
-  // thread's current stream then waits for the copies; no host sync), and tell the optimizer
-  // the factor it multiplied them by in place (1/loss scale x clipping coefficient) with
-  // set_streamed_gradient_factor() before step() (used by that step only).
-  void wait_streamed_gradients();
-  void set_streamed_gradient_factor(double factor);
   // Completes the update in flight (delayed update): afterwards the parameters hold every
   // step's update. The next step() then trains on the newest weights. Call before saving or
   // exporting the model; a no-op otherwise. Collective over dp when an update is in flight.
-  void flush();
+  void flush() override;
   bool update_in_flight() const;
-  // When the last finished CPU update ran (for the timeline): taken once; empty when no
-  // update finished since the last call. background: it ran on the updater thread (delayed).
-  struct UpdateTiming {
-    std::chrono::steady_clock::time_point start, end;
-    bool background = false;
-  };
-  std::optional<UpdateTiming> take_update_timing();
-
-  int64_t numel() const;        // elements of all parameters
-  int64_t shard_begin() const;  // this rank's real elements of the flat space
-  int64_t shard_end() const;
-  int64_t host_bytes() const;   // pinned host memory held (master, state, buffers)
-  // Loads this rank's shard from the shards other ranks saved (any old group size): each
-  // entry holds old rank files' state() and their [begin, end) ranges. Flushes first.
-  void load_resharded(const std::vector<std::pair<std::pair<int64_t, int64_t>, NamedTensors>>& old);
+  int64_t host_bytes() const override;  // pinned host memory held (master, state, buffers)
+  std::vector<at::Tensor> device_state() const override { return {}; }
+  std::optional<UpdateTiming> take_update_timing() override;
+  // This rank's shard: "master", the rule's arrays ("exp_avg", ...) as 1-D fp32 tensors of
+  // its real elements, and "step" (0-dim). shard_state() waits for an update in flight
+  // (without publishing it); load_shard_state() drops it.
+  std::optional<ShardLayout> shard_layout() const override;
+  ShardState shard_state() const override;
+  void load_shard_state(const ShardState& state) override;
 
  private:
   struct Impl;
@@ -123,13 +121,12 @@ class OffloadedOptimizer : public Optimizer {
   std::unique_ptr<Impl> impl_;
 };
 
-// The optimizer of --offload=all on a GPU: device parameters through an OffloadedOptimizer,
-// host-resident parameters (layer offload) through the fused CPU optimizer. state() holds the
-// host part ("<index in params>.<name>"); offloaded() the partitioned part.
+// The optimizer of --offload: an OffloadedOptimizer over params, or, where some parameters
+// already live on the host (layer offload of --offload=all on a GPU), a composite of an
+// OffloadedOptimizer over the device parameters and the fused CPU optimizer over the host
+// ones (composite_optimizer.h).
 std::unique_ptr<Optimizer> make_offload_optimizer(std::vector<at::Tensor> params, const OptimizerOptions& options,
                                                   dist::Communicator& dp, const OffloadOptions& offload,
                                                   c10::Device device);
-// The partitioned optimizer inside opt (itself or a composite's part), or nullptr.
-OffloadedOptimizer* offloaded_part(Optimizer* opt);
 
 }  // namespace dtrain::engine

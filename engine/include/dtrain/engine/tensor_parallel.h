@@ -94,7 +94,11 @@ class TensorParallelModule {
 std::map<std::string, ShardSpec> collect_shard_specs(torch::nn::Module& model);
 
 // ---- layers -----------------------------------------------------------------------------
+// Sizes by constructor, the rest by name (no positional initializers):
+//   ParallelLinearOptions o(d_model, 3 * d_model);  o.parts = 3;
 struct ParallelLinearOptions {
+  ParallelLinearOptions() = default;
+  ParallelLinearOptions(int64_t in_features, int64_t out_features) : in(in_features), out(out_features) {}
   int64_t in = 0, out = 0;
   bool bias = true;
   bool gather_output = false;  // column-parallel: all-gather the output features
@@ -202,15 +206,5 @@ std::map<std::string, at::Tensor> gather_full_state(torch::nn::Module& split_mod
 // The unsplit tensor of which local is this rank's shard under spec (collective over tp;
 // every rank receives it, on local's device; padding dropped).
 at::Tensor gather_full_tensor(const at::Tensor& local, const ShardSpec& spec, dist::Communicator& tp);
-
-// Global L2 norm of the gradients of a split model's parameters: squares of sharded
-// parameters summed over the group, replicated ones counted once. A 0-dim float tensor.
-// With `owned` (gradients reduced to their owners, ReducerOptions::owned), only the
-// elements [owned->first, owned->second) of the parameters' flat space count on this rank
-// and the squares are summed over dp as well (every element is owned by one dp rank).
-at::Tensor tensor_parallel_grad_norm(const std::vector<at::Tensor>& params, const std::vector<bool>& sharded,
-                                     dist::Communicator& tp,
-                                     const std::pair<int64_t, int64_t>* owned = nullptr,
-                                     dist::Communicator* dp = nullptr);
 
 }  // namespace dtrain::engine

@@ -5,8 +5,10 @@
 //   the rank's batch (batch_size rows) is split into accum_steps micro-batches; for each,
 //   forward under autocast, loss / accum_steps (times the loss scale for fp16) backward, with
 //   the reducer in no_sync until the last micro-batch; then the gradients are averaged over
-//   the data-parallel group, unscaled, clipped by their global norm, and the optimizer steps
-//   (skipped for a step whose fp16 gradients overflowed). Outputs, loss and graph of each
+//   the data-parallel group (or reduced to their owners for a partitioned optimizer), their
+//   global norm is taken, and the optimizer steps with one multiplier, 1 / loss scale x the
+//   clipping coefficient, applied inside its update: the trainer never rewrites a gradient
+//   (a step whose fp16 gradients overflowed is skipped). Outputs, loss and graph of each
 //   micro-batch are released before the next one and before the optimizer step.
 // The logged loss is the mean over the global batch (all data-parallel ranks, all
 // micro-batches), so 1 x 64, 4 x 16 and 2 ranks x 2 x 16 log the same curve.
@@ -30,6 +32,7 @@
 #include "dtrain/engine/checkpoint.h"
 #include "dtrain/engine/tensor_parallel.h"
 #include "dtrain/engine/data.h"
+#include "dtrain/engine/grad_norm.h"
 #include "dtrain/engine/memory_report.h"
 #include "dtrain/engine/metrics.h"
 #include "dtrain/engine/offload.h"
@@ -170,9 +173,9 @@ class Trainer {
   TrainerOptions options_;
   std::vector<at::Tensor> params_;
   std::vector<bool> sharded_;  // split across the tensor-parallel group
-  // OffloadOptions::reduce_to_owner in effect: this rank's range of the flat gradient space
-  // (the only part averaged after backward).
-  std::optional<std::pair<int64_t, int64_t>> owned_range_;
+  // How this rank's gradients make up the model's (tensor-parallel shards; with a partitioned
+  // optimizer, the range of the flat gradient space reduced to this rank).
+  GradNormLayout norm_layout_;
   std::vector<std::string> names_;
   std::map<std::string, ShardSpec> specs_;
   bool preempted_ = false;

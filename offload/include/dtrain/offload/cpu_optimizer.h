@@ -51,29 +51,17 @@
 
 #include "dtrain/offload/cpu_kernels.h"
 #include "dtrain/offload/pinned_pool.h"
+#include "dtrain/offload/update_rule.h"
 
 namespace dtrain::offload {
 
 // Shards start at multiples of this many elements (256 bytes of fp32).
 inline constexpr int64_t kShardAlign = 64;
 
-struct CpuOptimizerOptions {
-  // The update rule: field names, meanings and defaults as engine::OptimizerOptions (torch.optim
-  // semantics; weight_decay is decoupled for adamw, L2 for the others). eps is used as given
-  // for every rule (torch's Adagrad default is 1e-10: pass engine::effective_eps()).
-  std::string name = "adamw";  // "sgd", "adam", "adamw", "adagrad"
-  double lr = 1e-3;
-  double weight_decay = 0.0;
-  double momentum = 0.0;  // sgd
-  double dampening = 0.0;
-  bool nesterov = false;
-  double beta1 = 0.9;  // adam / adamw
-  double beta2 = 0.999;
-  double eps = 1e-8;  // adam / adamw / adagrad
-  bool amsgrad = false;
-  double lr_decay = 0.0;  // adagrad
-  double initial_accumulator_value = 0.0;
-
+// The update rule (UpdateRuleOptions: torch.optim semantics, weight_decay decoupled for adamw,
+// L2 for the others; eps is used as given for every rule: torch's Adagrad default is 1e-10,
+// pass engine::effective_eps()), and how the CPU runs it.
+struct CpuOptimizerOptions : UpdateRuleOptions {
   // Data-parallel partitioning: this rank keeps shard shard_rank of shard_count.
   int shard_rank = 0;
   int shard_count = 1;
@@ -94,7 +82,7 @@ struct CpuOptimizerOptions {
   bool write_back = true;
 };
 
-// Throws dtrain::Error as engine::validate does for the update-rule fields, and for
+// Throws dtrain::Error as validate_rule() does for the update-rule fields, and for
 // shard_rank outside [0, shard_count), threads < 0, an unknown isa name, a non-positive
 // tile_elems, or a chunk_elems that is not a power of two >= kShardAlign.
 void validate(const CpuOptimizerOptions& options);

@@ -1,0 +1,115 @@
+// Optimizer offload: this rank's shard on the host (see offload_internal.h).
+#include <ATen/ATen.h>
+#include <glog/logging.h>
+
+#include "dtrain/dist/error.h"
+#include "offload_internal.h"
+
+namespace dtrain::engine::offload_detail {
+namespace {
+
+offload::CpuOptimizerOptions cpu_options(const OptimizerOptions& o, int rank, int count, int threads) {
+  offload::CpuOptimizerOptions c;
+  static_cast<offload::UpdateRuleOptions&>(c) = o;  // the same rule
+  c.eps = effective_eps(o);
+  c.shard_rank = rank;
+  c.shard_count = count;
+  c.threads = threads;
+  return c;
+}
+
+}  // namespace
+
+HostShard::HostShard(std::vector<at::Tensor>& params, const OptimizerOptions& options, dist::Communicator& dp,
+                     const OffloadOptions& offload)
+    : dp_(&dp) {
+  const at::Tensor& first = params.front();
+  if (!first.device().is_cpu()) device_ = first.device();
+  offload::PinnedPoolOptions po;
+  po.limit_bytes = offload.host_mem_limit_gb > 0 ? offload::host_limit_bytes_from_gb(offload.host_mem_limit_gb) : 0;
+  pool_ = std::make_unique<offload::PinnedPool>(po);
+  // The parameters become views of one flat buffer laid out as the CPU optimizer's flat space.
+  for (const at::Tensor& p : params) numel_ += p.numel();
+  flat_ = at::zeros({offload::padded_numel(numel_, dp.size())}, first.options().requires_grad(false));
+  {
+    at::NoGradGuard no_grad;
+    int64_t offset = 0;
+    for (at::Tensor& p : params) {
+      at::Tensor view = flat_.narrow(0, offset, p.numel()).view(p.sizes());
+      view.copy_(p.detach());
+      p.set_data(view);
+      offset += p.numel();
+    }
+  }
+  cpu_ = std::make_unique<offload::CpuOptimizer>(params, cpu_options(options, dp.rank(), dp.size(), offload.threads),
+                                                 *pool_);
+  cpu_->set_output(flat_);
+  output_ = flat_;
+  chunk_ = cpu_->options().chunk_elems;
+  lo_ = std::min(cpu_->shard().begin, numel_);
+  hi_ = std::min(cpu_->shard().end, numel_);
+  offsets_.push_back(0);
+  for (const at::Tensor& p : params) offsets_.push_back(offsets_.back() + p.numel());
+  const at::ScalarType dtype = first.scalar_type();
+  host_dtype_ = dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf ? dtype : at::kFloat;
+}
+
+HostGrads HostShard::allocate_grads() const {
+  HostGrads g;
+  for (int64_t off = 0; off < hi_ - lo_; off += chunk_) {
+    g.chunks.push_back(pool_->allocate(std::min(chunk_, hi_ - lo_ - off), host_dtype_));
+  }
+  return g;
+}
+
+void HostShard::copy_grads_from_params(HostGrads& g, const std::vector<at::Tensor>& params) const {
+  for (size_t j = 0; j < params.size(); ++j) {
+    const int64_t p_lo = offsets_[j];
+    const int64_t a = std::max(p_lo, lo_), b = std::min(offsets_[j + 1], hi_);
+    if (a >= b) continue;
+    at::Tensor grad = params[j].grad();
+    for_each_piece(a - lo_, b - lo_, [&](size_t c, int64_t in, int64_t n, int64_t at_) {
+      at::Tensor dst = g.chunks[c].narrow(0, in, n);
+      if (grad.defined()) {
+        dst.copy_(grad.detach().reshape({-1}).narrow(0, at_ + lo_ - p_lo, n));
+      } else {
+        dst.zero_();
+      }
+    });
+  }
+}
+
+void HostShard::update(const HostGrads& g, double multiplier, double lr) {
+  cpu_->set_lr(lr);
+  cpu_->begin_step(multiplier);
+  for_each_piece(0, hi_ - lo_, [&](size_t c, int64_t in, int64_t n, int64_t at_) {
+    cpu_->step_range(lo_ + at_, lo_ + at_ + n, g.chunks[c].narrow(0, in, n));
+  });
+  cpu_->end_step();
+}
+
+void HostShard::update_from_params(double multiplier, double lr) {
+  cpu_->set_lr(lr);
+  cpu_->step(multiplier);  // this rank's shard from .grad
+}
+
+void HostShard::set_output(const at::Tensor& target) {
+  if (target.is_same(output_) || !cpu_->options().write_back) return;
+  cpu_->set_output(target);
+  output_ = target;
+}
+
+void HostShard::all_gather(const at::Tensor& shard) {
+  if (dp_->size() > 1) {
+    dp_->all_gather(shard, flat_)->wait();
+  } else if (shard.data_ptr() != flat_.data_ptr()) {
+    flat_.copy_(shard);
+  }
+}
+
+at::Tensor HostShard::own_part_of_flat() const {
+  const int64_t n = flat_.numel() / dp_->size();
+  return flat_.narrow(0, dp_->rank() * n, n);
+}
+
+}  // namespace dtrain::engine::offload_detail
