@@ -14,9 +14,9 @@
 
 #include "dtrain/dist/error.h"
 #include "dtrain/dist/logging.h"
-#include "dtrain/engine/memory.h"
-#include "dtrain/engine/offload.h"
-#include "dtrain/engine/preemption.h"
+#include "dtrain/engine/memory/memory.h"
+#include "dtrain/engine/optim/offload.h"
+#include "dtrain/engine/train/preemption.h"
 
 // Run
 DEFINE_int64(steps, 100, "optimizer steps to train");

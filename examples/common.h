@@ -12,8 +12,8 @@
 #include "dtrain/dist/communicator.h"
 #include "dtrain/dist/mesh.h"
 #include "dtrain/dist/world.h"
-#include "dtrain/engine/data.h"
-#include "dtrain/engine/trainer.h"
+#include "dtrain/engine/data/data.h"
+#include "dtrain/engine/train/trainer.h"
 
 DECLARE_int64(steps);
 DECLARE_int64(batch_size);

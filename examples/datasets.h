@@ -7,7 +7,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "dtrain/engine/data.h"
+#include "dtrain/engine/data/data.h"
 
 namespace dtrain::examples {
 

@@ -2,7 +2,7 @@
 
 #include <ATen/ATen.h>
 
-#include "dtrain/engine/activation_checkpoint.h"
+#include "dtrain/engine/memory/activation_checkpoint.h"
 
 namespace dtrain::examples {
 

@@ -13,7 +13,7 @@
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/normalization.h>
 
-#include "dtrain/engine/tensor_parallel.h"
+#include "dtrain/engine/parallel/tensor_parallel.h"
 #include "dtrain/offload/layer_offload.h"
 
 namespace dtrain::examples {

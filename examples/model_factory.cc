@@ -8,11 +8,11 @@
 #include <torch/utils.h>
 
 #include "dtrain/dist/error.h"
-#include "dtrain/engine/memory.h"
-#include "dtrain/engine/offload.h"
+#include "dtrain/engine/memory/memory.h"
+#include "dtrain/engine/optim/offload.h"
 #include <glog/logging.h>
 #include <cstdio>
-#include "dtrain/engine/tensor_parallel.h"
+#include "dtrain/engine/parallel/tensor_parallel.h"
 #include "gpt_model.h"
 #include "seq2seq_model.h"
 

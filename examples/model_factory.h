@@ -13,9 +13,9 @@
 #include <vector>
 
 #include "common.h"
-#include "dtrain/engine/data.h"
-#include "dtrain/engine/planner.h"
-#include "dtrain/engine/trainer.h"
+#include "dtrain/engine/data/data.h"
+#include "dtrain/engine/memory/planner.h"
+#include "dtrain/engine/train/trainer.h"
 
 namespace dtrain::examples {
 

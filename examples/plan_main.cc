@@ -17,8 +17,8 @@
 
 #include "common.h"
 #include "dtrain/dist/error.h"
-#include "dtrain/engine/memory.h"
-#include "dtrain/engine/planner.h"
+#include "dtrain/engine/memory/memory.h"
+#include "dtrain/engine/memory/planner.h"
 #include "dtrain/offload/pinned_pool.h"
 #include "model_factory.h"
 

@@ -5,7 +5,7 @@
 #include <ATen/ATen.h>
 #include <torch/nn/functional/loss.h>
 
-#include "dtrain/engine/activation_checkpoint.h"
+#include "dtrain/engine/memory/activation_checkpoint.h"
 
 namespace dtrain::examples {
 

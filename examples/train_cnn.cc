@@ -7,7 +7,7 @@
 #include <torch/nn/modules/linear.h>
 
 #include "common.h"
-#include "dtrain/engine/activation_checkpoint.h"
+#include "dtrain/engine/memory/activation_checkpoint.h"
 #include "datasets.h"
 
 using namespace dtrain;

@@ -10,8 +10,8 @@
 
 #include <torch/torch.h>
 
-#include "dtrain/engine/offload.h"
-#include "dtrain/engine/reducer.h"
+#include "dtrain/engine/optim/offload.h"
+#include "dtrain/engine/parallel/reducer.h"
 #include "dtrain/offload/cpu_optimizer.h"
 #include "test_util.h"
 

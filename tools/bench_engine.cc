@@ -1,7 +1,7 @@
 // dtrain-bench engine: the cost of dtrain's Trainer step at world size 1 against a
 // hand-written libtorch loop on the same model, batch and data.
 //   hand_torch_optim : forward, backward, torch::optim::AdamW step, zero_grad
-//   hand_fused       : the same loop with dtrain's fused optimizer (engine/optim.h)
+//   hand_fused       : the same loop with dtrain's fused optimizer (engine/optim: optim.h)
 //   trainer          : engine::Trainer::step (reducer, fused optimizer, loss scaler, OOM guard)
 #include <gflags/gflags.h>
 
@@ -18,7 +18,7 @@
 
 #include "bench.h"
 #include "dtrain/dist/mesh.h"
-#include "dtrain/engine/trainer.h"
+#include "dtrain/engine/train/trainer.h"
 
 DEFINE_int64(engine_width, 1024, "engine: MLP width");
 DEFINE_int32(engine_depth, 3, "engine: MLP hidden layers");

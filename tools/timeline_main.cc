@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "dtrain/dist/error.h"
-#include "dtrain/engine/timeline.h"
+#include "dtrain/engine/observe/timeline.h"
 
 namespace {
 

@@ -2,7 +2,7 @@
 // AdamW, the GradReducer over MPI on CPU processes) recording a timeline, TensorBoard
 // scalars and a memory report with this module's APIs. Not part of the build; from the
 // repository root after building dtrain_engine:
-//   g++ -std=c++17 -O2 docs/images/obs_demo.cc -Iengine/include -Idist/include \
+//   g++ -std=c++17 -O2 docs/images/obs_demo.cc $(for a in engine/*/include; do echo -I$a; done) -Idist/include \
 //     -Ioffload/include -isystem $TORCH/include -isystem $TORCH/include/torch/csrc/api/include \
 //     -Lbuild/lib -ldtrain_engine -ldtrain_dist -ldtrain_offload -L$TORCH/lib -ltorch \
 //     -ltorch_cpu -lc10 -lglog -Wl,-rpath,$PWD/build/lib:$TORCH/lib -o /tmp/obs_demo
@@ -16,12 +16,12 @@
 
 #include "dtrain/dist/communicator.h"
 #include "dtrain/dist/world.h"
-#include "dtrain/engine/memory.h"
-#include "dtrain/engine/memory_report.h"
-#include "dtrain/engine/optim.h"
-#include "dtrain/engine/reducer.h"
-#include "dtrain/engine/tensorboard.h"
-#include "dtrain/engine/timeline.h"
+#include "dtrain/engine/memory/memory.h"
+#include "dtrain/engine/memory/memory_report.h"
+#include "dtrain/engine/optim/optim.h"
+#include "dtrain/engine/parallel/reducer.h"
+#include "dtrain/engine/observe/tensorboard.h"
+#include "dtrain/engine/observe/timeline.h"
 
 using namespace dtrain;
 using namespace dtrain::engine;

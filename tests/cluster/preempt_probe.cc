@@ -21,8 +21,8 @@
 #include "dtrain/dist/communicator.h"
 #include "dtrain/dist/error.h"
 #include "dtrain/dist/logging.h"
-#include "dtrain/engine/checkpoint.h"
-#include "dtrain/engine/preemption.h"
+#include "dtrain/engine/state/checkpoint.h"
+#include "dtrain/engine/train/preemption.h"
 
 DEFINE_string(save_dir, "", "checkpoint directory (required)");
 DEFINE_int64(steps, 20, "steps to run to");

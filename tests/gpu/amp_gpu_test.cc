@@ -14,8 +14,8 @@
 #include <torch/torch.h>
 
 #include "dtrain/dist/communicator.h"
-#include "dtrain/engine/activation_checkpoint.h"
-#include "dtrain/engine/amp.h"
+#include "dtrain/engine/memory/activation_checkpoint.h"
+#include "dtrain/engine/optim/amp.h"
 #include "test_util.h"
 
 namespace dtrain::engine {

@@ -9,7 +9,7 @@
 #include <memory>
 #include <vector>
 
-#include "dtrain/engine/data.h"
+#include "dtrain/engine/data/data.h"
 #include "test_util.h"
 
 namespace dtrain::engine {

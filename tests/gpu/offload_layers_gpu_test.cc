@@ -5,8 +5,8 @@
 
 #include <torch/torch.h>
 
-#include "dtrain/engine/activation_checkpoint.h"
-#include "dtrain/engine/memory.h"
+#include "dtrain/engine/memory/activation_checkpoint.h"
+#include "dtrain/engine/memory/memory.h"
 #include "dtrain/offload/layer_offload.h"
 #include "test_util.h"
 

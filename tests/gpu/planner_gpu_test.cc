@@ -6,8 +6,8 @@
 #include <gtest/gtest.h>
 
 #include "../unit/planner_accuracy.h"
-#include "dtrain/engine/memory.h"
-#include "dtrain/engine/planner.h"
+#include "dtrain/engine/memory/memory.h"
+#include "dtrain/engine/memory/planner.h"
 #include "test_util.h"
 
 namespace dtrain::engine {

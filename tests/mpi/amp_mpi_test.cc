@@ -11,7 +11,7 @@
 #include <ATen/ATen.h>
 
 #include "dtrain/dist/communicator.h"
-#include "dtrain/engine/amp.h"
+#include "dtrain/engine/optim/amp.h"
 #include "test_util.h"
 
 namespace dtrain::engine {

@@ -13,8 +13,8 @@
 
 #include "dtrain/dist/communicator.h"
 #include "dtrain/dist/error.h"
-#include "dtrain/engine/checkpoint.h"
-#include "dtrain/engine/preemption.h"
+#include "dtrain/engine/state/checkpoint.h"
+#include "dtrain/engine/train/preemption.h"
 #include "test_util.h"
 
 namespace dtrain::engine {

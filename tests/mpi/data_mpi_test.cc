@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "dtrain/dist/communicator.h"
-#include "dtrain/engine/data.h"
+#include "dtrain/engine/data/data.h"
 #include "test_util.h"
 
 namespace dtrain::engine {

@@ -4,7 +4,7 @@
 #include <torch/torch.h>
 
 #include "dtrain/dist/error.h"
-#include "dtrain/engine/reducer.h"
+#include "dtrain/engine/parallel/reducer.h"
 #include "test_util.h"
 
 namespace dtrain::engine {

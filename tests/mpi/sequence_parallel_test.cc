@@ -7,8 +7,8 @@
 
 #include "dtrain/dist/error.h"
 #include "dtrain/dist/mesh.h"
-#include "dtrain/engine/activation_checkpoint.h"
-#include "dtrain/engine/tensor_parallel.h"
+#include "dtrain/engine/memory/activation_checkpoint.h"
+#include "dtrain/engine/parallel/tensor_parallel.h"
 #include "test_util.h"
 
 namespace dtrain::engine {

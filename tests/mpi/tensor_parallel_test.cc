@@ -8,8 +8,8 @@
 
 #include "dtrain/dist/error.h"
 #include "dtrain/dist/mesh.h"
-#include "dtrain/engine/grad_norm.h"
-#include "dtrain/engine/tensor_parallel.h"
+#include "dtrain/engine/parallel/grad_norm.h"
+#include "dtrain/engine/parallel/tensor_parallel.h"
 #include "test_util.h"
 
 namespace dtrain::engine {

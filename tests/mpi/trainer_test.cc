@@ -11,7 +11,7 @@
 
 #include "dtrain/dist/error.h"
 #include "dtrain/dist/mesh.h"
-#include "dtrain/engine/trainer.h"
+#include "dtrain/engine/train/trainer.h"
 #include "test_util.h"
 
 namespace dtrain::engine {

@@ -12,7 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dtrain/dist/error.h"
-#include "dtrain/engine/amp.h"
+#include "dtrain/engine/optim/amp.h"
 #include "test_util.h"
 
 namespace dtrain::engine {

@@ -3,8 +3,8 @@
 // mid-write, truncation, flipped bytes, unfinished saves), pruning, model checks,
 // re-sharding of flat state against the unsharded array, RNG states, preemption flags and
 // Slurm requeue through a stand-in scontrol.
-#include "dtrain/engine/checkpoint.h"
-#include "dtrain/engine/crc32c.h"
+#include "dtrain/engine/state/checkpoint.h"
+#include "dtrain/engine/core/crc32c.h"
 #include "dtrain/offload/cpu_optimizer.h"
 
 #include <dirent.h>
@@ -19,9 +19,9 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
-#include "../../engine/src/checkpoint_internal.h"
+#include "../../engine/state/checkpoint_internal.h"
 #include "dtrain/dist/error.h"
-#include "dtrain/engine/preemption.h"
+#include "dtrain/engine/train/preemption.h"
 #include "test_util.h"
 
 namespace dtrain::engine {

@@ -1,7 +1,7 @@
 // DataLoader and TensorDataset in one process: sharding across ranks against one loader
 // with the global batch, permutations, closed-form sizes of uneven last batches, worker
 // ordering, failures, checkpoint positions, shutdown, validation.
-#include "dtrain/engine/data.h"
+#include "dtrain/engine/data/data.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>

@@ -1,7 +1,7 @@
 // The memory report: storages counted once, and a real training step of a small MLP whose
 // parameters, gradients, AdamW state and batch are known in closed form, measured with the
 // counting CPU allocator (exact bytes) and, on a GPU, with the caching allocator.
-#include "dtrain/engine/memory_report.h"
+#include "dtrain/engine/memory/memory_report.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "dtrain/engine/memory.h"
-#include "dtrain/engine/optim.h"
+#include "dtrain/engine/memory/memory.h"
+#include "dtrain/engine/optim/optim.h"
 #include "test_util.h"
 
 namespace dtrain::engine {

@@ -1,8 +1,8 @@
 // Optimizers, lr schedules and gradient clipping against PyTorch (float64) and closed forms.
 // PyTorch runs once for the whole file (tests/reference/optim_reference.py on one request
 // holding every case), so the file stays within a few seconds.
-#include "dtrain/engine/grad_norm.h"
-#include "dtrain/engine/optim.h"
+#include "dtrain/engine/parallel/grad_norm.h"
+#include "dtrain/engine/optim/optim.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>

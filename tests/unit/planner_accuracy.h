@@ -15,10 +15,10 @@
 #include "dtrain/dist/communicator.h"
 #include "dtrain/dist/mesh.h"
 #include "dtrain/dist/world.h"
-#include "dtrain/engine/activation_checkpoint.h"
-#include "dtrain/engine/memory.h"
-#include "dtrain/engine/planner.h"
-#include "dtrain/engine/trainer.h"
+#include "dtrain/engine/memory/activation_checkpoint.h"
+#include "dtrain/engine/memory/memory.h"
+#include "dtrain/engine/memory/planner.h"
+#include "dtrain/engine/train/trainer.h"
 
 namespace dtrain::engine::planner_testing {
 

@@ -10,8 +10,8 @@
 #include <string>
 
 #include "dtrain/dist/error.h"
-#include "dtrain/engine/memory.h"
-#include "dtrain/engine/planner.h"
+#include "dtrain/engine/memory/memory.h"
+#include "dtrain/engine/memory/planner.h"
 
 namespace dtrain::engine {
 namespace {

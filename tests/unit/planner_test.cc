@@ -2,7 +2,7 @@
 // offload and tensor-parallel split, and choose_plan()'s choices on synthetic activation
 // profiles whose budgets need nothing, accumulation, checkpointing, optimizer offload, or
 // cannot be met.
-#include "dtrain/engine/planner.h"
+#include "dtrain/engine/memory/planner.h"
 
 #include <gtest/gtest.h>
 

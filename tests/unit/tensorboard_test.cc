@@ -1,7 +1,7 @@
 // TensorBoard event files: CRC-32C against published vectors, the TFRecord framing, and a
 // 20-step run read back by TensorBoard's own Python reader (tests/reference/
 // read_tensorboard.py: EventAccumulator, plus its CRC-checking record reader).
-#include "dtrain/engine/tensorboard.h"
+#include "dtrain/engine/observe/tensorboard.h"
 
 #include <dirent.h>
 #include <ftw.h>

@@ -1,7 +1,7 @@
 // The Chrome-trace timeline: structure of the written JSON (parsed back with nlohmann),
 // events from several threads, the overlap summary against closed-form interval arithmetic,
 // merging per-rank files, and bad paths.
-#include "dtrain/engine/timeline.h"
+#include "dtrain/engine/observe/timeline.h"
 
 #include <ftw.h>
 #include <gtest/gtest.h>

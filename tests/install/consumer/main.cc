@@ -1,7 +1,7 @@
 #include <cstdio>
 #include <ATen/ATen.h>
 #include "dtrain/dist/communicator.h"
-#include "dtrain/engine/version.h"
+#include "dtrain/engine/core/version.h"
 int main() {
   auto world = dtrain::dist::detect_world();
   auto comm = dtrain::dist::create_communicator("local", world, c10::Device(c10::kCPU));

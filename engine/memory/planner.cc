@@ -1,0 +1,469 @@
+// estimate() and choose_plan(): closed forms for the static memory, the probe's line for the
+// activations, a cost model to rank what fits.
+#include "dtrain/engine/memory/planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <iomanip>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "dtrain/dist/error.h"
+
+namespace dtrain::engine {
+namespace {
+
+constexpr double kMiBf = 1024.0 * 1024.0;
+constexpr double kGiBf = 1024.0 * kMiBf;
+constexpr double kCheckpointComputeFactor = 4.0 / 3.0;  // one more forward of three passes
+constexpr double kDefaultSecondsPerRow = 1e-3;
+constexpr double kDefaultMicroBatchSeconds = 1e-3;
+// Pinned staging tiles of the CPU optimizer's copies (two tiles of 4 Mi fp32 elements).
+constexpr int64_t kOffloadStagingBytes = int64_t{32} << 20;
+
+// GiB from 1 GiB up, MiB below.
+std::string size_text(int64_t bytes) {
+  char buf[32];
+  if (bytes >= static_cast<int64_t>(kGiBf)) {
+    std::snprintf(buf, sizeof buf, "%.2f GiB", static_cast<double>(bytes) / kGiBf);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(bytes) / kMiBf);
+  }
+  return buf;
+}
+
+int64_t ceil_bytes(double x) { return x <= 0 ? 0 : static_cast<int64_t>(std::ceil(x)); }
+
+int state_tensors(const PlanInputs& in) {
+  if (in.optimizer == "adam" || in.optimizer == "adamw") return in.amsgrad ? 3 : 2;
+  if (in.optimizer == "adagrad") return 1;
+  return in.momentum > 0 ? 1 : 0;  // sgd
+}
+
+// Parameters this rank holds: the replicated ones and its share of the sharded ones.
+int64_t local_parameters(const PlanInputs& in) {
+  return in.parameters - in.sharded_parameters + (in.sharded_parameters + in.tp - 1) / in.tp;
+}
+
+// The part of the local parameters inside the blocks layer offload streams (sharded in the
+// proportion of the whole model).
+int64_t local_layer_parameters(const PlanInputs& in) {
+  if (in.parameters == 0) return 0;
+  return static_cast<int64_t>(static_cast<double>(in.layer_parameters) * local_parameters(in) /
+                              static_cast<double>(in.parameters));
+}
+
+std::vector<int> accum_candidates(const PlanInputs& in) {
+  if (!in.accum_candidates.empty()) return in.accum_candidates;
+  std::vector<int> out;
+  for (int64_t a = 1; a <= in.batch_size; a *= 2) {
+    if (in.batch_size % a == 0) out.push_back(static_cast<int>(a));
+  }
+  return out;
+}
+
+// Compute seconds per row and per micro-batch for an AMP mode: PlanInputs' figures where
+// given, else the line through the probe's two timings, else the defaults.
+std::pair<double, double> compute_rates(const PlanInputs& in, const ActivationProfile& profile,
+                                        AmpMode amp) {
+  double per_row = kDefaultSecondsPerRow, per_micro = kDefaultMicroBatchSeconds;
+  double factor = 1.0;
+  const ActivationFit* fit = profile.find(false, amp);
+  if (!fit) {
+    fit = profile.find(true, amp);
+    factor = 1.0 / kCheckpointComputeFactor;
+  }
+  if (fit && fit->seconds[0] > 0 && fit->seconds[1] > 0 && fit->rows[1] > fit->rows[0]) {
+    double slope =
+        (fit->seconds[1] - fit->seconds[0]) / static_cast<double>(fit->rows[1] - fit->rows[0]);
+    double intercept = fit->seconds[0] - slope * static_cast<double>(fit->rows[0]);
+    if (slope <= 0) {  // timing noise at tiny sizes: count all of it per row
+      slope = fit->seconds[1] / static_cast<double>(fit->rows[1]);
+      intercept = 0;
+    }
+    per_row = slope * factor;
+    per_micro = std::max(0.0, intercept) * factor;
+  }
+  if (in.compute_seconds_per_row > 0) per_row = in.compute_seconds_per_row;
+  if (in.micro_batch_overhead_seconds > 0) per_micro = in.micro_batch_overhead_seconds;
+  return {per_row, per_micro};
+}
+
+double cost_seconds(const PlanInputs& in, const ActivationProfile& profile, const Technique& t) {
+  auto [per_row, per_micro] = compute_rates(in, profile, t.amp);
+  double seconds = in.batch_size * per_row * (t.checkpoint ? kCheckpointComputeFactor : 1.0);
+  seconds += t.accum_steps * per_micro;
+  const double local = static_cast<double>(local_parameters(in));
+  if (t.offload_optimizer) {
+    const double cpu_bytes =
+        (8.0 * (1 + state_tensors(in)) + 4 + in.bytes_per_parameter) * local / in.dp;
+    seconds += cpu_bytes / in.host_bytes_per_second;
+    seconds +=
+        2.0 * local * in.bytes_per_parameter / in.pcie_bytes_per_second;  // grads down, weights up
+  }
+  if (t.offload_layers) {
+    const double layer_bytes =
+        static_cast<double>(local_layer_parameters(in)) * in.bytes_per_parameter;
+    seconds += t.accum_steps * 3.0 * layer_bytes / in.pcie_bytes_per_second;
+  }
+  return seconds;
+}
+
+int techniques_used(const Technique& t, AmpMode asked) {
+  return int{t.checkpoint} + int{t.accum_steps > 1} + int{t.amp != asked} +
+         int{t.offload_optimizer} + int{t.offload_layers};
+}
+
+bool fits(const PlanInputs& in, const MemoryEstimate& e) {
+  return (in.gpu_budget_bytes == 0 || e.gpu.total() <= in.gpu_budget_bytes) &&
+         (in.host_budget_bytes == 0 || e.host.total() <= in.host_budget_bytes);
+}
+
+std::string component_summary(const MemoryComponents& c) {
+  std::ostringstream os;
+  os << "parameters " << size_text(c.parameters) << ", gradients " << size_text(c.gradients)
+     << ", optimizer state " << size_text(c.optimizer_state) << ", activations "
+     << size_text(c.activations) << ", old gradient buckets " << size_text(c.stale_gradients)
+     << ", other " << size_text(c.other) << ", workspace " << size_text(c.workspace)
+     << ", CUDA context " << size_text(c.cuda_context);
+  return os.str();
+}
+
+std::string budget_text(int64_t bytes) { return bytes == 0 ? "no limit" : size_text(bytes); }
+
+std::string nothing_fits_message(const PlanInputs& in, const std::vector<MemoryEstimate>& all) {
+  const MemoryEstimate* smallest = &all.front();
+  for (const MemoryEstimate& e : all) {
+    if (e.gpu.total() < smallest->gpu.total() ||
+        (e.gpu.total() == smallest->gpu.total() && e.host.total() < smallest->host.total())) {
+      smallest = &e;
+    }
+  }
+  const bool gpu_short = in.gpu_budget_bytes > 0 && smallest->gpu.total() > in.gpu_budget_bytes;
+  std::ostringstream os;
+  os << "no combination of techniques fits the GPU budget of " << budget_text(in.gpu_budget_bytes)
+     << " (host budget " << budget_text(in.host_budget_bytes) << ") among " << all.size()
+     << " candidates: the smallest GPU estimate is " << size_text(smallest->gpu.total())
+     << " on the GPU and " << size_text(smallest->host.total()) << " on the host, with "
+     << (smallest->technique.flags().empty() ? "the plain step" : smallest->technique.flags())
+     << " (micro-batch of " << smallest->micro_batch_rows << " rows; "
+     << component_summary(smallest->gpu) << "). To fit: ";
+  std::vector<std::string> fixes;
+  if (gpu_short) {
+    fixes.push_back("raise --gpu_mem_limit_gb to at least " + size_text(smallest->gpu.total()));
+    fixes.push_back("lower --batch_size (activations scale with the micro-batch)");
+    if (!in.can_checkpoint) fixes.push_back("allow --checkpoint_activations");
+    if (in.amp == AmpMode::kOff && !in.allow_amp_change)
+      fixes.push_back("allow mixed precision (--amp=bf16)");
+    if (!in.can_offload_optimizer) fixes.push_back("allow --offload=optimizer");
+    if (!in.can_offload_layers) fixes.push_back("allow --offload=layers");
+    fixes.push_back("split the model over more GPUs (--tp)");
+  } else {
+    fixes.push_back("raise --host_mem_limit_gb to at least " + size_text(smallest->host.total()));
+    fixes.push_back("spread the offloaded optimizer state over more data-parallel ranks");
+  }
+  for (size_t i = 0; i < fixes.size(); ++i) os << (i ? "; " : "") << fixes[i];
+  return os.str();
+}
+
+std::string plan_reason(const PlanInputs& in, const std::vector<MemoryEstimate>& all,
+                        const std::vector<std::pair<double, const MemoryEstimate*>>& fitting) {
+  const MemoryEstimate& best = *fitting.front().second;
+  std::ostringstream os;
+  os << "chose " << (best.technique.flags().empty() ? "the plain step" : best.technique.flags())
+     << ": " << size_text(best.gpu.total()) << " of the GPU budget "
+     << budget_text(in.gpu_budget_bytes);
+  if (best.host.total() > 0) os << " and " << size_text(best.host.total()) << " on the host";
+  os << ", ~" << std::fixed << std::setprecision(1) << fitting.front().first * 1e3
+     << " ms/step by the cost model; " << fitting.size() << " of " << all.size()
+     << " candidates fit";
+  // The plain step (first candidate: no technique) and whether it fits.
+  for (const MemoryEstimate& e : all) {
+    if (techniques_used(e.technique, in.amp) == 0) {
+      os << "; the plain step needs " << size_text(e.gpu.total())
+         << (fits(in, e) ? " (fits)" : " (does not fit)");
+      break;
+    }
+  }
+  if (fitting.size() > 1) {
+    const MemoryEstimate& next = *fitting[1].second;
+    os << "; next best: "
+       << (next.technique.flags().empty() ? "the plain step" : next.technique.flags()) << " at ~"
+       << fitting[1].first * 1e3 << " ms/step";
+  }
+  return os.str();
+}
+
+}  // namespace
+
+std::string Technique::flags() const {
+  std::vector<std::string> parts;
+  if (checkpoint) parts.push_back("--checkpoint_activations");
+  if (accum_steps > 1) parts.push_back("--accum_steps=" + std::to_string(accum_steps));
+  if (amp != AmpMode::kOff) parts.push_back(std::string("--amp=") + engine::to_string(amp));
+  if (offload_optimizer && offload_layers) {
+    parts.push_back("--offload=all");
+  } else if (offload_optimizer) {
+    parts.push_back("--offload=optimizer");
+  } else if (offload_layers) {
+    parts.push_back("--offload=layers");
+  }
+  std::string out;
+  for (const std::string& p : parts) out += (out.empty() ? "" : " ") + p;
+  return out;
+}
+
+std::string Technique::to_string() const {
+  std::ostringstream os;
+  os << "checkpoint " << (checkpoint ? "on" : "off") << ", accum " << accum_steps << ", amp "
+     << engine::to_string(amp) << ", offload "
+     << (offload_optimizer && offload_layers ? "all"
+         : offload_optimizer                 ? "optimizer"
+         : offload_layers                    ? "layers"
+                                             : "none");
+  return os.str();
+}
+
+void validate(const PlanInputs& in) {
+  DTRAIN_CHECK(in.parameters >= 0, "PlanInputs.parameters must be >= 0, got ", in.parameters);
+  DTRAIN_CHECK(in.sharded_parameters >= 0 && in.sharded_parameters <= in.parameters,
+               "PlanInputs.sharded_parameters=", in.sharded_parameters,
+               " must be in [0, parameters=", in.parameters, "]");
+  DTRAIN_CHECK(in.layer_parameters >= 0 && in.layer_parameters <= in.parameters,
+               "PlanInputs.layer_parameters=", in.layer_parameters,
+               " must be in [0, parameters=", in.parameters, "]");
+  DTRAIN_CHECK(in.layers >= 0, "PlanInputs.layers must be >= 0, got ", in.layers);
+  DTRAIN_CHECK(in.tp >= 1 && in.dp >= 1, "PlanInputs.tp=", in.tp, " and dp=", in.dp,
+               " must be >= 1");
+  DTRAIN_CHECK(
+      in.bytes_per_parameter == 2 || in.bytes_per_parameter == 4 || in.bytes_per_parameter == 8,
+      "PlanInputs.bytes_per_parameter=", in.bytes_per_parameter,
+      " must be 2 (bf16/fp16), 4 (fp32) or 8 (fp64)");
+  DTRAIN_CHECK(in.buffer_bytes >= 0 && in.input_bytes_per_row >= 0 && in.input_batches >= 0 &&
+                   in.optimizer_transient_bytes >= 0 && in.largest_activation_bytes_per_row >= 0 &&
+                   in.cuda_context_bytes >= 0,
+               "PlanInputs byte counts (buffer_bytes, input_bytes_per_row, input_batches, "
+               "optimizer_transient_bytes, largest_activation_bytes_per_row, cuda_context_bytes) "
+               "must be >= 0");
+  DTRAIN_CHECK(in.optimizer == "sgd" || in.optimizer == "adam" || in.optimizer == "adamw" ||
+                   in.optimizer == "adagrad",
+               "unknown optimizer name '", in.optimizer,
+               "'; use one of: sgd, adam, adamw, adagrad");
+  DTRAIN_CHECK(in.batch_size >= 1, "PlanInputs.batch_size must be >= 1, got ", in.batch_size);
+  for (int a : in.accum_candidates) {
+    DTRAIN_CHECK(a >= 1 && in.batch_size % a == 0, "accumulation candidate ", a,
+                 " does not divide the batch of ", in.batch_size, " rows");
+  }
+  DTRAIN_CHECK(in.gpu_budget_bytes >= 0 && in.host_budget_bytes >= 0,
+               "memory budgets must be >= 0 (0: no limit), got gpu ", in.gpu_budget_bytes,
+               ", host ", in.host_budget_bytes);
+  DTRAIN_CHECK(std::isfinite(in.workspace_fraction) && in.workspace_fraction >= 0 &&
+                   in.workspace_fraction < 1,
+               "PlanInputs.workspace_fraction=", in.workspace_fraction, " must be in [0, 1)");
+  DTRAIN_CHECK(in.host_bytes_per_second > 0 && in.pcie_bytes_per_second > 0,
+               "bandwidths must be positive (host ", in.host_bytes_per_second, ", pcie ",
+               in.pcie_bytes_per_second, ")");
+  DTRAIN_CHECK(in.compute_seconds_per_row >= 0 && in.micro_batch_overhead_seconds >= 0,
+               "compute times must be >= 0 (0: from the probe)");
+}
+
+int64_t ActivationFit::bytes(int64_t r) const {
+  return ceil_bytes(intercept_bytes + bytes_per_row * r);
+}
+
+const ActivationFit* ActivationProfile::find(bool checkpoint, AmpMode amp) const {
+  for (const ActivationFit& f : fits) {
+    if (f.checkpoint == checkpoint && f.amp == amp) return &f;
+  }
+  return nullptr;
+}
+
+std::string ActivationProfile::to_string() const {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(2);
+  for (const ActivationFit& f : fits) {
+    os << "  checkpoint " << (f.checkpoint ? "on " : "off") << ", amp " << std::setw(4)
+       << engine::to_string(f.amp) << ": " << f.peak_bytes[0] / kMiBf << " MiB at " << f.rows[0]
+       << " rows, " << f.peak_bytes[1] / kMiBf << " MiB at " << f.rows[1] << " rows -> "
+       << f.intercept_bytes / kMiBf << " MiB + " << f.bytes_per_row / kMiBf << " MiB/row; "
+       << f.seconds[0] * 1e3 << " / " << f.seconds[1] * 1e3 << " ms\n";
+  }
+  os << "  persistent (library workspaces): " << persistent_bytes / kMiBf << " MiB\n";
+  return os.str();
+}
+
+int64_t MemoryComponents::allocated_peak() const {
+  return parameters + gradients + optimizer_state + stale_gradients + other +
+         std::max(activations, transient);
+}
+
+int64_t MemoryComponents::total() const { return allocated_peak() + workspace + cuda_context; }
+
+MemoryEstimate estimate(const PlanInputs& in, const ActivationProfile& profile,
+                        const Technique& t) {
+  validate(in);
+  DTRAIN_CHECK(t.accum_steps >= 1 && in.batch_size % t.accum_steps == 0,
+               "accum_steps=", t.accum_steps, " does not divide the batch of ", in.batch_size,
+               " rows");
+  const ActivationFit* fit = profile.find(t.checkpoint, t.amp);
+  DTRAIN_CHECK(fit, "the activation profile has no measurement for checkpoint ",
+               t.checkpoint ? "on" : "off", " with amp ", engine::to_string(t.amp), "; add {",
+               t.checkpoint ? "true" : "false", ", ", engine::to_string(t.amp),
+               "} to ProbeOptions::techniques");
+  MemoryEstimate e;
+  e.technique = t;
+  e.micro_batch_rows = in.batch_size / t.accum_steps;
+  const int64_t bpp = in.bytes_per_parameter, nstate = state_tensors(in);
+  const int64_t local = local_parameters(in);
+  // Parameters whose weights and gradients live on the GPU: with layer offload, all but the
+  // streamed blocks, plus a working set of two blocks (the one in use and the next, prefetched).
+  int64_t on_gpu = local, offloaded_layers = 0;
+  if (t.offload_layers && in.layers > 0) {
+    offloaded_layers = local_layer_parameters(in);
+    const int64_t per_layer = offloaded_layers / in.layers;
+    on_gpu = local - offloaded_layers + std::min(in.layers, 2) * per_layer;
+  }
+  e.gpu.parameters = on_gpu * bpp;
+  e.gpu.gradients = on_gpu * bpp;
+  if (t.offload_optimizer) {
+    // The CPU optimizer's shard: fp32 master weights, fp32 state, an fp32 gradient copy.
+    const int64_t shard = (local + in.dp - 1) / in.dp;
+    e.host.optimizer_state = shard * 4 * (1 + nstate);
+    e.host.gradients = shard * 4;
+    e.host.other = kOffloadStagingBytes;
+  } else {
+    e.gpu.optimizer_state = (local - offloaded_layers) * bpp * nstate;
+    // The streamed blocks' update runs on the host: master weights + state there.
+    e.host.optimizer_state = offloaded_layers * 4 * (1 + nstate);
+  }
+  if (offloaded_layers > 0) {
+    e.host.parameters = offloaded_layers * bpp;
+    e.host.gradients += offloaded_layers * bpp;
+    e.host.other = kOffloadStagingBytes;
+  }
+  e.gpu.activations = fit->bytes(e.micro_batch_rows);
+  e.gpu.transient = in.optimizer_transient_bytes;
+  e.gpu.stale_gradients = in.reducer_rebuild ? e.gpu.gradients : 0;
+  e.gpu.other = in.buffer_bytes + profile.persistent_bytes +
+                in.input_bytes_per_row * in.batch_size * in.input_batches;
+  e.gpu.workspace = ceil_bytes(in.workspace_fraction * e.gpu.allocated_peak()) +
+                    in.largest_activation_bytes_per_row * e.micro_batch_rows;
+  e.gpu.cuda_context = in.cuda_context_bytes;
+  return e;
+}
+
+std::map<std::string, double> MemoryEstimate::predicted_mb() const {
+  return {{"parameters", gpu.parameters / kMiBf},
+          {"gradients", gpu.gradients / kMiBf},
+          {"optimizer_state", gpu.optimizer_state / kMiBf},
+          {"activations", std::max(gpu.activations, gpu.transient) / kMiBf},
+          {"other", (gpu.other + gpu.stale_gradients) / kMiBf},
+          {"allocated", gpu.allocated_peak() / kMiBf},
+          {"cuda_context", gpu.cuda_context / kMiBf},
+          {"total", gpu.total() / kMiBf}};
+}
+
+std::string MemoryEstimate::to_string() const {
+  std::ostringstream os;
+  os << "memory estimate for " << technique.to_string() << " (micro-batch " << micro_batch_rows
+     << " rows), MiB\n";
+  os << std::fixed << std::setprecision(1);
+  auto row = [&](const char* label, int64_t g, int64_t h) {
+    os << "  " << std::left << std::setw(46) << label << std::right << std::setw(12) << g / kMiBf
+       << std::setw(12) << h / kMiBf << "\n";
+  };
+  os << "  " << std::left << std::setw(46) << "component" << std::right << std::setw(12) << "GPU"
+     << std::setw(12) << "host"
+     << "\n";
+  row("parameters", gpu.parameters, host.parameters);
+  row("gradients", gpu.gradients, host.gradients);
+  row("optimizer state (host: fp32 master + state)", gpu.optimizer_state, host.optimizer_state);
+  row("activations (probe)", gpu.activations, host.activations);
+  row("transient (optimizer temporaries)", gpu.transient, host.transient);
+  row("old gradient buckets (step 2)", gpu.stale_gradients, host.stale_gradients);
+  row("other (buffers, inputs, workspaces)", gpu.other, host.other);
+  row("= allocated peak (activations or transient)", gpu.allocated_peak(), host.allocated_peak());
+  row("workspace allowance", gpu.workspace, host.workspace);
+  row("CUDA context", gpu.cuda_context, host.cuda_context);
+  row("= total", gpu.total(), host.total());
+  return os.str();
+}
+
+std::string Plan::to_json() const {
+  nlohmann::json j;
+  j["flags"] = technique.flags();
+  j["checkpoint"] = technique.checkpoint;
+  j["accum_steps"] = technique.accum_steps;
+  j["amp"] = engine::to_string(technique.amp);
+  j["offload"] = technique.offload_optimizer && technique.offload_layers ? "all"
+                 : technique.offload_optimizer                           ? "optimizer"
+                 : technique.offload_layers                              ? "layers"
+                                                                         : "none";
+  j["micro_batch_rows"] = estimate.micro_batch_rows;
+  j["gpu_bytes"] = estimate.gpu.total();
+  j["gpu_allocated_peak_bytes"] = estimate.gpu.allocated_peak();
+  j["host_bytes"] = estimate.host.total();
+  j["allocator_limit_bytes"] = allocator_limit_bytes;
+  j["step_seconds"] = step_seconds;
+  j["candidates_fitting"] = fitting.size();
+  j["reason"] = reason;
+  return j.dump();
+}
+
+double estimate_step_seconds(const PlanInputs& in, const ActivationProfile& profile,
+                             const Technique& t) {
+  validate(in);
+  return cost_seconds(in, profile, t);
+}
+
+Plan choose_plan(const PlanInputs& in, const ActivationProfile& profile) {
+  validate(in);
+  std::vector<AmpMode> amps = {in.amp};
+  if (in.allow_amp_change) {
+    for (AmpMode m : {AmpMode::kOff, AmpMode::kBf16, AmpMode::kFp16}) {
+      if (m != in.amp && profile.find(false, m)) amps.push_back(m);
+    }
+  }
+  std::vector<MemoryEstimate> all;
+  for (AmpMode amp : amps) {
+    for (int opt : {0, 1}) {
+      if (opt && !in.can_offload_optimizer) continue;
+      for (int layers : {0, 1}) {
+        if (layers && (!in.can_offload_layers || in.layers == 0)) continue;
+        for (int ckpt : {0, 1}) {
+          if ((ckpt && !in.can_checkpoint) || !profile.find(ckpt, amp)) continue;
+          for (int accum : accum_candidates(in)) {
+            all.push_back(
+                estimate(in, profile, Technique{ckpt == 1, accum, amp, opt == 1, layers == 1}));
+          }
+        }
+      }
+    }
+  }
+  DTRAIN_CHECK(!all.empty(), "the activation profile has no measurement for amp ",
+               engine::to_string(in.amp),
+               " (checkpointing off or on); probe with that technique before planning");
+  std::vector<std::pair<double, const MemoryEstimate*>> fitting;
+  for (const MemoryEstimate& e : all) {
+    if (fits(in, e)) fitting.emplace_back(cost_seconds(in, profile, e.technique), &e);
+  }
+  DTRAIN_CHECK(!fitting.empty(), nothing_fits_message(in, all));
+  std::stable_sort(fitting.begin(), fitting.end(), [&](const auto& a, const auto& b) {
+    if (a.first != b.first) return a.first < b.first;
+    return techniques_used(a.second->technique, in.amp) <
+           techniques_used(b.second->technique, in.amp);
+  });
+  Plan plan;
+  plan.technique = fitting.front().second->technique;
+  plan.estimate = *fitting.front().second;
+  plan.step_seconds = fitting.front().first;
+  plan.reason = plan_reason(in, all, fitting);
+  plan.allocator_limit_bytes =
+      in.gpu_budget_bytes == 0 ? 0
+                               : std::max<int64_t>(in.gpu_budget_bytes - in.cuda_context_bytes, 1);
+  for (const auto& f : fitting) plan.fitting.push_back(*f.second);
+  return plan;
+}
+
+}  // namespace dtrain::engine

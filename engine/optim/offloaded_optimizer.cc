@@ -1,0 +1,266 @@
+#include "dtrain/engine/optim/offload.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <optional>
+#include <utility>
+
+#include <ATen/ATen.h>
+#include <glog/logging.h>
+
+#include "dtrain/dist/error.h"
+#include "offload_internal.h"
+
+namespace dtrain::engine {
+
+OffloadChoice parse_offload(const std::string& text) {
+  if (text == "none") return {false, false};
+  if (text == "optimizer") return {true, false};
+  if (text == "layers") return {false, true};
+  if (text == "all") return {true, true};
+  throw Error("--offload=" + text + " is not one of: none, optimizer, layers, all");
+}
+
+StreamGradients parse_stream_gradients(const std::string& text) {
+  if (text == "auto") return StreamGradients::kAuto;
+  if (text == "on") return StreamGradients::kOn;
+  if (text == "off") return StreamGradients::kOff;
+  throw Error("--offload_stream_gradients=" + text +
+              " is not one of: auto, on, off (OffloadOptions::stream_gradients)");
+}
+
+namespace {
+
+// "<array>.<chunk>" -> array
+std::string array_of(const std::string& name) { return name.substr(0, name.rfind('.')); }
+
+}  // namespace
+
+// The three parts (offload_internal.h). Members are destroyed in reverse order: the streamer
+// and the updater stop before the gradient buffers they use are freed, and those before the
+// shard's pool.
+struct OffloadedOptimizer::Impl {
+  Impl(std::vector<at::Tensor>& params, const OptimizerOptions& options, dist::Communicator& dp,
+       const OffloadOptions& offload_options)
+      : dp(&dp), offload(offload_options), stream_mode(parse_stream_gradients(offload_options.stream_gradients)),
+        shard(params, options, dp, offload_options), lr(options.lr) {}
+
+  dist::Communicator* dp;
+  OffloadOptions offload;
+  StreamGradients stream_mode;
+  offload_detail::HostShard shard;
+  // Host gradients: one buffer, two with the delayed update (one filled while the
+  // background update reads the other). grads[fill] receives this step's gradients.
+  offload_detail::HostGrads grads[2];
+  int fill = 0;
+  std::unique_ptr<offload_detail::DelayedUpdater> updater;    // with the delayed update
+  std::unique_ptr<offload_detail::GradientStreamer> streamer;  // after attach(), when streaming
+  double lr;
+  int64_t steps = 0;                   // steps taken (the one in flight included)
+  std::optional<UpdateTiming> timing;  // of the last synchronous update
+};
+
+OffloadedOptimizer::OffloadedOptimizer(std::vector<at::Tensor> params, const OptimizerOptions& options,
+                                       dist::Communicator& dp, const OffloadOptions& offload_options)
+    : options_(options), params_(std::move(params)) {
+  validate(options_);
+  DTRAIN_CHECK(!params_.empty(), "optimizer offload needs at least one parameter");
+  parse_stream_gradients(offload_options.stream_gradients);  // bad input throws before any allocation
+  const at::Tensor& first = params_.front();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    DTRAIN_CHECK(params_[i].scalar_type() == first.scalar_type() && params_[i].device() == first.device(),
+                 "optimizer offload needs all parameters in one dtype and device; parameter ", i, " is ",
+                 params_[i].scalar_type(), " on ", params_[i].device(), ", parameter 0 ",
+                 first.scalar_type(), " on ", first.device());
+  }
+  impl_ = std::make_unique<Impl>(params_, options_, dp, offload_options);
+  Impl& s = *impl_;
+  if (offload_options.delayed_update_after >= 0) {
+    s.grads[0] = s.shard.allocate_grads();
+    s.grads[1] = s.shard.allocate_grads();
+    s.updater = std::make_unique<offload_detail::DelayedUpdater>(s.shard);
+  }
+  const offload::CpuOptimizer& cpu = s.shard.cpu();
+  LOG_IF(INFO, dp.rank() == 0) << "optimizer offload: " << s.shard.numel() << " parameters, " << dp.size()
+                               << " shard(s), " << cpu.host_bytes() / (1024.0 * 1024.0)
+                               << " MiB of host memory per rank, " << cpu.threads() << " CPU thread(s), "
+                               << offload::to_string(cpu.isa()) << " kernels"
+                               << (offload_options.delayed_update_after >= 0
+                                       ? ", delayed update after " +
+                                             std::to_string(offload_options.delayed_update_after) + " step(s)"
+                                       : std::string());
+}
+
+OffloadedOptimizer::~OffloadedOptimizer() = default;
+
+void OffloadedOptimizer::attach(GradReducer& reducer) {
+  Impl& s = *impl_;
+  DTRAIN_CHECK(!s.updater || !s.updater->in_flight(),
+               "OffloadedOptimizer::attach while an update is in flight; flush() first");
+  s.streamer.reset();
+  const bool stream = s.stream_mode == StreamGradients::kOn ||
+                      (s.stream_mode == StreamGradients::kAuto && s.shard.device().has_value());
+  if (!stream) return;
+  if (s.grads[0].chunks.empty()) s.grads[0] = s.shard.allocate_grads();
+  s.streamer = std::make_unique<offload_detail::GradientStreamer>(s.shard, params_, reducer, &s.grads[s.fill]);
+}
+
+bool OffloadedOptimizer::streams_gradients() const { return impl_->streamer != nullptr; }
+
+void OffloadedOptimizer::skip_step() {
+  Impl& s = *impl_;
+  if (s.streamer && s.streamer->pending()) s.streamer->take(/*host_sync=*/false);
+}
+
+void OffloadedOptimizer::step(const at::Tensor& grad_multiplier) {
+  at::NoGradGuard no_grad;
+  Impl& s = *impl_;
+  DTRAIN_CHECK(!grad_multiplier.defined() || grad_multiplier.numel() == 1,
+               "optimizer offload: the gradient multiplier must be a one-element tensor, got ",
+               grad_multiplier.toString());
+  const double multiplier = grad_multiplier.defined() ? grad_multiplier.item<double>() : 1.0;
+  const bool delayed = s.updater && s.steps >= s.offload.delayed_update_after;
+  const bool streamed = s.streamer && s.streamer->pending();
+  if (streamed) s.streamer->take(/*host_sync=*/true);
+  offload_detail::HostGrads& grads = s.grads[s.fill];
+  if (!delayed) {
+    s.shard.set_output(s.shard.flat());  // back to the parameters if a checkpoint moved the step count back
+    const auto start = std::chrono::steady_clock::now();
+    if (streamed) {
+      s.shard.update(grads, multiplier, s.lr);
+    } else {
+      s.shard.update_from_params(multiplier, s.lr);  // written back into the flat buffer
+    }
+    s.timing = UpdateTiming{start, std::chrono::steady_clock::now(), false};
+    s.shard.all_gather(s.shard.own_part_of_flat());
+    ++s.steps;
+    return;
+  }
+  // Delayed: this step's gradients into a host buffer of their own (streamed already, or
+  // copied now), publish the update in flight, then start this step's update and return.
+  if (!streamed) s.shard.copy_grads_from_params(grads, params_);
+  s.updater->publish();
+  s.updater->start(grads, multiplier, s.lr);
+  s.fill ^= 1;
+  if (s.streamer) s.streamer->set_target(&s.grads[s.fill]);
+  ++s.steps;
+}
+
+void OffloadedOptimizer::flush() {
+  at::NoGradGuard no_grad;
+  if (impl_->updater) impl_->updater->publish();
+}
+
+bool OffloadedOptimizer::update_in_flight() const { return impl_->updater && impl_->updater->in_flight(); }
+
+std::optional<UpdateTiming> OffloadedOptimizer::take_update_timing() {
+  if (impl_->updater) {
+    if (auto t = impl_->updater->take_timing()) return t;
+  }
+  return std::exchange(impl_->timing, std::nullopt);
+}
+
+void OffloadedOptimizer::zero_grad() {
+  for (const at::Tensor& p : params_) {
+    if (p.grad().defined()) p.grad().zero_();
+  }
+}
+
+void OffloadedOptimizer::set_lr(double lr) {
+  DTRAIN_CHECK(std::isfinite(lr) && lr >= 0, "learning rate ", lr, " must be a finite number >= 0");
+  impl_->lr = lr;
+  options_.lr = lr;
+}
+
+double OffloadedOptimizer::lr() const { return impl_->lr; }
+
+int64_t OffloadedOptimizer::host_bytes() const { return impl_->shard.host_bytes(); }
+
+std::vector<FlatRange> OffloadedOptimizer::gradient_owners() const {
+  const int ranks = impl_->dp->size();
+  if (!impl_->offload.reduce_to_owner || ranks == 1) return {};
+  std::vector<FlatRange> owners;
+  for (int r = 0; r < ranks; ++r) owners.push_back(shard_range(impl_->shard.numel(), ranks, r));
+  return owners;
+}
+
+std::optional<ShardLayout> OffloadedOptimizer::shard_layout() const {
+  return ShardLayout{impl_->shard.numel(), {impl_->shard.lo(), impl_->shard.hi()}};
+}
+
+std::vector<std::pair<std::string, at::Tensor>> OffloadedOptimizer::state() const { return {}; }
+
+void OffloadedOptimizer::load_state(const std::vector<std::pair<std::string, at::Tensor>>& state) {
+  DTRAIN_CHECK(state.empty(), "optimizer offload: load_state got ", state.size(),
+               " replicated entries; its state is partitioned (load_shard_state)");
+}
+
+ShardState OffloadedOptimizer::shard_state() const {
+  // Chunks of each array joined into the shard's real elements.
+  if (impl_->updater) impl_->updater->wait();  // the state of every step taken (weights not published)
+  std::map<std::string, std::vector<at::Tensor>> chunks;
+  at::Tensor step;
+  for (auto& [name, t] : impl_->shard.cpu().state()) {
+    if (name == "step") {
+      step = t.clone();
+    } else if (name != "layout") {
+      chunks[array_of(name)].push_back(t);  // chunk order as listed (ascending)
+    }
+  }
+  ShardState out;
+  out.layout = *shard_layout();
+  const int64_t real = out.layout.range.size();
+  out.tensors.emplace_back("step", step);
+  for (auto& [array, parts] : chunks) out.tensors.emplace_back(array, at::cat(parts).narrow(0, 0, real).clone());
+  return out;
+}
+
+void OffloadedOptimizer::load_shard_state(const ShardState& state) {
+  const ShardLayout mine = *shard_layout();
+  DTRAIN_CHECK(state.layout.numel == mine.numel && state.layout.range == mine.range,
+               "optimizer offload: the partitioned state holds elements [", state.layout.range.begin, ", ",
+               state.layout.range.end, ") of ", state.layout.numel, "; this rank holds [", mine.range.begin, ", ",
+               mine.range.end, ") of ", mine.numel, " (assemble it with assemble_shard)");
+  const int64_t real = mine.range.size();
+  std::map<std::string, at::Tensor> arrays;
+  at::Tensor step;
+  for (auto& [name, t] : state.tensors) {
+    if (name == "step") {
+      step = t;
+      continue;
+    }
+    DTRAIN_CHECK(t.dim() == 1 && t.numel() == real, "offloaded optimizer state '", name, "' has ", t.numel(),
+                 " elements for a range of ", real);
+    arrays[name] = t;
+  }
+  DTRAIN_CHECK(step.defined(), "the saved optimizer state has no 'step'");
+  // Into the CPU optimizer's chunked layout: chunk c of array a holds shard elements
+  // [c * chunk, (c + 1) * chunk).
+  std::vector<std::pair<std::string, at::Tensor>> target;
+  std::map<std::string, int64_t> next;
+  for (auto& [name, t] : impl_->shard.cpu().state()) {
+    if (name == "step") {
+      target.emplace_back(name, step.to(t.scalar_type()).reshape(t.sizes()));
+      continue;
+    }
+    if (name == "layout") {
+      target.emplace_back(name, t.clone());
+      continue;
+    }
+    const std::string a = array_of(name);
+    auto it = arrays.find(a);
+    DTRAIN_CHECK(it != arrays.end(), "the saved optimizer state has no '", a, "' (another --optimizer?)");
+    const int64_t off = next[a];
+    at::Tensor chunk = at::zeros({t.numel()}, at::kFloat);
+    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(t.numel(), real - off));
+    if (n > 0) chunk.narrow(0, 0, n).copy_(it->second.narrow(0, off, n));
+    next[a] = off + t.numel();
+    target.emplace_back(name, chunk);
+  }
+  if (impl_->updater) impl_->updater->drop();  // its result is replaced by what is loaded
+  impl_->shard.cpu().load_state(target);
+  impl_->steps = impl_->shard.cpu().step_count();
+}
+
+}  // namespace dtrain::engine

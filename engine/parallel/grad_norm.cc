@@ -1,0 +1,83 @@
+#include "dtrain/engine/parallel/grad_norm.h"
+
+#include <algorithm>
+#include <map>
+#include <string>
+
+#include <ATen/ATen.h>
+
+#include "dtrain/dist/error.h"
+
+namespace dtrain::engine {
+
+at::Tensor grad_norm(const std::vector<at::Tensor>& grads) {
+  at::NoGradGuard no_grad;
+  // Per (device, dtype): the per-tensor norms in one multi-tensor launch.
+  std::map<std::pair<std::string, at::ScalarType>, std::vector<at::Tensor>> groups;
+  c10::optional<c10::Device> first_device;
+  for (const at::Tensor& g : grads) {
+    if (!g.defined()) continue;
+    DTRAIN_CHECK(g.layout() == at::kStrided && at::isFloatingType(g.scalar_type()),
+                 "grad_norm: gradients must be dense floating-point tensors, got ", g.toString());
+    if (!first_device) first_device = g.device();
+    groups[{g.device().str(), g.scalar_type()}].push_back(g);
+  }
+  if (!first_device) return at::zeros(c10::IntArrayRef{}, at::kFloat);
+  // float64 gradients are accumulated in float64 (all of them then); the rest in float32.
+  bool any_double = false;
+  for (const auto& [key, list] : groups) any_double = any_double || key.second == at::kDouble;
+  at::ScalarType acc = any_double ? at::kDouble : at::kFloat;
+  std::vector<at::Tensor> norms;
+  for (auto& [key, list] : groups) {
+    for (at::Tensor& n : at::_foreach_norm(list, 2, acc)) {
+      // Asynchronous unless the copy lands on the host (the CPU ops after it would race).
+      norms.push_back(n.to(*first_device, acc, /*non_blocking=*/!first_device->is_cpu()));
+    }
+  }
+  at::Tensor total = at::linalg_vector_norm(at::stack(norms), 2);
+  return total.to(at::kFloat);
+}
+
+at::Tensor global_grad_norm(const std::vector<at::Tensor>& params, const GradNormLayout& layout) {
+  const bool split = !layout.sharded.empty() && layout.tp && layout.tp->size() > 1;
+  if (!split && !layout.owned) {
+    std::vector<at::Tensor> grads;
+    grads.reserve(params.size());
+    for (const at::Tensor& p : params) grads.push_back(p.grad());
+    return grad_norm(grads);
+  }
+  DTRAIN_CHECK(layout.sharded.empty() || layout.sharded.size() == params.size(), "global_grad_norm: ",
+               params.size(), " parameters but ", layout.sharded.size(), " sharded flags");
+  DTRAIN_CHECK(!layout.owned || layout.dp, "global_grad_norm: owned ranges need the data-parallel communicator");
+  at::Tensor sq_shard, sq_rep;
+  std::optional<c10::Device> device;
+  int64_t offset = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const int64_t n = params[i].numel();
+    const at::Tensor& g = params[i].grad();
+    if (!device) device = params[i].device();
+    int64_t a = 0, b = n;  // this rank's part of the parameter
+    if (layout.owned) {
+      a = std::clamp<int64_t>(layout.owned->begin - offset, 0, n);
+      b = std::clamp<int64_t>(layout.owned->end - offset, 0, n);
+    }
+    offset += n;
+    if (!g.defined() || a >= b) continue;
+    at::Tensor part = a == 0 && b == n ? g : g.reshape({-1}).narrow(0, a, b - a);
+    at::Tensor sq = part.to(at::kFloat).pow(2).sum();
+    at::Tensor& acc = !layout.sharded.empty() && layout.sharded[i] ? sq_shard : sq_rep;
+    acc = acc.defined() ? acc + sq : sq;
+  }
+  const at::Tensor& any = sq_shard.defined() ? sq_shard : sq_rep;
+  DTRAIN_CHECK(any.defined() || layout.owned, "global_grad_norm: no gradients");
+  const auto options = any.defined() ? any.options() : at::TensorOptions().dtype(at::kFloat).device(*device);
+  if (!sq_shard.defined()) sq_shard = at::zeros({}, options);
+  if (!sq_rep.defined()) sq_rep = at::zeros({}, options);
+  at::Tensor s = sq_shard.reshape({1}).clone();
+  if (split) layout.tp->all_reduce(s)->wait();
+  at::Tensor total = s + sq_rep.reshape({1});
+  if (layout.owned && layout.dp->size() > 1) layout.dp->all_reduce(total)->wait();
+  return total.sqrt().reshape({});
+}
+
+}  // namespace dtrain::engine

@@ -1,0 +1,41 @@
+// The global gradient norm of a model whose gradients are spread over ranks: split across a
+// tensor-parallel group, and/or reduced only to their owners across the data-parallel group.
+#pragma once
+
+#include <optional>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "dtrain/dist/communicator.h"
+#include "dtrain/engine/core/shard.h"
+
+namespace dtrain::engine {
+
+// Global L2 norm of the given gradients (undefined ones skipped), accumulated in float32
+// (float64 for float64 gradients) and returned as a 0-dim float32 tensor on the first
+// defined gradient's device (CPU and 0 when none is defined). Enqueues work, no host sync.
+at::Tensor grad_norm(const std::vector<at::Tensor>& grads);
+
+// Where this rank's gradients sit in the whole model's.
+struct GradNormLayout {
+  // Per parameter: split across the tensor-parallel group (its squares are summed over tp,
+  // replicated parameters' counted once). Empty: none is.
+  std::vector<bool> sharded;
+  dist::Communicator* tp = nullptr;  // needed when a parameter is sharded and tp has > 1 rank
+  // Gradients reduced to their owners (ReducerOptions::owned): only this rank's range of the
+  // flat gradient space (the parameters end to end) counts here, and the squares are summed
+  // over dp as well (every element is owned by one rank of dp).
+  std::optional<FlatRange> owned;
+  dist::Communicator* dp = nullptr;  // needed with owned
+};
+
+// The L2 norm of every gradient of the model, the same on every rank: a 0-dim float32 tensor
+// on the first parameter's device (squares accumulated in float32). Undefined gradients count
+// as zero. Without sharded parameters (or a tp of one rank) and without owned, it is
+// grad_norm() of the gradients. Collective over tp and/or dp where they apply; enqueues work,
+// no host sync. Throws dtrain::Error for a sharded list of another length, owned without dp,
+// or no gradient at all.
+at::Tensor global_grad_norm(const std::vector<at::Tensor>& params, const GradNormLayout& layout);
+
+}  // namespace dtrain::engine

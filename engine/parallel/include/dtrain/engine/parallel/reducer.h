@@ -1,0 +1,178 @@
+// Data-parallel gradient averaging, DDP-style.
+//
+// The reducer keeps every gradient as a view into a flat bucket (one dtype and device per
+// bucket), so backward accumulates straight into the buckets and nothing is copied. A hook on
+// each parameter's gradient accumulator marks the parameter ready; when every parameter of a
+// bucket is ready the bucket's all-reduce (average over the communicator) is launched
+// asynchronously, in bucket order, while backward continues. A callback queued at the end of
+// backward launches what is left (parameters that got no gradient count as zero), waits for
+// every bucket and writes results back, so when backward() returns the gradients are
+// averaged. At the first zero_grad() after the first synchronized backward the buckets are
+// rebuilt in the order the gradients really arrived (rank 0's order, broadcast, so every rank
+// launches the same sequence); zero_grad() is then collective, once.
+//
+// Threading: hooks run on autograd's threads; the reducer locks internally. Ownership: the
+// caller owns the parameters and the communicator, which must outlive the reducer. The
+// reducer owns the bucket memory that the parameters' .grad tensors view. Do not replace
+// .grad with another tensor (if it happens, the reducer copies the gradient back into its
+// bucket at the next hook, at the cost of a copy).
+//
+// Every rank must construct the reducer over the same parameters (checked: the first
+// differing parameter is named) and run the same number of synchronized backward passes.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "dtrain/dist/communicator.h"
+#include "dtrain/engine/parallel/bucket_comm.h"
+
+namespace dtrain::engine {
+
+struct ReducerOptions {
+  // The first bucket is small so communication starts early in backward (as DDP's 1 MB).
+  int64_t first_bucket_bytes = int64_t{1} << 20;
+  int64_t bucket_bytes = int64_t{25} << 20;
+  // Before backward, find the parameters the graph of this step's outputs cannot reach and
+  // mark them ready at once (call prepare_for_backward with the outputs). Without it such
+  // parameters are found at the end of backward, which still works but starts their
+  // buckets late and logs a warning once.
+  bool find_unused_parameters = false;
+  // Reduce buckets in bfloat16 or float16 (half the bytes), results written back in the
+  // gradients' dtype. Empty: reduce in the gradients' dtype.
+  std::optional<at::ScalarType> compress;
+  // Copy rank 0's parameter values to every rank at construction.
+  bool broadcast_parameters = true;
+  // Rebuild buckets in the arrival order at the first zero_grad() after the first backward.
+  bool rebuild_buckets = true;
+  // Parameter names for messages (same length as the parameter list, or empty).
+  std::vector<std::string> names;
+  // Reduce each gradient element only to the rank that owns it instead of to every rank
+  // (ZeRO-2 style, for a partitioned optimizer such as optimizer offload; about half the bytes
+  // of an all-reduce): owned[r] = [begin, end) of the flat space (the parameters end to end,
+  // in the given order) owned by rank r of the communicator; ascending, disjoint, together
+  // covering every element (empty ranges allowed). After a synchronized backward a rank's
+  // gradients are averaged inside its own range only; elsewhere they hold unspecified values.
+  // Buckets then hold consecutive parameters (one flat range each, launched last-first) and
+  // are not rebuilt; a bucket is reduced to each owner of a part of it. Empty: every rank
+  // gets every average (all-reduce). Needs one dtype and device per bucket (consecutive
+  // parameters of another dtype or device start a new bucket).
+  std::vector<std::pair<int64_t, int64_t>> owned;
+  // How each bucket is averaged (bucket_comm.h). Empty: AllReduceBuckets, or
+  // ReduceToOwnerBuckets with `owned`, inside CompressedBuckets with `compress`.
+  std::shared_ptr<BucketComm> bucket_comm;
+};
+
+// What happened in the last synchronized backward, for tests, metrics and the timeline.
+struct ReducerStepStats {
+  using Clock = std::chrono::steady_clock;
+  std::vector<Clock::time_point> bucket_launch;  // per bucket, in launch order
+  std::vector<int> hooks_before_launch;          // gradients ready when each bucket launched
+  // When the communicator began and finished each bucket's all-reduce, where the backend
+  // measures it (MPI); otherwise launch and the end of the wait.
+  std::vector<Clock::time_point> bucket_start, bucket_end;
+  std::vector<int64_t> bucket_bytes;
+  Clock::time_point first_hook;
+  Clock::time_point backward_end;                // when the end-of-backward callback began
+  Clock::time_point reduced;                     // when every bucket was written back
+  int64_t bytes = 0;                             // bytes all-reduced
+  int unused_parameters = 0;
+};
+
+// A bucket whose average was just launched in a synchronized backward (see
+// GradReducer::set_bucket_observer).
+struct LaunchedBucket {
+  int64_t backward = 0;          // which synchronized backward: 0, 1, ... (as counted by
+                                 // synchronized_backwards() before it ends)
+  size_t index = 0;              // launch position in this backward
+  size_t count = 0;              // buckets launched by every synchronized backward now
+  std::vector<size_t> params;    // parameter indices, in bucket order
+  std::vector<int64_t> offsets;  // element offset of each parameter in values
+  // The averaged gradients once work completes (after work->wait(), ordered as a
+  // collective's result): the bucket's flat storage, or its compressed (bf16/fp16) copy.
+  // With ReducerOptions::owned only the elements this rank owns are averages. Valid until
+  // the next zero_grad() or abandon_step(); never write to it.
+  at::Tensor values;
+  dist::WorkPtr work;  // completes when this rank's values of the bucket are final
+};
+
+class GradReducer {
+ public:
+  // params: leaf tensors requiring grad, contiguous. Collective (broadcast and checks).
+  // Throws dtrain::Error naming the first parameter that differs across ranks.
+  GradReducer(std::vector<at::Tensor> params, dist::Communicator& comm, ReducerOptions options = {});
+  ~GradReducer();
+  GradReducer(const GradReducer&) = delete;
+  GradReducer& operator=(const GradReducer&) = delete;
+
+  // While a NoSync is alive, backward passes only accumulate into the gradients: no
+  // collective is issued. The next synchronized backward averages the accumulated sums.
+  class NoSync {
+   public:
+    explicit NoSync(GradReducer* reducer);
+    ~NoSync();
+    NoSync(NoSync&& other) noexcept;
+    NoSync(const NoSync&) = delete;
+
+   private:
+    GradReducer* reducer_;
+  };
+  NoSync no_sync() { return NoSync(this); }
+
+  // With find_unused_parameters: marks the parameters unreachable from outputs' graph as
+  // ready (their buckets may launch now). Call after forward, before backward.
+  void prepare_for_backward(const std::vector<at::Tensor>& outputs);
+
+  // Zeroes every gradient (the flat buckets) in place. Call once per step, after the
+  // optimizer: it also marks the start of the next step for abandon_step().
+  void zero_grad();
+
+  // After a failure on this rank (e.g. CUDA out of memory) during a step: unless this step's
+  // synchronized backward already completed, issues the bucket all-reduces this rank still
+  // owes (every bucket not yet launched, in order), so ranks that did not fail do not wait
+  // forever, and waits for them; ends any no_sync and zeroes the gradients (not
+  // collectively). Then agree across ranks that the step is dropped, and call zero_grad()
+  // on every rank.
+  void abandon_step();
+
+  // Calls observer for every bucket as its average is launched in a synchronized backward
+  // (abandoned steps included), on the launching thread (autograd's, or the caller's at the
+  // end of backward) under the reducer's lock: the observer must only hand the event on
+  // (e.g. queue it for a thread of its own), not block, and not call the reducer. Used by
+  // optimizer offload to copy each bucket's gradients to the host while backward runs.
+  // An empty function removes the observer.
+  void set_bucket_observer(std::function<void(const LaunchedBucket&)> observer);
+
+  const std::vector<at::Tensor>& params() const { return params_; }
+  const BucketComm& bucket_comm() const;
+  int num_buckets() const;
+  // Parameter indices of each bucket, in launch order.
+  std::vector<std::vector<size_t>> bucket_params() const;
+  ReducerStepStats last_step_stats() const;
+  int64_t synchronized_backwards() const;
+
+ private:
+  struct State;
+  void set_sync(bool enabled);
+  std::vector<at::Tensor> params_;
+  std::shared_ptr<State> state_;
+};
+
+// Checks that every rank of comm has the same number of parameters with the same dtypes and
+// shapes; otherwise throws dtrain::Error on every rank naming the first parameter that differs
+// (by names[i] when given). Collective and synchronous. The reducer runs it at construction.
+void check_same_parameters(const std::vector<at::Tensor>& params, dist::Communicator& comm,
+                           const std::vector<std::string>& names = {});
+
+// Copies root's values of tensors to every rank of comm (coalesced by dtype and device,
+// in chunks). Collective and synchronous.
+void broadcast_tensors(dist::Communicator& comm, const std::vector<at::Tensor>& tensors,
+                       int root = 0);
+
+}  // namespace dtrain::engine

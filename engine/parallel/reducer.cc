@@ -1,0 +1,601 @@
+#include "dtrain/engine/parallel/reducer.h"
+
+#include <algorithm>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <unordered_set>
+
+#include <ATen/ATen.h>
+#include <glog/logging.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include "dtrain/dist/error.h"
+
+namespace dtrain::engine {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr int64_t kBroadcastChunkBytes = int64_t{256} << 20;
+
+struct Bucket {
+  std::vector<size_t> params;   // indices into the parameter list
+  std::vector<int64_t> offsets;  // element offsets in flat
+  at::Tensor flat;               // the gradients' storage
+  at::Tensor wire;               // what is reduced (flat, or its compressed copy)
+  int64_t flat_begin = 0;        // owner mode: the flat-space offset of element 0
+  int pending = 0;
+  bool ready = false;
+  std::vector<dist::WorkPtr> works;  // one all-reduce, or one reduce per owner
+  dist::WorkPtr mine;                // the work after which this rank's values are final
+};
+
+// Owner mode: consecutive parameters (from the last to the first, the order backward
+// produces them) closed into a bucket at the byte limit or where dtype or device changes;
+// each bucket lists its parameters in increasing order, so its storage is one flat range.
+std::vector<std::vector<size_t>> assign_consecutive_buckets(const std::vector<at::Tensor>& params,
+                                                            int64_t first_bytes, int64_t bytes) {
+  std::vector<std::vector<size_t>> buckets;
+  std::vector<size_t> open;
+  int64_t open_bytes = 0;
+  auto close = [&] {
+    if (open.empty()) return;
+    std::reverse(open.begin(), open.end());
+    buckets.push_back(std::move(open));
+    open.clear();
+    open_bytes = 0;
+  };
+  for (size_t k = params.size(); k-- > 0;) {
+    const at::Tensor& p = params[k];
+    if (!open.empty()) {
+      const at::Tensor& q = params[open.back()];
+      if (q.scalar_type() != p.scalar_type() || q.device() != p.device()) close();
+    }
+    open.push_back(k);
+    open_bytes += p.numel() * p.element_size();
+    if (open_bytes >= (buckets.empty() ? first_bytes : bytes)) close();
+  }
+  close();
+  return buckets;
+}
+
+// Groups parameter indices (taken in `order`) into buckets of one dtype and device, the
+// first at most first_bytes, the rest at most bytes (a parameter larger than the limit gets
+// a bucket of its own). Buckets are ordered by their first parameter's position in order.
+std::vector<std::vector<size_t>> assign_buckets(const std::vector<at::Tensor>& params,
+                                                const std::vector<size_t>& order,
+                                                int64_t first_bytes, int64_t bytes) {
+  std::vector<std::vector<size_t>> closed;
+  std::map<std::pair<int, std::string>, std::vector<size_t>> open;
+  std::map<std::pair<int, std::string>, int64_t> open_bytes;
+  auto limit = [&] { return closed.empty() ? first_bytes : bytes; };
+  for (size_t i : order) {
+    const at::Tensor& p = params[i];
+    auto key = std::make_pair(static_cast<int>(p.scalar_type()), p.device().str());
+    open[key].push_back(i);
+    open_bytes[key] += p.numel() * p.element_size();
+    if (open_bytes[key] >= limit()) {
+      closed.push_back(std::move(open[key]));
+      open.erase(key);
+      open_bytes.erase(key);
+    }
+  }
+  for (auto& [key, idx] : open) closed.push_back(std::move(idx));
+  std::vector<size_t> position(params.size());
+  for (size_t k = 0; k < order.size(); ++k) position[order[k]] = k;
+  auto first_pos = [&](const std::vector<size_t>& b) {
+    size_t m = SIZE_MAX;
+    for (size_t i : b) m = std::min(m, position[i]);
+    return m;
+  };
+  std::sort(closed.begin(), closed.end(),
+            [&](const auto& a, const auto& b) { return first_pos(a) < first_pos(b); });
+  return closed;
+}
+
+std::string param_label(const std::vector<std::string>& names, size_t i) {
+  return i < names.size() ? "'" + names[i] + "' (#" + std::to_string(i) + ")"
+                          : "#" + std::to_string(i);
+}
+
+std::string shape_of(const at::Tensor& t) {
+  std::ostringstream os;
+  os << t.scalar_type() << t.sizes();
+  return os.str();
+}
+
+// Runs after a parameter's gradient has been accumulated, whichever AccumulateGrad node did
+// it. A hook on the tensor (not on its AccumulateGrad node) survives set_data() to another
+// device or dtype, which gives the parameter a new node: layer offload moves parameters
+// between host and GPU every step. Chains to a hook that was there before.
+class ReadyHook final : public torch::autograd::PostAccumulateGradHook {
+ public:
+  ReadyHook(std::function<void()> ready, std::unique_ptr<PostAccumulateGradHook> previous)
+      : ready_(std::move(ready)), previous_(std::move(previous)) {}
+  void operator()(const torch::autograd::Variable& tensor) override {
+    if (previous_) (*previous_)(tensor);
+    ready_();
+  }
+  std::unique_ptr<PostAccumulateGradHook> take_previous() { return std::move(previous_); }
+
+ private:
+  std::function<void()> ready_;
+  std::unique_ptr<PostAccumulateGradHook> previous_;
+};
+
+}  // namespace
+
+struct GradReducer::State {
+  State(dist::Communicator& c, ReducerOptions o) : comm(c), options(std::move(o)) {}
+
+  dist::Communicator& comm;
+  ReducerOptions options;
+  std::shared_ptr<BucketComm> bucket_comm;  // options.bucket_comm, or the one they describe
+  std::weak_ptr<State> shared_from_state;
+  std::vector<at::Tensor> params;
+  std::vector<ReadyHook*> hooks;  // by parameter; owned by the parameters' autograd meta
+
+  mutable std::mutex mutex;
+  // Everything below is guarded by mutex.
+  std::vector<Bucket> buckets;
+  std::vector<std::pair<size_t, int64_t>> where;  // param -> (bucket, offset)
+  std::vector<at::Tensor> views;                  // param -> its gradient view
+  bool sync = true;
+  bool in_step = false;        // a synchronized backward is under way
+  bool finished = false;       // this step's synchronized backward completed (reset by zero_grad)
+  bool callback_queued = false;
+  size_t next_launch = 0;
+  std::vector<char> param_ready;
+  std::vector<size_t> arrival;  // first synchronized backward's arrival order
+  int hooks_fired = 0;
+  int64_t synced_backwards = 0;
+  bool rebuilt = false;
+  bool warned_unused = false;
+  std::vector<size_t> unused;  // from prepare_for_backward
+  ReducerStepStats stats;
+  ReducerStepStats last_stats;
+  std::function<void(const LaunchedBucket&)> observer;
+
+  void build(const std::vector<std::vector<size_t>>& assignment);
+  std::vector<int64_t> flat_offsets;  // consecutive buckets: each parameter's flat-space offset
+  void start_step();
+  void mark_ready(size_t i);
+  void launch_in_order();
+  void launch(size_t b);
+  void finish_step(bool abandoned);
+  void on_hook(size_t i);
+  void rebuild();
+};
+
+void GradReducer::State::build(const std::vector<std::vector<size_t>>& assignment) {
+  std::vector<Bucket> fresh(assignment.size());
+  where.assign(params.size(), {0, 0});
+  views.assign(params.size(), at::Tensor());
+  for (size_t b = 0; b < assignment.size(); ++b) {
+    Bucket& bucket = fresh[b];
+    bucket.params = assignment[b];
+    int64_t numel = 0;
+    for (size_t i : bucket.params) {
+      bucket.offsets.push_back(numel);
+      numel += params[i].numel();
+    }
+    const at::Tensor& first = params[bucket.params.front()];
+    bucket.flat = at::zeros({numel}, first.options());
+    bucket.wire = bucket_comm->wire(bucket.flat);
+    if (!flat_offsets.empty()) bucket.flat_begin = flat_offsets[bucket.params.front()];
+    for (size_t k = 0; k < bucket.params.size(); ++k) {
+      size_t i = bucket.params[k];
+      at::Tensor& grad = params[i].mutable_grad();
+      at::Tensor view = bucket.flat.narrow(0, bucket.offsets[k], params[i].numel()).view(params[i].sizes());
+      if (grad.defined()) view.copy_(grad);
+      grad = view;
+      views[i] = view;
+      where[i] = {b, bucket.offsets[k]};
+    }
+  }
+  buckets = std::move(fresh);
+}
+
+void GradReducer::State::start_step() {
+  in_step = true;
+  next_launch = 0;
+  hooks_fired = 0;
+  param_ready.assign(params.size(), 0);
+  for (Bucket& b : buckets) {
+    b.pending = static_cast<int>(b.params.size());
+    b.ready = false;
+    b.works.clear();
+    b.mine.reset();
+  }
+  stats = ReducerStepStats();
+  stats.bucket_launch.reserve(buckets.size());
+}
+
+void GradReducer::State::mark_ready(size_t i) {
+  if (param_ready[i]) return;
+  param_ready[i] = 1;
+  Bucket& b = buckets[where[i].first];
+  if (--b.pending == 0) b.ready = true;
+}
+
+void GradReducer::State::launch_in_order() {
+  while (next_launch < buckets.size() && buckets[next_launch].ready) launch(next_launch++);
+}
+
+void GradReducer::State::launch(size_t b) {
+  Bucket& bucket = buckets[b];
+  if (!bucket.wire.is_same(bucket.flat)) bucket.wire.copy_(bucket.flat);
+  stats.bucket_launch.push_back(Clock::now());
+  stats.hooks_before_launch.push_back(hooks_fired);
+  stats.bucket_bytes.push_back(bucket.wire.numel() * bucket.wire.element_size());
+  stats.bytes += stats.bucket_bytes.back();
+  BucketLaunch launched = bucket_comm->launch(bucket.wire, bucket.flat_begin, comm);
+  bucket.works = std::move(launched.works);
+  bucket.mine = std::move(launched.mine);
+  if (observer) {
+    LaunchedBucket event;
+    event.backward = synced_backwards;
+    event.index = b;
+    event.count = buckets.size();
+    event.params = bucket.params;
+    event.offsets = bucket.offsets;
+    event.values = bucket.wire;
+    event.work = bucket.mine;
+    observer(event);
+  }
+}
+
+void GradReducer::State::on_hook(size_t i) {
+  std::lock_guard<std::mutex> lock(mutex);
+  // The gradient must live in its bucket; if someone replaced .grad, copy it back.
+  at::Tensor& grad = params[i].mutable_grad();
+  if (!grad.defined() || grad.data_ptr() != views[i].data_ptr()) {
+    if (grad.defined()) views[i].copy_(grad);
+    grad = views[i];
+  }
+  if (!sync) return;
+  if (!in_step) start_step();
+  if (!callback_queued) {
+    callback_queued = true;
+    std::weak_ptr<State> weak = shared_from_state;
+    torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+      if (auto self = weak.lock()) self->finish_step(/*abandoned=*/false);
+    });
+  }
+  if (hooks_fired == 0) stats.first_hook = Clock::now();
+  ++hooks_fired;
+  if (synced_backwards == 0) arrival.push_back(i);
+  mark_ready(i);
+  launch_in_order();
+}
+
+void GradReducer::State::finish_step(bool abandoned) {
+  std::lock_guard<std::mutex> lock(mutex);
+  stats.backward_end = Clock::now();
+  if (!in_step) start_step();
+  // Parameters without a gradient this step: zero contributions, launched in order.
+  std::vector<size_t> missing;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!param_ready[i]) missing.push_back(i);
+  }
+  for (size_t i : missing) mark_ready(i);
+  launch_in_order();
+  stats.unused_parameters += static_cast<int>(missing.size());
+  if (!missing.empty() && !abandoned && !options.find_unused_parameters && !warned_unused) {
+    warned_unused = true;
+    std::ostringstream os;
+    for (size_t k = 0; k < std::min<size_t>(missing.size(), 8); ++k)
+      os << (k ? ", " : "") << param_label(options.names, missing[k]);
+    LOG(WARNING) << missing.size() << " parameter(s) got no gradient in this backward (" << os.str()
+                 << (missing.size() > 8 ? ", ..." : "")
+                 << "); they are reduced as zeros at the end of backward. Construct the reducer "
+                    "with find_unused_parameters and call prepare_for_backward(outputs) to "
+                    "start their buckets early.";
+  }
+  std::exception_ptr failure;
+  for (size_t k = 0; k < buckets.size(); ++k) {
+    Bucket& b = buckets[k];
+    try {
+      if (!b.works.empty()) {
+        for (const dist::WorkPtr& w : b.works) w->wait();
+        Clock::time_point start, end, s2, e2;
+        if (!b.works.front()->timing(&start, &s2) || !b.works.back()->timing(&e2, &end)) {
+          start = k < stats.bucket_launch.size() ? stats.bucket_launch[k] : Clock::now();
+          end = Clock::now();
+        }
+        stats.bucket_start.push_back(start);
+        stats.bucket_end.push_back(end);
+      }
+      if (!b.wire.is_same(b.flat)) b.flat.copy_(b.wire);
+    } catch (...) {
+      if (!failure) failure = std::current_exception();
+    }
+    b.works.clear();
+    b.mine.reset();
+  }
+  stats.reduced = Clock::now();
+  last_stats = stats;
+  in_step = false;
+  finished = true;
+  callback_queued = false;
+  unused.clear();
+  // An abandoned step counts too: it matched the other ranks' synchronized backward, so every
+  // rank's count stays equal and the rebuild below happens at the same zero_grad everywhere.
+  ++synced_backwards;
+  if (failure) std::rethrow_exception(failure);
+}
+
+void GradReducer::State::rebuild() {
+  rebuilt = true;
+  // Arrival order of this rank, then parameters that never arrived (reverse registration).
+  std::vector<size_t> order = arrival;
+  std::vector<char> seen(params.size(), 0);
+  for (size_t i : order) seen[i] = 1;
+  for (size_t i = params.size(); i-- > 0;) {
+    if (!seen[i]) order.push_back(i);
+  }
+  // Everyone uses rank 0's order so bucket k holds the same parameters on every rank.
+  at::Tensor t = at::empty({static_cast<int64_t>(order.size())}, at::kLong);
+  for (size_t k = 0; k < order.size(); ++k) t[k] = static_cast<int64_t>(order[k]);
+  comm.broadcast(t, 0)->wait();
+  for (size_t k = 0; k < order.size(); ++k) order[k] = static_cast<size_t>(t[k].item<int64_t>());
+  build(assign_buckets(params, order, options.first_bucket_bytes, options.bucket_bytes));
+}
+
+GradReducer::GradReducer(std::vector<at::Tensor> params, dist::Communicator& comm,
+                         ReducerOptions options)
+    : params_(std::move(params)) {
+  DTRAIN_CHECK(!params_.empty(), "GradReducer needs at least one parameter");
+  DTRAIN_CHECK(options.names.empty() || options.names.size() == params_.size(),
+               "ReducerOptions.names has ", options.names.size(), " names for ", params_.size(),
+               " parameters");
+  DTRAIN_CHECK(options.bucket_bytes > 0 && options.first_bucket_bytes > 0,
+               "bucket sizes must be positive (got first ", options.first_bucket_bytes, ", then ",
+               options.bucket_bytes, " bytes)");
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& p = params_[i];
+    DTRAIN_CHECK(p.defined() && p.requires_grad() && p.is_leaf(), "parameter ",
+                 param_label(options.names, i), " must be a leaf tensor that requires grad");
+    DTRAIN_CHECK(p.is_contiguous(), "parameter ", param_label(options.names, i),
+                 " is not contiguous; make it contiguous before creating the reducer");
+    DTRAIN_CHECK(at::isFloatingType(p.scalar_type()), "parameter ", param_label(options.names, i),
+                 " has dtype ", p.scalar_type(), "; gradients must be floating point");
+  }
+  // The bucket strategy first: its bad options throw before any collective.
+  std::shared_ptr<BucketComm> bucket_comm = options.bucket_comm;
+  std::vector<int64_t> flat_offsets;
+  int64_t total = 0;
+  for (const at::Tensor& p : params_) {
+    flat_offsets.push_back(total);
+    total += p.numel();
+  }
+  if (!bucket_comm) {
+    std::unique_ptr<BucketComm> made;
+    if (options.owned.empty()) {
+      made = std::make_unique<AllReduceBuckets>();
+    } else {
+      made = std::make_unique<ReduceToOwnerBuckets>(options.owned, comm.size(), total);
+    }
+    if (options.compress) made = std::make_unique<CompressedBuckets>(std::move(made), *options.compress);
+    bucket_comm = std::move(made);
+  }
+  check_same_parameters(params_, comm, options.names);
+  if (options.broadcast_parameters) {
+    at::NoGradGuard no_grad;
+    broadcast_tensors(comm, params_, 0);
+  }
+  state_ = std::make_shared<State>(comm, std::move(options));
+  state_->shared_from_state = state_;
+  state_->params = params_;
+  state_->bucket_comm = std::move(bucket_comm);
+  if (state_->bucket_comm->consecutive_buckets()) {
+    state_->flat_offsets = std::move(flat_offsets);
+    state_->rebuilt = true;  // the buckets stay consecutive ranges of the flat space
+    state_->build(assign_consecutive_buckets(params_, state_->options.first_bucket_bytes,
+                                             state_->options.bucket_bytes));
+  } else {
+    std::vector<size_t> order(params_.size());
+    for (size_t k = 0; k < order.size(); ++k) order[k] = params_.size() - 1 - k;  // reverse
+    state_->build(assign_buckets(params_, order, state_->options.first_bucket_bytes,
+                                 state_->options.bucket_bytes));
+  }
+  std::weak_ptr<State> weak = state_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto& slot = torch::autograd::impl::post_acc_grad_hooks(params_[i]);
+    auto hook = std::make_unique<ReadyHook>(
+        [weak, i] {
+          if (auto self = weak.lock()) self->on_hook(i);
+        },
+        std::move(slot));
+    state_->hooks.push_back(hook.get());
+    torch::autograd::impl::set_post_acc_grad_hooks(params_[i], std::move(hook));
+  }
+}
+
+GradReducer::~GradReducer() {
+  try {
+    for (size_t i = 0; i < state_->hooks.size(); ++i) {
+      auto& slot = torch::autograd::impl::post_acc_grad_hooks(params_[i]);
+      if (slot.get() == state_->hooks[i]) slot = state_->hooks[i]->take_previous();
+    }
+    // Gradients become ordinary tensors again (they keep the bucket storage alive).
+  } catch (const std::exception& e) {
+    LOG(ERROR) << "GradReducer teardown: " << e.what();
+  }
+}
+
+void check_same_parameters(const std::vector<at::Tensor>& params, dist::Communicator& comm,
+                           const std::vector<std::string>& names) {
+  // Count first, then every parameter's dtype and shape against rank 0's.
+  const int64_t count = static_cast<int64_t>(params.size());
+  at::Tensor counts = at::tensor({count, -count}, at::kLong);
+  comm.all_reduce(counts, dist::ReduceOp::kMax)->wait();
+  DTRAIN_CHECK(counts[0].item<int64_t>() == count && -counts[1].item<int64_t>() == count,
+               "ranks disagree on the number of parameters: this rank has ", count,
+               ", others have between ", -counts[1].item<int64_t>(), " and ", counts[0].item<int64_t>(),
+               "; build the same model on every rank");
+  constexpr int kCols = 9;
+  at::Tensor mine = at::full({count, kCols}, -1, at::kLong);
+  for (int64_t i = 0; i < count; ++i) {
+    const at::Tensor& p = params[i];
+    mine[i][0] = static_cast<int64_t>(p.scalar_type());
+    mine[i][1] = p.dim();
+    for (int64_t d = 0; d < std::min<int64_t>(p.dim(), kCols - 2); ++d) mine[i][2 + d] = p.size(d);
+  }
+  at::Tensor rank0 = mine.clone();
+  comm.broadcast(rank0, 0)->wait();
+  at::Tensor differs = (mine != rank0).any(1);
+  int64_t first = differs.any().item<bool>() ? differs.nonzero()[0][0].item<int64_t>() : count;
+  at::Tensor agreed = at::tensor({first}, at::kLong);
+  comm.all_reduce(agreed, dist::ReduceOp::kMin)->wait();
+  int64_t bad = agreed.item<int64_t>();
+  if (bad < count) {
+    std::ostringstream theirs;
+    theirs << static_cast<at::ScalarType>(rank0[bad][0].item<int64_t>()) << "[";
+    for (int64_t d = 0; d < rank0[bad][1].item<int64_t>() && d < kCols - 2; ++d)
+      theirs << (d ? ", " : "") << rank0[bad][2 + d].item<int64_t>();
+    theirs << "]";
+    throw Error(detail::concat("parameter ", param_label(names, static_cast<size_t>(bad)),
+                               " differs across ranks: rank 0 has ", theirs.str(), ", rank ",
+                               comm.rank(), " has ", shape_of(params[bad]),
+                               "; every rank must build the same model"));
+  }
+}
+
+GradReducer::NoSync::NoSync(GradReducer* reducer) : reducer_(reducer) { reducer_->set_sync(false); }
+GradReducer::NoSync::~NoSync() {
+  if (reducer_) reducer_->set_sync(true);
+}
+GradReducer::NoSync::NoSync(NoSync&& other) noexcept : reducer_(other.reducer_) { other.reducer_ = nullptr; }
+
+void GradReducer::set_sync(bool enabled) {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  if (state_->in_step) {
+    LOG(ERROR) << "no_sync started or ended during a synchronized backward pass; ignored";
+    return;
+  }
+  state_->sync = enabled;
+}
+
+void GradReducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
+  if (!state_->options.find_unused_parameters) return;
+  // Every node reachable from the outputs' graph.
+  std::unordered_set<torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> stack;
+  for (const at::Tensor& out : outputs) {
+    if (out.defined() && out.grad_fn()) stack.push_back(out.grad_fn().get());
+  }
+  while (!stack.empty()) {
+    torch::autograd::Node* n = stack.back();
+    stack.pop_back();
+    if (!seen.insert(n).second) continue;
+    for (const auto& edge : n->next_edges()) {
+      if (edge.function && !seen.count(edge.function.get())) stack.push_back(edge.function.get());
+    }
+  }
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  if (!state_->sync) return;
+  if (!state_->in_step) state_->start_step();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    // The parameter's current AccumulateGrad node (the graph just built made it, if it uses it).
+    auto acc = torch::autograd::impl::try_get_grad_accumulator(params_[i]);
+    if ((!acc || !seen.count(acc.get())) && !state_->param_ready[i]) {
+      state_->mark_ready(i);
+      ++state_->stats.unused_parameters;
+    }
+  }
+  state_->launch_in_order();
+}
+
+void GradReducer::zero_grad() {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  State& s = *state_;
+  if (s.options.rebuild_buckets && !s.rebuilt && s.synced_backwards >= 1) {
+    s.rebuild();  // collective: every rank reaches its first zero_grad after the first step
+  }
+  for (Bucket& b : s.buckets) b.flat.zero_();
+  s.finished = false;
+}
+
+void GradReducer::abandon_step() {
+  bool owes = false;
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->sync = true;
+    owes = !state_->finished;
+  }
+  if (owes) state_->finish_step(/*abandoned=*/true);
+  // Zero without the (collective) bucket rebuild: the other ranks are elsewhere now.
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  for (Bucket& b : state_->buckets) b.flat.zero_();
+}
+
+void GradReducer::set_bucket_observer(std::function<void(const LaunchedBucket&)> observer) {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->observer = std::move(observer);
+}
+
+const BucketComm& GradReducer::bucket_comm() const { return *state_->bucket_comm; }
+
+int GradReducer::num_buckets() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return static_cast<int>(state_->buckets.size());
+}
+
+std::vector<std::vector<size_t>> GradReducer::bucket_params() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  std::vector<std::vector<size_t>> out;
+  for (const Bucket& b : state_->buckets) out.push_back(b.params);
+  return out;
+}
+
+ReducerStepStats GradReducer::last_step_stats() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->last_stats;
+}
+
+int64_t GradReducer::synchronized_backwards() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->synced_backwards;
+}
+
+void broadcast_tensors(dist::Communicator& comm, const std::vector<at::Tensor>& tensors, int root) {
+  if (comm.size() == 1) return;
+  // Coalesce by dtype and device into flat chunks of at most kBroadcastChunkBytes.
+  std::map<std::pair<int, std::string>, std::vector<at::Tensor>> groups;
+  for (const at::Tensor& t : tensors) {
+    if (t.defined() && t.numel() > 0) {
+      groups[{static_cast<int>(t.scalar_type()), t.device().str()}].push_back(t);
+    }
+  }
+  for (auto& [key, group] : groups) {
+    size_t start = 0;
+    while (start < group.size()) {
+      size_t end = start;
+      int64_t bytes = 0;
+      while (end < group.size() && (end == start || bytes + static_cast<int64_t>(group[end].nbytes()) <= kBroadcastChunkBytes)) {
+        bytes += static_cast<int64_t>(group[end].nbytes());
+        ++end;
+      }
+      std::vector<at::Tensor> flat_parts;
+      for (size_t k = start; k < end; ++k) flat_parts.push_back(group[k].detach().reshape({-1}));
+      at::Tensor flat = at::cat(flat_parts);
+      comm.broadcast(flat, root)->wait();
+      int64_t off = 0;
+      at::NoGradGuard no_grad;
+      for (size_t k = start; k < end; ++k) {
+        int64_t n = group[k].numel();
+        group[k].detach().view({-1}).copy_(flat.narrow(0, off, n));
+        off += n;
+      }
+      start = end;
+    }
+  }
+}
+
+}  // namespace dtrain::engine

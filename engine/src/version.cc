@@ -1,5 +1,0 @@
-#include "dtrain/engine/version.h"
-
-namespace dtrain {
-const char* version() { return "0.1.0"; }
-}  // namespace dtrain

@@ -1,0 +1,208 @@
+// The training loop a user would otherwise write, done right: data-parallel averaging,
+// accumulation, AMP, clipping, schedule, evaluation, OOM back-off and metrics.
+//
+// One optimizer step on this rank:
+//   the rank's batch (batch_size rows) is split into accum_steps micro-batches; for each,
+//   forward under autocast, loss / accum_steps (times the loss scale for fp16) backward, with
+//   the reducer in no_sync until the last micro-batch; then the gradients are averaged over
+//   the data-parallel group (or reduced to their owners for a partitioned optimizer), their
+//   global norm is taken, and the optimizer steps with one multiplier, 1 / loss scale x the
+//   clipping coefficient, applied inside its update: the trainer never rewrites a gradient
+//   (a step whose fp16 gradients overflowed is skipped). Outputs, loss and graph of each
+//   micro-batch are released before the next one and before the optimizer step.
+// The logged loss is the mean over the global batch (all data-parallel ranks, all
+// micro-batches), so 1 x 64, 4 x 16 and 2 ranks x 2 x 16 log the same curve.
+//
+// Threading: one thread drives a Trainer. Collectives: every rank of the mesh must call
+// step() / fit() the same number of times.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <torch/nn/module.h>
+
+#include "dtrain/dist/mesh.h"
+#include "dtrain/engine/optim/amp.h"
+#include "dtrain/engine/state/checkpoint.h"
+#include "dtrain/engine/parallel/tensor_parallel.h"
+#include "dtrain/engine/data/data.h"
+#include "dtrain/engine/parallel/grad_norm.h"
+#include "dtrain/engine/memory/memory_report.h"
+#include "dtrain/engine/observe/metrics.h"
+#include "dtrain/engine/optim/offload.h"
+#include "dtrain/engine/optim/optim.h"
+#include "dtrain/engine/parallel/reducer.h"
+#include "dtrain/engine/observe/tensorboard.h"
+#include "dtrain/engine/observe/timeline.h"
+
+namespace dtrain::engine {
+
+struct TrainerOptions {
+  int64_t steps = 100;            // optimizer steps fit() runs to
+  int accum_steps = 1;            // micro-batches per step (must divide the batch)
+  AmpMode amp = AmpMode::kOff;
+  LossScalerOptions loss_scaler;  // used with fp16 (enabled is forced on then, off otherwise)
+  OptimizerOptions optimizer;
+  ScheduleOptions schedule;
+  double clip_grad_norm = 0;      // 0: no clipping (the norm is still reported)
+  bool report_grad_norm = true;
+  int64_t log_every = 10;         // metrics line at step 1, every this many steps, and the last
+  int64_t eval_every = 0;         // 0: never; else evaluate every this many steps
+  int64_t eval_batches = 4;       // batches per evaluation (per rank)
+  std::string metrics_path;       // JSON lines (rank 0); empty: none
+  bool progress = true;           // console progress on rank 0
+  // On c10::OutOfMemoryError inside forward/backward: drop the step, release cached memory,
+  // halve the micro-batch (doubling accum_steps, so the global batch is unchanged), agree
+  // across ranks, retry the same batch. Needs tensor-parallel size 1.
+  bool oom_backoff = true;
+  int64_t tokens_per_sample = 0;  // > 0: report tokens_per_s
+  ReducerOptions reducer;
+  // Optimizer offload (engine/offload.h): fp32 master weights and state in host memory,
+  // partitioned over the data-parallel group, gradients streamed to the host during
+  // backward on a GPU, optionally the delayed update (offload.delayed_update_after). Layer
+  // offload is the model's part (offload::LayerStreamer, e.g. the example GPT's blocks).
+  bool offload_optimizer = false;
+  OffloadOptions offload;
+  // Called on every rank with each logged step's metrics (after they are written).
+  std::function<void(const StepMetrics&)> on_log;
+  // Observability (docs/OBSERVABILITY.md). Paths are checked when the trainer is built.
+  std::string tensorboard_dir;     // rank 0 writes TensorBoard event files here
+  std::string timeline_path;       // Chrome trace: one file per rank, merged by rank 0 at the end
+  int64_t memory_report_step = 0;  // > 0: log the memory report after this step (and on OOM)
+  // Checkpoints (docs/CLUSTER.md): the model unsplit under PyTorch state_dict names, the
+  // optimizer (unsplit), loss scaler, RNG states, step, accumulation and data position.
+  std::string save_dir;           // empty: no checkpoints
+  int64_t save_every = 0;         // also every this many steps (0: only at the end / preemption)
+  int keep_last = 3;              // checkpoints kept (0: all)
+  bool resume = false;            // fit() continues from the newest good checkpoint in save_dir
+  // Each step, agree across ranks on SIGTERM/SIGUSR1 (install_preemption_handlers() first);
+  // then fit() saves, asks Slurm to requeue and returns with preempted() set.
+  bool handle_preemption = true;
+  std::map<std::string, std::string> checkpoint_meta;  // saved along (program, flags, ...)
+};
+
+// Throws dtrain::Error naming the bad field (steps < 0, accum_steps < 1, log_every < 1, ...).
+void validate(const TrainerOptions& options);
+
+// Mean loss over a micro-batch (a 0-dim tensor); the trainer handles scaling and averaging.
+using LossFn = std::function<at::Tensor(const Batch& micro_batch)>;
+
+struct StepResult {
+  int64_t step = 0;         // 1-based number of the step just taken
+  double loss = 0;          // global-batch mean (read on the host only at log steps; else NaN)
+  bool skipped = false;     // fp16 overflow: the optimizer did not step
+  int oom_retries = 0;      // how many times this step backed off
+};
+
+class Trainer {
+ public:
+  // model's parameters that require grad are trained; mesh.dp() averages gradients and
+  // mesh.world() agrees on OOM. Collective (broadcasts rank 0's parameters). model and mesh
+  // must outlive the trainer.
+  Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::Device device,
+          TrainerOptions options);
+  ~Trainer();
+
+  // One optimizer step on this rank's batch.
+  StepResult step(const Batch& batch);
+  // Steps until options.steps, logging and evaluating as configured; returns the last
+  // logged metrics.
+  StepMetrics fit(DataLoader& train, DataLoader* eval = nullptr);
+  // Mean loss over `batches` batches of eval, under no_grad and eval mode, averaged over the
+  // data-parallel group.
+  double evaluate(DataLoader& eval, int64_t batches);
+
+  int64_t current_step() const { return step_; }
+  // Saves a checkpoint of this step to options.save_dir (collective); loader gives the data
+  // position. Returns the path of the main file.
+  std::string save_checkpoint(const DataLoader* loader);
+  // With the offloaded optimizer's delayed update: publishes the update in flight, so the
+  // model holds every step's update (save_checkpoint() and the end of fit() do it). After
+  // step() the model otherwise holds the weights one update behind. Collective over dp.
+  void flush_updates();
+  // Restores the newest good checkpoint in options.save_dir (collective); throws
+  // dtrain::Error when there is none or it belongs to a different model. Moves loader to the
+  // saved position (and, inside fit(), its evaluation loader too). Any tensor-parallel or
+  // data-parallel layout may resume any other. A
+  // failure to read or apply it on some ranks only (a rank file that cannot be read there)
+  // is agreed on: every rank throws, none goes on training.
+  void resume_checkpoint(DataLoader* loader);
+  // fit() stopped early because the job was preempted (after saving a checkpoint).
+  bool preempted() const { return preempted_; }
+  // The memory report of the last step (components, allocator figures), for logs.
+  MemoryReport memory_report() const;
+  Timeline& timeline() { return *timeline_; }
+  int accum_steps() const { return accum_steps_; }
+  Optimizer& optimizer() { return *optimizer_; }
+  GradReducer& reducer() { return *reducer_; }
+  LossScaler& scaler() { return *scaler_; }
+  const TrainerOptions& options() const { return options_; }
+  // The metrics of the last step (host-side; loss only valid at log steps).
+  const StepMetrics& last_metrics() const { return last_; }
+  // The first metrics fit() logged in this process (step 0 before any).
+  const StepMetrics& first_logged() const { return first_logged_; }
+
+ private:
+  bool run_micro_batches(const Batch& batch, at::Tensor& loss_sum);
+  bool agree_on_failure(bool failed);
+  // Collective over the world: the ranks where `failed` is true ("1,3"), "" when none.
+  std::string failing_ranks(bool failed);
+  // resume_checkpoint()'s loads and restores on this rank (no collectives; may throw).
+  void restore_from(const CheckpointStore& store, const CheckpointInfo& info, DataLoader* loader);
+  void back_off(int64_t batch_rows);
+  void apply_update(StepMetrics& m, bool& skipped);
+  // The last step's global-batch loss (waits for its reduction), NaN if none is pending.
+  double read_loss();
+  // Builds, writes and shows the metrics of the step just taken.
+  StepMetrics log_step(bool eval_now, DataLoader* eval, int64_t global_batch,
+                       std::chrono::steady_clock::time_point window_start, int64_t window_steps,
+                       Progress& progress);
+  // Agrees on preemption; when preempted saves (with save_dir), asks to requeue, returns true.
+  bool stop_for_preemption(const DataLoader& train);
+
+  torch::nn::Module& model_;
+  LossFn loss_;
+  dist::Mesh& mesh_;
+  c10::Device device_;
+  TrainerOptions options_;
+  std::vector<at::Tensor> params_;
+  std::vector<bool> sharded_;  // split across the tensor-parallel group
+  // How this rank's gradients make up the model's (tensor-parallel shards; with a partitioned
+  // optimizer, the range of the flat gradient space reduced to this rank).
+  GradNormLayout norm_layout_;
+  std::vector<std::string> names_;
+  std::map<std::string, ShardSpec> specs_;
+  bool preempted_ = false;
+  int64_t last_saved_step_ = -1;
+  DataLoader* eval_ = nullptr;  // fit()'s evaluation loader while it runs (checkpointed position)
+  NamedTensors full_model_state();
+  NamedTensors full_optimizer_state();
+  std::unique_ptr<GradReducer> reducer_;
+  std::unique_ptr<Optimizer> optimizer_;
+  std::unique_ptr<LossScaler> scaler_;
+  std::unique_ptr<MetricsWriter> metrics_;
+  int64_t step_ = 0;
+  int accum_steps_ = 1;
+  StepMetrics last_;
+  StepMetrics first_logged_;
+  at::Tensor last_grad_norm_;
+  std::unique_ptr<EventWriter> tensorboard_;
+  std::unique_ptr<Timeline> timeline_;
+  double step_start_allocated_mb_ = 0;
+  double step_peak_mb_ = 0;
+  void record_step_timeline(std::chrono::steady_clock::time_point start);
+  void finish_timeline();
+  dist::WorkPtr pending_loss_;
+  at::Tensor pending_loss_tensor_;
+};
+
+// Splits a batch into n micro-batches of equal rows (rows must divide by n).
+std::vector<Batch> split_batch(const Batch& batch, int n);
+
+}  // namespace dtrain::engine

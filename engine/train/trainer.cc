@@ -1,0 +1,427 @@
+#include "dtrain/engine/train/trainer.h"
+
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <glog/logging.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include "dtrain/dist/error.h"
+#include "dtrain/engine/memory/memory.h"
+#include "dtrain/engine/train/preemption.h"
+#include "dtrain/engine/parallel/tensor_parallel.h"
+
+namespace dtrain::engine {
+
+void validate(const TrainerOptions& o) {
+  DTRAIN_CHECK(o.steps >= 0, "steps must be >= 0, got ", o.steps);
+  DTRAIN_CHECK(o.accum_steps >= 1, "--accum_steps must be >= 1, got ", o.accum_steps);
+  DTRAIN_CHECK(o.log_every >= 1, "--log_every must be >= 1, got ", o.log_every);
+  DTRAIN_CHECK(o.eval_every >= 0, "--eval_every must be >= 0 (0 = never), got ", o.eval_every);
+  DTRAIN_CHECK(o.eval_batches >= 1, "eval_batches must be >= 1, got ", o.eval_batches);
+  DTRAIN_CHECK(std::isfinite(o.clip_grad_norm) && o.clip_grad_norm >= 0,
+               "clip_grad_norm must be a finite number >= 0 (0 = off), got ", o.clip_grad_norm);
+  DTRAIN_CHECK(o.tokens_per_sample >= 0, "tokens_per_sample must be >= 0");
+  validate(o.optimizer);
+  validate(o.schedule);
+}
+
+std::vector<Batch> split_batch(const Batch& batch, int n) {
+  const int64_t rows = batch.size();
+  DTRAIN_CHECK(n >= 1 && rows % n == 0, "a batch of ", rows, " rows does not split into ", n,
+               " micro-batches; make --batch_size a multiple of --accum_steps");
+  std::vector<Batch> out(n);
+  const int64_t m = rows / n;
+  for (int i = 0; i < n; ++i) {
+    out[i].epoch = batch.epoch;
+    out[i].index = batch.index;
+    for (const at::Tensor& f : batch.fields) out[i].fields.push_back(f.narrow(0, i * m, m));
+  }
+  return out;
+}
+
+Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::Device device,
+                 TrainerOptions options)
+    : model_(model), loss_(std::move(loss)), mesh_(mesh), device_(device),
+      options_(std::move(options)), accum_steps_(options_.accum_steps) {
+  validate(options_);
+  std::vector<std::string> names;
+  for (auto& item : model_.named_parameters()) {
+    if (item.value().requires_grad()) {
+      params_.push_back(item.value());
+      names.push_back(item.key());
+    }
+  }
+  DTRAIN_CHECK(!params_.empty(), "the model has no trainable parameters");
+  specs_ = collect_shard_specs(model_);
+  names_ = names;
+  for (const std::string& name : names) sharded_.push_back(specs_.count(name) > 0);
+  norm_layout_.sharded = sharded_;
+  norm_layout_.tp = &mesh_.tp();
+  // Rank 0's parameters everywhere first: a partitioned optimizer copies them into its
+  // master weights when it is built, before the reducer exists.
+  ReducerOptions reducer_options = options_.reducer;
+  if (reducer_options.names.empty()) reducer_options.names = names;
+  if (reducer_options.broadcast_parameters) {
+    check_same_parameters(params_, mesh_.dp(), reducer_options.names);
+    at::NoGradGuard no_grad;
+    broadcast_tensors(mesh_.dp(), params_, 0);
+    reducer_options.broadcast_parameters = false;
+  }
+  optimizer_ = options_.offload_optimizer
+                   ? make_offload_optimizer(params_, options_.optimizer, mesh_.dp(), options_.offload, device_)
+                   : make_optimizer(params_, options_.optimizer);
+  // A partitioned optimizer reads only its rank's range: each gradient is reduced to its owner.
+  if (reducer_options.owned.empty()) {
+    for (const FlatRange& r : optimizer_->gradient_owners()) reducer_options.owned.emplace_back(r.begin, r.end);
+    if (!reducer_options.owned.empty()) {
+      const auto& mine = reducer_options.owned[mesh_.dp().rank()];
+      norm_layout_.owned = FlatRange{mine.first, mine.second};
+      norm_layout_.dp = &mesh_.dp();
+      LOG_IF(INFO, mesh_.world().rank() == 0)
+          << "each gradient is reduced only to the rank whose shard holds it (the optimizer's, "
+          << reducer_options.owned.size() << " shards)";
+    }
+  }
+  reducer_ = std::make_unique<GradReducer>(params_, mesh_.dp(), reducer_options);
+  optimizer_->attach(*reducer_);
+  LossScalerOptions scaler_options = options_.loss_scaler;
+  scaler_options.enabled = options_.amp == AmpMode::kFp16;
+  scaler_ = std::make_unique<LossScaler>(scaler_options, device_);
+  DTRAIN_CHECK(!options_.resume || !options_.save_dir.empty(),
+               "--resume needs --save_dir (where the checkpoints are)");
+  DTRAIN_CHECK(options_.save_every >= 0, "--save_every must be >= 0");
+  // A resumed run appends to its metrics file.
+  metrics_ = options_.resume ? MetricsWriter::open_append(options_.metrics_path, mesh_.world().rank() == 0)
+                             : std::make_unique<MetricsWriter>(options_.metrics_path, mesh_.world().rank() == 0);
+  const bool rank0 = mesh_.world().rank() == 0;
+  tensorboard_ = std::make_unique<EventWriter>(options_.tensorboard_dir,
+                                               rank0 && !options_.tensorboard_dir.empty());
+  TimelineOptions timeline;
+  timeline.enabled = !options_.timeline_path.empty();
+  timeline.rank = mesh_.world().rank();
+  if (timeline.enabled) {
+    timeline.path = timeline_path_for_rank(options_.timeline_path, mesh_.world().rank(), mesh_.world().size());
+  }
+  timeline_ = std::make_unique<Timeline>(timeline);
+}
+
+Trainer::~Trainer() = default;
+
+bool Trainer::run_micro_batches(const Batch& batch, at::Tensor& loss_sum) {
+  const int n = accum_steps_;
+  bool synced_backward_done = false;
+  try {
+    std::vector<Batch> micro = split_batch(batch, n);
+    loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device_));
+    for (int i = 0; i < n; ++i) {
+      std::optional<GradReducer::NoSync> no_sync;
+      if (i + 1 < n) no_sync.emplace(reducer_.get());
+      at::Tensor loss;
+      {
+        Timeline::Span span(*timeline_, "forward", category::kCompute, lane::kMain);
+        AutocastGuard autocast(device_.type(), options_.amp);
+        loss = loss_(micro[i]);
+      }
+      DTRAIN_CHECK(loss.defined() && loss.numel() == 1, "the loss function must return a scalar, got ",
+                   loss.defined() ? loss.sizes() : at::IntArrayRef{});
+      loss_sum.add_(loss.detach().to(at::kDouble).reshape({}));
+      at::Tensor scaled = scaler_->scale(loss.reshape({}) / n);
+      loss.reset();
+      const auto backward_start = std::chrono::steady_clock::now();
+      scaled.backward();
+      if (timeline_->enabled()) {
+        if (i + 1 < n) {
+          timeline_->add_complete("backward", category::kCompute, lane::kMain, backward_start,
+                                  std::chrono::steady_clock::now());
+        } else {
+          // The synchronized backward: computation until the end-of-backward callback, then
+          // the wait for the buckets still in flight (the communication not hidden).
+          ReducerStepStats st = reducer_->last_step_stats();
+          timeline_->add_complete("backward", category::kCompute, lane::kMain, backward_start, st.backward_end);
+          timeline_->add_complete("wait for gradients", "wait", lane::kMain, st.backward_end, st.reduced);
+        }
+      }
+      if (i + 1 == n) synced_backward_done = true;
+    }
+    return false;
+  } catch (const c10::OutOfMemoryError& e) {
+    if (!options_.oom_backoff || mesh_.tp_size() > 1) throw;
+    LOG(WARNING) << "out of memory in step " << step_ + 1 << " with micro-batch of "
+                 << batch.size() / n << " rows: " << std::string(e.what_without_backtrace()).substr(0, 200);
+    loss_sum.reset();
+    if (device_.is_cuda()) LOG(WARNING) << "memory at the failure:\n" << memory_report().to_string();
+    if (!synced_backward_done) reducer_->abandon_step();
+    release_cached_memory(device_);
+    return true;
+  }
+}
+
+std::string Trainer::failing_ranks(bool failed) {
+  dist::Communicator& world = mesh_.world();
+  at::Tensor mine = at::full({1}, failed ? 1 : 0, at::kLong);
+  at::Tensor all = at::empty({world.size()}, at::kLong);
+  world.all_gather(mine, all)->wait();
+  std::ostringstream ranks;
+  for (int r = 0; r < world.size(); ++r) {
+    if (all[r].item<int64_t>()) ranks << (ranks.tellp() ? "," : "") << r;
+  }
+  return ranks.str();
+}
+
+bool Trainer::agree_on_failure(bool failed) {
+  const std::string ranks = failing_ranks(failed);
+  if (ranks.empty()) return false;
+  if (mesh_.world().rank() == 0) {
+    LOG(WARNING) << "step " << step_ + 1 << ": out of memory on rank(s) " << ranks
+                 << "; every rank drops the step and retries it with smaller micro-batches";
+  }
+  return true;
+}
+
+void Trainer::back_off(int64_t batch_rows) {
+  const int next = accum_steps_ * 2;
+  DTRAIN_CHECK(batch_rows % next == 0, "out of memory even with micro-batches of ",
+               batch_rows / accum_steps_, " rows (batch ", batch_rows,
+               " cannot be split further evenly); lower --batch_size, enable "
+               "--checkpoint_activations or --amp, or offload");
+  if (mesh_.world().rank() == 0) {
+    LOG(WARNING) << "OOM back-off: micro-batch " << batch_rows / accum_steps_ << " -> "
+                 << batch_rows / next << " rows, accumulation " << accum_steps_ << " -> " << next
+                 << " (the global batch is unchanged)";
+  }
+  accum_steps_ = next;
+}
+
+void Trainer::apply_update(StepMetrics& m, bool& skipped) {
+  // The gradients are read only: unscaling and clipping become one multiplier that the
+  // optimizer applies inside its update.
+  std::vector<at::Tensor> grads;
+  grads.reserve(params_.size());
+  for (const at::Tensor& p : params_) grads.push_back(p.grad());
+  const bool finite = scaler_->check_finite(grads, &mesh_.world());
+  at::Tensor multiplier;  // undefined: 1
+  if (scaler_->enabled()) multiplier = scaler_->inverse_scale();
+  if (finite && (options_.clip_grad_norm > 0 || options_.report_grad_norm)) {
+    at::Tensor norm = global_grad_norm(params_, norm_layout_);  // of the scaled gradients
+    if (multiplier.defined()) norm = norm * multiplier.to(norm.device());
+    if (options_.clip_grad_norm > 0) {
+      at::Tensor coef = clip_coefficient(norm, options_.clip_grad_norm);
+      multiplier = multiplier.defined() ? multiplier.to(coef.device()) * coef : coef;
+    }
+    last_grad_norm_ = norm;  // read on the host only at log steps
+  }
+  const double lr = options_.optimizer.lr * schedule_factor(options_.schedule, step_);
+  optimizer_->set_lr(lr);
+  m.lr = lr;
+  skipped = !finite;
+  if (finite) {
+    Timeline::Span span(*timeline_, "optimizer", category::kOptimizer, lane::kOptimizer);
+    optimizer_->step(multiplier);
+  } else {
+    optimizer_->skip_step();
+  }
+  scaler_->update();
+  reducer_->zero_grad();
+}
+
+StepResult Trainer::step(const Batch& batch) {
+  const auto started = std::chrono::steady_clock::now();
+  step_start_allocated_mb_ = memory_stats(device_).allocated_mb;
+  StepResult result;
+  at::Tensor loss_sum;
+  for (;;) {
+    bool failed = run_micro_batches(batch, loss_sum);
+    if (!options_.oom_backoff || !agree_on_failure(failed)) break;
+    reducer_->zero_grad();  // every rank drops what the failed attempt accumulated
+    back_off(batch.size());
+    ++result.oom_retries;
+  }
+  step_peak_mb_ = memory_stats(device_).peak_mb;
+  StepMetrics m;
+  bool skipped = false;
+  apply_update(m, skipped);
+  ++step_;
+  record_step_timeline(started);
+  if (options_.memory_report_step == step_ && mesh_.world().rank() == 0) {
+    LOG(INFO) << "memory report after step " << step_ << ":\n" << memory_report().to_string();
+  }
+  // The global-batch mean: average over micro-batches here, over data-parallel ranks there.
+  at::Tensor loss = loss_sum.div(accum_steps_).reshape({1});
+  pending_loss_ = mesh_.dp().all_reduce(loss, dist::ReduceOp::kAvg);
+  pending_loss_tensor_ = loss;
+  result.step = step_;
+  result.skipped = skipped;
+  result.loss = std::numeric_limits<double>::quiet_NaN();
+  m.step = step_;
+  m.accum_steps = accum_steps_;
+  last_ = m;
+  return result;
+}
+
+void Trainer::record_step_timeline(std::chrono::steady_clock::time_point start) {
+  if (!timeline_->enabled()) return;
+  auto end = std::chrono::steady_clock::now();
+  ReducerStepStats s = reducer_->last_step_stats();
+  const std::string collective = reducer_->bucket_comm().name();
+  for (size_t k = 0; k < s.bucket_start.size(); ++k) {
+    TraceArgs args = {{"bucket", static_cast<double>(k)},
+                      {"bytes", k < s.bucket_bytes.size() ? static_cast<double>(s.bucket_bytes[k]) : 0.0}};
+    if (k < s.bucket_launch.size()) {
+      timeline_->add_instant("enqueue " + collective, category::kComm, lane::kComm, s.bucket_launch[k], args);
+    }
+    timeline_->add_complete(collective, category::kComm, lane::kComm, s.bucket_start[k], s.bucket_end[k], args);
+  }
+  // A host update (optimizer offload); a delayed one ran during this step's forward and backward.
+  if (auto t = optimizer_->take_update_timing()) {
+    timeline_->add_complete(t->background ? "cpu update (delayed)" : "cpu update", category::kOptimizer,
+                            lane::kOptimizer, t->start, t->end);
+  }
+  timeline_->add_complete("step", category::kCompute, lane::kMain, start, end,
+                          {{"step", static_cast<double>(step_)}, {"accum_steps", static_cast<double>(accum_steps_)}});
+}
+
+void Trainer::finish_timeline() {
+  if (!timeline_->enabled()) return;
+  timeline_->write();
+  dist::Communicator& world = mesh_.world();
+  world.barrier()->wait();
+  if (world.rank() != 0) return;
+  std::vector<std::string> files;
+  for (int r = 0; r < world.size(); ++r) {
+    files.push_back(timeline_path_for_rank(options_.timeline_path, r, world.size()));
+  }
+  if (world.size() > 1) merge_timelines(files, options_.timeline_path);
+  LOG(INFO) << "timeline written to " << options_.timeline_path << ": "
+            << summarize_overlap(read_timeline(options_.timeline_path)).to_string();
+}
+
+MemoryReport Trainer::memory_report() const {
+  std::vector<at::Tensor> grads;
+  for (const at::Tensor& p : params_) grads.push_back(p.grad());
+  MemoryReport r = build_memory_report(device_, params_, grads, optimizer_->device_state(),
+                                       step_start_allocated_mb_, step_peak_mb_);
+  if (const int64_t host = optimizer_->host_bytes()) r.host_offload_mb = static_cast<double>(host) / (1024.0 * 1024.0);
+  return r;
+}
+
+void Trainer::flush_updates() { optimizer_->flush(); }
+
+double Trainer::read_loss() {
+  if (!pending_loss_) return std::numeric_limits<double>::quiet_NaN();
+  pending_loss_->wait();
+  pending_loss_.reset();
+  return pending_loss_tensor_.item<double>();
+}
+
+double Trainer::evaluate(DataLoader& eval, int64_t batches) {
+  const bool was_training = model_.is_training();
+  model_.eval();
+  at::Tensor total = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device_));
+  {
+    torch::NoGradGuard no_grad;
+    for (int64_t b = 0; b < batches; ++b) {
+      Batch batch = eval.next();
+      AutocastGuard autocast(device_.type(), options_.amp);
+      total.add_(loss_(batch).detach().to(at::kDouble).reshape({1}));
+    }
+  }
+  model_.train(was_training);
+  total.div_(static_cast<double>(batches));
+  mesh_.dp().all_reduce(total, dist::ReduceOp::kAvg)->wait();
+  return total.item<double>();
+}
+
+StepMetrics Trainer::log_step(bool eval_now, DataLoader* eval, int64_t global_batch,
+                              std::chrono::steady_clock::time_point window_start,
+                              int64_t window_steps, Progress& progress) {
+  StepMetrics m = last_;
+  m.loss = read_loss();  // waits for the step's work: the window's time is complete now
+  m.step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - window_start).count() /
+              window_steps;
+  m.samples_per_s = m.step_ms > 0 ? global_batch / (m.step_ms / 1000.0) : 0;
+  if (options_.tokens_per_sample > 0) m.tokens_per_s = m.samples_per_s * options_.tokens_per_sample;
+  MemoryStats mem = memory_stats(device_);
+  m.mem_allocated_mb = mem.allocated_mb;
+  m.mem_peak_mb = mem.peak_mb;
+  if (scaler_->enabled()) m.loss_scale = scaler_->scale_value();
+  if (options_.report_grad_norm && last_grad_norm_.defined()) m.grad_norm = last_grad_norm_.item<double>();
+  if (eval_now) m.eval_loss = evaluate(*eval, options_.eval_batches);
+  metrics_->write(m);
+  tensorboard_->add_metrics(m);
+  progress.update(m);
+  if (device_.is_cuda() && mesh_.world().rank() == 0 && !options_.progress) {
+    LOG(INFO) << gpu_summary_line(device_);
+  }
+  if (options_.on_log) options_.on_log(m);
+  return m;
+}
+
+bool Trainer::stop_for_preemption(const DataLoader& train) {
+  if (!options_.handle_preemption || !agree_preempt(mesh_.world())) return false;
+  if (mesh_.world().rank() == 0) {
+    LOG(WARNING) << "preempted (signal " << preemption_signal() << ") after step " << step_
+                 << (options_.save_dir.empty() ? "; no --save_dir, nothing saved" : "; saving a checkpoint");
+  }
+  if (!options_.save_dir.empty()) save_checkpoint(&train);
+  if (mesh_.world().rank() == 0) {
+    RequeueResult rq = request_requeue();
+    if (rq.attempted) LOG(WARNING) << "requeue: " << rq.message;
+  }
+  preempted_ = true;
+  return true;
+}
+
+StepMetrics Trainer::fit(DataLoader& train, DataLoader* eval) {
+  // The same on every rank (options and dataset are), so every rank refuses together.
+  DTRAIN_CHECK(train.options().drop_last || mesh_.dp_size() == 1,
+               "Trainer::fit: the training loader has drop_last = false, which gives ranks "
+               "unequal (possibly empty) shares of an epoch's last global batch; with ",
+               mesh_.dp_size(), " data-parallel ranks set drop_last = true");
+  Progress progress(options_.steps, options_.progress && mesh_.world().rank() == 0);
+  const int64_t global_batch = train.options().batch_size * mesh_.dp_size();
+  StepMetrics logged;
+  // The evaluation loader's position is saved and restored with the training loader's.
+  struct EvalScope {
+    DataLoader*& slot;
+    ~EvalScope() { slot = nullptr; }
+  } eval_scope{eval_};
+  eval_ = eval;
+  if (options_.resume) resume_checkpoint(&train);
+  const int64_t first_step = step_ + 1;  // logged too, so a resumed run shows where it starts
+  reset_peak_memory(device_);
+  auto window_start = std::chrono::steady_clock::now();
+  int64_t window_steps = 0;
+  while (step_ < options_.steps) {
+    Batch batch;
+    {
+      Timeline::Span span(*timeline_, "data", category::kData, lane::kLoader);
+      batch = train.next();
+    }
+    StepResult r = step(batch);
+    ++window_steps;
+    const bool eval_now = eval && options_.eval_every > 0 && r.step % options_.eval_every == 0;
+    if (r.step == first_step || r.step % options_.log_every == 0 || r.step == options_.steps || eval_now) {
+      // No host sync between log steps: the loss is read here only.
+      logged = log_step(eval_now, eval, global_batch, window_start, window_steps, progress);
+      if (first_logged_.step == 0) first_logged_ = logged;
+      window_start = std::chrono::steady_clock::now();
+      window_steps = 0;
+    }
+    if (!options_.save_dir.empty() && options_.save_every > 0 && r.step % options_.save_every == 0) {
+      save_checkpoint(&train);
+    }
+    if (stop_for_preemption(train)) break;
+  }
+  progress.finish();
+  flush_updates();  // the model holds every step's update when fit() returns
+  if (!preempted_ && !options_.save_dir.empty() && last_saved_step_ != step_) save_checkpoint(&train);
+  finish_timeline();
+  return logged;
+}
+
+}  // namespace dtrain::engine

@@ -1,0 +1,172 @@
+// Trainer checkpoints: what a step's state is, written unsplit so any layout can resume it.
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <glog/logging.h>
+
+#include "dtrain/dist/error.h"
+#include "dtrain/engine/train/trainer.h"
+
+namespace dtrain::engine {
+namespace {
+
+// "<param index>.<state name>" -> the parameter index.
+int64_t param_index_of(const std::string& state_name) {
+  auto dot = state_name.find('.');
+  return dot == std::string::npos ? -1 : std::stoll(state_name.substr(0, dot));
+}
+
+std::pair<int64_t, int64_t> parse_position(const std::string& text, const std::string& source) {
+  std::istringstream in(text);
+  int64_t epoch = 0, index = 0;
+  char comma = 0;
+  DTRAIN_CHECK((in >> epoch >> comma >> index) && comma == ',', source,
+               ": malformed data position '", text, "'");
+  return {epoch, index};
+}
+
+}  // namespace
+
+NamedTensors Trainer::full_model_state() {
+  NamedTensors state = model_state(model_);
+  std::map<std::string, at::Tensor> full;
+  if (mesh_.tp_size() > 1) full = gather_full_state(model_, mesh_.tp());
+  for (auto& [name, t] : state) {
+    auto it = full.find(name);
+    t = it != full.end() ? it->second : t.detach().cpu().clone();
+  }
+  return state;
+}
+
+NamedTensors Trainer::full_optimizer_state() {
+  // The replicated part (a partitioned part goes into the rank files).
+  NamedTensors state = optimizer_->state();
+  for (auto& [name, t] : state) {
+    int64_t i = param_index_of(name);
+    const bool sharded = i >= 0 && i < static_cast<int64_t>(params_.size()) && sharded_[i] &&
+                         t.sizes() == params_[i].sizes();
+    t = sharded ? gather_full_tensor(t, specs_.at(names_[i]), mesh_.tp()).cpu()
+                : t.detach().cpu().clone();
+  }
+  return state;
+}
+
+std::string Trainer::save_checkpoint(const DataLoader* loader) {
+  flush_updates();  // a delayed update in flight goes into the saved weights
+  CheckpointStoreOptions so;
+  so.keep_last = options_.keep_last;
+  CheckpointStore store(options_.save_dir, so);
+  dist::Communicator& world = mesh_.world();
+  CheckpointData data;
+  data.step = step_;
+  data.model = full_model_state();        // collective over tp
+  data.optimizer = full_optimizer_state();  // collective over tp
+  for (auto& [name, t] : scaler_->state()) data.scaler.emplace_back(name, t.detach().cpu().clone());
+  data.rng = capture_rng_state();
+  data.meta = options_.checkpoint_meta;
+  data.meta["accum_steps"] = std::to_string(accum_steps_);
+  if (loader) {
+    auto [epoch, index] = loader->position();
+    data.meta["loader.train"] = std::to_string(epoch) + "," + std::to_string(index);
+  }
+  if (eval_) {
+    auto [epoch, index] = eval_->position();
+    data.meta["loader.eval"] = std::to_string(epoch) + "," + std::to_string(index);
+  }
+  data.world_size = world.size();
+  data.dp_size = mesh_.dp_size();
+  data.rank_files = world.size();
+  RankState rank;
+  rank.rank = world.rank();
+  rank.dp_rank = mesh_.dp_rank();
+  rank.dp_size = mesh_.dp_size();
+  rank.tp_rank = mesh_.tp_rank();
+  rank.rng = data.rng;
+  data.meta["optimizer.offloaded"] = options_.offload_optimizer ? "1" : "0";
+  if (optimizer_->shard_layout()) rank.optimizer_shard = optimizer_->shard_state();
+  std::string path = engine::save_checkpoint(store, world, data, rank);
+  last_saved_step_ = step_;
+  if (world.rank() == 0) LOG(INFO) << "saved checkpoint of step " << step_ << " to " << path;
+  return path;
+}
+
+void Trainer::resume_checkpoint(DataLoader* loader) {
+  CheckpointStore store(options_.save_dir);
+  dist::Communicator& world = mesh_.world();
+  std::optional<CheckpointInfo> info = agree_latest_good(store, world);
+  DTRAIN_CHECK(info.has_value(), "--resume: no good checkpoint in '", options_.save_dir,
+               "'; train without --resume first (or point --save_dir at the run's directory)");
+  std::string error;
+  try {
+    restore_from(store, *info, loader);
+  } catch (const std::exception& e) {
+    error = e.what();
+    LOG(ERROR) << "cannot resume from " << info->path << ": " << error;
+  }
+  const std::string ranks = failing_ranks(!error.empty());  // collective: all throw or none
+  if (!ranks.empty()) {
+    throw Error(error.empty() ? detail::concat("cannot resume from ", info->path, ": it failed on rank(s) ",
+                                               ranks, " (their messages say why)")
+                              : error);
+  }
+}
+
+void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& info,
+                           DataLoader* loader) {
+  dist::Communicator& world = mesh_.world();
+  CheckpointData data = store.load(info.path);
+  // The model: every tensor-parallel layout resumes from the unsplit tensors.
+  NamedTensors local = data.model;
+  for (auto& [name, t] : local) {
+    auto spec = specs_.find(name);
+    if (spec != specs_.end()) t = shard_of(t, spec->second, mesh_.tp_rank(), mesh_.tp_size());
+  }
+  load_model_state(model_, local, info.path);
+  const bool saved_offloaded = data.meta.count("optimizer.offloaded") && data.meta.at("optimizer.offloaded") == "1";
+  DTRAIN_CHECK(saved_offloaded == options_.offload_optimizer, info.path, ": the checkpoint was saved ",
+               saved_offloaded ? "with" : "without", " --offload=optimizer; resume the same way");
+  if (auto layout = optimizer_->shard_layout()) {
+    // Partitioned state: this rank's range, from the saved shards of this tensor-parallel rank
+    // that overlap it (any old data-parallel size).
+    optimizer_->load_shard_state(load_resharded_optimizer(store, data, mesh_.tp_rank(), *layout));
+  }
+  // The optimizer, sharded the same way.
+  NamedTensors optimizer = data.optimizer;
+  for (auto& [name, t] : optimizer) {
+    int64_t i = param_index_of(name);
+    if (i >= 0 && i < static_cast<int64_t>(params_.size()) && sharded_[i] && t.dim() > 0) {
+      t = shard_of(t, specs_.at(names_[i]), mesh_.tp_rank(), mesh_.tp_size());
+    }
+    t = t.to(params_[std::max<int64_t>(0, std::min<int64_t>(i, params_.size() - 1))].device());
+  }
+  try {
+    optimizer_->load_state(optimizer);
+  } catch (const Error& e) {
+    throw Error(detail::concat(info.path, ": the optimizer state does not fit this run (",
+                               e.what(), "); resume with the same --optimizer and model"));
+  }
+  if (!data.scaler.empty() && scaler_->enabled()) scaler_->load_state(data.scaler);
+  // Random streams: this rank's own when the layout is the same, else rank 0's.
+  RngState rng = data.rng;
+  if (data.world_size == world.size() && data.rank_files == world.size()) {
+    rng = store.load_rank(info.step, world.rank()).rng;
+  }
+  restore_rng_state(rng);
+  step_ = data.step;
+  last_saved_step_ = data.step;
+  if (data.meta.count("accum_steps")) accum_steps_ = std::stoi(data.meta.at("accum_steps"));
+  if (loader && data.meta.count("loader.train")) {
+    auto [epoch, index] = parse_position(data.meta.at("loader.train"), info.path);
+    loader->seek(epoch, index);
+  }
+  if (eval_ && data.meta.count("loader.eval")) {
+    auto [epoch, index] = parse_position(data.meta.at("loader.eval"), info.path);
+    eval_->seek(epoch, index);
+  }
+  if (world.rank() == 0) {
+    LOG(INFO) << "resumed from " << info.path << " at step " << step_ << " (saved by "
+              << data.world_size << " rank(s), dp " << data.dp_size << ")";
+  }
+}
+
+}  // namespace dtrain::engine
