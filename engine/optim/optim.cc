@@ -186,7 +186,10 @@ void MultiTensorOptimizer::step(const at::Tensor& grad_multiplier) {
     }
     if (device_steps_) at::_foreach_add_(group.slots[0], at::Scalar(1.0));
     if (grad_multiplier.defined()) {
-      group.multiplier = grad_multiplier.reshape({}).to(group.device, at::kFloat, /*non_blocking=*/true);
+      // Asynchronous unless it lands on the host (the CPU kernels after it would race a device
+      // copy into pinned memory).
+      group.multiplier =
+          grad_multiplier.reshape({}).to(group.device, at::kFloat, /*non_blocking=*/!group.device.is_cpu());
       group.grad_scale = at::reciprocal(group.multiplier);
     }
     update(group);
