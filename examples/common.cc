@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <set>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -16,6 +17,7 @@
 #include "dtrain/dist/logging.h"
 #include "dtrain/engine/memory/memory.h"
 #include "dtrain/engine/optim/offload.h"
+#include "dtrain/engine/train/agreement.h"
 #include "dtrain/engine/train/preemption.h"
 
 // Run
@@ -61,6 +63,10 @@ DEFINE_string(backend, "auto", "communicator backend: auto, mpi, nccl, local");
 DEFINE_string(optimizer, "", "sgd, adam, adamw or adagrad (default: the example's)");
 DEFINE_double(weight_decay, 0.0, "weight decay");
 DEFINE_double(clip_grad_norm, 0.0, "clip gradients to this global norm (0: off)");
+DEFINE_string(on_nonfinite, "stop",
+              "a non-finite loss or gradient norm (fp32/bf16): stop (before the update, naming the newest "
+              "checkpoint) or skip (drop the step on every rank)");
+DEFINE_int32(max_nonfinite_skips, 10, "with --on_nonfinite=skip: stop after this many non-finite steps in a row");
 DEFINE_string(schedule, "constant", "learning-rate schedule: constant, cosine or linear");
 DEFINE_int64(warmup_steps, 0, "linear learning-rate warm-up steps");
 DEFINE_string(data, "real", "real (files that installed packages ship) or synthetic");
@@ -129,6 +135,8 @@ void check_flags() {
   DTRAIN_CHECK(FLAGS_plan != "auto" || FLAGS_gpu_mem_limit_gb > 0, "--plan=auto needs --gpu_mem_limit_gb (the budget to fit)");
   DTRAIN_CHECK(FLAGS_host_mem_limit_gb >= 0, "--host_mem_limit_gb=", FLAGS_host_mem_limit_gb, " must be >= 0");
   engine::parse_stream_gradients(FLAGS_offload_stream_gradients);  // validates
+  engine::parse_on_nonfinite(FLAGS_on_nonfinite);                   // validates
+  DTRAIN_CHECK(FLAGS_max_nonfinite_skips >= 1, "--max_nonfinite_skips=", FLAGS_max_nonfinite_skips, " must be >= 1");
   DTRAIN_CHECK(FLAGS_offload_delayed_update_after >= -1, "--offload_delayed_update_after=",
                FLAGS_offload_delayed_update_after, " must be >= 0 (warm-up steps) or -1 (off)");
   DTRAIN_CHECK(FLAGS_offload_delayed_update_after < 0 || engine::parse_offload(FLAGS_offload).optimizer,
@@ -155,6 +163,26 @@ void check_writable_file(const std::string& path, const char* flag) {
   std::string dir = parent_directory(path);
   DTRAIN_CHECK(is_directory(dir), "--", flag, "=", path, ": directory '",
                dir, "' does not exist; create it first");
+}
+
+}  // namespace
+
+namespace {
+
+// The program's flags that must be the same on every rank: every flag this program defines
+// except those that may legitimately differ per rank (docs/CLUSTER.md lists them).
+engine::Settings flags_that_must_agree() {
+  static const std::set<std::string> per_rank = {
+      "workers", "prefetch", "progress", "log_every", "metrics", "tensorboard_dir", "timeline",
+      "memory_report_step", "data_path", "collective_timeout_s", "host_mem_limit_gb", "offload_threads"};
+  std::vector<gflags::CommandLineFlagInfo> flags;
+  gflags::GetAllFlags(&flags);
+  engine::Settings out;
+  for (const auto& f : flags) {
+    if (f.filename.find("examples/") == std::string::npos || per_rank.count(f.name)) continue;
+    out.emplace_back("--" + f.name, f.current_value);
+  }
+  return out;
 }
 
 }  // namespace
@@ -195,6 +223,8 @@ Run init_run(int argc, char** argv, const std::string& usage,
   dist::CommOptions options;
   options.timeout = std::chrono::seconds(FLAGS_collective_timeout_s);
   run.comm = dist::create_communicator(FLAGS_backend, run.world, run.device, options);
+  // Before the mesh splits the world by --tp and before anything depends on the flags.
+  engine::agree_on_settings(*run.comm, flags_that_must_agree(), "command-line flags");
   run.mesh = std::make_unique<dist::Mesh>(*run.comm, FLAGS_tp);
   torch::manual_seed(static_cast<uint64_t>(FLAGS_seed));
   if (run.world.rank == 0) {
@@ -219,6 +249,8 @@ engine::TrainerOptions trainer_options(const Run& run, const std::string& defaul
   o.schedule.warmup_steps = FLAGS_warmup_steps;
   o.schedule.total_steps = FLAGS_steps;
   o.clip_grad_norm = FLAGS_clip_grad_norm;
+  o.on_nonfinite = engine::parse_on_nonfinite(FLAGS_on_nonfinite);
+  o.max_nonfinite_skips = FLAGS_max_nonfinite_skips;
   o.log_every = FLAGS_log_every;
   o.eval_every = FLAGS_eval_every;
   o.eval_batches = FLAGS_eval_batches;

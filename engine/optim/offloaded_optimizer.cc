@@ -48,7 +48,7 @@ struct OffloadedOptimizer::Impl {
 
   dist::Communicator* dp;
   OffloadOptions offload;
-  StreamGradients stream_mode;
+  StreamGradients stream_mode;  // parsed before the shard allocates anything
   offload_detail::HostShard shard;
   // Host gradients: one buffer, two with the delayed update (one filled while the
   // background update reads the other). grads[fill] receives this step's gradients.
@@ -66,7 +66,6 @@ OffloadedOptimizer::OffloadedOptimizer(std::vector<at::Tensor> params, const Opt
     : options_(options), params_(std::move(params)) {
   validate(options_);
   DTRAIN_CHECK(!params_.empty(), "optimizer offload needs at least one parameter");
-  parse_stream_gradients(offload_options.stream_gradients);  // bad input throws before any allocation
   const at::Tensor& first = params_.front();
   for (size_t i = 0; i < params_.size(); ++i) {
     DTRAIN_CHECK(params_[i].scalar_type() == first.scalar_type() && params_[i].device() == first.device(),

@@ -15,7 +15,6 @@ namespace {
 
 using TensorVector = std::vector<at::Tensor>;
 
-// The gradients with L2 weight decay added (a new list), or the gradients themselves.
 // The gradients times the step's multiplier, with L2 weight decay added (a new list), or the
 // gradients themselves.
 TensorVector with_weight_decay(const ParamGroup& group, double weight_decay) {

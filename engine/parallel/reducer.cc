@@ -103,12 +103,6 @@ std::string param_label(const std::vector<std::string>& names, size_t i) {
                           : "#" + std::to_string(i);
 }
 
-std::string shape_of(const at::Tensor& t) {
-  std::ostringstream os;
-  os << t.scalar_type() << t.sizes();
-  return os.str();
-}
-
 // Runs after a parameter's gradient has been accumulated, whichever AccumulateGrad node did
 // it. A hook on the tensor (not on its AccumulateGrad node) survives set_data() to another
 // device or dtype, which gives the parameter a new node: layer offload moves parameters
@@ -455,15 +449,22 @@ void check_same_parameters(const std::vector<at::Tensor>& params, dist::Communic
   comm.all_reduce(agreed, dist::ReduceOp::kMin)->wait();
   int64_t bad = agreed.item<int64_t>();
   if (bad < count) {
-    std::ostringstream theirs;
-    theirs << static_cast<at::ScalarType>(rank0[bad][0].item<int64_t>()) << "[";
-    for (int64_t d = 0; d < rank0[bad][1].item<int64_t>() && d < kCols - 2; ++d)
-      theirs << (d ? ", " : "") << rank0[bad][2 + d].item<int64_t>();
-    theirs << "]";
+    // The lowest rank whose parameter differs from rank 0's, and its dtype and shape.
+    at::Tensor other = at::tensor({differs[bad].item<bool>() ? static_cast<int64_t>(comm.rank()) : comm.size()}, at::kLong);
+    comm.all_reduce(other, dist::ReduceOp::kMin)->wait();
+    const int r = static_cast<int>(other.item<int64_t>());
+    at::Tensor row = mine[bad].clone();
+    comm.broadcast(row, r)->wait();
+    auto describe = [&](const at::Tensor& t) {
+      std::ostringstream os;
+      os << static_cast<at::ScalarType>(t[0].item<int64_t>()) << "[";
+      for (int64_t d = 0; d < t[1].item<int64_t>() && d < kCols - 2; ++d) os << (d ? ", " : "") << t[2 + d].item<int64_t>();
+      os << "]";
+      return os.str();
+    };
     throw Error(detail::concat("parameter ", param_label(names, static_cast<size_t>(bad)),
-                               " differs across ranks: rank 0 has ", theirs.str(), ", rank ",
-                               comm.rank(), " has ", shape_of(params[bad]),
-                               "; every rank must build the same model"));
+                               " differs across ranks: rank 0 has ", describe(rank0[bad]), ", rank ", r, " has ",
+                               describe(row), "; every rank must build the same model"));
   }
 }
 

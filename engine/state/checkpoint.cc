@@ -187,6 +187,8 @@ std::string save_checkpoint(CheckpointStore& store, dist::Communicator& world,
                  " step ", data.step, "; every rank must save the same step");
     if (all[2 * r].item<int64_t>() != 0) failed += (failed.empty() ? "" : ", ") + std::to_string(r);
   }
+  // A failed save leaves no files of its step behind (every rank removes its own).
+  if (!failed.empty()) store.discard_uncommitted_rank_file(data.step, world.rank());
   DTRAIN_CHECK(failed.empty(), "checkpoint step ", data.step, " was not saved: rank(s) ", failed,
                " could not write their rank files",
                error.empty() ? std::string(" (see their logs)") : "; here: " + error);
@@ -202,6 +204,7 @@ std::string save_checkpoint(CheckpointStore& store, dist::Communicator& world,
     }
   }
   world.broadcast(committed, 0)->wait();
+  if (committed.item<int64_t>() != 1) store.discard_uncommitted_rank_file(data.step, world.rank());
   DTRAIN_CHECK(committed.item<int64_t>() == 1, "checkpoint step ", data.step,
                " was not saved: rank 0 could not write the main file",
                error.empty() ? std::string(" (see rank 0's log)") : ": " + error);

@@ -196,6 +196,17 @@ std::string CheckpointStore::save(const CheckpointData& data) {
   return path;
 }
 
+void CheckpointStore::discard_uncommitted_rank_file(int64_t step, int rank) const {
+  try {
+    if (fs_->exists(path_for(step) + kRecordSuffix)) return;  // committed: the files are its
+    for (const std::string& path : {rank_path_for(step, rank) + kRecordSuffix, rank_path_for(step, rank)}) {
+      if (fs_->exists(path)) fs_->remove(path);
+    }
+  } catch (const std::exception& e) {
+    LOG(WARNING) << "could not remove the rank file of the failed save of step " << step << ": " << e.what();
+  }
+}
+
 std::string CheckpointStore::save_rank(int64_t step, const RankState& state) {
   DTRAIN_CHECK(step >= 0, "checkpoint step ", step, " must be >= 0");
   DTRAIN_CHECK(state.rank >= 0, "rank ", state.rank, " must be >= 0");

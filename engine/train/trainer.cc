@@ -12,6 +12,7 @@
 
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/memory/memory.h"
+#include "dtrain/engine/train/agreement.h"
 #include "dtrain/engine/train/preemption.h"
 #include "dtrain/engine/parallel/tensor_parallel.h"
 
@@ -26,8 +27,60 @@ void validate(const TrainerOptions& o) {
   DTRAIN_CHECK(std::isfinite(o.clip_grad_norm) && o.clip_grad_norm >= 0,
                "clip_grad_norm must be a finite number >= 0 (0 = off), got ", o.clip_grad_norm);
   DTRAIN_CHECK(o.tokens_per_sample >= 0, "tokens_per_sample must be >= 0");
+  DTRAIN_CHECK(o.max_nonfinite_skips >= 1, "max_nonfinite_skips must be >= 1, got ", o.max_nonfinite_skips);
   validate(o.optimizer);
   validate(o.schedule);
+}
+
+namespace {
+
+template <typename T>
+std::string text(const T& value) {
+  std::ostringstream os;
+  os.precision(17);
+  os << value;
+  return os.str();
+}
+
+// What must be the same on every rank for the ranks to train one model in step.
+Settings settings_of(const TrainerOptions& o) {
+  const OptimizerOptions& opt = o.optimizer;
+  Settings s = {
+      {"steps", text(o.steps)}, {"accum_steps", text(o.accum_steps)}, {"amp", to_string(o.amp)},
+      {"optimizer", opt.name}, {"lr", text(opt.lr)}, {"weight_decay", text(opt.weight_decay)},
+      {"momentum", text(opt.momentum)}, {"dampening", text(opt.dampening)}, {"nesterov", text(opt.nesterov)},
+      {"beta1", text(opt.beta1)}, {"beta2", text(opt.beta2)}, {"eps", text(opt.eps)},
+      {"amsgrad", text(opt.amsgrad)}, {"lr_decay", text(opt.lr_decay)},
+      {"initial_accumulator_value", text(opt.initial_accumulator_value)},
+      {"schedule", o.schedule.name}, {"warmup_steps", text(o.schedule.warmup_steps)},
+      {"total_steps", text(o.schedule.total_steps)}, {"min_lr_ratio", text(o.schedule.min_lr_ratio)},
+      {"clip_grad_norm", text(o.clip_grad_norm)}, {"report_grad_norm", text(o.report_grad_norm)},
+      {"eval_every", text(o.eval_every)}, {"eval_batches", text(o.eval_batches)},
+      {"oom_backoff", text(o.oom_backoff)}, {"offload_optimizer", text(o.offload_optimizer)},
+      {"offload.stream_gradients", o.offload.stream_gradients},
+      {"offload.delayed_update_after", text(o.offload.delayed_update_after)},
+      {"offload.reduce_to_owner", text(o.offload.reduce_to_owner)},
+      {"reducer.bucket_bytes", text(o.reducer.bucket_bytes)},
+      {"reducer.first_bucket_bytes", text(o.reducer.first_bucket_bytes)},
+      {"reducer.compress", o.reducer.compress ? c10::toString(*o.reducer.compress) : "off"},
+      {"reducer.find_unused_parameters", text(o.reducer.find_unused_parameters)},
+      {"save_every", text(o.save_every)}, {"keep_last", text(o.keep_last)}, {"resume", text(o.resume)},
+      {"saves checkpoints", text(!o.save_dir.empty())}, {"handle_preemption", text(o.handle_preemption)},
+      {"on_nonfinite", o.on_nonfinite == NonFinitePolicy::kStop ? "stop" : "skip"},
+      {"max_nonfinite_skips", text(o.max_nonfinite_skips)}};
+  if (o.amp == AmpMode::kFp16) {
+    s.push_back({"loss_scaler.init_scale", text(o.loss_scaler.init_scale)});
+    s.push_back({"loss_scaler.growth_interval", text(o.loss_scaler.growth_interval)});
+  }
+  return s;
+}
+
+}  // namespace
+
+NonFinitePolicy parse_on_nonfinite(const std::string& text) {
+  if (text == "stop") return NonFinitePolicy::kStop;
+  if (text == "skip") return NonFinitePolicy::kSkip;
+  throw Error("--on_nonfinite=" + text + " is not one of: stop, skip");
 }
 
 std::vector<Batch> split_batch(const Batch& batch, int n) {
@@ -49,6 +102,24 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
     : model_(model), loss_(std::move(loss)), mesh_(mesh), device_(device),
       options_(std::move(options)), accum_steps_(options_.accum_steps) {
   validate(options_);
+  // Before the first collective that depends on them (the parameter broadcast, the reducer).
+  agree_on_settings(mesh_.world(), settings_of(options_), "TrainerOptions");
+  if (!options_.save_dir.empty()) {
+    // One run per checkpoint directory, for this trainer's lifetime (rank 0 holds the lock).
+    std::string refused;
+    if (mesh_.world().rank() == 0) {
+      try {
+        save_dir_lock_ = std::make_unique<DirectoryLock>(options_.save_dir);
+      } catch (const Error& e) {
+        refused = e.what();
+      }
+    }
+    if (!failing_ranks(!refused.empty()).empty()) {
+      throw Error(refused.empty() ? "the checkpoint directory '" + options_.save_dir +
+                                        "' is in use by another run (rank 0 says which)"
+                                  : refused);
+    }
+  }
   std::vector<std::string> names;
   for (auto& item : model_.named_parameters()) {
     if (item.value().requires_grad()) {
@@ -197,19 +268,27 @@ void Trainer::back_off(int64_t batch_rows) {
   accum_steps_ = next;
 }
 
-void Trainer::apply_update(StepMetrics& m, bool& skipped) {
+void Trainer::apply_update(StepMetrics& m, bool& skipped, const at::Tensor& loss_sum) {
   // The gradients are read only: unscaling and clipping become one multiplier that the
   // optimizer applies inside its update.
   std::vector<at::Tensor> grads;
   grads.reserve(params_.size());
   for (const at::Tensor& p : params_) grads.push_back(p.grad());
-  const bool finite = scaler_->check_finite(grads, &mesh_.world());
+  bool finite = scaler_->check_finite(grads, &mesh_.world());
   at::Tensor multiplier;  // undefined: 1
   if (scaler_->enabled()) multiplier = scaler_->inverse_scale();
-  if (finite && (options_.clip_grad_norm > 0 || options_.report_grad_norm)) {
+  // Without a loss scaler the trainer itself watches for a non-finite loss or gradient norm.
+  const bool watch = !scaler_->enabled();
+  if (finite && (options_.clip_grad_norm > 0 || options_.report_grad_norm || watch)) {
     at::Tensor norm = global_grad_norm(params_, norm_layout_);  // of the scaled gradients
+    if (watch && nonfinite_on_any_rank(loss_sum, norm)) {
+      handle_nonfinite(loss_sum, norm);  // throws, or counts the skip
+      finite = false;
+    } else if (watch) {
+      consecutive_nonfinite_ = 0;
+    }
     if (multiplier.defined()) norm = norm * multiplier.to(norm.device());
-    if (options_.clip_grad_norm > 0) {
+    if (finite && options_.clip_grad_norm > 0) {
       at::Tensor coef = clip_coefficient(norm, options_.clip_grad_norm);
       multiplier = multiplier.defined() ? multiplier.to(coef.device()) * coef : coef;
     }
@@ -229,6 +308,46 @@ void Trainer::apply_update(StepMetrics& m, bool& skipped) {
   reducer_->zero_grad();
 }
 
+bool Trainer::nonfinite_on_any_rank(const at::Tensor& loss_sum, const at::Tensor& norm) {
+  at::Tensor flag = at::logical_or(at::isfinite(loss_sum).logical_not(), at::isfinite(norm).logical_not())
+                        .to(at::kLong)
+                        .reshape({1})
+                        .cpu();
+  mesh_.world().all_reduce(flag, dist::ReduceOp::kMax)->wait();
+  return flag.item<int64_t>() != 0;
+}
+
+void Trainer::handle_nonfinite(const at::Tensor& loss_sum, const at::Tensor& norm) {
+  const int64_t step = step_ + 1;
+  const bool skip = options_.on_nonfinite == NonFinitePolicy::kSkip;
+  ++consecutive_nonfinite_;
+  if (skip && consecutive_nonfinite_ <= options_.max_nonfinite_skips) {
+    ++nonfinite_skips_;
+    LOG_IF(WARNING, mesh_.world().rank() == 0)
+        << "step " << step << ": non-finite loss or gradient norm; the step is skipped on every rank ("
+        << nonfinite_skips_ << " skipped so far, " << consecutive_nonfinite_ << " in a row, --on_nonfinite=skip)";
+    return;
+  }
+  std::string newest = "no checkpoint was saved";
+  if (!options_.save_dir.empty()) {
+    CheckpointStoreOptions so;
+    so.fs = options_.checkpoint_fs;
+    std::vector<CheckpointInfo> saved = CheckpointStore(options_.save_dir, so).list();
+    if (!saved.empty()) newest = "the newest checkpoint is " + saved.front().path + " (resume from it, e.g. with a lower --lr)";
+  }
+  std::ostringstream os;
+  os << "step " << step << ": the loss is " << loss_sum.item<double>() / accum_steps_ << " and the gradient norm "
+     << norm.item<double>() << " on rank " << mesh_.world().rank() << " (a non-finite value on some rank)";
+  if (skip) {
+    os << "; " << consecutive_nonfinite_ << " steps in a row were not finite (--on_nonfinite=skip allows "
+       << options_.max_nonfinite_skips << "), so training stops";
+  } else {
+    os << "; training stops before the optimizer step (--on_nonfinite=stop), so the weights stay finite";
+  }
+  os << "; " << newest << ". --on_nonfinite=skip drops such steps instead.";
+  throw Error(os.str());
+}
+
 StepResult Trainer::step(const Batch& batch) {
   const auto started = std::chrono::steady_clock::now();
   step_start_allocated_mb_ = memory_stats(device_).allocated_mb;
@@ -244,7 +363,7 @@ StepResult Trainer::step(const Batch& batch) {
   step_peak_mb_ = memory_stats(device_).peak_mb;
   StepMetrics m;
   bool skipped = false;
-  apply_update(m, skipped);
+  apply_update(m, skipped, loss_sum);
   ++step_;
   record_step_timeline(started);
   if (options_.memory_report_step == step_ && mesh_.world().rank() == 0) {
@@ -350,6 +469,9 @@ StepMetrics Trainer::log_step(bool eval_now, DataLoader* eval, int64_t global_ba
   m.mem_peak_mb = mem.peak_mb;
   if (scaler_->enabled()) m.loss_scale = scaler_->scale_value();
   if (options_.report_grad_norm && last_grad_norm_.defined()) m.grad_norm = last_grad_norm_.item<double>();
+  if (nonfinite_skips_ > 0 || options_.on_nonfinite == NonFinitePolicy::kSkip) {
+    m.extra["nonfinite_skips"] = static_cast<double>(nonfinite_skips_);
+  }
   if (eval_now) m.eval_loss = evaluate(*eval, options_.eval_batches);
   metrics_->write(m);
   tensorboard_->add_metrics(m);
@@ -382,6 +504,12 @@ StepMetrics Trainer::fit(DataLoader& train, DataLoader* eval) {
                "Trainer::fit: the training loader has drop_last = false, which gives ranks "
                "unequal (possibly empty) shares of an epoch's last global batch; with ",
                mesh_.dp_size(), " data-parallel ranks set drop_last = true");
+  const LoaderOptions& lo = train.options();
+  agree_on_settings(mesh_.world(),
+                    {{"batch_size", text(lo.batch_size)}, {"drop_last", text(lo.drop_last)},
+                     {"shuffle", text(lo.shuffle)}, {"seed", text(lo.seed)}, {"batches per epoch", text(train.batches_per_epoch())},
+                     {"evaluation", text(eval != nullptr)}},
+                    "the training loader of Trainer::fit");
   Progress progress(options_.steps, options_.progress && mesh_.world().rank() == 0);
   const int64_t global_batch = train.options().batch_size * mesh_.dp_size();
   StepMetrics logged;

@@ -5,6 +5,7 @@
 #include <glog/logging.h>
 
 #include "dtrain/dist/error.h"
+#include "dtrain/engine/train/agreement.h"
 #include "dtrain/engine/train/trainer.h"
 
 namespace dtrain::engine {
@@ -53,8 +54,21 @@ NamedTensors Trainer::full_optimizer_state() {
 
 std::string Trainer::save_checkpoint(const DataLoader* loader) {
   flush_updates();  // a delayed update in flight goes into the saved weights
+  // Never a checkpoint of non-finite weights (rotation could then push out the last good one).
+  at::Tensor bad = at::zeros({1}, at::kLong);
+  for (const at::Tensor& p : params_) {
+    if (!at::isfinite(p.detach()).all().item<bool>()) {
+      bad.fill_(1);
+      break;
+    }
+  }
+  mesh_.world().all_reduce(bad, dist::ReduceOp::kMax)->wait();
+  DTRAIN_CHECK(bad.item<int64_t>() == 0, "step ", step_, ": the weights are not finite on some rank; no checkpoint "
+               "is written (the saved ones in '", options_.save_dir, "' stay as they are). Resume from the newest "
+               "with a lower --lr");
   CheckpointStoreOptions so;
   so.keep_last = options_.keep_last;
+  so.fs = options_.checkpoint_fs;
   CheckpointStore store(options_.save_dir, so);
   dist::Communicator& world = mesh_.world();
   CheckpointData data;
@@ -91,7 +105,9 @@ std::string Trainer::save_checkpoint(const DataLoader* loader) {
 }
 
 void Trainer::resume_checkpoint(DataLoader* loader) {
-  CheckpointStore store(options_.save_dir);
+  CheckpointStoreOptions so;
+  so.fs = options_.checkpoint_fs;
+  CheckpointStore store(options_.save_dir, so);
   dist::Communicator& world = mesh_.world();
   std::optional<CheckpointInfo> info = agree_latest_good(store, world);
   DTRAIN_CHECK(info.has_value(), "--resume: no good checkpoint in '", options_.save_dir,
@@ -103,11 +119,16 @@ void Trainer::resume_checkpoint(DataLoader* loader) {
     error = e.what();
     LOG(ERROR) << "cannot resume from " << info->path << ": " << error;
   }
-  const std::string ranks = failing_ranks(!error.empty());  // collective: all throw or none
+  // Collective: every rank learns every rank's failure and throws the same message, or none does.
+  const std::vector<std::string> errors = gather_texts(world, error);
+  std::string ranks, first;
+  for (size_t r = 0; r < errors.size(); ++r) {
+    if (errors[r].empty()) continue;
+    ranks += (ranks.empty() ? "" : ",") + std::to_string(r);
+    if (first.empty()) first = "rank " + std::to_string(r) + ": " + errors[r];
+  }
   if (!ranks.empty()) {
-    throw Error(error.empty() ? detail::concat("cannot resume from ", info->path, ": it failed on rank(s) ",
-                                               ranks, " (their messages say why)")
-                              : error);
+    throw Error(detail::concat("cannot resume from ", info->path, ": it failed on rank(s) ", ranks, " (", first, ")"));
   }
 }
 

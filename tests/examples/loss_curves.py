@@ -201,9 +201,10 @@ def steps_after(rows, step):
 
 
 def dir_digest(path):
+    """The checkpoints' bytes (not the lock file, which names the run holding the directory)."""
     import hashlib
     h = hashlib.sha256()
-    for name in sorted(os.listdir(path)):
+    for name in sorted(n for n in os.listdir(path) if n != ".dtrain.lock"):
         with open(os.path.join(path, name), "rb") as f:
             h.update(name.encode() + f.read())
     return h.hexdigest()

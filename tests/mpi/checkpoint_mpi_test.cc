@@ -141,6 +141,11 @@ TEST(CheckpointMpiTest, ARankThatCannotWriteCommitsNothing) {
       << message;
   comm.barrier()->wait();
   EXPECT_NE(::access(store.path_for(2).c_str(), F_OK), 0);
+  for (int r = 0; r < comm.size(); ++r) {  // the ranks that could write removed their files again
+    EXPECT_NE(::access(store.rank_path_for(2, r).c_str(), F_OK), 0) << "rank " << r;
+    EXPECT_NE(::access((store.rank_path_for(2, r) + ".crc").c_str(), F_OK), 0) << "rank " << r;
+  }
+  EXPECT_EQ(::access(store.rank_path_for(1, comm.rank()).c_str(), F_OK), 0);  // step 1's stay
   std::optional<CheckpointInfo> info = agree_latest_good(store, comm);
   ASSERT_TRUE(info.has_value());
   EXPECT_EQ(info->step, 1);

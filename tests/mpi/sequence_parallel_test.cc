@@ -18,7 +18,7 @@ using testing_util::rel_error;
 using testing_util::same_everywhere;
 using testing_util::world_comm;
 
-constexpr double kTol = 1e-12;
+constexpr double kSequenceTol = 1e-12;
 
 // Tensors of rank k of the group are same_everywhere(shape, base + k): every rank can build them all.
 std::vector<at::Tensor> per_rank(std::vector<int64_t> shape, uint64_t base, int T) {
@@ -49,25 +49,25 @@ TEST(SequenceParallelPrimitives, GatherReduceScatterAndScatterMatchClosedForms) 
       auto probes = per_rank(full, 200, T);
       at::Tensor x = xs[r].clone().requires_grad_(true);
       at::Tensor y = gather_from_sequence_parallel(x, tp, dim);
-      EXPECT_LT(rel_error(y, at::cat(xs, d)), kTol) << "gather T=" << T << " dim=" << dim;
+      EXPECT_LT(rel_error(y, at::cat(xs, d)), kSequenceTol) << "gather T=" << T << " dim=" << dim;
       (y * probes[r]).sum().backward();
-      EXPECT_LT(rel_error(x.grad(), sum_of(probes).chunk(T, d)[r]), kTol)
+      EXPECT_LT(rel_error(x.grad(), sum_of(probes).chunk(T, d)[r]), kSequenceTol)
           << "gather backward T=" << T;
       // reduce-scatter: this rank's chunk of the sum; backward: the gradients concatenated.
       auto zs = per_rank(full, 300, T);
       auto qs = per_rank(local, 400, T);
       at::Tensor z = zs[r].clone().requires_grad_(true);
       at::Tensor w = reduce_scatter_to_sequence_parallel(z, tp, dim);
-      EXPECT_LT(rel_error(w, sum_of(zs).chunk(T, d)[r]), kTol)
+      EXPECT_LT(rel_error(w, sum_of(zs).chunk(T, d)[r]), kSequenceTol)
           << "reduce-scatter T=" << T << " dim=" << dim;
       (w * qs[r]).sum().backward();
-      EXPECT_LT(rel_error(z.grad(), at::cat(qs, d)), kTol) << "reduce-scatter backward T=" << T;
+      EXPECT_LT(rel_error(z.grad(), at::cat(qs, d)), kSequenceTol) << "reduce-scatter backward T=" << T;
       // scatter of a tensor identical everywhere: the chunk; backward: the gradients concatenated.
       at::Tensor s = same_everywhere(full, 500).requires_grad_(true);
       at::Tensor c = scatter_to_sequence_parallel(s, tp, dim);
       EXPECT_TRUE(at::equal(c, s.detach().chunk(T, d)[r]));
       (c * qs[r]).sum().backward();
-      EXPECT_LT(rel_error(s.grad(), at::cat(qs, d)), kTol) << "scatter backward T=" << T;
+      EXPECT_LT(rel_error(s.grad(), at::cat(qs, d)), kSequenceTol) << "scatter backward T=" << T;
     }
   }
   // A group of one: the identity, no communication.
@@ -217,14 +217,14 @@ TEST(SequenceParallelModel, LossAndEveryGradientEqualThePlainModel) {
             << "activations are not split";
       }
       at::Tensor loss = run(split);
-      EXPECT_LT(rel_error(loss, ref_loss), kTol) << "T=" << T << " ckpt=" << ckpt;
+      EXPECT_LT(rel_error(loss, ref_loss), kSequenceTol) << "T=" << T << " ckpt=" << ckpt;
       auto specs = collect_shard_specs(split);
       for (auto& item : split.named_parameters()) {
         const at::Tensor& g = item.value().grad();
         ASSERT_TRUE(g.defined()) << item.key();
         auto spec = specs.find(item.key());
         at::Tensor full = spec == specs.end() ? g : gather_full_tensor(g, spec->second, tp);
-        EXPECT_LT(rel_error(full, ref_grads.at(item.key())), kTol)
+        EXPECT_LT(rel_error(full, ref_grads.at(item.key())), kSequenceTol)
             << item.key() << " T=" << T << " ckpt=" << ckpt << " rank " << tp.rank();
       }
     }

@@ -4,6 +4,7 @@
 // re-sharding of flat state against the unsharded array, RNG states, preemption flags and
 // Slurm requeue through a stand-in scontrol.
 #include "dtrain/engine/state/checkpoint.h"
+#include "dtrain/engine/state/dir_lock.h"
 #include "dtrain/engine/core/crc32c.h"
 #include "dtrain/offload/cpu_optimizer.h"
 
@@ -11,6 +12,7 @@
 #include <ftw.h>
 #include <signal.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -696,6 +698,45 @@ TEST(ShardLayoutTest, LoadsOnlyTheNeededRankFilesAcrossTensorParallelRanks) {
                        "holds partitioned optimizer state of 300 elements, but this model needs 301"));
   EXPECT_TRUE(contains(message_of([&] { load_resharded_optimizer(store, store.load(store.path_for(9)), 2, target); }),
                        "tensor-parallel size 2; tensor-parallel rank 2 has no state there"));
+}
+
+// ---- one run per checkpoint directory -----------------------------------------------------------
+
+TEST(DirectoryLockTest, SecondHolderIsRefusedNamingTheFirst) {
+  TempDir dir;
+  const std::string save = dir.path() + "/runs/a";  // created by the lock
+  {
+    DirectoryLock first(save);
+    const std::string m = message_of([&] { DirectoryLock second(save); });
+    EXPECT_TRUE(contains(m, "the checkpoint directory '" + save + "' is in use by another run (host ")) << m;
+    EXPECT_TRUE(contains(m, "pid " + std::to_string(::getpid()) + ", since ")) << m;
+    EXPECT_TRUE(contains(m, "one run per --save_dir")) << m;
+  }
+  EXPECT_NO_THROW({ DirectoryLock again(save); });  // released with its holder
+}
+
+TEST(DirectoryLockTest, AKilledHolderLeavesADirectoryTheNextRunLocks) {
+  TempDir dir;
+  int ready[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    DirectoryLock held(dir.path());
+    char c = 'x';
+    (void)!::write(ready[1], &c, 1);
+    ::pause();  // until killed
+    ::_exit(0);
+  }
+  char c = 0;
+  ASSERT_EQ(::read(ready[0], &c, 1), 1);
+  EXPECT_TRUE(contains(message_of([&] { DirectoryLock second(dir.path()); }), "pid " + std::to_string(child)));
+  ::kill(child, SIGKILL);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  EXPECT_NO_THROW({ DirectoryLock next(dir.path()); });
+  ::close(ready[0]);
+  ::close(ready[1]);
 }
 
 // ---- RNG ----------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 // the data-parallel group, updated by offload::CpuOptimizer.
 //
 // One step (after the reducer averaged the gradients: on every rank, or only each rank's
-// shard with ReducerOptions::owned, which the trainer sets): rank r copies the gradients of
+// shard with ReducerOptions::owned, from gradient_owners()): rank r copies the gradients of
 // its shard of the flat parameter space to the host (streamed per bucket during backward,
 // see attach()), updates its shard there, copies the new weights back into the
 // parameters, and the ranks all-gather the shards, so every rank ends the step with the same

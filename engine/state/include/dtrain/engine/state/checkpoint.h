@@ -170,6 +170,12 @@ class CheckpointStore {
   CheckpointData load(const std::string& path) const;
   RankState load_rank(int64_t step, int rank) const;
 
+  // What a failed collective save leaves behind: removes rank `rank`'s file of `step` and its
+  // record, unless a main file of that step is committed (then they belong to it). Never
+  // throws; logs what it cannot remove (the next run's clean-up skips such files anyway: a
+  // rank file without a committed main file is never read).
+  void discard_uncommitted_rank_file(int64_t step, int rank) const;
+
   std::string path_for(int64_t step) const;                 // DIR/step-000123.pt
   std::string rank_path_for(int64_t step, int rank) const;  // DIR/step-000123.rank-R.pt
   const std::string& dir() const { return dir_; }

@@ -30,6 +30,7 @@
 #include "dtrain/dist/mesh.h"
 #include "dtrain/engine/optim/amp.h"
 #include "dtrain/engine/state/checkpoint.h"
+#include "dtrain/engine/state/dir_lock.h"
 #include "dtrain/engine/parallel/tensor_parallel.h"
 #include "dtrain/engine/data/data.h"
 #include "dtrain/engine/parallel/grad_norm.h"
@@ -43,6 +44,15 @@
 
 namespace dtrain::engine {
 
+// What fit() does when a step's loss or gradient norm is not finite (fp32 and bf16; with fp16
+// the loss scaler skips overflowing steps and lowers the scale).
+enum class NonFinitePolicy {
+  kStop,  // end before the optimizer step with dtrain::Error naming the step and the newest checkpoint
+  kSkip,  // drop the step on every rank, count it, go on (up to max_nonfinite_skips in a row)
+};
+// "stop", "skip" (--on_nonfinite); throws dtrain::Error naming the accepted values otherwise.
+NonFinitePolicy parse_on_nonfinite(const std::string& text);
+
 struct TrainerOptions {
   int64_t steps = 100;            // optimizer steps fit() runs to
   int accum_steps = 1;            // micro-batches per step (must divide the batch)
@@ -52,6 +62,10 @@ struct TrainerOptions {
   ScheduleOptions schedule;
   double clip_grad_norm = 0;      // 0: no clipping (the norm is still reported)
   bool report_grad_norm = true;
+  // A non-finite loss or gradient norm, agreed across ranks before the optimizer step: the
+  // weights are never updated from it, so no checkpoint holds non-finite weights.
+  NonFinitePolicy on_nonfinite = NonFinitePolicy::kStop;
+  int max_nonfinite_skips = 10;   // kSkip: stop after this many consecutive skipped steps
   int64_t log_every = 10;         // metrics line at step 1, every this many steps, and the last
   int64_t eval_every = 0;         // 0: never; else evaluate every this many steps
   int64_t eval_batches = 4;       // batches per evaluation (per rank)
@@ -81,6 +95,7 @@ struct TrainerOptions {
   int64_t save_every = 0;         // also every this many steps (0: only at the end / preemption)
   int keep_last = 3;              // checkpoints kept (0: all)
   bool resume = false;            // fit() continues from the newest good checkpoint in save_dir
+  FileSystem* checkpoint_fs = nullptr;  // where checkpoints go (tests inject faults); nullptr: POSIX
   // Each step, agree across ranks on SIGTERM/SIGUSR1 (install_preemption_handlers() first);
   // then fit() saves, asks Slurm to requeue and returns with preempted() set.
   bool handle_preemption = true;
@@ -96,7 +111,7 @@ using LossFn = std::function<at::Tensor(const Batch& micro_batch)>;
 struct StepResult {
   int64_t step = 0;         // 1-based number of the step just taken
   double loss = 0;          // global-batch mean (read on the host only at log steps; else NaN)
-  bool skipped = false;     // fp16 overflow: the optimizer did not step
+  bool skipped = false;     // fp16 overflow or a skipped non-finite step: the optimizer did not step
   int oom_retries = 0;      // how many times this step backed off
 };
 
@@ -156,7 +171,11 @@ class Trainer {
   // resume_checkpoint()'s loads and restores on this rank (no collectives; may throw).
   void restore_from(const CheckpointStore& store, const CheckpointInfo& info, DataLoader* loader);
   void back_off(int64_t batch_rows);
-  void apply_update(StepMetrics& m, bool& skipped);
+  void apply_update(StepMetrics& m, bool& skipped, const at::Tensor& loss_sum);
+  // fp32/bf16: whether this step's loss or gradient norm is non-finite on any rank (collective).
+  bool nonfinite_on_any_rank(const at::Tensor& loss_sum, const at::Tensor& norm);
+  // --on_nonfinite: throws for kStop (and for too many skips in a row), else counts the skip.
+  void handle_nonfinite(const at::Tensor& loss_sum, const at::Tensor& norm);
   // The last step's global-batch loss (waits for its reduction), NaN if none is pending.
   double read_loss();
   // Builds, writes and shows the metrics of the step just taken.
@@ -183,6 +202,7 @@ class Trainer {
   DataLoader* eval_ = nullptr;  // fit()'s evaluation loader while it runs (checkpointed position)
   NamedTensors full_model_state();
   NamedTensors full_optimizer_state();
+  std::unique_ptr<DirectoryLock> save_dir_lock_;  // rank 0, with a save_dir: one run per directory
   std::unique_ptr<GradReducer> reducer_;
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<LossScaler> scaler_;
@@ -192,6 +212,8 @@ class Trainer {
   StepMetrics last_;
   StepMetrics first_logged_;
   at::Tensor last_grad_norm_;
+  int64_t nonfinite_skips_ = 0;     // steps dropped for a non-finite loss or gradient norm
+  int consecutive_nonfinite_ = 0;   // of them, in a row up to the last step
   std::unique_ptr<EventWriter> tensorboard_;
   std::unique_ptr<Timeline> timeline_;
   double step_start_allocated_mb_ = 0;

@@ -1,0 +1,29 @@
+// Settings every rank of a job must share, checked once at start-up: ranks launched with
+// different flags (per-rank argument lists, per-host wrapper scripts, defaults derived from
+// each node) would otherwise average gradients of different batches, or hang when one rank
+// finishes first.
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dtrain/dist/communicator.h"
+
+namespace dtrain::engine {
+
+// name -> value, as text. Names are unique; the order does not matter.
+using Settings = std::vector<std::pair<std::string, std::string>>;
+
+// Collective over comm (every rank calls it with its own settings). When they agree it costs
+// one all-reduce of two integers. When any differ, every rank throws dtrain::Error with the
+// same message: `what`, then each differing setting with its value on each rank ("batch_size:
+// rank 0 has 8, rank 1 has 16"); a setting some ranks lack shows as "(not set)" there. A
+// single-process communicator returns at once.
+void agree_on_settings(dist::Communicator& comm, const Settings& settings, const std::string& what);
+
+// Collective over comm: every rank's text, in rank order, on every rank (e.g. each rank's
+// error, so that every rank can fail with the same message).
+std::vector<std::string> gather_texts(dist::Communicator& comm, const std::string& mine);
+
+}  // namespace dtrain::engine
