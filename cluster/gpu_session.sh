@@ -62,7 +62,8 @@ build() {
 
 run_tests() {
   environment
-  (cd "$BUILD" && timeout 400 ctest -L gpu --output-on-failure >"$OUT/gpu-tests.log" 2>&1)
+  # Each gtest binary also writes its XML report there (failures and skips per case).
+  (cd "$BUILD" && GTEST_OUTPUT="xml:$OUT/gtest/" timeout 400 ctest -L gpu --output-on-failure >"$OUT/gpu-tests.log" 2>&1)
   local rc=$?
   tail -5 "$OUT/gpu-tests.log"
   say "GPU tests: exit $rc"

@@ -68,8 +68,12 @@ if(DTRAIN_TORCH_HAS_CUDA AND DTRAIN_WITH_CUDA)
     set(_cudart CUDA::cudart)
   endif()
   add_library(dtrain::torch_cuda INTERFACE IMPORTED GLOBAL)
+  # libtorch_cuda registers the CUDA kernels when it is loaded, while our code calls few of its
+  # symbols: under --as-needed (the default of Ubuntu's GCC) the linker would drop it and
+  # at::hasCUDA() would be false. As torch's own CMake config does, keep it needed.
   target_link_libraries(dtrain::torch_cuda INTERFACE dtrain::torch
-    "${TORCH_ROOT}/lib/libtorch_cuda.so" "${TORCH_ROOT}/lib/libc10_cuda.so" ${_cudart})
+    "-Wl,--no-as-needed,${TORCH_ROOT}/lib/libtorch_cuda.so,--as-needed"
+    "${TORCH_ROOT}/lib/libc10_cuda.so" ${_cudart})
   target_include_directories(dtrain::torch_cuda SYSTEM INTERFACE ${CUDAToolkit_INCLUDE_DIRS})
   list(APPEND DTRAIN_TORCH_LIBDIR "${_site}/nvidia/cu13/lib")
 
