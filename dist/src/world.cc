@@ -170,7 +170,11 @@ c10::Device select_device(const World& world, DeviceRequest request) {
                  "'); run with --device=cpu or on a GPU node");
     return c10::Device(c10::kCPU);
   }
-  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(world.local_rank % count));
+  const c10::Device device(c10::kCUDA, static_cast<c10::DeviceIndex>(world.local_rank % count));
+  // The calling thread's current device from now on, so that every "current device" fallback
+  // (an unindexed CUDA device, CUDA's default context) means this rank's GPU, not GPU 0.
+  c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(device);
+  return device;
 }
 
 }  // namespace dtrain::dist

@@ -11,11 +11,16 @@
 #include <string>
 #include <vector>
 
+#include <c10/core/impl/VirtualGuardImpl.h>
+
 #include "dtrain/engine/memory/memory_report.h"
 #include "memory_limit_internal.h"
 
 namespace dtrain::engine {
 namespace {
+
+// The calling thread's current CUDA device (dist::select_device sets it to this rank's GPU).
+int current_cuda_device() { return c10::impl::VirtualGuardImpl(c10::kCUDA).getDevice().index(); }
 
 // The few NVML declarations used (nvml.h, stable ABI); the header is not needed to build.
 using nvmlReturn_t = int;
@@ -166,7 +171,7 @@ GpuStatus gpu_status(c10::Device device) {
     return s;
   }
   nvmlDevice_t handle = nullptr;
-  if (!device_handle(n, device.has_index() ? device.index() : 0, &handle, &s.nvml_index,
+  if (!device_handle(n, device.has_index() ? device.index() : current_cuda_device(), &handle, &s.nvml_index,
                      &s.error)) {
     return s;
   }

@@ -7,6 +7,7 @@
 
 #include "dtrain/dist/communicator.h"
 #include "dtrain/dist/error.h"
+#include "dtrain/dist/world.h"
 #include "test_util.h"
 
 namespace dtrain::dist {
@@ -64,6 +65,16 @@ void check_all_collectives(Communicator& c, c10::Device dev) {
   c.reduce_scatter(at::cat(std::vector<at::Tensor>(N, p3)).to(opts.dtype(at::kFloat)), rs3)->wait();
   EXPECT_TRUE(at::equal(rs3.cpu().to(at::kDouble), p3 * N));
   c.barrier()->wait();
+}
+
+// select_device() makes this rank's GPU the thread's current device, so "current device"
+// fallbacks (an unindexed CUDA device, memory statistics, NVML status) mean this rank's GPU.
+TEST(GpuDevice, SelectDeviceMakesTheRanksGpuCurrent) {
+  DTRAIN_SKIP_WITHOUT_CUDA();
+  const World& w = testing_util::world();
+  const c10::Device d = select_device(w, DeviceRequest::kCuda);
+  EXPECT_EQ(d.index(), w.local_rank % static_cast<int>(c10::impl::getDeviceGuardImpl(c10::kCUDA)->deviceCount()));
+  EXPECT_EQ(c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice().index(), d.index());
 }
 
 TEST(GpuCollectives, MpiStagesCudaTensorsThroughPinnedMemory) {

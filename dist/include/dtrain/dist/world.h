@@ -47,8 +47,9 @@ enum class DeviceRequest { kAuto, kCpu, kCuda };
 DeviceRequest parse_device_request(const std::string& text);  // throws on unknown text
 
 // The device this process trains on: with GPUs visible and kAuto or kCuda, the GPU
-// local_rank % device_count; CPU otherwise. kCuda without a usable GPU throws dtrain::Error
-// saying so (and how to run on CPU instead).
+// local_rank % device_count, which also becomes the calling thread's current CUDA device; CPU
+// otherwise. kCuda without a usable GPU throws dtrain::Error saying so (and how to run on CPU
+// instead).
 c10::Device select_device(const World& world, DeviceRequest request);
 
 }  // namespace dtrain::dist
