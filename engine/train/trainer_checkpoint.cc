@@ -1,4 +1,5 @@
 // Trainer checkpoints: what a step's state is, written unsplit so any layout can resume it.
+#include <map>
 #include <sstream>
 
 #include <ATen/ATen.h>
@@ -55,13 +56,12 @@ NamedTensors Trainer::full_optimizer_state() {
 std::string Trainer::save_checkpoint(const DataLoader* loader) {
   flush_updates();  // a delayed update in flight goes into the saved weights
   // Never a checkpoint of non-finite weights (rotation could then push out the last good one).
-  at::Tensor bad = at::zeros({1}, at::kLong);
-  for (const at::Tensor& p : params_) {
-    if (!at::isfinite(p.detach()).all().item<bool>()) {
-      bad.fill_(1);
-      break;
-    }
-  }
+  // One host read per device (not one per parameter), then one collective.
+  std::map<std::string, std::vector<at::Tensor>> finite_by_device;
+  for (const at::Tensor& p : params_) finite_by_device[p.device().str()].push_back(at::isfinite(p.detach()).all());
+  int64_t any_bad = 0;
+  for (auto& [device, flags] : finite_by_device) any_bad |= at::stack(flags).logical_not().any().item<bool>();
+  at::Tensor bad = at::full({1}, any_bad, at::kLong);
   mesh_.world().all_reduce(bad, dist::ReduceOp::kMax)->wait();
   DTRAIN_CHECK(bad.item<int64_t>() == 0, "step ", step_, ": the weights are not finite on some rank; no checkpoint "
                "is written (the saved ones in '", options_.save_dir, "' stay as they are). Resume from the newest "
