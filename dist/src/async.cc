@@ -113,6 +113,23 @@ uint64_t Watchdog::watch(Entry entry) {
   return token;
 }
 
+void Watchdog::unwatch_owner(const void* owner) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto it = watched_.begin(); it != watched_.end();) {
+    it = it->second.entry.owner == owner ? watched_.erase(it) : std::next(it);
+  }
+}
+
+void Watchdog::shutdown() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  stopped_ = true;
+  watched_.clear();
+}
+
+void Watchdog::shutdown_at_exit() {
+  std::atexit([] { Watchdog::instance().shutdown(); });
+}
+
 void Watchdog::unwatch(uint64_t token) {
   std::lock_guard<std::mutex> lock(mutex_);
   watched_.erase(token);
@@ -214,10 +231,17 @@ void Watchdog::loop() {
   auto last_tick = std::chrono::steady_clock::now();
   for (;;) {
     std::this_thread::sleep_for(kTick);
-    std::vector<std::pair<std::string, std::function<void()>>> expired;
+    // Operations to end the process for: (message, abort, exit code).
+    struct Fatal {
+      std::string message;
+      std::function<void()> abort;
+      int code;
+    };
+    std::vector<Fatal> fatal;
     std::function<void(const std::string&)> handler;
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      if (stopped_) return;
       auto now = std::chrono::steady_clock::now();
       auto gap = std::chrono::duration_cast<std::chrono::milliseconds>(now - last_tick - kTick);
       double not_running_s = gap >= kNotRunning ? gap.count() / 1000.0 : 0.0;
@@ -240,9 +264,25 @@ void Watchdog::loop() {
           it = watched_.erase(it);
           continue;
         }
+        std::string failed;
+        if (w.entry.failure) {
+          try {
+            failed = w.entry.failure();
+          } catch (const std::exception& e) {
+            failed = e.what();
+          }
+        }
+        if (!failed.empty()) {
+          fatal.push_back({"collective failure: " + w.entry.what + " failed: " + failed + " (" +
+                               process_identity() +
+                               "); a peer rank or the network failed: see that rank's log",
+                           w.entry.abort, kExitFailure});
+          it = watched_.erase(it);
+          continue;
+        }
         auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - w.start);
         if (waited >= w.entry.timeout) {
-          expired.emplace_back(timeout_message(w, not_running_s), w.entry.abort);
+          fatal.push_back({timeout_message(w, not_running_s), w.entry.abort, kExitCollectiveTimeout});
           it = watched_.erase(it);
           continue;
         }
@@ -258,21 +298,21 @@ void Watchdog::loop() {
       }
       handler = on_timeout_;
     }
-    for (auto& [message, abort] : expired) {
+    for (Fatal& f : fatal) {
       if (handler) {
-        handler(message);
+        handler(f.message);
         continue;
       }
-      LOG(ERROR) << message;
-      std::fprintf(stderr, "%s\n", message.c_str());
+      LOG(ERROR) << f.message;
+      std::fprintf(stderr, "%s\n", f.message.c_str());
       std::fflush(stderr);
       // If aborting the communicator hangs, leave anyway.
-      std::thread([] {
+      std::thread([code = f.code] {
         std::this_thread::sleep_for(std::chrono::seconds(10));
-        std::_Exit(kExitCollectiveTimeout);
+        std::_Exit(code);
       }).detach();
-      if (abort) abort();
-      std::_Exit(kExitCollectiveTimeout);
+      if (f.abort) f.abort();
+      std::_Exit(f.code);
     }
   }
 }

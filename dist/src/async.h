@@ -79,6 +79,12 @@ class Watchdog {
     // logged when it returns), so it may block, but it must return well within the rest of
     // the timeout (HealthTicket::arrivals waits at most arrival_window(timeout)).
     std::function<std::string()> arrivals;
+    // Optional: polled with done(); a non-empty text means the operation has failed for good
+    // (NCCL's asynchronous error after a peer or network failure). The process then ends at
+    // once with that text (exit kExitFailure) instead of waiting out the timeout.
+    std::function<std::string()> failure;
+    // Optional: the communicator the entry belongs to, for unwatch_owner().
+    const void* owner = nullptr;
   };
   // The process-wide watchdog (started on first use; its thread is a daemon).
   static Watchdog& instance();
@@ -86,11 +92,23 @@ class Watchdog {
   // dropped automatically as well.
   uint64_t watch(Entry entry);
   void unwatch(uint64_t token);
+  // Drops every entry of this owner; no poll of them runs after it returns (a communicator's
+  // destructor calls it before freeing what the entries' callbacks use).
+  void unwatch_owner(const void* owner);
   // Replaces the exit on timeout (tests): called with the message instead of exiting.
   void set_timeout_handler_for_testing(std::function<void(const std::string&)> handler);
   // Tests: also called with every stall warning (after it is logged), from the thread that
   // logs it. nullptr removes the handler.
   void set_warning_handler_for_testing(std::function<void(const std::string&)> handler);
+  // Stops polling for good (no done()/failure() call after it returns); what is watched is
+  // neither reported nor aborted any more. Called at process exit, before the CUDA runtime
+  // is torn down, so an event query cannot run against a dead runtime and log a spurious
+  // "cannot tell whether ... completed". Idempotent.
+  void shutdown();
+  // Registers shutdown() with std::atexit. Handlers run in reverse order of registration:
+  // call it after the runtime whose teardown it must precede has started (the NCCL backend
+  // does, once CUDA is initialized).
+  static void shutdown_at_exit();
   // The watched operation in flight longest, with how long it has waited
   // ("all_reduce #4 on 'world/tp1' (...) for 2.5 s"), or "" when none is.
   std::string oldest_in_flight();
@@ -119,6 +137,7 @@ class Watchdog {
   std::condition_variable cv_;
   std::map<uint64_t, Watched> watched_;  // guarded by mutex_
   uint64_t next_token_ = 1;              // guarded by mutex_
+  bool stopped_ = false;                 // guarded by mutex_
   std::function<void(const std::string&)> on_timeout_;  // guarded by mutex_
   std::shared_ptr<std::function<void(const std::string&)>> on_warning_;  // guarded by mutex_
 };

@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include <ATen/ATen.h>
+#include <glog/logging.h>
 
 #include "async.h"
 #include "dtrain/dist/error.h"
@@ -227,6 +228,21 @@ std::unique_ptr<Communicator> Communicator::split(int color, int key, const std:
   child.name = options_.name + "/" + suffix;
   std::lock_guard<std::mutex> lock(*submit_mutex_);
   return do_split(color, key, std::move(child));
+}
+
+CommGroup::~CommGroup() {
+  if (!comm_) return;
+  try {
+    close();
+  } catch (const std::exception& e) {
+    LOG(ERROR) << "closing a group of collectives on '" << comm_->name() << "' failed: " << e.what();
+  }
+}
+
+void CommGroup::close() {
+  Communicator* comm = comm_;
+  comm_ = nullptr;
+  if (comm) comm->end_group();
 }
 
 }  // namespace dtrain::dist

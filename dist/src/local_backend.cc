@@ -1,14 +1,51 @@
 // "local": the communicator of a lone process (world size 1). Collectives are copies on the
 // caller's current stream; no MPI is initialized.
+//
+// Ordering on a GPU: the result of an operation on CUDA tensors is ready once the issuing
+// stream reaches the point where the operation was issued (the kernels that produced the
+// input, and the copy, if any). Work::wait() makes the waiting thread's current stream wait
+// for that point (an event), so a consumer on another stream (the offloaded optimizer's copy
+// stream) cannot read an unfinished gradient; synchronize() blocks the host on it.
 #include "backends.h"
 
-#include <ATen/ATen.h>
+#include <optional>
 
-#include "async.h"
+#include <ATen/ATen.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
 #include "dtrain/dist/error.h"
 
 namespace dtrain::dist {
 namespace {
+
+// Complete on the host at once; for device tensors, complete on the device once the event
+// recorded on the issuing stream fires.
+class LocalWork final : public Work {
+ public:
+  LocalWork(uint64_t seq, const at::Tensor& tensor) : seq_(seq) {
+    if (!tensor.defined() || tensor.device().is_cpu()) return;
+    device_ = tensor.device();
+    c10::impl::VirtualGuardImpl impl(device_.type());
+    event_.emplace(device_.type());
+    event_->record(impl.getStream(device_));
+  }
+  void wait() override {
+    if (!event_) return;
+    c10::impl::VirtualGuardImpl impl(device_.type());
+    event_->block(impl.getStream(device_));
+  }
+  void synchronize() override {
+    if (event_) event_->synchronize();
+  }
+  bool is_completed() override { return !event_ || event_->query(); }
+  uint64_t sequence() const override { return seq_; }
+
+ private:
+  const uint64_t seq_;
+  c10::Device device_{c10::kCPU};
+  std::optional<c10::Event> event_;
+};
 
 class LocalCommunicator final : public Communicator {
  public:
@@ -26,9 +63,7 @@ class LocalCommunicator final : public Communicator {
         !op.output.is_same(op.input) && op.output.data_ptr() != op.input.data_ptr()) {
       op.output.view(-1).copy_(op.input.view(-1));
     }
-    auto work = std::make_shared<HostWork>(op.seq);
-    work->finish();
-    return work;
+    return std::make_shared<LocalWork>(op.seq, op.output.defined() ? op.output : op.input);
   }
   std::unique_ptr<Communicator> do_split(int color, int, CommOptions child) override {
     if (color < 0) return nullptr;

@@ -108,10 +108,13 @@ class MpiCommunicator final : public Communicator {
     }
     std::string what = describe_op(*this, op.type, op.input, op.reduce, op.root, op.seq);
     executor_->post([this, op = std::move(op), work, ready, what = std::move(what)]() {
-      uint64_t token = Watchdog::instance().watch(
-          {what, options().timeout, [work] { return work->is_completed(); },
-           [comm = comm_] { MPI_Abort(comm, kExitCollectiveTimeout); },
-           arrivals_reporter(health_, op.seq)});
+      Watchdog::Entry entry;
+      entry.what = what;
+      entry.timeout = options().timeout;
+      entry.done = [work] { return work->is_completed(); };
+      entry.abort = [comm = comm_] { MPI_Abort(comm, kExitCollectiveTimeout); };
+      entry.arrivals = arrivals_reporter(health_, op.seq);
+      uint64_t token = Watchdog::instance().watch(std::move(entry));
       work->mark_started();
       if (health_) health_->progress().reached = op.seq;
       try {

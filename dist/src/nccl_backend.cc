@@ -9,11 +9,14 @@
 // (seen by the watchdog's poll). A lone process has no health service and no peers.
 #include <nccl.h>
 
+#include <mutex>
+
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 #include <glog/logging.h>
 
 #include "async.h"
@@ -108,6 +111,8 @@ class NcclCommunicator final : public Communicator {
         health_(sibling_health(*cpu_, /*kind=*/1)) {}
 
   ~NcclCommunicator() override {
+    // No watchdog poll may touch comm_ once it is destroyed.
+    Watchdog::instance().unwatch_owner(this);
     health_.reset();
     c10::cuda::CUDAGuard guard(device_);
     ncclResult_t rc = ncclCommDestroy(comm_);
@@ -129,15 +134,78 @@ class NcclCommunicator final : public Communicator {
   }
 
  protected:
+  void begin_group() override {
+    DTRAIN_CHECK(!grouping_, name(), ": begin_group() inside a group; groups do not nest");
+    grouping_ = true;
+  }
+
+  void end_group() override {
+    DTRAIN_CHECK(grouping_, name(), ": end_group() without begin_group()");
+    grouping_ = false;
+    if (!group_open_) return;
+    group_open_ = false;
+    std::vector<Pending> pending = std::move(pending_);
+    pending_.clear();
+    c10::cuda::CUDAGuard guard(device_);
+    NCCL_CHECK(ncclGroupEnd());
+    // The grouped operations are launched only now: their end events go after them.
+    for (Pending& p : pending) finish(std::move(p.work), p.what, p.seq);
+  }
+
+ protected:
   WorkPtr enqueue(Op op) override {
     const at::Tensor& any = op.input.defined() ? op.input : op.output;
     if (any.defined() && !any.is_cuda()) return forward_to_cpu(op);
+    for (const at::Tensor* t : {&op.input, &op.output}) {
+      if (t->defined()) check_on_comm_device(name() + "." + to_string(op.type), t->device(), device_);
+    }
     c10::cuda::CUDAGuard guard(device_);
-    // Order after the caller's queued work.
-    at::cuda::CUDAEvent ready(cudaEventDisableTiming);
-    ready.record(c10::cuda::getCurrentCUDAStream(device_.index()));
-    ready.block(stream_);
+    if (!group_open_) {
+      // Order after the caller's queued work (once per group: the caller issues a group's
+      // operations back to back).
+      at::cuda::CUDAEvent ready(cudaEventDisableTiming);
+      ready.record(c10::cuda::getCurrentCUDAStream(device_.index()));
+      ready.block(stream_);
+      if (grouping_) {
+        NCCL_CHECK(ncclGroupStart());
+        group_open_ = true;
+      }
+    }
     auto work = std::make_shared<NcclWork>(op.seq, device_, comm_, op.type == OpType::kBarrier);
+    issue(op);
+    for (const at::Tensor* t : {&op.input, &op.output}) {
+      if (t->defined() && t->numel() > 0) {
+        c10::cuda::CUDACachingAllocator::recordStream(t->storage().data_ptr(), stream_);
+      }
+    }
+    std::string what = describe_op(*this, op.type, op.input, op.reduce, op.root, op.seq);
+    if (group_open_) {
+      pending_.push_back({work, std::move(what), op.seq});
+    } else {
+      finish(work, what, op.seq);
+    }
+    return work;
+  }
+
+  std::unique_ptr<Communicator> do_split(int color, int key, CommOptions child) override {
+    auto cpu_child = cpu_->split(color, key, child.name.substr(child.name.rfind('/') + 1));
+    c10::cuda::CUDAGuard guard(device_);
+    ncclComm_t sub = nullptr;
+    NCCL_CHECK(ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &sub, nullptr));
+    if (color < 0 || sub == nullptr) return nullptr;
+    return std::make_unique<NcclCommunicator>(sub, std::move(cpu_child), device_, std::move(child));
+  }
+
+  std::vector<int64_t> exchange(const std::vector<int64_t>& mine) override {
+    at::Tensor in = at::tensor(mine, at::kLong);
+    at::Tensor out = at::empty({static_cast<int64_t>(mine.size()) * size()}, at::kLong);
+    cpu_->all_gather(in, out)->wait();
+    return std::vector<int64_t>(out.data_ptr<int64_t>(), out.data_ptr<int64_t>() + out.numel());
+  }
+
+ private:
+  // Launches op on stream_ (deferred to ncclGroupEnd inside a group).
+  void issue(const Op& op) {
     cudaStream_t s = stream_.stream();
     switch (op.type) {
       case OpType::kBarrier: {
@@ -169,11 +237,12 @@ class NcclCommunicator final : public Communicator {
                                      nccl_type(op.input.scalar_type()), nccl_reduce(op), comm_, s));
         break;
     }
-    for (const at::Tensor* t : {&op.input, &op.output}) {
-      if (t->defined() && t->numel() > 0) {
-        c10::cuda::CUDACachingAllocator::recordStream(t->storage().data_ptr(), stream_);
-      }
-    }
+  }
+
+  // Records the operation's end event on stream_ (after its launch) and hands it to the
+  // watchdog, which also polls NCCL's asynchronous error: a failed peer or network ends the
+  // job at once with NCCL's error, not after the collective timeout.
+  void finish(std::shared_ptr<NcclWork> work, const std::string& what, uint64_t seq) {
     work->end().record(stream_);
     auto* done_event = &work->end();
     // Health: an NCCL operation is "reached" once its rank has issued it (its GPU may still
@@ -181,43 +250,37 @@ class NcclCommunicator final : public Communicator {
     std::function<std::string()> arrivals;
     std::shared_ptr<OpProgress> progress;
     if (health_) {
-      health_->progress().reached = op.seq;
+      health_->progress().reached = seq;
       progress = std::shared_ptr<OpProgress>(health_, &health_->progress());
-      arrivals = [ticket = health_, seq = op.seq, window = arrival_window(options().timeout)] {
+      arrivals = [ticket = health_, seq, window = arrival_window(options().timeout)] {
         return ticket->arrivals(seq, window);
       };
     }
-    Watchdog::instance().watch(
-        {describe_op(*this, op.type, op.input, op.reduce, op.root, op.seq), options().timeout,
-         [work, done_event, progress, seq = op.seq, device = device_] {
-           // The watchdog thread has no current device: without the guard the query would
-           // create a CUDA context on GPU 0 in every process.
-           c10::cuda::CUDAGuard guard(device);
-           bool done = done_event->query();
-           if (done && progress) progress->complete(seq);
-           return done;
-         },
-         [comm = comm_] { ncclCommAbort(comm); }, std::move(arrivals)});
-    return work;
+    Watchdog::Entry entry;
+    entry.what = what;
+    entry.timeout = options().timeout;
+    entry.done = [work, done_event, progress, seq, device = device_] {
+      // The watchdog thread has no current device: without the guard the query would create
+      // a CUDA context on GPU 0 in every process.
+      c10::cuda::CUDAGuard guard(device);
+      bool done = done_event->query();
+      if (done && progress) progress->complete(seq);
+      return done;
+    };
+    entry.abort = [comm = comm_] { ncclCommAbort(comm); };
+    entry.arrivals = std::move(arrivals);
+    entry.failure = [comm = comm_]() -> std::string {
+      ncclResult_t async = ncclSuccess;
+      if (ncclCommGetAsyncError(comm, &async) != ncclSuccess) return "";
+      if (async == ncclSuccess || async == ncclInProgress) return "";
+      const char* last = ncclGetLastError(comm);
+      return nccl_version() + " reported " + ncclGetErrorString(async) +
+             (last && *last ? std::string(" (") + last + ")" : std::string());
+    };
+    entry.owner = this;
+    Watchdog::instance().watch(std::move(entry));
   }
 
-  std::unique_ptr<Communicator> do_split(int color, int key, CommOptions child) override {
-    auto cpu_child = cpu_->split(color, key, child.name.substr(child.name.rfind('/') + 1));
-    c10::cuda::CUDAGuard guard(device_);
-    ncclComm_t sub = nullptr;
-    NCCL_CHECK(ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &sub, nullptr));
-    if (color < 0 || sub == nullptr) return nullptr;
-    return std::make_unique<NcclCommunicator>(sub, std::move(cpu_child), device_, std::move(child));
-  }
-
-  std::vector<int64_t> exchange(const std::vector<int64_t>& mine) override {
-    at::Tensor in = at::tensor(mine, at::kLong);
-    at::Tensor out = at::empty({static_cast<int64_t>(mine.size()) * size()}, at::kLong);
-    cpu_->all_gather(in, out)->wait();
-    return std::vector<int64_t>(out.data_ptr<int64_t>(), out.data_ptr<int64_t>() + out.numel());
-  }
-
- private:
   ncclRedOp_t nccl_reduce(const Op& op) const {
     DTRAIN_CHECK(op.reduce != ReduceOp::kAvg || at::isFloatingType(op.input.scalar_type()),
                  "avg needs a floating-point tensor");
@@ -241,19 +304,40 @@ class NcclCommunicator final : public Communicator {
   c10::Device device_;
   c10::cuda::CUDAStream stream_;
   at::Tensor barrier_buf_;
+  // begin_group() .. end_group(): operations are launched together at ncclGroupEnd; their
+  // end events are recorded and watched then.
+  struct Pending {
+    std::shared_ptr<NcclWork> work;
+    std::string what;
+    uint64_t seq;
+  };
+  bool grouping_ = false;    // inside begin_group() .. end_group()
+  bool group_open_ = false;  // ncclGroupStart called for the current group
+  std::vector<Pending> pending_;
   // Registered over cpu_'s ranks; null for a lone process or without a health service.
   std::shared_ptr<HealthTicket> health_;
 };
 
 }  // namespace
 
+std::string gpu_pci_bus_id(c10::Device device) {
+  char id[64] = {0};
+  if (cudaDeviceGetPCIBusId(id, sizeof(id), device.index()) != cudaSuccess) {
+    cudaGetLastError();  // not sticky; clear it
+    return "";
+  }
+  return id;
+}
+
 std::unique_ptr<Communicator> make_nccl_communicator(const World& world, c10::Device device,
-                                                     CommOptions options) {
+                                                     CommOptions options,
+                                                     std::unique_ptr<Communicator> partner) {
   DTRAIN_CHECK(device.is_cuda(), "the nccl backend needs a CUDA device, but this rank uses ",
                device, "; use --backend=mpi for CPU training");
   CommOptions cpu_options = options;
   std::unique_ptr<Communicator> cpu =
-      world.size == 1 && !world.has_mpi_launcher()
+      partner ? std::move(partner)
+      : world.size == 1 && !world.has_mpi_launcher()
           ? make_local_communicator(world, cpu_options)
           : make_mpi_communicator(world, c10::Device(c10::kCPU), cpu_options);
   ncclUniqueId id;
@@ -263,6 +347,10 @@ std::unique_ptr<Communicator> make_nccl_communicator(const World& world, c10::De
   c10::cuda::CUDAGuard guard(device);
   ncclComm_t comm = nullptr;
   NCCL_CHECK(ncclCommInitRank(&comm, cpu->size(), id, cpu->rank()));
+  // The watchdog stops polling at exit before the CUDA runtime (initialized by now, so its
+  // teardown handler was registered earlier and runs later) is torn down.
+  static std::once_flag stop_watchdog_at_exit;
+  std::call_once(stop_watchdog_at_exit, [] { Watchdog::shutdown_at_exit(); });
   return std::make_unique<NcclCommunicator>(comm, std::move(cpu), device, std::move(options));
 }
 

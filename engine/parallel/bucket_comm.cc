@@ -39,14 +39,17 @@ ReduceToOwnerBuckets::ReduceToOwnerBuckets(std::vector<std::pair<int64_t, int64_
 
 BucketLaunch ReduceToOwnerBuckets::launch(const at::Tensor& wire, int64_t flat_begin, dist::Communicator& comm) {
   // Each owner of a part of the bucket receives that part's average.
+  // One launch for the bucket's reduces (NCCL groups them), not one per owner.
   BucketLaunch out;
   const int64_t end = flat_begin + wire.numel();
+  dist::CommGroup group(comm);
   for (int r = 0; r < comm.size(); ++r) {
     const int64_t lo = std::max(flat_begin, owned_[r].first), hi = std::min(end, owned_[r].second);
     if (lo >= hi) continue;
     out.works.push_back(comm.reduce(wire.narrow(0, lo - flat_begin, hi - lo), r, dist::ReduceOp::kAvg));
     if (r == comm.rank()) out.mine = out.works.back();
   }
+  group.close();
   if (!out.mine) out.mine = out.works.back();
   return out;
 }

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include "dtrain/dist/communicator.h"
@@ -75,6 +76,38 @@ TEST(GpuDevice, SelectDeviceMakesTheRanksGpuCurrent) {
   const c10::Device d = select_device(w, DeviceRequest::kCuda);
   EXPECT_EQ(d.index(), w.local_rank % static_cast<int>(c10::impl::getDeviceGuardImpl(c10::kCUDA)->deviceCount()));
   EXPECT_EQ(c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice().index(), d.index());
+}
+
+// The local backend's Work orders a consumer on another stream after the issuing stream: a
+// gradient still being computed when the collective is issued is complete once wait() returns
+// on the consumer's stream (issue 19, item 1). The producer runs long enough (a chain of
+// kernels on 64 MiB) that an unordered read on the other stream would see a partial result.
+TEST(GpuCollectives, LocalWorkOrdersTheWaitingStreamAfterTheIssuingStream) {
+  DTRAIN_SKIP_WITHOUT_CUDA();
+  const c10::Device dev(c10::kCUDA, 0);
+  auto c = create_communicator("local", World{}, dev);
+  c10::impl::VirtualGuardImpl impl(c10::kCUDA);
+  const c10::Stream producer = impl.getStreamFromGlobalPool(dev, /*isHighPriority=*/false);
+  const c10::Stream consumer = impl.getStreamFromGlobalPool(dev, /*isHighPriority=*/false);
+  const int64_t n = int64_t{16} << 20;
+  for (int trial = 0; trial < 3; ++trial) {
+    at::Tensor x, out, read;
+    {
+      c10::StreamGuard on(producer);
+      x = at::zeros({n}, at::TensorOptions().device(dev));
+      for (int k = 0; k < 200; ++k) x.add_(1.0);
+      out = at::empty_like(x);
+      WorkPtr work = c->all_reduce(x, out, ReduceOp::kSum);
+      c10::StreamGuard other(consumer);
+      work->wait();
+      read = out.clone();
+      impl.recordDataPtrOnStream(out.storage().data_ptr(), consumer);
+    }
+    impl.synchronizeStream(consumer);
+    impl.synchronizeStream(producer);
+    EXPECT_EQ(read.min().item<double>(), 200.0) << "trial " << trial;
+    EXPECT_EQ(read.max().item<double>(), 200.0) << "trial " << trial;
+  }
 }
 
 TEST(GpuCollectives, MpiStagesCudaTensorsThroughPinnedMemory) {

@@ -90,21 +90,60 @@ TEST(Registry, AutoChoosesMpiWhenRanksShareAGpu) {
   World w;
   w.size = 4;
   w.local_size = 2;  // two ranks on this node
-  EXPECT_EQ(choose_backend("auto", w, /*cuda_device=*/true, /*gpu_count=*/2, true), "nccl");
-  EXPECT_EQ(choose_backend("auto", w, true, 1, true), "mpi");  // the one-GPU machine
-  EXPECT_EQ(choose_backend("auto", w, true, 2, /*have_nccl=*/false), "mpi");
-  EXPECT_EQ(choose_backend("auto", w, /*cuda_device=*/false, 0, true), "mpi");
-  EXPECT_EQ(choose_backend("auto", World{}, false, 0, true), "local");
-  EXPECT_EQ(choose_backend("mpi", w, true, 1, true), "mpi");
+  const std::string shared = "ranks 0 and 1 on host n1 use the same GPU (PCI 0000:17:00.0)";
+  EXPECT_EQ(choose_backend("auto", w, /*cuda_device=*/true, /*shared_gpu=*/"", true), "nccl");
+  EXPECT_EQ(choose_backend("auto", w, true, shared, true), "mpi");  // the one-GPU machine
+  EXPECT_EQ(choose_backend("auto", w, true, "", /*have_nccl=*/false), "mpi");
+  EXPECT_EQ(choose_backend("auto", w, /*cuda_device=*/false, "", true), "mpi");
+  EXPECT_EQ(choose_backend("auto", World{}, false, "", true), "local");
+  EXPECT_EQ(choose_backend("mpi", w, true, shared, true), "mpi");
   try {
-    choose_backend("nccl", w, true, 1, true);
+    choose_backend("nccl", w, true, shared, true);
     FAIL() << "nccl with two ranks on one GPU";
   } catch (const Error& e) {
     std::string m = e.what();
-    EXPECT_NE(m.find("2 ranks on this node share 1 GPU(s)"), std::string::npos) << m;
+    EXPECT_NE(m.find(shared), std::string::npos) << m;
     EXPECT_NE(m.find("--backend=mpi"), std::string::npos) << m;
   }
-  EXPECT_THROW(choose_backend("nccl", w, true, 2, /*have_nccl=*/false), Error);
+  EXPECT_THROW(choose_backend("nccl", w, true, "", /*have_nccl=*/false), Error);
+}
+
+// Sharing is decided from the GPUs' identities, not from how many GPUs a rank sees: with
+// per-rank CUDA_VISIBLE_DEVICES (Slurm --gpus-per-task) each of 8 local ranks sees one GPU,
+// a different one, and NCCL works (issue 19, item 6; before, 8 ranks > 1 visible GPU meant
+// "shared": auto fell back to MPI staging and --backend=nccl threw).
+TEST(Registry, RanksThatSeeOneGpuEachShareNothing) {
+  std::vector<std::string> ids;
+  for (int r = 0; r < 8; ++r) ids.push_back("n1 0000:" + std::to_string(0x10 + r) + ":00.0");
+  for (int r = 0; r < 8; ++r) ids.push_back("n2 0000:" + std::to_string(0x10 + r) + ":00.0");
+  EXPECT_EQ(find_shared_gpu(ids), "");  // the same bus ids on another host are other GPUs
+  World w;
+  w.size = 16;
+  w.local_size = 8;
+  EXPECT_EQ(choose_backend("auto", w, true, find_shared_gpu(ids), true), "nccl");
+  EXPECT_EQ(choose_backend("nccl", w, true, find_shared_gpu(ids), true), "nccl");
+  // Two ranks of n2 given the same GPU: named, with both ranks.
+  ids[13] = ids[9];
+  EXPECT_EQ(find_shared_gpu(ids), "ranks 9 and 13 on host n2 use the same GPU (PCI 0000:17:00.0)");
+  EXPECT_EQ(choose_backend("auto", w, true, find_shared_gpu(ids), true), "mpi");
+  // A GPU whose identity is unknown matches nothing.
+  EXPECT_EQ(find_shared_gpu({"n1 ", "n1 ", "n1"}), "");
+}
+
+// NCCL would fault with an illegal address on a tensor of another GPU: a clear error instead
+// (issue 19, item 11).
+TEST(Registry, ATensorOnAnotherGpuThanTheCommunicatorsIsAClearError) {
+  const c10::Device gpu0(c10::kCUDA, 0), gpu1(c10::kCUDA, 1);
+  EXPECT_NO_THROW(check_on_comm_device("world.all_reduce", gpu0, gpu0));
+  try {
+    check_on_comm_device("world.all_reduce", gpu1, gpu0);
+    FAIL() << "a cuda:1 tensor on a cuda:0 communicator";
+  } catch (const Error& e) {
+    std::string m = e.what();
+    EXPECT_NE(m.find("world.all_reduce: the tensor is on cuda:1 but this communicator's GPU is cuda:0"),
+              std::string::npos) << m;
+    EXPECT_NE(m.find(".to(cuda:0)"), std::string::npos) << m;
+  }
 }
 
 TEST(Registry, NonPositiveTimeoutIsRejected) {
@@ -113,25 +152,36 @@ TEST(Registry, NonPositiveTimeoutIsRejected) {
   EXPECT_THROW(create_communicator("local", World{}, c10::Device(c10::kCPU), o), Error);
 }
 
-TEST(Watchdog, ReportsAnOperationThatOutlivesItsTimeout) {
+// Watches entry until the watchdog ends it (timeout or failure) or `wait` passes; returns the
+// message it would have exited with ("" if none) and how long that took.
+std::pair<std::string, double> fatal_message_of(Watchdog::Entry entry, std::chrono::seconds wait) {
   std::mutex m;
   std::condition_variable cv;
   std::string message;
-  bool aborted = false;
   Watchdog::instance().set_timeout_handler_for_testing([&](const std::string& msg) {
     std::lock_guard<std::mutex> lock(m);
     message = msg;
     cv.notify_all();
   });
-  uint64_t token = Watchdog::instance().watch(
-      {"all_reduce #42 on 'world' (fake)", std::chrono::milliseconds(300), [] { return false; },
-       [&] { aborted = true; }});
+  const auto start = std::chrono::steady_clock::now();
+  uint64_t token = Watchdog::instance().watch(std::move(entry));
+  std::string got;
   {
     std::unique_lock<std::mutex> lock(m);
-    cv.wait_for(lock, std::chrono::seconds(5), [&] { return !message.empty(); });
+    cv.wait_for(lock, wait, [&] { return !message.empty(); });
+    got = message;
   }
+  const double waited_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   Watchdog::instance().unwatch(token);
   Watchdog::instance().set_timeout_handler_for_testing(nullptr);
+  return {got, waited_s};
+}
+
+TEST(Watchdog, ReportsAnOperationThatOutlivesItsTimeout) {
+  const std::string message = fatal_message_of({"all_reduce #42 on 'world' (fake)", std::chrono::milliseconds(300),
+                                                 [] { return false; }, nullptr},
+                                                std::chrono::seconds(5))
+                                  .first;
   EXPECT_NE(message.find("collective timeout: all_reduce #42 on 'world'"), std::string::npos) << message;
   EXPECT_NE(message.find("0.3 s"), std::string::npos) << message;
 }
@@ -139,25 +189,80 @@ TEST(Watchdog, ReportsAnOperationThatOutlivesItsTimeout) {
 // A completion check that throws (a sticky CUDA error in an event query) must not take the
 // watchdog thread down: the operation is reported at its timeout like any other.
 TEST(Watchdog, ACompletionCheckThatThrowsEndsInTheTimeout) {
-  std::mutex m;
-  std::condition_variable cv;
-  std::string message;
-  Watchdog::instance().set_timeout_handler_for_testing([&](const std::string& msg) {
-    std::lock_guard<std::mutex> lock(m);
-    message = msg;
-    cv.notify_all();
-  });
-  uint64_t token = Watchdog::instance().watch(
-      {"all_reduce #7 on 'gpu' (fake)", std::chrono::milliseconds(300),
-       []() -> bool { throw std::runtime_error("CUDA error: an illegal memory access"); },
-       nullptr});
-  {
-    std::unique_lock<std::mutex> lock(m);
-    cv.wait_for(lock, std::chrono::seconds(5), [&] { return !message.empty(); });
-  }
-  Watchdog::instance().unwatch(token);
-  Watchdog::instance().set_timeout_handler_for_testing(nullptr);
+  const std::string message =
+      fatal_message_of({"all_reduce #7 on 'gpu' (fake)", std::chrono::milliseconds(300),
+                        []() -> bool { throw std::runtime_error("CUDA error: an illegal memory access"); }, nullptr},
+                       std::chrono::seconds(5))
+          .first;
   EXPECT_NE(message.find("collective timeout: all_reduce #7 on 'gpu'"), std::string::npos) << message;
+}
+
+// NCCL's asynchronous error (a peer or the network failed) ends the job at once with that
+// error, not after the collective timeout as a "stalled peer" (issue 19, item 4).
+TEST(Watchdog, AnOperationThatReportsAFailureEndsTheJobAtOnce) {
+  std::atomic<int> polls{0};
+  Watchdog::Entry entry{"all_reduce #9 on 'world' (fake nccl)", std::chrono::minutes(10),
+                        [] { return false; }, nullptr};
+  entry.failure = [&]() -> std::string {
+    return ++polls < 3 ? "" : "NCCL 2.28.9 reported remote process exited or there was a network error";
+  };
+  auto [message, waited_s] = fatal_message_of(std::move(entry), std::chrono::seconds(10));
+  EXPECT_NE(message.find("collective failure: all_reduce #9 on 'world' (fake nccl) failed: NCCL 2.28.9 "
+                         "reported remote process exited"),
+            std::string::npos) << message;
+  EXPECT_EQ(message.find("timeout"), std::string::npos) << message;
+  EXPECT_LT(waited_s, 5.0) << "reported within a few polls, not at the 10-minute timeout";
+}
+
+void watch_a_failing_barrier_then_wait() {
+  Watchdog::Entry e{"barrier #3 on 'world' (fake)", std::chrono::minutes(10), [] { return false; }, nullptr};
+  e.failure = [] { return std::string("unhandled system error"); };
+  Watchdog::instance().watch(std::move(e));
+  std::this_thread::sleep_for(std::chrono::seconds(5));
+  std::exit(0);
+}
+
+TEST(WatchdogDeathTest, AFailureExitsWithTheFailureCode) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(watch_a_failing_barrier_then_wait(), testing::ExitedWithCode(kExitFailure),
+              "collective failure: barrier #3 .*unhandled system error");
+}
+
+void watch_after_shutdown_then_wait() {
+  Watchdog::instance().watch({"all_reduce #1 on 'world' (fake)", std::chrono::milliseconds(100),
+                              []() -> bool {
+                                std::fprintf(stderr, "polled after shutdown\n");
+                                std::_Exit(3);
+                              },
+                              nullptr});
+  Watchdog::instance().shutdown();
+  Watchdog::instance().watch({"all_reduce #2 on 'world' (fake)", std::chrono::milliseconds(100),
+                              []() -> bool { std::_Exit(4); }, nullptr});
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));
+  std::fprintf(stderr, "not polled\n");
+  std::exit(0);
+}
+
+// After shutdown() (at process exit, before the CUDA runtime goes) nothing is polled: no event
+// query against a torn-down runtime, no spurious "cannot tell whether ... completed".
+TEST(WatchdogDeathTest, NothingIsPolledAfterShutdown) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(watch_after_shutdown_then_wait(), testing::ExitedWithCode(0), "not polled");
+}
+
+// unwatch_owner() drops every entry of a communicator (its destructor calls it before freeing
+// what the entries use).
+TEST(Watchdog, UnwatchOwnerDropsThatOwnersEntries) {
+  std::atomic<bool> reported{false};
+  Watchdog::instance().set_timeout_handler_for_testing([&](const std::string&) { reported = true; });
+  int owner = 0;
+  Watchdog::Entry e{"all_reduce #5 on 'x' (fake)", std::chrono::milliseconds(300), [] { return false; }, nullptr};
+  e.owner = &owner;
+  Watchdog::instance().watch(std::move(e));
+  Watchdog::instance().unwatch_owner(&owner);
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));
+  Watchdog::instance().set_timeout_handler_for_testing(nullptr);
+  EXPECT_FALSE(reported);
 }
 
 TEST(Watchdog, FinishedOperationsAreNotReported) {

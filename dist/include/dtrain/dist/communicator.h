@@ -18,7 +18,9 @@
 // Failures: argument errors throw dtrain::Error at the call. A backend failure is stored in
 // the Work and rethrown by wait(). An operation that does not complete within the
 // communicator's timeout is reported (operation, sequence number, timeout) by a watchdog
-// that then aborts the communicator and exits the process with kExitCollectiveTimeout.
+// that then aborts the communicator and exits the process with kExitCollectiveTimeout. An
+// operation the backend knows has failed for good (NCCL's asynchronous error: a peer or the
+// network failed) ends the process at once with that error and kExitFailure.
 //
 // Thread-safety: a Communicator may be used from several threads (the autograd engine's
 // hooks and the main thread), but operations issued concurrently from different threads
@@ -113,6 +115,14 @@ class Communicator {
   // Completes once every rank has called it.
   WorkPtr barrier();
 
+  // Operations issued between begin_group() and end_group(), back to back from one thread,
+  // may be launched as one: NCCL groups them (ncclGroupStart/ncclGroupEnd), so a bucket
+  // reduced to several owners is one launch instead of one per owner. Wait on their Works
+  // only after end_group(). The other backends run them one by one, as without a group.
+  // Groups do not nest. CommGroup (below) pairs the two calls.
+  virtual void begin_group() {}
+  virtual void end_group() {}
+
   // Collective and synchronous: ranks passing the same color form a new communicator,
   // ranked by (key, rank). Returns nullptr for color < 0 (the rank joins no group). The
   // child inherits options (timeout, debug) and is named "<name>/<suffix>".
@@ -151,6 +161,20 @@ class Communicator {
   CommOptions options_;
   uint64_t seq_ = 0;  // guarded by submit_mutex_
   std::unique_ptr<std::mutex> submit_mutex_;
+};
+
+// begin_group() on construction, end_group() at close() or destruction (where a failure is
+// logged, not thrown: call close() to see it).
+class CommGroup {
+ public:
+  explicit CommGroup(Communicator& comm) : comm_(&comm) { comm_->begin_group(); }
+  CommGroup(const CommGroup&) = delete;
+  CommGroup& operator=(const CommGroup&) = delete;
+  ~CommGroup();
+  void close();
+
+ private:
+  Communicator* comm_;
 };
 
 // Names of the backends compiled into this build ("local", "mpi", and "nccl" when built
