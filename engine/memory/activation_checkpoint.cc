@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <exception>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -11,6 +12,8 @@
 #include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/ivalue.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <glog/logging.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -222,12 +225,30 @@ variable_list CheckpointFunction::backward(AutogradContext* ctx, variable_list g
   std::vector<at::Tensor> inputs = ctx->get_saved_variables();
   variable_list result = recompute_and_differentiate(*state, inputs, grad_outputs);
   // Parameters may live on another device than the computation (layer offload): their
-  // gradients go where they are.
+  // gradients go where they are. Device-to-host: every copy of the block into pinned memory
+  // (asynchronous, at full bandwidth), then one wait for the last, instead of a synchronous
+  // pageable copy per parameter. The host must wait here: autograd accumulates a CPU gradient
+  // on the CPU as soon as this returns.
   const size_t first_param = 1 + inputs.size();
+  std::optional<c10::Device> copied_from;
   for (size_t j = 0; j < state->params.size(); ++j) {
     at::Tensor& g = result[first_param + j];
     const at::Tensor& p = state->params[j];
-    if (g.defined() && p.defined() && g.device() != p.device()) g = g.to(p.device());
+    if (!g.defined() || !p.defined() || g.device() == p.device()) continue;
+    if (p.device().is_cpu() && g.is_cuda()) {
+      at::Tensor host = at::empty(g.sizes(), g.options().device(c10::kCPU).pinned_memory(true));
+      host.copy_(g, /*non_blocking=*/true);
+      copied_from = g.device();
+      g = host;
+    } else {
+      g = g.to(p.device());
+    }
+  }
+  if (copied_from) {
+    c10::impl::VirtualGuardImpl impl(copied_from->type());
+    c10::Event copied(copied_from->type());
+    copied.record(impl.getStream(*copied_from));
+    copied.synchronize();
   }
   return result;
 }

@@ -26,6 +26,9 @@ HostShard::HostShard(std::vector<at::Tensor>& params, const OptimizerOptions& op
   const at::Tensor& first = params.front();
   if (!first.device().is_cpu()) device_ = first.device();
   offload::PinnedPoolOptions po;
+  // Page-locked memory only when there is a device to copy to: pinning the state of a run with
+  // CPU parameters would create a CUDA context and lock gigabytes for nothing (CUDA builds).
+  po.pin = device_.has_value();
   po.limit_bytes = offload.host_mem_limit_gb > 0 ? offload::host_limit_bytes_from_gb(offload.host_mem_limit_gb) : 0;
   pool_ = std::make_unique<offload::PinnedPool>(po);
   // The parameters become views of one flat buffer laid out as the CPU optimizer's flat space.

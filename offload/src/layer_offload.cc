@@ -3,6 +3,7 @@
 #include <optional>
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
@@ -20,6 +21,7 @@ struct LayerStreamer::Impl {
     std::vector<at::Tensor> device;  // device copies while fetched / acquired
     std::optional<c10::Event> ready;
     bool acquired = false;
+    bool autocast_cache_before = true;  // the thread's autocast cache flag at acquire()
   };
   c10::Device device{c10::kCPU};
   std::vector<Layer> layers;
@@ -96,6 +98,12 @@ void LayerStreamer::acquire(size_t i, size_t next) {
     layer.params[k].set_data(layer.device[k]);
   }
   layer.acquired = true;
+  // Autocast caches the low-precision copy of each weight (keyed by the parameter, whose data
+  // we switch) until the outermost autocast region ends, i.e. every streamed block's bf16/fp16
+  // weights until forward ends, undoing "two blocks resident". No caching while a block is
+  // acquired: its weights are cast where they are used (each once per forward).
+  layer.autocast_cache_before = at::autocast::is_autocast_cache_enabled();
+  at::autocast::set_autocast_cache_enabled(false);
   if (next < impl_->layers.size() && next != i) prefetch(next);
 }
 
@@ -103,6 +111,7 @@ void LayerStreamer::release(size_t i) {
   DTRAIN_CHECK(i < impl_->layers.size(), "layer offload: no layer ", i);
   Impl::Layer& layer = impl_->layers[i];
   if (!impl_->streaming()) return;
+  if (layer.acquired) at::autocast::set_autocast_cache_enabled(layer.autocast_cache_before);
   for (size_t k = 0; k < layer.params.size(); ++k) layer.params[k].set_data(layer.host[k]);
   layer.device.clear();  // freed once the compute stream's work on them is done (recordStream)
   layer.ready.reset();

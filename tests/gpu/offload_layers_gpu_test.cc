@@ -7,6 +7,7 @@
 
 #include "dtrain/engine/memory/activation_checkpoint.h"
 #include "dtrain/engine/memory/memory.h"
+#include "dtrain/engine/optim/amp.h"
 #include "dtrain/offload/layer_offload.h"
 #include "test_util.h"
 
@@ -77,6 +78,51 @@ TEST(LayerOffloadGpu, StreamedBlocksMatchResidentBlocksAndLeaveTheDevice) {
   // six blocks would need resident.
   const double block_mb = 2.0 * (d * d + d) * 4 / (1024.0 * 1024.0);
   EXPECT_LT(engine::memory_stats(dev).peak_mb - start_mb, 3.5 * block_mb);
+}
+
+// Under AMP, autocast's cache would keep every streamed block's bf16 copy of its weights until
+// the autocast region ends (issue 19, item 5): the streamer turns the cache off while a block is
+// acquired. With checkpointing, forward keeps only block outputs, so what forward leaves on the
+// device is well under one block's bf16 weights; cached casts would leave all six. The gradients
+// match the same blocks resident under the same autocast.
+TEST(LayerOffloadGpu, StreamedBlocksUnderAmpKeepNoCastWeights) {
+  DTRAIN_SKIP_WITHOUT_CUDA();
+  const c10::Device dev(c10::kCUDA, 0);
+  const int64_t d = 1024;
+  const int n = 6;
+  auto resident = make_blocks(n, d);
+  auto streamed = make_blocks(n, d);
+  for (auto& b : resident) b->to(dev);
+  for (auto& b : streamed) b->to(dev);
+  offload::LayerStreamer streamer(streamed, dev);
+  at::Tensor x = at::randn({8, d}, at::TensorOptions().device(dev));
+  at::Tensor probe = at::randn({8, d}, at::TensorOptions().device(dev));
+  at::Tensor xa = x.clone().requires_grad_(true), xb = x.clone().requires_grad_(true);
+  {
+    engine::AutocastGuard amp(c10::kCUDA, engine::AmpMode::kBf16);
+    (run(resident, nullptr, xa).to(at::kFloat) * probe).sum().backward();
+  }
+  const double cast_block_mb = (d * d + d) * 2 / (1024.0 * 1024.0);  // one block in bf16
+  double forward_growth_mb = 0;
+  {
+    engine::AutocastGuard amp(c10::kCUDA, engine::AmpMode::kBf16);
+    const double before_mb = engine::memory_stats(dev).allocated_mb;
+    at::Tensor y = run(streamed, &streamer, xb);
+    forward_growth_mb = engine::memory_stats(dev).allocated_mb - before_mb;
+    (y.to(at::kFloat) * probe).sum().backward();
+  }
+  EXPECT_LT(forward_growth_mb, 0.5 * cast_block_mb)
+      << "forward left " << forward_growth_mb << " MB on the device; cached bf16 weights of " << n
+      << " blocks would be " << n * cast_block_mb << " MB";
+  EXPECT_LT(testing_util::rel_error(xb.grad(), xa.grad()), 1e-3);
+  for (size_t i = 0; i < resident.size(); ++i) {
+    auto pa = resident[i]->parameters(), pb = streamed[i]->parameters();
+    for (size_t k = 0; k < pa.size(); ++k) {
+      ASSERT_TRUE(pb[k].grad().defined());
+      EXPECT_TRUE(pb[k].grad().device().is_cpu());
+      EXPECT_LT(testing_util::rel_error(pb[k].grad(), pa[k].grad()), 1e-3);
+    }
+  }
 }
 
 }  // namespace
