@@ -1,142 +1,400 @@
 #!/usr/bin/env bash
-# The GPU machine's work in one script (shared/GPU-MACHINE.md: one H100, torch 2.11 in
-# /opt/torch/.venv, Open MPI, no network, no gflags/glog/GoogleTest/protobuf/nlohmann-json).
+# The GPU machine's work (shared/GPU-MACHINE.md: one H100, torch 2.11 cu130 as python3, Open MPI,
+# no network, no gflags/glog/GoogleTest/protobuf/nlohmann-json). It is reached through a tool that
+# runs one command of at most 600 s, holds the machine about 30 minutes and starts it bare, so the
+# work is split into device calls whose worst cases are known in advance:
 #
-#   bash cluster/gpu_session.sh fetch     # HERE, on a Debian machine with apt: downloads the
-#                                         # packages the GPU machine lacks into .deps/ (ignored
-#                                         # by git; carry it to the GPU machine)
-#   bash cluster/gpu_session.sh all       # THERE: build, GPU tests, benchmarks
-#   bash cluster/gpu_session.sh build|test|bench   # one stage (build first)
-#   bash cluster/gpu_session.sh offload6b          # a 6.3B-parameter GPT with --offload=optimizer
+#   bash cluster/gpu_session.sh fetch        # HERE, once (Debian with apt): the packages the GPU
+#                                            # machine lacks, downloaded into .deps/ (git-ignored)
+#   bash cluster/gpu_session.sh plan         # HERE: the device calls in order, each with its carry
+#                                            # list and worst case; non-zero if they do not fit
+#   OUT=$OUT bash cluster/gpu_session.sh test     # THERE, first (carry .deps): unpack, configure
+#                                                 # (CUDA and NCCL forced ON, checked), build, GPU tests
+#   OUT=$OUT bash cluster/gpu_session.sh bench1   # THERE, same machine: speed rows
+#   OUT=$OUT bash cluster/gpu_session.sh bench2   # THERE, same machine: optimizer-offload rows
+#   bash cluster/gpu_session.sh check-configure LOG   # exit 0 if LOG says CUDA ON and NCCL ON, else 3
 #
-# Output: logs and summary.md (the rows for docs/BENCHMARKS.md) in $OUT (default ./gpu-out).
-# Build directory: $GPU_BUILD (default /tmp/dtrain-gpu-build). Each stage has a time limit so a
-# hang cannot eat the machine's lease; a failing stage is reported and the next one still runs.
+# The build lives in build-gpu/ (ignored by git's /build-*/), so a later call on the same warm
+# machine finds it; a restarted machine starts bare and needs `test` again (ninja resumes an
+# interrupted build there too). Every command a stage runs is bounded by `limit`, which takes its
+# seconds from LIMIT below; `plan` adds up the same table, so the plan cannot drift from the run.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT"
+BUILD="$ROOT/build-gpu"
+DEPS="$BUILD/deps"
+BIN="$BUILD/bin"
 OUT="${OUT:-$ROOT/gpu-out}"
-BUILD="${GPU_BUILD:-/tmp/dtrain-gpu-build}"
-DEPS=/tmp/dtrain-deps
 PACKAGES=(libgoogle-glog-dev libgoogle-glog0v6 libgflags-dev libgflags2.2 libunwind8 libunwind-dev
           libgtest-dev libgmock-dev googletest nlohmann-json3-dev libprotobuf-dev libprotobuf32
           libprotobuf-lite32 libprotoc32 protobuf-compiler zlib1g-dev)
 MPIRUN=(mpirun --allow-run-as-root --oversubscribe --bind-to none -x OMP_NUM_THREADS=4)
+# Only what the GPU tests and the benchmarks run: the unit and MPI test binaries would cost build
+# time the session does not have (they run on the CPU machines anyway).
+BUILD_TARGETS=(dtrain_gpu_tests train_gpt train_seq2seq dtrain-bench)
+
+# ---- the time budget: data read by the stages (through `limit`) and by `plan` -------------------
+CALL_LIMIT_S=600      # the device tool's limit per command
+SESSION_LIMIT_S=1500  # 25 of the session's 30 device minutes; the rest is transfer slack
+START_S=90            # machine start, paid once before the first call
+KILL_GRACE_S=5        # SIGTERM at LIMIT-5 s, SIGKILL at LIMIT (a program may ignore TERM)
+SEQUENCE=(test bench1 bench2)
+declare -A CARRY=([test]='[".deps"]' [bench1]='[]' [bench2]='[]')  # never carry build-gpu: that
+                                                                    # would replace the built tree
+declare -A STEPS=(
+  [test]="gpuinfo unpack configure build ctest"
+  [bench1]="s2s gpt124m nccl_allreduce mpi_allreduce cpu_adam copies offload_layers"
+  [bench2]="offload6b offload_opt offload_delayed"
+)
+declare -A LIMIT=(
+  [gpuinfo]=10 [unpack]=15 [configure]=60 [build]=270 [ctest]=120
+  [s2s]=120 [gpt124m]=45 [nccl_allreduce]=30 [mpi_allreduce]=45 [cpu_adam]=60 [copies]=25
+  [offload_layers]=45
+  [offload6b]=380 [offload_opt]=70 [offload_delayed]=70
+)
+# GPU_LIMIT_<step>=S overrides a limit (the plan sees the override too).
+for _s in "${!LIMIT[@]}"; do
+  _v="GPU_LIMIT_$_s"
+  [[ -n ${!_v:-} ]] && LIMIT[$_s]=${!_v}
+done
 
 say() { echo "[gpu-session] $*"; }
 
-fetch() {
-  mkdir -p .deps
-  (cd .deps && apt-get download "${PACKAGES[@]}") || {
-    say "ERROR: apt-get download failed (run 'apt-get update' first?)"
-    exit 1
-  }
-  say "downloaded $(ls .deps/*.deb | wc -l) packages into .deps/ ($(du -sh .deps | cut -f1))"
+stage_worst() {  # stage_worst STAGE: the sum of its steps' limits
+  local s total=0
+  for s in ${STEPS[$1]}; do total=$((total + LIMIT[$s])); done
+  echo "$total"
+}
+
+check_limits() {
+  local s
+  for s in "${!LIMIT[@]}"; do
+    if ! [[ ${LIMIT[$s]} =~ ^[0-9]+$ ]] || ((LIMIT[$s] <= KILL_GRACE_S)); then
+      say "ERROR: limit of $s is '${LIMIT[$s]}': must be a number of seconds above $KILL_GRACE_S"
+      return 1
+    fi
+  done
+}
+
+plan() {
+  local bad=0 total=$START_S stage worst i=0 s parts
+  check_limits || return 1
+  echo "here, once: bash cluster/gpu_session.sh fetch   (downloads .deps/, no device time)"
+  echo "machine start: $START_S s"
+  for stage in "${SEQUENCE[@]}"; do
+    i=$((i + 1))
+    worst=$(stage_worst "$stage")
+    parts=""
+    for s in ${STEPS[$stage]}; do parts+="${parts:+ + }$s ${LIMIT[$s]}"; done
+    printf 'call %d: OUT=$OUT bash cluster/gpu_session.sh %s | carry %s | worst %d s (%s)\n' \
+      "$i" "$stage" "${CARRY[$stage]}" "$worst" "$parts"
+    if ((worst > CALL_LIMIT_S)); then
+      echo "  ERROR: worst case $worst s is over the $CALL_LIMIT_S s a device command may run"
+      bad=1
+    fi
+    total=$((total + worst))
+  done
+  echo "total: $total s worst case, machine start included (limit $SESSION_LIMIT_S s)"
+  if ((total > SESSION_LIMIT_S)); then
+    echo "ERROR: the sequence's worst case $total s is over $SESSION_LIMIT_S s"
+    bad=1
+  fi
+  return $bad
+}
+
+# ---- running a stage's steps -------------------------------------------------------------------
+CURRENT_STEP=""
+STEP_LIMITED=0
+# limit CMD...: runs CMD for at most LIMIT[CURRENT_STEP] s, its whole process group killed after
+# (timeout signals the group: mpirun's ranks, ninja's compilers). One bounded command per step, so
+# a stage's worst case is exactly the sum that `plan` prints.
+limit() {
+  local s=${LIMIT[$CURRENT_STEP]:-}
+  if [[ -z $s ]]; then say "INTERNAL: step '$CURRENT_STEP' has no limit"; return 70; fi
+  if ((STEP_LIMITED)); then say "INTERNAL: step '$CURRENT_STEP' runs a second bounded command"; return 70; fi
+  STEP_LIMITED=1
+  timeout -k "$KILL_GRACE_S" "$((s - KILL_GRACE_S))" "$@"
+}
+
+describe_rc() {  # describe_rc RC: a short reason for the summaries
+  case $1 in
+    0) echo "ok" ;;
+    124) echo "timed out after ${LIMIT[$CURRENT_STEP]} s (exit 124)" ;;
+    137) echo "killed (exit 137: SIGKILL at the ${LIMIT[$CURRENT_STEP]} s limit, or out of memory)" ;;
+    *) echo "exit $1" ;;
+  esac
+}
+
+# run_steps STAGE STOP_ON_FAILURE: step_<name> for each step of STAGE in order. Sets FAILED.
+FAILED=()
+run_steps() {
+  local stage=$1 stop=$2 step rc t0
+  for step in ${STEPS[$stage]}; do
+    CURRENT_STEP=$step
+    STEP_LIMITED=0
+    t0=$SECONDS
+    "step_$step"
+    rc=$?
+    say "$stage/$step: $(describe_rc $rc), $((SECONDS - t0)) s (limit ${LIMIT[$step]} s)"
+    if ((rc != 0)); then
+      FAILED+=("$step($(describe_rc $rc))")
+      ((stop)) && return "$rc"
+    fi
+  done
+  return 0
 }
 
 environment() {
-  if [[ ! -d $DEPS/usr ]]; then
-    ls .deps/*.deb >/dev/null 2>&1 || { say "ERROR: no .deps/*.deb: run 'gpu_session.sh fetch' on the dev machine and carry .deps"; exit 1; }
-    mkdir -p "$DEPS"
-    for f in .deps/*.deb; do dpkg -x "$f" "$DEPS"; done
-  fi
   export LD_LIBRARY_PATH="$DEPS/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
   export PATH="$DEPS/usr/bin:$PATH"
-}
-
-build() {
-  environment
-  local python
-  python="${GPU_PYTHON:-$(command -v python3)}"  # /opt/torch/.venv there
-  local t0=$SECONDS
-  if [[ ! -f $BUILD/build.ninja ]]; then
-    cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDTRAIN_PYTHON="$python" \
-      -DCMAKE_PREFIX_PATH="$DEPS/usr" -DCMAKE_MODULE_PATH="$DEPS/usr/share/glog/cmake" \
-      -DProtobuf_PROTOC_EXECUTABLE="$DEPS/usr/bin/protoc" >"$OUT/configure.log" 2>&1 ||
-      { say "ERROR: configure failed"; tail -30 "$OUT/configure.log"; return 1; }
+  # CMake finds the CUDA toolkit through nvcc; a non-login shell may not have it on PATH.
+  if ! command -v nvcc >/dev/null && [[ -x /usr/local/cuda/bin/nvcc ]]; then
+    export PATH="$PATH:/usr/local/cuda/bin"
   fi
-  timeout 540 cmake --build "$BUILD" -j "$(nproc)" >"$OUT/build.log" 2>&1 ||
-    { say "ERROR: build failed"; grep -E "error|Error" "$OUT/build.log" | head -30; return 1; }
-  say "built in $((SECONDS - t0)) s"
 }
 
-run_tests() {
-  environment
-  # Each gtest binary also writes its XML report there (failures and skips per case).
-  (cd "$BUILD" && GTEST_OUTPUT="xml:$OUT/gtest/" timeout 400 ctest -L gpu --output-on-failure >"$OUT/gpu-tests.log" 2>&1)
+# ---- check-configure ---------------------------------------------------------------------------
+# A configure that misses the CUDA toolkit (or finds a CPU-only torch, or no NCCL wheel) still
+# succeeds and builds a tree whose GPU tests all skip: a wasted session. CMakeLists.txt prints the
+# effective values; anything but ON for both is refused.
+check_configure() {
+  local log=$1 line cuda nccl
+  if [[ ! -r $log ]]; then
+    echo "check-configure: cannot read '$log'" >&2
+    return 3
+  fi
+  line=$(grep -E 'dtrain: CUDA code paths [^ ,]+, NCCL backend [^ ,]+' "$log" | tail -1)
+  if [[ -z $line ]]; then
+    echo "check-configure: '$log' has no 'dtrain: CUDA code paths ..., NCCL backend ...' line: configure" \
+      "stopped before the summary (see the errors above it) or this is not a dtrain configure log." \
+      "Fix the first CMake error, then configure again with -DDTRAIN_WITH_CUDA=ON -DDTRAIN_WITH_NCCL=ON." >&2
+    return 3
+  fi
+  cuda=$(sed -E 's/.*CUDA code paths ([^ ,]+),.*/\1/' <<<"$line")
+  nccl=$(sed -E 's/.*NCCL backend ([^ ,]+).*/\1/' <<<"$line")
+  if [[ $cuda != ON ]]; then
+    echo "check-configure: CUDA code paths are $cuda ($line): CMake found no CUDA toolkit, or the torch of" \
+      "DTRAIN_PYTHON has no CUDA (no lib/libtorch_cuda.so); the build would compile no GPU code and every" \
+      "GPU test would skip. Fix: put nvcc on PATH (export PATH=/usr/local/cuda/bin:\$PATH) or pass" \
+      "-DCUDAToolkit_ROOT=/usr/local/cuda, use a CUDA torch (python3 -c 'import torch;print(torch.version.cuda)')," \
+      "and configure with -DDTRAIN_WITH_CUDA=ON -DDTRAIN_WITH_NCCL=ON." >&2
+    return 3
+  fi
+  if [[ $nccl != ON ]]; then
+    echo "check-configure: NCCL backend is $nccl ($line): the nvidia-nccl wheel next to torch was not" \
+      "found (see the 'DTRAIN_WITH_NCCL=ON but' warning above it) or NCCL was switched off. Fix: make" \
+      "python3 -c 'import nvidia.nccl' work for DTRAIN_PYTHON and configure with -DDTRAIN_WITH_NCCL=ON." >&2
+    return 3
+  fi
+  echo "check-configure: $line"
+  return 0
+}
+
+# ---- test: the first device call ---------------------------------------------------------------
+step_gpuinfo() {
+  mkdir -p "$BUILD"
+  # No GPU visible: stop before spending minutes on a build whose tests would all skip.
+  limit nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >"$BUILD/gpu-info.txt" 2>&1
   local rc=$?
-  tail -5 "$OUT/gpu-tests.log"
-  say "GPU tests: exit $rc"
-  # The CPU suites too, quickly: the same code on a 16-core machine.
-  (cd "$BUILD" && timeout 300 ctest -L unit -j4 >"$OUT/unit-tests.log" 2>&1)
-  say "unit tests: exit $? ($(tail -1 "$OUT/unit-tests.log"))"
+  cat "$BUILD/gpu-info.txt"
+  ((rc == 0)) || say "ERROR: nvidia-smi failed: no GPU visible"
   return $rc
 }
 
-bench() {
+step_unpack() {
+  [[ -d $DEPS/usr ]] && return 0  # unpacked by an earlier call on this machine
+  if ! ls .deps/*.deb >/dev/null 2>&1; then
+    say "ERROR: no .deps/*.deb: run 'bash cluster/gpu_session.sh fetch' here and carry [\".deps\"]"
+    return 1
+  fi
+  mkdir -p "$DEPS.tmp"
+  limit bash -c 'for f in .deps/*.deb; do dpkg -x "$f" "$1" || exit 1; done' _ "$DEPS.tmp" || return 1
+  mv "$DEPS.tmp" "$DEPS"  # only a complete unpack counts as done
+}
+
+step_configure() {
+  # Always (re)configure: quick on an existing tree, and it prints the summary line to check.
+  limit cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DDTRAIN_WITH_CUDA=ON -DDTRAIN_WITH_NCCL=ON -DDTRAIN_PYTHON="$(command -v python3)" \
+    -DCMAKE_PREFIX_PATH="$DEPS/usr" -DCMAKE_MODULE_PATH="$DEPS/usr/share/glog/cmake" \
+    -DProtobuf_PROTOC_EXECUTABLE="$DEPS/usr/bin/protoc" >"$OUT/configure.log" 2>&1
+  local rc=$?
+  if ((rc != 0)); then
+    say "ERROR: configure failed ($(describe_rc $rc)); the end of $OUT/configure.log:"
+    tail -25 "$OUT/configure.log"
+    return 1
+  fi
+  check_configure "$OUT/configure.log"
+}
+
+step_build() {
+  limit cmake --build "$BUILD" -j "$(nproc)" --target "${BUILD_TARGETS[@]}" >"$BUILD/build.log" 2>&1
+  local rc=$?
+  tail -200 "$BUILD/build.log" >"$OUT/build-tail.log"
+  if ((rc != 0)); then
+    say "ERROR: build $(describe_rc $rc) (a timed-out build resumes when 'test' runs again on this machine):"
+    grep -E "error|FAILED" "$BUILD/build.log" | head -20
+  fi
+  return $rc
+}
+
+step_ctest() {
+  mkdir -p "$OUT/gtest"
+  { cat "$BUILD/gpu-info.txt"; echo; } >"$OUT/ctest.log"
+  # Each gtest run writes its XML there (cases, failures, skips): np1, then the two MPI ranks.
+  GTEST_OUTPUT="xml:$OUT/gtest/" limit ctest --test-dir "$BUILD" -L gpu --output-on-failure >>"$OUT/ctest.log" 2>&1
+  local rc=$?
+  cp "$BUILD/Testing/Temporary/LastTest.log" "$OUT/LastTest.log" 2>/dev/null
+  tail -6 "$OUT/ctest.log"
+  return $rc
+}
+
+# gtest_counts: "CASES SKIPPED FAILURES" from the XML of the one-process run (gpu.np1; the MPI
+# ranks' files get a _1, _2 suffix).
+gtest_counts() {
+  local xml="$OUT/gtest/dtrain_gpu_tests.xml"
+  [[ -r $xml ]] || { echo "0 0 0"; return; }
+  echo "$(grep -c '<testcase ' "$xml") $(grep -c 'result="skipped"' "$xml") $(grep -c '<failure' "$xml")"
+}
+
+stage_test() {
+  mkdir -p "$OUT"
   environment
-  local bin="$BUILD/bin" s="$OUT/summary.md"
+  local t0=$SECONDS rc cases skipped failures verdict
+  run_steps test 1
+  rc=$?
+  read -r cases skipped failures < <(gtest_counts)
+  if ((rc == 0 && cases > 0 && skipped == cases)); then
+    say "ERROR: all $cases GPU test cases skipped: the tests saw no CUDA device"
+    rc=4
+  fi
+  if ((rc == 0)); then verdict=PASS; else verdict="FAIL (${FAILED[*]:-exit $rc})"; fi
+  say "test: $verdict; $(head -1 "$BUILD/gpu-info.txt" 2>/dev/null); gtest cases (np1): $cases," \
+    "$skipped skipped, $failures failures; $((SECONDS - t0)) s of worst $(stage_worst test) s" | tee -a "$OUT/ctest.log"
+  return $rc
+}
+
+# ---- benchmarks --------------------------------------------------------------------------------
+# measure TITLE PATTERN CMD...: a section of the summary with the lines of CMD's output matching
+# PATTERN; the whole output goes to the raw log. SHOW, when set, replaces the command shown.
+SUMMARY=""
+RAW=""
+measure() {
+  local title=$1 pattern=$2 tmp rc
+  shift 2
+  tmp="$BUILD/step.out"
+  { echo; echo "## $title"; echo; echo "\`${SHOW:-${*#"$BIN/"}}\`"; echo; } >>"$SUMMARY"
+  limit "$@" >"$tmp" 2>&1
+  rc=$?
+  { echo "===== $CURRENT_STEP: $*"; cat "$tmp"; echo "===== exit $rc"; } >>"$RAW"
+  grep -E -- "$pattern" "$tmp" >>"$SUMMARY"
+  ((rc == 0)) || echo "**$CURRENT_STEP: $(describe_rc $rc)**" >>"$SUMMARY"
+  return $rc
+}
+
+step_s2s() {
+  measure "s2s seed model, rows s2s fp32 .. eval (tools/techniques.sh --device=cuda)" '^\|' \
+    env DTRAIN_BIN="$BIN" bash tools/techniques.sh --device=cuda --steps=20 --log_every=10
+}
+step_gpt124m() {
+  measure "gpt124m AMP bf16" 'trained|MFU' \
+    "$BIN/train_gpt" --device=cuda --data=synthetic --amp=bf16 --steps=30 --log_every=10 --progress=false
+}
+step_nccl_allreduce() {
+  measure "NCCL all-reduce, world size 1 (busbw GB/s, 64 to 256 MiB)" '"bench"' \
+    "$BIN/dtrain-bench" allreduce --backend=nccl --device=cuda --min_bytes=67108864
+}
+step_mpi_allreduce() {
+  measure "MPI all-reduce, 2 ranks sharing the GPU through host staging (64 to 256 MiB)" '"bench"' \
+    "${MPIRUN[@]}" -np 2 "$BIN/dtrain-bench" allreduce --backend=mpi --device=cuda --min_bytes=67108864
+}
+step_cpu_adam() {
+  measure "CPU Adam, 100M parameters, 16 threads (PyTorch: fused 20 ms, foreach 109 ms)" '"bench"' \
+    "$BIN/dtrain-bench" cpu_adam --threads=16 --impls=dtrain,torch_fused,torch_foreach
+}
+step_copies() {
+  # No dtrain program times bare copies; this is the ceiling the offload paths copy against,
+  # measured with torch on this machine (1 GiB, pinned host memory, non-blocking copy_).
+  SHOW="python3 -c <pinned copy probe of cluster/gpu_session.sh>" \
+    measure "pinned copies (torch probe: the ceiling for the offload rows)" 'GB/s' python3 -c '
+import time, torch
+n = 1 << 30
+h = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+d = torch.empty(n, dtype=torch.uint8, device="cuda")
+def gbs(dst, src, reps=10):
+    dst.copy_(src, non_blocking=True); torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps): dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    return reps * n / (time.perf_counter() - t) / 1e9
+print(f"pinned H2D {gbs(d, h):.1f} GB/s, D2H {gbs(h, d):.1f} GB/s")'
+}
+step_offload_layers() {
+  measure "layer offload, gpt124m (--offload=layers)" 'trained|MFU|offload' \
+    "$BIN/train_gpt" --device=cuda --data=synthetic --amp=bf16 --offload=layers --steps=10 --log_every=5 \
+    --progress=false
+}
+# Issue 5's goal: a GPT whose optimizer state does not fit the GPU (6.3B parameters: 100 GB of
+# fp32 weights, gradients and Adam moments) trains with the optimizer state in host memory.
+step_offload6b() {
+  measure "optimizer offload, largest GPT: 6.3B parameters (goal: >= 30% of peak)" \
+    'parameters|trained|MFU|step [0-9]+/' \
+    "$BIN/train_gpt" --device=cuda --data=synthetic --amp=bf16 --offload=optimizer --checkpoint_activations \
+    --d_model=4096 --heads=32 --layers=30 --ff=16384 --batch_size=2 --steps=4 --log_every=1 --progress=false \
+    --memory_report_step=2
+}
+GPT13B=(--device=cuda --data=synthetic --amp=bf16 --offload=optimizer --d_model=2048 --heads=16 --layers=24
+        --ff=8192 --batch_size=4 --steps=8 --log_every=4 --progress=false)
+step_offload_opt() {
+  measure "optimizer offload, GPT 1.3B shape (the baseline of the delayed update)" 'trained|MFU|offload' \
+    "$BIN/train_gpt" "${GPT13B[@]}"
+}
+step_offload_delayed() {
+  measure "optimizer offload, delayed update (CPU step hidden behind the next forward/backward)" \
+    'trained|MFU|offload' "$BIN/train_gpt" "${GPT13B[@]}" --offload_delayed_update_after=2
+}
+
+stage_bench() {  # stage_bench N: bench<N>, rows into $OUT/summary-N.md, whole output in bench-N.log
+  local n=$1 stage="bench$1" t0=$SECONDS
+  mkdir -p "$OUT"
+  if [[ ! -x $BIN/train_gpt || ! -d $DEPS/usr ]]; then
+    say "ERROR: no build in $BUILD: run 'test' first on this machine (a restarted machine starts bare)"
+    return 1
+  fi
+  environment
+  SUMMARY="$OUT/summary-$n.md"
+  RAW="$OUT/bench-$n.log"
   {
-    echo "# GPU session $(date -u +%F) at $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
+    echo "# GPU session $stage, $(date -u '+%F %H:%M') UTC, commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')"
     echo
-    echo "## s2s seed model (tools/techniques.sh --device=cuda --steps=30)"
-    DTRAIN_BIN="$bin" timeout 300 bash tools/techniques.sh --device=cuda --steps=30 --log_every=10 2>&1
-    echo
-    echo "## gpt124m AMP bf16 (train_gpt --data=synthetic --amp=bf16 --steps=30)"
-    timeout 180 "$bin/train_gpt" --device=cuda --data=synthetic --amp=bf16 --steps=30 --log_every=10 \
-      --progress=false 2>&1 | grep -E "trained|MFU"
-    echo
-    echo "## all-reduce: NCCL at world size 1, MPI with 2 ranks sharing the GPU (busbw GB/s at 64 and 256 MiB)"
-    timeout 120 "$bin/dtrain-bench" allreduce --backend=nccl --device=cuda --min_bytes=67108864 2>/dev/null | grep '"bench"'
-    timeout 180 "${MPIRUN[@]}" -np 2 "$bin/dtrain-bench" allreduce --backend=mpi --device=cuda \
-      --min_bytes=67108864 2>/dev/null | grep '"bench"'
-    echo
-    echo "## CPU Adam, 100M parameters, 16 threads (PyTorch: fused 20 ms, foreach 109 ms)"
-    timeout 240 "$bin/dtrain-bench" cpu_adam --threads=16 --impls=dtrain,torch_fused,torch_foreach 2>/dev/null | grep '"bench"'
-    echo
-    echo "## offload: optimizer (gpt 1.3B shape) and layers (gpt124m)"
-    timeout 240 "$bin/train_gpt" --device=cuda --data=synthetic --amp=bf16 --offload=optimizer --d_model=2048 \
-      --heads=16 --layers=24 --ff=8192 --batch_size=4 --steps=8 --log_every=4 --progress=false 2>&1 | grep -E "trained|MFU|offload"
-    echo "## the same with the delayed update (CPU step hidden behind the next forward/backward)"
-    timeout 240 "$bin/train_gpt" --device=cuda --data=synthetic --amp=bf16 --offload=optimizer --d_model=2048 \
-      --heads=16 --layers=24 --ff=8192 --batch_size=4 --steps=8 --log_every=4 --progress=false \
-      --offload_delayed_update_after=2 2>&1 | grep -E "trained|MFU|offload"
-    timeout 180 "$bin/train_gpt" --device=cuda --data=synthetic --amp=bf16 --offload=layers --steps=10 \
-      --log_every=5 --progress=false 2>&1 | grep -E "trained|MFU|offload"
-    echo
-    echo "## planner: estimate vs measured (dtrain-plan --verify_steps)"
-    for flags in "" "--amp=bf16" "--checkpoint_activations" "--accum_steps=4"; do
-      echo "### seq2seq $flags"
-      timeout 120 "$bin/dtrain-plan" --model=seq2seq --device=cuda --verify_steps=3 $flags 2>&1 | tail -4
-    done
-  } >"$s" 2>&1
-  say "benchmarks written to $s"
+    cat "$BUILD/gpu-info.txt" 2>/dev/null
+  } >>"$SUMMARY"
+  : >"$RAW"
+  run_steps "$stage" 0
+  local steps
+  read -ra steps <<<"${STEPS[$stage]}"
+  say "$stage: $((${#steps[@]} - ${#FAILED[@]})) of ${#steps[@]} steps ok${FAILED:+, failed: ${FAILED[*]}};" \
+    "$((SECONDS - t0)) s of worst $(stage_worst "$stage") s; rows in $SUMMARY"
+  ((${#FAILED[@]} == 0))
 }
 
-# Issue 5's goal: a GPT whose optimizer state does not fit the GPU (6.3B parameters: 100 GB
-# of fp32 weights, gradients and Adam moments) trains with the optimizer state in host memory.
-# Own stage (not in `all`): model set-up alone takes minutes.
-offload_big() {
-  environment
-  timeout 560 "$BUILD/bin/train_gpt" --device=cuda --data=synthetic --amp=bf16 --offload=optimizer \
-    --checkpoint_activations --d_model=4096 --heads=32 --layers=30 --ff=16384 --batch_size=2 \
-    --steps=4 --log_every=1 --progress=false --memory_report_step=2 >"$OUT/offload6b.log" 2>&1
-  say "6B optimizer offload: exit $?"
-  grep -E "parameters|trained|MFU|step [0-9]+/" "$OUT/offload6b.log" | tail -8
+fetch() {
+  mkdir -p "$ROOT/.deps"
+  (cd "$ROOT/.deps" && apt-get download "${PACKAGES[@]}") || {
+    say "ERROR: apt-get download failed (run 'apt-get update' first?)"
+    exit 1
+  }
+  say "downloaded $(ls "$ROOT"/.deps/*.deb | wc -l) packages into .deps/ ($(du -sh "$ROOT/.deps" | cut -f1))"
 }
 
-mkdir -p "$OUT"
 case "${1:-}" in
-  offload6b) offload_big ;;
   fetch) fetch ;;
-  build) build ;;
-  test) run_tests ;;
-  bench) bench ;;
-  all)
-    build || exit 1
-    run_tests
-    bench
+  plan) plan ;;
+  check-configure)
+    [[ $# -eq 2 ]] || { echo "usage: gpu_session.sh check-configure CONFIGURE_LOG" >&2; exit 2; }
+    check_configure "$2"
     ;;
-  *) echo "usage: gpu_session.sh fetch|all|build|test|bench|offload6b" >&2; exit 2 ;;
+  test) check_limits && cd "$ROOT" && stage_test ;;
+  bench1) check_limits && cd "$ROOT" && stage_bench 1 ;;
+  bench2) check_limits && cd "$ROOT" && stage_bench 2 ;;
+  *) echo "usage: gpu_session.sh fetch|plan|test|bench1|bench2|check-configure LOG" >&2; exit 2 ;;
 esac
