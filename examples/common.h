@@ -6,6 +6,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <gflags/gflags.h>
 
@@ -13,47 +14,13 @@
 #include "dtrain/dist/mesh.h"
 #include "dtrain/dist/world.h"
 #include "dtrain/engine/data/data.h"
+#include "dtrain/engine/train/cli.h"
 #include "dtrain/engine/train/trainer.h"
 
-DECLARE_int64(steps);
-DECLARE_int64(batch_size);
-DECLARE_double(lr);
-DECLARE_int64(seed);
-DECLARE_string(device);
-DECLARE_string(amp);
-DECLARE_int32(accum_steps);
-DECLARE_int32(tp);
-DECLARE_bool(sequence_parallel);
-DECLARE_bool(checkpoint_activations);
-DECLARE_string(offload);
-DECLARE_double(host_mem_limit_gb);
-DECLARE_string(plan);
-DECLARE_double(gpu_mem_limit_gb);
-DECLARE_int32(offload_threads);
-DECLARE_int32(workers);
-DECLARE_int64(eval_every);
-DECLARE_int64(log_every);
-DECLARE_string(metrics);
-DECLARE_string(save_dir);
-DECLARE_bool(resume);
-DECLARE_int64(save_every);
-DECLARE_int32(keep_last);
-DECLARE_string(tensorboard_dir);
-DECLARE_string(timeline);
-DECLARE_int64(memory_report_step);
-DECLARE_int32(collective_timeout_s);
-DECLARE_string(backend);
-DECLARE_string(optimizer);
-DECLARE_double(weight_decay);
-DECLARE_double(clip_grad_norm);
-DECLARE_string(schedule);
-DECLARE_int64(warmup_steps);
+// The examples' own flags; the standard ones (--steps, --lr, ...) are engine::cli::flags().
 DECLARE_string(data);
 DECLARE_string(data_path);
-DECLARE_int64(eval_batches);
-DECLARE_int32(prefetch);
 DECLARE_bool(inplace);
-DECLARE_bool(progress);
 DECLARE_bool(eval_only);
 // model shape
 DECLARE_int64(hidden);
@@ -67,10 +34,6 @@ DECLARE_int64(vocab);
 DECLARE_double(dropout);
 
 namespace dtrain::examples {
-
-// Thrown by fit_and_report when the job was preempted (after its checkpoint); guarded_main
-// turns it into the requeue exit code.
-struct Preempted {};
 
 // Everything a run needs from the environment, created in this order.
 struct Run {
@@ -86,18 +49,25 @@ struct Run {
 // `defaults` overrides flag defaults for this program (before parsing), e.g. {"batch_size", "16"}.
 // `model_checks` runs after the flags are validated and before any communicator exists
 // (shape checks against --tp belong there); programs without it refuse --tp > 1.
+// `model_flags`: the model-shape flags this program reads (--help lists them, every rank must
+// agree on them).
 Run init_run(int argc, char** argv, const std::string& usage,
              const std::map<std::string, std::string>& defaults,
-             const std::function<void()>& model_checks = nullptr);
+             const std::function<void()>& model_checks, const std::vector<std::string>& model_flags);
+
+// A classifier's mean cross-entropy and number of correct predictions (argmax == label) of a
+// batch, from its logits: TrainerOptions::eval_loss_and_correct.
+std::pair<at::Tensor, at::Tensor> loss_and_correct(const at::Tensor& logits, const at::Tensor& labels);
 
 // Trainer options from the flags; the example supplies its defaults for the optimizer.
 engine::TrainerOptions trainer_options(const Run& run, const std::string& default_optimizer);
 // Loader options for this rank (dp rank/size from the mesh) from the flags.
 engine::LoaderOptions loader_options(const Run& run, int64_t batch_size, bool shuffle, uint64_t seed);
 
-// Runs body, turning dtrain::Error into "program: message" on stderr and exit code 2,
-// Preempted into kExitRequeue, and other failures into exit code 1. Returns the exit code.
-int guarded_main(const char* program, const std::function<int()>& body);
+// dtrain's exit codes around a main function (engine::cli::run_main).
+inline int guarded_main(const char* program, const std::function<int()>& body) {
+  return engine::cli::run_main(program, body);
+}
 
 // Trains (or with --eval_only evaluates --eval_batches batches under no_grad, timing them)
 // and prints the summary on rank 0. eval may be null (then train's data is evaluated).

@@ -36,8 +36,8 @@ ExampleModel seq2seq(const Run& run) {
   mo.max_len = S;
   mo.dropout = FLAGS_dropout;
   mo.inplace = FLAGS_inplace;
-  mo.checkpoint_activations = FLAGS_checkpoint_activations;
-  torch::manual_seed(FLAGS_seed);
+  mo.checkpoint_activations = engine::cli::flags().checkpoint_activations;
+  torch::manual_seed(engine::cli::flags().seed);
   auto model = Seq2Seq(mo).ptr();
   model->to(run.device);
   ExampleModel m;
@@ -72,9 +72,9 @@ ExampleModel gpt(const Run& run) {
   mo.layers = FLAGS_layers;
   mo.seq_len = S;
   mo.dropout = FLAGS_dropout;
-  mo.checkpoint_activations = FLAGS_checkpoint_activations;
-  mo.sequence_parallel = FLAGS_sequence_parallel;
-  torch::manual_seed(FLAGS_seed);
+  mo.checkpoint_activations = engine::cli::flags().checkpoint_activations;
+  mo.sequence_parallel = engine::cli::flags().sequence_parallel;
+  torch::manual_seed(engine::cli::flags().seed);
   auto model = Gpt(mo, run.mesh->tp()).ptr();
   model->to(run.device);
   ExampleModel m;
@@ -102,7 +102,7 @@ ExampleModel gpt(const Run& run) {
 }
 
 ExampleModel mlp(const Run& run) {
-  torch::manual_seed(FLAGS_seed);
+  torch::manual_seed(engine::cli::flags().seed);
   auto model = torch::nn::Sequential().ptr();
   int64_t in = kMlpFeatures;
   for (int d = 0; d < FLAGS_depth; ++d) {
@@ -118,6 +118,7 @@ ExampleModel mlp(const Run& run) {
   m.loss = [model](const engine::Batch& b) {
     return torch::nn::functional::cross_entropy(model->forward(b.fields[0]), b.fields[1]);
   };
+  m.eval_loss_and_correct = [model](const engine::Batch& b) { return loss_and_correct(model->forward(b.fields[0]), b.fields[1]); };
   const c10::Device device = run.device;
   m.synthetic_batch = [device](int64_t rows) {
     engine::Batch b;
@@ -141,6 +142,11 @@ bool has_prefix(const std::string& name, const std::vector<std::string>& prefixe
 
 }  // namespace
 
+std::vector<std::string> model_flag_names(const std::string& model) {
+  if (model == "mlp") return {"hidden", "depth"};
+  return {"d_model", "heads", "layers", "ff", "seq_len", "vocab", "dropout"};
+}
+
 std::map<std::string, std::string> model_flag_defaults(const std::string& model) {
   if (model == "seq2seq") {
     return {{"lr", "0.01"}, {"batch_size", "16"}, {"steps", "100"}, {"seq_len", "256"}};
@@ -159,12 +165,12 @@ std::map<std::string, std::string> model_flag_defaults(const std::string& model)
 std::function<void()> model_checks(const std::string& model) {
   if (model != "gpt") return nullptr;
   return [] {
-    const int64_t T = FLAGS_tp;
+    const int64_t T = engine::cli::flags().tp;
     DTRAIN_CHECK(FLAGS_heads % T == 0, "--heads=", FLAGS_heads, " does not divide over --tp=", T,
                  "; the number of heads must be a multiple of the tensor-parallel size");
     DTRAIN_CHECK(FLAGS_ff % T == 0, "--ff=", FLAGS_ff, " does not divide over --tp=", T,
                  "; the feed-forward width must be a multiple of the tensor-parallel size");
-    DTRAIN_CHECK(!FLAGS_sequence_parallel || FLAGS_seq_len % T == 0, "--sequence_parallel: --seq_len=",
+    DTRAIN_CHECK(!engine::cli::flags().sequence_parallel || FLAGS_seq_len % T == 0, "--sequence_parallel: --seq_len=",
                  FLAGS_seq_len, " does not divide over --tp=", T,
                  "; the sequence length must be a multiple of the tensor-parallel size");
     DTRAIN_CHECK(FLAGS_dropout == 0 || T == 1,
@@ -204,11 +210,11 @@ engine::PlanInputs plan_inputs(const Run& run, const ExampleModel& m,
   in.dp = run.mesh->dp_size();
   in.layers = m.blocks;
   in.input_bytes_per_row = m.input_bytes_per_row;
-  in.input_batches = 1 + FLAGS_prefetch;  // the step's batch and the loader's prefetched ones
+  in.input_batches = 1 + engine::cli::flags().prefetch;  // the step's batch and the loader's prefetched ones
   in.optimizer = options.optimizer.name;
   in.momentum = options.optimizer.momentum;
   in.amsgrad = options.optimizer.amsgrad;
-  in.batch_size = FLAGS_batch_size;
+  in.batch_size = engine::cli::flags().batch_size;
   in.amp = options.amp;
   in.can_checkpoint = static_cast<bool>(m.set_checkpointing);
   in.largest_activation_bytes_per_row = m.largest_activation_bytes_per_row;
@@ -238,27 +244,27 @@ engine::ActivationProfile probe_example_model(const Run& run, ExampleModel& m,
         },
         m.module->parameters(), run.device, po);
   } catch (...) {
-    if (m.set_checkpointing) m.set_checkpointing(FLAGS_checkpoint_activations);
+    if (m.set_checkpointing) m.set_checkpointing(engine::cli::flags().checkpoint_activations);
     m.module->train(was_training);
     throw;
   }
-  if (m.set_checkpointing) m.set_checkpointing(FLAGS_checkpoint_activations);
+  if (m.set_checkpointing) m.set_checkpointing(engine::cli::flags().checkpoint_activations);
   m.module->train(was_training);
   return profile;
 }
 
 void plan_and_apply(const Run& run, ExampleModel& model, engine::TrainerOptions& options) {
-  const bool planning = FLAGS_plan == "auto";
-  const int64_t budget = FLAGS_gpu_mem_limit_gb > 0
-                             ? static_cast<int64_t>(FLAGS_gpu_mem_limit_gb * 1024.0 * 1024.0 * 1024.0)
+  const bool planning = engine::cli::flags().plan == "auto";
+  const int64_t budget = engine::cli::flags().gpu_mem_limit_gb > 0
+                             ? static_cast<int64_t>(engine::cli::flags().gpu_mem_limit_gb * 1024.0 * 1024.0 * 1024.0)
                              : 0;
   int64_t allocator_limit = budget > 0 && run.device.is_cuda() ? budget - engine::kDefaultCudaContextBytes : budget;
-  engine::OffloadChoice offload = engine::parse_offload(FLAGS_offload);
+  engine::OffloadChoice offload = engine::parse_offload(engine::cli::flags().offload);
   if (planning) {
     engine::PlanInputs in = plan_inputs(run, model, options);
     in.gpu_budget_bytes = budget;
-    in.host_budget_bytes = FLAGS_host_mem_limit_gb > 0
-                               ? static_cast<int64_t>(FLAGS_host_mem_limit_gb * 1024.0 * 1024.0 * 1024.0)
+    in.host_budget_bytes = engine::cli::flags().host_mem_limit_gb > 0
+                               ? static_cast<int64_t>(engine::cli::flags().host_mem_limit_gb * 1024.0 * 1024.0 * 1024.0)
                                : 0;
     // Offload moves memory from the device to the host: on a CPU run it frees nothing.
     in.can_offload_optimizer = run.device.is_cuda();

@@ -23,6 +23,9 @@ struct ExampleModel {
   std::string name;                           // "seq2seq", "gpt", "mlp"
   std::shared_ptr<torch::nn::Module> module;  // on the run's device, in train mode
   engine::LossFn loss;  // mean loss of a batch as the example's loader yields it
+  // Classifiers: the loss and the number of correct predictions of a batch, for
+  // TrainerOptions::eval_loss_and_correct (the accuracy at evaluation); null otherwise.
+  std::function<std::pair<at::Tensor, at::Tensor>(const engine::Batch&)> eval_loss_and_correct;
   // A batch of `rows` random rows on the device, shaped as the example's batches. Draws from
   // the default generators.
   std::function<engine::Batch(int64_t rows)> synthetic_batch;
@@ -42,6 +45,8 @@ struct ExampleModel {
 // The flag defaults the example program sets for `model` (as given to init_run), e.g.
 // {"lr", "0.01"}, {"batch_size", "16"} for seq2seq. Throws dtrain::Error for an unknown model,
 // naming the known ones.
+// The model-shape flags each example model reads (for --help and the cross-rank check).
+std::vector<std::string> model_flag_names(const std::string& model);
 std::map<std::string, std::string> model_flag_defaults(const std::string& model);
 // The shape checks against --tp that init_run runs before any communicator (gpt), or null
 // for a model without tensor-parallel layers.

@@ -55,13 +55,13 @@ engine::PlanInputs budgeted_inputs(const examples::Run& run, const examples::Exa
   in.allow_amp_change = FLAGS_allow_amp_change;
   in.can_offload_optimizer = FLAGS_allow_offload == "optimizer" || FLAGS_allow_offload == "all";
   in.can_offload_layers = FLAGS_allow_offload == "layers" || FLAGS_allow_offload == "all";
-  if (FLAGS_gpu_mem_limit_gb > 0) {
-    in.gpu_budget_bytes = static_cast<int64_t>(FLAGS_gpu_mem_limit_gb * 1024 * 1024 * 1024);
+  if (engine::cli::flags().gpu_mem_limit_gb > 0) {
+    in.gpu_budget_bytes = static_cast<int64_t>(engine::cli::flags().gpu_mem_limit_gb * 1024 * 1024 * 1024);
   } else if (run.device.is_cuda()) {
     in.gpu_budget_bytes = static_cast<int64_t>(
         c10::getDeviceAllocator(c10::kCUDA)->getMemoryInfo(run.device.index()).second);
   }
-  in.host_budget_bytes = offload::host_limit_bytes_from_gb(FLAGS_host_mem_limit_gb);
+  in.host_budget_bytes = offload::host_limit_bytes_from_gb(engine::cli::flags().host_mem_limit_gb);
   if (FLAGS_cuda_context_mb >= 0)
     in.cuda_context_bytes = FLAGS_cuda_context_mb * (int64_t{1} << 20);
   return in;
@@ -82,15 +82,15 @@ void verify(const examples::Run& run, examples::ExampleModel& m, const engine::P
   o.timeline_path.clear();
   o.save_dir.clear();
   o.memory_report_step = 0;
-  if (m.set_checkpointing) m.set_checkpointing(FLAGS_checkpoint_activations);
+  if (m.set_checkpointing) m.set_checkpointing(engine::cli::flags().checkpoint_activations);
   engine::release_cached_memory(run.device);
   bool capped = false;
-  if (FLAGS_gpu_mem_limit_gb > 0) {
+  if (engine::cli::flags().gpu_mem_limit_gb > 0) {
     capped = engine::apply_memory_limit(
         run.device, std::max<int64_t>(1, in.gpu_budget_bytes - in.cuda_context_bytes));
   }
   engine::Trainer trainer(*m.module, m.loss, *run.mesh, run.device, o);
-  engine::Batch batch = m.synthetic_batch(FLAGS_batch_size);
+  engine::Batch batch = m.synthetic_batch(engine::cli::flags().batch_size);
   engine::reset_peak_memory(run.device);
   for (int64_t s = 0; s < FLAGS_verify_steps; ++s) trainer.step(batch);
   const double measured =
@@ -116,18 +116,20 @@ void verify(const examples::Run& run, examples::ExampleModel& m, const engine::P
 
 int plan_main(int argc, char** argv) {
   const std::string model_name = model_from_argv(argc, argv);
+  engine::cli::describe_flags("Plan", {"model", "allow_amp_change", "allow_offload", "probe_rows",
+                                      "cuda_context_mb", "verify_steps"});
   examples::Run run = examples::init_run(argc, argv,
                                          "dtrain-plan --model=seq2seq|gpt|mlp [shape flags] "
                                          "[--gpu_mem_limit_gb=X]: memory estimate and plan",
                                          examples::model_flag_defaults(model_name),
-                                         examples::model_checks(model_name));
+                                         examples::model_checks(model_name), examples::model_flag_names(model_name));
   DTRAIN_CHECK(FLAGS_allow_offload == "none" || FLAGS_allow_offload == "optimizer" ||
                    FLAGS_allow_offload == "layers" || FLAGS_allow_offload == "all",
                "--allow_offload=", FLAGS_allow_offload,
                " is not one of: none, optimizer, layers, all");
   DTRAIN_CHECK(FLAGS_probe_rows >= 1, "--probe_rows=", FLAGS_probe_rows, " must be >= 1");
-  DTRAIN_CHECK(std::isfinite(FLAGS_gpu_mem_limit_gb) && FLAGS_gpu_mem_limit_gb >= 0,
-               "--gpu_mem_limit_gb=", FLAGS_gpu_mem_limit_gb,
+  DTRAIN_CHECK(std::isfinite(engine::cli::flags().gpu_mem_limit_gb) && engine::cli::flags().gpu_mem_limit_gb >= 0,
+               "--gpu_mem_limit_gb=", engine::cli::flags().gpu_mem_limit_gb,
                " must be >= 0 (0: the whole device)");
   DTRAIN_CHECK(FLAGS_verify_steps >= 0, "--verify_steps=", FLAGS_verify_steps, " must be >= 0");
   const bool rank0 = run.world.rank == 0;
@@ -145,11 +147,11 @@ int plan_main(int argc, char** argv) {
       examples::probe_example_model(run, m, amps, FLAGS_probe_rows);
 
   engine::Technique current;
-  current.checkpoint = FLAGS_checkpoint_activations;
-  current.accum_steps = FLAGS_accum_steps;
+  current.checkpoint = engine::cli::flags().checkpoint_activations;
+  current.accum_steps = engine::cli::flags().accum_steps;
   current.amp = in.amp;
-  current.offload_optimizer = FLAGS_offload == "optimizer" || FLAGS_offload == "all";
-  current.offload_layers = FLAGS_offload == "layers" || FLAGS_offload == "all";
+  current.offload_optimizer = engine::cli::flags().offload == "optimizer" || engine::cli::flags().offload == "all";
+  current.offload_layers = engine::cli::flags().offload == "layers" || engine::cli::flags().offload == "all";
   const engine::MemoryEstimate now = engine::estimate(in, profile, current);
   if (rank0) {
     std::printf(

@@ -45,16 +45,20 @@ int main(int argc, char** argv) {
   return examples::guarded_main("train_cnn", [&] {
     examples::Run run = examples::init_run(argc, argv, "train_cnn [flags]: CNN on 8x8 images",
                                            {{"lr", "0.001"}, {"batch_size", "64"}, {"steps", "200"},
-                                            {"hidden", "128"}});
+                                            {"hidden", "128"}},
+                                           nullptr, {"hidden"});
     examples::ClassificationData data = examples::classification_data();
-    torch::manual_seed(FLAGS_seed);
-    auto model = std::make_shared<ConvNet>(FLAGS_hidden, FLAGS_inplace, FLAGS_checkpoint_activations);
+    torch::manual_seed(engine::cli::flags().seed);
+    auto model = std::make_shared<ConvNet>(FLAGS_hidden, FLAGS_inplace, engine::cli::flags().checkpoint_activations);
     model->to(run.device);
     engine::TrainerOptions options = examples::trainer_options(run, "adamw");
+    options.eval_loss_and_correct = [&](const engine::Batch& b) {  // eval_accuracy
+      return examples::loss_and_correct(model->forward(b.fields[0]), b.fields[1]);
+    };
     engine::Trainer trainer(*model, [&](const engine::Batch& b) {
       return torch::nn::functional::cross_entropy(model->forward(b.fields[0]), b.fields[1]);
     }, *run.mesh, run.device, options);
-    engine::DataLoader train_loader(data.train, examples::loader_options(run, FLAGS_batch_size, true, FLAGS_seed));
+    engine::DataLoader train_loader(data.train, examples::loader_options(run, engine::cli::flags().batch_size, true, engine::cli::flags().seed));
     auto eval_loader = examples::eval_loader(run, data);
     examples::fit_and_report(run, trainer, train_loader, eval_loader.get());
     return 0;

@@ -20,7 +20,8 @@ using namespace dtrain;
 int main(int argc, char** argv) {
   return examples::guarded_main("train_gpt", [&] {
     examples::Run run = examples::init_run(argc, argv, "train_gpt [flags]: GPT language model with tensor parallelism",
-                                           examples::model_flag_defaults("gpt"), examples::model_checks("gpt"));
+                                           examples::model_flag_defaults("gpt"), examples::model_checks("gpt"),
+                                           examples::model_flag_names("gpt"));
     const int64_t S = FLAGS_seq_len;
     examples::ExampleModel model = examples::build_example_model("gpt", run);
     auto* gpt = model.module->as<examples::GptImpl>();
@@ -29,12 +30,13 @@ int main(int argc, char** argv) {
                 << ", dp " << run.mesh->dp_size();
     }
     engine::TrainerOptions options = examples::trainer_options(run, model.default_optimizer);
+    options.eval_perplexity = true;
     options.optimizer.beta2 = 0.95;
     options.tokens_per_sample = S;
     examples::plan_and_apply(run, model, options);
     engine::Trainer trainer(*model.module, model.loss, *run.mesh, run.device, options);
     examples::TokenData data = examples::token_data(run, S, /*fold_bytes=*/true);
-    engine::DataLoader loader(data.train, examples::loader_options(run, FLAGS_batch_size, true, FLAGS_seed));
+    engine::DataLoader loader(data.train, examples::loader_options(run, engine::cli::flags().batch_size, true, engine::cli::flags().seed));
     auto eval = examples::eval_loader(run, data);
     engine::StepMetrics last = examples::fit_and_report(run, trainer, loader, eval.get());
     if (run.world.rank == 0 && run.device.is_cuda() && last.step_ms > 0) {

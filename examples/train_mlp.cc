@@ -10,13 +10,15 @@ using namespace dtrain;
 int main(int argc, char** argv) {
   return examples::guarded_main("train_mlp", [&] {
     examples::Run run = examples::init_run(argc, argv, "train_mlp [flags]: MLP classifier",
-                                           examples::model_flag_defaults("mlp"));
+                                           examples::model_flag_defaults("mlp"), nullptr,
+                                           examples::model_flag_names("mlp"));
     examples::ClassificationData data = examples::classification_data();
     examples::ExampleModel model = examples::build_example_model("mlp", run);
     engine::TrainerOptions options = examples::trainer_options(run, model.default_optimizer);
+    options.eval_loss_and_correct = model.eval_loss_and_correct;  // eval_accuracy
     examples::plan_and_apply(run, model, options);
     engine::Trainer trainer(*model.module, model.loss, *run.mesh, run.device, options);
-    engine::DataLoader train_loader(data.train, examples::loader_options(run, FLAGS_batch_size, true, FLAGS_seed));
+    engine::DataLoader train_loader(data.train, examples::loader_options(run, engine::cli::flags().batch_size, true, engine::cli::flags().seed));
     auto eval_loader = examples::eval_loader(run, data);
     examples::fit_and_report(run, trainer, train_loader, eval_loader.get());
     return 0;

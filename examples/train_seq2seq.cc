@@ -11,15 +11,17 @@ using namespace dtrain;
 int main(int argc, char** argv) {
   return examples::guarded_main("train_seq2seq", [&] {
     examples::Run run = examples::init_run(argc, argv, "train_seq2seq [flags]: encoder-decoder transformer",
-                                           examples::model_flag_defaults("seq2seq"));
+                                           examples::model_flag_defaults("seq2seq"), nullptr,
+                                           examples::model_flag_names("seq2seq"));
     const int64_t S = FLAGS_seq_len;
     examples::ExampleModel model = examples::build_example_model("seq2seq", run);
     engine::TrainerOptions options = examples::trainer_options(run, model.default_optimizer);
+    options.eval_perplexity = true;
     options.tokens_per_sample = 2 * S;
     examples::plan_and_apply(run, model, options);
     engine::Trainer trainer(*model.module, model.loss, *run.mesh, run.device, options);
     examples::TokenData data = examples::token_data(run, 2 * S, /*fold_bytes=*/false);
-    engine::DataLoader loader(data.train, examples::loader_options(run, FLAGS_batch_size, true, FLAGS_seed));
+    engine::DataLoader loader(data.train, examples::loader_options(run, engine::cli::flags().batch_size, true, engine::cli::flags().seed));
     auto eval = examples::eval_loader(run, data);
     examples::fit_and_report(run, trainer, loader, eval.get());
     return 0;

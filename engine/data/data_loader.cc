@@ -97,6 +97,7 @@ class DataLoader::Impl {
   int64_t batches_per_epoch() const { return plan_.batches_per_epoch(); }
   Position position() const;
   void seek(int64_t epoch, int64_t index);
+  const std::shared_ptr<const Dataset>& dataset() const { return dataset_; }
 
  private:
   // One batch in preparation. The worker writes batch/ready/error, then sets done under
@@ -286,5 +287,19 @@ Batch DataLoader::next() { return impl_->next(); }
 int64_t DataLoader::batches_per_epoch() const { return impl_->batches_per_epoch(); }
 std::pair<int64_t, int64_t> DataLoader::position() const { return impl_->position(); }
 void DataLoader::seek(int64_t epoch, int64_t index) { impl_->seek(epoch, index); }
+
+void DataLoader::shard(int dp_rank, int dp_size) {
+  if (dp_rank == options_.dp_rank && dp_size == options_.dp_size) return;
+  LoaderOptions sharded = options_;
+  sharded.dp_rank = dp_rank;
+  sharded.dp_size = dp_size;
+  std::shared_ptr<const Dataset> dataset = impl_->dataset();
+  validate(dataset.get(), sharded);
+  const int64_t epoch = impl_->position().first;
+  impl_.reset();  // joins the workers before the options change under them
+  options_ = sharded;
+  impl_ = std::make_unique<Impl>(std::move(dataset), options_);
+  if (epoch > 0) impl_->seek(epoch, 0);
+}
 
 }  // namespace dtrain::engine

@@ -3,9 +3,12 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstdio>
 #include <mutex>
+#include <string>
 
 #include <c10/core/CPUAllocator.h>
 
@@ -88,6 +91,18 @@ bool cpu_memory_tracked() { return CountingCpuAllocator::instance != nullptr; }
 
 namespace {
 
+// On by default, from library load: counted CPU figures are what the metrics, the memory report
+// and the planner need, and the process's resident set (the fallback) says little about tensors.
+const bool g_tracked_at_load = [] {
+  const char* off = std::getenv("DTRAIN_TRACK_CPU_MEMORY");
+  if (!off || std::string(off) != "0") track_cpu_memory();
+  return true;
+}();
+
+}  // namespace
+
+namespace {
+
 // The CUDA caching allocator throws ("did you call init?") when asked for statistics before
 // CUDA is initialized in this process (no CUDA tensor yet): initialize it first.
 c10::DeviceAllocator* cuda_allocator() {
@@ -111,16 +126,21 @@ MemoryStats memory_stats(c10::Device device) {
     s.allocated_mb = stats.allocated_bytes[all].current / kMiB;
     s.peak_mb = stats.allocated_bytes[all].peak / kMiB;
     s.reserved_mb = stats.reserved_bytes[all].current / kMiB;
-    return s;
-  }
-  if (auto* counting = CountingCpuAllocator::instance) {
+    s.counter = "cuda allocator";
+  } else if (auto* counting = CountingCpuAllocator::instance) {
     s.allocated_mb = counting->current_.load() / kMiB;
     s.peak_mb = counting->peak_.load() / kMiB;
+    s.reserved_mb = rss_mb();
+    s.counter = "cpu tensors";
   } else {
     s.allocated_mb = rss_mb();
     s.peak_mb = peak_rss_mb();
+    s.reserved_mb = s.allocated_mb;
+    s.counter = "process rss";
   }
-  s.reserved_mb = rss_mb();
+  // The two are read one after the other while other threads allocate (and the RSS and its peak
+  // come from different sources): a peak below the current figure is never right.
+  s.peak_mb = std::max(s.peak_mb, s.allocated_mb);
   return s;
 }
 

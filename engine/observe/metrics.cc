@@ -21,6 +21,7 @@ std::string to_json(const StepMetrics& m) {
                       {"samples_per_s", m.samples_per_s},
                       {"mem_allocated_mb", m.mem_allocated_mb},
                       {"mem_peak_mb", m.mem_peak_mb}};
+  if (!m.mem_counter.empty()) j["mem_counter"] = m.mem_counter;
   if (m.tokens_per_s) j["tokens_per_s"] = *m.tokens_per_s;
   if (m.loss_scale) j["loss_scale"] = *m.loss_scale;
   if (m.grad_norm) j["grad_norm"] = *m.grad_norm;

@@ -64,7 +64,7 @@ Settings settings_of(const TrainerOptions& o) {
       {"reducer.first_bucket_bytes", text(o.reducer.first_bucket_bytes)},
       {"reducer.compress", o.reducer.compress ? c10::toString(*o.reducer.compress) : "off"},
       {"reducer.find_unused_parameters", text(o.reducer.find_unused_parameters)},
-      {"save_every", text(o.save_every)}, {"keep_last", text(o.keep_last)}, {"resume", text(o.resume)},
+      {"save_every", text(o.save_every)}, {"keep_last", text(o.keep_last)}, {"resume", to_string(o.resume)},
       {"saves checkpoints", text(!o.save_dir.empty())}, {"handle_preemption", text(o.handle_preemption)},
       {"on_nonfinite", o.on_nonfinite == NonFinitePolicy::kStop ? "stop" : "skip"},
       {"max_nonfinite_skips", text(o.max_nonfinite_skips)}};
@@ -81,6 +81,22 @@ NonFinitePolicy parse_on_nonfinite(const std::string& text) {
   if (text == "stop") return NonFinitePolicy::kStop;
   if (text == "skip") return NonFinitePolicy::kSkip;
   throw Error("--on_nonfinite=" + text + " is not one of: stop, skip");
+}
+
+ResumeMode parse_resume(const std::string& text) {
+  if (text == "no" || text == "false" || text == "0") return ResumeMode::kNo;
+  if (text == "yes" || text == "true" || text == "1") return ResumeMode::kYes;
+  if (text == "auto") return ResumeMode::kAuto;
+  throw Error("--resume=" + text + " is not one of: no, yes, auto (resume if a checkpoint exists, else start)");
+}
+
+const char* to_string(ResumeMode mode) {
+  switch (mode) {
+    case ResumeMode::kNo: return "no";
+    case ResumeMode::kYes: return "yes";
+    case ResumeMode::kAuto: return "auto";
+  }
+  return "?";
 }
 
 std::vector<Batch> split_batch(const Batch& batch, int n) {
@@ -104,6 +120,9 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
   validate(options_);
   // Before the first collective that depends on them (the parameter broadcast, the reducer).
   agree_on_settings(mesh_.world(), settings_of(options_), "TrainerOptions");
+  // Whoever promises preemption handling installs it: without the handlers SIGUSR1/SIGTERM
+  // would kill the ranks before any checkpoint.
+  if (options_.handle_preemption) install_preemption_handlers();
   if (!options_.save_dir.empty()) {
     // One run per checkpoint directory, for this trainer's lifetime (rank 0 holds the lock).
     std::string refused;
@@ -163,11 +182,11 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
   LossScalerOptions scaler_options = options_.loss_scaler;
   scaler_options.enabled = options_.amp == AmpMode::kFp16;
   scaler_ = std::make_unique<LossScaler>(scaler_options, device_);
-  DTRAIN_CHECK(!options_.resume || !options_.save_dir.empty(),
+  DTRAIN_CHECK(options_.resume == ResumeMode::kNo || !options_.save_dir.empty(),
                "--resume needs --save_dir (where the checkpoints are)");
   DTRAIN_CHECK(options_.save_every >= 0, "--save_every must be >= 0");
   // A resumed run appends to its metrics file.
-  metrics_ = options_.resume ? MetricsWriter::open_append(options_.metrics_path, mesh_.world().rank() == 0)
+  metrics_ = options_.resume != ResumeMode::kNo ? MetricsWriter::open_append(options_.metrics_path, mesh_.world().rank() == 0)
                              : std::make_unique<MetricsWriter>(options_.metrics_path, mesh_.world().rank() == 0);
   const bool rank0 = mesh_.world().rank() == 0;
   tensorboard_ = std::make_unique<EventWriter>(options_.tensorboard_dir,
@@ -437,22 +456,73 @@ double Trainer::read_loss() {
   return pending_loss_tensor_.item<double>();
 }
 
+void shard_loader(const dist::Mesh& mesh, DataLoader& loader, const std::string& which) {
+  const LoaderOptions lo = loader.options();
+  const int rank = mesh.dp_rank(), size = mesh.dp_size();
+  const bool matches = lo.dp_rank == rank && lo.dp_size == size;
+  const bool unsharded = lo.dp_rank == 0 && lo.dp_size == 1;
+  std::string problem;
+  if (!matches && !unsharded) {
+    std::ostringstream os;
+    os << which << " is sharded for data-parallel rank " << lo.dp_rank << " of " << lo.dp_size
+       << ", but this rank is data-parallel rank " << rank << " of " << size
+       << " (the trainer's mesh); leave LoaderOptions::dp_rank/dp_size at 0/1 and the trainer shards it, "
+          "or set them to mesh.dp_rank()/mesh.dp_size()";
+    problem = os.str();
+  }
+  // Collective, so that a layout wrong on some ranks only (dp_rank 0 everywhere) stops every
+  // rank, not just those, while the others wait in their next collective.
+  at::Tensor flag = at::full({1}, problem.empty() ? 0 : 1, at::kInt);
+  mesh.world().all_reduce(flag, dist::ReduceOp::kMax)->wait();
+  if (flag.item<int>() != 0) {
+    throw Error(problem.empty() ? which + " is sharded for another data-parallel layout on another rank "
+                                          "(that rank's error names it)"
+                                : problem);
+  }
+  if (matches) return;
+  loader.shard(rank, size);
+  if (mesh.world().rank() == 0) {
+    LOG(INFO) << which << ": sharded over the " << size << " data-parallel ranks (each rank its own "
+              << lo.batch_size << " samples of a " << lo.batch_size * size << "-sample global batch)";
+  }
+}
+
 double Trainer::evaluate(DataLoader& eval, int64_t batches) {
+  shard_loader(mesh_, eval, "the evaluation loader");
   const bool was_training = model_.is_training();
   model_.eval();
-  at::Tensor total = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device_));
+  // [loss sum, correct predictions, rows], summed on the device: one host read at the end.
+  at::Tensor sums = at::zeros({3}, at::TensorOptions().dtype(at::kDouble).device(device_));
+  const bool counting = static_cast<bool>(options_.eval_loss_and_correct);
   {
     torch::NoGradGuard no_grad;
     for (int64_t b = 0; b < batches; ++b) {
       Batch batch = eval.next();
       AutocastGuard autocast(device_.type(), options_.amp);
-      total.add_(loss_(batch).detach().to(at::kDouble).reshape({1}));
+      if (counting) {
+        auto [loss, correct] = options_.eval_loss_and_correct(batch);
+        sums[0].add_(loss.detach().to(at::kDouble).reshape({}));
+        sums[1].add_(correct.detach().to(at::kDouble).reshape({}));
+        sums[2].add_(static_cast<double>(batch.size()));
+      } else {
+        sums[0].add_(loss_(batch).detach().to(at::kDouble).reshape({}));
+      }
     }
   }
   model_.train(was_training);
-  total.div_(static_cast<double>(batches));
-  mesh_.dp().all_reduce(total, dist::ReduceOp::kAvg)->wait();
-  return total.item<double>();
+  sums[0].div_(static_cast<double>(batches));
+  // Every rank evaluates as many batches: the mean of the ranks' means is the mean loss; the
+  // counts add up.
+  at::Tensor loss = sums.narrow(0, 0, 1);
+  mesh_.dp().all_reduce(loss, dist::ReduceOp::kAvg)->wait();
+  if (counting) {
+    at::Tensor counts = sums.narrow(0, 1, 2);
+    mesh_.dp().all_reduce(counts, dist::ReduceOp::kSum)->wait();
+  }
+  at::Tensor host = sums.cpu();
+  const double* v = host.data_ptr<double>();
+  last_eval_accuracy_ = counting && v[2] > 0 ? std::optional<double>(v[1] / v[2]) : std::nullopt;
+  return v[0];
 }
 
 StepMetrics Trainer::log_step(bool eval_now, DataLoader* eval, int64_t global_batch,
@@ -467,12 +537,17 @@ StepMetrics Trainer::log_step(bool eval_now, DataLoader* eval, int64_t global_ba
   MemoryStats mem = memory_stats(device_);
   m.mem_allocated_mb = mem.allocated_mb;
   m.mem_peak_mb = mem.peak_mb;
+  m.mem_counter = mem.counter;
   if (scaler_->enabled()) m.loss_scale = scaler_->scale_value();
   if (options_.report_grad_norm && last_grad_norm_.defined()) m.grad_norm = last_grad_norm_.item<double>();
   if (nonfinite_skips_ > 0 || options_.on_nonfinite == NonFinitePolicy::kSkip) {
     m.extra["nonfinite_skips"] = static_cast<double>(nonfinite_skips_);
   }
-  if (eval_now) m.eval_loss = evaluate(*eval, options_.eval_batches);
+  if (eval_now) {
+    m.eval_loss = evaluate(*eval, options_.eval_batches);
+    if (last_eval_accuracy_) m.extra["eval_accuracy"] = *last_eval_accuracy_;
+    if (options_.eval_perplexity) m.extra["eval_perplexity"] = std::exp(*m.eval_loss);
+  }
   metrics_->write(m);
   tensorboard_->add_metrics(m);
   progress.update(m);
@@ -499,6 +574,9 @@ bool Trainer::stop_for_preemption(const DataLoader& train) {
 }
 
 StepMetrics Trainer::fit(DataLoader& train, DataLoader* eval) {
+  // Never two ranks on the same batches: an unsharded loader is sharded here.
+  shard_loader(mesh_, train, "the training loader");
+  if (eval) shard_loader(mesh_, *eval, "the evaluation loader");
   // The same on every rank (options and dataset are), so every rank refuses together.
   DTRAIN_CHECK(train.options().drop_last || mesh_.dp_size() == 1,
                "Trainer::fit: the training loader has drop_last = false, which gives ranks "
@@ -519,7 +597,11 @@ StepMetrics Trainer::fit(DataLoader& train, DataLoader* eval) {
     ~EvalScope() { slot = nullptr; }
   } eval_scope{eval_};
   eval_ = eval;
-  if (options_.resume) resume_checkpoint(&train);
+  if (options_.resume != ResumeMode::kNo) resume_checkpoint(&train, options_.resume == ResumeMode::kYes);
+  if (step_ >= options_.steps && mesh_.world().rank() == 0) {
+    LOG(INFO) << "the run is complete: step " << step_ << " of " << options_.steps
+              << " steps was reached (checkpoint in " << options_.save_dir << "); nothing to train";
+  }
   const int64_t first_step = step_ + 1;  // logged too, so a resumed run shows where it starts
   reset_peak_memory(device_);
   auto window_start = std::chrono::steady_clock::now();

@@ -104,14 +104,21 @@ std::string Trainer::save_checkpoint(const DataLoader* loader) {
   return path;
 }
 
-void Trainer::resume_checkpoint(DataLoader* loader) {
+bool Trainer::resume_checkpoint(DataLoader* loader, bool required) {
   CheckpointStoreOptions so;
   so.fs = options_.checkpoint_fs;
   CheckpointStore store(options_.save_dir, so);
   dist::Communicator& world = mesh_.world();
   std::optional<CheckpointInfo> info = agree_latest_good(store, world);
+  if (!info && !required) {
+    if (world.rank() == 0) {
+      LOG(INFO) << "--resume=auto: no checkpoint in " << options_.save_dir << " yet; starting at step 1";
+    }
+    return false;
+  }
   DTRAIN_CHECK(info.has_value(), "--resume: no good checkpoint in '", options_.save_dir,
-               "'; train without --resume first (or point --save_dir at the run's directory)");
+               "'; train without --resume first, use --resume=auto to start fresh when there is "
+               "none (or point --save_dir at the run's directory)");
   std::string error;
   try {
     restore_from(store, *info, loader);
@@ -130,6 +137,7 @@ void Trainer::resume_checkpoint(DataLoader* loader) {
   if (!ranks.empty()) {
     throw Error(detail::concat("cannot resume from ", info->path, ": it failed on rank(s) ", ranks, " (", first, ")"));
   }
+  return true;
 }
 
 void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& info,

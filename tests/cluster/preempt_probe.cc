@@ -6,10 +6,10 @@
 // m = 0.9 m + g; w = w - 0.01 m; rank 0 prints "step k loss <sum(w)>" (%.9g).
 // After each step every rank calls agree_preempt(); on a signal (SIGUSR1/SIGTERM) they save a
 // checkpoint collectively, rank 0 calls request_requeue(), and all exit with kExitRequeue (85).
-// With --resume it continues from the newest good checkpoint in --save_dir (an error when
-// there is none), as the examples do.
+// With --resume=yes it continues from the newest good checkpoint in --save_dir (an error when
+// there is none), with --resume=auto from it if there is one, as the examples do.
 //
-// usage: dtrain_preempt_probe --save_dir=DIR [--steps=N] [--step_ms=MS] [--resume]
+// usage: dtrain_preempt_probe --save_dir=DIR [--steps=N] [--step_ms=MS] [--resume=yes|auto]
 #include <ATen/ATen.h>
 #include <gflags/gflags.h>
 
@@ -21,13 +21,14 @@
 #include "dtrain/dist/communicator.h"
 #include "dtrain/dist/error.h"
 #include "dtrain/dist/logging.h"
+#include "dtrain/engine/train/trainer.h"
 #include "dtrain/engine/state/checkpoint.h"
 #include "dtrain/engine/train/preemption.h"
 
 DEFINE_string(save_dir, "", "checkpoint directory (required)");
 DEFINE_int64(steps, 20, "steps to run to");
 DEFINE_int32(step_ms, 100, "milliseconds each step takes");
-DEFINE_bool(resume, false, "resume from the newest good checkpoint in --save_dir (required)");
+DEFINE_string(resume, "no", "resume from the newest good checkpoint in --save_dir: yes (required), auto, no");
 
 namespace dtrain {
 namespace {
@@ -38,9 +39,12 @@ int run(dist::Communicator& comm) {
   at::Tensor w = at::zeros({4}, at::kDouble);
   at::Tensor m = at::zeros({4}, at::kDouble);
   int64_t start = 0;
-  if (FLAGS_resume) {
-    std::optional<engine::CheckpointInfo> info = engine::agree_latest_good(store, comm);
-    DTRAIN_CHECK(info.has_value(), "--resume: no good checkpoint in --save_dir=", FLAGS_save_dir);
+  const engine::ResumeMode resume = engine::parse_resume(FLAGS_resume);
+  std::optional<engine::CheckpointInfo> info;
+  if (resume != engine::ResumeMode::kNo) info = engine::agree_latest_good(store, comm);
+  DTRAIN_CHECK(info.has_value() || resume != engine::ResumeMode::kYes, "--resume: no good checkpoint in --save_dir=",
+               FLAGS_save_dir);
+  if (info) {
     engine::CheckpointData data = store.load(info->path);
     engine::check_same_layout({{"w", w}}, data.model, "model", info->path);
     engine::check_same_layout({{"m", m}}, data.optimizer, "optimizer", info->path);

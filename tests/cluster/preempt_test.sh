@@ -16,7 +16,7 @@ RUN_TIMEOUT_S=60
 
 preempt_at=""
 compare=""
-resume_flag="--resume"
+resume_flag="--resume=yes"
 launch=()
 while [[ $# -gt 0 && $1 != "--" ]]; do
   case "$1" in

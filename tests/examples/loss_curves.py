@@ -30,13 +30,14 @@ def metrics(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def train(args, program, ranks, flags, name, expect_status=0, env=None):
+def train(args, program, ranks, flags, name, expect_status=0, env=None, output=False):
+    """The metrics of a run that must exit 0, or (output=True, or another expected status) its output."""
     out = os.path.join(args.workdir, name + ".jsonl")
     cmd = [os.path.join(args.bin, program), f"--metrics={out}", "--log_every=1", "--device=cpu",
            "--progress=false"] + flags
     if ranks > 1:
         cmd = shlex.split(args.mpirun) + ["-np", str(ranks)] + cmd
-    if expect_status == 0:
+    if expect_status == 0 and not output:
         run(cmd, env=dict(os.environ, **env) if env else None)
         return metrics(out)
     print("$", " ".join(shlex.quote(c) for c in cmd), flush=True)
@@ -179,6 +180,15 @@ def scenario_observability(args):
     for step, loss in want.items():
         assert abs(tb_loss[step] - loss) <= 1e-6 * abs(loss), (step, tb_loss[step], loss)
     print(f"ok: TensorBoard reader sees steps {sorted(tb_loss)} with the metrics file's losses")
+    # CPU memory is counted by default (the program never asks for it): tensor bytes, not the
+    # process's resident set, and the peak is never below the current figure.
+    params_mb = 4 * 80_000 / 2**20  # a bound on the parameters' bytes of this model, generously
+    for row in m:
+        assert row["mem_counter"] == "cpu tensors", row
+        assert row["mem_peak_mb"] >= row["mem_allocated_mb"], row
+        assert 0 < row["mem_allocated_mb"] < 20 * params_mb + 50, row  # resident sets are 300+ MB
+    print(f"ok: mem_counter 'cpu tensors', allocated {m[-1]['mem_allocated_mb']:.1f} MB <= peak "
+          f"{m[-1]['mem_peak_mb']:.1f} MB on every line")
     # The merged timeline is valid Chrome-trace JSON with backward and all-reduce events, and
     # some all-reduce starts before the backward of its step ends (overlap).
     with open(tl) as f:
@@ -239,6 +249,21 @@ def scenario_checkpoint(args):
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     print(out.stdout)
     assert out.returncode == 0, "PyTorch could not load the checkpoint into an equivalent nn.Module"
+    # --resume=auto, the same command for a first launch and every requeue: on an empty directory
+    # it trains from step 1, with a checkpoint it resumes, and on a finished run it trains
+    # nothing, says so and exits 0.
+    auto = os.path.join(w, "ck_auto")
+    first = train(args, "train_mlp", 2, common + evals + ["--steps=10", "--batch_size=32", f"--save_dir={auto}",
+                                                          "--resume=auto"], "auto_first")
+    compare([r for r in ref if r["step"] <= 10], first, "--resume=auto on an empty directory", 1e-6)
+    second = train(args, "train_mlp", 2, common + evals + ["--steps=20", "--batch_size=32", f"--save_dir={auto}",
+                                                           "--resume=auto"], "auto_second")
+    compare(steps_after(ref, 10), steps_after(second, 10), "--resume=auto with a checkpoint", 1e-6)
+    text = train(args, "train_mlp", 2, common + ["--steps=20", "--batch_size=32", f"--save_dir={auto}",
+                                                 "--resume=auto"], "auto_done", output=True)
+    assert "the run is already complete (step 20 of --steps=20" in text, text
+    assert "loss 0.0000" not in text, text
+    print("ok: --resume=auto starts, resumes, and finds a finished run finished")
     # Resuming with a different number of data-parallel ranks (1 x 64 from 2 x 32).
     other = os.path.join(w, "ck_dp")
     train(args, "train_mlp", 2, common + ["--steps=10", "--batch_size=32", f"--save_dir={other}"], "part_dp")
@@ -359,11 +384,12 @@ def scenario_offload_stream(args):
                "gpt-delay-2")
     compare(d1, d2, "delayed update on 2 ranks, state partitioned, gradients streamed", 1e-5)
     # The timeline shows the delayed CPU updates running alongside forward/backward (a model
-    # whose update takes longer than the gap between steps; one core for the compute and one
-    # for the update, which otherwise waits for a core until the main thread blocks).
+    # whose update, ~4 ms on one thread, takes well longer than the gap between steps: with a
+    # 1 ms update the overlap depended on scheduling; one core for the compute and one for the
+    # update, which otherwise waits for a core until the main thread blocks).
     tl = os.path.join(args.workdir, "delay_timeline.json")
     train(args, "train_gpt", 1, ["--d_model=128", "--heads=4", "--layers=2", "--seq_len=32", "--ff=256",
-                                 "--vocab=4096", "--workers=1", "--steps=8", "--batch_size=4", "--offload_threads=1",
+                                 "--vocab=16384", "--workers=1", "--steps=8", "--batch_size=4", "--offload_threads=1",
                                  f"--timeline={tl}"] + delay, "gpt-delay-timeline", env={"OMP_NUM_THREADS": "1"})
     with open(tl) as f:
         spans = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]

@@ -208,12 +208,12 @@ TEST(ResumeFailure, OnOneRankOnlyEveryRankFailsWithTheSameMessage) {
     saver.save_checkpoint(nullptr);
   }
   UnreadableRankFiles broken(comm.size() - 1);
-  o.resume = true;
+  o.resume = ResumeMode::kYes;
   if (comm.rank() == comm.size() - 1) o.checkpoint_fs = &broken;
   std::string message;
   try {
     Trainer resumed(*model, loss, mesh, c10::Device(c10::kCPU), o);
-    resumed.resume_checkpoint(nullptr);
+    resumed.resume_checkpoint(nullptr, /*required=*/true);
   } catch (const Error& e) {
     message = e.what();
   }

@@ -195,6 +195,44 @@ TEST(Trainer, EvaluateAveragesOverTheDataParallelGroupInEvalModeWithoutGrad) {
   EXPECT_NEAR(got, want, 1e-12 * std::abs(want));
 }
 
+// With eval_loss_and_correct, evaluate() also counts correct predictions over every evaluated
+// batch of every data-parallel rank: the accuracy equals the one computed on the whole global
+// batch directly.
+TEST(Trainer, EvaluateCountsAccuracyOverTheDataParallelGroup) {
+  auto& comm = world_comm();
+  dist::Mesh mesh(comm, 1);
+  torch::manual_seed(3);
+  torch::nn::Linear model(6, 3);
+  model->to(torch::kFloat64);
+  TrainerOptions o = base_options();
+  o.eval_loss_and_correct = [&](const Batch& b) {
+    at::Tensor logits = model->forward(b.fields[0]);
+    return std::make_pair(torch::cross_entropy_loss(logits, b.fields[1]), logits.argmax(1).eq(b.fields[1]).sum());
+  };
+  Trainer trainer(*model, [&](const Batch& b) { return torch::cross_entropy_loss(model->forward(b.fields[0]), b.fields[1]); },
+                  mesh, c10::Device(c10::kCPU), o);
+  auto g = at::make_generator<at::CPUGeneratorImpl>(9);
+  at::Tensor x = at::randn({48, 6}, g, at::kDouble), y = at::randint(3, {48}, g, at::kLong);
+  auto data = std::make_shared<TensorDataset>(std::vector<at::Tensor>{x, y});
+  LoaderOptions lo;
+  lo.batch_size = 4;
+  lo.shuffle = false;
+  lo.workers = 0;
+  DataLoader loader(data, lo);  // sharded by evaluate()
+  const int64_t batches = 2;
+  const double loss = trainer.evaluate(loader, batches);
+  ASSERT_TRUE(trainer.last_eval_accuracy().has_value());
+  // Reference: the first `batches` global batches of 4 * size rows, in dataset order.
+  const int64_t rows = batches * 4 * comm.size();
+  torch::NoGradGuard no_grad;
+  at::Tensor logits = model->forward(x.narrow(0, 0, rows));
+  const double want = logits.argmax(1).eq(y.narrow(0, 0, rows)).sum().item<double>() / rows;
+  EXPECT_DOUBLE_EQ(*trainer.last_eval_accuracy(), want);
+  EXPECT_GT(want, 0.0);
+  EXPECT_LT(want, 1.0);
+  EXPECT_NEAR(loss, torch::cross_entropy_loss(logits, y.narrow(0, 0, rows)).item<double>(), 1e-12);
+}
+
 TEST(Trainer, ALoaderWithoutDropLastIsRefusedOnEveryDataParallelRank) {
   auto& comm = world_comm();
   if (comm.size() < 2) GTEST_SKIP();
@@ -215,6 +253,68 @@ TEST(Trainer, ALoaderWithoutDropLastIsRefusedOnEveryDataParallelRank) {
   const std::string what = testing_util::error_of([&] { trainer.fit(loader); });
   EXPECT_NE(what.find("drop_last = false"), std::string::npos) << what;
   comm.barrier()->wait();  // every rank refused without a collective: still in step
+}
+
+std::vector<at::Tensor> fit_on(dist::Mesh& mesh, int64_t batch_size, int dp_rank, int dp_size) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(11);
+  auto data = std::make_shared<TensorDataset>(
+      std::vector<at::Tensor>{at::randn({96, 6}, g, at::kDouble), at::randn({96, 1}, g, at::kDouble)});
+  LoaderOptions lo;
+  lo.batch_size = batch_size;
+  lo.dp_rank = dp_rank;
+  lo.dp_size = dp_size;
+  lo.seed = 5;
+  lo.workers = 1;
+  DataLoader loader(data, lo);
+  auto model = make_model();
+  TrainerOptions o = base_options();
+  o.steps = 6;
+  Trainer trainer(*model, [&](const Batch& b) { return torch::mse_loss(model->forward(b.fields[0]), b.fields[1]); },
+                  mesh, c10::Device(c10::kCPU), o);
+  trainer.fit(loader);
+  EXPECT_EQ(loader.options().dp_size, mesh.dp_size());
+  std::vector<at::Tensor> params;
+  for (auto& p : model->parameters()) params.push_back(p.detach().clone());
+  return params;
+}
+
+// A loader left at LoaderOptions' default (dp_rank 0 of 1) on N ranks: fit() shards it, so the
+// run equals one process on the N-times larger global batch, never N ranks on the same batches
+// (issue 18: the default used to train every rank on the same data without a word).
+TEST(Trainer, AnUnshardedLoaderIsShardedByFitAndMatchesOneProcessOnTheGlobalBatch) {
+  auto& comm = world_comm();
+  dist::Mesh mesh(comm, 1);
+  std::vector<at::Tensor> got = fit_on(mesh, 4, /*dp_rank=*/0, /*dp_size=*/1);
+  auto lone = dist::create_communicator("local", dist::World{}, c10::Device(c10::kCPU));
+  dist::Mesh one(*lone, 1);
+  std::vector<at::Tensor> want = fit_on(one, 4 * comm.size(), 0, 1);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_LT(testing_util::rel_error(got[i], want[i]), 1e-12) << "parameter " << i;
+  }
+  if (comm.size() > 1) {
+    // The duplicate-data run that the default used to give is measurably different.
+    std::vector<at::Tensor> duplicate = fit_on(one, 4, 0, 1);
+    EXPECT_GT(testing_util::rel_error(duplicate[0], want[0]), 1e-6);
+  }
+}
+
+// A loader sharded for another layout (dp_rank 0 of N on every rank) stops every rank with a
+// message naming both layouts, not only the ranks whose share is wrong.
+TEST(Trainer, ALoaderShardedForAnotherLayoutStopsEveryRank) {
+  auto& comm = world_comm();
+  if (comm.size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  dist::Mesh mesh(comm, 1);
+  const std::string what = testing_util::error_of([&] { fit_on(mesh, 4, /*dp_rank=*/0, comm.size()); });
+  if (comm.rank() == 0) {
+    EXPECT_NE(what.find("the training loader is sharded for another data-parallel layout on another rank"),
+              std::string::npos) << what;
+  } else {
+    EXPECT_NE(what.find("the training loader is sharded for data-parallel rank 0 of " + std::to_string(comm.size()) +
+                        ", but this rank is data-parallel rank " + std::to_string(comm.rank())),
+              std::string::npos) << what;
+  }
+  comm.barrier()->wait();  // every rank refused: still in step
 }
 
 TEST(TrainerOptionsCheck, BadValuesAreNamed) {

@@ -1,7 +1,7 @@
 // Data loading: per-rank shards of seeded, shuffled global batches, assembled by worker
 // threads into (pinned) host memory and copied to the device ahead of use.
 //
-// Sharding contract (ARCHITECTURE.md): at each step the loader forms a global batch of
+// Sharding contract (docs/ARCHITECTURE.md): at each step the loader forms a global batch of
 // batch_size * dp_size samples from a permutation of the dataset drawn from (seed, epoch);
 // data-parallel rank r receives samples [r * batch_size, (r + 1) * batch_size) of it. So N
 // ranks with batch b see, step for step, the same samples as one rank with batch N * b.
@@ -103,6 +103,11 @@ class DataLoader {
   // Restarts the stream at a position (discards prefetched batches). Throws dtrain::Error
   // for epoch < 0 or index outside [0, batches_per_epoch()).
   void seek(int64_t epoch, int64_t index);
+  // Re-shards the loader for data-parallel rank dp_rank of dp_size (the trainer does this for
+  // a loader left at 0 of 1; see shard_loader in trainer.h). Discards prefetched batches and
+  // restarts at the current epoch's first batch. Throws dtrain::Error for a layout the dataset
+  // cannot serve (as the constructor).
+  void shard(int dp_rank, int dp_size);
   const LoaderOptions& options() const { return options_; }
 
  private:

@@ -7,13 +7,18 @@ namespace dtrain::engine {
 
 struct MemoryStats {
   double allocated_mb = 0;  // bytes in live tensors (CPU: with tracking on; else the RSS)
-  double peak_mb = 0;       // peak of allocated since the last reset (CPU untracked: peak RSS)
+  double peak_mb = 0;       // peak of allocated since the last reset (>= allocated_mb)
   double reserved_mb = 0;   // CUDA: held by the caching allocator; CPU: the resident set size
+  // Which counter allocated/peak show: "cuda allocator", "cpu tensors" (the counting CPU
+  // allocator) or "process rss" (CPU tracking off). The metrics carry it as mem_counter.
+  const char* counter = "";
 };
 
 // Wraps ATen's CPU allocator so CPU tensor memory is counted exactly (current and peak), as
-// the CUDA caching allocator counts device memory. Call once, early (tensors allocated before
-// are not counted). Thread-safe; costs a few atomic operations per allocation.
+// the CUDA caching allocator counts device memory. The engine library does this when it is
+// loaded (before a program builds its model), unless DTRAIN_TRACK_CPU_MEMORY=0; calling it
+// again is a no-op. Tensors allocated before are not counted. Thread-safe; costs a few atomic
+// operations per allocation.
 void track_cpu_memory();
 bool cpu_memory_tracked();
 

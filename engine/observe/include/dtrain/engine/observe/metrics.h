@@ -1,4 +1,4 @@
-// Training metrics: the JSON-lines file of ARCHITECTURE.md and the console progress.
+// Training metrics: the JSON-lines file of docs/ARCHITECTURE.md (every field: docs/API.md) and the console progress.
 #pragma once
 
 #include <cstdio>
@@ -18,6 +18,7 @@ struct StepMetrics {
   double samples_per_s = 0;
   double mem_allocated_mb = 0;
   double mem_peak_mb = 0;
+  std::string mem_counter;  // what the two show: "cuda allocator", "cpu tensors" or "process rss"
   std::optional<double> tokens_per_s;
   std::optional<double> loss_scale;
   std::optional<double> grad_norm;

@@ -53,6 +53,18 @@ enum class NonFinitePolicy {
 // "stop", "skip" (--on_nonfinite); throws dtrain::Error naming the accepted values otherwise.
 NonFinitePolicy parse_on_nonfinite(const std::string& text);
 
+// Whether fit() starts from a checkpoint in save_dir.
+enum class ResumeMode {
+  kNo,    // start at step 1 (a checkpoint already in save_dir is overwritten as the run goes)
+  kYes,   // continue from the newest good checkpoint; dtrain::Error if there is none
+  kAuto,  // continue from the newest good checkpoint if there is one, else start at step 1: the
+          // same command line for a first launch and every requeue
+};
+// "no"/"false"/"0", "yes"/"true"/"1", "auto" (--resume; a bare --resume means yes); throws
+// dtrain::Error naming the accepted values otherwise.
+ResumeMode parse_resume(const std::string& text);
+const char* to_string(ResumeMode mode);
+
 struct TrainerOptions {
   int64_t steps = 100;            // optimizer steps fit() runs to
   int accum_steps = 1;            // micro-batches per step (must divide the batch)
@@ -69,6 +81,12 @@ struct TrainerOptions {
   int64_t log_every = 10;         // metrics line at step 1, every this many steps, and the last
   int64_t eval_every = 0;         // 0: never; else evaluate every this many steps
   int64_t eval_batches = 4;       // batches per evaluation (per rank)
+  // Classifiers: an evaluation batch's mean loss and its number of correct predictions (scalar
+  // tensors, from one forward). When set, evaluate() uses it instead of the loss function and
+  // fit() logs eval_accuracy = correct / rows over every evaluated batch of every
+  // data-parallel rank.
+  std::function<std::pair<at::Tensor, at::Tensor>(const Batch& batch)> eval_loss_and_correct;
+  bool eval_perplexity = false;  // language models: fit() also logs eval_perplexity = exp(eval_loss)
   std::string metrics_path;       // JSON lines (rank 0); empty: none
   bool progress = true;           // console progress on rank 0
   // On c10::OutOfMemoryError inside forward/backward: drop the step, release cached memory,
@@ -94,10 +112,12 @@ struct TrainerOptions {
   std::string save_dir;           // empty: no checkpoints
   int64_t save_every = 0;         // also every this many steps (0: only at the end / preemption)
   int keep_last = 3;              // checkpoints kept (0: all)
-  bool resume = false;            // fit() continues from the newest good checkpoint in save_dir
+  ResumeMode resume = ResumeMode::kNo;  // fit() continues from a checkpoint in save_dir (above).
+                                       // A run that had reached `steps` trains nothing.
   FileSystem* checkpoint_fs = nullptr;  // where checkpoints go (tests inject faults); nullptr: POSIX
-  // Each step, agree across ranks on SIGTERM/SIGUSR1 (install_preemption_handlers() first);
-  // then fit() saves, asks Slurm to requeue and returns with preempted() set.
+  // Each step, agree across ranks on SIGTERM/SIGUSR1; then fit() saves, asks Slurm to requeue
+  // and returns with preempted() set (exit with kExitRequeue then). The trainer installs the
+  // signal handlers itself (install_preemption_handlers, once per process) when this is on.
   bool handle_preemption = true;
   std::map<std::string, std::string> checkpoint_meta;  // saved along (program, flags, ...)
 };
@@ -114,6 +134,13 @@ struct StepResult {
   bool skipped = false;     // fp16 overflow or a skipped non-finite step: the optimizer did not step
   int oom_retries = 0;      // how many times this step backed off
 };
+
+// Makes `loader` serve this rank's share of the data under mesh's data parallelism: a loader
+// left at LoaderOptions' default (dp_rank 0 of dp_size 1) is re-sharded to (mesh.dp_rank(),
+// mesh.dp_size()); one sharded for another layout is a dtrain::Error naming both. fit() and
+// evaluate() do it for their loaders; a hand-written loop of Trainer::step() calls it once.
+// `which` names the loader in messages.
+void shard_loader(const dist::Mesh& mesh, DataLoader& loader, const std::string& which = "the loader");
 
 class Trainer {
  public:
@@ -132,6 +159,8 @@ class Trainer {
   // Mean loss over `batches` batches of eval, under no_grad and eval mode, averaged over the
   // data-parallel group.
   double evaluate(DataLoader& eval, int64_t batches);
+  // The accuracy of the last evaluate() (with options.eval_loss_and_correct), else empty.
+  std::optional<double> last_eval_accuracy() const { return last_eval_accuracy_; }
 
   int64_t current_step() const { return step_; }
   // Saves a checkpoint of this step to options.save_dir (collective); loader gives the data
@@ -147,7 +176,8 @@ class Trainer {
   // data-parallel layout may resume any other. A
   // failure to read or apply it on some ranks only (a rank file that cannot be read there)
   // is agreed on: every rank throws, none goes on training.
-  void resume_checkpoint(DataLoader* loader);
+  // Restores the newest good checkpoint; false when there is none and `required` is false.
+  bool resume_checkpoint(DataLoader* loader, bool required);
   // fit() stopped early because the job was preempted (after saving a checkpoint).
   bool preempted() const { return preempted_; }
   // The memory report of the last step (components, allocator figures), for logs.
@@ -212,6 +242,7 @@ class Trainer {
   StepMetrics last_;
   StepMetrics first_logged_;
   at::Tensor last_grad_norm_;
+  std::optional<double> last_eval_accuracy_;
   int64_t nonfinite_skips_ = 0;     // steps dropped for a non-finite loss or gradient norm
   int consecutive_nonfinite_ = 0;   // of them, in a row up to the last step
   std::unique_ptr<EventWriter> tensorboard_;

@@ -1,0 +1,398 @@
+#include "dtrain/engine/train/cli.h"
+
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <set>
+#include <sstream>
+
+#include <c10/util/Exception.h>
+#include <gflags/gflags.h>
+
+#include "dtrain/dist/error.h"
+#include "dtrain/engine/optim/amp.h"
+#include "dtrain/engine/optim/offload.h"
+#include "dtrain/engine/optim/optim.h"
+#include "dtrain/engine/train/agreement.h"
+
+namespace dtrain::engine::cli {
+namespace {
+
+// The file name gflags records for the standard flags (--helpfull groups by it).
+constexpr const char* kFile = "dtrain/engine/train/cli.cc";
+
+Flags g_values;    // gflags writes the parsed values here
+Flags g_defaults;  // and keeps the defaults here
+
+struct Spec {
+  Topic topic;
+  const char* name;
+  const char* help;
+  std::function<void()> register_flag;
+};
+
+template <typename T>
+Spec spec(Topic topic, const char* name, const char* help, T Flags::*member) {
+  return {topic, name, help, [=] {
+            gflags::FlagRegisterer(name, help, kFile, &(g_values.*member), &(g_defaults.*member));
+          }};
+}
+
+const std::vector<Spec>& specs() {
+  static const std::vector<Spec> all = {
+      spec(kTraining, "steps", "optimizer steps to train", &Flags::steps),
+      spec(kTraining, "batch_size", "samples per data-parallel rank per optimizer step", &Flags::batch_size),
+      spec(kTraining, "lr", "base learning rate", &Flags::lr),
+      spec(kTraining, "seed", "random seed (model init, data order, dropout)", &Flags::seed),
+      spec(kTraining, "optimizer", "sgd, adam, adamw or adagrad (default: the program's)", &Flags::optimizer),
+      spec(kTraining, "weight_decay", "weight decay", &Flags::weight_decay),
+      spec(kTraining, "clip_grad_norm", "clip gradients to this global norm (0: off)", &Flags::clip_grad_norm),
+      spec(kTraining, "schedule", "learning-rate schedule: constant, cosine or linear", &Flags::schedule),
+      spec(kTraining, "warmup_steps", "linear learning-rate warm-up steps", &Flags::warmup_steps),
+      spec(kTraining, "accum_steps", "micro-batches accumulated per step (must divide --batch_size)",
+           &Flags::accum_steps),
+      spec(kTraining, "amp", "mixed precision: off, bf16 or fp16 (with dynamic loss scaling)", &Flags::amp),
+      spec(kTraining, "on_nonfinite",
+           "a non-finite loss or gradient norm: stop (before the update, naming the newest checkpoint) "
+           "or skip the step",
+           &Flags::on_nonfinite),
+      spec(kTraining, "max_nonfinite_skips", "with --on_nonfinite=skip: stop after this many in a row",
+           &Flags::max_nonfinite_skips),
+      spec(kRanks, "device", "auto, cpu or cuda (each rank its GPU: local rank modulo the GPUs)", &Flags::device),
+      spec(kRanks, "backend", "communicator: auto, nccl, mpi or local", &Flags::backend),
+      spec(kRanks, "collective_timeout_s", "seconds before a stuck collective ends the job",
+           &Flags::collective_timeout_s),
+      spec(kTensorParallel, "tp", "tensor-parallel size (consecutive ranks form a group)", &Flags::tp),
+      spec(kTensorParallel, "sequence_parallel",
+           "with --tp > 1: split the activations between the parallel layers along the sequence",
+           &Flags::sequence_parallel),
+      spec(kData, "workers", "data-loading worker threads", &Flags::workers),
+      spec(kData, "prefetch", "batches prepared ahead by the loader", &Flags::prefetch),
+      spec(kData, "eval_every", "evaluate every N steps (0: never)", &Flags::eval_every),
+      spec(kData, "eval_batches", "batches per evaluation", &Flags::eval_batches),
+      spec(kMemory, "offload", "none, optimizer, layers or all", &Flags::offload),
+      spec(kMemory, "offload_threads", "CPU optimizer threads (0: OMP_NUM_THREADS or the cores)",
+           &Flags::offload_threads),
+      spec(kMemory, "offload_stream_gradients",
+           "with --offload=optimizer: copy each gradient bucket to the host as it is reduced: auto, on, off",
+           &Flags::offload_stream_gradients),
+      spec(kMemory, "offload_reduce_to_owner",
+           "with --offload=optimizer: reduce each gradient only to the rank that updates it",
+           &Flags::offload_reduce_to_owner),
+      spec(kMemory, "offload_delayed_update_after",
+           "with --offload=optimizer: after N steps overlap the CPU update with the next step (-1: off)",
+           &Flags::offload_delayed_update_after),
+      spec(kMemory, "host_mem_limit_gb", "cap of pinned host memory for offload (0: none)", &Flags::host_mem_limit_gb),
+      spec(kMemory, "plan", "none, or auto: choose checkpointing/accumulation/offload to fit --gpu_mem_limit_gb",
+           &Flags::plan),
+      spec(kMemory, "gpu_mem_limit_gb", "GPU memory budget in GiB, CUDA context included (0: the whole device)",
+           &Flags::gpu_mem_limit_gb),
+      spec(kMemory, "memory_report_step", "log where memory goes after this step (0: never)",
+           &Flags::memory_report_step),
+      spec(kMemory, "checkpoint_activations", "recompute each block's activations in backward",
+           &Flags::checkpoint_activations),
+      spec(kCheckpoints, "save_dir", "save checkpoints to this directory (one run per directory)", &Flags::save_dir),
+      spec(kCheckpoints, "save_every", "also save every N steps (0: at the end and on preemption only)",
+           &Flags::save_every),
+      spec(kCheckpoints, "keep_last", "checkpoints kept in --save_dir (0: all)", &Flags::keep_last),
+      spec(kCheckpoints, "resume",
+           "continue from the newest good checkpoint in --save_dir: yes (one must exist; a bare --resume), "
+           "auto (if there is one, else start), no",
+           &Flags::resume),
+      spec(kObservability, "log_every", "log metrics every N steps", &Flags::log_every),
+      spec(kObservability, "metrics", "write metrics as JSON lines to this file (rank 0)", &Flags::metrics),
+      spec(kObservability, "tensorboard_dir", "write TensorBoard event files here (rank 0)", &Flags::tensorboard_dir),
+      spec(kObservability, "timeline", "write a Chrome trace of the run to this file", &Flags::timeline),
+      spec(kObservability, "progress", "progress bar / periodic lines on rank 0", &Flags::progress),
+  };
+  return all;
+}
+
+const std::vector<std::pair<Topic, const char*>>& headings() {
+  static const std::vector<std::pair<Topic, const char*>> h = {
+      {kTraining, "Training"}, {kRanks, "Devices and ranks"}, {kTensorParallel, "Tensor parallelism"},
+      {kData, "Data"},         {kMemory, "Memory"},           {kCheckpoints, "Checkpoints and preemption"},
+      {kObservability, "Observability"}};
+  return h;
+}
+
+// Flags that may legitimately differ between ranks (docs/CLUSTER.md).
+const std::set<std::string>& per_rank_flags() {
+  static const std::set<std::string> s = {"workers", "prefetch", "progress", "log_every", "metrics",
+                                          "tensorboard_dir", "timeline", "memory_report_step",
+                                          "collective_timeout_s", "host_mem_limit_gb", "offload_threads"};
+  return s;
+}
+
+struct State {
+  std::mutex mutex;
+  unsigned registered = 0;  // topics
+  std::vector<std::pair<std::string, std::vector<std::string>>> described;  // heading -> names
+  std::set<std::string> described_per_rank;
+};
+
+State& state() {
+  static State s;
+  return s;
+}
+
+void register_topics(unsigned topics) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  for (const Spec& sp : specs()) {
+    if ((topics & sp.topic) && !(s.registered & sp.topic)) sp.register_flag();
+  }
+  s.registered |= topics;
+}
+
+bool registered(const Topic topic) { return (state().registered & topic) != 0; }
+
+std::string flag_line(const std::string& name) {
+  gflags::CommandLineFlagInfo info;
+  if (!gflags::GetCommandLineFlagInfo(name.c_str(), &info)) return "  --" + name + " (not defined)";
+  std::string left = "--" + name + "=" + (info.type == "string" && info.default_value.empty() ? "\"\"" : info.default_value);
+  std::ostringstream os;
+  os << "  " << left;
+  for (size_t pad = left.size(); pad < 34; ++pad) os << ' ';
+  os << ' ' << info.description;
+  return os.str();
+}
+
+void validate(const Flags& f) {
+  if (registered(kTraining)) {
+    DTRAIN_CHECK(f.steps >= 0, "--steps=", f.steps, " must be >= 0");
+    DTRAIN_CHECK(f.batch_size >= 1, "--batch_size=", f.batch_size, " must be >= 1");
+    DTRAIN_CHECK(std::isfinite(f.lr) && f.lr > 0, "--lr=", f.lr, " must be a positive finite number");
+    DTRAIN_CHECK(f.accum_steps >= 1, "--accum_steps=", f.accum_steps, " must be >= 1");
+    DTRAIN_CHECK(f.batch_size % f.accum_steps == 0, "--batch_size=", f.batch_size,
+                 " is not a multiple of --accum_steps=", f.accum_steps, "; each micro-batch must have the same size");
+    if (!f.optimizer.empty()) {
+      OptimizerOptions o;
+      o.name = f.optimizer;
+      o.lr = f.lr;
+      o.weight_decay = f.weight_decay;
+      if (o.name == "sgd") o.momentum = 0.9;
+      engine::validate(o);
+    }
+    ScheduleOptions sched;
+    sched.name = f.schedule;
+    sched.warmup_steps = f.warmup_steps;
+    sched.total_steps = f.steps;
+    engine::validate(sched);
+    parse_amp(f.amp);
+    parse_on_nonfinite(f.on_nonfinite);
+    DTRAIN_CHECK(f.max_nonfinite_skips >= 1, "--max_nonfinite_skips=", f.max_nonfinite_skips, " must be >= 1");
+  }
+  DTRAIN_CHECK(f.collective_timeout_s > 0, "--collective_timeout_s=", f.collective_timeout_s, " must be positive");
+  DTRAIN_CHECK(f.tp >= 1, "--tp=", f.tp, " must be >= 1");
+  DTRAIN_CHECK(f.workers >= 0, "--workers=", f.workers, " must be >= 0");
+  DTRAIN_CHECK(f.prefetch >= 1, "--prefetch=", f.prefetch, " must be >= 1");
+  DTRAIN_CHECK(f.eval_every >= 0, "--eval_every=", f.eval_every, " must be >= 0");
+  DTRAIN_CHECK(f.eval_batches >= 1, "--eval_batches=", f.eval_batches, " must be >= 1");
+  const OffloadChoice offload = parse_offload(f.offload);
+  DTRAIN_CHECK(f.plan == "none" || f.plan == "auto", "--plan=", f.plan, " is not one of: none, auto");
+  DTRAIN_CHECK(f.gpu_mem_limit_gb >= 0, "--gpu_mem_limit_gb=", f.gpu_mem_limit_gb, " must be >= 0");
+  DTRAIN_CHECK(f.plan != "auto" || f.gpu_mem_limit_gb > 0, "--plan=auto needs --gpu_mem_limit_gb (the budget to fit)");
+  DTRAIN_CHECK(f.host_mem_limit_gb >= 0, "--host_mem_limit_gb=", f.host_mem_limit_gb, " must be >= 0");
+  parse_stream_gradients(f.offload_stream_gradients);
+  DTRAIN_CHECK(f.offload_delayed_update_after >= -1, "--offload_delayed_update_after=",
+               f.offload_delayed_update_after, " must be >= 0 (warm-up steps) or -1 (off)");
+  DTRAIN_CHECK(f.offload_delayed_update_after < 0 || offload.optimizer,
+               "--offload_delayed_update_after needs --offload=optimizer or --offload=all");
+  DTRAIN_CHECK(f.save_every >= 0, "--save_every=", f.save_every, " must be >= 0");
+  DTRAIN_CHECK(f.keep_last >= 0, "--keep_last=", f.keep_last, " must be >= 0");
+  parse_resume(f.resume);
+  DTRAIN_CHECK(f.log_every >= 1, "--log_every=", f.log_every, " must be >= 1");
+}
+
+// dtrain::Error for a flag this program does not define (gflags would exit 1 with less to say):
+// a standard flag of a topic the program did not ask for is named as such.
+void check_known(const std::string& program, const std::vector<std::string>& args) {
+  for (size_t i = 1; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--") break;
+    if (a.size() < 2 || a[0] != '-' || std::isdigit(static_cast<unsigned char>(a[1])) || a[1] == '.') continue;
+    std::string name = a.substr(a[1] == '-' ? 2 : 1);
+    name = name.substr(0, name.find('='));
+    gflags::CommandLineFlagInfo info;
+    if (gflags::GetCommandLineFlagInfo(name.c_str(), &info)) continue;
+    if (name.rfind("no", 0) == 0 && gflags::GetCommandLineFlagInfo(name.substr(2).c_str(), &info) &&
+        info.type == "bool") {
+      continue;
+    }
+    const std::string bare = name.rfind("no", 0) == 0 ? name.substr(2) : name;
+    for (const Spec& sp : specs()) {
+      if (bare != sp.name) continue;
+      if (sp.topic == kTensorParallel) {
+        throw Error("--" + bare + ": " + program + " has no tensor-parallel layers (its --help lists the flags it takes)");
+      }
+      throw Error("--" + bare + ": " + program + " does not take dtrain's flags of this topic (its --help lists the flags it takes)");
+    }
+    throw Error("unknown flag --" + name + "; " + program + " --help lists the flags it takes");
+  }
+}
+
+bool is_help(const std::string& a) {
+  return a == "--help" || a == "-help" || a == "-h" || a == "--helpshort" || a == "-helpshort";
+}
+
+}  // namespace
+
+const Flags& flags() { return g_values; }
+
+void describe_flags(const std::string& heading, const std::vector<std::string>& names,
+                    const std::vector<std::string>& per_rank) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.described.emplace_back(heading, names);
+  s.described_per_rank.insert(per_rank.begin(), per_rank.end());
+}
+
+std::string help_text(const std::string& usage) {
+  std::ostringstream os;
+  os << usage << "\n";
+  for (const auto& [topic, heading] : headings()) {
+    if (!registered(topic)) continue;
+    os << "\n" << heading << ":\n";
+    for (const Spec& sp : specs()) {
+      if (sp.topic == topic) os << flag_line(sp.name) << "\n";
+    }
+  }
+  for (const auto& [heading, names] : state().described) {
+    os << "\n" << heading << ":\n";
+    for (const std::string& name : names) os << flag_line(name) << "\n";
+  }
+  os << "\nFlags are --name=value. --helpfull lists every flag of the program, the logging library's too.\n";
+  return os.str();
+}
+
+const Flags& parse(int argc, char** argv, const std::string& usage, unsigned topics,
+                   const std::map<std::string, std::string>& defaults) {
+  register_topics(topics);
+  for (const auto& [name, value] : defaults) {
+    DTRAIN_CHECK(!gflags::SetCommandLineOptionWithMode(name.c_str(), value.c_str(), gflags::SET_FLAGS_DEFAULT).empty(),
+                 "cli::parse: the default '", value, "' for --", name, " is not accepted (no such flag, or a bad value)");
+  }
+  gflags::SetUsageMessage(usage);
+  // Our own arguments array: a bare --resume of earlier versions means --resume=yes.
+  static std::vector<std::string> args;
+  static std::vector<char*> arg_ptrs;
+  args.assign(argv, argv + argc);
+  for (std::string& a : args) {
+    if (is_help(a)) {
+      std::fputs(help_text(usage).c_str(), stdout);
+      std::fflush(stdout);
+      std::exit(0);
+    }
+    if (a == "--resume" || a == "-resume") a = "--resume=yes";
+    if (a == "--noresume" || a == "-noresume") a = "--resume=no";
+  }
+  const std::string program = args.empty() ? "program" : args[0].substr(args[0].rfind('/') + 1);
+  check_known(program, args);
+  arg_ptrs.clear();
+  for (std::string& a : args) arg_ptrs.push_back(a.data());
+  arg_ptrs.push_back(nullptr);
+  int n = argc;
+  char** p = arg_ptrs.data();
+  gflags::ParseCommandLineFlags(&n, &p, true);
+  DTRAIN_CHECK(n == 1, "unexpected argument '", n > 1 ? p[1] : "", "'; flags are written --name=value");
+  validate(g_values);
+  return g_values;
+}
+
+void agree_on_flags(dist::Communicator& world) {
+  Settings settings;
+  auto add = [&](const std::string& name) {
+    gflags::CommandLineFlagInfo info;
+    if (gflags::GetCommandLineFlagInfo(name.c_str(), &info)) settings.emplace_back("--" + name, info.current_value);
+  };
+  for (const Spec& sp : specs()) {
+    if (registered(sp.topic) && !per_rank_flags().count(sp.name)) add(sp.name);
+  }
+  for (const auto& [heading, names] : state().described) {
+    for (const std::string& name : names) {
+      if (!state().described_per_rank.count(name)) add(name);
+    }
+  }
+  agree_on_settings(world, settings, "command-line flags");
+}
+
+TrainerOptions trainer_options(const Flags& f, const std::string& default_optimizer, int tp_size) {
+  TrainerOptions o;
+  o.steps = f.steps;
+  o.accum_steps = f.accum_steps;
+  o.amp = parse_amp(f.amp);
+  o.optimizer.name = f.optimizer.empty() ? default_optimizer : f.optimizer;
+  o.optimizer.lr = f.lr;
+  o.optimizer.weight_decay = f.weight_decay;
+  if (o.optimizer.name == "sgd") o.optimizer.momentum = 0.9;
+  if (o.optimizer.name == "adagrad") o.optimizer.eps = 1e-10;
+  o.schedule.name = f.schedule;
+  o.schedule.warmup_steps = f.warmup_steps;
+  o.schedule.total_steps = f.steps;
+  o.clip_grad_norm = f.clip_grad_norm;
+  o.on_nonfinite = parse_on_nonfinite(f.on_nonfinite);
+  o.max_nonfinite_skips = f.max_nonfinite_skips;
+  o.log_every = f.log_every;
+  o.eval_every = f.eval_every;
+  o.eval_batches = f.eval_batches;
+  o.metrics_path = f.metrics;
+  o.tensorboard_dir = f.tensorboard_dir;
+  o.timeline_path = f.timeline;
+  o.memory_report_step = f.memory_report_step;
+  o.offload_optimizer = parse_offload(f.offload).optimizer;
+  o.offload.host_mem_limit_gb = f.host_mem_limit_gb;
+  o.offload.threads = f.offload_threads;
+  o.offload.stream_gradients = f.offload_stream_gradients;
+  o.offload.delayed_update_after = f.offload_delayed_update_after;
+  o.offload.reduce_to_owner = f.offload_reduce_to_owner;
+  o.save_dir = f.save_dir;
+  o.save_every = f.save_every;
+  o.keep_last = f.keep_last;
+  o.resume = parse_resume(f.resume);
+  o.progress = f.progress;
+  o.oom_backoff = tp_size == 1;
+  return o;
+}
+
+LoaderOptions loader_options(const Flags& f, int64_t batch_size, c10::Device device, bool shuffle) {
+  LoaderOptions o;
+  o.batch_size = batch_size;
+  o.shuffle = shuffle;
+  o.seed = static_cast<uint64_t>(f.seed);
+  o.workers = f.workers;
+  o.prefetch = f.prefetch;
+  o.device = device;
+  return o;
+}
+
+void exit_if_preempted(const Trainer& trainer, const std::string& program, int world_rank) {
+  if (!trainer.preempted()) return;
+  if (world_rank == 0) {
+    std::printf("%s: preempted at step %lld; checkpoint saved, exiting with %d to be requeued\n", program.c_str(),
+                static_cast<long long>(trainer.current_step()), kExitRequeue);
+    std::fflush(stdout);
+  }
+  throw Preempted();
+}
+
+int run_main(const std::string& program, const std::function<int()>& body) {
+  try {
+    return body();
+  } catch (const Preempted&) {
+    return kExitRequeue;
+  } catch (const Error& e) {
+    std::fprintf(stderr, "%s: %s\n", program.c_str(), e.what());
+    return kExitUsage;
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "%s: %s\n", program.c_str(), e.what_without_backtrace());
+    return kExitFailure;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: %s\n", program.c_str(), e.what());
+    return kExitFailure;
+  }
+}
+
+}  // namespace dtrain::engine::cli

@@ -1,0 +1,151 @@
+// The command line of a dtrain program: dtrain's standard flags, registered by topic (only the
+// topics a program asks for exist in it, so a program's own flags cannot collide with the rest),
+// a --help that shows them grouped and short, the TrainerOptions and LoaderOptions they fill,
+// and a main() wrapper with dtrain's exit codes. The examples are built on it:
+//
+//   int main(int argc, char** argv) {
+//     return dtrain::engine::cli::run_main("my_train", [&] {
+//       auto& f = dtrain::engine::cli::parse(argc, argv, "my_train [flags]: ...",
+//                                            dtrain::engine::cli::kAllTopics);
+//       ... world, device, communicator, mesh (f.device, f.backend, f.tp) ...
+//       Trainer trainer(model, loss, mesh, device, cli::trainer_options(f, "adamw"));
+//       DataLoader loader(dataset, cli::loader_options(f, f.batch_size, device));
+//       trainer.fit(loader);
+//       cli::exit_if_preempted(trainer);  // run_main turns it into exit code 85
+//       return 0;
+//     });
+//   }
+//
+// Flags are gflags flags (--name=value); a program may DEFINE_ its own and list them with
+// describe_flags() so that --help shows them and agree_on_flags() checks them across ranks.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <c10/core/Device.h>
+
+#include "dtrain/engine/data/data.h"
+#include "dtrain/engine/train/trainer.h"
+
+namespace dtrain::dist {
+class Communicator;
+}
+
+namespace dtrain::engine::cli {
+
+// Topics of the standard flags (a bit set: parse() registers those a program asks for).
+enum Topic : unsigned {
+  kTraining = 1u << 0,        // --steps --batch_size --lr --seed --optimizer --weight_decay
+                              // --clip_grad_norm --schedule --warmup_steps --accum_steps --amp
+                              // --on_nonfinite --max_nonfinite_skips
+  kRanks = 1u << 1,           // --device --backend --collective_timeout_s
+  kTensorParallel = 1u << 2,  // --tp --sequence_parallel
+  kData = 1u << 3,            // --workers --prefetch --eval_every --eval_batches
+  kMemory = 1u << 4,          // --offload --offload_* --host_mem_limit_gb --plan --gpu_mem_limit_gb
+                              // --memory_report_step --checkpoint_activations
+  kCheckpoints = 1u << 5,     // --save_dir --save_every --keep_last --resume
+  kObservability = 1u << 6,   // --log_every --metrics --tensorboard_dir --timeline --progress
+  kAllTopics = (1u << 7) - 1,
+};
+
+// The standard flags' values (after parse(); flags of topics not registered keep these
+// defaults). See --help for each one's meaning.
+struct Flags {
+  // kTraining
+  int64_t steps = 100;
+  int64_t batch_size = 64;  // per data-parallel rank
+  double lr = 1e-3;
+  int64_t seed = 0;
+  std::string optimizer;  // "" : the program's default
+  double weight_decay = 0;
+  double clip_grad_norm = 0;
+  std::string schedule = "constant";
+  int64_t warmup_steps = 0;
+  int32_t accum_steps = 1;
+  std::string amp = "off";
+  std::string on_nonfinite = "stop";
+  int32_t max_nonfinite_skips = 10;
+  // kRanks
+  std::string device = "auto";
+  std::string backend = "auto";
+  int32_t collective_timeout_s = 300;
+  // kTensorParallel
+  int32_t tp = 1;
+  bool sequence_parallel = false;
+  // kData
+  int32_t workers = 2;
+  int32_t prefetch = 2;
+  int64_t eval_every = 0;
+  int64_t eval_batches = 4;
+  // kMemory
+  std::string offload = "none";
+  int32_t offload_threads = 0;
+  std::string offload_stream_gradients = "auto";
+  bool offload_reduce_to_owner = true;
+  int64_t offload_delayed_update_after = -1;
+  double host_mem_limit_gb = 0;
+  std::string plan = "none";
+  double gpu_mem_limit_gb = 0;
+  int64_t memory_report_step = 0;
+  bool checkpoint_activations = false;
+  // kCheckpoints
+  std::string save_dir;
+  int64_t save_every = 0;
+  int32_t keep_last = 3;
+  std::string resume = "no";
+  // kObservability
+  int64_t log_every = 10;
+  std::string metrics;
+  std::string tensorboard_dir;
+  std::string timeline;
+  bool progress = true;
+};
+
+// The values (one set per process).
+const Flags& flags();
+
+// Registers the standard flags of `topics` (once per process; a second call may only add
+// topics), applies `defaults` ({"batch_size", "16"}: this program's defaults, shown by --help),
+// prints the help and exits 0 for --help/-h/--helpshort (--helpfull: gflags' full list, glog's
+// flags included), parses argv, and validates the standard flags (dtrain::Error naming the flag
+// and the fix). A bare --resume means --resume=yes. Returns flags().
+const Flags& parse(int argc, char** argv, const std::string& usage, unsigned topics = kAllTopics,
+                   const std::map<std::string, std::string>& defaults = {});
+
+// Lists flags the program DEFINEd itself under a --help heading ("Model"), and makes
+// agree_on_flags() compare them across ranks (except those in `per_rank`). Call before parse().
+void describe_flags(const std::string& heading, const std::vector<std::string>& names,
+                    const std::vector<std::string>& per_rank = {});
+
+// The --help text parse() prints (tests).
+std::string help_text(const std::string& usage);
+
+// Collective: every rank's standard and described flags must be equal, except the ones that
+// may differ per rank (--workers, --prefetch, --progress, --log_every, --metrics,
+// --tensorboard_dir, --timeline, --memory_report_step, --collective_timeout_s,
+// --host_mem_limit_gb, --offload_threads); dtrain::Error on every rank naming each difference.
+void agree_on_flags(dist::Communicator& world);
+
+// TrainerOptions from the flags; default_optimizer when --optimizer is not given. tp_size: the
+// mesh's tensor-parallel size (OOM back-off needs 1).
+TrainerOptions trainer_options(const Flags& f, const std::string& default_optimizer, int tp_size = 1);
+// LoaderOptions from the flags (workers, prefetch, seed) for the given per-rank batch and device.
+// dp_rank/dp_size stay 0/1: Trainer::fit shards the loader.
+LoaderOptions loader_options(const Flags& f, int64_t batch_size, c10::Device device, bool shuffle = true);
+
+// Thrown by exit_if_preempted(); run_main() returns kExitRequeue for it.
+struct Preempted {};
+// After fit(): throws Preempted when the trainer stopped for SIGTERM/SIGUSR1 (its checkpoint
+// is saved), after printing so on rank 0 of the world.
+void exit_if_preempted(const Trainer& trainer, const std::string& program, int world_rank);
+
+// Runs body and returns its exit code, mapping failures to dtrain's exit codes (error.h):
+// dtrain::Error -> "program: message" on stderr, kExitUsage (2); Preempted -> kExitRequeue (85);
+// other exceptions -> the message, kExitFailure (1).
+int run_main(const std::string& program, const std::function<int()>& body);
+
+}  // namespace dtrain::engine::cli
