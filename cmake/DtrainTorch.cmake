@@ -9,8 +9,12 @@
 #
 # Inputs (cache): DTRAIN_PYTHON (interpreter that has torch), TORCH_ROOT (the torch package dir).
 # Outputs: TORCH_ROOT, TORCH_VERSION, DTRAIN_TORCH_HAS_CUDA, DTRAIN_NCCL_ROOT, DTRAIN_NCCL_VERSION.
+#
+# Installed dtrain's package config includes this file too, with DTRAIN_PACKAGE_CONSUMER set and
+# TORCH_ROOT baked in. Projects that use dtrain only need the CUDA toolkit to compile CUDA code
+# of their own, so there it is optional: the wheel ships the CUDA runtime and its headers.
 
-if(NOT DTRAIN_PYTHON)
+if(NOT DTRAIN_PYTHON AND NOT (DTRAIN_PACKAGE_CONSUMER AND TORCH_ROOT))
   if(EXISTS "${PROJECT_SOURCE_DIR}/.venv/bin/python")
     set(DTRAIN_PYTHON "${PROJECT_SOURCE_DIR}/.venv/bin/python" CACHE FILEPATH "Python with torch")
   else()
@@ -31,7 +35,8 @@ if(NOT TORCH_ROOT)
 endif()
 
 if(NOT EXISTS "${TORCH_ROOT}/lib/libtorch.so" OR NOT EXISTS "${TORCH_ROOT}/include/ATen/ATen.h")
-  message(FATAL_ERROR "dtrain: ${TORCH_ROOT} does not look like a torch package (no lib/libtorch.so or include/ATen)")
+  message(FATAL_ERROR "dtrain: ${TORCH_ROOT} does not look like a torch package (no lib/libtorch.so or "
+    "include/ATen); pass -DTORCH_ROOT=/path/to/site-packages/torch")
 endif()
 
 file(STRINGS "${TORCH_ROOT}/version.py" _torch_ver_line REGEX "^__version__")
@@ -47,6 +52,10 @@ target_include_directories(dtrain::torch SYSTEM INTERFACE
 target_link_libraries(dtrain::torch INTERFACE
   "${TORCH_ROOT}/lib/libtorch.so" "${TORCH_ROOT}/lib/libtorch_cpu.so" "${TORCH_ROOT}/lib/libc10.so")
 target_compile_definitions(dtrain::torch INTERFACE _GLIBCXX_USE_CXX11_ABI=1)
+if(DTRAIN_PACKAGE_CONSUMER)
+  # libtorch's headers need C++17; older compilers default to C++14.
+  target_compile_features(dtrain::torch INTERFACE cxx_std_17)
+endif()
 # The wheel's libraries find their CUDA/NCCL neighbours through their own RUNPATH; ours point
 # at torch/lib so programs run from build/bin without LD_LIBRARY_PATH.
 set(DTRAIN_TORCH_LIBDIR "${TORCH_ROOT}/lib")
@@ -58,14 +67,25 @@ endif()
 
 get_filename_component(_site "${TORCH_ROOT}" DIRECTORY)
 if(DTRAIN_TORCH_HAS_CUDA AND DTRAIN_WITH_CUDA)
-  find_package(CUDAToolkit REQUIRED)
+  if(DTRAIN_PACKAGE_CONSUMER)
+    find_package(CUDAToolkit QUIET)
+  else()
+    find_package(CUDAToolkit REQUIRED)
+  endif()
   # Link the CUDA runtime the wheel ships (the one libc10_cuda loads) when present.
   set(_cudart "${_site}/nvidia/cu13/lib/libcudart.so.13")
   if(NOT EXISTS "${_cudart}")
     file(GLOB _cudart "${_site}/nvidia/cuda_runtime/lib/libcudart.so.*")
   endif()
-  if(NOT _cudart)
+  if(_cudart)
+    list(GET _cudart 0 _cudart_include)
+    get_filename_component(_cudart_include "${_cudart_include}" DIRECTORY)
+    get_filename_component(_cudart_include "${_cudart_include}/../include" ABSOLUTE)
+  elseif(TARGET CUDA::cudart)
     set(_cudart CUDA::cudart)
+  else()
+    message(FATAL_ERROR "dtrain: the torch wheel at ${_site} has no CUDA runtime (nvidia/*/lib/libcudart.so.*) "
+      "and there is no CUDA toolkit; install the nvidia-cuda-runtime wheel torch depends on")
   endif()
   add_library(dtrain::torch_cuda INTERFACE IMPORTED GLOBAL)
   # libtorch_cuda registers the CUDA kernels when it is loaded, while our code calls few of its
@@ -74,7 +94,16 @@ if(DTRAIN_TORCH_HAS_CUDA AND DTRAIN_WITH_CUDA)
   target_link_libraries(dtrain::torch_cuda INTERFACE dtrain::torch
     "-Wl,--no-as-needed,${TORCH_ROOT}/lib/libtorch_cuda.so,--as-needed"
     "${TORCH_ROOT}/lib/libc10_cuda.so" ${_cudart})
-  target_include_directories(dtrain::torch_cuda SYSTEM INTERFACE ${CUDAToolkit_INCLUDE_DIRS})
+  if(CUDAToolkit_FOUND)
+    target_include_directories(dtrain::torch_cuda SYSTEM INTERFACE ${CUDAToolkit_INCLUDE_DIRS})
+  elseif(EXISTS "${_cudart_include}/cuda_runtime_api.h")
+    # Only reached by consumers: the headers of the runtime torch loads, for code that includes
+    # c10/cuda or cuda_runtime_api.h.
+    target_include_directories(dtrain::torch_cuda SYSTEM INTERFACE "${_cudart_include}")
+    message(STATUS "dtrain: no CUDA toolkit; dtrain::torch_cuda uses the CUDA runtime of the torch wheel (${_cudart})")
+  else()
+    message(STATUS "dtrain: no CUDA toolkit; dtrain::torch_cuda links the CUDA runtime of the torch wheel (${_cudart}), no CUDA headers")
+  endif()
   list(APPEND DTRAIN_TORCH_LIBDIR "${_site}/nvidia/cu13/lib")
 
   if(DTRAIN_WITH_NCCL)
