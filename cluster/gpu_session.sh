@@ -42,13 +42,13 @@ declare -A CARRY=([test]='[".deps"]' [bench1]='[]' [bench2]='[]')  # never carry
                                                                     # would replace the built tree
 declare -A STEPS=(
   [test]="gpuinfo unpack configure build ctest"
-  [bench1]="s2s gpt124m nccl_allreduce mpi_allreduce cpu_adam copies offload_layers"
+  [bench1]="s2s gpt124m nccl_allreduce mpi_allreduce cpu_adam copies offload_layers async_save"
   [bench2]="offload6b offload_opt offload_delayed"
 )
 declare -A LIMIT=(
   [gpuinfo]=10 [unpack]=15 [configure]=60 [build]=270 [ctest]=120
   [s2s]=120 [gpt124m]=45 [nccl_allreduce]=30 [mpi_allreduce]=45 [cpu_adam]=60 [copies]=25
-  [offload_layers]=45
+  [offload_layers]=45 [async_save]=40
   [offload6b]=380 [offload_opt]=70 [offload_delayed]=70
 )
 # GPU_LIMIT_<step>=S overrides a limit (the plan sees the override too).
@@ -332,6 +332,10 @@ step_offload_layers() {
   measure "layer offload, gpt124m (--offload=layers)" 'trained|MFU|offload' \
     "$BIN/train_gpt" --device=cuda --data=synthetic --amp=bf16 --offload=layers --steps=10 --log_every=5 \
     --progress=false
+}
+step_async_save() {
+  measure "checkpoint save: the step that saves vs an ordinary one, background vs synchronous" '"bench"' \
+    python3 tools/async_save_bench.py "$BIN" --device=cuda --steps=21
 }
 # Issue 5's goal: a GPT whose optimizer state does not fit the GPU (6.3B parameters: 100 GB of
 # fp32 weights, gradients and Adam moments) trains with the optimizer state in host memory.

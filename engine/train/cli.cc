@@ -101,6 +101,8 @@ const std::vector<Spec>& specs() {
            "continue from the newest good checkpoint in --save_dir: yes (one must exist; a bare --resume), "
            "auto (if there is one, else start), no",
            &Flags::resume),
+      spec(kCheckpoints, "async_save", "periodic saves write in the background while training goes on",
+           &Flags::async_save),
       spec(kObservability, "log_every", "log metrics every N steps", &Flags::log_every),
       spec(kObservability, "metrics", "write metrics as JSON lines to this file (rank 0)", &Flags::metrics),
       spec(kObservability, "tensorboard_dir", "write TensorBoard event files here (rank 0)", &Flags::tensorboard_dir),
@@ -352,6 +354,7 @@ TrainerOptions trainer_options(const Flags& f, const std::string& default_optimi
   o.save_every = f.save_every;
   o.keep_last = f.keep_last;
   o.resume = parse_resume(f.resume);
+  o.async_save = f.async_save;
   o.progress = f.progress;
   o.oom_backoff = tp_size == 1;
   return o;

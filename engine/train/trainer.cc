@@ -200,7 +200,15 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
   timeline_ = std::make_unique<Timeline>(timeline);
 }
 
-Trainer::~Trainer() = default;
+Trainer::~Trainer() {
+  // A background save still in flight (fit() left by an exception) finishes first.
+  if (!save_in_flight_.valid()) return;
+  try {
+    save_in_flight_.get();
+  } catch (const std::exception& e) {
+    LOG(ERROR) << "the background checkpoint save failed: " << e.what();
+  }
+}
 
 bool Trainer::run_micro_batches(const Batch& batch, at::Tensor& loss_sum) {
   const int n = accum_steps_;
@@ -349,6 +357,7 @@ void Trainer::handle_nonfinite(const at::Tensor& loss_sum, const at::Tensor& nor
   }
   std::string newest = "no checkpoint was saved";
   if (!options_.save_dir.empty()) {
+    wait_for_save();  // a background save in flight is the newest checkpoint once published
     CheckpointStoreOptions so;
     so.fs = options_.checkpoint_fs;
     std::vector<CheckpointInfo> saved = CheckpointStore(options_.save_dir, so).list();
@@ -623,13 +632,19 @@ StepMetrics Trainer::fit(DataLoader& train, DataLoader* eval) {
       window_steps = 0;
     }
     if (!options_.save_dir.empty() && options_.save_every > 0 && r.step % options_.save_every == 0) {
-      save_checkpoint(&train);
+      Timeline::Span span(*timeline_, "checkpoint (copy to host)", category::kCopy, lane::kMain);
+      if (options_.async_save) {
+        save_checkpoint_async(&train);
+      } else {
+        save_checkpoint(&train);
+      }
     }
     if (stop_for_preemption(train)) break;
   }
   progress.finish();
   flush_updates();  // the model holds every step's update when fit() returns
   if (!preempted_ && !options_.save_dir.empty() && last_saved_step_ != step_) save_checkpoint(&train);
+  wait_for_save();  // every checkpoint of fit() is published when it returns
   finish_timeline();
   return logged;
 }

@@ -53,7 +53,7 @@ NamedTensors Trainer::full_optimizer_state() {
   return state;
 }
 
-std::string Trainer::save_checkpoint(const DataLoader* loader) {
+Trainer::PreparedSave Trainer::prepare_save(const DataLoader* loader, bool own_copies) {
   flush_updates();  // a delayed update in flight goes into the saved weights
   // Never a checkpoint of non-finite weights (rotation could then push out the last good one).
   // One host read per device (not one per parameter), then one collective.
@@ -66,12 +66,9 @@ std::string Trainer::save_checkpoint(const DataLoader* loader) {
   DTRAIN_CHECK(bad.item<int64_t>() == 0, "step ", step_, ": the weights are not finite on some rank; no checkpoint "
                "is written (the saved ones in '", options_.save_dir, "' stay as they are). Resume from the newest "
                "with a lower --lr");
-  CheckpointStoreOptions so;
-  so.keep_last = options_.keep_last;
-  so.fs = options_.checkpoint_fs;
-  CheckpointStore store(options_.save_dir, so);
   dist::Communicator& world = mesh_.world();
-  CheckpointData data;
+  PreparedSave save;
+  CheckpointData& data = save.data;
   data.step = step_;
   data.model = full_model_state();        // collective over tp
   data.optimizer = full_optimizer_state();  // collective over tp
@@ -90,7 +87,7 @@ std::string Trainer::save_checkpoint(const DataLoader* loader) {
   data.world_size = world.size();
   data.dp_size = mesh_.dp_size();
   data.rank_files = world.size();
-  RankState rank;
+  RankState& rank = save.rank;
   rank.rank = world.rank();
   rank.dp_rank = mesh_.dp_rank();
   rank.dp_size = mesh_.dp_size();
@@ -98,10 +95,50 @@ std::string Trainer::save_checkpoint(const DataLoader* loader) {
   rank.rng = data.rng;
   data.meta["optimizer.offloaded"] = options_.offload_optimizer ? "1" : "0";
   if (optimizer_->shard_layout()) rank.optimizer_shard = optimizer_->shard_state();
-  std::string path = engine::save_checkpoint(store, world, data, rank);
-  last_saved_step_ = step_;
-  if (world.rank() == 0) LOG(INFO) << "saved checkpoint of step " << step_ << " to " << path;
+  if (own_copies) {
+    // A background write must not see the training change what it writes: every tensor that
+    // may alias live state is copied (the model and replicated optimizer state already are).
+    for (auto& [name, t] : rank.optimizer_shard.tensors) t = t.clone();
+    auto copy_rng = [](RngState& r) {
+      if (r.cpu.defined()) r.cpu = r.cpu.clone();
+      for (at::Tensor& t : r.cuda) t = t.clone();
+    };
+    copy_rng(data.rng);
+    copy_rng(rank.rng);
+  }
+  return save;
+}
+
+std::string Trainer::write_save(const PreparedSave& save, dist::Communicator& comm) {
+  CheckpointStoreOptions so;
+  so.keep_last = options_.keep_last;
+  so.fs = options_.checkpoint_fs;
+  CheckpointStore store(options_.save_dir, so);
+  std::string path = engine::save_checkpoint(store, comm, save.data, save.rank);
+  if (comm.rank() == 0) LOG(INFO) << "saved checkpoint of step " << save.data.step << " to " << path;
   return path;
+}
+
+std::string Trainer::save_checkpoint(const DataLoader* loader) {
+  wait_for_save();
+  PreparedSave save = prepare_save(loader, /*own_copies=*/false);
+  std::string path = write_save(save, mesh_.world());
+  last_saved_step_ = step_;
+  return path;
+}
+
+void Trainer::save_checkpoint_async(const DataLoader* loader) {
+  wait_for_save();
+  // Collective on every rank at the same step (the first periodic save), so the split agrees.
+  if (!save_comm_) save_comm_ = mesh_.world().split(0, mesh_.world().rank(), "checkpoint");
+  auto save = std::make_shared<PreparedSave>(prepare_save(loader, /*own_copies=*/true));
+  last_saved_step_ = step_;
+  save_in_flight_ = std::async(std::launch::async, [this, save] { return write_save(*save, *save_comm_); });
+}
+
+void Trainer::wait_for_save() {
+  if (!save_in_flight_.valid()) return;
+  save_in_flight_.get();  // rethrows the background save's failure (every rank's save fails alike)
 }
 
 bool Trainer::resume_checkpoint(DataLoader* loader, bool required) {

@@ -16,6 +16,7 @@
 #include "dtrain/engine/state/checkpoint.h"
 #include "dtrain/engine/train/agreement.h"
 #include "dtrain/engine/train/trainer.h"
+#include "test_fs.h"
 #include "test_util.h"
 
 namespace dtrain::engine {
@@ -163,26 +164,17 @@ TEST(NonFinite, TooManySkipsInARowStop) {
 
 // The POSIX file system, except that this rank's own rank files cannot be read (a node whose
 // copy of the checkpoint is damaged or unreachable).
-class UnreadableRankFiles final : public FileSystem {
+class UnreadableRankFiles final : public testing_util::ForwardingFileSystem {
  public:
   explicit UnreadableRankFiles(int rank) : suffix_(".rank-" + std::to_string(rank) + ".pt") {}
-  std::unique_ptr<WritableFile> new_writable_file(const std::string& p) override { return fs().new_writable_file(p); }
   std::unique_ptr<ReadableFile> new_readable_file(const std::string& p) override {
     if (p.size() >= suffix_.size() && p.compare(p.size() - suffix_.size(), suffix_.size(), suffix_) == 0) {
       throw Error("injected: cannot read " + p);
     }
     return fs().new_readable_file(p);
   }
-  bool exists(const std::string& p) override { return fs().exists(p); }
-  uint64_t file_size(const std::string& p) override { return fs().file_size(p); }
-  std::vector<std::string> list_dir(const std::string& d) override { return fs().list_dir(d); }
-  void create_dirs(const std::string& d) override { fs().create_dirs(d); }
-  void rename(const std::string& a, const std::string& b) override { fs().rename(a, b); }
-  void remove(const std::string& p) override { fs().remove(p); }
-  void sync_dir(const std::string& d) override { fs().sync_dir(d); }
 
  private:
-  static FileSystem& fs() { return *default_file_system(); }
   std::string suffix_;
 };
 

@@ -24,6 +24,9 @@
 #include "../../engine/state/checkpoint_internal.h"
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/train/preemption.h"
+#include "dtrain/engine/train/trainer.h"
+#include "dtrain/dist/mesh.h"
+#include "test_fs.h"
 #include "test_util.h"
 
 namespace dtrain::engine {
@@ -832,6 +835,144 @@ TEST(PreemptionTest, RequeueRunsScontrolOnlyInsideSlurm) {
   r = request_requeue(options);
   EXPECT_EQ(r.exit_code, -1);
   EXPECT_TRUE(contains(r.message, "did not finish in time")) << r.message;
+}
+
+// ---- async save (TrainerOptions::async_save) ---------------------------------------------------
+
+// The POSIX file system with a hook called before each append: (path, bytes appended so far).
+class HookedFileSystem final : public testing_util::ForwardingFileSystem {
+ public:
+  std::function<void(const std::string&, int64_t)> on_append;
+  std::function<void(const std::string&)> on_close;
+  std::unique_ptr<WritableFile> new_writable_file(const std::string& path) override {
+    struct File : WritableFile {
+      HookedFileSystem* owner;
+      std::string path;
+      std::unique_ptr<WritableFile> inner;
+      int64_t written = 0;
+      void append(const char* data, size_t n) override {
+        if (owner->on_append) owner->on_append(path, written);
+        inner->append(data, n);
+        written += static_cast<int64_t>(n);
+      }
+      void sync() override { inner->sync(); }
+      void close() override {
+        inner->close();
+        if (owner->on_close) owner->on_close(path);
+      }
+    };
+    auto file = std::make_unique<File>();
+    file->owner = this;
+    file->path = path;
+    file->inner = fs().new_writable_file(path);
+    return file;
+  }
+};
+
+// A 1-process training of 4 steps saving every 2 into dir through fs; on_log sees each step.
+void train_saving(const std::string& dir, FileSystem* fs, bool async,
+                  const std::function<void(const StepMetrics&)>& on_log = nullptr) {
+  auto comm = dist::create_communicator("local", dist::World{}, c10::Device(c10::kCPU));
+  dist::Mesh mesh(*comm, 1);
+  torch::manual_seed(4);
+  torch::nn::Linear model(8, 4);
+  model->to(torch::kFloat64);
+  TrainerOptions o;
+  o.steps = 4;
+  o.save_every = 2;
+  o.save_dir = dir;
+  o.checkpoint_fs = fs;
+  o.async_save = async;
+  o.log_every = 1;
+  o.progress = false;
+  o.handle_preemption = false;
+  o.optimizer.name = "adam";
+  o.optimizer.lr = 0.05;
+  o.on_log = on_log;
+  Trainer trainer(*model, [&](const Batch& b) { return torch::mse_loss(model->forward(b.fields[0]), b.fields[1]); },
+                  mesh, c10::Device(c10::kCPU), o);
+  auto g = at::make_generator<at::CPUGeneratorImpl>(2);
+  auto data = std::make_shared<TensorDataset>(
+      std::vector<at::Tensor>{at::randn({64, 8}, g, at::kDouble), at::randn({64, 4}, g, at::kDouble)});
+  LoaderOptions lo;
+  lo.batch_size = 8;
+  lo.workers = 0;
+  DataLoader loader(data, lo);
+  trainer.fit(loader);
+}
+
+// The steps after a periodic save run while its files are written (the write of step 2 is
+// slowed to 400 ms; step 3 is logged before it ends), and what is written is the state of the
+// saving step, not of the steps that ran meanwhile: the files equal a synchronous run's.
+TEST(AsyncSave, TrainingGoesOnWhileTheCheckpointIsWrittenAndTheFilesHoldTheSavingStep) {
+  using Clock = std::chrono::steady_clock;
+  TempDir async_dir, sync_dir;
+  HookedFileSystem fs;
+  std::mutex m;
+  Clock::time_point step2_written{}, step3_logged{};
+  bool slowed = false;
+  fs.on_append = [&](const std::string& path, int64_t) {
+    if (contains(path, "step-000002") && !slowed) {
+      slowed = true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(400));
+    }
+  };
+  fs.on_close = [&](const std::string& path) {
+    std::lock_guard<std::mutex> lock(m);
+    if (contains(path, "step-000002")) step2_written = Clock::now();
+  };
+  train_saving(async_dir.path(), &fs, /*async=*/true, [&](const StepMetrics& s) {
+    std::lock_guard<std::mutex> lock(m);
+    if (s.step == 3) step3_logged = Clock::now();
+  });
+  ASSERT_TRUE(slowed);
+  EXPECT_LT(step3_logged.time_since_epoch().count(), step2_written.time_since_epoch().count())
+      << "step 3 waited for the checkpoint of step 2 to be written";
+  train_saving(sync_dir.path(), nullptr, /*async=*/false);
+  CheckpointStore a(async_dir.path()), b(sync_dir.path());
+  ASSERT_TRUE(a.latest_good().has_value());
+  EXPECT_EQ(a.latest_good()->step, 4);
+  for (int64_t step : {2, 4}) {
+    CheckpointData x = a.load(a.path_for(step)), y = b.load(b.path_for(step));
+    ASSERT_EQ(x.model.size(), y.model.size());
+    for (size_t i = 0; i < x.model.size(); ++i) {
+      EXPECT_TRUE(at::equal(x.model[i].second, y.model[i].second)) << "step " << step << " " << x.model[i].first;
+    }
+    ASSERT_EQ(x.optimizer.size(), y.optimizer.size());
+    for (size_t i = 0; i < x.optimizer.size(); ++i) {
+      EXPECT_TRUE(at::equal(x.optimizer[i].second, y.optimizer[i].second)) << "step " << step << " " << x.optimizer[i].first;
+    }
+  }
+}
+
+// The process killed while the background thread writes step 4: the checkpoint of step 2 is
+// still the newest good one, and no file of step 4 counts.
+TEST(AsyncSaveDeathTest, AKillDuringTheBackgroundWriteLeavesThePreviousCheckpoint) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  // The child re-runs this body from the start: it trains in the parent's directory, passed in
+  // the environment it inherits.
+  constexpr const char* kDirVar = "DTRAIN_TEST_ASYNC_KILL_DIR";
+  std::optional<TempDir> own;
+  std::string dir;
+  if (const char* inherited = std::getenv(kDirVar)) {
+    dir = inherited;
+  } else {
+    own.emplace();
+    dir = own->path();
+    ::setenv(kDirVar, dir.c_str(), 1);
+  }
+  HookedFileSystem fs;
+  // The rank file of step 4 is written; the process dies as the main file starts.
+  fs.on_append = [](const std::string& path, int64_t) {
+    if (contains(path, "step-000004.pt")) std::_Exit(9);
+  };
+  EXPECT_EXIT(train_saving(dir, &fs, /*async=*/true), testing::ExitedWithCode(9), "");
+  ::unsetenv(kDirVar);
+  CheckpointStore store(dir);
+  std::optional<CheckpointInfo> good = store.latest_good();
+  ASSERT_TRUE(good.has_value());
+  EXPECT_EQ(good->step, 2);
+  store.load(good->path);  // whole and verified
 }
 
 }  // namespace

@@ -47,7 +47,7 @@ enum Topic : unsigned {
   kData = 1u << 3,            // --workers --prefetch --eval_every --eval_batches
   kMemory = 1u << 4,          // --offload --offload_* --host_mem_limit_gb --plan --gpu_mem_limit_gb
                               // --memory_report_step --checkpoint_activations
-  kCheckpoints = 1u << 5,     // --save_dir --save_every --keep_last --resume
+  kCheckpoints = 1u << 5,     // --save_dir --save_every --keep_last --resume --async_save
   kObservability = 1u << 6,   // --log_every --metrics --tensorboard_dir --timeline --progress
   kAllTopics = (1u << 7) - 1,
 };
@@ -97,6 +97,7 @@ struct Flags {
   int64_t save_every = 0;
   int32_t keep_last = 3;
   std::string resume = "no";
+  bool async_save = true;
   // kObservability
   int64_t log_every = 10;
   std::string metrics;

@@ -21,6 +21,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <future>
 #include <optional>
 #include <string>
 #include <vector>
@@ -112,6 +113,12 @@ struct TrainerOptions {
   std::string save_dir;           // empty: no checkpoints
   int64_t save_every = 0;         // also every this many steps (0: only at the end / preemption)
   int keep_last = 3;              // checkpoints kept (0: all)
+  // Periodic saves (save_every) inside fit() do not stall training: the saving step copies its
+  // state to host memory, and a background thread writes and publishes the files (over a
+  // communicator of its own) while the next steps run, as torch.distributed.checkpoint's
+  // async_save does. At most one save is in flight; the next save, a preemption's save and the
+  // end of fit() wait for it (and rethrow its failure). false: every save is synchronous.
+  bool async_save = true;
   ResumeMode resume = ResumeMode::kNo;  // fit() continues from a checkpoint in save_dir (above).
                                        // A run that had reached `steps` trains nothing.
   FileSystem* checkpoint_fs = nullptr;  // where checkpoints go (tests inject faults); nullptr: POSIX
@@ -214,6 +221,18 @@ class Trainer {
                        Progress& progress);
   // Agrees on preemption; when preempted saves (with save_dir), asks to requeue, returns true.
   bool stop_for_preemption(const DataLoader& train);
+  // A checkpoint's contents, copied to host memory (collective over the world and tp).
+  struct PreparedSave {
+    CheckpointData data;
+    RankState rank;
+  };
+  PreparedSave prepare_save(const DataLoader* loader, bool own_copies);
+  // Writes and publishes a prepared checkpoint over `comm` (collective); returns the path.
+  std::string write_save(const PreparedSave& save, dist::Communicator& comm);
+  // Starts a background save of this step (after waiting for the one in flight).
+  void save_checkpoint_async(const DataLoader* loader);
+  // Waits for the background save in flight, if any; rethrows its failure.
+  void wait_for_save();
 
   torch::nn::Module& model_;
   LossFn loss_;
@@ -229,6 +248,8 @@ class Trainer {
   std::map<std::string, ShardSpec> specs_;
   bool preempted_ = false;
   int64_t last_saved_step_ = -1;
+  std::future<std::string> save_in_flight_;            // the background save, if any
+  std::unique_ptr<dist::Communicator> save_comm_;      // its communicator (a split of the world)
   DataLoader* eval_ = nullptr;  // fit()'s evaluation loader while it runs (checkpointed position)
   NamedTensors full_model_state();
   NamedTensors full_optimizer_state();
