@@ -133,8 +133,24 @@ Communicator::~Communicator() = default;
 WorkPtr Communicator::submit(Op op) {
   std::lock_guard<std::mutex> lock(*submit_mutex_);
   op.seq = ++seq_;
+  if (size_ > 1 && op.type != OpType::kBarrier) {
+    const at::Tensor& counted = op.type == OpType::kAllGather ? op.output : op.input.defined() ? op.input : op.output;
+    const double bytes = static_cast<double>(counted.numel()) * static_cast<double>(counted.element_size());
+    const double share = static_cast<double>(size_ - 1) / size_;
+    double bus = bytes;  // broadcast, reduce
+    if (op.type == OpType::kAllReduce) bus = 2 * share * bytes;
+    if (op.type == OpType::kAllGather || op.type == OpType::kReduceScatter) bus = share * bytes;
+    ++traffic_.ops;
+    traffic_.payload_bytes += bytes;
+    traffic_.bus_bytes += bus;
+  }
   if (options_.debug_collectives && size_ > 1) check_matching(op);
   return enqueue(std::move(op));
+}
+
+CommTraffic Communicator::traffic() const {
+  std::lock_guard<std::mutex> lock(*submit_mutex_);
+  return traffic_;
 }
 
 void Communicator::check_matching(const Op& op) {

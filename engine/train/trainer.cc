@@ -1,5 +1,6 @@
 #include "dtrain/engine/train/trainer.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -534,6 +535,16 @@ double Trainer::evaluate(DataLoader& eval, int64_t batches) {
   return v[0];
 }
 
+double Trainer::comm_bus_bytes() const {
+  std::vector<const dist::Communicator*> comms = {&mesh_.world()};
+  for (const dist::Communicator* c : {&mesh_.dp(), &mesh_.tp()}) {
+    if (std::find(comms.begin(), comms.end(), c) == comms.end()) comms.push_back(c);
+  }
+  double bytes = 0;
+  for (const dist::Communicator* c : comms) bytes += c->traffic().bus_bytes;
+  return bytes;
+}
+
 StepMetrics Trainer::log_step(bool eval_now, DataLoader* eval, int64_t global_batch,
                               std::chrono::steady_clock::time_point window_start,
                               int64_t window_steps, Progress& progress) {
@@ -543,6 +554,10 @@ StepMetrics Trainer::log_step(bool eval_now, DataLoader* eval, int64_t global_ba
               window_steps;
   m.samples_per_s = m.step_ms > 0 ? global_batch / (m.step_ms / 1000.0) : 0;
   if (options_.tokens_per_sample > 0) m.tokens_per_s = m.samples_per_s * options_.tokens_per_sample;
+  // What this rank sent per step over the window, on the mesh's communicators (ring bus bytes).
+  const double bus = comm_bus_bytes();
+  m.extra["comm_mb"] = (bus - logged_comm_bus_bytes_) / window_steps / (1024.0 * 1024.0);
+  logged_comm_bus_bytes_ = bus;
   MemoryStats mem = memory_stats(device_);
   m.mem_allocated_mb = mem.allocated_mb;
   m.mem_peak_mb = mem.peak_mb;

@@ -233,6 +233,46 @@ TEST(Trainer, EvaluateCountsAccuracyOverTheDataParallelGroup) {
   EXPECT_NEAR(loss, torch::cross_entropy_loss(logits, y.narrow(0, 0, rows)).item<double>(), 1e-12);
 }
 
+// The metrics' comm_mb (bytes this rank sends per step, counted by the communicators as ring
+// bus bytes) equals data parallelism's theory: one all-reduce of every gradient,
+// 2 (N-1)/N x the gradient bytes, within 5% (the loss and the agreement flags add a few bytes).
+TEST(Trainer, CommunicatedBytesPerStepMatchTheAllReduceTheory) {
+  auto& comm = world_comm();
+  dist::Mesh mesh(comm, 1);
+  torch::manual_seed(1);
+  torch::nn::Sequential model(torch::nn::Linear(64, 256), torch::nn::Tanh(), torch::nn::Linear(256, 64));
+  model->to(torch::kFloat64);
+  int64_t numel = 0;
+  for (auto& p : model->parameters()) numel += p.numel();
+  TrainerOptions o = base_options();
+  o.steps = 5;
+  o.log_every = 1;
+  std::vector<double> per_step;
+  o.on_log = [&](const StepMetrics& m) {
+    if (m.step >= 2) per_step.push_back(m.extra.at("comm_mb"));
+  };
+  Trainer trainer(*model, [&](const Batch& b) { return torch::mse_loss(model->forward(b.fields[0]), b.fields[1]); },
+                  mesh, c10::Device(c10::kCPU), o);
+  auto g = at::make_generator<at::CPUGeneratorImpl>(6);
+  auto data = std::make_shared<TensorDataset>(
+      std::vector<at::Tensor>{at::randn({256, 64}, g, at::kDouble), at::randn({256, 64}, g, at::kDouble)});
+  LoaderOptions lo;
+  lo.batch_size = 8;
+  lo.workers = 0;
+  DataLoader loader(data, lo);
+  trainer.fit(loader);
+  const int n = comm.size();
+  const double theory_mb = 2.0 * (n - 1) / n * numel * 8 / (1024.0 * 1024.0);
+  ASSERT_EQ(per_step.size(), 4u);
+  for (double mb : per_step) {
+    if (n == 1) {
+      EXPECT_EQ(mb, 0.0);
+    } else {
+      EXPECT_NEAR(mb, theory_mb, 0.05 * theory_mb) << numel << " float64 gradients on " << n << " ranks";
+    }
+  }
+}
+
 TEST(Trainer, ALoaderWithoutDropLastIsRefusedOnEveryDataParallelRank) {
   auto& comm = world_comm();
   if (comm.size() < 2) GTEST_SKIP();

@@ -69,6 +69,17 @@ class Work {
 };
 using WorkPtr = std::shared_ptr<Work>;
 
+// What a communicator's collectives moved (this rank, since it was created). payload: the bytes
+// of the tensors the operations were issued on (all_gather: the gathered output); bus: what
+// each rank sends on a ring, the NCCL-tests convention that the ZeRO paper's counts use:
+// all_reduce 2 (N-1)/N S, all_gather and reduce_scatter (N-1)/N S, broadcast and reduce S.
+// Operations of a one-rank communicator move nothing and are not counted.
+struct CommTraffic {
+  uint64_t ops = 0;
+  double payload_bytes = 0;
+  double bus_bytes = 0;
+};
+
 struct CommOptions {
   // A collective that has not finished after this long ends the process (see above).
   std::chrono::milliseconds timeout = std::chrono::minutes(5);
@@ -134,6 +145,7 @@ class Communicator {
   virtual void raw_all_reduce_blocking(const at::Tensor& input, const at::Tensor& output) = 0;
 
   uint64_t issued() const { return seq_; }
+  CommTraffic traffic() const;
 
  protected:
   Communicator(int rank, int size, CommOptions options);
@@ -160,6 +172,7 @@ class Communicator {
   int size_;
   CommOptions options_;
   uint64_t seq_ = 0;  // guarded by submit_mutex_
+  CommTraffic traffic_;  // guarded by submit_mutex_
   std::unique_ptr<std::mutex> submit_mutex_;
 };
 

@@ -264,6 +264,8 @@ class Trainer {
   StepMetrics first_logged_;
   at::Tensor last_grad_norm_;
   std::optional<double> last_eval_accuracy_;
+  double logged_comm_bus_bytes_ = 0;  // the mesh's communicators' bus bytes at the last log
+  double comm_bus_bytes() const;
   int64_t nonfinite_skips_ = 0;     // steps dropped for a non-finite loss or gradient norm
   int consecutive_nonfinite_ = 0;   // of them, in a row up to the last step
   std::unique_ptr<EventWriter> tensorboard_;
