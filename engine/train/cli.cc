@@ -330,7 +330,7 @@ TrainerOptions trainer_options(const Flags& f, const std::string& default_optimi
   o.optimizer.lr = f.lr;
   o.optimizer.weight_decay = f.weight_decay;
   if (o.optimizer.name == "sgd") o.optimizer.momentum = 0.9;
-  if (o.optimizer.name == "adagrad") o.optimizer.eps = 1e-10;
+  if (o.optimizer.name == "adagrad") o.optimizer.eps = kAdagradDefaultEps;
   o.schedule.name = f.schedule;
   o.schedule.warmup_steps = f.warmup_steps;
   o.schedule.total_steps = f.steps;

@@ -482,12 +482,13 @@ void shard_loader(const dist::Mesh& mesh, DataLoader& loader, const std::string&
   }
   // Collective, so that a layout wrong on some ranks only (dp_rank 0 everywhere) stops every
   // rank, not just those, while the others wait in their next collective.
-  at::Tensor flag = at::full({1}, problem.empty() ? 0 : 1, at::kInt);
-  mesh.world().all_reduce(flag, dist::ReduceOp::kMax)->wait();
-  if (flag.item<int>() != 0) {
-    throw Error(problem.empty() ? which + " is sharded for another data-parallel layout on another rank "
-                                          "(that rank's error names it)"
-                                : problem);
+  const std::vector<std::string> problems = gather_texts(mesh.world(), problem);
+  if (!problem.empty()) throw Error(problem);
+  for (size_t r = 0; r < problems.size(); ++r) {
+    if (!problems[r].empty()) {
+      throw Error(which + " is sharded for another data-parallel layout on another rank (rank " +
+                  std::to_string(r) + ": " + problems[r] + ")");
+    }
   }
   if (matches) return;
   loader.shard(rank, size);

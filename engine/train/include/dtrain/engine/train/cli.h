@@ -53,22 +53,23 @@ enum Topic : unsigned {
 };
 
 // The standard flags' values (after parse(); flags of topics not registered keep these
-// defaults). See --help for each one's meaning.
+// defaults). See --help for each one's meaning. Where a flag sets an option, its default is
+// that option's default, so the two cannot drift apart.
 struct Flags {
   // kTraining
-  int64_t steps = 100;
+  int64_t steps = TrainerOptions().steps;
   int64_t batch_size = 64;  // per data-parallel rank
   double lr = 1e-3;
   int64_t seed = 0;
   std::string optimizer;  // "" : the program's default
   double weight_decay = 0;
-  double clip_grad_norm = 0;
-  std::string schedule = "constant";
-  int64_t warmup_steps = 0;
-  int32_t accum_steps = 1;
+  double clip_grad_norm = TrainerOptions().clip_grad_norm;
+  std::string schedule = ScheduleOptions().name;
+  int64_t warmup_steps = ScheduleOptions().warmup_steps;
+  int32_t accum_steps = TrainerOptions().accum_steps;
   std::string amp = "off";
   std::string on_nonfinite = "stop";
-  int32_t max_nonfinite_skips = 10;
+  int32_t max_nonfinite_skips = TrainerOptions().max_nonfinite_skips;
   // kRanks
   std::string device = "auto";
   std::string backend = "auto";
@@ -77,33 +78,33 @@ struct Flags {
   int32_t tp = 1;
   bool sequence_parallel = false;
   // kData
-  int32_t workers = 2;
-  int32_t prefetch = 2;
-  int64_t eval_every = 0;
-  int64_t eval_batches = 4;
+  int32_t workers = LoaderOptions().workers;
+  int32_t prefetch = LoaderOptions().prefetch;
+  int64_t eval_every = TrainerOptions().eval_every;
+  int64_t eval_batches = TrainerOptions().eval_batches;
   // kMemory
   std::string offload = "none";
-  int32_t offload_threads = 0;
-  std::string offload_stream_gradients = "auto";
-  bool offload_reduce_to_owner = true;
-  int64_t offload_delayed_update_after = -1;
-  double host_mem_limit_gb = 0;
+  int32_t offload_threads = OffloadOptions().threads;
+  std::string offload_stream_gradients = OffloadOptions().stream_gradients;
+  bool offload_reduce_to_owner = OffloadOptions().reduce_to_owner;
+  int64_t offload_delayed_update_after = OffloadOptions().delayed_update_after;
+  double host_mem_limit_gb = OffloadOptions().host_mem_limit_gb;
   std::string plan = "none";
   double gpu_mem_limit_gb = 0;
-  int64_t memory_report_step = 0;
+  int64_t memory_report_step = TrainerOptions().memory_report_step;
   bool checkpoint_activations = false;
   // kCheckpoints
   std::string save_dir;
-  int64_t save_every = 0;
-  int32_t keep_last = 3;
+  int64_t save_every = TrainerOptions().save_every;
+  int32_t keep_last = TrainerOptions().keep_last;
   std::string resume = "no";
-  bool async_save = true;
+  bool async_save = TrainerOptions().async_save;
   // kObservability
-  int64_t log_every = 10;
+  int64_t log_every = TrainerOptions().log_every;
   std::string metrics;
   std::string tensorboard_dir;
   std::string timeline;
-  bool progress = true;
+  bool progress = TrainerOptions().progress;
 };
 
 // The values (one set per process).
