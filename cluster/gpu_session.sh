@@ -38,8 +38,10 @@ SESSION_LIMIT_S=1500  # 25 of the session's 30 device minutes; the rest is trans
 START_S=90            # machine start, paid once before the first call
 KILL_GRACE_S=5        # SIGTERM at LIMIT-5 s, SIGKILL at LIMIT (a program may ignore TERM)
 SEQUENCE=(test bench1 bench2)
-declare -A CARRY=([test]='[".deps"]' [bench1]='[]' [bench2]='[]')  # never carry build-gpu: that
-                                                                    # would replace the built tree
+# Never carry build-gpu (that would replace the built tree). The benches carry .deps and .gpu-build,
+# the packed build that `test` leaves in $OUT: if the machine went back between calls, a bench
+# unpacks both instead of failing (a few seconds, not a rebuild).
+declare -A CARRY=([test]='[".deps"]' [bench1]='[".deps", ".gpu-build"]' [bench2]='[".deps", ".gpu-build"]')
 declare -A STEPS=(
   [test]="gpuinfo unpack configure build ctest"
   [bench1]="s2s gpt124m nccl_allreduce mpi_allreduce cpu_adam copies offload_layers async_save"
@@ -144,7 +146,11 @@ run_steps() {
 }
 
 environment() {
-  export LD_LIBRARY_PATH="$DEPS/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+  # $BUILD/lib first: a restored build's RUNPATH names the build machine's checkout path.
+  export LD_LIBRARY_PATH="$BUILD/lib:$DEPS/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+  local torch_lib
+  torch_lib=$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))' 2>/dev/null)
+  [[ -n $torch_lib ]] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$torch_lib"
   export PATH="$DEPS/usr/bin:$PATH"
   # CMake finds the CUDA toolkit through nvcc; a non-login shell may not have it on PATH.
   if ! command -v nvcc >/dev/null && [[ -x /usr/local/cuda/bin/nvcc ]]; then
@@ -230,6 +236,12 @@ step_build() {
   limit cmake --build "$BUILD" -j "$(nproc)" --target "${BUILD_TARGETS[@]}" >"$BUILD/build.log" 2>&1
   local rc=$?
   tail -200 "$BUILD/build.log" >"$OUT/build-tail.log"
+  if ((rc == 0)); then
+    # The built programs and libraries, for a bench call that lands on a restarted machine:
+    # fetched from $OUT into .gpu-build/ here and carried (see CARRY).
+    tar -C "$BUILD" -czf "$OUT/build-gpu.tgz" bin lib gpu-info.txt &&
+      say "packed the build: $OUT/build-gpu.tgz ($(du -h "$OUT/build-gpu.tgz" | cut -f1)); keep it in .gpu-build/"
+  fi
   if ((rc != 0)); then
     say "ERROR: build $(describe_rc $rc) (a timed-out build resumes when 'test' runs again on this machine):"
     grep -E "error|FAILED" "$BUILD/build.log" | head -20
@@ -361,8 +373,15 @@ stage_bench() {  # stage_bench N: bench<N>, rows into $OUT/summary-N.md, whole o
   local n=$1 stage="bench$1" t0=$SECONDS
   mkdir -p "$OUT"
   if [[ ! -x $BIN/train_gpt || ! -d $DEPS/usr ]]; then
-    say "ERROR: no build in $BUILD: run 'test' first on this machine (a restarted machine starts bare)"
-    return 1
+    # A restarted machine: unpack the carried build and packages rather than build again.
+    if [[ -r .gpu-build/build-gpu.tgz ]] && ls .deps/*.deb >/dev/null 2>&1; then
+      say "no build in $BUILD (a restarted machine): unpacking .gpu-build/build-gpu.tgz and .deps"
+      mkdir -p "$BUILD" "$DEPS.tmp" && tar -C "$BUILD" -xzf .gpu-build/build-gpu.tgz &&
+        for f in .deps/*.deb; do dpkg -x "$f" "$DEPS.tmp" || return 1; done && mv "$DEPS.tmp" "$DEPS" || return 1
+    else
+      say "ERROR: no build in $BUILD and no .gpu-build/build-gpu.tgz carried: run 'test' first"
+      return 1
+    fi
   fi
   environment
   SUMMARY="$OUT/summary-$n.md"
