@@ -86,6 +86,19 @@ at::Tensor LossScaler::scale(const at::Tensor& loss) const {
   return loss * scale_.to(loss.device(), /*non_blocking=*/true);
 }
 
+at::Tensor any_nonfinite(const std::vector<at::Tensor>& tensors) {
+  // The largest magnitude of a tensor is inf or NaN exactly when an element is (max propagates
+  // NaN): one multi-tensor reduction instead of an isfinite pass per tensor.
+  std::vector<at::Tensor> nonempty;
+  for (const at::Tensor& t : tensors) {
+    if (t.defined() && t.numel() > 0) nonempty.push_back(t.detach());
+  }
+  if (nonempty.empty()) return at::zeros({}, at::kFloat);
+  std::vector<at::Tensor> largest = at::_foreach_norm(nonempty, INFINITY);
+  for (at::Tensor& l : largest) l = l.to(at::kFloat);
+  return at::isfinite(at::stack(largest)).logical_not().any().to(at::kFloat);
+}
+
 namespace {
 
 // Grads grouped as _amp_foreach_non_finite_check_and_unscale_ wants them: one list per
@@ -144,18 +157,17 @@ bool LossScaler::check(const std::vector<at::Tensor>& grads, dist::Communicator*
     at::Tensor found = group.device == found_inf_.device()
                            ? found_inf_
                            : at::zeros({1}, found_inf_.options().device(group.device));
-    if (unscale) {
+    // ATen's fused check-and-unscale has no bfloat16 kernel on CUDA (CPU has one): bfloat16
+    // gradients are checked, then multiplied by the float inverse scale (a [1]-shaped tensor,
+    // so the product is computed in float and rounded once, as the fused kernel does).
+    if (unscale && group.dtype != at::kBFloat16) {
       at::_amp_foreach_non_finite_check_and_unscale_(group.grads, found, inv_scale.to(group.device));
     } else {
-      // Read only: the largest magnitude of each gradient is inf or NaN exactly when an
-      // element is (max propagates NaN).
-      std::vector<at::Tensor> nonempty;
-      for (const at::Tensor& g : group.grads) {
-        if (g.numel() > 0) nonempty.push_back(g);
+      found.add_(any_nonfinite(group.grads));
+      if (unscale) {
+        at::Tensor inv = inv_scale.to(group.device);
+        for (at::Tensor& g : group.grads) g.mul_(inv);
       }
-      if (nonempty.empty()) continue;
-      at::Tensor largest = at::stack(at::_foreach_norm(nonempty, INFINITY));
-      found.add_(at::isfinite(largest).logical_not().any().to(at::kFloat));
     }
     if (!found.is_same(found_inf_)) found_inf_.add_(found.to(found_inf_.device()));
   }

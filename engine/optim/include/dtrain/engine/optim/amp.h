@@ -41,6 +41,11 @@ class AutocastGuard {
   c10::ScalarType prev_dtype_;
 };
 
+// 1.0 (float32, on the tensors' device) if any element of `tensors` is inf or NaN, else 0.0;
+// undefined and empty tensors are skipped (no tensor left: 0.0 on the CPU). The tensors must
+// share one device; their dtypes may differ. Reads only; no host sync.
+at::Tensor any_nonfinite(const std::vector<at::Tensor>& tensors);
+
 struct LossScalerOptions {
   bool enabled = true;          // false: scale 1, never skips (bf16 and fp32 runs)
   double init_scale = 65536.0;  // 2^16
