@@ -297,6 +297,9 @@ void Trainer::back_off(int64_t batch_rows) {
 }
 
 void Trainer::apply_update(StepMetrics& m, bool& skipped, const at::Tensor& loss_sum) {
+  // A background save's copies of the weights and optimizer state (overlapped with this step's
+  // forward and backward) land before the update writes them.
+  staging_.fence();
   // The gradients are read only: unscaling and clipping become one multiplier that the
   // optimizer applies inside its update.
   std::vector<at::Tensor> grads;
@@ -457,7 +460,10 @@ MemoryReport Trainer::memory_report() const {
   return r;
 }
 
-void Trainer::flush_updates() { optimizer_->flush(); }
+void Trainer::flush_updates() {
+  staging_.fence();  // the delayed update writes the weights a background save may still copy
+  optimizer_->flush();
+}
 
 double Trainer::read_loss() {
   if (!pending_loss_) return std::numeric_limits<double>::quiet_NaN();
@@ -648,10 +654,15 @@ StepMetrics Trainer::fit(DataLoader& train, DataLoader* eval) {
       window_steps = 0;
     }
     if (!options_.save_dir.empty() && options_.save_every > 0 && r.step % options_.save_every == 0) {
-      Timeline::Span span(*timeline_, "checkpoint (copy to host)", category::kCopy, lane::kMain);
       if (options_.async_save) {
+        {  // Saves more frequent than a write lasts wait here: the timeline shows it apart.
+          Timeline::Span span(*timeline_, "checkpoint (wait for the previous write)", category::kCopy, lane::kMain);
+          wait_for_save();
+        }
+        Timeline::Span span(*timeline_, "checkpoint (copy to host)", category::kCopy, lane::kMain);
         save_checkpoint_async(&train);
       } else {
+        Timeline::Span span(*timeline_, "checkpoint (write)", category::kCopy, lane::kMain);
         save_checkpoint(&train);
       }
     }

@@ -1,6 +1,7 @@
 // Trainer checkpoints: what a step's state is, written unsplit so any layout can resume it.
 #include <map>
 #include <sstream>
+#include <unordered_set>
 
 #include <ATen/ATen.h>
 #include <glog/logging.h>
@@ -29,18 +30,34 @@ std::pair<int64_t, int64_t> parse_position(const std::string& text, const std::s
 
 }  // namespace
 
-NamedTensors Trainer::full_model_state() {
+at::Tensor Trainer::host_copy(const std::string& key, const at::Tensor& t, HostStaging::Source source,
+                              bool staged) {
+  if (staged) return staging_.stage(key, t, source);
+  // Written before training goes on: a host tensor needs no copy, a device one a plain one.
+  return t.device().is_cpu() ? t.detach() : t.detach().cpu();
+}
+
+NamedTensors Trainer::full_model_state(bool staged) {
   NamedTensors state = model_state(model_);
   std::map<std::string, at::Tensor> full;
   if (mesh_.tp_size() > 1) full = gather_full_state(model_, mesh_.tp());
+  // model_state() detaches (new TensorImpls over the same storage): weights are known by storage.
+  std::unordered_set<const void*> weights;
+  for (const at::Tensor& p : params_) weights.insert(p.storage().unsafeGetStorageImpl());
   for (auto& [name, t] : state) {
     auto it = full.find(name);
-    t = it != full.end() ? it->second : t.detach().cpu().clone();
+    if (it != full.end()) {
+      t = it->second;  // gathered into new host tensors
+      continue;
+    }
+    // Weights change only in the next update; buffers (running statistics) in the next forward.
+    const auto source = weights.count(t.storage().unsafeGetStorageImpl()) ? HostStaging::kUntilNextUpdate : HostStaging::kNow;
+    t = host_copy("model." + name, t, source, staged);
   }
   return state;
 }
 
-NamedTensors Trainer::full_optimizer_state() {
+NamedTensors Trainer::full_optimizer_state(bool staged) {
   // The replicated part (a partitioned part goes into the rank files).
   NamedTensors state = optimizer_->state();
   for (auto& [name, t] : state) {
@@ -48,31 +65,30 @@ NamedTensors Trainer::full_optimizer_state() {
     const bool sharded = i >= 0 && i < static_cast<int64_t>(params_.size()) && sharded_[i] &&
                          t.sizes() == params_[i].sizes();
     t = sharded ? gather_full_tensor(t, specs_.at(names_[i]), mesh_.tp()).cpu()
-                : t.detach().cpu().clone();
+                : host_copy("optimizer." + name, t, HostStaging::kUntilNextUpdate, staged);
   }
   return state;
 }
 
 Trainer::PreparedSave Trainer::prepare_save(const DataLoader* loader, bool own_copies) {
   flush_updates();  // a delayed update in flight goes into the saved weights
-  // Never a checkpoint of non-finite weights (rotation could then push out the last good one).
-  // One host read per device (not one per parameter), then one collective.
-  std::map<std::string, std::vector<at::Tensor>> finite_by_device;
-  for (const at::Tensor& p : params_) finite_by_device[p.device().str()].push_back(at::isfinite(p.detach()).all());
-  int64_t any_bad = 0;
-  for (auto& [device, flags] : finite_by_device) any_bad |= at::stack(flags).logical_not().any().item<bool>();
-  at::Tensor bad = at::full({1}, any_bad, at::kLong);
-  mesh_.world().all_reduce(bad, dist::ReduceOp::kMax)->wait();
-  DTRAIN_CHECK(bad.item<int64_t>() == 0, "step ", step_, ": the weights are not finite on some rank; no checkpoint "
-               "is written (the saved ones in '", options_.save_dir, "' stay as they are). Resume from the newest "
-               "with a lower --lr");
   dist::Communicator& world = mesh_.world();
   PreparedSave save;
+  // Never a checkpoint of non-finite weights (rotation could then push out the last good one).
+  // One flag per device, computed where the weights are and read by write_save: the training
+  // thread does not wait for the device here.
+  std::map<std::string, std::vector<at::Tensor>> by_device;
+  for (const at::Tensor& p : params_) by_device[p.device().str()].push_back(p);
+  for (auto& [device, weights] : by_device) {
+    save.nonfinite.push_back(host_copy("nonfinite." + device, any_nonfinite(weights), HostStaging::kNow, own_copies));
+  }
   CheckpointData& data = save.data;
   data.step = step_;
-  data.model = full_model_state();        // collective over tp
-  data.optimizer = full_optimizer_state();  // collective over tp
-  for (auto& [name, t] : scaler_->state()) data.scaler.emplace_back(name, t.detach().cpu().clone());
+  data.model = full_model_state(own_copies);        // collective over tp
+  data.optimizer = full_optimizer_state(own_copies);  // collective over tp
+  for (auto& [name, t] : scaler_->state()) {
+    data.scaler.emplace_back(name, host_copy("scaler." + name, t, HostStaging::kNow, own_copies));
+  }
   data.rng = capture_rng_state();
   data.meta = options_.checkpoint_meta;
   data.meta["accum_steps"] = std::to_string(accum_steps_);
@@ -97,8 +113,11 @@ Trainer::PreparedSave Trainer::prepare_save(const DataLoader* loader, bool own_c
   if (optimizer_->shard_layout()) rank.optimizer_shard = optimizer_->shard_state();
   if (own_copies) {
     // A background write must not see the training change what it writes: every tensor that
-    // may alias live state is copied (the model and replicated optimizer state already are).
-    for (auto& [name, t] : rank.optimizer_shard.tensors) t = t.clone();
+    // may alias live state is copied (the model and replicated optimizer state are staged).
+    for (auto& [name, t] : rank.optimizer_shard.tensors) {
+      t = staging_.stage("shard." + name, t, HostStaging::kUntilNextUpdate);
+    }
+    staging_.seal();
     auto copy_rng = [](RngState& r) {
       if (r.cpu.defined()) r.cpu = r.cpu.clone();
       for (at::Tensor& t : r.cuda) t = t.clone();
@@ -114,6 +133,13 @@ std::string Trainer::write_save(const PreparedSave& save, dist::Communicator& co
   so.keep_last = options_.keep_last;
   so.fs = options_.checkpoint_fs;
   CheckpointStore store(options_.save_dir, so);
+  float nonfinite = 0;
+  for (const at::Tensor& flag : save.nonfinite) nonfinite += flag.item<float>();
+  at::Tensor bad = at::full({1}, nonfinite > 0 ? 1 : 0, at::kLong);
+  comm.all_reduce(bad, dist::ReduceOp::kMax)->wait();
+  DTRAIN_CHECK(bad.item<int64_t>() == 0, "step ", save.data.step, ": the weights are not finite on some rank; no ",
+               "checkpoint is written (the saved ones in '", options_.save_dir, "' stay as they are). Resume from ",
+               "the newest with a lower --lr");
   std::string path = engine::save_checkpoint(store, comm, save.data, save.rank);
   if (comm.rank() == 0) LOG(INFO) << "saved checkpoint of step " << save.data.step << " to " << path;
   return path;
@@ -133,7 +159,10 @@ void Trainer::save_checkpoint_async(const DataLoader* loader) {
   if (!save_comm_) save_comm_ = mesh_.world().split(0, mesh_.world().rank(), "checkpoint");
   auto save = std::make_shared<PreparedSave>(prepare_save(loader, /*own_copies=*/true));
   last_saved_step_ = step_;
-  save_in_flight_ = std::async(std::launch::async, [this, save] { return write_save(*save, *save_comm_); });
+  save_in_flight_ = std::async(std::launch::async, [this, save] {
+    staging_.wait();  // the device copies of prepare_save have landed
+    return write_save(*save, *save_comm_);
+  });
 }
 
 void Trainer::wait_for_save() {

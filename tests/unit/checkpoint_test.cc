@@ -4,6 +4,7 @@
 // re-sharding of flat state against the unsharded array, RNG states, preemption flags and
 // Slurm requeue through a stand-in scontrol.
 #include "dtrain/engine/state/checkpoint.h"
+#include "dtrain/engine/state/host_staging.h"
 #include "dtrain/engine/state/dir_lock.h"
 #include "dtrain/engine/core/crc32c.h"
 #include "dtrain/offload/cpu_optimizer.h"
@@ -18,6 +19,7 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <random>
 
@@ -870,8 +872,9 @@ class HookedFileSystem final : public testing_util::ForwardingFileSystem {
 };
 
 // A 1-process training of 4 steps saving every 2 into dir through fs; on_log sees each step.
+// poison_at_step > 0: a weight is set to NaN when that step is logged (before its save).
 void train_saving(const std::string& dir, FileSystem* fs, bool async,
-                  const std::function<void(const StepMetrics&)>& on_log = nullptr) {
+                  const std::function<void(const StepMetrics&)>& on_log = nullptr, int64_t poison_at_step = 0) {
   auto comm = dist::create_communicator("local", dist::World{}, c10::Device(c10::kCPU));
   dist::Mesh mesh(*comm, 1);
   torch::manual_seed(4);
@@ -888,7 +891,13 @@ void train_saving(const std::string& dir, FileSystem* fs, bool async,
   o.handle_preemption = false;
   o.optimizer.name = "adam";
   o.optimizer.lr = 0.05;
-  o.on_log = on_log;
+  o.on_log = [&](const StepMetrics& m) {
+    if (on_log) on_log(m);
+    if (m.step == poison_at_step) {
+      at::NoGradGuard no_grad;
+      model->weight[1][2] = std::numeric_limits<double>::quiet_NaN();
+    }
+  };
   Trainer trainer(*model, [&](const Batch& b) { return torch::mse_loss(model->forward(b.fields[0]), b.fields[1]); },
                   mesh, c10::Device(c10::kCPU), o);
   auto g = at::make_generator<at::CPUGeneratorImpl>(2);
@@ -943,6 +952,37 @@ TEST(AsyncSave, TrainingGoesOnWhileTheCheckpointIsWrittenAndTheFilesHoldTheSavin
       EXPECT_TRUE(at::equal(x.optimizer[i].second, y.optimizer[i].second)) << "step " << step << " " << x.optimizer[i].first;
     }
   }
+}
+
+// Weights that are not finite are never saved, by the saving step (synchronous) or by the
+// background writer (which reads the flag the saving step computed on the weights' device).
+TEST(AsyncSave, NonFiniteWeightsAreNotSavedInTheBackgroundEither) {
+  for (bool async : {false, true}) {
+    SCOPED_TRACE(async ? "background save" : "synchronous save");
+    TempDir dir;
+    try {
+      train_saving(dir.path(), nullptr, async, nullptr, /*poison_at_step=*/4);
+      ADD_FAILURE() << "a checkpoint of NaN weights was saved";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("step 4: the weights are not finite on some rank"), std::string::npos)
+          << e.what();
+    }
+    CheckpointStore store(dir.path());
+    ASSERT_TRUE(store.latest_good().has_value());
+    EXPECT_EQ(store.latest_good()->step, 2);
+  }
+}
+
+TEST(HostStaging, AHostTensorIsCopiedAtOnceAndNoPinnedMemoryIsKept) {
+  HostStaging staging;
+  at::Tensor t = at::arange(5, at::kFloat);
+  at::Tensor staged = staging.stage("t", t, HostStaging::kUntilNextUpdate);
+  staging.seal();
+  t.fill_(-1);
+  staging.fence();
+  staging.wait();
+  EXPECT_TRUE(at::equal(staged, at::arange(5, at::kFloat)));
+  EXPECT_EQ(staging.pinned_bytes(), 0);
 }
 
 // The process killed while the background thread writes step 4: the checkpoint of step 2 is

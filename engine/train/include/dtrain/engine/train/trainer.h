@@ -32,6 +32,7 @@
 #include "dtrain/engine/optim/amp.h"
 #include "dtrain/engine/state/checkpoint.h"
 #include "dtrain/engine/state/dir_lock.h"
+#include "dtrain/engine/state/host_staging.h"
 #include "dtrain/engine/parallel/tensor_parallel.h"
 #include "dtrain/engine/data/data.h"
 #include "dtrain/engine/parallel/grad_norm.h"
@@ -225,6 +226,7 @@ class Trainer {
   struct PreparedSave {
     CheckpointData data;
     RankState rank;
+    std::vector<at::Tensor> nonfinite;  // per device: 1 if a weight is inf/NaN (host, once staged)
   };
   PreparedSave prepare_save(const DataLoader* loader, bool own_copies);
   // Writes and publishes a prepared checkpoint over `comm` (collective); returns the path.
@@ -251,8 +253,12 @@ class Trainer {
   std::future<std::string> save_in_flight_;            // the background save, if any
   std::unique_ptr<dist::Communicator> save_comm_;      // its communicator (a split of the world)
   DataLoader* eval_ = nullptr;  // fit()'s evaluation loader while it runs (checkpointed position)
-  NamedTensors full_model_state();
-  NamedTensors full_optimizer_state();
+  // A host copy of t for a checkpoint: staged (pinned, asynchronous, see HostStaging) for a
+  // background save, else a plain copy that is written before training goes on.
+  at::Tensor host_copy(const std::string& key, const at::Tensor& t, HostStaging::Source source, bool staged);
+  NamedTensors full_model_state(bool staged);
+  NamedTensors full_optimizer_state(bool staged);
+  HostStaging staging_;  // the background save's host copies (pinned buffers reused across saves)
   std::unique_ptr<DirectoryLock> save_dir_lock_;  // rank 0, with a save_dir: one run per directory
   std::unique_ptr<GradReducer> reducer_;
   std::unique_ptr<Optimizer> optimizer_;
