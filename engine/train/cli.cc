@@ -107,6 +107,11 @@ const std::vector<Spec>& specs() {
       spec(kObservability, "metrics", "write metrics as JSON lines to this file (rank 0)", &Flags::metrics),
       spec(kObservability, "tensorboard_dir", "write TensorBoard event files here (rank 0)", &Flags::tensorboard_dir),
       spec(kObservability, "timeline", "write a Chrome trace of the run to this file", &Flags::timeline),
+      spec(kObservability, "profile_steps",
+           "profile these steps (N or A-B) with libtorch's profiler: operators, CUDA kernels and copies",
+           &Flags::profile_steps),
+      spec(kObservability, "profile_out", "the profile's Chrome trace (.rankR added per rank when world > 1)",
+           &Flags::profile_out),
       spec(kObservability, "progress", "progress bar / periodic lines on rank 0", &Flags::progress),
   };
   return all;
@@ -123,7 +128,7 @@ const std::vector<std::pair<Topic, const char*>>& headings() {
 // Flags that may legitimately differ between ranks (docs/CLUSTER.md).
 const std::set<std::string>& per_rank_flags() {
   static const std::set<std::string> s = {"workers", "prefetch", "progress", "log_every", "metrics",
-                                          "tensorboard_dir", "timeline", "memory_report_step",
+                                          "tensorboard_dir", "timeline", "profile_steps", "profile_out", "memory_report_step",
                                           "collective_timeout_s", "host_mem_limit_gb", "offload_threads"};
   return s;
 }
@@ -343,6 +348,8 @@ TrainerOptions trainer_options(const Flags& f, const std::string& default_optimi
   o.metrics_path = f.metrics;
   o.tensorboard_dir = f.tensorboard_dir;
   o.timeline_path = f.timeline;
+  o.profile_steps = f.profile_steps;
+  o.profile_path = f.profile_out;
   o.memory_report_step = f.memory_report_step;
   o.offload_optimizer = parse_offload(f.offload).optimizer;
   o.offload.host_mem_limit_gb = f.host_mem_limit_gb;

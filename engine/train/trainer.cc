@@ -199,6 +199,9 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
     timeline.path = timeline_path_for_rank(options_.timeline_path, mesh_.world().rank(), mesh_.world().size());
   }
   timeline_ = std::make_unique<Timeline>(timeline);
+  profiler_ = std::make_unique<StepProfiler>(
+      parse_profile_steps(options_.profile_steps),
+      timeline_path_for_rank(options_.profile_path, mesh_.world().rank(), mesh_.world().size()), device_);
 }
 
 Trainer::~Trainer() {
@@ -638,6 +641,7 @@ StepMetrics Trainer::fit(DataLoader& train, DataLoader* eval) {
   auto window_start = std::chrono::steady_clock::now();
   int64_t window_steps = 0;
   while (step_ < options_.steps) {
+    profiler_->begin_step(step_ + 1);
     Batch batch;
     {
       Timeline::Span span(*timeline_, "data", category::kData, lane::kLoader);
@@ -666,6 +670,7 @@ StepMetrics Trainer::fit(DataLoader& train, DataLoader* eval) {
         save_checkpoint(&train);
       }
     }
+    profiler_->end_step(r.step);
     if (stop_for_preemption(train)) break;
   }
   progress.finish();

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "dtrain/dist/error.h"
+#include "test_util.h"
 
 namespace dtrain::engine {
 namespace {

@@ -104,6 +104,8 @@ struct Flags {
   std::string metrics;
   std::string tensorboard_dir;
   std::string timeline;
+  std::string profile_steps = TrainerOptions().profile_steps;
+  std::string profile_out = TrainerOptions().profile_path;
   bool progress = TrainerOptions().progress;
 };
 

@@ -42,6 +42,7 @@
 #include "dtrain/engine/optim/optim.h"
 #include "dtrain/engine/parallel/reducer.h"
 #include "dtrain/engine/observe/tensorboard.h"
+#include "dtrain/engine/observe/profiler.h"
 #include "dtrain/engine/observe/timeline.h"
 
 namespace dtrain::engine {
@@ -108,6 +109,10 @@ struct TrainerOptions {
   // Observability (docs/OBSERVABILITY.md). Paths are checked when the trainer is built.
   std::string tensorboard_dir;     // rank 0 writes TensorBoard event files here
   std::string timeline_path;       // Chrome trace: one file per rank, merged by rank 0 at the end
+  // Kineto profile (observe/profiler.h) of the steps "N" or "A-B" inside fit(): operators and,
+  // on CUDA, kernels and copies, as a Chrome trace per rank (".rankR" added when world > 1).
+  std::string profile_steps;
+  std::string profile_path = "profile.json";
   int64_t memory_report_step = 0;  // > 0: log the memory report after this step (and on OOM)
   // Checkpoints (docs/CLUSTER.md): the model unsplit under PyTorch state_dict names, the
   // optimizer (unsplit), loss scaler, RNG states, step, accumulation and data position.
@@ -276,6 +281,7 @@ class Trainer {
   int consecutive_nonfinite_ = 0;   // of them, in a row up to the last step
   std::unique_ptr<EventWriter> tensorboard_;
   std::unique_ptr<Timeline> timeline_;
+  std::unique_ptr<StepProfiler> profiler_;
   double step_start_allocated_mb_ = 0;
   double step_peak_mb_ = 0;
   void record_step_timeline(std::chrono::steady_clock::time_point start);
