@@ -12,6 +12,9 @@
 #                                                 # (CUDA and NCCL forced ON, checked), build, GPU tests
 #   OUT=$OUT bash cluster/gpu_session.sh bench1   # THERE, same machine: speed rows
 #   OUT=$OUT bash cluster/gpu_session.sh bench2   # THERE, same machine: optimizer-offload rows
+#   OUT=$OUT bash cluster/gpu_session.sh bench1 async_save copies   # only those steps of a stage
+#   OUT=$OUT bash cluster/gpu_session.sh profile  # THERE, optional: kernel-level profiles of the
+#                                                 # offload rows (not in the plan: a diagnosis)
 #   bash cluster/gpu_session.sh check-configure LOG   # exit 0 if LOG says CUDA ON and NCCL ON, else 3
 #
 # The build lives in build-gpu/ (ignored by git's /build-*/), so a later call on the same warm
@@ -46,12 +49,14 @@ declare -A STEPS=(
   [test]="gpuinfo unpack configure build ctest"
   [bench1]="s2s gpt124m nccl_allreduce mpi_allreduce cpu_adam copies offload_layers async_save"
   [bench2]="offload6b offload_opt offload_delayed"
+  [profile]="profile_layers profile_offload profile_delayed"
 )
 declare -A LIMIT=(
   [gpuinfo]=10 [unpack]=15 [configure]=60 [build]=270 [ctest]=120
   [s2s]=120 [gpt124m]=45 [nccl_allreduce]=30 [mpi_allreduce]=45 [cpu_adam]=60 [copies]=25
   [offload_layers]=45 [async_save]=40
   [offload6b]=380 [offload_opt]=70 [offload_delayed]=70
+  [profile_layers]=45 [profile_offload]=70 [profile_delayed]=70
 )
 # GPU_LIMIT_<step>=S overrides a limit (the plan sees the override too).
 for _s in "${!LIMIT[@]}"; do
@@ -347,7 +352,7 @@ step_offload_layers() {
 }
 step_async_save() {
   measure "checkpoint save: the step that saves vs an ordinary one, background vs synchronous" '"bench"' \
-    python3 tools/async_save_bench.py "$BIN" --device=cuda --steps=21
+    python3 tools/async_save_bench.py "$BIN" --device=cuda
 }
 # Issue 5's goal: a GPT whose optimizer state does not fit the GPU (6.3B parameters: 100 GB of
 # fp32 weights, gradients and Adam moments) trains with the optimizer state in host memory.
@@ -367,6 +372,47 @@ step_offload_opt() {
 step_offload_delayed() {
   measure "optimizer offload, delayed update (CPU step hidden behind the next forward/backward)" \
     'trained|MFU|offload' "$BIN/train_gpt" "${GPT13B[@]}" --offload_delayed_update_after=2
+}
+
+# Profiles (--profile_steps: Kineto traces with every kernel and copy) of the rows that miss their
+# goals, each summarized by tools/profile_summary.py into $OUT/summary-profile.md; the gzipped
+# traces go into $OUT/profiles.tgz.
+profile_run() {  # profile_run NAME TITLE TRAIN_GPT_ARGS...: the run, then its trace's summary
+  local name=$1 title=$2 trace="$BUILD/profiles/$1.json"
+  shift 2
+  SHOW="train_gpt $* --profile_out=$name.json; tools/profile_summary.py $name.json" \
+    measure "$title" '.' bash -c '"${@:2}" && python3 tools/profile_summary.py "$1"' _ "$trace" \
+    "$BIN/train_gpt" "$@" --profile_out="$trace" --timeline="$BUILD/profiles/$name-timeline.json"
+}
+step_profile_layers() {
+  profile_run layers "layer offload, gpt124m, steps 4-5" --device=cuda --data=synthetic --amp=bf16 \
+    --offload=layers --steps=5 --log_every=5 --progress=false --profile_steps=4-5
+}
+step_profile_offload() {
+  profile_run offload "optimizer offload, 1.3B shape, steps 4-5" "${GPT13B[@]/--steps=8/--steps=5}" \
+    --profile_steps=4-5
+}
+step_profile_delayed() {
+  profile_run delayed "optimizer offload, delayed update, steps 4-5" "${GPT13B[@]/--steps=8/--steps=5}" \
+    --offload_delayed_update_after=2 --profile_steps=4-5
+}
+
+stage_profile() {
+  local t0=$SECONDS
+  mkdir -p "$OUT" "$BUILD/profiles"
+  if [[ ! -x $BIN/train_gpt ]]; then
+    say "ERROR: no build in $BUILD: run 'test' first on this machine"
+    return 1
+  fi
+  environment
+  SUMMARY="$OUT/summary-profile.md"
+  RAW="$BUILD/profiles/profile.log"
+  : >"$RAW"
+  run_steps profile 0
+  gzip -f "$BUILD"/profiles/*.json
+  tar -C "$BUILD/profiles" -czf "$OUT/profiles.tgz" . 2>/dev/null
+  say "profile: ${#FAILED[@]} failed${FAILED:+ (${FAILED[*]})}; $((SECONDS - t0)) s; summaries in $SUMMARY"
+  ((${#FAILED[@]} == 0))
 }
 
 stage_bench() {  # stage_bench N: bench<N>, rows into $OUT/summary-N.md, whole output in bench-N.log
@@ -417,7 +463,22 @@ case "${1:-}" in
     check_configure "$2"
     ;;
   test) check_limits && cd "$ROOT" && stage_test ;;
-  bench1) check_limits && cd "$ROOT" && stage_bench 1 ;;
-  bench2) check_limits && cd "$ROOT" && stage_bench 2 ;;
-  *) echo "usage: gpu_session.sh fetch|plan|test|bench1|bench2|check-configure LOG" >&2; exit 2 ;;
+  bench1 | bench2 | profile)
+    # Extra arguments: only those steps of the stage, in the stage's order.
+    if (($# > 1)); then
+      only=" ${*:2} " kept=""
+      for s in ${STEPS[$1]}; do [[ $only == *" $s "* ]] && kept+="${kept:+ }$s"; done
+      for s in "${@:2}"; do
+        [[ " ${STEPS[$1]} " == *" $s "* ]] || { echo "gpu_session.sh: $1 has no step '$s' (steps: ${STEPS[$1]})" >&2; exit 2; }
+      done
+      STEPS[$1]=$kept
+    fi
+    check_limits && cd "$ROOT" || exit 1
+    case $1 in
+      bench1) stage_bench 1 ;;
+      bench2) stage_bench 2 ;;
+      profile) stage_profile ;;
+    esac
+    ;;
+  *) echo "usage: gpu_session.sh fetch|plan|test|bench1|bench2|profile|check-configure LOG" >&2; exit 2 ;;
 esac
