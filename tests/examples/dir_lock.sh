@@ -7,15 +7,19 @@ bin=$1
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 common=(--device=cpu --progress=false --workers=0 --save_dir="$work/ckpt" --save_every=50)
-"$bin/train_mlp" "${common[@]}" --steps=400 >"$work/first.log" 2>&1 &
+"$bin/train_mlp" "${common[@]}" --steps=2000 >"$work/first.log" 2>&1 &
 first=$!
 for _ in $(seq 100); do  # the lock file names its holder once the first run holds it
   grep -q "pid $first" "$work/ckpt/.dtrain.lock" 2>/dev/null && break
   sleep 0.1
 done
+# The first run is held still while the second tries (a small MLP trains 2000 steps in a few
+# seconds: without this, a loaded machine could see it finish first and free the directory).
+kill -STOP "$first"
 start=$(date +%s)
 "$bin/train_mlp" "${common[@]}" --steps=5 >"$work/second.log" 2>&1
 second=$?
+kill -CONT "$first"
 cat "$work/second.log"
 fail=0
 [[ $second == 2 ]] || { echo "FAIL: the second run exited $second, expected 2"; fail=1; }
