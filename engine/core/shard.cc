@@ -74,7 +74,7 @@ ShardState assemble_shard(const std::vector<ShardState>& pieces, const ShardLayo
     } else {
       DTRAIN_CHECK(sample.dim() == 1, "optimizer shard entry '", name, "' is ", sample.dim(),
                    "-D; a partitioned state holds 1-D and 0-dim entries only");
-      assembled = at::zeros({want.size()}, at::kFloat);
+      assembled = at::zeros({want.size()}, sample.options().device(at::kCPU));  // the saved dtype
     }
     for (const ShardState& piece : pieces) {
       const FlatRange have = piece.layout.range;

@@ -49,6 +49,11 @@ at::Tensor global_grad_norm(const std::vector<at::Tensor>& params, const GradNor
   DTRAIN_CHECK(layout.sharded.empty() || layout.sharded.size() == params.size(), "global_grad_norm: ",
                params.size(), " parameters but ", layout.sharded.size(), " sharded flags");
   DTRAIN_CHECK(!layout.owned || layout.dp, "global_grad_norm: owned ranges need the data-parallel communicator");
+  // Accumulated as grad_norm() does: in float64 when any gradient is float64, else float32
+  // (so a sharded or split run clips by the same coefficient as the replicated one).
+  bool any_double = false;
+  for (const at::Tensor& p : params) any_double = any_double || (p.grad().defined() && p.grad().scalar_type() == at::kDouble);
+  const at::ScalarType acc_type = any_double ? at::kDouble : at::kFloat;
   at::Tensor sq_shard, sq_rep;
   std::optional<c10::Device> device;
   int64_t offset = 0;
@@ -64,20 +69,20 @@ at::Tensor global_grad_norm(const std::vector<at::Tensor>& params, const GradNor
     offset += n;
     if (!g.defined() || a >= b) continue;
     at::Tensor part = a == 0 && b == n ? g : g.reshape({-1}).narrow(0, a, b - a);
-    at::Tensor sq = part.to(at::kFloat).pow(2).sum();
+    at::Tensor sq = part.to(acc_type).pow(2).sum();
     at::Tensor& acc = !layout.sharded.empty() && layout.sharded[i] ? sq_shard : sq_rep;
     acc = acc.defined() ? acc + sq : sq;
   }
   const at::Tensor& any = sq_shard.defined() ? sq_shard : sq_rep;
   DTRAIN_CHECK(any.defined() || layout.owned, "global_grad_norm: no gradients");
-  const auto options = any.defined() ? any.options() : at::TensorOptions().dtype(at::kFloat).device(*device);
+  const auto options = any.defined() ? any.options() : at::TensorOptions().dtype(acc_type).device(*device);
   if (!sq_shard.defined()) sq_shard = at::zeros({}, options);
   if (!sq_rep.defined()) sq_rep = at::zeros({}, options);
   at::Tensor s = sq_shard.reshape({1}).clone();
   if (split) layout.tp->all_reduce(s)->wait();
   at::Tensor total = s + sq_rep.reshape({1});
   if (layout.owned && layout.dp->size() > 1) layout.dp->all_reduce(total)->wait();
-  return total.sqrt().reshape({});
+  return total.sqrt().reshape({}).to(at::kFloat);
 }
 
 }  // namespace dtrain::engine
