@@ -15,6 +15,7 @@
 #include "dtrain/engine/optim/amp.h"
 #include "dtrain/engine/optim/offload.h"
 #include "dtrain/engine/optim/optim.h"
+#include "dtrain/engine/optim/sharded.h"
 #include "dtrain/engine/train/agreement.h"
 
 namespace dtrain::engine::cli {
@@ -73,6 +74,10 @@ const std::vector<Spec>& specs() {
       spec(kData, "eval_every", "evaluate every N steps (0: never)", &Flags::eval_every),
       spec(kData, "eval_batches", "batches per evaluation", &Flags::eval_batches),
       spec(kMemory, "offload", "none, optimizer, layers or all", &Flags::offload),
+      spec(kMemory, "shard",
+           "partition across the data-parallel group: none, or optimizer (ZeRO-1: optimizer state and "
+           "master weights on the device)",
+           &Flags::shard),
       spec(kMemory, "offload_threads", "CPU optimizer threads (0: OMP_NUM_THREADS or the cores)",
            &Flags::offload_threads),
       spec(kMemory, "offload_stream_gradients",
@@ -199,6 +204,7 @@ void validate(const Flags& f) {
   DTRAIN_CHECK(f.eval_every >= 0, "--eval_every=", f.eval_every, " must be >= 0");
   DTRAIN_CHECK(f.eval_batches >= 1, "--eval_batches=", f.eval_batches, " must be >= 1");
   const OffloadChoice offload = parse_offload(f.offload);
+  parse_shard_mode(f.shard);
   DTRAIN_CHECK(f.plan == "none" || f.plan == "auto", "--plan=", f.plan, " is not one of: none, auto");
   DTRAIN_CHECK(f.gpu_mem_limit_gb >= 0, "--gpu_mem_limit_gb=", f.gpu_mem_limit_gb, " must be >= 0");
   DTRAIN_CHECK(f.plan != "auto" || f.gpu_mem_limit_gb > 0, "--plan=auto needs --gpu_mem_limit_gb (the budget to fit)");
@@ -352,6 +358,7 @@ TrainerOptions trainer_options(const Flags& f, const std::string& default_optimi
   o.profile_path = f.profile_out;
   o.memory_report_step = f.memory_report_step;
   o.offload_optimizer = parse_offload(f.offload).optimizer;
+  o.shard = f.shard;
   o.offload.host_mem_limit_gb = f.host_mem_limit_gb;
   o.offload.threads = f.offload_threads;
   o.offload.stream_gradients = f.offload_stream_gradients;

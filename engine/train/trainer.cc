@@ -13,6 +13,7 @@
 
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/memory/memory.h"
+#include "dtrain/engine/optim/sharded.h"
 #include "dtrain/engine/train/agreement.h"
 #include "dtrain/engine/train/preemption.h"
 #include "dtrain/engine/parallel/tensor_parallel.h"
@@ -163,9 +164,13 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
     broadcast_tensors(mesh_.dp(), params_, 0);
     reducer_options.broadcast_parameters = false;
   }
-  optimizer_ = options_.offload_optimizer
-                   ? make_offload_optimizer(params_, options_.optimizer, mesh_.dp(), options_.offload, device_)
-                   : make_optimizer(params_, options_.optimizer);
+  if (options_.offload_optimizer) {
+    optimizer_ = make_offload_optimizer(params_, options_.optimizer, mesh_.dp(), options_.offload, device_);
+  } else if (parse_shard_mode(options_.shard) == ShardMode::kOptimizer) {
+    optimizer_ = std::make_unique<ShardedOptimizer>(params_, options_.optimizer, mesh_.dp());
+  } else {
+    optimizer_ = make_optimizer(params_, options_.optimizer);
+  }
   // A partitioned optimizer reads only its rank's range: each gradient is reduced to its owner.
   if (reducer_options.owned.empty()) {
     for (const FlatRange& r : optimizer_->gradient_owners()) reducer_options.owned.emplace_back(r.begin, r.end);

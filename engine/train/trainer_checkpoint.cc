@@ -70,6 +70,57 @@ NamedTensors Trainer::full_optimizer_state(bool staged) {
   return state;
 }
 
+ShardState Trainer::shard_of_replicated(const NamedTensors& replicated, const ShardLayout& layout) const {
+  // Each state array is the parameters' tensors end to end (the flat space); the range of it.
+  std::map<std::string, std::vector<at::Tensor>> arrays;
+  at::Tensor step;
+  for (const auto& [name, t] : replicated) {
+    const std::string slot = name.substr(name.find('.') + 1);
+    if (slot == "step") {
+      if (!step.defined()) step = t.detach().cpu();
+      continue;
+    }
+    arrays[slot].push_back(t.detach().reshape({-1}));
+  }
+  std::vector<at::Tensor> weights;
+  for (const at::Tensor& p : params_) weights.push_back(p.detach().reshape({-1}));
+  arrays["master"] = weights;
+  ShardState out;
+  out.layout = layout;
+  if (step.defined()) out.tensors.emplace_back("step", step);
+  for (auto& [slot, parts] : arrays) {
+    DTRAIN_CHECK(parts.size() == params_.size(), "the saved optimizer state has '", slot, "' for ", parts.size(),
+                 " of the ", params_.size(), " parameters");
+    out.tensors.emplace_back(slot, at::cat(parts)
+                                       .narrow(0, layout.range.begin, layout.range.size())
+                                       .to(at::TensorOptions().device(at::kCPU), false, true));
+  }
+  return out;
+}
+
+NamedTensors Trainer::replicated_of_shard(const ShardState& whole) const {
+  NamedTensors out;
+  at::Tensor step;
+  for (const auto& [name, t] : whole.tensors) {
+    if (name == "step") step = t;
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const std::string prefix = std::to_string(i) + ".";
+    if (step.defined()) out.emplace_back(prefix + "step", step.reshape({}));
+  }
+  int64_t offset = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& p = params_[i];
+    for (const auto& [name, t] : whole.tensors) {
+      if (name == "step" || name == "master") continue;
+      out.emplace_back(std::to_string(i) + "." + name,
+                       t.narrow(0, offset, p.numel()).view(p.sizes()).to(p.options(), false, true));
+    }
+    offset += p.numel();
+  }
+  return out;
+}
+
 Trainer::PreparedSave Trainer::prepare_save(const DataLoader* loader, bool own_copies) {
   flush_updates();  // a delayed update in flight goes into the saved weights
   dist::Communicator& world = mesh_.world();
@@ -110,6 +161,7 @@ Trainer::PreparedSave Trainer::prepare_save(const DataLoader* loader, bool own_c
   rank.tp_rank = mesh_.tp_rank();
   rank.rng = data.rng;
   data.meta["optimizer.offloaded"] = options_.offload_optimizer ? "1" : "0";
+  data.meta["optimizer.partitioned"] = optimizer_->shard_layout() ? "1" : "0";
   if (optimizer_->shard_layout()) rank.optimizer_shard = optimizer_->shard_state();
   if (own_copies) {
     // A background write must not see the training change what it writes: every tensor that
@@ -218,24 +270,37 @@ void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& i
   }
   load_model_state(model_, local, info.path);
   const bool saved_offloaded = data.meta.count("optimizer.offloaded") && data.meta.at("optimizer.offloaded") == "1";
-  DTRAIN_CHECK(saved_offloaded == options_.offload_optimizer, info.path, ": the checkpoint was saved ",
-               saved_offloaded ? "with" : "without", " --offload=optimizer; resume the same way");
-  if (auto layout = optimizer_->shard_layout()) {
-    // Partitioned state: this rank's range, from the saved shards of this tensor-parallel rank
-    // that overlap it (any old data-parallel size).
-    optimizer_->load_shard_state(load_resharded_optimizer(store, data, mesh_.tp_rank(), *layout));
-  }
-  // The optimizer, sharded the same way.
-  NamedTensors optimizer = data.optimizer;
-  for (auto& [name, t] : optimizer) {
+  // Checkpoints from before --shard were partitioned exactly when offloaded.
+  const bool saved_partitioned = data.meta.count("optimizer.partitioned")
+                                     ? data.meta.at("optimizer.partitioned") == "1"
+                                     : saved_offloaded;
+  // The replicated optimizer state, sharded over tp the way the parameters are.
+  NamedTensors replicated = data.optimizer;
+  for (auto& [name, t] : replicated) {
     int64_t i = param_index_of(name);
     if (i >= 0 && i < static_cast<int64_t>(params_.size()) && sharded_[i] && t.dim() > 0) {
       t = shard_of(t, specs_.at(names_[i]), mesh_.tp_rank(), mesh_.tp_size());
     }
     t = t.to(params_[std::max<int64_t>(0, std::min<int64_t>(i, params_.size() - 1))].device());
   }
+  int64_t numel = 0;
+  for (const at::Tensor& p : params_) numel += p.numel();
+  const std::optional<ShardLayout> layout = optimizer_->shard_layout();
   try {
-    optimizer_->load_state(optimizer);
+    if (layout && saved_partitioned) {
+      // This rank's range from the saved shards of this tensor-parallel rank that overlap it
+      // (any old data-parallel size; offloaded and device-sharded shards alike).
+      optimizer_->load_shard_state(load_resharded_optimizer(store, data, mesh_.tp_rank(), *layout));
+    } else if (layout) {
+      DTRAIN_CHECK(layout->numel == numel, "the partitioned optimizer covers ", layout->numel, " of the ", numel,
+                   " parameter elements (some parameters live on the host); resume with the optimizer the "
+                   "checkpoint was saved with");
+      optimizer_->load_shard_state(shard_of_replicated(replicated, *layout));
+    } else if (saved_partitioned) {
+      // An unsharded run from a partitioned checkpoint: the whole flat space, split per parameter.
+      replicated = replicated_of_shard(load_resharded_optimizer(store, data, mesh_.tp_rank(), {numel, {0, numel}}));
+    }
+    optimizer_->load_state(layout ? NamedTensors{} : replicated);
   } catch (const Error& e) {
     throw Error(detail::concat(info.path, ": the optimizer state does not fit this run (",
                                e.what(), "); resume with the same --optimizer and model"));

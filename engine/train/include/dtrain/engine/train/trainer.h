@@ -104,6 +104,11 @@ struct TrainerOptions {
   // offload is the model's part (offload::LayerStreamer, e.g. the example GPT's blocks).
   bool offload_optimizer = false;
   OffloadOptions offload;
+  // Sharded data parallelism (optim/sharded.h): "none", or "optimizer" (ZeRO-1: the optimizer
+  // state and fp32 master weights partitioned across the data-parallel group on the device,
+  // gradients reduced to their owners, the updated shards all-gathered). With
+  // offload_optimizer the state is partitioned already (in host memory); this is then moot.
+  std::string shard = "none";
   // Called on every rank with each logged step's metrics (after they are written).
   std::function<void(const StepMetrics&)> on_log;
   // Observability (docs/OBSERVABILITY.md). Paths are checked when the trainer is built.
@@ -261,6 +266,11 @@ class Trainer {
   // A host copy of t for a checkpoint: staged (pinned, asynchronous, see HostStaging) for a
   // background save, else a plain copy that is written before training goes on.
   at::Tensor host_copy(const std::string& key, const at::Tensor& t, HostStaging::Source source, bool staged);
+  // Optimizer state between layouts on resume: a replicated state's range of the flat
+  // parameter space (its arrays end to end, the weights as "master"), and a whole flat
+  // space's arrays split back into "<param>.<slot>" per parameter.
+  ShardState shard_of_replicated(const NamedTensors& replicated, const ShardLayout& layout) const;
+  NamedTensors replicated_of_shard(const ShardState& whole) const;
   NamedTensors full_model_state(bool staged);
   NamedTensors full_optimizer_state(bool staged);
   HostStaging staging_;  // the background save's host copies (pinned buffers reused across saves)
