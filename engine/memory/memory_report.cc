@@ -161,6 +161,9 @@ std::string MemoryReport::to_string() const {
   if (host_offload_mb > 0) {
     add_row(os, "host: optimizer offload (master, state, buffers)", host_offload_mb, p, "host_offload");
   }
+  if (host_staging_mb > 0) {
+    add_row(os, "host: checkpoint staging (pinned, --async_save)", host_staging_mb, p, "host_staging");
+  }
   for (const auto& note : notes) os << "  note: " << note << "\n";
   return os.str();
 }

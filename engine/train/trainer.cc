@@ -261,6 +261,8 @@ bool Trainer::run_micro_batches(const Batch& batch, at::Tensor& loss_sum) {
     LOG(WARNING) << "out of memory in step " << step_ + 1 << " with micro-batch of "
                  << batch.size() / n << " rows: " << std::string(e.what_without_backtrace()).substr(0, 200);
     loss_sum.reset();
+    // The report's step peak is the failed attempt's (set after a step otherwise: 0 in step 1).
+    step_peak_mb_ = memory_stats(device_).peak_mb;
     if (device_.is_cuda()) LOG(WARNING) << "memory at the failure:\n" << memory_report().to_string();
     if (!synced_backward_done) reducer_->abandon_step();
     release_cached_memory(device_);
@@ -465,6 +467,7 @@ MemoryReport Trainer::memory_report() const {
   MemoryReport r = build_memory_report(device_, params_, grads, optimizer_->device_state(),
                                        step_start_allocated_mb_, step_peak_mb_);
   if (const int64_t host = optimizer_->host_bytes()) r.host_offload_mb = static_cast<double>(host) / (1024.0 * 1024.0);
+  r.host_staging_mb = static_cast<double>(staging_.pinned_bytes()) / (1024.0 * 1024.0);
   return r;
 }
 

@@ -129,6 +129,9 @@ TEST(MemoryReport, CpuComponentsAddUpToTheCountingAllocator) {
     EXPECT_NE(with_host.find("host: optimizer offload (master, state, buffers)"), std::string::npos) << with_host;
     EXPECT_NE(with_host.find("12.5"), std::string::npos) << with_host;
     EXPECT_NEAR(r.total_mb(), r.allocated_peak_mb, 1e-9);  // not part of the device's total
+    r.host_staging_mb = 85.0;
+    EXPECT_NE(r.to_string().find("host: checkpoint staging (pinned, --async_save)"), std::string::npos);
+    EXPECT_NEAR(r.total_mb(), r.allocated_peak_mb, 1e-9);
   }
 }
 

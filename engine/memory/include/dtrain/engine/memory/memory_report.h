@@ -44,6 +44,9 @@ struct MemoryReport {
   // when > 0. Not part of total_mb() (another memory, except on a CPU device, where the
   // allocator figures already include it).
   double host_offload_mb = 0;
+  // Pinned host buffers that a background checkpoint save keeps for reuse (HostStaging: about
+  // the size of the device-resident weights and optimizer state, from the first save on).
+  double host_staging_mb = 0;
   std::vector<std::string> notes;  // caveats: NVML missing, CPU memory untracked, ...
   // What a planner predicted, by key: "parameters", "gradients", "optimizer_state",
   // "activations", "other", "allocated", "allocator_cache", "reserved", "cuda_context",
