@@ -127,6 +127,7 @@ std::pair<at::Tensor, at::Tensor> loss_and_correct(const at::Tensor& logits, con
 engine::TrainerOptions trainer_options(const Run& run, const std::string& default_optimizer) {
   engine::TrainerOptions o = engine::cli::trainer_options(engine::cli::flags(), default_optimizer, run.mesh->tp_size());
   o.checkpoint_meta["program"] = run.program;
+  o.evaluation_only = FLAGS_eval_only;  // no optimizer state or gradient buffers to evaluate
   return o;
 }
 
@@ -180,6 +181,13 @@ engine::StepMetrics fit_and_report(const Run& run, engine::Trainer& trainer, eng
     return last;
   }
   engine::DataLoader& data = eval ? *eval : train;
+  const engine::ResumeMode resume = engine::parse_resume(engine::cli::flags().resume);
+  if (resume != engine::ResumeMode::kNo) {  // evaluate a checkpoint's weights
+    if (trainer.resume_checkpoint(nullptr, resume == engine::ResumeMode::kYes) && run.world.rank == 0) {
+      std::printf("%s: evaluating the checkpoint of step %lld in %s\n", run.program.c_str(),
+                  static_cast<long long>(trainer.current_step()), engine::cli::flags().save_dir.c_str());
+    }
+  }
   trainer.evaluate(data, 1);  // warm-up
   engine::reset_peak_memory(run.device);
   auto t0 = std::chrono::steady_clock::now();

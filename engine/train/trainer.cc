@@ -125,7 +125,7 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
   // Whoever promises preemption handling installs it: without the handlers SIGUSR1/SIGTERM
   // would kill the ranks before any checkpoint.
   if (options_.handle_preemption) install_preemption_handlers();
-  if (!options_.save_dir.empty()) {
+  if (!options_.save_dir.empty() && !options_.evaluation_only) {
     // One run per checkpoint directory, for this trainer's lifetime (rank 0 holds the lock).
     std::string refused;
     if (mesh_.world().rank() == 0) {
@@ -164,27 +164,29 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
     broadcast_tensors(mesh_.dp(), params_, 0);
     reducer_options.broadcast_parameters = false;
   }
-  if (options_.offload_optimizer) {
-    optimizer_ = make_offload_optimizer(params_, options_.optimizer, mesh_.dp(), options_.offload, device_);
-  } else if (parse_shard_mode(options_.shard) == ShardMode::kOptimizer) {
-    optimizer_ = std::make_unique<ShardedOptimizer>(params_, options_.optimizer, mesh_.dp());
-  } else {
-    optimizer_ = make_optimizer(params_, options_.optimizer);
-  }
-  // A partitioned optimizer reads only its rank's range: each gradient is reduced to its owner.
-  if (reducer_options.owned.empty()) {
-    for (const FlatRange& r : optimizer_->gradient_owners()) reducer_options.owned.emplace_back(r.begin, r.end);
-    if (!reducer_options.owned.empty()) {
-      const auto& mine = reducer_options.owned[mesh_.dp().rank()];
-      norm_layout_.owned = FlatRange{mine.first, mine.second};
-      norm_layout_.dp = &mesh_.dp();
-      LOG_IF(INFO, mesh_.world().rank() == 0)
-          << "each gradient is reduced only to the rank whose shard holds it (the optimizer's, "
-          << reducer_options.owned.size() << " shards)";
+  if (!options_.evaluation_only) {
+    if (options_.offload_optimizer) {
+      optimizer_ = make_offload_optimizer(params_, options_.optimizer, mesh_.dp(), options_.offload, device_);
+    } else if (parse_shard_mode(options_.shard) == ShardMode::kOptimizer) {
+      optimizer_ = std::make_unique<ShardedOptimizer>(params_, options_.optimizer, mesh_.dp());
+    } else {
+      optimizer_ = make_optimizer(params_, options_.optimizer);
     }
+    // A partitioned optimizer reads only its rank's range: each gradient is reduced to its owner.
+    if (reducer_options.owned.empty()) {
+      for (const FlatRange& r : optimizer_->gradient_owners()) reducer_options.owned.emplace_back(r.begin, r.end);
+      if (!reducer_options.owned.empty()) {
+        const auto& mine = reducer_options.owned[mesh_.dp().rank()];
+        norm_layout_.owned = FlatRange{mine.first, mine.second};
+        norm_layout_.dp = &mesh_.dp();
+        LOG_IF(INFO, mesh_.world().rank() == 0)
+            << "each gradient is reduced only to the rank whose shard holds it (the optimizer's, "
+            << reducer_options.owned.size() << " shards)";
+      }
+    }
+    reducer_ = std::make_unique<GradReducer>(params_, mesh_.dp(), reducer_options);
+    optimizer_->attach(*reducer_);
   }
-  reducer_ = std::make_unique<GradReducer>(params_, mesh_.dp(), reducer_options);
-  optimizer_->attach(*reducer_);
   LossScalerOptions scaler_options = options_.loss_scaler;
   scaler_options.enabled = options_.amp == AmpMode::kFp16;
   scaler_ = std::make_unique<LossScaler>(scaler_options, device_);
@@ -390,7 +392,13 @@ void Trainer::handle_nonfinite(const at::Tensor& loss_sum, const at::Tensor& nor
   throw Error(os.str());
 }
 
+void Trainer::check_can_train() const {
+  DTRAIN_CHECK(!options_.evaluation_only, "this trainer was built for evaluation only (TrainerOptions::"
+               "evaluation_only, --eval_only): it has no optimizer and cannot train; build it without that option");
+}
+
 StepResult Trainer::step(const Batch& batch) {
+  check_can_train();
   const auto started = std::chrono::steady_clock::now();
   step_start_allocated_mb_ = memory_stats(device_).allocated_mb;
   StepResult result;
@@ -464,16 +472,19 @@ void Trainer::finish_timeline() {
 MemoryReport Trainer::memory_report() const {
   std::vector<at::Tensor> grads;
   for (const at::Tensor& p : params_) grads.push_back(p.grad());
-  MemoryReport r = build_memory_report(device_, params_, grads, optimizer_->device_state(),
+  MemoryReport r = build_memory_report(device_, params_, grads,
+                                       optimizer_ ? optimizer_->device_state() : std::vector<at::Tensor>{},
                                        step_start_allocated_mb_, step_peak_mb_);
-  if (const int64_t host = optimizer_->host_bytes()) r.host_offload_mb = static_cast<double>(host) / (1024.0 * 1024.0);
+  if (const int64_t host = optimizer_ ? optimizer_->host_bytes() : 0) {
+    r.host_offload_mb = static_cast<double>(host) / (1024.0 * 1024.0);
+  }
   r.host_staging_mb = static_cast<double>(staging_.pinned_bytes()) / (1024.0 * 1024.0);
   return r;
 }
 
 void Trainer::flush_updates() {
   staging_.fence();  // the delayed update writes the weights a background save may still copy
-  optimizer_->flush();
+  if (optimizer_) optimizer_->flush();
 }
 
 double Trainer::read_loss() {
@@ -616,6 +627,7 @@ bool Trainer::stop_for_preemption(const DataLoader& train) {
 }
 
 StepMetrics Trainer::fit(DataLoader& train, DataLoader* eval) {
+  check_can_train();
   // Never two ranks on the same batches: an unsharded loader is sharded here.
   shard_loader(mesh_, train, "the training loader");
   if (eval) shard_loader(mesh_, *eval, "the evaluation loader");

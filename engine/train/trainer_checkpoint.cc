@@ -122,6 +122,8 @@ NamedTensors Trainer::replicated_of_shard(const ShardState& whole) const {
 }
 
 Trainer::PreparedSave Trainer::prepare_save(const DataLoader* loader, bool own_copies) {
+  DTRAIN_CHECK(!options_.evaluation_only, "this trainer was built for evaluation only (--eval_only): it saves "
+               "no checkpoints");
   flush_updates();  // a delayed update in flight goes into the saved weights
   dist::Communicator& world = mesh_.world();
   PreparedSave save;
@@ -285,6 +287,10 @@ void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& i
   }
   int64_t numel = 0;
   for (const at::Tensor& p : params_) numel += p.numel();
+  if (!optimizer_) {  // evaluation only: the weights are what it came for
+    step_ = data.step;
+    return;
+  }
   const std::optional<ShardLayout> layout = optimizer_->shard_layout();
   try {
     if (layout && saved_partitioned) {

@@ -26,6 +26,7 @@
 #include "../../engine/state/checkpoint_internal.h"
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/train/preemption.h"
+#include "dtrain/engine/memory/memory.h"
 #include "dtrain/engine/train/trainer.h"
 #include "dtrain/dist/mesh.h"
 #include "test_fs.h"
@@ -983,6 +984,59 @@ TEST(HostStaging, AHostTensorIsCopiedAtOnceAndNoPinnedMemoryIsKept) {
   staging.wait();
   EXPECT_TRUE(at::equal(staged, at::arange(5, at::kFloat)));
   EXPECT_EQ(staging.pinned_bytes(), 0);
+}
+
+// --eval_only: an evaluation-only trainer allocates no optimizer state or gradient buffers
+// (counted by the CPU allocator against the tensors' byte sizes), evaluates exactly as a
+// training trainer does, reads a checkpoint's weights while a training run holds the directory,
+// and refuses to train or save.
+TEST(EvaluationOnly, NoOptimizerStateNorGradientsAndTheSameEvaluationOfACheckpoint) {
+  ASSERT_TRUE(cpu_memory_tracked());
+  TempDir dir;
+  auto comm = dist::create_communicator("local", dist::World{}, c10::Device(c10::kCPU));
+  dist::Mesh mesh(*comm, 1);
+  auto make_model = [] {
+    torch::manual_seed(7);
+    return torch::nn::Linear(512, 512);
+  };
+  torch::nn::Linear trained = make_model(), lean_model = make_model();
+  auto data = std::make_shared<TensorDataset>(std::vector<at::Tensor>{at::randn({64, 512}), at::randn({64, 512})});
+  LoaderOptions lo;
+  lo.batch_size = 16;
+  lo.workers = 0;
+  auto options = [&](bool eval_only) {
+    TrainerOptions o;
+    o.steps = 3;
+    o.optimizer.name = "adam";
+    o.evaluation_only = eval_only;
+    o.save_dir = dir.path();
+    o.handle_preemption = false;
+    o.progress = false;
+    return o;
+  };
+  auto loss_of = [](torch::nn::Linear& m) {
+    return [&m](const Batch& b) { return torch::mse_loss(m->forward(b.fields[0]), b.fields[1]); };
+  };
+  const double weights_mb = (512.0 * 512 + 512) * 4 / (1024 * 1024);
+  double at = memory_stats(c10::Device(c10::kCPU)).allocated_mb;
+  Trainer trainer(*trained, loss_of(trained), mesh, c10::Device(c10::kCPU), options(false));
+  const double training_mb = memory_stats(c10::Device(c10::kCPU)).allocated_mb - at;
+  DataLoader train(data, lo);
+  trainer.fit(train);  // saves step 3; the trainer keeps holding the directory
+  at = memory_stats(c10::Device(c10::kCPU)).allocated_mb;
+  Trainer lean(*lean_model, loss_of(lean_model), mesh, c10::Device(c10::kCPU), options(true));
+  const double lean_mb = memory_stats(c10::Device(c10::kCPU)).allocated_mb - at;
+  EXPECT_GE(training_mb, 2.99 * weights_mb) << "gradients and Adam's two moments";
+  EXPECT_LT(lean_mb, 0.05 * weights_mb) << "an evaluation-only trainer allocated state";
+  ASSERT_TRUE(lean.resume_checkpoint(nullptr, /*required=*/true));
+  EXPECT_EQ(lean.current_step(), 3);
+  EXPECT_TRUE(at::equal(lean_model->weight, trained->weight));
+  DataLoader a(data, lo), b(data, lo);
+  EXPECT_EQ(lean.evaluate(a, 2), trainer.evaluate(b, 2));
+  for (const auto& attempt : std::vector<std::function<void()>>{
+           [&] { lean.step(a.next()); }, [&] { lean.fit(a); }, [&] { lean.save_checkpoint(nullptr); }}) {
+    EXPECT_NE(testing_util::error_of(attempt).find("built for evaluation only"), std::string::npos);
+  }
 }
 
 // The process killed while the background thread writes step 4: the checkpoint of step 2 is

@@ -109,6 +109,11 @@ struct TrainerOptions {
   // gradients reduced to their owners, the updated shards all-gathered). With
   // offload_optimizer the state is partitioned already (in host memory); this is then moot.
   std::string shard = "none";
+  // Evaluation only (--eval_only): no optimizer state, gradient buffers or reducer are
+  // allocated, and no lock is taken on save_dir (resume_checkpoint() reads the newest good
+  // checkpoint's weights to evaluate, also while a training run writes there). step(), fit()
+  // and saving throw dtrain::Error.
+  bool evaluation_only = false;
   // Called on every rank with each logged step's metrics (after they are written).
   std::function<void(const StepMetrics&)> on_log;
   // Observability (docs/OBSERVABILITY.md). Paths are checked when the trainer is built.
@@ -239,6 +244,7 @@ class Trainer {
     std::vector<at::Tensor> nonfinite;  // per device: 1 if a weight is inf/NaN (host, once staged)
   };
   PreparedSave prepare_save(const DataLoader* loader, bool own_copies);
+  void check_can_train() const;  // throws for an evaluation-only trainer
   // Writes and publishes a prepared checkpoint over `comm` (collective); returns the path.
   std::string write_save(const PreparedSave& save, dist::Communicator& comm);
   // Starts a background save of this step (after waiting for the one in flight).
