@@ -65,14 +65,7 @@ OffloadedOptimizer::OffloadedOptimizer(std::vector<at::Tensor> params, const Opt
                                        dist::Communicator& dp, const OffloadOptions& offload_options)
     : options_(options), params_(std::move(params)) {
   validate(options_);
-  DTRAIN_CHECK(!params_.empty(), "optimizer offload needs at least one parameter");
-  const at::Tensor& first = params_.front();
-  for (size_t i = 0; i < params_.size(); ++i) {
-    DTRAIN_CHECK(params_[i].scalar_type() == first.scalar_type() && params_[i].device() == first.device(),
-                 "optimizer offload needs all parameters in one dtype and device; parameter ", i, " is ",
-                 params_[i].scalar_type(), " on ", params_[i].device(), ", parameter 0 ",
-                 first.scalar_type(), " on ", first.device());
-  }
+  check_one_flat_space(params_, "optimizer offload");
   impl_ = std::make_unique<Impl>(params_, options_, dp, offload_options);
   Impl& s = *impl_;
   if (offload_options.delayed_update_after >= 0) {

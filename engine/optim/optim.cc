@@ -25,6 +25,16 @@ double effective_eps(const OptimizerOptions& options) {
 
 void validate(const OptimizerOptions& options) { offload::validate_rule(options, "optimizer"); }
 
+void check_one_flat_space(const std::vector<at::Tensor>& params, const std::string& who) {
+  DTRAIN_CHECK(!params.empty(), who, " needs at least one parameter");
+  const at::Tensor& first = params.front();
+  for (size_t i = 0; i < params.size(); ++i) {
+    DTRAIN_CHECK(params[i].scalar_type() == first.scalar_type() && params[i].device() == first.device(), who,
+                 " needs all parameters in one dtype and device; parameter ", i, " is ", params[i].scalar_type(),
+                 " on ", params[i].device(), ", parameter 0 ", first.scalar_type(), " on ", first.device());
+  }
+}
+
 std::unique_ptr<Optimizer> make_optimizer(std::vector<at::Tensor> params,
                                           const OptimizerOptions& options) {
   validate(options);

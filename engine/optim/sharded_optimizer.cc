@@ -48,16 +48,10 @@ ShardedOptimizer::ShardedOptimizer(std::vector<at::Tensor> params, const Optimiz
                                    dist::Communicator& dp)
     : options_(options), params_(std::move(params)), impl_(std::make_unique<Impl>()) {
   validate(options_);
-  DTRAIN_CHECK(!params_.empty(), "--shard=optimizer needs at least one parameter");
+  check_one_flat_space(params_, "--shard=optimizer");
   const at::Tensor& first = params_.front();
-  for (size_t i = 0; i < params_.size(); ++i) {
-    DTRAIN_CHECK(params_[i].scalar_type() == first.scalar_type() && params_[i].device() == first.device(),
-                 "--shard=optimizer needs all parameters in one dtype and device; parameter ", i, " is ",
-                 params_[i].scalar_type(), " on ", params_[i].device(), ", parameter 0 ", first.scalar_type(),
-                 " on ", first.device());
-    DTRAIN_CHECK(at::isFloatingType(params_[i].scalar_type()), "--shard=optimizer: parameter ", i, " is ",
-                 params_[i].scalar_type(), ", not floating point");
-  }
+  DTRAIN_CHECK(at::isFloatingType(first.scalar_type()), "--shard=optimizer: the parameters are ",
+               first.scalar_type(), ", not floating point");
   Impl& s = *impl_;
   s.dp = &dp;
   s.offsets.push_back(0);

@@ -9,6 +9,17 @@
 #include "dtrain/dist/error.h"
 
 namespace dtrain::engine {
+namespace {
+
+// Norms accumulate in float64 when any gradient is float64, else in float32.
+at::ScalarType accumulation_type(const std::vector<at::Tensor>& grads) {
+  for (const at::Tensor& g : grads) {
+    if (g.defined() && g.scalar_type() == at::kDouble) return at::kDouble;
+  }
+  return at::kFloat;
+}
+
+}  // namespace
 
 at::Tensor grad_norm(const std::vector<at::Tensor>& grads) {
   at::NoGradGuard no_grad;
@@ -23,10 +34,7 @@ at::Tensor grad_norm(const std::vector<at::Tensor>& grads) {
     groups[{g.device().str(), g.scalar_type()}].push_back(g);
   }
   if (!first_device) return at::zeros(c10::IntArrayRef{}, at::kFloat);
-  // float64 gradients are accumulated in float64 (all of them then); the rest in float32.
-  bool any_double = false;
-  for (const auto& [key, list] : groups) any_double = any_double || key.second == at::kDouble;
-  at::ScalarType acc = any_double ? at::kDouble : at::kFloat;
+  const at::ScalarType acc = accumulation_type(grads);
   std::vector<at::Tensor> norms;
   for (auto& [key, list] : groups) {
     for (at::Tensor& n : at::_foreach_norm(list, 2, acc)) {
@@ -40,20 +48,15 @@ at::Tensor grad_norm(const std::vector<at::Tensor>& grads) {
 
 at::Tensor global_grad_norm(const std::vector<at::Tensor>& params, const GradNormLayout& layout) {
   const bool split = !layout.sharded.empty() && layout.tp && layout.tp->size() > 1;
-  if (!split && !layout.owned) {
-    std::vector<at::Tensor> grads;
-    grads.reserve(params.size());
-    for (const at::Tensor& p : params) grads.push_back(p.grad());
-    return grad_norm(grads);
-  }
+  std::vector<at::Tensor> grads;
+  grads.reserve(params.size());
+  for (const at::Tensor& p : params) grads.push_back(p.grad());
+  if (!split && !layout.owned) return grad_norm(grads);
   DTRAIN_CHECK(layout.sharded.empty() || layout.sharded.size() == params.size(), "global_grad_norm: ",
                params.size(), " parameters but ", layout.sharded.size(), " sharded flags");
   DTRAIN_CHECK(!layout.owned || layout.dp, "global_grad_norm: owned ranges need the data-parallel communicator");
-  // Accumulated as grad_norm() does: in float64 when any gradient is float64, else float32
-  // (so a sharded or split run clips by the same coefficient as the replicated one).
-  bool any_double = false;
-  for (const at::Tensor& p : params) any_double = any_double || (p.grad().defined() && p.grad().scalar_type() == at::kDouble);
-  const at::ScalarType acc_type = any_double ? at::kDouble : at::kFloat;
+  // Accumulated as grad_norm() does, so a sharded or split run clips by the same coefficient.
+  const at::ScalarType acc_type = accumulation_type(grads);
   at::Tensor sq_shard, sq_rep;
   std::optional<c10::Device> device;
   int64_t offset = 0;

@@ -99,22 +99,16 @@ ShardState Trainer::shard_of_replicated(const NamedTensors& replicated, const Sh
 }
 
 NamedTensors Trainer::replicated_of_shard(const ShardState& whole) const {
+  // Every parameter's "step" is the shard's; each array's slice of it, shaped as the parameter.
   NamedTensors out;
-  at::Tensor step;
-  for (const auto& [name, t] : whole.tensors) {
-    if (name == "step") step = t;
-  }
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const std::string prefix = std::to_string(i) + ".";
-    if (step.defined()) out.emplace_back(prefix + "step", step.reshape({}));
-  }
   int64_t offset = 0;
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& p = params_[i];
     for (const auto& [name, t] : whole.tensors) {
-      if (name == "step" || name == "master") continue;
+      if (name == "master") continue;
       out.emplace_back(std::to_string(i) + "." + name,
-                       t.narrow(0, offset, p.numel()).view(p.sizes()).to(p.options(), false, true));
+                       name == "step" ? t.reshape({})
+                                      : t.narrow(0, offset, p.numel()).view(p.sizes()).to(p.options(), false, true));
     }
     offset += p.numel();
   }
@@ -276,6 +270,10 @@ void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& i
   const bool saved_partitioned = data.meta.count("optimizer.partitioned")
                                      ? data.meta.at("optimizer.partitioned") == "1"
                                      : saved_offloaded;
+  if (!optimizer_) {  // evaluation only: the weights are what it came for
+    step_ = data.step;
+    return;
+  }
   // The replicated optimizer state, sharded over tp the way the parameters are.
   NamedTensors replicated = data.optimizer;
   for (auto& [name, t] : replicated) {
@@ -287,10 +285,6 @@ void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& i
   }
   int64_t numel = 0;
   for (const at::Tensor& p : params_) numel += p.numel();
-  if (!optimizer_) {  // evaluation only: the weights are what it came for
-    step_ = data.step;
-    return;
-  }
   const std::optional<ShardLayout> layout = optimizer_->shard_layout();
   try {
     if (layout && saved_partitioned) {
@@ -306,7 +300,9 @@ void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& i
       // An unsharded run from a partitioned checkpoint: the whole flat space, split per parameter.
       replicated = replicated_of_shard(load_resharded_optimizer(store, data, mesh_.tp_rank(), {numel, {0, numel}}));
     }
-    optimizer_->load_state(layout ? NamedTensors{} : replicated);
+    // The replicated part (e.g. the host parameters' state of --offload=all), unless it was
+    // just cut into this rank's range.
+    optimizer_->load_state(layout && !saved_partitioned ? NamedTensors{} : replicated);
   } catch (const Error& e) {
     throw Error(detail::concat(info.path, ": the optimizer state does not fit this run (",
                                e.what(), "); resume with the same --optimizer and model"));

@@ -135,6 +135,10 @@ class Optimizer {
   virtual void load_shard_state(const ShardState& state);
 };
 
+// For optimizers over one flat buffer (offload, --shard): throws dtrain::Error, naming `who`,
+// for an empty list or parameters of more than one dtype or device.
+void check_one_flat_space(const std::vector<at::Tensor>& params, const std::string& who);
+
 // Creates the optimizer named by options.name over params (leaf tensors requiring grad,
 // dense, non-overlapping; any mix of devices and floating dtypes: each (device, dtype) is
 // one group of kernel launches). Allocates the state (see state()) now. Throws
