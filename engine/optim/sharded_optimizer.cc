@@ -14,11 +14,11 @@ namespace dtrain::engine {
 ShardMode parse_shard_mode(const std::string& text) {
   if (text == "none") return ShardMode::kNone;
   if (text == "optimizer") return ShardMode::kOptimizer;
-  DTRAIN_CHECK(text != "gradients" && text != "parameters", "--shard=", text,
-               " (ZeRO stage ", text == "gradients" ? 2 : 3,
-               ") is not built yet; --shard=optimizer partitions the optimizer state (ZeRO-1), and "
-               "--offload=optimizer keeps that partitioned state in host memory");
-  throw Error("--shard=" + text + " is not one of: none, optimizer");
+  if (text == "gradients") return ShardMode::kGradients;
+  DTRAIN_CHECK(text != "parameters", "--shard=parameters (ZeRO stage 3) is not built yet; --shard=gradients "
+               "partitions the optimizer state and the gradients (ZeRO-2), and --offload=optimizer keeps the "
+               "partitioned optimizer state in host memory");
+  throw Error("--shard=" + text + " is not one of: none, optimizer, gradients");
 }
 
 struct ShardedOptimizer::Impl {
@@ -93,7 +93,7 @@ ShardedOptimizer::ShardedOptimizer(std::vector<at::Tensor> params, const Optimiz
   s.master = leaf;
   s.master.mutable_grad() = s.grad_shard;
   s.inner = make_optimizer({s.master}, options_);
-  LOG_IF(INFO, dp.rank() == 0) << "sharded optimizer (ZeRO-1): " << s.numel << " parameters in " << ranks
+  LOG_IF(INFO, dp.rank() == 0) << "sharded optimizer: " << s.numel << " parameters in " << ranks
                                << " shard(s) of at most " << per_rank << " on " << first.device();
 }
 

@@ -11,7 +11,7 @@
 namespace dtrain::engine {
 namespace {
 
-// Norms accumulate in float64 when any gradient is float64, else in float32.
+// Norms accumulate in float64 when any gradient (or parameter) is float64, else in float32.
 at::ScalarType accumulation_type(const std::vector<at::Tensor>& grads) {
   for (const at::Tensor& g : grads) {
     if (g.defined() && g.scalar_type() == at::kDouble) return at::kDouble;
@@ -56,7 +56,9 @@ at::Tensor global_grad_norm(const std::vector<at::Tensor>& params, const GradNor
                params.size(), " parameters but ", layout.sharded.size(), " sharded flags");
   DTRAIN_CHECK(!layout.owned || layout.dp, "global_grad_norm: owned ranges need the data-parallel communicator");
   // Accumulated as grad_norm() does, so a sharded or split run clips by the same coefficient.
-  const at::ScalarType acc_type = accumulation_type(grads);
+  // Decided by the parameters (a gradient has its parameter's dtype), so every rank agrees
+  // even where a rank holds no gradient (ZeRO-2 releases those outside its range).
+  const at::ScalarType acc_type = accumulation_type(params);
   at::Tensor sq_shard, sq_rep;
   std::optional<c10::Device> device;
   int64_t offset = 0;

@@ -16,6 +16,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include "dtrain/dist/error.h"
+#include "dtrain/engine/core/shard.h"
 
 namespace dtrain::engine {
 namespace {
@@ -29,6 +30,10 @@ struct Bucket {
   at::Tensor flat;               // the gradients' storage
   at::Tensor wire;               // what is reduced (flat, or its compressed copy)
   int64_t flat_begin = 0;        // owner mode: the flat-space offset of element 0
+  int64_t numel = 0;
+  // With ReducerOptions::release_unowned, false for a bucket with no element this rank owns:
+  // its storage is allocated at its first gradient of a step and released once it is reduced.
+  bool keep = true;
   int pending = 0;
   bool ready = false;
   std::vector<dist::WorkPtr> works;  // one all-reduce, or one reduce per owner
@@ -38,8 +43,12 @@ struct Bucket {
 // Owner mode: consecutive parameters (from the last to the first, the order backward
 // produces them) closed into a bucket at the byte limit or where dtype or device changes;
 // each bucket lists its parameters in increasing order, so its storage is one flat range.
+// With owner_spans (per parameter, the first and last rank owning part of it; {-1, -1} for an
+// empty one), a bucket also closes where the owner changes, so each bucket is owned by one
+// rank unless a single parameter straddles two ranges.
 std::vector<std::vector<size_t>> assign_consecutive_buckets(const std::vector<at::Tensor>& params,
-                                                            int64_t first_bytes, int64_t bytes) {
+                                                            int64_t first_bytes, int64_t bytes,
+                                                            const std::vector<std::pair<int, int>>& owner_spans = {}) {
   std::vector<std::vector<size_t>> buckets;
   std::vector<size_t> open;
   int64_t open_bytes = 0;
@@ -54,7 +63,12 @@ std::vector<std::vector<size_t>> assign_consecutive_buckets(const std::vector<at
     const at::Tensor& p = params[k];
     if (!open.empty()) {
       const at::Tensor& q = params[open.back()];
-      if (q.scalar_type() != p.scalar_type() || q.device() != p.device()) close();
+      if (q.scalar_type() != p.scalar_type() || q.device() != p.device()) {
+        close();
+      } else if (!owner_spans.empty() && owner_spans[k].first >= 0 && owner_spans[open.back()].first >= 0 &&
+                 owner_spans[k] != owner_spans[open.back()]) {
+        close();
+      }
     }
     open.push_back(k);
     open_bytes += p.numel() * p.element_size();
@@ -156,6 +170,10 @@ struct GradReducer::State {
   std::function<void(const LaunchedBucket&)> observer;
 
   void build(const std::vector<std::vector<size_t>>& assignment);
+  void allocate(size_t b);
+  void release(size_t b);
+  bool release_unowned = false;  // options.release_unowned on more than one rank
+  FlatRange mine;                // this rank's owned range (release_unowned)
   std::vector<int64_t> flat_offsets;  // consecutive buckets: each parameter's flat-space offset
   void start_step();
   void mark_ready(size_t i);
@@ -167,32 +185,56 @@ struct GradReducer::State {
 };
 
 void GradReducer::State::build(const std::vector<std::vector<size_t>>& assignment) {
-  std::vector<Bucket> fresh(assignment.size());
+  buckets.assign(assignment.size(), Bucket());
   where.assign(params.size(), {0, 0});
   views.assign(params.size(), at::Tensor());
   for (size_t b = 0; b < assignment.size(); ++b) {
-    Bucket& bucket = fresh[b];
+    Bucket& bucket = buckets[b];
     bucket.params = assignment[b];
-    int64_t numel = 0;
     for (size_t i : bucket.params) {
-      bucket.offsets.push_back(numel);
-      numel += params[i].numel();
+      bucket.offsets.push_back(bucket.numel);
+      where[i] = {b, bucket.numel};
+      bucket.numel += params[i].numel();
     }
-    const at::Tensor& first = params[bucket.params.front()];
-    bucket.flat = at::zeros({numel}, first.options());
-    bucket.wire = bucket_comm->wire(bucket.flat);
     if (!flat_offsets.empty()) bucket.flat_begin = flat_offsets[bucket.params.front()];
-    for (size_t k = 0; k < bucket.params.size(); ++k) {
-      size_t i = bucket.params[k];
-      at::Tensor& grad = params[i].mutable_grad();
-      at::Tensor view = bucket.flat.narrow(0, bucket.offsets[k], params[i].numel()).view(params[i].sizes());
-      if (grad.defined()) view.copy_(grad);
-      grad = view;
-      views[i] = view;
-      where[i] = {b, bucket.offsets[k]};
+    if (release_unowned) {
+      const int64_t lo = std::max(bucket.flat_begin, mine.begin);
+      const int64_t hi = std::min(bucket.flat_begin + bucket.numel, mine.end);
+      bucket.keep = lo < hi;
     }
+    // A released bucket is allocated by its first gradient, unless a gradient exists already.
+    bool has_grad = false;
+    for (size_t i : bucket.params) has_grad = has_grad || params[i].grad().defined();
+    if (bucket.keep || has_grad) allocate(b);
   }
-  buckets = std::move(fresh);
+}
+
+void GradReducer::State::allocate(size_t b) {
+  Bucket& bucket = buckets[b];
+  if (bucket.flat.defined()) return;
+  const at::Tensor& first = params[bucket.params.front()];
+  bucket.flat = at::zeros({bucket.numel}, first.options());
+  bucket.wire = bucket_comm->wire(bucket.flat);
+  for (size_t k = 0; k < bucket.params.size(); ++k) {
+    const size_t i = bucket.params[k];
+    at::Tensor& grad = params[i].mutable_grad();
+    at::Tensor view = bucket.flat.narrow(0, bucket.offsets[k], params[i].numel()).view(params[i].sizes());
+    if (grad.defined()) view.copy_(grad);
+    grad = view;
+    views[i] = view;
+  }
+}
+
+void GradReducer::State::release(size_t b) {
+  Bucket& bucket = buckets[b];
+  if (bucket.keep || !bucket.flat.defined()) return;
+  // A bucket observer's LaunchedBucket::values keeps the storage alive as long as it needs it.
+  for (size_t i : bucket.params) {
+    views[i] = at::Tensor();
+    params[i].mutable_grad() = at::Tensor();
+  }
+  bucket.flat = at::Tensor();
+  bucket.wire = at::Tensor();
 }
 
 void GradReducer::State::start_step() {
@@ -222,6 +264,7 @@ void GradReducer::State::launch_in_order() {
 }
 
 void GradReducer::State::launch(size_t b) {
+  allocate(b);  // a released bucket none of whose parameters got a gradient: zeros
   Bucket& bucket = buckets[b];
   if (!bucket.wire.is_same(bucket.flat)) bucket.wire.copy_(bucket.flat);
   stats.bucket_launch.push_back(Clock::now());
@@ -247,6 +290,7 @@ void GradReducer::State::launch(size_t b) {
 void GradReducer::State::on_hook(size_t i) {
   std::lock_guard<std::mutex> lock(mutex);
   // The gradient must live in its bucket; if someone replaced .grad, copy it back.
+  allocate(where[i].first);  // the first gradient of a released bucket
   at::Tensor& grad = params[i].mutable_grad();
   if (!grad.defined() || grad.data_ptr() != views[i].data_ptr()) {
     if (grad.defined()) views[i].copy_(grad);
@@ -305,12 +349,14 @@ void GradReducer::State::finish_step(bool abandoned) {
         stats.bucket_start.push_back(start);
         stats.bucket_end.push_back(end);
       }
-      if (!b.wire.is_same(b.flat)) b.flat.copy_(b.wire);
+      if (b.keep && !b.wire.is_same(b.flat)) b.flat.copy_(b.wire);
     } catch (...) {
       if (!failure) failure = std::current_exception();
     }
     b.works.clear();
     b.mine.reset();
+    // ZeRO-2: none of this bucket is ours, and its reduction to its owner is complete.
+    release(k);
   }
   stats.reduced = Clock::now();
   last_stats = stats;
@@ -360,6 +406,8 @@ GradReducer::GradReducer(std::vector<at::Tensor> params, dist::Communicator& com
     DTRAIN_CHECK(at::isFloatingType(p.scalar_type()), "parameter ", param_label(options.names, i),
                  " has dtype ", p.scalar_type(), "; gradients must be floating point");
   }
+  DTRAIN_CHECK(!options.release_unowned || !options.owned.empty(),
+               "ReducerOptions.release_unowned needs ReducerOptions.owned (which rank owns which gradients)");
   // The bucket strategy first: its bad options throw before any collective.
   std::shared_ptr<BucketComm> bucket_comm = options.bucket_comm;
   std::vector<int64_t> flat_offsets;
@@ -378,6 +426,8 @@ GradReducer::GradReducer(std::vector<at::Tensor> params, dist::Communicator& com
     if (options.compress) made = std::make_unique<CompressedBuckets>(std::move(made), *options.compress);
     bucket_comm = std::move(made);
   }
+  DTRAIN_CHECK(!options.release_unowned || bucket_comm->consecutive_buckets(), "ReducerOptions.release_unowned needs a ",
+               "bucket strategy over consecutive buckets (", bucket_comm->name(), " is not)");
   check_same_parameters(params_, comm, options.names);
   if (options.broadcast_parameters) {
     at::NoGradGuard no_grad;
@@ -388,10 +438,29 @@ GradReducer::GradReducer(std::vector<at::Tensor> params, dist::Communicator& com
   state_->params = params_;
   state_->bucket_comm = std::move(bucket_comm);
   if (state_->bucket_comm->consecutive_buckets()) {
+    std::vector<std::pair<int, int>> owner_spans;
+    if (state_->options.release_unowned && comm.size() > 1) {
+      // Buckets close where the owner changes: all but a straddling parameter's bucket are
+      // wholly one rank's, so a rank keeps about 1/N of the gradient storage.
+      const auto& owned = state_->options.owned;
+      state_->release_unowned = true;
+      state_->mine = FlatRange{owned[comm.rank()].first, owned[comm.rank()].second};
+      for (size_t i = 0; i < params_.size(); ++i) {
+        const int64_t a = flat_offsets[i], e = a + params_[i].numel();
+        std::pair<int, int> span{-1, -1};
+        for (int r = 0; r < comm.size(); ++r) {
+          if (std::max(a, owned[r].first) < std::min(e, owned[r].second)) {
+            if (span.first < 0) span.first = r;
+            span.second = r;
+          }
+        }
+        owner_spans.push_back(span);
+      }
+    }
     state_->flat_offsets = std::move(flat_offsets);
     state_->rebuilt = true;  // the buckets stay consecutive ranges of the flat space
     state_->build(assign_consecutive_buckets(params_, state_->options.first_bucket_bytes,
-                                             state_->options.bucket_bytes));
+                                             state_->options.bucket_bytes, owner_spans));
   } else {
     std::vector<size_t> order(params_.size());
     for (size_t k = 0; k < order.size(); ++k) order[k] = params_.size() - 1 - k;  // reverse
@@ -519,7 +588,9 @@ void GradReducer::zero_grad() {
   if (s.options.rebuild_buckets && !s.rebuilt && s.synced_backwards >= 1) {
     s.rebuild();  // collective: every rank reaches its first zero_grad after the first step
   }
-  for (Bucket& b : s.buckets) b.flat.zero_();
+  for (Bucket& b : s.buckets) {
+    if (b.flat.defined()) b.flat.zero_();
+  }
   s.finished = false;
 }
 
@@ -533,7 +604,9 @@ void GradReducer::abandon_step() {
   if (owes) state_->finish_step(/*abandoned=*/true);
   // Zero without the (collective) bucket rebuild: the other ranks are elsewhere now.
   std::lock_guard<std::mutex> lock(state_->mutex);
-  for (Bucket& b : state_->buckets) b.flat.zero_();
+  for (Bucket& b : state_->buckets) {
+    if (b.flat.defined()) b.flat.zero_();
+  }
 }
 
 void GradReducer::set_bucket_observer(std::function<void(const LaunchedBucket&)> observer) {
@@ -558,6 +631,16 @@ std::vector<std::vector<size_t>> GradReducer::bucket_params() const {
 ReducerStepStats GradReducer::last_step_stats() const {
   std::lock_guard<std::mutex> lock(state_->mutex);
   return state_->last_stats;
+}
+
+int64_t GradReducer::gradient_bytes() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  int64_t bytes = 0;
+  for (const Bucket& b : state_->buckets) {
+    if (b.flat.defined()) bytes += b.flat.nbytes();
+    if (b.wire.defined() && !b.wire.is_same(b.flat)) bytes += b.wire.nbytes();
+  }
+  return bytes;
 }
 
 int64_t GradReducer::synchronized_backwards() const {

@@ -75,8 +75,8 @@ const std::vector<Spec>& specs() {
       spec(kData, "eval_batches", "batches per evaluation", &Flags::eval_batches),
       spec(kMemory, "offload", "none, optimizer, layers or all", &Flags::offload),
       spec(kMemory, "shard",
-           "partition across the data-parallel group: none, or optimizer (ZeRO-1: optimizer state and "
-           "master weights on the device)",
+           "partition across the data-parallel group: none, optimizer (ZeRO-1: optimizer state and "
+           "master weights), or gradients (ZeRO-2: also the gradients between steps)",
            &Flags::shard),
       spec(kMemory, "offload_threads", "CPU optimizer threads (0: OMP_NUM_THREADS or the cores)",
            &Flags::offload_threads),

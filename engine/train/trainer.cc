@@ -165,9 +165,10 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
     reducer_options.broadcast_parameters = false;
   }
   if (!options_.evaluation_only) {
+    const ShardMode shard = parse_shard_mode(options_.shard);
     if (options_.offload_optimizer) {
       optimizer_ = make_offload_optimizer(params_, options_.optimizer, mesh_.dp(), options_.offload, device_);
-    } else if (parse_shard_mode(options_.shard) == ShardMode::kOptimizer) {
+    } else if (shard != ShardMode::kNone) {
       optimizer_ = std::make_unique<ShardedOptimizer>(params_, options_.optimizer, mesh_.dp());
     } else {
       optimizer_ = make_optimizer(params_, options_.optimizer);
@@ -179,9 +180,13 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
         const auto& mine = reducer_options.owned[mesh_.dp().rank()];
         norm_layout_.owned = FlatRange{mine.first, mine.second};
         norm_layout_.dp = &mesh_.dp();
+        // ZeRO-2: the gradients outside this rank's range are not kept between steps.
+        reducer_options.release_unowned = shard == ShardMode::kGradients;
         LOG_IF(INFO, mesh_.world().rank() == 0)
             << "each gradient is reduced only to the rank whose shard holds it (the optimizer's, "
-            << reducer_options.owned.size() << " shards)";
+            << reducer_options.owned.size() << " shards)"
+            << (reducer_options.release_unowned ? "; the other ranks' gradient buckets are released once reduced"
+                                                : "");
       }
     }
     reducer_ = std::make_unique<GradReducer>(params_, mesh_.dp(), reducer_options);

@@ -189,6 +189,89 @@ TEST(Reducer, OwnerModeAveragesEachRanksOwnRangeOnly) {
   }
 }
 
+// ZeRO-2: between steps a rank keeps only the buckets holding part of its range. Kept bytes in
+// closed form: buckets close where the owner changes, so the kept parameters are exactly those
+// that intersect the rank's range (a parameter straddling a boundary is kept by both ranks).
+TEST(Reducer, ReleaseUnownedKeepsOnlyTheBucketsOfThisRanksRange) {
+  auto& comm = world_comm();
+  const int N = comm.size();
+  for (bool compress : {false, true}) {
+    SCOPED_TRACE(compress ? "bfloat16 on the wire" : "float64 on the wire");
+    auto model = make_mlp(0);
+    std::vector<at::Tensor> ps = model->parameters();
+    std::vector<int64_t> offset{0};
+    for (auto& p : ps) offset.push_back(offset.back() + p.numel());
+    const int64_t total = offset.back();
+    ReducerOptions options;
+    options.first_bucket_bytes = 256;
+    options.bucket_bytes = 1024;
+    options.release_unowned = true;
+    if (compress) options.compress = at::kBFloat16;
+    for (int r = 0; r < N; ++r) options.owned.emplace_back(total * r / N, total * (r + 1) / N);
+    const auto [lo, hi] = options.owned[comm.rank()];
+    GradReducer reducer(ps, comm, options);
+    // Each bucket's parameters share one set of owners.
+    auto owners = [&](size_t i) {
+      std::vector<int> out;
+      for (int r = 0; r < N; ++r) {
+        if (std::max(offset[i], options.owned[r].first) < std::min(offset[i + 1], options.owned[r].second)) out.push_back(r);
+      }
+      return out;
+    };
+    for (const auto& bucket : reducer.bucket_params()) {
+      for (size_t i : bucket) EXPECT_EQ(owners(i), owners(bucket.front())) << "parameter " << i;
+    }
+    int64_t kept = 0;
+    std::vector<bool> mine(ps.size());
+    for (size_t i = 0; i < ps.size(); ++i) {
+      mine[i] = std::max(offset[i], lo) < std::min(offset[i + 1], hi);
+      if (mine[i]) kept += ps[i].numel();
+    }
+    const int64_t bytes_per_element = 8 + (compress ? 2 : 0);
+    EXPECT_EQ(reducer.gradient_bytes(), kept * bytes_per_element) << "before the first backward";
+    if (N > 1) EXPECT_LT(kept, total);
+    auto ref = make_mlp(0);
+    for (int64_t step = 0; step < 3; ++step) {
+      auto [x, y] = global_batch(step, 8 * N);
+      reducer.zero_grad();
+      EXPECT_EQ(reducer.gradient_bytes(), kept * bytes_per_element) << "between steps, step " << step;
+      at::Tensor xs = shard(x, comm.rank(), N), ys = shard(y, comm.rank(), N);
+      {
+        auto guard = reducer.no_sync();
+        (torch::mse_loss(model->forward(xs.narrow(0, 0, 4)), ys.narrow(0, 0, 4)) / 2).backward();
+      }
+      // Accumulation keeps every gradient until the synchronized backward.
+      EXPECT_EQ(reducer.gradient_bytes(), total * bytes_per_element) << "step " << step;
+      (torch::mse_loss(model->forward(xs.narrow(0, 4, 4)), ys.narrow(0, 4, 4)) / 2).backward();
+      EXPECT_EQ(reducer.gradient_bytes(), kept * bytes_per_element) << "after backward, step " << step;
+      for (auto& p : ref->parameters()) p.mutable_grad() = at::Tensor();
+      torch::mse_loss(ref->forward(x), y).backward();
+      std::vector<at::Tensor> want_parts;
+      for (auto& g : grads_of(*ref)) want_parts.push_back(g.reshape({-1}));
+      const at::Tensor want = at::cat(want_parts);
+      for (size_t i = 0; i < ps.size(); ++i) {
+        ASSERT_EQ(ps[i].grad().defined(), static_cast<bool>(mine[i])) << "parameter " << i << ", step " << step;
+        const int64_t a = std::max(offset[i], lo), b = std::min(offset[i + 1], hi);
+        if (a >= b) continue;
+        EXPECT_LT(rel_error(ps[i].grad().reshape({-1}).narrow(0, a - offset[i], b - a), want.narrow(0, a, b - a)),
+                  compress ? 2e-2 : 1e-12)
+            << "parameter " << i << ", step " << step;
+      }
+    }
+    EXPECT_EQ(reducer.synchronized_backwards(), 3);
+  }
+}
+
+TEST(Reducer, ReleaseUnownedWithoutOwnedRangesIsRefused) {
+  auto& comm = world_comm();
+  auto model = make_mlp(0);
+  ReducerOptions options;
+  options.release_unowned = true;
+  EXPECT_NE(testing_util::error_of([&] { GradReducer reducer(model->parameters(), comm, options); })
+                .find("release_unowned needs ReducerOptions.owned"),
+            std::string::npos);
+}
+
 TEST(Reducer, OwnerRangesThatDoNotCoverTheParametersAreNamed) {
   auto& comm = world_comm();
   auto model = make_mlp(0);

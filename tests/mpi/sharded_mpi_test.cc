@@ -1,7 +1,8 @@
-// ZeRO-1 (--shard=optimizer) on 1, 2 and 4 ranks against one process trained on the global
-// batch with the replicated optimizer (the same weights), its state per rank (1/N of the
-// replicated optimizer's), its bytes per step (those of an all-reduce), and checkpoints that
-// resume under another stage, another data-parallel size, or optimizer offload.
+// ZeRO-1 (--shard=optimizer) and ZeRO-2 (--shard=gradients) on 1, 2 and 4 ranks against one
+// process trained on the global batch with the replicated optimizer (the same weights), their
+// state per rank (1/N of the replicated optimizer's; ZeRO-2 also keeps only its range's
+// gradients), their bytes per step (those of an all-reduce), and checkpoints that resume under
+// another stage, another data-parallel size, or optimizer offload.
 #include <gtest/gtest.h>
 
 #include <ftw.h>
@@ -62,10 +63,12 @@ struct Config {
   bool offload = false;
   int64_t width = 16;
   int64_t steps = 6;
+  int accum = 1;
   double clip = 0;
   std::string save_dir;
   ResumeMode resume = ResumeMode::kNo;
   std::function<void(const StepMetrics&)> on_log;
+  std::function<void(Trainer&)> after;  // called after fit()
 };
 
 // fit() of `c.steps` steps with `batch_size` rows per data-parallel rank (the loader is sharded
@@ -82,6 +85,7 @@ std::vector<at::Tensor> fit_on(dist::Mesh& mesh, int64_t batch_size, const Confi
   auto model = make_model(c.width);
   TrainerOptions o;
   o.steps = c.steps;
+  o.accum_steps = c.accum;
   o.optimizer.name = c.optimizer;
   o.optimizer.lr = 0.01;
   o.optimizer.weight_decay = 0.1;
@@ -98,6 +102,7 @@ std::vector<at::Tensor> fit_on(dist::Mesh& mesh, int64_t batch_size, const Confi
   Trainer trainer(*model, [&](const Batch& b) { return torch::mse_loss(model->forward(b.fields[0]), b.fields[1]); },
                   mesh, c10::Device(c10::kCPU), o);
   trainer.fit(loader);
+  if (c.after) c.after(trainer);
   std::vector<at::Tensor> params;
   for (auto& p : model->parameters()) params.push_back(p.detach().clone());
   return params;
@@ -122,16 +127,61 @@ TEST(ShardedOptimizer, TrainsAsOneProcessOnTheGlobalBatchWithTheReplicatedOptimi
   dist::Mesh single(*one, 1);
   for (int64_t width : {16, 256}) {
     for (double clip : {0.0, 0.05}) {
-      Config c;
-      c.width = width;
-      c.clip = clip;
-      c.optimizer = clip > 0 ? "sgd" : "adamw";  // SGD's update scales with the clipping coefficient
-      const std::vector<at::Tensor> want = fit_on(single, 4 * comm.size(), c);
-      c.shard = "optimizer";
-      expect_same(fit_on(mesh, 4, c), want, 1e-10,
-                  "width " + std::to_string(width) + ", clip " + std::to_string(clip));
+      for (int accum : {1, 2}) {
+        Config c;
+        c.width = width;
+        c.clip = clip;
+        c.accum = accum;
+        c.optimizer = clip > 0 ? "sgd" : "adamw";  // SGD's update scales with the clipping coefficient
+        const std::vector<at::Tensor> want = fit_on(single, 4 * comm.size(), c);
+        for (const char* stage : {"optimizer", "gradients"}) {
+          c.shard = stage;
+          expect_same(fit_on(mesh, 4, c), want, 1e-10,
+                      std::string("--shard=") + stage + ", width " + std::to_string(width) + ", clip " +
+                          std::to_string(clip) + ", accum " + std::to_string(accum));
+        }
+      }
     }
   }
+}
+
+// ZeRO-2 against ZeRO-1 in the memory report: between steps a rank holds the gradients of the
+// parameters that intersect its range (closed form from shard_range), not all of them.
+TEST(ShardedOptimizer, StageTwoKeepsOnlyItsRangesGradientsBetweenSteps) {
+  auto& comm = world_comm();
+  const int n = comm.size();
+  dist::Mesh mesh(comm, 1);
+  auto gradient_mb = [&](const std::string& shard) {
+    double mb = -1;
+    Config c;
+    c.width = 256;
+    c.steps = 3;
+    c.accum = 2;
+    c.shard = shard;
+    c.after = [&](Trainer& t) { mb = t.memory_report().gradients_mb; };
+    fit_on(mesh, 4, c);
+    return mb;
+  };
+  const std::vector<int64_t> sizes{6 * 256, 256, 256, 1};  // the two Linear layers' weights and biases
+  const int64_t numel = 2049;
+  auto kept_by = [&](int rank) {
+    const FlatRange range = shard_range(numel, n, rank);
+    int64_t kept = 0, begin = 0;
+    for (int64_t size : sizes) {
+      if (std::max(begin, range.begin) < std::min(begin + size, range.end)) kept += size;
+      begin += size;
+    }
+    return kept;
+  };
+  const FlatRange mine = shard_range(numel, n, comm.rank());
+  const int64_t kept = kept_by(comm.rank());
+  int64_t all_ranks = 0;  // a parameter straddling a boundary is kept twice
+  for (int r = 0; r < n; ++r) all_ranks += kept_by(r);
+  const double to_mb = 8 / (1024.0 * 1024.0);
+  EXPECT_NEAR(gradient_mb("optimizer"), numel * to_mb, 1e-9);
+  EXPECT_NEAR(gradient_mb("gradients"), kept * to_mb, 1e-9) << "rank " << comm.rank() << " owns [" << mine.begin
+                                                             << ", " << mine.end << ")";
+  if (n > 1) EXPECT_LT(all_ranks, n * numel);
 }
 
 TEST(ShardedOptimizer, HoldsItsRangeOfTheStateAndTheGradients) {
@@ -187,7 +237,8 @@ TEST(ShardedOptimizer, MovesTheReductionToOwnersAndTheAllGatherPerStep) {
     fit_on(mesh, 4, c);
     return mb;
   };
-  const std::vector<double> replicated = per_step("none"), sharded = per_step("optimizer");
+  const std::vector<double> replicated = per_step("none"), sharded = per_step("optimizer"),
+                            stage2 = per_step("gradients");
   const double numel = 6 * 256 + 256 + 256 + 1, padded = static_cast<double>(offload::padded_numel(2049, n));
   const double mb = 8 / (1024.0 * 1024.0);  // float64
   const double all_reduce = 2.0 * (n - 1) / n * numel * mb, stage1 = (numel + (n - 1.0) / n * padded) * mb;
@@ -195,6 +246,7 @@ TEST(ShardedOptimizer, MovesTheReductionToOwnersAndTheAllGatherPerStep) {
   for (size_t k = 0; k < sharded.size(); ++k) {
     // The same few scalars (loss, flags) travel in both runs besides the gradients.
     EXPECT_NEAR(sharded[k] - replicated[k], stage1 - all_reduce, 0.01 * all_reduce) << "step " << k + 2;
+    EXPECT_NEAR(stage2[k], sharded[k], 1e-9) << "ZeRO-2 moves what ZeRO-1 moves; step " << k + 2;
   }
 }
 
@@ -217,7 +269,9 @@ TEST(ShardedOptimizer, ResumesUnderAnotherStageDataParallelSizeOrOffload) {
   };
   for (const Case& k : {Case{"optimizer", false, "optimizer", false, 1e-10}, Case{"optimizer", true, "none", false, 1e-10},
                         Case{"optimizer", true, "optimizer", false, 1e-10}, Case{"none", false, "optimizer", false, 1e-10},
-                        Case{"optimizer", false, "none", true, 1e-5}}) {
+                        Case{"optimizer", false, "none", true, 1e-5}, Case{"gradients", false, "optimizer", false, 1e-10},
+                        Case{"none", false, "gradients", false, 1e-10}, Case{"gradients", true, "none", false, 1e-10},
+                        Case{"gradients", false, "gradients", true, 1e-5}}) {
     const std::string what = "saved with --shard=" + k.first_shard + " on " + std::to_string(n) + " rank(s), resumed " +
                              (k.single_rank_resume ? "on 1" : "on " + std::to_string(n)) + " with --shard=" +
                              k.then_shard + (k.then_offload ? " --offload=optimizer" : "");
@@ -250,11 +304,10 @@ TEST(ShardedOptimizer, ResumesUnderAnotherStageDataParallelSizeOrOffload) {
 }
 
 TEST(ShardedOptimizer, StagesNotBuiltYetAndUnknownNamesAreRefused) {
-  EXPECT_NE(testing_util::error_of([] { parse_shard_mode("gradients"); }).find("ZeRO stage 2) is not built yet"),
+  EXPECT_EQ(parse_shard_mode("gradients"), ShardMode::kGradients);
+  EXPECT_NE(testing_util::error_of([] { parse_shard_mode("parameters"); }).find("(ZeRO stage 3) is not built yet"),
             std::string::npos);
-  EXPECT_NE(testing_util::error_of([] { parse_shard_mode("parameters"); }).find("ZeRO stage 3) is not built yet"),
-            std::string::npos);
-  EXPECT_NE(testing_util::error_of([] { parse_shard_mode("zero1"); }).find("is not one of: none, optimizer"),
+  EXPECT_NE(testing_util::error_of([] { parse_shard_mode("zero1"); }).find("is not one of: none, optimizer, gradients"),
             std::string::npos);
 }
 

@@ -60,9 +60,11 @@ class ShardedOptimizer : public Optimizer {
   std::unique_ptr<Impl> impl_;
 };
 
-// "none" | "optimizer" (ZeRO-1): --shard. "gradients" and "parameters" (ZeRO-2, ZeRO-3) are
-// named and refused with the reason; anything else throws dtrain::Error listing the choices.
-enum class ShardMode { kNone, kOptimizer };
+// "none" | "optimizer" (ZeRO-1) | "gradients" (ZeRO-2: the same optimizer, and the reducer
+// releases the gradient buckets this rank does not own, ReducerOptions::release_unowned):
+// --shard. "parameters" (ZeRO-3) is named and refused with the reason; anything else throws
+// dtrain::Error listing the choices.
+enum class ShardMode { kNone, kOptimizer, kGradients };
 ShardMode parse_shard_mode(const std::string& text);
 
 }  // namespace dtrain::engine

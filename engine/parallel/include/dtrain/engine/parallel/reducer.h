@@ -64,6 +64,14 @@ struct ReducerOptions {
   // gets every average (all-reduce). Needs one dtype and device per bucket (consecutive
   // parameters of another dtype or device start a new bucket).
   std::vector<std::pair<int64_t, int64_t>> owned;
+  // ZeRO-2 (needs `owned`): buckets also close where the owner changes, and a bucket holding
+  // no element of this rank's range keeps no storage between steps. Its storage is allocated
+  // at its first gradient of a step (the gradient is copied in), reduced to its owner, and
+  // released when the synchronized backward ends: the parameters' .grad become undefined.
+  // Between steps a rank then holds its own range's gradients (plus a parameter straddling a
+  // range boundary) instead of all of them. Gradients accumulated under no_sync stay whole
+  // until the synchronized backward reduces them.
+  bool release_unowned = false;
   // How each bucket is averaged (bucket_comm.h). Empty: AllReduceBuckets, or
   // ReduceToOwnerBuckets with `owned`, inside CompressedBuckets with `compress`.
   std::shared_ptr<BucketComm> bucket_comm;
@@ -155,6 +163,8 @@ class GradReducer {
   // Parameter indices of each bucket, in launch order.
   std::vector<std::vector<size_t>> bucket_params() const;
   ReducerStepStats last_step_stats() const;
+  // Bytes of gradient storage the buckets hold now (compressed copies included).
+  int64_t gradient_bytes() const;
   int64_t synchronized_backwards() const;
 
  private:

@@ -104,10 +104,12 @@ struct TrainerOptions {
   // offload is the model's part (offload::LayerStreamer, e.g. the example GPT's blocks).
   bool offload_optimizer = false;
   OffloadOptions offload;
-  // Sharded data parallelism (optim/sharded.h): "none", or "optimizer" (ZeRO-1: the optimizer
+  // Sharded data parallelism (optim/sharded.h): "none"; "optimizer" (ZeRO-1: the optimizer
   // state and fp32 master weights partitioned across the data-parallel group on the device,
-  // gradients reduced to their owners, the updated shards all-gathered). With
-  // offload_optimizer the state is partitioned already (in host memory); this is then moot.
+  // gradients reduced to their owners, the updated shards all-gathered); "gradients" (ZeRO-2:
+  // that, and each gradient bucket no element of which this rank owns is released once it is
+  // reduced, ReducerOptions::release_unowned). With offload_optimizer the optimizer state is
+  // partitioned already (in host memory); "gradients" then still releases the device buckets.
   std::string shard = "none";
   // Evaluation only (--eval_only): no optimizer state, gradient buffers or reducer are
   // allocated, and no lock is taken on save_dir (resume_checkpoint() reads the newest good
