@@ -10,6 +10,7 @@
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/memory/memory.h"
 #include "dtrain/engine/optim/offload.h"
+#include "dtrain/engine/optim/sharded.h"
 #include <glog/logging.h>
 #include <cstdio>
 #include "dtrain/engine/parallel/tensor_parallel.h"
@@ -270,12 +271,15 @@ void plan_and_apply(const Run& run, ExampleModel& model, engine::TrainerOptions&
     in.can_offload_optimizer = run.device.is_cuda();
     in.can_offload_layers = run.device.is_cuda() && static_cast<bool>(model.offload_layers) &&
                             run.mesh->tp_size() == 1;
+    // ZeRO-1/2 when the data-parallel group has more than one rank and --shard was left at none.
+    in.can_shard = run.mesh->dp_size() > 1 && engine::parse_shard_mode(options.shard) == engine::ShardMode::kNone;
     engine::ActivationProfile profile = probe_example_model(run, model, {options.amp}, /*probe_rows=*/2);
     engine::Plan plan = engine::choose_plan(in, profile);
     // Every rank takes rank 0's plan (measurements can differ slightly).
     at::Tensor t = at::tensor({static_cast<int64_t>(plan.technique.checkpoint), static_cast<int64_t>(plan.technique.accum_steps),
                                static_cast<int64_t>(plan.technique.offload_optimizer),
-                               static_cast<int64_t>(plan.technique.offload_layers), plan.allocator_limit_bytes},
+                               static_cast<int64_t>(plan.technique.offload_layers), plan.allocator_limit_bytes,
+                               static_cast<int64_t>(plan.technique.shard)},
                               at::kLong);
     run.comm->broadcast(t, 0)->wait();
     if (model.set_checkpointing) model.set_checkpointing(t[0].item<int64_t>() != 0);
@@ -283,6 +287,7 @@ void plan_and_apply(const Run& run, ExampleModel& model, engine::TrainerOptions&
     offload.optimizer = offload.optimizer || t[2].item<int64_t>() != 0;
     offload.layers = offload.layers || t[3].item<int64_t>() != 0;
     allocator_limit = t[4].item<int64_t>();
+    if (const int64_t shard = t[5].item<int64_t>()) options.shard = shard == 1 ? "optimizer" : "gradients";
     if (run.world.rank == 0) {
       LOG(INFO) << "--plan=auto: " << plan.reason << "\n" << plan.estimate.to_string();
       std::printf("%s: plan: %s\n", run.program.c_str(), plan.technique.flags().empty() ? "(as given)" : plan.technique.flags().c_str());

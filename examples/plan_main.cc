@@ -19,12 +19,14 @@
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/memory/memory.h"
 #include "dtrain/engine/memory/planner.h"
+#include "dtrain/engine/optim/sharded.h"
 #include "dtrain/offload/pinned_pool.h"
 #include "model_factory.h"
 
 DEFINE_string(model, "seq2seq", "the example model to plan for: seq2seq, gpt or mlp");
 DEFINE_bool(allow_amp_change, false, "the plan may switch --amp to bf16 (changes the numerics)");
 DEFINE_string(allow_offload, "none", "offload the plan may use: none, optimizer, layers or all");
+DEFINE_bool(allow_shard, false, "the plan may add --shard=optimizer or --shard=gradients (ZeRO-1/2; dp > 1)");
 DEFINE_int64(probe_rows, 2, "activation probe micro-batch sizes: this many rows and twice as many");
 DEFINE_int64(cuda_context_mb, -1,
              "CUDA context outside the allocator in MiB (-1: 500 on CUDA, 0 on the CPU)");
@@ -55,6 +57,7 @@ engine::PlanInputs budgeted_inputs(const examples::Run& run, const examples::Exa
   in.allow_amp_change = FLAGS_allow_amp_change;
   in.can_offload_optimizer = FLAGS_allow_offload == "optimizer" || FLAGS_allow_offload == "all";
   in.can_offload_layers = FLAGS_allow_offload == "layers" || FLAGS_allow_offload == "all";
+  in.can_shard = FLAGS_allow_shard;
   if (engine::cli::flags().gpu_mem_limit_gb > 0) {
     in.gpu_budget_bytes = static_cast<int64_t>(engine::cli::flags().gpu_mem_limit_gb * 1024 * 1024 * 1024);
   } else if (run.device.is_cuda()) {
@@ -116,7 +119,7 @@ void verify(const examples::Run& run, examples::ExampleModel& m, const engine::P
 
 int plan_main(int argc, char** argv) {
   const std::string model_name = model_from_argv(argc, argv);
-  engine::cli::describe_flags("Plan", {"model", "allow_amp_change", "allow_offload", "probe_rows",
+  engine::cli::describe_flags("Plan", {"model", "allow_amp_change", "allow_offload", "allow_shard", "probe_rows",
                                       "cuda_context_mb", "verify_steps"});
   examples::Run run = examples::init_run(argc, argv,
                                          "dtrain-plan --model=seq2seq|gpt|mlp [shape flags] "
@@ -152,6 +155,7 @@ int plan_main(int argc, char** argv) {
   current.amp = in.amp;
   current.offload_optimizer = engine::cli::flags().offload == "optimizer" || engine::cli::flags().offload == "all";
   current.offload_layers = engine::cli::flags().offload == "layers" || engine::cli::flags().offload == "all";
+  current.shard = static_cast<int>(engine::parse_shard_mode(engine::cli::flags().shard));
   const engine::MemoryEstimate now = engine::estimate(in, profile, current);
   if (rank0) {
     std::printf(

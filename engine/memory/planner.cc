@@ -102,6 +102,11 @@ double cost_seconds(const PlanInputs& in, const ActivationProfile& profile, cons
     seconds +=
         2.0 * local * in.bytes_per_parameter / in.pcie_bytes_per_second;  // grads down, weights up
   }
+  if (t.shard > 0 && in.dp > 1) {
+    // Reduction to owners (1 x) + all-gather ((dp - 1) / dp x) against the all-reduce's
+    // 2 (dp - 1) / dp x: weights / dp more bytes per step, not overlapped with compute.
+    seconds += local * in.bytes_per_parameter / in.dp / in.network_bytes_per_second;
+  }
   if (t.offload_layers) {
     const double layer_bytes =
         static_cast<double>(local_layer_parameters(in)) * in.bytes_per_parameter;
@@ -112,7 +117,7 @@ double cost_seconds(const PlanInputs& in, const ActivationProfile& profile, cons
 
 int techniques_used(const Technique& t, AmpMode asked) {
   return int{t.checkpoint} + int{t.accum_steps > 1} + int{t.amp != asked} +
-         int{t.offload_optimizer} + int{t.offload_layers};
+         int{t.offload_optimizer} + int{t.offload_layers} + int{t.shard > 0};
 }
 
 bool fits(const PlanInputs& in, const MemoryEstimate& e) {
@@ -158,6 +163,7 @@ std::string nothing_fits_message(const PlanInputs& in, const std::vector<MemoryE
       fixes.push_back("allow mixed precision (--amp=bf16)");
     if (!in.can_offload_optimizer) fixes.push_back("allow --offload=optimizer");
     if (!in.can_offload_layers) fixes.push_back("allow --offload=layers");
+    if (!in.can_shard && in.dp > 1) fixes.push_back("allow --shard (ZeRO-1/2 over the " + std::to_string(in.dp) + " data-parallel ranks)");
     fixes.push_back("split the model over more GPUs (--tp)");
   } else {
     fixes.push_back("raise --host_mem_limit_gb to at least " + size_text(smallest->host.total()));
@@ -209,6 +215,8 @@ std::string Technique::flags() const {
   } else if (offload_layers) {
     parts.push_back("--offload=layers");
   }
+  if (shard == 1) parts.push_back("--shard=optimizer");
+  if (shard == 2) parts.push_back("--shard=gradients");
   std::string out;
   for (const std::string& p : parts) out += (out.empty() ? "" : " ") + p;
   return out;
@@ -221,7 +229,8 @@ std::string Technique::to_string() const {
      << (offload_optimizer && offload_layers ? "all"
          : offload_optimizer                 ? "optimizer"
          : offload_layers                    ? "layers"
-                                             : "none");
+                                             : "none")
+     << ", shard " << (shard == 1 ? "optimizer" : shard == 2 ? "gradients" : "none");
   return os.str();
 }
 
@@ -261,9 +270,9 @@ void validate(const PlanInputs& in) {
   DTRAIN_CHECK(std::isfinite(in.workspace_fraction) && in.workspace_fraction >= 0 &&
                    in.workspace_fraction < 1,
                "PlanInputs.workspace_fraction=", in.workspace_fraction, " must be in [0, 1)");
-  DTRAIN_CHECK(in.host_bytes_per_second > 0 && in.pcie_bytes_per_second > 0,
+  DTRAIN_CHECK(in.host_bytes_per_second > 0 && in.pcie_bytes_per_second > 0 && in.network_bytes_per_second > 0,
                "bandwidths must be positive (host ", in.host_bytes_per_second, ", pcie ",
-               in.pcie_bytes_per_second, ")");
+               in.pcie_bytes_per_second, ", network ", in.network_bytes_per_second, ")");
   DTRAIN_CHECK(in.compute_seconds_per_row >= 0 && in.micro_batch_overhead_seconds >= 0,
                "compute times must be >= 0 (0: from the probe)");
 }
@@ -326,12 +335,32 @@ MemoryEstimate estimate(const PlanInputs& in, const ActivationProfile& profile,
   }
   e.gpu.parameters = on_gpu * bpp;
   e.gpu.gradients = on_gpu * bpp;
+  DTRAIN_CHECK(t.shard >= 0 && t.shard <= 2, "Technique.shard=", t.shard, " must be 0, 1 or 2");
+  DTRAIN_CHECK(t.shard == 0 || !t.offload_layers,
+               "--shard with --offload=layers: layer offload keeps the parameters on two devices; shard or "
+               "offload layers");
+  // This rank's range of the flat parameter space under --shard (ZeRO's 1/N).
+  const int64_t range = (local + in.dp - 1) / in.dp;
+  if (t.shard == 2 && t.accum_steps == 1) {
+    // Only the rank's range's gradients persist; the others live from their bucket's first
+    // gradient to the end of backward, while the activations are being freed: they are
+    // counted as a transient that does not overlap the activations' peak (exact for a stack
+    // of equal layers; the sum of the two is linear through backward, so its maximum is at
+    // an end).
+    e.gpu.gradients = range * bpp;
+    e.gpu.transient = std::max<int64_t>(e.gpu.transient, (on_gpu - range) * bpp);
+  }
   if (t.offload_optimizer) {
     // The CPU optimizer's shard: fp32 master weights, fp32 state, an fp32 gradient copy.
-    const int64_t shard = (local + in.dp - 1) / in.dp;
+    const int64_t shard = range;
     e.host.optimizer_state = shard * 4 * (1 + nstate);
     e.host.gradients = shard * 4;
     e.host.other = kOffloadStagingBytes;
+  } else if (t.shard > 0) {
+    // ShardedOptimizer: the state of the range in the master dtype (fp32 for bf16/fp16
+    // weights, which also get an fp32 master copy) and a gradient shard in that dtype.
+    const int64_t master_bytes = bpp == 2 ? 4 : bpp;
+    e.gpu.optimizer_state = range * master_bytes * (nstate + 1) + (bpp == 2 ? range * 4 : 0);
   } else {
     e.gpu.optimizer_state = (local - offloaded_layers) * bpp * nstate;
     // The streamed blocks' update runs on the host: master weights + state there.
@@ -343,7 +372,7 @@ MemoryEstimate estimate(const PlanInputs& in, const ActivationProfile& profile,
     e.host.other = kOffloadStagingBytes;
   }
   e.gpu.activations = fit->bytes(e.micro_batch_rows);
-  e.gpu.transient = in.optimizer_transient_bytes;
+  e.gpu.transient = std::max(e.gpu.transient, in.optimizer_transient_bytes);
   e.gpu.stale_gradients = in.reducer_rebuild ? e.gpu.gradients : 0;
   e.gpu.other = in.buffer_bytes + profile.persistent_bytes +
                 in.input_bytes_per_row * in.batch_size * in.input_batches;
@@ -400,6 +429,7 @@ std::string Plan::to_json() const {
                  : technique.offload_optimizer                           ? "optimizer"
                  : technique.offload_layers                              ? "layers"
                                                                          : "none";
+  j["shard"] = technique.shard == 1 ? "optimizer" : technique.shard == 2 ? "gradients" : "none";
   j["micro_batch_rows"] = estimate.micro_batch_rows;
   j["gpu_bytes"] = estimate.gpu.total();
   j["gpu_allocated_peak_bytes"] = estimate.gpu.allocated_peak();
@@ -431,11 +461,14 @@ Plan choose_plan(const PlanInputs& in, const ActivationProfile& profile) {
       if (opt && !in.can_offload_optimizer) continue;
       for (int layers : {0, 1}) {
         if (layers && (!in.can_offload_layers || in.layers == 0)) continue;
-        for (int ckpt : {0, 1}) {
-          if ((ckpt && !in.can_checkpoint) || !profile.find(ckpt, amp)) continue;
-          for (int accum : accum_candidates(in)) {
-            all.push_back(
-                estimate(in, profile, Technique{ckpt == 1, accum, amp, opt == 1, layers == 1}));
+        for (int shard : {0, 1, 2}) {
+          // Offloaded state is partitioned already: with it only stage 2 adds something.
+          if (shard > 0 && (!in.can_shard || in.dp == 1 || layers || (opt && shard == 1))) continue;
+          for (int ckpt : {0, 1}) {
+            if ((ckpt && !in.can_checkpoint) || !profile.find(ckpt, amp)) continue;
+            for (int accum : accum_candidates(in)) {
+              all.push_back(estimate(in, profile, Technique{ckpt == 1, accum, amp, opt == 1, layers == 1, shard}));
+            }
           }
         }
       }

@@ -93,6 +93,47 @@ TEST(PlannerEstimate, StaticMemoryOfEachOptimizerInClosedForm) {
   }
 }
 
+// --shard on 4 data-parallel ranks: ZeRO-1 splits the state (and, for bf16/fp16 weights, an
+// fp32 master) into ranges of ceil(P / 4) and adds a gradient shard in the master dtype; ZeRO-2
+// keeps only its range's gradients between steps, the rest counted as a transient at the end
+// of backward, except under accumulation, where they stay whole.
+TEST(PlannerEstimate, ShardingStagesInClosedForm) {
+  for (int64_t bpp : {4, 2}) {
+    SCOPED_TRACE("bytes/param " + std::to_string(bpp));
+    PlanInputs in = inputs();
+    in.reducer_rebuild = false;
+    in.parameters = 1000003;
+    in.bytes_per_parameter = bpp;
+    in.dp = 4;
+    const int64_t range = 250001, master = bpp == 2 ? 4 : bpp;
+    Technique t;
+    t.shard = 1;
+    MemoryEstimate e = estimate(in, profile(), t);
+    EXPECT_EQ(e.gpu.parameters, 1000003 * bpp);
+    EXPECT_EQ(e.gpu.gradients, 1000003 * bpp);
+    EXPECT_EQ(e.gpu.optimizer_state, range * master * 3 + (bpp == 2 ? range * 4 : 0));
+    EXPECT_EQ(e.gpu.transient, 0);
+    t.shard = 2;
+    e = estimate(in, profile(), t);
+    EXPECT_EQ(e.gpu.gradients, range * bpp);
+    EXPECT_EQ(e.gpu.transient, (1000003 - range) * bpp);
+    EXPECT_EQ(e.gpu.optimizer_state, range * master * 3 + (bpp == 2 ? range * 4 : 0));
+    t.accum_steps = 2;
+    e = estimate(in, profile(), t);
+    EXPECT_EQ(e.gpu.gradients, 1000003 * bpp);
+    EXPECT_EQ(e.gpu.transient, 0);
+    EXPECT_EQ(t.flags(), "--accum_steps=2 --shard=gradients");
+  }
+  Technique both;
+  both.shard = 2;
+  both.offload_layers = true;
+  PlanInputs in = inputs();
+  in.dp = 2;
+  in.layers = 2;
+  in.layer_parameters = in.parameters / 2;
+  EXPECT_NE(error_of([&] { estimate(in, profile(), both); }).find("shard or offload layers"), std::string::npos);
+}
+
 TEST(PlannerEstimate, ActivationsFollowTheMicroBatchAndTheTotalsAddUp) {
   PlanInputs in = inputs();
   in.buffer_bytes = 3000;
@@ -282,6 +323,38 @@ TEST(PlannerChoice, NeedsOptimizerOffload) {
   in.host_budget_bytes = 512 * kMB;
   const std::string msg = error_of([&] { choose_plan(in, p); });
   EXPECT_NE(msg.find("raise --host_mem_limit_gb to at least"), std::string::npos) << msg;
+}
+
+TEST(PlannerChoice, PicksTheShardingStageTheBudgetNeeds) {
+  // 100 Mi fp32 parameters with AdamW on 4 data-parallel ranks, 1 MiB of activations per row,
+  // 16 rows: plain 400 + 400 + 800 + 16 MiB; ZeRO-1 400 + 400 + 300 (a quarter of the state
+  // and a gradient shard) + 16; ZeRO-2 400 + 100 + 300 + max(16, 300 of other ranks'
+  // gradients at the end of backward).
+  PlanInputs in = inputs();
+  in.reducer_rebuild = false;
+  in.parameters = 100 * kMB;
+  in.dp = 4;
+  in.accum_candidates = {1};
+  in.can_checkpoint = false;
+  ActivationProfile p;
+  p.fits = {line(false, AmpMode::kOff, 0, 1.0 * kMB)};
+  in.gpu_budget_bytes = 1200 * kMB;
+  EXPECT_NE(error_of([&] { choose_plan(in, p); }).find("allow --shard (ZeRO-1/2 over the 4 data-parallel ranks)"),
+            std::string::npos);
+  in.can_shard = true;
+  Plan plan = choose_plan(in, p);
+  EXPECT_EQ(plan.flags(), "--shard=optimizer");
+  EXPECT_EQ(plan.estimate.gpu.allocated_peak(), 1116 * kMB);
+  EXPECT_NE(plan.to_json().find("\"shard\":\"optimizer\""), std::string::npos) << plan.to_json();
+  in.gpu_budget_bytes = 1110 * kMB;
+  plan = choose_plan(in, p);
+  EXPECT_EQ(plan.flags(), "--shard=gradients");
+  EXPECT_EQ(plan.estimate.gpu.allocated_peak(), 1100 * kMB);
+  // What sharding moves beyond DDP's all-reduce: a quarter of the weights' bytes.
+  EXPECT_NEAR(plan.step_seconds, 16 * 0.010 + 0.005 + 100.0 * kMB * 4 / 4 / 25e9, 1e-12);
+  // One data-parallel rank: nothing to shard over.
+  in.dp = 1;
+  EXPECT_NE(error_of([&] { choose_plan(in, p); }).find("no combination of techniques fits"), std::string::npos);
 }
 
 TEST(PlannerChoice, KeepsTheNumericsUnlessAllowed) {

@@ -53,10 +53,14 @@ struct Technique {
   AmpMode amp = AmpMode::kOff;
   bool offload_optimizer = false;  // fp32 master weights and state on the host (CpuOptimizer)
   bool offload_layers = false;     // block parameters on the host, streamed in per layer
+  // ZeRO stage over the data-parallel group (--shard): 0 none, 1 optimizer (state and fp32
+  // master split), 2 gradients (also the gradients between steps; with accum_steps > 1 they
+  // stay whole until the last micro-batch, so 2 then saves what 1 does).
+  int shard = 0;
   // The example flags that select this technique, e.g. "--checkpoint_activations
-  // --accum_steps=4 --amp=bf16 --offload=optimizer" ("" for the plain step).
+  // --accum_steps=4 --amp=bf16 --offload=optimizer --shard=gradients" ("" for the plain step).
   std::string flags() const;
-  std::string to_string() const;  // "checkpoint on, accum 4, amp bf16, offload optimizer"
+  std::string to_string() const;  // "checkpoint on, accum 4, amp bf16, offload optimizer, shard none"
 };
 
 // ---- the activation probe -------------------------------------------------------------------
@@ -174,6 +178,9 @@ struct PlanInputs {
   bool can_checkpoint = true;
   bool can_offload_optimizer = false;
   bool can_offload_layers = false;
+  // May pick --shard=optimizer or --shard=gradients (with dp > 1; not with layer offload,
+  // whose parameters live on two devices).
+  bool can_shard = false;
 
   // Budgets (0: no limit). gpu_budget_bytes is the process's device memory: the allocator's
   // peak plus the workspace allowance plus the CUDA context. host_budget_bytes caps what
@@ -194,6 +201,9 @@ struct PlanInputs {
   double micro_batch_overhead_seconds = 0;
   double host_bytes_per_second = 20e9;  // CPU optimizer's memory bandwidth
   double pcie_bytes_per_second = 55e9;  // host <-> device copies
+  // Data-parallel bus bandwidth per rank: prices what sharding moves beyond DDP's all-reduce
+  // (its reduction to owners is a reduce, not a reduce-scatter: weights x bytes / dp more).
+  double network_bytes_per_second = 25e9;
 };
 
 // Throws dtrain::Error naming the bad field (negative counts, tp/dp < 1, sharded_parameters >
