@@ -68,6 +68,15 @@ def compare(ref, other, name, tol, mean_tol=None):
           f"{worst:.2e}, mean {mean:.2e})")
 
 
+def compare_grad_norms(ref, other, name, tol=1e-4):
+    """The logged gradient norms of two runs, step by step, within tol (relative)."""
+    norms = [(a["grad_norm"], b["grad_norm"]) for a, b in zip(ref, other) if "grad_norm" in a and "grad_norm" in b]
+    assert norms, f"{name}: no grad_norm logged"
+    worst = max(abs(x - y) / max(abs(x), 1e-12) for x, y in norms)
+    assert worst < tol, f"{name}: gradient norm differs from the reference by {worst:.3g} (relative)"
+    print(f"ok: {name}: gradient norms match over {len(norms)} steps (worst {worst:.2e})")
+
+
 def scenario_data_parallel(args):
     common = ["--steps=30", "--lr=0.003", "--workers=1", "--seed=3"]
     prog = "train_mlp"
@@ -94,6 +103,17 @@ def scenario_amp(args):
     assert all("loss_scale" in m for m in fp16), "fp16 runs must log loss_scale"
     print("ok: fp16 logs loss_scale", [m["loss_scale"] for m in fp16[:3]])
     compare(ref, fp16, "fp16", 0.10, mean_tol=0.03)
+    # ZeRO-2 under AMP: the fp16 overflow check over each rank's own range, agreed by every
+    # rank, skips the same steps with the same loss scales as the replicated run.
+    for amp, base in (("fp16", fp16), ("bf16", None)):
+        if base is None:
+            base = train(args, "train_mlp", 2, common + [f"--amp={amp}", "--batch_size=32"], f"{amp}-dp2")
+        sharded = train(args, "train_mlp", 2, common + [f"--amp={amp}", "--batch_size=32", "--shard=gradients"],
+                        f"{amp}-zero2")
+        compare(base, sharded, f"{amp} --shard=gradients against {amp} replicated", 1e-4)
+        scales = [(a.get("loss_scale"), b.get("loss_scale")) for a, b in zip(base, sharded)]
+        assert all(x == y for x, y in scales), f"{amp}: loss scales differ: {scales}"
+        print(f"ok: {amp} --shard=gradients: the same loss scales", [y for _, y in scales[:4]])
 
 
 def scenario_seq2seq(args):
@@ -121,6 +141,17 @@ def scenario_tensor_parallel(args):
     ref = train(args, "train_gpt", 1, flags + ["--batch_size=8"], "gpt-1b")
     compare(ref, train(args, "train_gpt", 4, flags + ["--batch_size=8", "--tp=4"], "gpt-tp4"),
             "tp 4 on 4 ranks", 1e-4)
+    # ZeRO-1 and ZeRO-2 on a 2D mesh: the optimizer state (and the gradients) split over the
+    # data-parallel group inside each tensor-parallel rank, with accumulation and clipping (the
+    # global norm summed over tensor-parallel shards and data-parallel ranges).
+    clip = flags + ["--clip_grad_norm=0.5", "--vocab=97"]
+    ref = train(args, "train_gpt", 1, clip + ["--batch_size=8"], "gpt-clip-ref")
+    for shard in ("optimizer", "gradients"):
+        other = train(args, "train_gpt", 4, clip + ["--batch_size=4", "--tp=2", "--accum_steps=2", f"--shard={shard}"],
+                      f"gpt-tp2dp2-{shard}")
+        name = f"tp 2 x dp 2 --shard={shard}, 2 micro-batches, clipped"
+        compare(ref, other, name, 1e-4)
+        compare_grad_norms(ref, other, name)
 
 
 def scenario_sequence_parallel(args):
@@ -146,11 +177,7 @@ def scenario_sequence_parallel(args):
             base = train(args, "train_gpt", 1, shape + ["--batch_size=8", "--clip_grad_norm=0.5"], "gpt-sp-ref-clip")
         compare(base, other, name, 1e-4)
         # The gradient norm (which the layer norms' group-summed gradients enter) matches too.
-        norms = [(a["grad_norm"], b["grad_norm"]) for a, b in zip(base, other) if "grad_norm" in a and "grad_norm" in b]
-        assert norms, f"{name}: no grad_norm logged"
-        worst = max(abs(x - y) / max(abs(x), 1e-12) for x, y in norms)
-        assert worst < 1e-4, f"{name}: gradient norm differs from the reference by {worst:.3g} (relative)"
-        print(f"ok: {name}: gradient norms match over {len(norms)} steps (worst {worst:.2e})")
+        compare_grad_norms(base, other, name)
     # The parameters keep their names: a sequence-parallel checkpoint resumes unsplit.
     const = [f for f in shape if not f.startswith(("--steps", "--warmup_steps", "--schedule"))]
     const += ["--schedule=constant", "--batch_size=8"]

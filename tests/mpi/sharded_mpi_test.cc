@@ -65,6 +65,7 @@ struct Config {
   int64_t steps = 6;
   int accum = 1;
   double clip = 0;
+  bool fp16 = false;  // a float32 model under --amp=fp16 with an initial loss scale that overflows
   std::string save_dir;
   ResumeMode resume = ResumeMode::kNo;
   std::function<void(const StepMetrics&)> on_log;
@@ -75,15 +76,21 @@ struct Config {
 // by fit, so one process with N x the rows sees the same global batches); the final weights.
 std::vector<at::Tensor> fit_on(dist::Mesh& mesh, int64_t batch_size, const Config& c) {
   auto g = at::make_generator<at::CPUGeneratorImpl>(11);
-  auto data = std::make_shared<TensorDataset>(
-      std::vector<at::Tensor>{at::randn({192, 6}, g, at::kDouble), at::randn({192, 1}, g, at::kDouble)});
+  const at::ScalarType dtype = c.fp16 ? at::kFloat : at::kDouble;
+  auto data = std::make_shared<TensorDataset>(std::vector<at::Tensor>{
+      at::randn({192, 6}, g, at::kDouble).to(dtype), at::randn({192, 1}, g, at::kDouble).to(dtype)});
   LoaderOptions lo;
   lo.batch_size = batch_size;
   lo.seed = 5;
   lo.workers = 0;
   DataLoader loader(data, lo);
   auto model = make_model(c.width);
+  if (c.fp16) model->to(torch::kFloat32);
   TrainerOptions o;
+  if (c.fp16) {
+    o.amp = AmpMode::kFp16;
+    o.loss_scaler.init_scale = 1 << 19;  // the first steps' scaled float16 gradients overflow
+  }
   o.steps = c.steps;
   o.accum_steps = c.accum;
   o.optimizer.name = c.optimizer;
@@ -142,6 +149,35 @@ TEST(ShardedOptimizer, TrainsAsOneProcessOnTheGlobalBatchWithTheReplicatedOptimi
         }
       }
     }
+  }
+}
+
+// fp16: a step whose gradients overflow is skipped on every rank, although under ZeRO-2 the
+// overflow is seen only by the rank that owns the overflowing range (the others released
+// those gradients): the same skipped steps and loss scales as the replicated run.
+TEST(ShardedOptimizer, Fp16OverflowSkipsTheSameStepsOnEveryStage) {
+  auto& comm = world_comm();
+  dist::Mesh mesh(comm, 1);
+  // A skipped step halves the scale; a step taken keeps it (growth comes after 2000).
+  auto run = [&](const std::string& shard, std::vector<double>& scales) {
+    Config c;
+    c.width = 256;
+    c.steps = 12;
+    c.fp16 = true;
+    c.shard = shard;
+    c.on_log = [&](const StepMetrics& m) { scales.push_back(m.loss_scale.value_or(-1)); };
+    return fit_on(mesh, 4, c);
+  };
+  std::vector<double> want_scales;
+  const std::vector<at::Tensor> want = run("none", want_scales);
+  ASSERT_EQ(want_scales.size(), 12u);
+  ASSERT_LT(want_scales.front(), 1 << 19) << "the initial scale did not overflow: the test checks nothing";
+  ASSERT_EQ(want_scales[10], want_scales[11]) << "the scale never came down far enough for a step: "
+                                                << ::testing::PrintToString(want_scales);
+  for (const char* stage : {"optimizer", "gradients"}) {
+    std::vector<double> got_scales;
+    expect_same(run(stage, got_scales), want, 1e-5, std::string("--shard=") + stage);
+    EXPECT_EQ(got_scales, want_scales) << stage;
   }
 }
 
