@@ -13,7 +13,9 @@
 #include "dtrain/engine/optim/sharded.h"
 #include <glog/logging.h>
 #include <cstdio>
+#include <cstring>
 #include "dtrain/engine/parallel/tensor_parallel.h"
+#include "cnn_model.h"
 #include "gpt_model.h"
 #include "seq2seq_model.h"
 
@@ -60,6 +62,11 @@ ExampleModel seq2seq(const Run& run) {
   m.input_bytes_per_row = (2 * S + 1) * 8;
   m.largest_activation_bytes_per_row = S * FLAGS_vocab * 4;  // the fp32 logits
   m.default_optimizer = "adagrad";
+  m.inputs = [S](const engine::Batch& b) {
+    const at::Tensor& w = b.fields[0];
+    return std::vector<at::Tensor>{w.narrow(1, 0, S), w.narrow(1, S, S)};  // source, decoder input
+  };
+  m.forward = [model](const std::vector<at::Tensor>& in) { return model->forward(in.at(0), in.at(1)); };
   return m;
 }
 
@@ -99,6 +106,32 @@ ExampleModel gpt(const Run& run) {
   m.largest_activation_bytes_per_row = S * ((FLAGS_vocab + tp - 1) / tp) * 4;
   m.default_optimizer = "adamw";
   m.offload_layers = [model, device] { model->offload_blocks(device); };
+  m.inputs = [S](const engine::Batch& b) { return std::vector<at::Tensor>{b.fields[0].narrow(1, 0, S)}; };
+  m.forward = [model](const std::vector<at::Tensor>& in) { return model->forward(in.at(0)); };
+  return m;
+}
+
+// A classifier of the digits images (64 pixels per row, 10 classes) as train_mlp and
+// train_cnn read them: `module` maps [rows, 64] pixels to [rows, 10] logits.
+template <class Net>
+ExampleModel digits_classifier(const std::string& name, std::shared_ptr<Net> model, c10::Device device) {
+  ExampleModel m;
+  m.name = name;
+  m.module = model;
+  m.loss = [model](const engine::Batch& b) {
+    return torch::nn::functional::cross_entropy(model->forward(b.fields[0]), b.fields[1]);
+  };
+  m.eval_loss_and_correct = [model](const engine::Batch& b) { return loss_and_correct(model->forward(b.fields[0]), b.fields[1]); };
+  m.synthetic_batch = [device](int64_t rows) {
+    engine::Batch b;
+    b.fields.push_back(at::rand({rows, kMlpFeatures}, at::TensorOptions().device(device)));
+    b.fields.push_back(at::randint(kMlpClasses, {rows}, at::TensorOptions().dtype(at::kLong).device(device)));
+    return b;
+  };
+  m.input_bytes_per_row = kMlpFeatures * 4 + 8;
+  m.default_optimizer = "adamw";
+  m.inputs = [](const engine::Batch& b) { return std::vector<at::Tensor>{b.fields[0]}; };
+  m.forward = [model](const std::vector<at::Tensor>& in) { return model->forward(in.at(0)); };
   return m;
 }
 
@@ -113,24 +146,17 @@ ExampleModel mlp(const Run& run) {
   }
   model->push_back(torch::nn::Linear(in, kMlpClasses));
   model->to(run.device);
-  ExampleModel m;
-  m.name = "mlp";
-  m.module = model;
-  m.loss = [model](const engine::Batch& b) {
-    return torch::nn::functional::cross_entropy(model->forward(b.fields[0]), b.fields[1]);
-  };
-  m.eval_loss_and_correct = [model](const engine::Batch& b) { return loss_and_correct(model->forward(b.fields[0]), b.fields[1]); };
-  const c10::Device device = run.device;
-  m.synthetic_batch = [device](int64_t rows) {
-    engine::Batch b;
-    b.fields.push_back(at::rand({rows, kMlpFeatures}, at::TensorOptions().device(device)));
-    b.fields.push_back(
-        at::randint(kMlpClasses, {rows}, at::TensorOptions().dtype(at::kLong).device(device)));
-    return b;
-  };
-  m.input_bytes_per_row = kMlpFeatures * 4 + 8;
+  ExampleModel m = digits_classifier("mlp", model, run.device);
   m.largest_activation_bytes_per_row = std::max<int64_t>(FLAGS_hidden, kMlpClasses) * 4;
-  m.default_optimizer = "adamw";
+  return m;
+}
+
+ExampleModel cnn(const Run& run) {
+  torch::manual_seed(engine::cli::flags().seed);
+  auto model = std::make_shared<ConvNet>(FLAGS_hidden, FLAGS_inplace, engine::cli::flags().checkpoint_activations);
+  model->to(run.device);
+  ExampleModel m = digits_classifier("cnn", model, run.device);
+  m.largest_activation_bytes_per_row = 64 * kMlpFeatures * 4;  // the second convolution's output
   return m;
 }
 
@@ -143,8 +169,19 @@ bool has_prefix(const std::string& name, const std::vector<std::string>& prefixe
 
 }  // namespace
 
+std::string model_from_argv(int argc, char** argv, const std::string& fallback) {
+  std::string model = fallback;
+  for (int i = 1; i < argc; ++i) {
+    const char* a = argv[i];
+    if (std::strncmp(a, "--model=", 8) == 0) model = a + 8;
+    if (std::strcmp(a, "--model") == 0 && i + 1 < argc) model = argv[i + 1];
+  }
+  return model;
+}
+
 std::vector<std::string> model_flag_names(const std::string& model) {
   if (model == "mlp") return {"hidden", "depth"};
+  if (model == "cnn") return {"hidden"};
   return {"d_model", "heads", "layers", "ff", "seq_len", "vocab", "dropout"};
 }
 
@@ -159,7 +196,8 @@ std::map<std::string, std::string> model_flag_defaults(const std::string& model)
             {"weight_decay", "0.1"}, {"clip_grad_norm", "1.0"}};
   }
   if (model == "mlp") return {{"lr", "0.001"}, {"batch_size", "64"}, {"steps", "200"}};
-  DTRAIN_CHECK(false, "--model=", model, " is not one of: seq2seq, gpt, mlp");
+  if (model == "cnn") return {{"lr", "0.001"}, {"batch_size", "64"}, {"steps", "200"}, {"hidden", "128"}};
+  DTRAIN_CHECK(false, "--model=", model, " is not one of: seq2seq, gpt, mlp, cnn");
   return {};
 }
 
@@ -182,7 +220,7 @@ std::function<void()> model_checks(const std::string& model) {
 
 ExampleModel build_example_model(const std::string& model, const Run& run) {
   model_flag_defaults(model);  // validates the name
-  ExampleModel m = model == "seq2seq" ? seq2seq(run) : model == "gpt" ? gpt(run) : mlp(run);
+  ExampleModel m = model == "seq2seq" ? seq2seq(run) : model == "gpt" ? gpt(run) : model == "cnn" ? cnn(run) : mlp(run);
   m.module->train();
   return m;
 }

@@ -40,7 +40,15 @@ struct ExampleModel {
   // Keeps the blocks' weights in host memory, streamed per block (--offload=layers); null
   // for a model without blocks that can be streamed.
   std::function<void()> offload_layers;
+  // The model's inputs in a batch (the fields, or parts of them, that forward takes) and its
+  // forward on them: the logits (the whole vocabulary's with --tp 1). What dtrain-export traces.
+  std::function<std::vector<at::Tensor>(const engine::Batch&)> inputs;
+  std::function<at::Tensor(const std::vector<at::Tensor>&)> forward;
 };
+
+// The value of --model on the command line (before the flags are parsed: it selects the
+// defaults), or fallback when it is not given.
+std::string model_from_argv(int argc, char** argv, const std::string& fallback);
 
 // The flag defaults the example program sets for `model` (as given to init_run), e.g.
 // {"lr", "0.01"}, {"batch_size", "16"} for seq2seq. Throws dtrain::Error for an unknown model,

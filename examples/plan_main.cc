@@ -23,7 +23,7 @@
 #include "dtrain/offload/pinned_pool.h"
 #include "model_factory.h"
 
-DEFINE_string(model, "seq2seq", "the example model to plan for: seq2seq, gpt or mlp");
+DEFINE_string(model, "seq2seq", "the example model to plan for: seq2seq, gpt, mlp or cnn");
 DEFINE_bool(allow_amp_change, false, "the plan may switch --amp to bf16 (changes the numerics)");
 DEFINE_string(allow_offload, "none", "offload the plan may use: none, optimizer, layers or all");
 DEFINE_bool(allow_shard, false, "the plan may add --shard=optimizer or --shard=gradients (ZeRO-1/2; dp > 1)");
@@ -38,17 +38,6 @@ using namespace dtrain;
 namespace {
 
 constexpr double kMiBf = 1024.0 * 1024.0;
-
-// --model must be known before the flags are parsed (it selects the defaults).
-std::string model_from_argv(int argc, char** argv) {
-  std::string model = "seq2seq";
-  for (int i = 1; i < argc; ++i) {
-    const char* a = argv[i];
-    if (std::strncmp(a, "--model=", 8) == 0) model = a + 8;
-    if (std::strcmp(a, "--model") == 0 && i + 1 < argc) model = argv[i + 1];
-  }
-  return model;
-}
 
 // The model's inputs plus this program's budgets and permissions.
 engine::PlanInputs budgeted_inputs(const examples::Run& run, const examples::ExampleModel& m,
@@ -118,11 +107,11 @@ void verify(const examples::Run& run, examples::ExampleModel& m, const engine::P
 }
 
 int plan_main(int argc, char** argv) {
-  const std::string model_name = model_from_argv(argc, argv);
+  const std::string model_name = examples::model_from_argv(argc, argv, "seq2seq");
   engine::cli::describe_flags("Plan", {"model", "allow_amp_change", "allow_offload", "allow_shard", "probe_rows",
                                       "cuda_context_mb", "verify_steps"});
   examples::Run run = examples::init_run(argc, argv,
-                                         "dtrain-plan --model=seq2seq|gpt|mlp [shape flags] "
+                                         "dtrain-plan --model=seq2seq|gpt|mlp|cnn [shape flags] "
                                          "[--gpu_mem_limit_gb=X]: memory estimate and plan",
                                          examples::model_flag_defaults(model_name),
                                          examples::model_checks(model_name), examples::model_flag_names(model_name));

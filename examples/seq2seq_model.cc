@@ -21,10 +21,11 @@ AttentionImpl::AttentionImpl(int64_t d_model, int64_t h, double p, bool self)
 }
 
 at::Tensor AttentionImpl::forward(const at::Tensor& x_q, const at::Tensor& x_kv, bool causal) {
-  const int64_t B = x_q.size(0), Tq = x_q.size(1), d = x_q.size(2), hd = d / heads;
+  const int64_t Tq = x_q.size(1), d = x_q.size(2), hd = d / heads;
   at::Tensor qh, kh, vh;
+  // The batch dimension as -1, so a TorchScript trace (dtrain-export) accepts any batch size.
   auto split_heads = [&](const at::Tensor& t, int64_t T) {
-    return t.view({B, T, heads, hd}).transpose(1, 2);  // [B, h, T, hd]
+    return t.view({-1, T, heads, hd}).transpose(1, 2);  // [B, h, T, hd]
   };
   if (self_attention) {
     auto parts = qkv->forward(x_q).chunk(3, -1);
@@ -40,7 +41,7 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x_q, const at::Tensor& x_kv,
   }
   at::Tensor a = at::scaled_dot_product_attention(qh, kh, vh, /*attn_mask=*/{},
                                                   is_training() ? dropout : 0.0, causal);
-  return out->forward(a.transpose(1, 2).reshape({B, Tq, d}));
+  return out->forward(a.transpose(1, 2).reshape({-1, Tq, d}));
 }
 
 FeedForwardImpl::FeedForwardImpl(int64_t d_model, int64_t ff, double p, bool in)

@@ -302,12 +302,14 @@ ParallelSelfAttentionImpl::ParallelSelfAttentionImpl(int64_t d_model, int64_t h,
 
 at::Tensor ParallelSelfAttentionImpl::forward(const at::Tensor& x) {
   at::Tensor fused = qkv->forward(x);  // the whole sequence, also when x is a sequence-parallel part
-  const int64_t B = fused.size(0), T = fused.size(1);
+  const int64_t T = fused.size(1);
   auto parts = fused.chunk(3, -1);  // each [B, T, local_heads * head_dim]
-  auto heads_first = [&](const at::Tensor& t) { return t.view({B, T, local_heads, head_dim}).transpose(1, 2); };
+  // The batch dimension as -1: a TorchScript trace of the model (dtrain-export) then accepts
+  // any batch size (sizes read as integers are recorded as constants).
+  auto heads_first = [&](const at::Tensor& t) { return t.view({-1, T, local_heads, head_dim}).transpose(1, 2); };
   at::Tensor a = at::scaled_dot_product_attention(heads_first(parts[0]), heads_first(parts[1]),
                                                   heads_first(parts[2]), {}, 0.0, causal);
-  return proj->forward(a.transpose(1, 2).reshape({B, T, local_heads * head_dim}));
+  return proj->forward(a.transpose(1, 2).reshape({-1, T, local_heads * head_dim}));
 }
 
 ParallelMlpImpl::ParallelMlpImpl(int64_t d_model, int64_t hidden, dist::Communicator& tp, SequenceParallel sp) {

@@ -6,7 +6,7 @@
 set -uo pipefail
 bin=$1
 fail() { echo "FAIL: $*"; exit 1; }
-for program in train_mlp train_cnn train_gpt train_seq2seq dtrain-plan; do
+for program in train_mlp train_cnn train_gpt train_seq2seq dtrain-plan dtrain-export; do
   for flag in --help -h --helpshort; do
     out=$("$bin/$program" "$flag" 2>&1) || fail "$program $flag exited $?"
     lines=$(wc -l <<<"$out")
@@ -25,6 +25,7 @@ gpt=$("$bin/train_gpt" --help)
 grep -q -- "--tp=1" <<<"$gpt" || fail "train_gpt --help misses --tp"
 grep -q -- "--d_model=768" <<<"$gpt" || fail "train_gpt --help misses --d_model (default 768)"
 grep -q -- "--verify_steps" <<<"$("$bin/dtrain-plan" --help)" || fail "dtrain-plan --help misses its own flags"
+grep -q -- "--write_example" <<<"$("$bin/dtrain-export" --help)" || fail "dtrain-export --help misses its own flags"
 # --helpfull still lists everything (glog's flags included) for whoever needs it.
 full=$("$bin/train_mlp" --helpfull 2>&1)  # gflags exits 1 after --helpfull
 grep -q "logtostderr" <<<"$full" || fail "--helpfull no longer lists glog's flags"

@@ -1,0 +1,129 @@
+// dtrain-export: writes a trained example model (the newest good checkpoint in --checkpoint,
+// whatever its layout: tensor-parallel, sharded or offloaded runs included) as a TorchScript
+// archive or as safetensors weights, for deployment without dtrain.
+//
+//   dtrain-export --model=gpt --d_model=... --checkpoint=runs/gpt --format=torchscript --output=gpt.pt
+//
+// The model is built unsplit (--tp 1) from the shape flags, as the example trains it, and the
+// checkpoint's weights are loaded into it exactly as an evaluation-only resume loads them (a
+// tensor-parallel checkpoint is gathered; a shape that disagrees with the flags is an error
+// naming the parameter). TorchScript: traced in eval mode on --example_rows rows of the
+// model's input, then loaded back with torch::jit::load and run on the same inputs; its
+// output must equal the module's. --write_example=FILE keeps those inputs and outputs
+// (safetensors: input.0, input.1, ..., output) so a deployment can check itself.
+#include <cmath>
+#include <cstdio>
+
+#include <gflags/gflags.h>
+#include <glog/logging.h>
+#include <torch/nn/module.h>
+#include <torch/utils.h>
+
+#include "common.h"
+#include "dtrain/dist/error.h"
+#include "dtrain/engine/state/export.h"
+#include "dtrain/engine/train/cli.h"
+#include "dtrain/engine/train/trainer.h"
+#include "model_factory.h"
+
+DEFINE_string(model, "gpt", "the example model to export: mlp, cnn, seq2seq or gpt");
+DEFINE_string(checkpoint, "", "the run's checkpoint directory (its --save_dir): the newest good checkpoint is exported");
+DEFINE_string(format, "torchscript", "torchscript (an archive torch.jit.load runs) or safetensors (the weights)");
+DEFINE_string(output, "", "the file to write (written atomically; its directory must exist)");
+DEFINE_int64(example_rows, 2, "TorchScript: rows of the example input the model is traced on");
+DEFINE_string(write_example, "", "TorchScript: also write the example inputs and the module's output (safetensors)");
+
+using namespace dtrain;
+
+namespace {
+
+double max_abs_difference(const at::Tensor& a, const at::Tensor& b) {
+  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
+}
+
+int export_main(int argc, char** argv) {
+  const std::string model_name = examples::model_from_argv(argc, argv, "gpt");
+  engine::cli::describe_flags("Export", {"model", "checkpoint", "format", "output", "example_rows", "write_example"});
+  std::map<std::string, std::string> defaults = examples::model_flag_defaults(model_name);
+  defaults["device"] = "cpu";  // the traced graph holds its device; export for the CPU unless asked
+  examples::Run run = examples::init_run(argc, argv,
+                                         "dtrain-export --model=mlp|cnn|seq2seq|gpt [shape flags] --checkpoint=DIR "
+                                         "--format=torchscript|safetensors --output=FILE",
+                                         defaults, examples::model_checks(model_name),
+                                         examples::model_flag_names(model_name));
+  DTRAIN_CHECK(run.world.size == 1, "dtrain-export runs as one process (it builds the unsplit model and gathers a "
+               "tensor-parallel checkpoint itself); run it without mpirun/srun");
+  DTRAIN_CHECK(FLAGS_format == "torchscript" || FLAGS_format == "safetensors", "--format=", FLAGS_format,
+               " is not one of: torchscript, safetensors");
+  DTRAIN_CHECK(!FLAGS_checkpoint.empty(), "--checkpoint is required: the run's --save_dir");
+  DTRAIN_CHECK(FLAGS_example_rows >= 1, "--example_rows=", FLAGS_example_rows, " must be >= 1");
+  // Every output is checked before the checkpoint is read.
+  engine::check_output_path(FLAGS_output, "--output");
+  if (!FLAGS_write_example.empty()) engine::check_output_path(FLAGS_write_example, "--write_example");
+
+  examples::ExampleModel m = examples::build_example_model(model_name, run);
+  engine::TrainerOptions o = examples::trainer_options(run, m.default_optimizer);
+  o.evaluation_only = true;  // weights only: no optimizer state, no lock on the directory
+  o.save_dir = FLAGS_checkpoint;
+  o.resume = engine::ResumeMode::kYes;
+  o.metrics_path.clear();
+  o.tensorboard_dir.clear();
+  o.timeline_path.clear();
+  o.progress = false;
+  engine::Trainer trainer(*m.module, m.loss, *run.mesh, run.device, o);
+  trainer.resume_checkpoint(nullptr, /*required=*/true);
+  const int64_t step = trainer.current_step();
+  m.module->eval();
+
+  const engine::NamedTensorList tensors = engine::module_tensors(*m.module);
+  int64_t parameters = 0;
+  for (const auto& p : m.module->parameters()) parameters += p.numel();
+  std::string detail;
+  if (FLAGS_format == "safetensors") {
+    engine::save_safetensors(FLAGS_output, tensors,
+                             {{"format", "pt"}, {"dtrain_model", model_name}, {"dtrain_step", std::to_string(step)},
+                              {"dtrain_checkpoint", FLAGS_checkpoint}});
+    detail = std::to_string(tensors.size()) + " tensors";
+  } else {
+    torch::NoGradGuard no_grad;
+    const std::vector<at::Tensor> inputs = m.inputs(m.synthetic_batch(FLAGS_example_rows));
+    const at::Tensor want = m.forward(inputs);
+    std::string type = model_name;
+    type[0] = static_cast<char>(std::toupper(type[0]));
+    const int64_t nodes = engine::trace_to_torchscript(*m.module, m.forward, inputs, type, FLAGS_output);
+    const at::Tensor got = engine::run_torchscript(FLAGS_output, inputs);
+    DTRAIN_CHECK(got.sizes() == want.sizes(), "the archive's output has shape ", got.sizes(), ", the module's ",
+                 want.sizes());
+    const double diff = max_abs_difference(got, want);
+    DTRAIN_CHECK(std::isfinite(diff) && diff <= 1e-5 * std::max(1.0, want.abs().max().item<double>()),
+                 "the archive written to ", FLAGS_output, " does not reproduce the module (max difference ", diff,
+                 "); please report this with the model flags");
+    if (!FLAGS_write_example.empty()) {
+      engine::NamedTensorList example;
+      for (size_t i = 0; i < inputs.size(); ++i) example.emplace_back("input." + std::to_string(i), inputs[i]);
+      example.emplace_back("output", want);
+      engine::save_safetensors(FLAGS_write_example, example, {{"dtrain_model", model_name}});
+    }
+    char text[160];
+    std::snprintf(text, sizeof text, "a traced graph of %lld nodes for inputs of shape", static_cast<long long>(nodes));
+    detail = text;
+    for (const at::Tensor& t : inputs) {
+      std::ostringstream shape;
+      shape << t.sizes();
+      detail += " " + shape.str();
+    }
+    std::snprintf(text, sizeof text, "; torch::jit::load reproduces the module within %.1e", diff);
+    detail += text;
+  }
+  std::printf("dtrain-export: wrote %s (%s, %s, %.3fM parameters) from the checkpoint of step %lld in %s\n",
+              FLAGS_output.c_str(), FLAGS_format.c_str(), detail.c_str(), parameters / 1e6,
+              static_cast<long long>(step), FLAGS_checkpoint.c_str());
+  std::fflush(stdout);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return examples::guarded_main("dtrain-export", [&] { return export_main(argc, argv); });
+}
