@@ -19,7 +19,9 @@ namespace dtrain::engine {
 
 namespace prof = torch::profiler::impl;
 
-ProfileSteps parse_profile_steps(const std::string& text) {
+ProfileSteps parse_profile_steps(const std::string& text) { return parse_step_range(text, "--profile_steps"); }
+
+ProfileSteps parse_step_range(const std::string& text, const std::string& flag) {
   ProfileSteps steps;
   if (text.empty()) return steps;
   std::istringstream in(text);
@@ -31,8 +33,8 @@ ProfileSteps parse_profile_steps(const std::string& text) {
     steps.last = steps.first;
   }
   ok = ok && in.peek() == std::char_traits<char>::eof() && steps.first >= 1 && steps.last >= steps.first;
-  DTRAIN_CHECK(ok, "--profile_steps='", text, "' is not a step or a range of steps: give N or A-B with ",
-               "1 <= A <= B (e.g. --profile_steps=5-7: a few steps after the warm-up)");
+  DTRAIN_CHECK(ok, flag, "='", text, "' is not a step or a range of steps: give N or A-B with 1 <= A <= B (e.g. ",
+               flag, "=5-7)");
   return steps;
 }
 

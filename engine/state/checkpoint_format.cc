@@ -211,6 +211,7 @@ void write_main_archive(const CheckpointData& data,
   dict.insert("model", tensor_dict(data.model, "model"));
   dict.insert("optimizer", tensor_dict(data.optimizer, "optimizer"));
   dict.insert("scaler", tensor_dict(data.scaler, "scaler"));
+  if (!data.masks.empty()) dict.insert("masks", tensor_dict(data.masks, "masks"));
   dict.insert("rng", rng_dict(data.rng));
   dict.insert("meta", string_dict(data.meta));
   write_archive(dict, sink);
@@ -242,6 +243,7 @@ CheckpointData read_main_archive(const std::vector<char>& bytes, const std::stri
   data.model = named_entry(dict, "model", source);
   data.optimizer = named_entry(dict, "optimizer", source);
   data.scaler = named_entry(dict, "scaler", source);
+  if (dict.contains("masks")) data.masks = named_entry(dict, "masks", source);  // only pruned runs have it
   data.rng = rng_entry(dict, source);
   data.meta = meta_entry(dict, source);
   return data;

@@ -15,11 +15,27 @@
 #include "dtrain/engine/optim/amp.h"
 #include "dtrain/engine/optim/offload.h"
 #include "dtrain/engine/optim/optim.h"
+#include "dtrain/engine/observe/profiler.h"
 #include "dtrain/engine/optim/sharded.h"
 #include "dtrain/engine/train/agreement.h"
 
 namespace dtrain::engine::cli {
 namespace {
+
+PruneOptions prune_options(const Flags& f) {
+  PruneOptions o;
+  o.amount = f.prune_amount;
+  o.scope = f.prune_scope;
+  o.at_step = f.prune_at_step;
+  if (!f.prune_steps.empty()) {
+    const ProfileSteps range = parse_step_range(f.prune_steps, "--prune_steps");
+    DTRAIN_CHECK(range.last > range.first, "--prune_steps=", f.prune_steps,
+                 ": gradual pruning needs a range A-B with A < B (one step: --prune_at_step)");
+    o.from_step = range.first;
+    o.to_step = range.last;
+  }
+  return o;
+}
 
 // The file name gflags records for the standard flags (--helpfull groups by it).
 constexpr const char* kFile = "dtrain/engine/train/cli.cc";
@@ -61,6 +77,13 @@ const std::vector<Spec>& specs() {
            &Flags::on_nonfinite),
       spec(kTraining, "max_nonfinite_skips", "with --on_nonfinite=skip: stop after this many in a row",
            &Flags::max_nonfinite_skips),
+      spec(kTraining, "prune_amount", "magnitude pruning: fraction of the Linear/Conv weights set to zero (0: off)",
+           &Flags::prune_amount),
+      spec(kTraining, "prune_scope", "pruning per weight tensor (layer) or over all of them (global)",
+           &Flags::prune_scope),
+      spec(kTraining, "prune_at_step", "prune once, before this step", &Flags::prune_at_step),
+      spec(kTraining, "prune_steps", "A-B: prune gradually from step A to B (Zhu & Gupta's cubic schedule)",
+           &Flags::prune_steps),
       spec(kRanks, "device", "auto, cpu or cuda (each rank its GPU: local rank modulo the GPUs)", &Flags::device),
       spec(kRanks, "backend", "communicator: auto, nccl, mpi or local", &Flags::backend),
       spec(kRanks, "collective_timeout_s", "seconds before a stuck collective ends the job",
@@ -205,6 +228,7 @@ void validate(const Flags& f) {
   DTRAIN_CHECK(f.eval_batches >= 1, "--eval_batches=", f.eval_batches, " must be >= 1");
   const OffloadChoice offload = parse_offload(f.offload);
   parse_shard_mode(f.shard);
+  engine::validate(prune_options(f));
   DTRAIN_CHECK(f.plan == "none" || f.plan == "auto", "--plan=", f.plan, " is not one of: none, auto");
   DTRAIN_CHECK(f.gpu_mem_limit_gb >= 0, "--gpu_mem_limit_gb=", f.gpu_mem_limit_gb, " must be >= 0");
   DTRAIN_CHECK(f.plan != "auto" || f.gpu_mem_limit_gb > 0, "--plan=auto needs --gpu_mem_limit_gb (the budget to fit)");
@@ -359,6 +383,7 @@ TrainerOptions trainer_options(const Flags& f, const std::string& default_optimi
   o.memory_report_step = f.memory_report_step;
   o.offload_optimizer = parse_offload(f.offload).optimizer;
   o.shard = f.shard;
+  o.prune = prune_options(f);
   o.offload.host_mem_limit_gb = f.host_mem_limit_gb;
   o.offload.threads = f.offload_threads;
   o.offload.stream_gradients = f.offload_stream_gradients;

@@ -191,6 +191,12 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
     }
     reducer_ = std::make_unique<GradReducer>(params_, mesh_.dp(), reducer_options);
     optimizer_->attach(*reducer_);
+    if (options_.prune.amount > 0) {
+      DTRAIN_CHECK(!options_.offload_optimizer || options_.offload.delayed_update_after < 0,
+                   "--prune_amount with --offload_delayed_update_after: the delayed update writes the weights after the "
+                   "masks are applied; prune without the delayed update");
+      pruner_ = std::make_unique<Pruner>(model_, options_.prune, specs_, mesh_.tp());
+    }
   }
   LossScalerOptions scaler_options = options_.loss_scaler;
   scaler_options.enabled = options_.amp == AmpMode::kFp16;
@@ -317,6 +323,8 @@ void Trainer::apply_update(StepMetrics& m, bool& skipped, const at::Tensor& loss
   // A background save's copies of the weights and optimizer state (overlapped with this step's
   // forward and backward) land before the update writes them.
   staging_.fence();
+  // Pruned entries get no gradient (as `orig * mask` would), before anything reads them.
+  if (pruner_ && pruner_->active()) pruner_->mask_gradients();
   // The gradients are read only: unscaling and clipping become one multiplier that the
   // optimizer applies inside its update.
   std::vector<at::Tensor> grads;
@@ -349,6 +357,7 @@ void Trainer::apply_update(StepMetrics& m, bool& skipped, const at::Tensor& loss
   if (finite) {
     Timeline::Span span(*timeline_, "optimizer", category::kOptimizer, lane::kOptimizer);
     optimizer_->step(multiplier);
+    if (pruner_ && pruner_->active()) pruner_->mask_weights();  // pruned weights stay exactly zero
   } else {
     optimizer_->skip_step();
   }
@@ -406,6 +415,10 @@ StepResult Trainer::step(const Batch& batch) {
   check_can_train();
   const auto started = std::chrono::steady_clock::now();
   step_start_allocated_mb_ = memory_stats(device_).allocated_mb;
+  if (pruner_ && prune_target(options_.prune, step_ + 1) >= 0) {
+    flush_updates();  // the weights the masks are chosen from are final
+    pruner_->maybe_prune(step_ + 1);
+  }
   StepResult result;
   at::Tensor loss_sum;
   for (;;) {
@@ -598,6 +611,7 @@ StepMetrics Trainer::log_step(bool eval_now, DataLoader* eval, int64_t global_ba
   m.mem_counter = mem.counter;
   if (scaler_->enabled()) m.loss_scale = scaler_->scale_value();
   if (options_.report_grad_norm && last_grad_norm_.defined()) m.grad_norm = last_grad_norm_.item<double>();
+  if (pruner_ && pruner_->active()) m.extra["sparsity"] = pruner_->sparsity();
   if (nonfinite_skips_ > 0 || options_.on_nonfinite == NonFinitePolicy::kSkip) {
     m.extra["nonfinite_skips"] = static_cast<double>(nonfinite_skips_);
   }

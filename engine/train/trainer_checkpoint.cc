@@ -133,6 +133,7 @@ Trainer::PreparedSave Trainer::prepare_save(const DataLoader* loader, bool own_c
   data.step = step_;
   data.model = full_model_state(own_copies);        // collective over tp
   data.optimizer = full_optimizer_state(own_copies);  // collective over tp
+  if (pruner_) data.masks = pruner_->full_masks();     // collective over tp
   for (auto& [name, t] : scaler_->state()) {
     data.scaler.emplace_back(name, host_copy("scaler." + name, t, HostStaging::kNow, own_copies));
   }
@@ -308,6 +309,12 @@ void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& i
                                e.what(), "); resume with the same --optimizer and model"));
   }
   if (!data.scaler.empty() && scaler_->enabled()) scaler_->load_state(data.scaler);
+  if (pruner_ && !data.masks.empty()) {
+    pruner_->load_masks(data.masks);  // collective over tp
+  } else if (!data.masks.empty() && world.rank() == 0) {
+    LOG(WARNING) << info.path << " holds pruning masks; this run has no --prune_amount, so pruned weights "
+                 << "start at zero but are trained again";
+  }
   // Random streams: this rank's own when the layout is the same, else rank 0's.
   RngState rng = data.rng;
   if (data.world_size == world.size() && data.rank_files == world.size()) {

@@ -22,6 +22,8 @@ struct ProfileSteps {
 
 // "N" or "A-B" (1 <= A <= B); "" is off. Throws dtrain::Error naming the text otherwise.
 ProfileSteps parse_profile_steps(const std::string& text);
+// The same for any flag that takes steps (named in the message).
+ProfileSteps parse_step_range(const std::string& text, const std::string& flag);
 
 // Drives the profiler around a training loop's steps:
 //   profiler.begin_step(k); ...the step's work...; profiler.end_step(k);

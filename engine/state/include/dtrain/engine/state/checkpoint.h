@@ -103,6 +103,7 @@ struct CheckpointData {
   NamedTensors model;      // model_state(module): names as in PyTorch's state_dict
   NamedTensors optimizer;  // Optimizer::state() of a replicated optimizer; empty if partitioned
   NamedTensors scaler;     // LossScaler::state(); empty when the scaler is disabled
+  NamedTensors masks;      // pruning masks (bool, unsplit) by parameter name; empty: none
   RngState rng;            // of the saving process (rank 0)
   // Free-form strings, e.g. "schedule" (its options), "loader.train" = "epoch,index" (the
   // DataLoader::position() to seek() to), "program", "args".

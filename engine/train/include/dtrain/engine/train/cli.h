@@ -39,7 +39,7 @@ namespace dtrain::engine::cli {
 
 // Topics of the standard flags (a bit set: parse() registers those a program asks for).
 enum Topic : unsigned {
-  kTraining = 1u << 0,        // --steps --batch_size --lr --seed --optimizer --weight_decay
+  kTraining = 1u << 0,        // --steps --batch_size --lr --seed --optimizer --weight_decay --prune_*
                               // --clip_grad_norm --schedule --warmup_steps --accum_steps --amp
                               // --on_nonfinite --max_nonfinite_skips
   kRanks = 1u << 1,           // --device --backend --collective_timeout_s
@@ -70,6 +70,10 @@ struct Flags {
   std::string amp = "off";
   std::string on_nonfinite = "stop";
   int32_t max_nonfinite_skips = TrainerOptions().max_nonfinite_skips;
+  double prune_amount = PruneOptions().amount;
+  std::string prune_scope = PruneOptions().scope;
+  int64_t prune_at_step = PruneOptions().at_step;
+  std::string prune_steps;  // "A-B": gradual pruning from step A to step B
   // kRanks
   std::string device = "auto";
   std::string backend = "auto";

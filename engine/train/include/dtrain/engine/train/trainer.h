@@ -40,6 +40,7 @@
 #include "dtrain/engine/observe/metrics.h"
 #include "dtrain/engine/optim/offload.h"
 #include "dtrain/engine/optim/optim.h"
+#include "dtrain/engine/optim/prune.h"
 #include "dtrain/engine/parallel/reducer.h"
 #include "dtrain/engine/observe/tensorboard.h"
 #include "dtrain/engine/observe/profiler.h"
@@ -111,6 +112,10 @@ struct TrainerOptions {
   // reduced, ReducerOptions::release_unowned). With offload_optimizer the optimizer state is
   // partitioned already (in host memory); "gradients" then still releases the device buckets.
   std::string shard = "none";
+  // Magnitude pruning (optim/prune.h; --prune_amount, --prune_scope, --prune_at_step,
+  // --prune_from_step/--prune_to_step/--prune_every): masks chosen before the scheduled steps'
+  // forward, applied to gradients before and weights after every update, saved in checkpoints.
+  PruneOptions prune;
   // Evaluation only (--eval_only): no optimizer state, gradient buffers or reducer are
   // allocated, and no lock is taken on save_dir (resume_checkpoint() reads the newest good
   // checkpoint's weights to evaluate, also while a training run writes there). step(), fit()
@@ -285,6 +290,7 @@ class Trainer {
   std::unique_ptr<DirectoryLock> save_dir_lock_;  // rank 0, with a save_dir: one run per directory
   std::unique_ptr<GradReducer> reducer_;
   std::unique_ptr<Optimizer> optimizer_;
+  std::unique_ptr<Pruner> pruner_;  // with prune.amount > 0
   std::unique_ptr<LossScaler> scaler_;
   std::unique_ptr<MetricsWriter> metrics_;
   int64_t step_ = 0;
