@@ -10,7 +10,8 @@
    amount x (1 - (1 - (t - A) / (B - A))^3), rounded per tensor as the masks are.
 4. train_gpt with --tp 2 prunes exactly the unsplit run's entries (masks equal) and follows its
    loss curve; a run resumed after pruning continues the uninterrupted curve and keeps its masks.
-5. Bad values exit non-zero naming the flag.
+5. With --shard=gradients and with --offload=optimizer on 2 ranks: the one-rank curve and masks.
+6. Bad values exit non-zero naming the flag.
 
 usage: prune.py --bin BUILD/bin --mpirun "mpirun ..." (run with the Python that has torch)
 """
@@ -135,6 +136,28 @@ def gpt(args, work):
     print("ok: a run resumed after pruning continues the uninterrupted curve with the same masks")
 
 
+def with_sharding(args, work):
+    """Pruning composes with ZeRO-2 and optimizer offload: the same curve and masks as one rank."""
+    base = [os.path.join(args.bin, "train_mlp"), "--device=cpu", "--data=synthetic", "--progress=false",
+            "--hidden=48", "--depth=2", "--steps=6", "--log_every=1", "--prune_amount=0.7", "--prune_at_step=2"]
+
+    def train(ranks, flags, name):
+        out, ck = os.path.join(work, name + ".jsonl"), os.path.join(work, name)
+        cmd = base + flags + [f"--metrics={out}", f"--save_dir={ck}"]
+        run(shlex.split(args.mpirun) + ["-np", str(ranks)] + cmd if ranks > 1 else cmd)
+        return metrics(out), checkpoint(ck, 6)
+
+    ref, ref_ck = train(1, ["--batch_size=64"], "mlp-prune-1")
+    for flags, tol in ((["--shard=gradients"], 1e-4), (["--offload=optimizer"], 1e-3)):
+        got, ck = train(2, ["--batch_size=32"] + flags, "mlp-prune-" + flags[0][2:].replace("=", "-"))
+        for a, b in zip(ref, got):
+            assert abs(a["loss"] - b["loss"]) <= tol * abs(a["loss"]), f"{flags}: step {a['step']}: {a['loss']} vs {b['loss']}"
+        for name, mask in ref_ck["masks"].items():
+            assert torch.equal(mask, ck["masks"][name]), f"{flags}: {name}: other entries pruned"
+            assert (ck["model"][name][~mask] == 0).all(), f"{flags}: {name}: a pruned weight is not zero"
+        print(f"ok: pruning with {' '.join(flags)} on 2 ranks: the one-rank curve and masks, pruned weights zero")
+
+
 def bad_input(args):
     exe = [os.path.join(args.bin, "train_mlp"), "--device=cpu", "--data=synthetic", "--steps=1", "--progress=false"]
     for flags, message in [(["--prune_amount=1.5", "--prune_at_step=1"], "--prune_amount=1.5 must be in [0, 1)"),
@@ -157,6 +180,7 @@ def main():
         one_shot(args, work, "global")
         gradual(args, work)
         gpt(args, work)
+        with_sharding(args, work)
         bad_input(args)
 
 
