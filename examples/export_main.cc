@@ -21,6 +21,7 @@
 
 #include "common.h"
 #include "dtrain/dist/error.h"
+#include "dtrain/engine/state/checkpoint.h"
 #include "dtrain/engine/state/export.h"
 #include "dtrain/engine/train/cli.h"
 #include "dtrain/engine/train/trainer.h"
@@ -61,6 +62,13 @@ int export_main(int argc, char** argv) {
   engine::check_output_path(FLAGS_output, "--output");
   if (!FLAGS_write_example.empty()) engine::check_output_path(FLAGS_write_example, "--write_example");
 
+  {
+    std::vector<std::string> skipped;
+    const auto newest = engine::CheckpointStore(FLAGS_checkpoint).latest_good(&skipped);
+    DTRAIN_CHECK(newest.has_value(), "--checkpoint=", FLAGS_checkpoint, " holds no good checkpoint",
+                 skipped.empty() ? "" : " (" + std::to_string(skipped.size()) + " damaged or incomplete one(s) skipped)",
+                 "; point it at a training run's --save_dir");
+  }
   examples::ExampleModel m = examples::build_example_model(model_name, run);
   engine::TrainerOptions o = examples::trainer_options(run, m.default_optimizer);
   o.evaluation_only = true;  // weights only: no optimizer state, no lock on the directory

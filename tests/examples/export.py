@@ -123,7 +123,7 @@ def main():
             (gpt + [f"--output={work}/gpt.pt/inside.pt"], "is not a directory"),
             (gpt + [f"--output={work}"], "is a directory"),
             (gpt + ["--format=onnx", f"--output={work}/x.onnx"], "--format=onnx is not one of: torchscript, safetensors"),
-            ([exe, "--model=gpt", *shape, f"--checkpoint={work}/empty", f"--output={work}/y.pt"], "no good checkpoint"),
+            ([exe, "--model=gpt", *shape, f"--checkpoint={work}/empty", f"--output={work}/y.pt"], "holds no good checkpoint; point it at a training run's --save_dir"),
             ([exe, "--model=resnet", f"--checkpoint={ck}", f"--output={work}/z.pt"], "is not one of: seq2seq, gpt, mlp, cnn"),
         ]
         os.makedirs(os.path.join(work, "empty"))
