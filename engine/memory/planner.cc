@@ -357,10 +357,11 @@ MemoryEstimate estimate(const PlanInputs& in, const ActivationProfile& profile,
     e.host.gradients = shard * 4;
     e.host.other = kOffloadStagingBytes;
   } else if (t.shard > 0) {
-    // ShardedOptimizer: the state of the range in the master dtype (fp32 for bf16/fp16
-    // weights, which also get an fp32 master copy) and a gradient shard in that dtype.
+    // ShardedOptimizer: the state of the range in the master dtype; bf16/fp16 weights add an
+    // fp32 master copy and an fp32 gradient shard (fp32/fp64 ones read the range of the
+    // reducer's buckets in place).
     const int64_t master_bytes = bpp == 2 ? 4 : bpp;
-    e.gpu.optimizer_state = range * master_bytes * (nstate + 1) + (bpp == 2 ? range * 4 : 0);
+    e.gpu.optimizer_state = range * master_bytes * nstate + (bpp == 2 ? range * 4 * 2 : 0);
   } else {
     e.gpu.optimizer_state = (local - offloaded_layers) * bpp * nstate;
     // The streamed blocks' update runs on the host: master weights + state there.

@@ -7,6 +7,7 @@
 #include <glog/logging.h>
 
 #include "dtrain/dist/error.h"
+#include "dtrain/engine/parallel/reducer.h"
 #include "dtrain/offload/cpu_optimizer.h"
 
 namespace dtrain::engine {
@@ -98,6 +99,19 @@ ShardedOptimizer::ShardedOptimizer(std::vector<at::Tensor> params, const Optimiz
 }
 
 ShardedOptimizer::~ShardedOptimizer() = default;
+
+void ShardedOptimizer::attach(GradReducer& reducer) {
+  Impl& s = *impl_;
+  if (s.empty) return;
+  at::Tensor view = reducer.flat_gradients(s.lo, s.hi);
+  if (!view.defined() || view.scalar_type() != s.grad_shard.scalar_type() || view.device() != s.grad_shard.device()) {
+    return;
+  }
+  s.grad_shard = view;  // the reducer's storage of [lo, hi): no copy, no buffer of our own
+  s.pieces.clear();
+  s.piece_dst.clear();
+  s.master.mutable_grad() = s.grad_shard;
+}
 
 void ShardedOptimizer::step(const at::Tensor& grad_multiplier) {
   at::NoGradGuard no_grad;

@@ -173,6 +173,8 @@ struct GradReducer::State {
   void allocate(size_t b);
   void release(size_t b);
   bool release_unowned = false;  // options.release_unowned on more than one rank
+  at::Tensor kept;               // consecutive buckets: the kept buckets' storage, in flat order
+  int64_t kept_begin = 0;        // its first element's flat-space offset
   FlatRange mine;                // this rank's owned range (release_unowned)
   std::vector<int64_t> flat_offsets;  // consecutive buckets: each parameter's flat-space offset
   void start_step();
@@ -188,6 +190,7 @@ void GradReducer::State::build(const std::vector<std::vector<size_t>>& assignmen
   buckets.assign(assignment.size(), Bucket());
   where.assign(params.size(), {0, 0});
   views.assign(params.size(), at::Tensor());
+  kept = at::Tensor();
   for (size_t b = 0; b < assignment.size(); ++b) {
     Bucket& bucket = buckets[b];
     bucket.params = assignment[b];
@@ -202,10 +205,32 @@ void GradReducer::State::build(const std::vector<std::vector<size_t>>& assignmen
       const int64_t hi = std::min(bucket.flat_begin + bucket.numel, mine.end);
       bucket.keep = lo < hi;
     }
+  }
+  // Consecutive buckets: the kept ones (all, unless release_unowned) are one run of the flat
+  // space; one allocation holds them end to end in flat order, so a range of it is one view
+  // (flat_gradients()).
+  if (!flat_offsets.empty()) {
+    int64_t begin = -1, end = -1;
+    bool one_kind = true;
+    const at::Tensor* first = nullptr;
+    for (const Bucket& bucket : buckets) {
+      if (!bucket.keep) continue;
+      const at::Tensor& p = params[bucket.params.front()];
+      if (first && (p.scalar_type() != first->scalar_type() || p.device() != first->device())) one_kind = false;
+      if (!first) first = &p;
+      begin = begin < 0 ? bucket.flat_begin : std::min(begin, bucket.flat_begin);
+      end = std::max(end, bucket.flat_begin + bucket.numel);
+    }
+    if (first && one_kind) {
+      kept = at::zeros({end - begin}, first->options());
+      kept_begin = begin;
+    }
+  }
+  for (size_t b = 0; b < buckets.size(); ++b) {
     // A released bucket is allocated by its first gradient, unless a gradient exists already.
     bool has_grad = false;
-    for (size_t i : bucket.params) has_grad = has_grad || params[i].grad().defined();
-    if (bucket.keep || has_grad) allocate(b);
+    for (size_t i : buckets[b].params) has_grad = has_grad || params[i].grad().defined();
+    if (buckets[b].keep || has_grad) allocate(b);
   }
 }
 
@@ -213,7 +238,8 @@ void GradReducer::State::allocate(size_t b) {
   Bucket& bucket = buckets[b];
   if (bucket.flat.defined()) return;
   const at::Tensor& first = params[bucket.params.front()];
-  bucket.flat = at::zeros({bucket.numel}, first.options());
+  bucket.flat = bucket.keep && kept.defined() ? kept.narrow(0, bucket.flat_begin - kept_begin, bucket.numel)
+                                              : at::zeros({bucket.numel}, first.options());
   bucket.wire = bucket_comm->wire(bucket.flat);
   for (size_t k = 0; k < bucket.params.size(); ++k) {
     const size_t i = bucket.params[k];
@@ -641,6 +667,13 @@ int64_t GradReducer::gradient_bytes() const {
     if (b.wire.defined() && !b.wire.is_same(b.flat)) bytes += b.wire.nbytes();
   }
   return bytes;
+}
+
+at::Tensor GradReducer::flat_gradients(int64_t begin, int64_t end) const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  const State& s = *state_;
+  if (!s.kept.defined() || begin < s.kept_begin || end > s.kept_begin + s.kept.numel() || begin > end) return {};
+  return s.kept.narrow(0, begin - s.kept_begin, end - begin);
 }
 
 int64_t GradReducer::synchronized_backwards() const {

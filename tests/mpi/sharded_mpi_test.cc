@@ -187,6 +187,7 @@ TEST(ShardedOptimizer, StageTwoKeepsOnlyItsRangesGradientsBetweenSteps) {
   auto& comm = world_comm();
   const int n = comm.size();
   dist::Mesh mesh(comm, 1);
+  double state_mb = -1;
   auto gradient_mb = [&](const std::string& shard) {
     double mb = -1;
     Config c;
@@ -194,7 +195,10 @@ TEST(ShardedOptimizer, StageTwoKeepsOnlyItsRangesGradientsBetweenSteps) {
     c.steps = 3;
     c.accum = 2;
     c.shard = shard;
-    c.after = [&](Trainer& t) { mb = t.memory_report().gradients_mb; };
+    c.after = [&](Trainer& t) {
+      mb = t.memory_report().gradients_mb;
+      state_mb = t.memory_report().optimizer_state_mb;
+    };
     fit_on(mesh, 4, c);
     return mb;
   };
@@ -215,8 +219,13 @@ TEST(ShardedOptimizer, StageTwoKeepsOnlyItsRangesGradientsBetweenSteps) {
   for (int r = 0; r < n; ++r) all_ranks += kept_by(r);
   const double to_mb = 8 / (1024.0 * 1024.0);
   EXPECT_NEAR(gradient_mb("optimizer"), numel * to_mb, 1e-9);
+  // The two Adam moments of the range; on several ranks the gradient shard is a view of the
+  // reducer's storage (counted under gradients), on one a buffer of its own (a few bytes of
+  // step counters besides).
+  EXPECT_NEAR(state_mb, (n > 1 ? 2 : 3) * mine.size() * to_mb, 1e-4);
   EXPECT_NEAR(gradient_mb("gradients"), kept * to_mb, 1e-9) << "rank " << comm.rank() << " owns [" << mine.begin
                                                              << ", " << mine.end << ")";
+  EXPECT_NEAR(state_mb, (n > 1 ? 2 : 3) * mine.size() * to_mb, 1e-4);
   if (n > 1) EXPECT_LT(all_ranks, n * numel);
 }
 

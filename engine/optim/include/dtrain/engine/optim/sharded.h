@@ -12,7 +12,8 @@
 // the ranks all-gather the ranges, so every rank ends the step with the same full weights.
 //
 // Memory per rank: the parameters and gradients in full (as DDP), the optimizer state (and
-// fp32 master of bf16/fp16 parameters) divided by the group size, plus a gradient shard.
+// fp32 master of bf16/fp16 parameters) divided by the group size, plus a gradient shard in the
+// master dtype (for fp32/fp64 parameters, once attached to the reducer, a view of its storage).
 // Communication per step: the reduction to owners (a reduce-scatter's bytes) and the
 // all-gather of the weights: the bytes of an all-reduce, as the ZeRO paper counts.
 //
@@ -40,6 +41,10 @@ class ShardedOptimizer : public Optimizer {
   ~ShardedOptimizer() override;
 
   void step(const at::Tensor& grad_multiplier) override;
+  // Reads this rank's range of the gradients straight from the reducer's storage when the
+  // reducer keeps it as one run in the master dtype (GradReducer::flat_gradients): the
+  // gradient shard buffer is then not needed.
+  void attach(GradReducer& reducer) override;
   void zero_grad() override;
   void set_lr(double lr) override;
   double lr() const override;

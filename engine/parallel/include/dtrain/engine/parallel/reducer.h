@@ -165,6 +165,12 @@ class GradReducer {
   ReducerStepStats last_step_stats() const;
   // Bytes of gradient storage the buckets hold now (compressed copies included).
   int64_t gradient_bytes() const;
+  // With consecutive buckets (ReducerOptions::owned), the buckets this rank keeps share one
+  // allocation in flat order: the gradients of flat elements [begin, end) as one view of it
+  // (averaged where this rank owns them, after a synchronized backward). Undefined when the
+  // range is not inside the kept buckets, or the buckets are not consecutive or mix dtypes or
+  // devices. Valid as long as the reducer.
+  at::Tensor flat_gradients(int64_t begin, int64_t end) const;
   int64_t synchronized_backwards() const;
 
  private:
