@@ -151,9 +151,11 @@ void Pruner::load_masks(const std::vector<std::pair<std::string, at::Tensor>>& f
     auto it = given.find(names_[i]);
     DTRAIN_CHECK(it != given.end(), "the checkpoint's pruning masks have none for '", names_[i],
                  "' (pruned with another PruneOptions::prunable?)");
-    const at::Tensor whole = full_of(i);
-    DTRAIN_CHECK(it->second.sizes() == whole.sizes(), "the checkpoint's pruning mask of '", names_[i], "' has shape ",
-                 it->second.sizes(), ", the parameter ", whole.sizes());
+    std::vector<int64_t> whole = params_[i].sizes().vec();  // the unsplit shape
+    auto spec = specs_.find(names_[i]);
+    if (spec != specs_.end() && spec->second.dim >= 0) whole[spec->second.dim] = spec->second.full;
+    DTRAIN_CHECK(it->second.sizes().vec() == whole, "the checkpoint's pruning mask of '", names_[i], "' has shape ",
+                 it->second.sizes(), ", the parameter ", at::IntArrayRef(whole));
     ordered.push_back(it->second.to(at::kBool));
     given.erase(it);
   }

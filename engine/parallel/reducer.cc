@@ -170,6 +170,7 @@ struct GradReducer::State {
   std::function<void(const LaunchedBucket&)> observer;
 
   void build(const std::vector<std::vector<size_t>>& assignment);
+  void zero_buckets();
   void allocate(size_t b);
   void release(size_t b);
   bool release_unowned = false;  // options.release_unowned on more than one rank
@@ -231,6 +232,13 @@ void GradReducer::State::build(const std::vector<std::vector<size_t>>& assignmen
     bool has_grad = false;
     for (size_t i : buckets[b].params) has_grad = has_grad || params[i].grad().defined();
     if (buckets[b].keep || has_grad) allocate(b);
+  }
+}
+
+void GradReducer::State::zero_buckets() {
+  if (kept.defined()) kept.zero_();  // every kept bucket, one launch
+  for (Bucket& b : buckets) {
+    if (b.flat.defined() && !(b.keep && kept.defined())) b.flat.zero_();
   }
 }
 
@@ -614,9 +622,7 @@ void GradReducer::zero_grad() {
   if (s.options.rebuild_buckets && !s.rebuilt && s.synced_backwards >= 1) {
     s.rebuild();  // collective: every rank reaches its first zero_grad after the first step
   }
-  for (Bucket& b : s.buckets) {
-    if (b.flat.defined()) b.flat.zero_();
-  }
+  s.zero_buckets();
   s.finished = false;
 }
 
@@ -630,9 +636,7 @@ void GradReducer::abandon_step() {
   if (owes) state_->finish_step(/*abandoned=*/true);
   // Zero without the (collective) bucket rebuild: the other ranks are elsewhere now.
   std::lock_guard<std::mutex> lock(state_->mutex);
-  for (Bucket& b : state_->buckets) {
-    if (b.flat.defined()) b.flat.zero_();
-  }
+  state_->zero_buckets();
 }
 
 void GradReducer::set_bucket_observer(std::function<void(const LaunchedBucket&)> observer) {

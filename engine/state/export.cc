@@ -5,6 +5,7 @@
 
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <set>
 #include <sstream>
 
@@ -28,9 +29,9 @@ std::string parent_dir(const std::string& path) {
 }
 
 // Writes the bytes of `write` to a temporary file beside path, syncs it, renames it over path
-// and syncs the directory; removes the temporary file on failure.
+// and syncs the directory; removes the temporary file on failure. The caller has run
+// check_output_path(path) (before its own work, so a bad path fails early).
 void write_atomically(const std::string& path, const std::function<void(WritableFile&)>& write) {
-  check_output_path(path);
   FileSystem* fs = default_file_system();
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   try {
@@ -221,12 +222,7 @@ int64_t trace_to_torchscript(torch::nn::Module& module,
   traced.save(bytes);
   const std::string archive = bytes.str();
   write_atomically(path, [&](WritableFile& f) { f.append(archive.data(), archive.size()); });
-  int64_t nodes = 0;
-  for (auto* node : graph->nodes()) {
-    (void)node;
-    ++nodes;
-  }
-  return nodes;
+  return std::distance(graph->nodes().begin(), graph->nodes().end());
 }
 
 at::Tensor run_torchscript(const std::string& path, const std::vector<at::Tensor>& inputs) {

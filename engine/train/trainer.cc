@@ -324,7 +324,7 @@ void Trainer::apply_update(StepMetrics& m, bool& skipped, const at::Tensor& loss
   // forward and backward) land before the update writes them.
   staging_.fence();
   // Pruned entries get no gradient (as `orig * mask` would), before anything reads them.
-  if (pruner_ && pruner_->active()) pruner_->mask_gradients();
+  if (pruner_) pruner_->mask_gradients();
   // The gradients are read only: unscaling and clipping become one multiplier that the
   // optimizer applies inside its update.
   std::vector<at::Tensor> grads;
@@ -357,7 +357,7 @@ void Trainer::apply_update(StepMetrics& m, bool& skipped, const at::Tensor& loss
   if (finite) {
     Timeline::Span span(*timeline_, "optimizer", category::kOptimizer, lane::kOptimizer);
     optimizer_->step(multiplier);
-    if (pruner_ && pruner_->active()) pruner_->mask_weights();  // pruned weights stay exactly zero
+    if (pruner_) pruner_->mask_weights();  // pruned weights stay exactly zero
   } else {
     optimizer_->skip_step();
   }
