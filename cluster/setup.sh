@@ -44,7 +44,20 @@ if [[ ! -x .venv/bin/python ]]; then
   "$PY" -m venv .venv || die "python3 -m venv failed; install python3-venv"
 fi
 VPY="$ROOT/.venv/bin/python"
+# Free space is checked before pip starts: torch's CUDA wheels need about 5 GiB installed plus
+# their unpacked copies under TMPDIR while installing, and a disk that fills up half way leaves a
+# broken .venv and an error from pip that does not say what to do.
+need_gib() {  # need_gib DIR GiB WHAT
+  local free_kib
+  free_kib=$(df -Pk "$1" 2>/dev/null | awk 'NR==2 {print $4}')
+  [[ -z $free_kib ]] && return 0
+  ((free_kib >= $2 * 1024 * 1024)) && return 0
+  die "only $((free_kib / 1024 / 1024)) GiB free on the filesystem of $1; $3 needs about $2 GiB. Free some space (old clones of this repository with their .venv/ and build/, ~/.cache/pip), or set TMPDIR to a larger filesystem for pip's temporary files"
+}
 if ! "$VPY" -c "import torch,sys; sys.exit(0 if torch.__version__.startswith('${TORCH_SPEC%\*}'.rstrip('.')) else 1)" 2>/dev/null; then
+  need_gib "$ROOT" 8 "installing torch into .venv"
+  [[ $(df -P "${TMPDIR:-/tmp}" | awk 'NR==2 {print $1}') == $(df -P "$ROOT" | awk 'NR==2 {print $1}') ]] \
+    || need_gib "${TMPDIR:-/tmp}" 4 "unpacking torch's wheels (TMPDIR)"
   say "installing torch==${TORCH_SPEC} into .venv (CUDA 13 wheel; a few GB, takes minutes)"
   "$VPY" -m pip install -q --upgrade pip >/dev/null
   if ! "$VPY" -m pip install -q "torch==${TORCH_SPEC}"; then
