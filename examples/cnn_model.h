@@ -5,7 +5,7 @@
 #include <torch/nn/functional/pooling.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/conv.h>
-#include <torch/nn/modules/linear.h>
+#include "dtrain/engine/parallel/quantize.h"
 
 #include "dtrain/engine/memory/activation_checkpoint.h"
 
@@ -15,8 +15,8 @@ struct ConvNet : torch::nn::Module {
   explicit ConvNet(int64_t hidden, bool inplace, bool checkpoint) : inplace_(inplace), checkpoint_(checkpoint) {
     conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 32, 3).padding(1)));
     conv2 = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 3).padding(1)));
-    fc1 = register_module("fc1", torch::nn::Linear(64 * 4 * 4, hidden));
-    fc2 = register_module("fc2", torch::nn::Linear(hidden, 10));
+    fc1 = register_module("fc1", engine::Linear(64 * 4 * 4, hidden));
+    fc2 = register_module("fc2", engine::Linear(hidden, 10));
   }
   at::Tensor relu(at::Tensor x) { return inplace_ ? x.relu_() : x.relu(); }
   at::Tensor features(const at::Tensor& x) {
@@ -36,7 +36,7 @@ struct ConvNet : torch::nn::Module {
     return fc2->forward(relu(fc1->forward(h.flatten(1))));
   }
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  engine::Linear fc1{nullptr}, fc2{nullptr};
   bool inplace_, checkpoint_;
 };
 

@@ -16,6 +16,7 @@
 #include "dtrain/dist/logging.h"
 #include "dtrain/engine/memory/memory.h"
 #include "dtrain/engine/optim/offload.h"
+#include "dtrain/engine/parallel/quantize.h"
 #include "dtrain/engine/train/cli.h"
 
 // The examples' own flags; the standard ones are dtrain's (dtrain/engine/train/cli.h).
@@ -23,6 +24,8 @@ DEFINE_string(data, "real", "real (files that installed packages ship) or synthe
 DEFINE_string(data_path, "", "data file or directory (default: the example's)");
 DEFINE_bool(inplace, true, "in-place activations where safe");
 DEFINE_bool(eval_only, false, "only evaluate --eval_batches batches under no_grad (memory/speed of inference)");
+DEFINE_string(quantize, "", "with --eval_only: int8 also evaluates the model with dynamic int8 Linear layers (CPU) and compares");
+DEFINE_string(quantize_scales, "channel", "int8 weight scales: channel (one per output feature) or tensor (one per weight)");
 // Model shape
 DEFINE_int64(hidden, 256, "MLP: hidden width");
 DEFINE_int32(depth, 3, "MLP: hidden layers");
@@ -35,10 +38,28 @@ DEFINE_int64(vocab, 32000, "transformers: vocabulary size");
 DEFINE_double(dropout, 0.1, "transformers: dropout probability");
 
 namespace dtrain::examples {
+
+void check_quantize_flags(bool evaluating, const char* how) {
+  if (FLAGS_quantize.empty()) return;
+  DTRAIN_CHECK(FLAGS_quantize == "int8", "--quantize=", FLAGS_quantize, " is not supported; use --quantize=int8 "
+               "(dynamic int8 Linear layers) or leave it out");
+  engine::parse_quant_granularity(FLAGS_quantize_scales);
+  DTRAIN_CHECK(evaluating, "--quantize=int8 is for evaluation and export, not training (int8 weights have no "
+               "gradients): add ", how, " (with --resume to use a checkpoint), or drop --quantize");
+  DTRAIN_CHECK(engine::cli::flags().tp == 1, "--quantize=int8 with --tp=", engine::cli::flags().tp, ": quantize "
+               "on one process (a tensor-parallel checkpoint is gathered when one process loads it); drop --tp");
+  DTRAIN_CHECK(engine::cli::flags().amp == "off", "--quantize=int8 with --amp=", engine::cli::flags().amp,
+               ": the int8 Linear takes float32 activations; drop --amp");
+  DTRAIN_CHECK(engine::cli::flags().offload == "none", "--quantize=int8 with --offload=", engine::cli::flags().offload,
+               ": the int8 model is evaluated in host memory already; drop --offload");
+  DTRAIN_CHECK(engine::cli::flags().device != "cuda", "--quantize=int8 runs on the CPU (libtorch's dynamic int8 "
+               "Linear, quantized::linear_dynamic, has CPU kernels only); use --device=cpu");
+}
+
 namespace {
 
 // The examples' own flags (the standard ones are checked by cli::parse).
-void check_flags() {
+void check_flags(unsigned topics) {
   DTRAIN_CHECK(FLAGS_data == "real" || FLAGS_data == "synthetic", "--data=", FLAGS_data,
                " is not one of: real, synthetic");
   DTRAIN_CHECK(FLAGS_hidden >= 1 && FLAGS_depth >= 0 && FLAGS_d_model >= 1 && FLAGS_heads >= 1 &&
@@ -49,6 +70,8 @@ void check_flags() {
                " is not divisible by --heads=", FLAGS_heads);
   DTRAIN_CHECK(FLAGS_dropout >= 0 && FLAGS_dropout < 1, "--dropout=", FLAGS_dropout,
                " must be in [0, 1)");
+  // A program without the training flags (dtrain-export) only evaluates or exports.
+  check_quantize_flags(FLAGS_eval_only || !(topics & engine::cli::kTraining), "--eval_only");
 }
 
 // POSIX rather than std::filesystem: libtorch.so exports its own copies of some
@@ -75,19 +98,20 @@ void check_writable_file(const std::string& path, const char* flag) {
 
 Run init_run(int argc, char** argv, const std::string& usage,
              const std::map<std::string, std::string>& defaults,
-             const std::function<void()>& model_checks, const std::vector<std::string>& model_flags) {
+             const std::function<void()>& model_checks, const std::vector<std::string>& model_flags,
+             unsigned topics) {
   // The standard flags (tensor parallelism only for programs with tensor-parallel layers), the
   // program's model shape, and the data flags every example has.
   engine::cli::describe_flags("Model", model_flags);
-  engine::cli::describe_flags("Data source", {"data", "data_path", "eval_only", "inplace"}, {"data_path"});
-  const unsigned topics = engine::cli::kAllTopics & ~(model_checks ? 0u : engine::cli::kTensorParallel);
+  engine::cli::describe_flags("Data and evaluation", {"data", "data_path", "eval_only", "quantize", "quantize_scales", "inplace"}, {"data_path"});
+  if (!model_checks) topics &= ~engine::cli::kTensorParallel;
   engine::cli::parse(argc, argv, usage, topics, defaults);
   Run run;
   std::string argv0 = argv[0];
   run.program = argv0.substr(argv0.rfind('/') == std::string::npos ? 0 : argv0.rfind('/') + 1);
   run.world = dist::detect_world();
   dist::init_logging(argv[0], run.world);
-  check_flags();
+  check_flags(topics);
   check_writable_file(engine::cli::flags().metrics, "metrics");
   check_writable_file(engine::cli::flags().timeline, "timeline");
   engine::OffloadChoice offload = engine::parse_offload(engine::cli::flags().offload);
@@ -160,8 +184,8 @@ void report(const Run& run, const engine::StepMetrics& first, const engine::Step
   std::fflush(stdout);
 }
 
-engine::StepMetrics fit_and_report(const Run& run, engine::Trainer& trainer, engine::DataLoader& train,
-                                   engine::DataLoader* eval) {
+engine::StepMetrics fit_and_report(const Run& run, engine::Trainer& trainer, torch::nn::Module& model,
+                                   engine::DataLoader& train, engine::DataLoader* eval) {
   if (!FLAGS_eval_only) {
     DTRAIN_CHECK(engine::cli::flags().eval_every == 0 || eval, run.program, " has no held-out data to evaluate on; drop --eval_every");
     engine::StepMetrics last = trainer.fit(train, engine::cli::flags().eval_every > 0 ? eval : nullptr);
@@ -188,16 +212,35 @@ engine::StepMetrics fit_and_report(const Run& run, engine::Trainer& trainer, eng
                   static_cast<long long>(trainer.current_step()), engine::cli::flags().save_dir.c_str());
     }
   }
-  trainer.evaluate(data, 1);  // warm-up
-  engine::reset_peak_memory(run.device);
-  auto t0 = std::chrono::steady_clock::now();
-  double loss = trainer.evaluate(data, engine::cli::flags().eval_batches);
-  double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
-              engine::cli::flags().eval_batches;
-  engine::MemoryStats mem = engine::memory_stats(run.device);
+  const int64_t batches = engine::cli::flags().eval_batches;
+  auto evaluate = [&](const char* what) {
+    trainer.evaluate(data, 1);  // warm-up
+    engine::reset_peak_memory(run.device);
+    auto t0 = std::chrono::steady_clock::now();
+    double loss = trainer.evaluate(data, batches);
+    double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / batches;
+    engine::MemoryStats mem = engine::memory_stats(run.device);
+    if (run.world.rank == 0) {
+      std::printf("%s: evaluated %lld batches under no_grad%s: loss %.4f, %.1f ms/batch, peak memory %.0f MB\n",
+                  run.program.c_str(), static_cast<long long>(batches), what, loss, ms, mem.peak_mb);
+    }
+    return std::make_pair(loss, ms);
+  };
+  if (FLAGS_quantize.empty()) {
+    evaluate("");
+    return engine::StepMetrics();
+  }
+  // The same batches in float32 and then with int8 Linear layers, for the comparison.
+  const auto [float_loss, float_ms] = evaluate(" in float32");
+  engine::QuantizeOptions q;
+  q.granularity = engine::parse_quant_granularity(FLAGS_quantize_scales);
+  const engine::QuantizeReport report = engine::quantize_dynamic_int8(model, q);
+  const auto [int8_loss, int8_ms] = evaluate(" with int8 Linear layers");
   if (run.world.rank == 0) {
-    std::printf("%s: evaluated %lld batches under no_grad: loss %.4f, %.1f ms/batch, peak memory %.0f MB\n",
-                run.program.c_str(), static_cast<long long>(engine::cli::flags().eval_batches), loss, ms, mem.peak_mb);
+    std::printf("%s: %s (%s scales); eval loss %+.4f (%+.2f%%), %.2fx the float32 time per batch\n",
+                run.program.c_str(), report.summary().c_str(), FLAGS_quantize_scales.c_str(), int8_loss - float_loss,
+                100 * (int8_loss - float_loss) / std::max(1e-12, std::abs(float_loss)), int8_ms / float_ms);
+    std::fflush(stdout);
   }
   return engine::StepMetrics();
 }

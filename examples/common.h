@@ -22,6 +22,8 @@ DECLARE_string(data);
 DECLARE_string(data_path);
 DECLARE_bool(inplace);
 DECLARE_bool(eval_only);
+DECLARE_string(quantize);
+DECLARE_string(quantize_scales);
 // model shape
 DECLARE_int64(hidden);
 DECLARE_int32(depth);
@@ -50,10 +52,12 @@ struct Run {
 // `model_checks` runs after the flags are validated and before any communicator exists
 // (shape checks against --tp belong there); programs without it refuse --tp > 1.
 // `model_flags`: the model-shape flags this program reads (--help lists them, every rank must
-// agree on them).
+// agree on them). `topics`: the standard flags the program takes (engine::cli::Topic); the
+// others keep their defaults and are not on its command line.
 Run init_run(int argc, char** argv, const std::string& usage,
              const std::map<std::string, std::string>& defaults,
-             const std::function<void()>& model_checks, const std::vector<std::string>& model_flags);
+             const std::function<void()>& model_checks, const std::vector<std::string>& model_flags,
+             unsigned topics = engine::cli::kAllTopics);
 
 // A classifier's mean cross-entropy and number of correct predictions (argmax == label) of a
 // batch, from its logits: TrainerOptions::eval_loss_and_correct.
@@ -72,8 +76,16 @@ inline int guarded_main(const char* program, const std::function<int()>& body) {
 // Trains (or with --eval_only evaluates --eval_batches batches under no_grad, timing them)
 // and prints the summary on rank 0. eval may be null (then train's data is evaluated).
 // Returns the last logged metrics (step 0 when only evaluating).
-engine::StepMetrics fit_and_report(const Run& run, engine::Trainer& trainer, engine::DataLoader& train,
-                                   engine::DataLoader* eval);
+// With --quantize=int8 (only with --eval_only) the batches are evaluated in float32, then
+// model's Linear layers are quantized (engine::quantize_dynamic_int8) and they are evaluated
+// again: both losses and times, and the weight bytes, are printed.
+engine::StepMetrics fit_and_report(const Run& run, engine::Trainer& trainer, torch::nn::Module& model,
+                                   engine::DataLoader& train, engine::DataLoader* eval);
+
+// Refuses --quantize values and combinations that cannot work (training, --tp > 1, --amp,
+// --device=cuda); `evaluating` says whether the program evaluates or exports (else: `how`
+// names the flag that would).
+void check_quantize_flags(bool evaluating, const char* how);
 
 // Classification data from the flags: scikit-learn's digits (or --data_path), or with
 // --data=synthetic a learnable random task; the last 20% held out for evaluation.

@@ -11,6 +11,12 @@
 // model's input, then loaded back with torch::jit::load and run on the same inputs; its
 // output must equal the module's. --write_example=FILE keeps those inputs and outputs
 // (safetensors: input.0, input.1, ..., output) so a deployment can check itself.
+//
+// --quantize=int8 (safetensors only): the Linear layers' weights are written as int8 with their
+// scales ("<layer>.weight" int8 [out, in], "<layer>.weight_scale" float32 [out] or [1]; the
+// float weight is int8 x scale), as engine::quantize_dynamic_int8 quantizes them; the other
+// tensors stay float32. --write_example then holds the int8 model's output.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 
@@ -21,6 +27,7 @@
 
 #include "common.h"
 #include "dtrain/dist/error.h"
+#include "dtrain/engine/parallel/quantize.h"
 #include "dtrain/engine/state/checkpoint.h"
 #include "dtrain/engine/state/export.h"
 #include "dtrain/engine/train/cli.h"
@@ -31,8 +38,8 @@ DEFINE_string(model, "gpt", "the example model to export: mlp, cnn, seq2seq or g
 DEFINE_string(checkpoint, "", "the run's checkpoint directory (its --save_dir): the newest good checkpoint is exported");
 DEFINE_string(format, "torchscript", "torchscript (an archive torch.jit.load runs) or safetensors (the weights)");
 DEFINE_string(output, "", "the file to write (written atomically; its directory must exist)");
-DEFINE_int64(example_rows, 2, "TorchScript: rows of the example input the model is traced on");
-DEFINE_string(write_example, "", "TorchScript: also write the example inputs and the module's output (safetensors)");
+DEFINE_int64(example_rows, 2, "rows of the example input (TorchScript: the model is traced on it)");
+DEFINE_string(write_example, "", "also write the example inputs and the model's output on them (safetensors)");
 
 using namespace dtrain;
 
@@ -42,21 +49,37 @@ double max_abs_difference(const at::Tensor& a, const at::Tensor& b) {
   return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
 }
 
+void write_example(const std::vector<at::Tensor>& inputs, const at::Tensor& output, const std::string& model_name) {
+  engine::NamedTensorList example;
+  for (size_t i = 0; i < inputs.size(); ++i) example.emplace_back("input." + std::to_string(i), inputs[i]);
+  example.emplace_back("output", output);
+  engine::save_safetensors(FLAGS_write_example, example,
+                           {{"dtrain_model", model_name}, {"dtrain_quantize", FLAGS_quantize}});
+}
+
 int export_main(int argc, char** argv) {
   const std::string model_name = examples::model_from_argv(argc, argv, "gpt");
   engine::cli::describe_flags("Export", {"model", "checkpoint", "format", "output", "example_rows", "write_example"});
-  std::map<std::string, std::string> defaults = examples::model_flag_defaults(model_name);
+  std::map<std::string, std::string> defaults;  // the model's shape defaults (not its training ones)
+  const std::vector<std::string> shape = examples::model_flag_names(model_name);
+  for (const auto& [flag, value] : examples::model_flag_defaults(model_name)) {
+    if (std::find(shape.begin(), shape.end(), flag) != shape.end()) defaults[flag] = value;
+  }
   defaults["device"] = "cpu";  // the traced graph holds its device; export for the CPU unless asked
+  // Only the device flags of the standard ones: export neither trains nor splits the model.
   examples::Run run = examples::init_run(argc, argv,
                                          "dtrain-export --model=mlp|cnn|seq2seq|gpt [shape flags] --checkpoint=DIR "
-                                         "--format=torchscript|safetensors --output=FILE",
+                                         "--format=torchscript|safetensors --output=FILE [--quantize=int8]",
                                          defaults, examples::model_checks(model_name),
-                                         examples::model_flag_names(model_name));
+                                         examples::model_flag_names(model_name), engine::cli::kRanks);
   DTRAIN_CHECK(run.world.size == 1, "dtrain-export runs as one process (it builds the unsplit model and gathers a "
                "tensor-parallel checkpoint itself); run it without mpirun/srun");
   DTRAIN_CHECK(FLAGS_format == "torchscript" || FLAGS_format == "safetensors", "--format=", FLAGS_format,
                " is not one of: torchscript, safetensors");
   DTRAIN_CHECK(!FLAGS_checkpoint.empty(), "--checkpoint is required: the run's --save_dir");
+  DTRAIN_CHECK(FLAGS_quantize.empty() || FLAGS_format == "safetensors", "--quantize=int8 --format=", FLAGS_format,
+               ": the int8 model is exported as safetensors (int8 weights and their scales); libtorch's tracer cannot "
+               "record the packed int8 weights into a TorchScript archive. Use --format=safetensors");
   DTRAIN_CHECK(FLAGS_example_rows >= 1, "--example_rows=", FLAGS_example_rows, " must be >= 1");
   // Every output is checked before the checkpoint is read.
   engine::check_output_path(FLAGS_output, "--output");
@@ -83,15 +106,33 @@ int export_main(int argc, char** argv) {
   const int64_t step = trainer.current_step();
   m.module->eval();
 
-  const engine::NamedTensorList tensors = engine::module_tensors(*m.module);
   int64_t parameters = 0;
   for (const auto& p : m.module->parameters()) parameters += p.numel();
   std::string detail;
   if (FLAGS_format == "safetensors") {
-    engine::save_safetensors(FLAGS_output, tensors,
-                             {{"format", "pt"}, {"dtrain_model", model_name}, {"dtrain_step", std::to_string(step)},
-                              {"dtrain_checkpoint", FLAGS_checkpoint}});
-    detail = std::to_string(tensors.size()) + " tensors";
+    std::map<std::string, std::string> metadata = {{"format", "pt"}, {"dtrain_model", model_name},
+                                                   {"dtrain_step", std::to_string(step)},
+                                                   {"dtrain_checkpoint", FLAGS_checkpoint}};
+    std::string quantized;
+    if (!FLAGS_quantize.empty()) {
+      engine::QuantizeOptions q;
+      q.granularity = engine::parse_quant_granularity(FLAGS_quantize_scales);
+      const engine::QuantizeReport report = engine::quantize_dynamic_int8(*m.module, q);
+      metadata["dtrain_quantize"] = "int8 symmetric, " + FLAGS_quantize_scales + " scales: weight = int8 * weight_scale";
+      std::string layers;
+      for (const std::string& name : report.layers) layers += (layers.empty() ? "" : ",") + name;
+      metadata["dtrain_quantized_layers"] = layers;
+      quantized = "; " + report.summary();
+    }
+    const engine::NamedTensorList tensors = FLAGS_quantize.empty() ? engine::module_tensors(*m.module)
+                                                                   : engine::int8_state(*m.module);
+    engine::save_safetensors(FLAGS_output, tensors, metadata);
+    detail = std::to_string(tensors.size()) + " tensors" + quantized;
+    if (!FLAGS_write_example.empty()) {  // the (quantized) model's output on example inputs
+      torch::NoGradGuard no_grad;
+      const std::vector<at::Tensor> inputs = m.inputs(m.synthetic_batch(FLAGS_example_rows));
+      write_example(inputs, m.forward(inputs), model_name);
+    }
   } else {
     torch::NoGradGuard no_grad;
     const std::vector<at::Tensor> inputs = m.inputs(m.synthetic_batch(FLAGS_example_rows));
@@ -106,12 +147,7 @@ int export_main(int argc, char** argv) {
     DTRAIN_CHECK(std::isfinite(diff) && diff <= 1e-5 * std::max(1.0, want.abs().max().item<double>()),
                  "the archive written to ", FLAGS_output, " does not reproduce the module (max difference ", diff,
                  "); please report this with the model flags");
-    if (!FLAGS_write_example.empty()) {
-      engine::NamedTensorList example;
-      for (size_t i = 0; i < inputs.size(); ++i) example.emplace_back("input." + std::to_string(i), inputs[i]);
-      example.emplace_back("output", want);
-      engine::save_safetensors(FLAGS_write_example, example, {{"dtrain_model", model_name}});
-    }
+    if (!FLAGS_write_example.empty()) write_example(inputs, want, model_name);
     char text[160];
     std::snprintf(text, sizeof text, "a traced graph of %lld nodes for inputs of shape", static_cast<long long>(nodes));
     detail = text;

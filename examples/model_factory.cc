@@ -4,7 +4,7 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
-#include <torch/nn/modules/linear.h>
+#include "dtrain/engine/parallel/quantize.h"
 #include <torch/utils.h>
 
 #include "dtrain/dist/error.h"
@@ -140,11 +140,11 @@ ExampleModel mlp(const Run& run) {
   auto model = torch::nn::Sequential().ptr();
   int64_t in = kMlpFeatures;
   for (int d = 0; d < FLAGS_depth; ++d) {
-    model->push_back(torch::nn::Linear(in, FLAGS_hidden));
+    model->push_back(engine::Linear(in, FLAGS_hidden));
     model->push_back(torch::nn::ReLU(torch::nn::ReLUOptions().inplace(FLAGS_inplace)));
     in = FLAGS_hidden;
   }
-  model->push_back(torch::nn::Linear(in, kMlpClasses));
+  model->push_back(engine::Linear(in, kMlpClasses));
   model->to(run.device);
   ExampleModel m = digits_classifier("mlp", model, run.device);
   m.largest_activation_bytes_per_row = std::max<int64_t>(FLAGS_hidden, kMlpClasses) * 4;

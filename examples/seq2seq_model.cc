@@ -12,12 +12,12 @@ namespace dtrain::examples {
 AttentionImpl::AttentionImpl(int64_t d_model, int64_t h, double p, bool self)
     : heads(h), dropout(p), self_attention(self) {
   if (self) {
-    qkv = register_module("qkv", torch::nn::Linear(d_model, 3 * d_model));
+    qkv = register_module("qkv", engine::Linear(d_model, 3 * d_model));
   } else {
-    q = register_module("q", torch::nn::Linear(d_model, d_model));
-    kv = register_module("kv", torch::nn::Linear(d_model, 2 * d_model));
+    q = register_module("q", engine::Linear(d_model, d_model));
+    kv = register_module("kv", engine::Linear(d_model, 2 * d_model));
   }
-  out = register_module("out", torch::nn::Linear(d_model, d_model));
+  out = register_module("out", engine::Linear(d_model, d_model));
 }
 
 at::Tensor AttentionImpl::forward(const at::Tensor& x_q, const at::Tensor& x_kv, bool causal) {
@@ -46,8 +46,8 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x_q, const at::Tensor& x_kv,
 
 FeedForwardImpl::FeedForwardImpl(int64_t d_model, int64_t ff, double p, bool in)
     : inplace(in) {
-  fc1 = register_module("fc1", torch::nn::Linear(d_model, ff));
-  fc2 = register_module("fc2", torch::nn::Linear(ff, d_model));
+  fc1 = register_module("fc1", engine::Linear(d_model, ff));
+  fc2 = register_module("fc2", engine::Linear(ff, d_model));
   drop = register_module("drop", torch::nn::Dropout(p));
 }
 
@@ -98,7 +98,7 @@ Seq2SeqImpl::Seq2SeqImpl(const Seq2SeqOptions& o) : options(o) {
     encoder->push_back(EncoderLayer(o.d_model, o.heads, o.ff, o.dropout, o.inplace));
     decoder->push_back(DecoderLayer(o.d_model, o.heads, o.ff, o.dropout, o.inplace));
   }
-  head = register_module("head", torch::nn::Linear(o.d_model, o.vocab));
+  head = register_module("head", engine::Linear(o.d_model, o.vocab));
   drop = register_module("drop", torch::nn::Dropout(o.dropout));
   at::Tensor pos = at::arange(o.max_len, at::kFloat).unsqueeze(1);
   at::Tensor div = at::exp(at::arange(0, o.d_model, 2, at::kFloat) * (-std::log(10000.0) / o.d_model));

@@ -6,7 +6,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/embedding.h>
-#include <torch/nn/modules/linear.h>
+#include "dtrain/engine/parallel/quantize.h"
 #include <torch/nn/modules/normalization.h>
 
 namespace dtrain::examples {
@@ -18,14 +18,14 @@ struct AttentionImpl : torch::nn::Module {
   int64_t heads;
   double dropout;
   bool self_attention;
-  torch::nn::Linear qkv{nullptr}, q{nullptr}, kv{nullptr}, out{nullptr};
+  engine::Linear qkv{nullptr}, q{nullptr}, kv{nullptr}, out{nullptr};
 };
 TORCH_MODULE(Attention);
 
 struct FeedForwardImpl : torch::nn::Module {
   FeedForwardImpl(int64_t d_model, int64_t ff, double dropout, bool inplace);
   at::Tensor forward(const at::Tensor& x);
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  engine::Linear fc1{nullptr}, fc2{nullptr};
   torch::nn::Dropout drop{nullptr};
   bool inplace;
 };
@@ -68,7 +68,7 @@ struct Seq2SeqImpl : torch::nn::Module {
   Seq2SeqOptions options;
   torch::nn::Embedding src_embed{nullptr}, tgt_embed{nullptr};
   torch::nn::ModuleList encoder, decoder;
-  torch::nn::Linear head{nullptr};
+  engine::Linear head{nullptr};
   torch::nn::Dropout drop{nullptr};
   at::Tensor positions;  // [max_len, d] sinusoidal, a buffer
 };

@@ -27,7 +27,7 @@ int main(int argc, char** argv) {
     }, *run.mesh, run.device, options);
     engine::DataLoader train_loader(data.train, examples::loader_options(run, engine::cli::flags().batch_size, true, engine::cli::flags().seed));
     auto eval_loader = examples::eval_loader(run, data);
-    examples::fit_and_report(run, trainer, train_loader, eval_loader.get());
+    examples::fit_and_report(run, trainer, *model, train_loader, eval_loader.get());
     return 0;
   });
 }

@@ -38,7 +38,7 @@ int main(int argc, char** argv) {
     examples::TokenData data = examples::token_data(run, S, /*fold_bytes=*/true);
     engine::DataLoader loader(data.train, examples::loader_options(run, engine::cli::flags().batch_size, true, engine::cli::flags().seed));
     auto eval = examples::eval_loader(run, data);
-    engine::StepMetrics last = examples::fit_and_report(run, trainer, loader, eval.get());
+    engine::StepMetrics last = examples::fit_and_report(run, trainer, *model.module, loader, eval.get());
     if (run.world.rank == 0 && run.device.is_cuda() && last.step_ms > 0) {
       // Model FLOPs per token: 6 N for the weights plus attention's 12 L d T (forward+backward).
       double flops_per_token = 6.0 * gpt->parameter_count() + 12.0 * FLAGS_layers * FLAGS_d_model * S;

@@ -23,7 +23,7 @@ int main(int argc, char** argv) {
     examples::TokenData data = examples::token_data(run, 2 * S, /*fold_bytes=*/false);
     engine::DataLoader loader(data.train, examples::loader_options(run, engine::cli::flags().batch_size, true, engine::cli::flags().seed));
     auto eval = examples::eval_loader(run, data);
-    examples::fit_and_report(run, trainer, loader, eval.get());
+    examples::fit_and_report(run, trainer, *model.module, loader, eval.get());
     return 0;
   });
 }

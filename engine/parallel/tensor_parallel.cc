@@ -201,11 +201,23 @@ std::map<std::string, ShardSpec> ColumnParallelLinearImpl::shard_specs() const {
 }
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
+  if (int8_) return int8_linear(x, *int8_);  // unsplit: the collectives are identities
   // Sequence-parallel: the gather's backward reduce-scatters (sums) the input gradient.
   at::Tensor in = options.sequence_parallel ? gather_from_sequence_parallel(x, *tp, 1) : copy_to_tensor_parallel(x, *tp);
   at::Tensor y = at::linear(in, weight, bias);
   return options.gather_output ? gather_from_tensor_parallel(y, *tp) : y;
 }
+
+namespace {
+void check_unsplit(const dist::Communicator& tp, const char* layer) {
+  DTRAIN_CHECK(tp.size() == 1, "int8 quantization of a ", layer, " split over --tp=", tp.size(), " is not supported: "
+               "load the checkpoint into one process (tensor-parallel checkpoints are gathered on load) and quantize "
+               "it there");
+}
+}  // namespace
+
+void ColumnParallelLinearImpl::check_quantizable() const { check_unsplit(*tp, "column-parallel Linear"); }
+void RowParallelLinearImpl::check_quantizable() const { check_unsplit(*tp, "row-parallel Linear"); }
 
 RowParallelLinearImpl::RowParallelLinearImpl(ParallelLinearOptions o, dist::Communicator& c)
     : options(o), tp(&c) {
@@ -233,6 +245,7 @@ std::map<std::string, ShardSpec> RowParallelLinearImpl::shard_specs() const {
 }
 
 at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x_parallel) {
+  if (int8_) return int8_linear(x_parallel, *int8_);  // unsplit: the bias is packed with the weight
   at::Tensor partial = at::linear(x_parallel, weight);
   if (!options.sequence_parallel) {
     at::Tensor y = reduce_from_tensor_parallel(partial, *tp);

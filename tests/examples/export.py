@@ -15,12 +15,12 @@ For mlp, cnn, seq2seq and gpt (and a GPT trained with --tp 2 on two ranks):
 usage: export.py --bin BUILD/bin --mpirun "mpirun ..." (run with the Python that has torch and safetensors)
 """
 import argparse
-import glob
 import os
 import shlex
-import subprocess
 import sys
 import tempfile
+
+from example_util import newest_main_file, run
 
 SHAPES = {
     "mlp": ("train_mlp", ["--hidden=32", "--depth=2", "--data=synthetic"]),
@@ -65,24 +65,11 @@ print(f"ok: {len(w)} tensors equal" + (" the checkpoint's" if state else "") + f
 """
 
 
-def run(cmd, expect=0, env=None):
-    print("$", " ".join(shlex.quote(c) if len(c) < 200 else "<script>" for c in cmd), flush=True)
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300, env=env)
-    print(p.stdout[-2000:], flush=True)
-    if (expect == 0) != (p.returncode == 0):
-        sys.exit(f"FAIL: exit status {p.returncode}, expected {'0' if expect == 0 else 'non-zero'}")
-    return p.stdout
-
-
-def newest_main_file(ck):
-    files = sorted(f for f in glob.glob(os.path.join(ck, "step-*.pt")) if ".rank-" not in f)
-    assert files, f"no checkpoint in {ck}"
-    return files[-1]
 
 
 def export_and_check(args, work, name, model, shape, ck, ranks_note=""):
     exe = os.path.join(args.bin, "dtrain-export")
-    base = [exe, f"--model={model}", *shape, f"--checkpoint={ck}", "--progress=false"]
+    base = [exe, f"--model={model}", *shape, f"--checkpoint={ck}"]
     pt, ex, st = (os.path.join(work, name + s) for s in (".pt", "-example.safetensors", ".safetensors"))
     out = run(base + ["--format=torchscript", f"--output={pt}", f"--write_example={ex}", "--example_rows=3"])
     assert "torch::jit::load reproduces the module" in out, out
@@ -114,7 +101,7 @@ def main():
         # Bad input: a clear message, a non-zero exit, nothing written.
         exe = os.path.join(args.bin, "dtrain-export")
         ck = os.path.join(work, "ck-gpt")
-        gpt = [exe, "--model=gpt", *shape, f"--checkpoint={ck}", "--progress=false"]
+        gpt = [exe, "--model=gpt", *shape, f"--checkpoint={ck}"]
         before = set(os.listdir(work))
         cases = [
             (gpt[:2] + ["--d_model=64", "--heads=4", "--ff=64", "--layers=2", "--seq_len=8", "--vocab=50",
@@ -123,6 +110,8 @@ def main():
             (gpt + [f"--output={work}/gpt.pt/inside.pt"], "is not a directory"),
             (gpt + [f"--output={work}"], "is a directory"),
             (gpt + ["--format=onnx", f"--output={work}/x.onnx"], "--format=onnx is not one of: torchscript, safetensors"),
+            (gpt + ["--quantize=int8", f"--output={work}/q.pt"], "the int8 model is exported as safetensors"),
+            (gpt + ["--steps=5", f"--output={work}/s.pt"], "steps"),  # export takes no training flags
             ([exe, "--model=gpt", *shape, f"--checkpoint={work}/empty", f"--output={work}/y.pt"], "holds no good checkpoint; point it at a training run's --save_dir"),
             ([exe, "--model=resnet", f"--checkpoint={ck}", f"--output={work}/z.pt"], "is not one of: seq2seq, gpt, mlp, cnn"),
         ]

@@ -11,8 +11,13 @@ for program in train_mlp train_cnn train_gpt train_seq2seq dtrain-plan dtrain-ex
     out=$("$bin/$program" "$flag" 2>&1) || fail "$program $flag exited $?"
     lines=$(wc -l <<<"$out")
     ((lines < 90)) || fail "$program $flag prints $lines lines (limit 89)"
-    grep -q "^Training:" <<<"$out" || fail "$program $flag has no Training section"
-    grep -q "^Checkpoints and preemption:" <<<"$out" || fail "$program $flag has no checkpoint section"
+    if [[ $program == dtrain-export ]]; then  # exports: its own flags and the device's, no training ones
+      grep -q "^Export:" <<<"$out" || fail "$program $flag has no Export section"
+      ! grep -qE "^Training:|--steps=|--offload=" <<<"$out" || fail "$program $flag lists training flags it does not take"
+    else
+      grep -q "^Training:" <<<"$out" || fail "$program $flag has no Training section"
+      grep -q "^Checkpoints and preemption:" <<<"$out" || fail "$program $flag has no checkpoint section"
+    fi
     ! grep -qE "logtostderr|minloglevel|flagfile|tryfromenv" <<<"$out" || fail "$program $flag shows gflags/glog internals"
   done
   echo "ok: $program --help: $lines lines"
@@ -26,6 +31,8 @@ grep -q -- "--tp=1" <<<"$gpt" || fail "train_gpt --help misses --tp"
 grep -q -- "--d_model=768" <<<"$gpt" || fail "train_gpt --help misses --d_model (default 768)"
 grep -q -- "--verify_steps" <<<"$("$bin/dtrain-plan" --help)" || fail "dtrain-plan --help misses its own flags"
 grep -q -- "--write_example" <<<"$("$bin/dtrain-export" --help)" || fail "dtrain-export --help misses its own flags"
+grep -q -- "--quantize=" <<<"$("$bin/dtrain-export" --help)" || fail "dtrain-export --help misses --quantize"
+grep -q -- "--quantize=" <<<"$mlp" || fail "train_mlp --help misses --quantize"
 # --helpfull still lists everything (glog's flags included) for whoever needs it.
 full=$("$bin/train_mlp" --helpfull 2>&1)  # gflags exits 1 after --helpfull
 grep -q "logtostderr" <<<"$full" || fail "--helpfull no longer lists glog's flags"

@@ -16,26 +16,17 @@
 usage: prune.py --bin BUILD/bin --mpirun "mpirun ..." (run with the Python that has torch)
 """
 import argparse
-import glob
 import json
 import os
 import shlex
-import subprocess
-import sys
 import tempfile
 
 import torch
 from torch import nn
 from torch.nn.utils import prune
 
+from example_util import run
 
-def run(cmd, expect=0):
-    print("$", " ".join(shlex.quote(c) for c in cmd), flush=True)
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
-    print(p.stdout[-1500:], flush=True)
-    if (expect == 0) != (p.returncode == 0):
-        sys.exit(f"FAIL: exit status {p.returncode}, expected {'0' if expect == 0 else 'non-zero'}")
-    return p.stdout
 
 
 def checkpoint(ck, step):

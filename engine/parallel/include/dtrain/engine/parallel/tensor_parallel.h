@@ -32,6 +32,7 @@
 #include <torch/nn/pimpl.h>
 
 #include "dtrain/dist/communicator.h"
+#include "dtrain/engine/parallel/quantize.h"
 
 namespace dtrain::engine {
 
@@ -113,7 +114,7 @@ struct ParallelLinearOptions {
 
 // y = x W^T + b with W split by output features (rows): this rank computes its slice of y.
 // Input gradient all-reduced in backward (sequence_parallel: reduce-scattered).
-struct ColumnParallelLinearImpl : torch::nn::Module, TensorParallelModule {
+struct ColumnParallelLinearImpl : torch::nn::Module, TensorParallelModule, QuantizableLinear {
   ColumnParallelLinearImpl(ParallelLinearOptions options, dist::Communicator& tp);
   at::Tensor forward(const at::Tensor& x);
   std::map<std::string, ShardSpec> shard_specs() const override;
@@ -122,13 +123,18 @@ struct ColumnParallelLinearImpl : torch::nn::Module, TensorParallelModule {
   dist::Communicator* tp;
   int64_t padded_out;       // out rounded up to the group size when pad_output
   at::Tensor weight, bias;  // [padded_out/T, in], [padded_out/T]
+  void check_quantizable() const override;  // unsplit only (tensor-parallel size 1)
+
+ protected:
+  at::Tensor& linear_weight() override { return weight; }
+  at::Tensor linear_bias() override { return bias; }
 };
 TORCH_MODULE(ColumnParallelLinear);
 
 // y = x W^T + b with W split by input features (columns); x is already split (the output of
 // a column-parallel layer). The partial products are all-reduced (sequence_parallel:
 // reduce-scattered along the sequence); the bias is added once.
-struct RowParallelLinearImpl : torch::nn::Module, TensorParallelModule {
+struct RowParallelLinearImpl : torch::nn::Module, TensorParallelModule, QuantizableLinear {
   RowParallelLinearImpl(ParallelLinearOptions options, dist::Communicator& tp);
   at::Tensor forward(const at::Tensor& x_parallel);
   std::map<std::string, ShardSpec> shard_specs() const override;
@@ -136,6 +142,11 @@ struct RowParallelLinearImpl : torch::nn::Module, TensorParallelModule {
   ParallelLinearOptions options;
   dist::Communicator* tp;
   at::Tensor weight, bias;  // [out, in/T], [out]
+  void check_quantizable() const override;  // unsplit only (tensor-parallel size 1)
+
+ protected:
+  at::Tensor& linear_weight() override { return weight; }
+  at::Tensor linear_bias() override { return bias; }
 };
 TORCH_MODULE(RowParallelLinear);
 

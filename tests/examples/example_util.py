@@ -1,0 +1,24 @@
+"""What the example tests share: running a program and finding a run's newest checkpoint."""
+import glob
+import os
+import shlex
+import subprocess
+import sys
+
+
+def run(cmd, expect=0, env=None, tail=2000):
+    """Runs cmd, prints the command and the last `tail` characters of its output; exits the test
+    unless it succeeded (expect=0) or failed (expect != 0) as expected. Returns the output."""
+    print("$", " ".join(shlex.quote(c) if len(c) < 200 else "<script>" for c in cmd), flush=True)
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300, env=env)
+    print(p.stdout[-tail:], flush=True)
+    if (expect == 0) != (p.returncode == 0):
+        sys.exit(f"FAIL: exit status {p.returncode}, expected {'0' if expect == 0 else 'non-zero'}")
+    return p.stdout
+
+
+def newest_main_file(ck):
+    """The newest checkpoint's main file (what torch.load reads) in the run directory ck."""
+    files = sorted(f for f in glob.glob(os.path.join(ck, "step-*.pt")) if ".rank-" not in f)
+    assert files, f"no checkpoint in {ck}"
+    return files[-1]
