@@ -1,6 +1,7 @@
 #include "common.h"
 
 #include "datasets.h"
+#include "distill.h"
 
 #include <sys/stat.h>
 
@@ -24,7 +25,7 @@ DEFINE_string(data, "real", "real (files that installed packages ship) or synthe
 DEFINE_string(data_path, "", "data file or directory (default: the example's)");
 DEFINE_bool(inplace, true, "in-place activations where safe");
 DEFINE_bool(eval_only, false, "only evaluate --eval_batches batches under no_grad (memory/speed of inference)");
-DEFINE_string(quantize, "", "with --eval_only: int8 also evaluates the model with dynamic int8 Linear layers (CPU) and compares");
+DEFINE_string(quantize, "", "int8: dynamic int8 Linear layers (CPU): --eval_only evaluates them beside float32, dtrain-export writes them");
 DEFINE_string(quantize_scales, "channel", "int8 weight scales: channel (one per output feature) or tensor (one per weight)");
 // Model shape
 DEFINE_int64(hidden, 256, "MLP: hidden width");
@@ -72,6 +73,7 @@ void check_flags(unsigned topics) {
                " must be in [0, 1)");
   // A program without the training flags (dtrain-export) only evaluates or exports.
   check_quantize_flags(FLAGS_eval_only || !(topics & engine::cli::kTraining), "--eval_only");
+  check_distill_flags(FLAGS_eval_only || !(topics & engine::cli::kTraining));
 }
 
 // POSIX rather than std::filesystem: libtorch.so exports its own copies of some
@@ -101,14 +103,23 @@ Run init_run(int argc, char** argv, const std::string& usage,
              const std::function<void()>& model_checks, const std::vector<std::string>& model_flags,
              unsigned topics) {
   // The standard flags (tensor parallelism only for programs with tensor-parallel layers), the
-  // program's model shape, and the data flags every example has.
+  // program's model shape, and the data flags every example has. Distillation and quantized
+  // evaluation are the example trainers' (train_*); dtrain-export lists --quantize itself.
+  std::string argv0 = argv[0];
+  const std::string program = argv0.substr(argv0.rfind('/') == std::string::npos ? 0 : argv0.rfind('/') + 1);
+  const bool trainer = program.rfind("train_", 0) == 0;
+  if (trainer) {  // listed with the training flags
+    engine::cli::describe_flags("Training", {"teacher", "distill_temperature", "distill_alpha", "teacher_bf16"});
+  }
   engine::cli::describe_flags("Model", model_flags);
-  engine::cli::describe_flags("Data and evaluation", {"data", "data_path", "eval_only", "quantize", "quantize_scales", "inplace"}, {"data_path"});
+  std::vector<std::string> data = {"data", "data_path", "eval_only", "inplace"};
+  if (trainer) data.insert(data.begin() + 3, {"quantize", "quantize_scales"});
+  engine::cli::describe_flags("Data and evaluation", data, {"data_path"});
   if (!model_checks) topics &= ~engine::cli::kTensorParallel;
   engine::cli::parse(argc, argv, usage, topics, defaults);
   Run run;
-  std::string argv0 = argv[0];
-  run.program = argv0.substr(argv0.rfind('/') == std::string::npos ? 0 : argv0.rfind('/') + 1);
+  run.model_flags = model_flags;
+  run.program = program;
   run.world = dist::detect_world();
   dist::init_logging(argv[0], run.world);
   check_flags(topics);
@@ -151,6 +162,10 @@ std::pair<at::Tensor, at::Tensor> loss_and_correct(const at::Tensor& logits, con
 engine::TrainerOptions trainer_options(const Run& run, const std::string& default_optimizer) {
   engine::TrainerOptions o = engine::cli::trainer_options(engine::cli::flags(), default_optimizer, run.mesh->tp_size());
   o.checkpoint_meta["program"] = run.program;
+  // The model's shape, so that a later run can rebuild it (a distillation teacher's defaults).
+  for (const std::string& flag : run.model_flags) {
+    o.checkpoint_meta["shape." + flag] = gflags::GetCommandLineFlagInfoOrDie(flag.c_str()).current_value;
+  }
   o.evaluation_only = FLAGS_eval_only;  // no optimizer state or gradient buffers to evaluate
   return o;
 }

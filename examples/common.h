@@ -44,6 +44,7 @@ struct Run {
   std::unique_ptr<dist::Communicator> comm;
   std::unique_ptr<dist::Mesh> mesh;
   std::string program;
+  std::vector<std::string> model_flags;  // the model-shape flags the program reads
 };
 
 // Parses and validates the flags (dtrain::Error on bad values), detects the world, picks the

@@ -59,7 +59,8 @@ void write_example(const std::vector<at::Tensor>& inputs, const at::Tensor& outp
 
 int export_main(int argc, char** argv) {
   const std::string model_name = examples::model_from_argv(argc, argv, "gpt");
-  engine::cli::describe_flags("Export", {"model", "checkpoint", "format", "output", "example_rows", "write_example"});
+  engine::cli::describe_flags("Export", {"model", "checkpoint", "format", "output", "example_rows", "write_example",
+                                         "quantize", "quantize_scales"});
   std::map<std::string, std::string> defaults;  // the model's shape defaults (not its training ones)
   const std::vector<std::string> shape = examples::model_flag_names(model_name);
   for (const auto& [flag, value] : examples::model_flag_defaults(model_name)) {

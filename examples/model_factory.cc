@@ -67,6 +67,12 @@ ExampleModel seq2seq(const Run& run) {
     return std::vector<at::Tensor>{w.narrow(1, 0, S), w.narrow(1, S, S)};  // source, decoder input
   };
   m.forward = [model](const std::vector<at::Tensor>& in) { return model->forward(in.at(0), in.at(1)); };
+  m.logits_and_targets = [model, S](const engine::Batch& b) {
+    const at::Tensor& w = b.fields[0];
+    at::Tensor logits = model->forward(w.narrow(1, 0, S), w.narrow(1, S, S));
+    return std::make_pair(logits.reshape({-1, logits.size(-1)}), w.narrow(1, S + 1, S).reshape({-1}));
+  };
+  m.classes = FLAGS_vocab;
   return m;
 }
 
@@ -108,6 +114,13 @@ ExampleModel gpt(const Run& run) {
   m.offload_layers = [model, device] { model->offload_blocks(device); };
   m.inputs = [S](const engine::Batch& b) { return std::vector<at::Tensor>{b.fields[0].narrow(1, 0, S)}; };
   m.forward = [model](const std::vector<at::Tensor>& in) { return model->forward(in.at(0)); };
+  m.logits_and_targets = [model, S](const engine::Batch& b) {
+    const at::Tensor& w = b.fields[0];
+    at::Tensor logits = model->forward(w.narrow(1, 0, S));
+    return std::make_pair(logits.reshape({-1, logits.size(-1)}), w.narrow(1, 1, S).reshape({-1}));
+  };
+  m.classes = FLAGS_vocab;
+  m.vocab_parallel = true;
   return m;
 }
 
@@ -132,6 +145,8 @@ ExampleModel digits_classifier(const std::string& name, std::shared_ptr<Net> mod
   m.default_optimizer = "adamw";
   m.inputs = [](const engine::Batch& b) { return std::vector<at::Tensor>{b.fields[0]}; };
   m.forward = [model](const std::vector<at::Tensor>& in) { return model->forward(in.at(0)); };
+  m.logits_and_targets = [model](const engine::Batch& b) { return std::make_pair(model->forward(b.fields[0]), b.fields[1]); };
+  m.classes = kMlpClasses;
   return m;
 }
 

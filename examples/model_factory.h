@@ -44,6 +44,12 @@ struct ExampleModel {
   // forward on them: the logits (the whole vocabulary's with --tp 1). What dtrain-export traces.
   std::function<std::vector<at::Tensor>(const engine::Batch&)> inputs;
   std::function<at::Tensor(const std::vector<at::Tensor>&)> forward;
+  // The logits of a batch as rows [N, classes] (with --tp > 1 and vocab_parallel: this rank's
+  // slice of the vocabulary, padded to the group) and their targets [N]: what the loss compares,
+  // for distillation (--teacher).
+  std::function<std::pair<at::Tensor, at::Tensor>(const engine::Batch&)> logits_and_targets;
+  int64_t classes = 0;          // the real number of classes (the vocabulary)
+  bool vocab_parallel = false;  // logits split by vocabulary over the tensor-parallel group
 };
 
 // The value of --model on the command line (before the flags are parsed: it selects the

@@ -1,10 +1,7 @@
 // train_cnn: a small convolutional network on 8x8 images (scikit-learn's digits by default,
 // --data=synthetic for random images with a linear-teacher label).
-#include <torch/nn/functional/loss.h>
-
-#include "cnn_model.h"
 #include "common.h"
-#include "datasets.h"
+#include "distill.h"
 #include "model_factory.h"
 
 using namespace dtrain;
@@ -15,19 +12,15 @@ int main(int argc, char** argv) {
                                            examples::model_flag_defaults("cnn"), nullptr,
                                            examples::model_flag_names("cnn"));
     examples::ClassificationData data = examples::classification_data();
-    torch::manual_seed(engine::cli::flags().seed);
-    auto model = std::make_shared<examples::ConvNet>(FLAGS_hidden, FLAGS_inplace, engine::cli::flags().checkpoint_activations);
-    model->to(run.device);
-    engine::TrainerOptions options = examples::trainer_options(run, "adamw");
-    options.eval_loss_and_correct = [&](const engine::Batch& b) {  // eval_accuracy
-      return examples::loss_and_correct(model->forward(b.fields[0]), b.fields[1]);
-    };
-    engine::Trainer trainer(*model, [&](const engine::Batch& b) {
-      return torch::nn::functional::cross_entropy(model->forward(b.fields[0]), b.fields[1]);
-    }, *run.mesh, run.device, options);
+    examples::ExampleModel model = examples::build_example_model("cnn", run);
+    examples::attach_teacher(run, model);  // --teacher: distillation
+    engine::TrainerOptions options = examples::trainer_options(run, model.default_optimizer);
+    options.eval_loss_and_correct = model.eval_loss_and_correct;  // eval_accuracy
+    examples::plan_and_apply(run, model, options);
+    engine::Trainer trainer(*model.module, model.loss, *run.mesh, run.device, options);
     engine::DataLoader train_loader(data.train, examples::loader_options(run, engine::cli::flags().batch_size, true, engine::cli::flags().seed));
     auto eval_loader = examples::eval_loader(run, data);
-    examples::fit_and_report(run, trainer, *model, train_loader, eval_loader.get());
+    examples::fit_and_report(run, trainer, *model.module, train_loader, eval_loader.get());
     return 0;
   });
 }

@@ -12,6 +12,7 @@
 #include <glog/logging.h>
 
 #include "common.h"
+#include "distill.h"
 #include "gpt_model.h"
 #include "model_factory.h"
 
@@ -29,6 +30,7 @@ int main(int argc, char** argv) {
       LOG(INFO) << "GPT with " << gpt->parameter_count() / 1e6 << "M parameters, tp " << run.mesh->tp_size()
                 << ", dp " << run.mesh->dp_size();
     }
+    examples::attach_teacher(run, model);  // --teacher: distillation
     engine::TrainerOptions options = examples::trainer_options(run, model.default_optimizer);
     options.eval_perplexity = true;
     options.optimizer.beta2 = 0.95;

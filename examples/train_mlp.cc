@@ -3,6 +3,7 @@
 //   train_mlp --steps=200 --batch_size=64
 //   dtrain-run -np 2 -- train_mlp --batch_size=32          (same global batches as above)
 #include "common.h"
+#include "distill.h"
 #include "model_factory.h"
 
 using namespace dtrain;
@@ -14,6 +15,7 @@ int main(int argc, char** argv) {
                                            examples::model_flag_names("mlp"));
     examples::ClassificationData data = examples::classification_data();
     examples::ExampleModel model = examples::build_example_model("mlp", run);
+    examples::attach_teacher(run, model);  // --teacher: distillation
     engine::TrainerOptions options = examples::trainer_options(run, model.default_optimizer);
     options.eval_loss_and_correct = model.eval_loss_and_correct;  // eval_accuracy
     examples::plan_and_apply(run, model, options);

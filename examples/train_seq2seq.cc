@@ -4,6 +4,7 @@
 // license texts Debian ships in /usr/share/common-licenses (bytes as tokens), the target the
 // window that follows. --data=synthetic trains on random tokens (the benchmark's data).
 #include "common.h"
+#include "distill.h"
 #include "model_factory.h"
 
 using namespace dtrain;
@@ -15,6 +16,7 @@ int main(int argc, char** argv) {
                                            examples::model_flag_names("seq2seq"));
     const int64_t S = FLAGS_seq_len;
     examples::ExampleModel model = examples::build_example_model("seq2seq", run);
+    examples::attach_teacher(run, model);  // --teacher: distillation
     engine::TrainerOptions options = examples::trainer_options(run, model.default_optimizer);
     options.eval_perplexity = true;
     options.tokens_per_sample = 2 * S;

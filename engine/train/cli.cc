@@ -290,14 +290,22 @@ void describe_flags(const std::string& heading, const std::vector<std::string>& 
 std::string help_text(const std::string& usage) {
   std::ostringstream os;
   os << usage << "\n";
+  // A program's own flags described under a standard heading ("Training") join that section.
+  std::set<std::string> standard;
   for (const auto& [topic, heading] : headings()) {
     if (!registered(topic)) continue;
+    standard.insert(heading);
     os << "\n" << heading << ":\n";
     for (const Spec& sp : specs()) {
       if (sp.topic == topic) os << flag_line(sp.name) << "\n";
     }
+    for (const auto& [own, names] : state().described) {
+      if (own != heading) continue;
+      for (const std::string& name : names) os << flag_line(name) << "\n";
+    }
   }
   for (const auto& [heading, names] : state().described) {
+    if (standard.count(heading)) continue;
     os << "\n" << heading << ":\n";
     for (const std::string& name : names) os << flag_line(name) << "\n";
   }

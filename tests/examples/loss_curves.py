@@ -452,11 +452,110 @@ def scenario_plan(args):
           f"{plain[-1]['mem_peak_mb']:.1f} MiB; accumulation {planned[-1].get('accum_steps')}")
 
 
+# PyTorch's distillation loss in float64 on two MLP checkpoints and the digits training split
+# (run by the Python that has torch: this script may run under one without it).
+DISTILL_REFERENCE = r"""
+import glob, os, sys
+import torch
+import torch.nn.functional as F
+from sklearn.datasets import load_digits
+teacher, student, T, alpha = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
+
+def mlp(ck):
+    main = sorted(f for f in glob.glob(os.path.join(ck, "step-*.pt")) if ".rank-" not in f)[-1]
+    state = torch.load(main, map_location="cpu", weights_only=True)["model"]
+    layers = [(state[f"{2 * i}.weight"].double(), state[f"{2 * i}.bias"].double()) for i in range(len(state) // 2)]
+    def forward(h):
+        for k, (w, b) in enumerate(layers):
+            h = F.linear(h, w, b)
+            h = h.relu() if k < len(layers) - 1 else h
+        return h
+    return forward
+
+x, y = load_digits(return_X_y=True)
+n_train = len(x) - len(x) // 5
+xs = torch.tensor(x[:n_train] / 16.0, dtype=torch.float32).double()  # as dtrain reads them
+ys = torch.tensor(y[:n_train], dtype=torch.long)
+s, t = mlp(student)(xs), mlp(teacher)(xs)
+kl = F.kl_div(F.log_softmax(s / T, -1), F.log_softmax(t / T, -1), log_target=True, reduction="batchmean")
+print(repr((alpha * T * T * kl + (1 - alpha) * F.cross_entropy(s, ys)).item()))
+"""
+
+
+def scenario_distill(args):
+    """Knowledge distillation (--teacher): the logged loss of the first step equals PyTorch's
+    alpha T^2 kl_div(log_softmax) + (1 - alpha) cross_entropy in float64 on the real weights and
+    data (MLP on the digits); the GPT student's curve is the same at tp 2, dp 2 and tp 2 x dp 2
+    as on one rank (vocabulary-parallel KL, the teacher split like the student); alpha 0 is
+    plain training exactly; a bf16 teacher stays close; bad teacher input is refused."""
+    work = args.workdir
+    # 1. The MLP on the digits: the whole training split as one batch (the checkpoint
+    #    holds the weights the first step's loss was computed with: an update of lr 1e-30 changes no float32).
+    teacher = os.path.join(work, "mlp-teacher")
+    train(args, "train_mlp", 1, ["--hidden=64", "--depth=2", "--steps=60", f"--save_dir={teacher}"], "mlp-teacher")
+    T, alpha, n_train = 3.0, 0.6, 1797 - 1797 // 5  # scikit-learn's digits: 1797 rows, 20% held out
+    student = os.path.join(work, "mlp-student")
+    rows = train(args, "train_mlp", 1, ["--hidden=16", "--depth=1", "--steps=1", "--optimizer=sgd", "--lr=1e-30", "--weight_decay=0",
+                                        f"--batch_size={n_train}",
+                                        f"--teacher={teacher}", f"--distill_temperature={T}", f"--distill_alpha={alpha}",
+                                        f"--save_dir={student}"], "mlp-student")
+    ref = subprocess.run([args.python, "-c", DISTILL_REFERENCE, teacher, student, str(T), str(alpha)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert ref.returncode == 0, ref.stdout
+    want, got = float(ref.stdout.strip().splitlines()[-1]), rows[0]["loss"]
+    assert abs(got - want) <= 1e-5 * abs(want), f"distillation loss {got}, PyTorch's {want}"
+    print(f"ok: the first step's distillation loss {got:.6f} equals PyTorch's kl_div + cross_entropy ({want:.6f}) "
+          f"on the teacher's and student's weights (the teacher's shape read from its checkpoint)")
+
+    # 2. The GPT on the text data: layouts, alpha 0, bf16.
+    teacher = os.path.join(work, "gpt-teacher")
+    common = ["--steps=15", "--workers=1", "--lr=0.003", "--seed=5", "--seq_len=32", "--vocab=97"]
+    train(args, "train_gpt", 1, ["--d_model=64", "--heads=4", "--layers=2", "--ff=128", "--batch_size=8",
+                                 "--steps=30", "--workers=1", "--seq_len=32", "--vocab=97", f"--save_dir={teacher}"],
+          "gpt-teacher")
+    student = ["--d_model=32", "--heads=4", "--layers=1", "--ff=64"] + common
+    kd = student + [f"--teacher={teacher}", "--distill_temperature=2", "--distill_alpha=0.7"]
+    ref = train(args, "train_gpt", 1, kd + ["--batch_size=8"], "kd-1")
+    plain = train(args, "train_gpt", 1, student + ["--batch_size=8"], "plain-1")
+    assert abs(ref[0]["loss"] - plain[0]["loss"]) > 1e-3 * plain[0]["loss"], "the teacher did not change the loss"
+    compare(plain, train(args, "train_gpt", 1, student + ["--batch_size=8", f"--teacher={teacher}", "--distill_alpha=0"],
+                         "kd-alpha0"), "alpha 0 (the teacher has no weight) = plain training", 1e-6)
+    compare(ref, train(args, "train_gpt", 2, kd + ["--batch_size=8", "--tp=2"], "kd-tp2"),
+            "distilled, tp 2 (vocabulary-parallel KL)", 1e-4)
+    compare(ref, train(args, "train_gpt", 2, kd + ["--batch_size=4"], "kd-dp2"), "distilled, dp 2", 1e-4)
+    compare(ref, train(args, "train_gpt", 4, kd + ["--batch_size=4", "--tp=2"], "kd-tp2dp2"),
+            "distilled, tp 2 x dp 2", 1e-4)
+    compare(ref, train(args, "train_gpt", 1, kd + ["--batch_size=8", "--teacher_bf16"], "kd-bf16"),
+            "distilled from a bf16 teacher", 0.02)
+
+    # 3. Bad input: a clear message, a non-zero exit, nothing written.
+    out_dir = os.path.join(work, "refused")
+    empty = os.path.join(work, "empty")
+    os.makedirs(empty)
+    cases = [
+        (["--teacher_d_model=48"], "The teacher was built with --d_model=48"),
+        (["--teacher_vocab=300"], "a teacher must share the student's vocabulary"),
+        (["--distill_alpha=1.5"], "--distill_alpha=1.5 is not valid; the weight of the teacher's term must be in [0, 1]"),
+        (["--distill_temperature=0"], "the distillation temperature must be a finite number > 0"),
+        (["--eval_only"], "distillation is a way of training"),
+        ([f"--teacher={empty}"], "holds no good checkpoint"),
+    ]
+    for extra, message in cases:
+        out = train(args, "train_gpt", 1, kd + ["--batch_size=8", f"--save_dir={out_dir}"] + extra, "refused",
+                    expect_status=2)
+        assert message in out, f"expected '{message}'"
+        print(f"ok: refused: {message}")
+    out = train(args, "train_gpt", 1, student + ["--distill_alpha=0.3"], "refused", expect_status=2)
+    assert "has no effect without --teacher" in out
+    assert not os.path.exists(out_dir), "a refused run wrote its --save_dir"
+    print("ok: --distill_* without --teacher refused; nothing written by the refused runs")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("scenario", choices=["data_parallel", "amp", "seq2seq", "tensor_parallel", "observability",
                                          "checkpoint", "checkpoint_tp", "offload", "offload_stream", "plan",
-                                         "sequence_parallel"])
+                                         "sequence_parallel", "distill"])
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--source", default=os.path.join(os.path.dirname(__file__), "..", ".."))
     ap.add_argument("--bin", required=True)
@@ -469,7 +568,7 @@ def main():
          "tensor_parallel": scenario_tensor_parallel, "observability": scenario_observability,
          "checkpoint": scenario_checkpoint, "checkpoint_tp": scenario_checkpoint_tp,
          "offload": scenario_offload, "offload_stream": scenario_offload_stream, "plan": scenario_plan,
-         "sequence_parallel": scenario_sequence_parallel}[args.scenario](args)
+         "sequence_parallel": scenario_sequence_parallel, "distill": scenario_distill}[args.scenario](args)
 
 
 if __name__ == "__main__":
