@@ -109,7 +109,8 @@ Run init_run(int argc, char** argv, const std::string& usage,
   const std::string program = argv0.substr(argv0.rfind('/') == std::string::npos ? 0 : argv0.rfind('/') + 1);
   const bool trainer = program.rfind("train_", 0) == 0;
   if (trainer) {  // listed with the training flags
-    engine::cli::describe_flags("Training", {"teacher", "distill_temperature", "distill_alpha", "teacher_bf16"});
+    engine::cli::describe_flags("Training", {"teacher", "distill_temperature", "distill_alpha", "teacher_bf16",
+                                              "teacher_offload"});
   }
   engine::cli::describe_flags("Model", model_flags);
   std::vector<std::string> data = {"data", "data_path", "eval_only", "inplace"};

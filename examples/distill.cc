@@ -18,6 +18,7 @@ DEFINE_string(teacher, "", "distil from this trained run's checkpoint directory 
 DEFINE_double(distill_temperature, 2.0, "with --teacher: softmax temperature T of the soft targets");
 DEFINE_double(distill_alpha, 0.5, "with --teacher: loss = alpha T^2 KL(teacher||student) + (1 - alpha) cross-entropy");
 DEFINE_bool(teacher_bf16, false, "with --teacher: run the teacher in bfloat16");
+DEFINE_bool(teacher_offload, false, "with --teacher: keep the teacher's blocks in host memory, streamed per block (train_gpt)");
 // The teacher's shape (0: the teacher checkpoint's record, else the student's). Not in --help
 // (--helpfull lists them): the --teacher line names the family.
 DEFINE_int64(teacher_hidden, 0, "teacher's --hidden");
@@ -47,7 +48,7 @@ struct TeacherState {
 
 void check_distill_flags(bool evaluating) {
   if (FLAGS_teacher.empty()) {
-    for (const char* f : {"distill_temperature", "distill_alpha", "teacher_bf16"}) {
+    for (const char* f : {"distill_temperature", "distill_alpha", "teacher_bf16", "teacher_offload"}) {
       gflags::CommandLineFlagInfo info;
       gflags::GetCommandLineFlagInfo(f, &info);
       DTRAIN_CHECK(info.is_default, "--", f, " has no effect without --teacher=DIR (the teacher's checkpoint directory)");
@@ -118,6 +119,11 @@ void attach_teacher(const Run& run, ExampleModel& student) {
   }
   teacher->model.module->eval();
   if (FLAGS_teacher_bf16) teacher->model.module->to(at::kBFloat16);
+  if (FLAGS_teacher_offload) {
+    DTRAIN_CHECK(teacher->model.offload_layers, "--teacher_offload: ", run.program, "'s model has no blocks to stream "
+                 "from host memory (train_gpt's has); drop --teacher_offload");
+    teacher->model.offload_layers();  // after the load and the cast: the host copies are final
+  }
   int64_t teacher_params = 0, student_params = 0;
   for (const auto& p : teacher->model.module->parameters()) teacher_params += p.numel();
   for (const auto& p : student.module->parameters()) student_params += p.numel();
@@ -125,7 +131,8 @@ void attach_teacher(const Run& run, ExampleModel& student) {
     LOG(INFO) << "distilling from the teacher of step " << teacher->loader->current_step() << " in " << FLAGS_teacher
               << " (" << (shape.empty() ? std::string("the student's shape") : shape.substr(1)) << "; " << teacher_params
               << " parameters on this rank, the student " << student_params << "), T=" << FLAGS_distill_temperature
-              << ", alpha=" << FLAGS_distill_alpha << (FLAGS_teacher_bf16 ? ", teacher in bf16" : "");
+              << ", alpha=" << FLAGS_distill_alpha << (FLAGS_teacher_bf16 ? ", teacher in bf16" : "")
+              << (FLAGS_teacher_offload ? ", teacher's blocks streamed from host memory" : "");
   }
 
   const engine::DistillOptions options{FLAGS_distill_temperature, FLAGS_distill_alpha};

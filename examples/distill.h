@@ -14,7 +14,8 @@ namespace dtrain::examples {
 // teacher's shape: each --teacher_<shape flag> given, else the teacher checkpoint's record of
 // its shape, else the student's), split over --tp like the student; loads the newest good
 // checkpoint of --teacher into it (any layout: tensor-parallel checkpoints are re-split);
-// keeps it in eval mode (bf16 with --teacher_bf16); and replaces student.loss so that, while
+// keeps it in eval mode (bf16 with --teacher_bf16; with --teacher_offload its blocks live in
+// host memory and are streamed to the device one at a time, as --offload=layers does); and replaces student.loss so that, while
 // the student trains, each batch's loss is
 //   alpha * T^2 * KL(softmax(teacher/T) || softmax(student/T)) + (1 - alpha) * cross-entropy
 // (vocabulary-parallel for the GPT under --tp, without gathering the logits). Evaluation keeps

@@ -527,6 +527,8 @@ def scenario_distill(args):
             "distilled, tp 2 x dp 2", 1e-4)
     compare(ref, train(args, "train_gpt", 1, kd + ["--batch_size=8", "--teacher_bf16"], "kd-bf16"),
             "distilled from a bf16 teacher", 0.02)
+    compare(ref, train(args, "train_gpt", 1, kd + ["--batch_size=8", "--teacher_offload"], "kd-offload"),
+            "distilled from a teacher streamed from host memory", 1e-6)
 
     # 3. Bad input: a clear message, a non-zero exit, nothing written.
     out_dir = os.path.join(work, "refused")
@@ -547,6 +549,9 @@ def scenario_distill(args):
         print(f"ok: refused: {message}")
     out = train(args, "train_gpt", 1, student + ["--distill_alpha=0.3"], "refused", expect_status=2)
     assert "has no effect without --teacher" in out
+    out = train(args, "train_mlp", 1, ["--steps=2", f"--teacher={os.path.join(work, 'mlp-teacher')}", "--teacher_offload"],
+                "refused", expect_status=2)
+    assert "has no blocks to stream" in out
     assert not os.path.exists(out_dir), "a refused run wrote its --save_dir"
     print("ok: --distill_* without --teacher refused; nothing written by the refused runs")
 
