@@ -5,6 +5,7 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 
@@ -37,6 +38,7 @@ DEFINE_int64(ff, 2048, "transformers: feed-forward width");
 DEFINE_int64(seq_len, 256, "transformers: sequence length");
 DEFINE_int64(vocab, 32000, "transformers: vocabulary size");
 DEFINE_double(dropout, 0.1, "transformers: dropout probability");
+DEFINE_bool(sparse_embedding, false, "transformers: sparse token-embedding gradients (only the rows a batch touched travel and update)");
 
 namespace dtrain::examples {
 
@@ -112,7 +114,11 @@ Run init_run(int argc, char** argv, const std::string& usage,
     engine::cli::describe_flags("Training", {"teacher", "distill_temperature", "distill_alpha", "teacher_bf16",
                                               "teacher_offload"});
   }
-  engine::cli::describe_flags("Model", model_flags);
+  std::vector<std::string> model_listed = model_flags;
+  if (std::find(model_flags.begin(), model_flags.end(), "vocab") != model_flags.end()) {
+    model_listed.push_back("sparse_embedding");  // the transformers' token embeddings
+  }
+  engine::cli::describe_flags("Model", model_listed);
   std::vector<std::string> data = {"data", "data_path", "eval_only", "inplace"};
   if (trainer) data.insert(data.begin() + 3, {"quantize", "quantize_scales"});
   engine::cli::describe_flags("Data and evaluation", data, {"data_path"});

@@ -34,6 +34,7 @@ DECLARE_int64(ff);
 DECLARE_int64(seq_len);
 DECLARE_int64(vocab);
 DECLARE_double(dropout);
+DECLARE_bool(sparse_embedding);
 
 namespace dtrain::examples {
 

@@ -32,6 +32,7 @@ at::Tensor GptBlockImpl::forward(const at::Tensor& x) {
 
 GptImpl::GptImpl(const GptOptions& o, dist::Communicator& comm) : options(o), tp(&comm) {
   wte = register_module("wte", engine::VocabParallelEmbedding(o.vocab, o.d_model, comm, sp_of(o)));
+  wte->sparse = o.sparse_embedding;
   wpe = register_module("wpe", torch::nn::Embedding(o.seq_len, o.d_model));
   blocks = register_module("blocks", torch::nn::ModuleList());
   for (int i = 0; i < o.layers; ++i) blocks->push_back(GptBlock(o, comm));

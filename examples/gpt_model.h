@@ -23,6 +23,7 @@ struct GptOptions {
   int layers = 12;
   double dropout = 0.0;
   bool checkpoint_activations = false;
+  bool sparse_embedding = false;  // the token embedding's gradient sparse (the rows a batch touched)
   // Split activations between the tensor-parallel regions along the sequence (seq_len must
   // divide by the group size). No effect with a group of one rank.
   bool sequence_parallel = false;

@@ -40,6 +40,7 @@ ExampleModel seq2seq(const Run& run) {
   mo.dropout = FLAGS_dropout;
   mo.inplace = FLAGS_inplace;
   mo.checkpoint_activations = engine::cli::flags().checkpoint_activations;
+  mo.sparse_embedding = FLAGS_sparse_embedding;
   torch::manual_seed(engine::cli::flags().seed);
   auto model = Seq2Seq(mo).ptr();
   model->to(run.device);
@@ -88,6 +89,7 @@ ExampleModel gpt(const Run& run) {
   mo.dropout = FLAGS_dropout;
   mo.checkpoint_activations = engine::cli::flags().checkpoint_activations;
   mo.sequence_parallel = engine::cli::flags().sequence_parallel;
+  mo.sparse_embedding = FLAGS_sparse_embedding;
   torch::manual_seed(engine::cli::flags().seed);
   auto model = Gpt(mo, run.mesh->tp()).ptr();
   model->to(run.device);

@@ -90,8 +90,10 @@ at::Tensor DecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor& memo
 }
 
 Seq2SeqImpl::Seq2SeqImpl(const Seq2SeqOptions& o) : options(o) {
-  src_embed = register_module("src_embed", torch::nn::Embedding(o.vocab, o.d_model));
-  tgt_embed = register_module("tgt_embed", torch::nn::Embedding(o.vocab, o.d_model));
+  src_embed = register_module("src_embed", torch::nn::Embedding(torch::nn::EmbeddingOptions(o.vocab, o.d_model)
+                                                                    .sparse(o.sparse_embedding)));
+  tgt_embed = register_module("tgt_embed", torch::nn::Embedding(torch::nn::EmbeddingOptions(o.vocab, o.d_model)
+                                                                    .sparse(o.sparse_embedding)));
   encoder = register_module("encoder", torch::nn::ModuleList());
   decoder = register_module("decoder", torch::nn::ModuleList());
   for (int i = 0; i < o.layers; ++i) {

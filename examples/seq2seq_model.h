@@ -57,6 +57,7 @@ struct Seq2SeqOptions {
   double dropout = 0.1;
   bool inplace = true;
   bool checkpoint_activations = false;
+  bool sparse_embedding = false;  // the token embeddings' gradients sparse (the rows a batch touched)
 };
 
 struct Seq2SeqImpl : torch::nn::Module {

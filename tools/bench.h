@@ -17,5 +17,6 @@ struct BenchContext {
 int run_allreduce(BenchContext& ctx);
 int run_engine(BenchContext& ctx);
 int run_cpu_adam(BenchContext& ctx);
+int run_sparse(BenchContext& ctx);
 
 }  // namespace dtrain::bench

@@ -3,6 +3,8 @@
 //   engine      Trainer step vs a hand-written libtorch loop at world size 1
 //   cpu_adam    CPU AdamW step: dtrain's CpuOptimizer vs PyTorch's fused and foreach AdamW,
 //               and the machine's memory bandwidth (--params, --threads, --iters, --warmup)
+//   sparse      an embedding's sparse gradient averaged by row exchange vs densified and
+//               all-reduced, over touched rows per rank (--vocab, --dim): the dense fallback's constant
 #include <gflags/gflags.h>
 
 #include <cstdio>
@@ -24,8 +26,9 @@ int main(int argc, char** argv) {
       {"allreduce", bench::run_allreduce},
       {"engine", bench::run_engine},
       {"cpu_adam", bench::run_cpu_adam},
+      {"sparse", bench::run_sparse},
   };
-  gflags::SetUsageMessage("dtrain-bench BENCH [flags]; BENCH is one of: allreduce, engine, cpu_adam");
+  gflags::SetUsageMessage("dtrain-bench BENCH [flags]; BENCH is one of: allreduce, engine, cpu_adam, sparse");
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   if (argc < 2 || !benches.count(argv[1])) {
     std::fprintf(stderr, "dtrain-bench: name a benchmark: %s BENCH [flags], BENCH one of:", argv[0]);

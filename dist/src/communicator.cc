@@ -224,6 +224,30 @@ WorkPtr Communicator::all_gather(const at::Tensor& input, const at::Tensor& outp
   return submit(Op{OpType::kAllGather, input, output, ReduceOp::kSum, 0, 0});
 }
 
+at::Tensor all_gather_rows(Communicator& comm, const at::Tensor& rows, std::vector<int64_t>* counts) {
+  DTRAIN_CHECK(rows.defined() && rows.dim() >= 1, comm.name(), ".all_gather_rows: needs rows [n, ...], got ",
+               rows.defined() ? rows.sizes() : at::IntArrayRef{});
+  const int n = comm.size();
+  const auto index_options = at::TensorOptions().dtype(at::kLong).device(rows.device());
+  at::Tensor mine = at::full({1}, rows.size(0), index_options);
+  at::Tensor all = at::empty({n}, index_options);
+  comm.all_gather(mine, all)->wait();
+  const at::Tensor host = all.cpu();
+  std::vector<int64_t> sizes(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + n);
+  if (counts) *counts = sizes;
+  const int64_t most = *std::max_element(sizes.begin(), sizes.end());
+  std::vector<int64_t> shape = rows.sizes().vec();
+  shape[0] = most;
+  at::Tensor padded = rows.size(0) == most ? rows.contiguous() : at::zeros(shape, rows.options());
+  if (rows.size(0) != most && rows.size(0) > 0) padded.narrow(0, 0, rows.size(0)).copy_(rows);
+  shape[0] = most * n;
+  at::Tensor gathered = at::empty(shape, rows.options());
+  if (most > 0) comm.all_gather(padded, gathered)->wait();
+  std::vector<at::Tensor> parts;
+  for (int r = 0; r < n; ++r) parts.push_back(gathered.narrow(0, r * most, sizes[r]));
+  return at::cat(parts);
+}
+
 WorkPtr Communicator::reduce_scatter(const at::Tensor& input, const at::Tensor& output, ReduceOp op) {
   check_tensor(*this, "reduce_scatter", "input", input);
   check_tensor(*this, "reduce_scatter", "output", output);

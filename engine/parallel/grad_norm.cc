@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include "dtrain/dist/error.h"
+#include "dtrain/engine/parallel/sparse_reducer.h"
 
 namespace dtrain::engine {
 namespace {
@@ -26,7 +27,8 @@ at::Tensor grad_norm(const std::vector<at::Tensor>& grads) {
   // Per (device, dtype): the per-tensor norms in one multi-tensor launch.
   std::map<std::pair<std::string, at::ScalarType>, std::vector<at::Tensor>> groups;
   c10::optional<c10::Device> first_device;
-  for (const at::Tensor& g : grads) {
+  for (const at::Tensor& grad : grads) {
+    const at::Tensor g = gradient_values(grad);  // a sparse gradient's rows
     if (!g.defined()) continue;
     DTRAIN_CHECK(g.layout() == at::kStrided && at::isFloatingType(g.scalar_type()),
                  "grad_norm: gradients must be dense floating-point tensors, got ", g.toString());
@@ -64,7 +66,7 @@ at::Tensor global_grad_norm(const std::vector<at::Tensor>& params, const GradNor
   int64_t offset = 0;
   for (size_t i = 0; i < params.size(); ++i) {
     const int64_t n = params[i].numel();
-    const at::Tensor& g = params[i].grad();
+    const at::Tensor g = gradient_values(params[i].grad());  // a sparse gradient's rows
     if (!device) device = params[i].device();
     int64_t a = 0, b = n;  // this rank's part of the parameter
     if (layout.owned) {

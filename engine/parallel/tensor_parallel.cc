@@ -275,7 +275,7 @@ std::map<std::string, ShardSpec> VocabParallelEmbeddingImpl::shard_specs() const
 }
 
 at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& ids) {
-  if (tp->size() == 1) return at::embedding(weight, ids);
+  if (tp->size() == 1) return at::embedding(weight, ids, -1, false, sparse);
   if (sequence_parallel) {
     DTRAIN_CHECK(ids.dim() >= 2, "a sequence-parallel embedding takes ids [B, S, ...], got ", ids.sizes());
     DTRAIN_CHECK(ids.size(1) % tp->size() == 0, "sequence parallelism: a sequence of ", ids.size(1),
@@ -284,7 +284,7 @@ at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& ids) {
   }
   at::Tensor outside = (ids < start) | (ids >= end);
   at::Tensor local = (ids - start).masked_fill(outside, 0);
-  at::Tensor out = at::embedding(weight, local).masked_fill(outside.unsqueeze(-1), 0);
+  at::Tensor out = at::embedding(weight, local, -1, false, sparse).masked_fill(outside.unsqueeze(-1), 0);
   return sequence_parallel ? reduce_scatter_to_sequence_parallel(out, *tp, 1) : reduce_from_tensor_parallel(out, *tp);
 }
 

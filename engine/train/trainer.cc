@@ -14,6 +14,7 @@
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/memory/memory.h"
 #include "dtrain/engine/optim/sharded.h"
+#include "dtrain/engine/optim/sparse_optim.h"
 #include "dtrain/engine/train/agreement.h"
 #include "dtrain/engine/train/preemption.h"
 #include "dtrain/engine/parallel/tensor_parallel.h"
@@ -166,7 +167,37 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
   }
   if (!options_.evaluation_only) {
     const ShardMode shard = parse_shard_mode(options_.shard);
-    if (options_.offload_optimizer) {
+    // Sparse gradients (embeddings built sparse) bypass the buckets and the flat optimizers.
+    const std::vector<bool> sparse = sparse_gradient_flags(model_, params_);
+    std::vector<at::Tensor> dense_params, sparse_params;
+    std::vector<std::string> dense_names;
+    SparseReducerOptions sparse_options = options_.sparse_reducer;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (sparse[i]) {
+        sparse_params.push_back(params_[i]);
+        sparse_options.names.push_back(names[i]);
+      } else {
+        dense_params.push_back(params_[i]);
+        dense_names.push_back(names[i]);
+      }
+    }
+    if (!sparse_params.empty()) {
+      DTRAIN_CHECK(!options_.offload_optimizer && shard == ShardMode::kNone, "sparse embedding gradients (",
+                   sparse_options.names.front(), ") with ", options_.offload_optimizer ? "--offload=optimizer" : "--shard",
+                   ": the partitioned optimizers keep one flat dense gradient space; drop --sparse_embedding, or "
+                   "train without partitioning the optimizer");
+      DTRAIN_CHECK(reducer_options.owned.empty() && !reducer_options.bucket_comm && !reducer_options.compress,
+                   "sparse embedding gradients with a custom bucket strategy are not supported");
+      DTRAIN_CHECK(!dense_params.empty(), "every trainable parameter has sparse gradients; the trainer needs at least "
+                   "one dense parameter");
+      reducer_options.names = dense_names;
+      sparse_reducer_ = std::make_unique<SparseGradReducer>(sparse_params, mesh_.dp(), sparse_options);
+      optimizer_ = make_sparse_aware_optimizer(params_, sparse, options_.optimizer);
+      LOG_IF(INFO, mesh_.world().rank() == 0)
+          << sparse_params.size() << " parameter(s) with sparse gradients (" << sparse_options.names.front()
+          << (sparse_params.size() > 1 ? ", ..." : "") << "): averaged row-wise after backward, updated "
+          << "only where touched (" << options_.optimizer.name << "'s sparse rule)";
+    } else if (options_.offload_optimizer) {
       optimizer_ = make_offload_optimizer(params_, options_.optimizer, mesh_.dp(), options_.offload, device_);
     } else if (shard != ShardMode::kNone) {
       optimizer_ = std::make_unique<ShardedOptimizer>(params_, options_.optimizer, mesh_.dp());
@@ -189,7 +220,7 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
                                                 : "");
       }
     }
-    reducer_ = std::make_unique<GradReducer>(params_, mesh_.dp(), reducer_options);
+    reducer_ = std::make_unique<GradReducer>(sparse_reducer_ ? dense_params : params_, mesh_.dp(), reducer_options);
     optimizer_->attach(*reducer_);
     if (options_.prune.amount > 0) {
       DTRAIN_CHECK(!options_.offload_optimizer || options_.offload.delayed_update_after < 0,
@@ -254,6 +285,7 @@ bool Trainer::run_micro_batches(const Batch& batch, at::Tensor& loss_sum) {
       loss.reset();
       const auto backward_start = std::chrono::steady_clock::now();
       scaled.backward();
+      if (i + 1 == n && sparse_reducer_) sparse_reducer_->reduce();  // after the dense buckets
       if (timeline_->enabled()) {
         if (i + 1 < n) {
           timeline_->add_complete("backward", category::kCompute, lane::kMain, backward_start,
@@ -277,7 +309,10 @@ bool Trainer::run_micro_batches(const Batch& batch, at::Tensor& loss_sum) {
     // The report's step peak is the failed attempt's (set after a step otherwise: 0 in step 1).
     step_peak_mb_ = memory_stats(device_).peak_mb;
     if (device_.is_cuda()) LOG(WARNING) << "memory at the failure:\n" << memory_report().to_string();
-    if (!synced_backward_done) reducer_->abandon_step();
+    if (!synced_backward_done) {
+      reducer_->abandon_step();
+      if (sparse_reducer_) sparse_reducer_->abandon();
+    }
     release_cached_memory(device_);
     return true;
   }
@@ -329,7 +364,7 @@ void Trainer::apply_update(StepMetrics& m, bool& skipped, const at::Tensor& loss
   // optimizer applies inside its update.
   std::vector<at::Tensor> grads;
   grads.reserve(params_.size());
-  for (const at::Tensor& p : params_) grads.push_back(p.grad());
+  for (const at::Tensor& p : params_) grads.push_back(gradient_values(p.grad()));
   bool finite = scaler_->check_finite(grads, &mesh_.world());
   at::Tensor multiplier;  // undefined: 1
   if (scaler_->enabled()) multiplier = scaler_->inverse_scale();
@@ -363,6 +398,7 @@ void Trainer::apply_update(StepMetrics& m, bool& skipped, const at::Tensor& loss
   }
   scaler_->update();
   reducer_->zero_grad();
+  if (sparse_reducer_) sparse_reducer_->zero_grad();
 }
 
 bool Trainer::nonfinite_on_any_rank(const at::Tensor& loss_sum, const at::Tensor& norm) {
@@ -425,6 +461,7 @@ StepResult Trainer::step(const Batch& batch) {
     bool failed = run_micro_batches(batch, loss_sum);
     if (!options_.oom_backoff || !agree_on_failure(failed)) break;
     reducer_->zero_grad();  // every rank drops what the failed attempt accumulated
+    if (sparse_reducer_) sparse_reducer_->zero_grad();
     back_off(batch.size());
     ++result.oom_retries;
   }
@@ -489,7 +526,7 @@ void Trainer::finish_timeline() {
 
 MemoryReport Trainer::memory_report() const {
   std::vector<at::Tensor> grads;
-  for (const at::Tensor& p : params_) grads.push_back(p.grad());
+  for (const at::Tensor& p : params_) grads.push_back(gradient_values(p.grad()));
   MemoryReport r = build_memory_report(device_, params_, grads,
                                        optimizer_ ? optimizer_->device_state() : std::vector<at::Tensor>{},
                                        step_start_allocated_mb_, step_peak_mb_);
@@ -612,6 +649,12 @@ StepMetrics Trainer::log_step(bool eval_now, DataLoader* eval, int64_t global_ba
   if (scaler_->enabled()) m.loss_scale = scaler_->scale_value();
   if (options_.report_grad_norm && last_grad_norm_.defined()) m.grad_norm = last_grad_norm_.item<double>();
   if (pruner_ && pruner_->active()) m.extra["sparsity"] = pruner_->sparsity();
+  if (sparse_reducer_) {  // the logged step's sparse gradients: what moved, what dense would have moved
+    const SparseReduceStats& st = sparse_reducer_->last_stats();
+    m.extra["sparse_grad_mb"] = static_cast<double>(st.sparse_bytes + st.dense_bytes) / (1024.0 * 1024.0);
+    m.extra["sparse_grad_dense_mb"] = static_cast<double>(st.dense_equivalent_bytes) / (1024.0 * 1024.0);
+    m.extra["sparse_grad_densified"] = st.densified;
+  }
   if (nonfinite_skips_ > 0 || options_.on_nonfinite == NonFinitePolicy::kSkip) {
     m.extra["nonfinite_skips"] = static_cast<double>(nonfinite_skips_);
   }

@@ -452,6 +452,66 @@ def scenario_plan(args):
           f"{plain[-1]['mem_peak_mb']:.1f} MiB; accumulation {planned[-1].get('accum_steps')}")
 
 
+def scenario_sparse(args):
+    """--sparse_embedding: the token embedding's gradient travels as rows. Adagrad's sparse rule
+    equals its dense rule on the touched rows and leaves the others alone, as the dense rule does
+    for a zero gradient: so sparse training follows the dense curve, at 1, 2 and 4 ranks, with
+    tp 2, with accumulation, clipping and fp16 loss scaling, and for the seq2seq model; where the
+    batch touches most of a small vocabulary the dense fallback is taken, and the curve is the
+    same. SparseAdam (--optimizer=adam with sparse rows) is layout-independent too, and unlike
+    Adam (its untouched rows' moments do not decay). Bad combinations are refused."""
+    gpt = ["--d_model=32", "--heads=4", "--layers=1", "--ff=64", "--seq_len=32", "--steps=12", "--workers=1",
+           "--weight_decay=0", "--seed=7"]
+    big = gpt + ["--data=synthetic", "--vocab=3000", "--optimizer=adagrad", "--lr=0.05"]
+    ref = train(args, "train_gpt", 1, big + ["--batch_size=8"], "dense-1")
+    for ranks, batch, extra, name in [(1, 8, [], "1 rank"), (2, 4, [], "2 ranks"), (4, 2, [], "4 ranks"),
+                                      (2, 8, ["--tp=2"], "tp 2"),
+                                      (2, 4, ["--accum_steps=2", "--amp=fp16", "--clip_grad_norm=0.5"],
+                                       "2 ranks, 2 micro-batches, fp16, clipped")]:
+        flags = big + [f"--batch_size={batch}", "--sparse_embedding"] + extra
+        other = train(args, "train_gpt", ranks, flags, f"sparse-{ranks}-{len(extra)}")
+        if "--amp=fp16" in extra:
+            base = train(args, "train_gpt", 1, big + ["--batch_size=8", "--accum_steps=2", "--amp=fp16",
+                                                       "--clip_grad_norm=0.5"], "dense-fp16")
+            compare(base, other, f"sparse Adagrad, {name}", 1e-3)
+        else:
+            compare(ref, other, f"sparse Adagrad, {name}", 1e-4)
+        last = other[-1]
+        if ranks // (2 if "--tp=2" in extra else 1) > 1:
+            assert last["sparse_grad_densified"] == 0, f"{name}: the sparse batch was densified: {last}"
+            assert last["sparse_grad_mb"] < 0.2 * last["sparse_grad_dense_mb"], f"{name}: {last}"
+            print(f"ok: {name}: the embedding's gradient moved {last['sparse_grad_mb']:.4f} MB as rows instead of "
+                  f"{last['sparse_grad_dense_mb']:.4f} MB dense")
+    # A 96-token vocabulary that every batch mostly touches: the dense fallback.
+    small = gpt + ["--data=synthetic", "--vocab=96", "--optimizer=adagrad", "--lr=0.05"]
+    ref = train(args, "train_gpt", 1, small + ["--batch_size=8"], "small-dense")
+    other = train(args, "train_gpt", 2, small + ["--batch_size=4", "--sparse_embedding"], "small-sparse")
+    compare(ref, other, "sparse Adagrad with the dense fallback, 2 ranks", 1e-4)
+    assert other[-1]["sparse_grad_densified"] == 1, other[-1]
+    print("ok: a batch touching most of the vocabulary is reduced densely (cheaper), same curve")
+    # seq2seq: both embeddings sparse (its default optimizer is Adagrad).
+    s2s = ["--d_model=32", "--heads=4", "--layers=1", "--ff=64", "--seq_len=16", "--steps=8", "--workers=1",
+           "--data=synthetic", "--vocab=2000", "--dropout=0", "--weight_decay=0"]
+    compare(train(args, "train_seq2seq", 1, s2s + ["--batch_size=8"], "s2s-dense"),
+            train(args, "train_seq2seq", 2, s2s + ["--batch_size=4", "--sparse_embedding"], "s2s-sparse"),
+            "seq2seq, sparse embeddings, 2 ranks", 1e-4)
+    # SparseAdam: the same on any layout, and not Adam.
+    adam = big[:-2] + ["--optimizer=adam", "--lr=0.003"]
+    one = train(args, "train_gpt", 1, adam + ["--batch_size=8", "--sparse_embedding"], "sadam-1")
+    compare(one, train(args, "train_gpt", 2, adam + ["--batch_size=4", "--sparse_embedding"], "sadam-2"),
+            "SparseAdam for the embedding, 2 ranks", 1e-4)
+    dense = train(args, "train_gpt", 1, adam + ["--batch_size=8"], "adam-1")
+    assert any(abs(a["loss"] - b["loss"]) > 1e-5 for a, b in zip(one, dense)), "SparseAdam behaved as Adam"
+    print("ok: SparseAdam differs from Adam (lazy moments), as torch.optim.SparseAdam does")
+    # Refused.
+    for extra, message in [(["--shard=optimizer"], "the partitioned optimizers keep one flat dense gradient space"),
+                           (["--optimizer=sgd"], "momentum")]:
+        out = train(args, "train_gpt", 1, big + ["--batch_size=8", "--sparse_embedding"] + extra, "refused",
+                    expect_status=2)
+        assert message in out, f"expected '{message}'"
+        print(f"ok: refused: {message}")
+
+
 # PyTorch's distillation loss in float64 on two MLP checkpoints and the digits training split
 # (run by the Python that has torch: this script may run under one without it).
 DISTILL_REFERENCE = r"""
@@ -560,7 +620,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("scenario", choices=["data_parallel", "amp", "seq2seq", "tensor_parallel", "observability",
                                          "checkpoint", "checkpoint_tp", "offload", "offload_stream", "plan",
-                                         "sequence_parallel", "distill"])
+                                         "sequence_parallel", "distill", "sparse"])
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--source", default=os.path.join(os.path.dirname(__file__), "..", ".."))
     ap.add_argument("--bin", required=True)
@@ -573,7 +633,8 @@ def main():
          "tensor_parallel": scenario_tensor_parallel, "observability": scenario_observability,
          "checkpoint": scenario_checkpoint, "checkpoint_tp": scenario_checkpoint_tp,
          "offload": scenario_offload, "offload_stream": scenario_offload_stream, "plan": scenario_plan,
-         "sequence_parallel": scenario_sequence_parallel, "distill": scenario_distill}[args.scenario](args)
+         "sequence_parallel": scenario_sequence_parallel, "distill": scenario_distill,
+         "sparse": scenario_sparse}[args.scenario](args)
 
 
 if __name__ == "__main__":

@@ -194,6 +194,13 @@ class CommGroup {
 // with NCCL).
 std::vector<std::string> available_backends();
 
+// Variable-sized gather (MPI's allgatherv, which NCCL lacks), built on all_gather so every
+// backend has it: rank r contributes rows [n_r, ...] (the trailing sizes and dtype equal on
+// every rank); the result is every rank's rows concatenated in rank order, [sum n_r, ...], and
+// counts (when given) receives n_0..n_{size-1}. Two collectives: the counts, then the rows
+// padded to the largest count (so size() x max n_r rows travel). Collective and synchronous.
+at::Tensor all_gather_rows(Communicator& comm, const at::Tensor& rows, std::vector<int64_t>* counts = nullptr);
+
 // Creates the communicator of the whole job.
 //  "local": world size 1 only, no MPI needed; collectives are local copies.
 //  "mpi":   CPU tensors; CUDA tensors are staged through a reusable pinned host buffer.

@@ -161,6 +161,7 @@ struct VocabParallelEmbeddingImpl : torch::nn::Module, TensorParallelModule {
   std::map<std::string, ShardSpec> shard_specs() const override;
   int64_t vocab, dim, padded_vocab, start, end;  // this rank's [start, end)
   bool sequence_parallel;
+  bool sparse = false;  // sparse (COO) weight gradients: the rows the ids touched (sparse_reducer.h)
   dist::Communicator* tp;
   at::Tensor weight;  // [padded_vocab/T, dim]
 };

@@ -42,6 +42,7 @@
 #include "dtrain/engine/optim/optim.h"
 #include "dtrain/engine/optim/prune.h"
 #include "dtrain/engine/parallel/reducer.h"
+#include "dtrain/engine/parallel/sparse_reducer.h"
 #include "dtrain/engine/observe/tensorboard.h"
 #include "dtrain/engine/observe/profiler.h"
 #include "dtrain/engine/observe/timeline.h"
@@ -99,6 +100,10 @@ struct TrainerOptions {
   bool oom_backoff = true;
   int64_t tokens_per_sample = 0;  // > 0: report tokens_per_s
   ReducerOptions reducer;
+  // Parameters with sparse gradients (sparse_gradient_flags(): embeddings built sparse) are
+  // kept out of the reducer's buckets and averaged by a SparseGradReducer after the
+  // synchronized backward, and updated by make_sparse_aware_optimizer() (only the touched rows).
+  SparseReducerOptions sparse_reducer;
   // Optimizer offload (engine/offload.h): fp32 master weights and state in host memory,
   // partitioned over the data-parallel group, gradients streamed to the host during
   // backward on a GPU, optionally the delayed update (offload.delayed_update_after). Layer
@@ -289,6 +294,7 @@ class Trainer {
   HostStaging staging_;  // the background save's host copies (pinned buffers reused across saves)
   std::unique_ptr<DirectoryLock> save_dir_lock_;  // rank 0, with a save_dir: one run per directory
   std::unique_ptr<GradReducer> reducer_;
+  std::unique_ptr<SparseGradReducer> sparse_reducer_;  // null: no parameter has sparse gradients
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<Pruner> pruner_;  // with prune.amount > 0
   std::unique_ptr<LossScaler> scaler_;
