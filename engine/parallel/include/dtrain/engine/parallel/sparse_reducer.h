@@ -32,10 +32,12 @@ namespace dtrain::engine {
 
 struct SparseReducerOptions {
   // Reduce densely when the sparse path's bus bytes exceed dense_factor x the dense all-reduce's.
-  // Measured (dtrain-bench sparse, 2 ranks over MPI, a 32000 x 512 float32 embedding): the two
-  // paths take equal time when the gather moves about 0.36 x the all-reduce's bytes, because
-  // coalescing (a sort of the gathered rows) costs more per byte than a ring all-reduce.
-  double dense_factor = 0.36;
+  // Measured (dtrain-bench sparse, 2 ranks over MPI on the CPU, a 32000 x 512 float32
+  // embedding): the two paths take equal time when the gather moves about 0.33 x the
+  // all-reduce's bytes (0.33 and 0.36 in two runs), because coalescing (a sort of the gathered
+  // rows) costs more per byte than a ring all-reduce. A GPU with NCCL has its own constant:
+  // cluster/gpu_session.sh measures it.
+  double dense_factor = 0.33;
   std::vector<std::string> names;  // for messages (parallel to the parameters, or empty)
 };
 
