@@ -192,7 +192,14 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
                    "one dense parameter");
       reducer_options.names = dense_names;
       sparse_reducer_ = std::make_unique<SparseGradReducer>(sparse_params, mesh_.dp(), sparse_options);
-      optimizer_ = make_sparse_aware_optimizer(params_, sparse, options_.optimizer);
+      try {
+        optimizer_ = make_sparse_aware_optimizer(params_, sparse, options_.optimizer);
+      } catch (const Error& e) {
+        throw Error(detail::concat("sparse gradients (", sparse_options.names.front(), ", --sparse_embedding): ",
+                                   e.what(), ". Optimizers that take sparse gradients: adagrad with --weight_decay=0, "
+                                   "adam or adamw (SparseAdam's rule on those rows; weight decay only on the others), "
+                                   "sgd without momentum (the command line's sgd has momentum 0.9)"));
+      }
       LOG_IF(INFO, mesh_.world().rank() == 0)
           << sparse_params.size() << " parameter(s) with sparse gradients (" << sparse_options.names.front()
           << (sparse_params.size() > 1 ? ", ..." : "") << "): averaged row-wise after backward, updated "

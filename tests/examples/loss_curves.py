@@ -505,7 +505,8 @@ def scenario_sparse(args):
     print("ok: SparseAdam differs from Adam (lazy moments), as torch.optim.SparseAdam does")
     # Refused.
     for extra, message in [(["--shard=optimizer"], "the partitioned optimizers keep one flat dense gradient space"),
-                           (["--optimizer=sgd"], "momentum")]:
+                           (["--optimizer=sgd"], "momentum"),
+                           (["--weight_decay=0.1"], "Optimizers that take sparse gradients: adagrad with --weight_decay=0")]:
         out = train(args, "train_gpt", 1, big + ["--batch_size=8", "--sparse_embedding"] + extra, "refused",
                     expect_status=2)
         assert message in out, f"expected '{message}'"
@@ -566,6 +567,18 @@ def scenario_distill(args):
     assert abs(got - want) <= 1e-5 * abs(want), f"distillation loss {got}, PyTorch's {want}"
     print(f"ok: the first step's distillation loss {got:.6f} equals PyTorch's kl_div + cross_entropy ({want:.6f}) "
           f"on the teacher's and student's weights (the teacher's shape read from its checkpoint)")
+
+    # The CNN: a teacher of another width (read from its checkpoint); alpha 0 is plain training.
+    cnn_teacher = os.path.join(work, "cnn-teacher")
+    train(args, "train_cnn", 1, ["--hidden=64", "--steps=20", f"--save_dir={cnn_teacher}"], "cnn-teacher")
+    cnn = ["--hidden=16", "--steps=8", "--batch_size=32"]
+    plain_cnn = train(args, "train_cnn", 1, cnn, "cnn-plain")
+    compare(plain_cnn, train(args, "train_cnn", 1, cnn + [f"--teacher={cnn_teacher}", "--distill_alpha=0"], "cnn-a0"),
+            "cnn student, alpha 0 = plain training", 1e-6)
+    kd_cnn = train(args, "train_cnn", 2, ["--hidden=16", "--steps=8", "--batch_size=16", f"--teacher={cnn_teacher}"],
+                   "cnn-kd-2")
+    compare(train(args, "train_cnn", 1, cnn + [f"--teacher={cnn_teacher}"], "cnn-kd-1"), kd_cnn,
+            "cnn student distilled, 2 ranks", 1e-4)
 
     # 2. The GPT on the text data: layouts, alpha 0, bf16.
     teacher = os.path.join(work, "gpt-teacher")
