@@ -500,6 +500,14 @@ def scenario_sparse(args):
     one = train(args, "train_gpt", 1, adam + ["--batch_size=8", "--sparse_embedding"], "sadam-1")
     compare(one, train(args, "train_gpt", 2, adam + ["--batch_size=4", "--sparse_embedding"], "sadam-2"),
             "SparseAdam for the embedding, 2 ranks", 1e-4)
+    # Resume: the sparse rows' optimizer state (SparseAdam's moments) is in the checkpoint; a run
+    # stopped at step 6 and resumed on another number of ranks continues the uninterrupted curve.
+    ck = os.path.join(args.workdir, "sparse-ck")
+    train(args, "train_gpt", 1, adam + ["--batch_size=8", "--sparse_embedding", "--steps=6", f"--save_dir={ck}"],
+          "sadam-first")
+    resumed = train(args, "train_gpt", 2, adam + ["--batch_size=4", "--sparse_embedding", "--resume=yes",
+                                                  f"--save_dir={ck}"], "sadam-resumed")
+    compare(steps_after(one, 6), steps_after(resumed, 6), "SparseAdam resumed at step 6 on 2 ranks", 1e-4)
     dense = train(args, "train_gpt", 1, adam + ["--batch_size=8"], "adam-1")
     assert any(abs(a["loss"] - b["loss"]) > 1e-5 for a, b in zip(one, dense)), "SparseAdam behaved as Adam"
     print("ok: SparseAdam differs from Adam (lazy moments), as torch.optim.SparseAdam does")
