@@ -43,7 +43,7 @@ struct SparseReducerOptions {
 
 // What the last reduce() did, summed over the sparse parameters.
 struct SparseReduceStats {
-  int64_t rows = 0;          // touched rows gathered (all ranks, before coalescing)
+  int64_t rows = 0;          // touched rows: each rank's distinct rows (coalesced locally), summed over ranks
   int64_t sparse_bytes = 0;  // bus bytes of the parameters reduced sparsely (per rank, ring convention)
   int64_t dense_bytes = 0;   // bus bytes of the parameters reduced densely
   int64_t dense_equivalent_bytes = 0;  // what all-reducing every one densely would have moved
