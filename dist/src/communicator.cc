@@ -224,18 +224,21 @@ WorkPtr Communicator::all_gather(const at::Tensor& input, const at::Tensor& outp
   return submit(Op{OpType::kAllGather, input, output, ReduceOp::kSum, 0, 0});
 }
 
-at::Tensor all_gather_rows(Communicator& comm, const at::Tensor& rows, std::vector<int64_t>* counts) {
+std::vector<int64_t> all_gather_counts(Communicator& comm, int64_t mine, c10::Device device) {
+  const auto options = at::TensorOptions().dtype(at::kLong).device(device);
+  at::Tensor all = at::empty({comm.size()}, options);
+  comm.all_gather(at::full({1}, mine, options), all)->wait();
+  const at::Tensor host = all.cpu();
+  return std::vector<int64_t>(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + comm.size());
+}
+
+at::Tensor all_gather_rows(Communicator& comm, const at::Tensor& rows, const std::vector<int64_t>& counts) {
   DTRAIN_CHECK(rows.defined() && rows.dim() >= 1, comm.name(), ".all_gather_rows: needs rows [n, ...], got ",
                rows.defined() ? rows.sizes() : at::IntArrayRef{});
   const int n = comm.size();
-  const auto index_options = at::TensorOptions().dtype(at::kLong).device(rows.device());
-  at::Tensor mine = at::full({1}, rows.size(0), index_options);
-  at::Tensor all = at::empty({n}, index_options);
-  comm.all_gather(mine, all)->wait();
-  const at::Tensor host = all.cpu();
-  std::vector<int64_t> sizes(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + n);
-  if (counts) *counts = sizes;
-  const int64_t most = *std::max_element(sizes.begin(), sizes.end());
+  DTRAIN_CHECK(static_cast<int>(counts.size()) == n && counts[comm.rank()] == rows.size(0), comm.name(),
+               ".all_gather_rows: counts must hold every rank's row count (this rank's: ", rows.size(0), ")");
+  const int64_t most = *std::max_element(counts.begin(), counts.end());
   std::vector<int64_t> shape = rows.sizes().vec();
   shape[0] = most;
   at::Tensor padded = rows.size(0) == most ? rows.contiguous() : at::zeros(shape, rows.options());
@@ -244,8 +247,16 @@ at::Tensor all_gather_rows(Communicator& comm, const at::Tensor& rows, std::vect
   at::Tensor gathered = at::empty(shape, rows.options());
   if (most > 0) comm.all_gather(padded, gathered)->wait();
   std::vector<at::Tensor> parts;
-  for (int r = 0; r < n; ++r) parts.push_back(gathered.narrow(0, r * most, sizes[r]));
+  for (int r = 0; r < n; ++r) parts.push_back(gathered.narrow(0, r * most, counts[r]));
   return at::cat(parts);
+}
+
+at::Tensor all_gather_rows(Communicator& comm, const at::Tensor& rows, std::vector<int64_t>* counts) {
+  DTRAIN_CHECK(rows.defined() && rows.dim() >= 1, comm.name(), ".all_gather_rows: needs rows [n, ...], got ",
+               rows.defined() ? rows.sizes() : at::IntArrayRef{});
+  const std::vector<int64_t> sizes = all_gather_counts(comm, rows.size(0), rows.device());
+  if (counts) *counts = sizes;
+  return all_gather_rows(comm, rows, sizes);
 }
 
 WorkPtr Communicator::reduce_scatter(const at::Tensor& input, const at::Tensor& output, ReduceOp op) {

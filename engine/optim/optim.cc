@@ -58,7 +58,6 @@ void Optimizer::load_shard_state(const ShardState& state) {
 }
 
 namespace optim_detail {
-namespace {
 
 void check_param(const at::Tensor& p, size_t index, std::unordered_set<const void*>& seen) {
   DTRAIN_CHECK(p.defined(), "optimizer: parameter ", index, " is an undefined tensor");
@@ -74,6 +73,9 @@ void check_param(const at::Tensor& p, size_t index, std::unordered_set<const voi
   DTRAIN_CHECK(seen.insert(p.unsafeGetTensorImpl()).second, "optimizer: parameter ", index,
                " appears twice in the parameter list; pass each parameter once");
 }
+
+namespace {
+
 
 void check_grad(const at::Tensor& p, const at::Tensor& g, size_t index) {
   DTRAIN_CHECK(g.layout() == at::kStrided, "optimizer: the gradient of parameter ", index,

@@ -10,12 +10,17 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
 #include "dtrain/engine/optim/optim.h"
 
 namespace dtrain::engine::optim_detail {
+
+// Throws dtrain::Error unless p is a defined, dense, non-overlapping floating-point leaf tensor
+// not already in `seen` (which it is added to); `index` names it.
+void check_param(const at::Tensor& p, size_t index, std::unordered_set<const void*>& seen);
 
 // The parameters of one (device, dtype) with defined gradients, as the lists the fused and
 // _foreach_ kernels take. slots[s][k] is state slot s of params[k].

@@ -16,22 +16,12 @@
 #include <utility>
 
 #include "dtrain/dist/error.h"
+#include "optim_internal.h"
 
 namespace dtrain::engine {
 namespace {
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
-
-void check_param(const at::Tensor& p, size_t index, std::unordered_set<const void*>& seen) {
-  DTRAIN_CHECK(p.defined(), "optimizer: parameter ", index, " is an undefined tensor");
-  DTRAIN_CHECK(p.layout() == at::kStrided && at::isFloatingType(p.scalar_type()), "optimizer: parameter ", index,
-               " must be a dense floating-point tensor, got ", p.toString());
-  DTRAIN_CHECK(p.is_leaf(), "optimizer: parameter ", index,
-               " is not a leaf tensor (it was computed from others); pass the tensors that autograd accumulates "
-               "gradients into, e.g. module.parameters()");
-  DTRAIN_CHECK(seen.insert(p.unsafeGetTensorImpl()).second, "optimizer: parameter ", index,
-               " appears twice in the parameter list; pass each parameter once");
-}
 
 std::string index_list(const std::vector<size_t>& indices) {
   std::ostringstream os;
@@ -330,7 +320,7 @@ std::unique_ptr<Optimizer> make_sparse_aware_optimizer(std::vector<at::Tensor> p
   }
   if (flagged.empty()) return make_optimizer(std::move(params), options);
   std::unordered_set<const void*> seen;
-  for (size_t i = 0; i < params.size(); ++i) check_param(params[i], i, seen);
+  for (size_t i = 0; i < params.size(); ++i) optim_detail::check_param(params[i], i, seen);
   for (size_t i : flagged) {
     DTRAIN_CHECK(params[i].dim() >= 1, "optimizer ", options.name, ": parameter ", i,
                  " is flagged sparse but has no rows (0-dim); flag only parameters with rows, e.g. an "

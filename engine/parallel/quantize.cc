@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <limits>
 #include <map>
+#include <unordered_set>
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -119,9 +120,7 @@ QuantizeReport quantize_dynamic_int8(torch::nn::Module& model, const QuantizeOpt
     DTRAIN_CHECK(p.device().is_cpu(), "int8 quantization runs on the CPU (libtorch's dynamic int8 Linear has no ",
                  p.device().type(), " kernel); evaluate or export the quantized model with --device=cpu");
   }
-  int64_t all_bytes = 0;
-  for (const at::Tensor& p : model.parameters()) all_bytes += p.numel() * static_cast<int64_t>(p.element_size());
-  int64_t quantized_float_bytes = 0;
+  std::unordered_set<const void*> replaced;  // the quantized layers' weights and biases
   for (auto& [name, layer] : targets) {
     layer->quantize(options.granularity, options.release_float);
     const Int8Linear& w = layer->int8();
@@ -129,15 +128,14 @@ QuantizeReport quantize_dynamic_int8(torch::nn::Module& model, const QuantizeOpt
     report.float_weight_bytes += w.qweight.numel() * 4;
     report.int8_weight_bytes += w.weight_bytes();
     report.bias_bytes += w.bias_bytes();
-    quantized_float_bytes += w.qweight.numel() * 4 + w.bias_bytes();
   }
-  if (options.release_float) {
-    // The released weights no longer count among the parameters.
-    quantized_float_bytes = report.bias_bytes;
-    all_bytes = 0;
-    for (const at::Tensor& p : model.parameters()) all_bytes += p.numel() * static_cast<int64_t>(p.element_size());
+  for (const auto& item : model.named_modules("", /*include_self=*/true)) {
+    if (!dynamic_cast<QuantizableLinear*>(item.value().get())) continue;
+    for (const at::Tensor& p : item.value()->parameters(/*recurse=*/false)) replaced.insert(p.unsafeGetTensorImpl());
   }
-  report.other_parameter_bytes = std::max<int64_t>(0, all_bytes - quantized_float_bytes);
+  for (const at::Tensor& p : model.parameters()) {
+    if (!replaced.count(p.unsafeGetTensorImpl())) report.other_parameter_bytes += p.numel() * p.element_size();
+  }
   return report;
 }
 

@@ -61,26 +61,17 @@ void SparseGradReducer::reduce_one(size_t i, bool contribute) {
   const int64_t row_numel = p.numel() / std::max<int64_t>(rows_total, 1);
   const int64_t row_bytes = row_numel * static_cast<int64_t>(p.element_size());
   at::NoGradGuard no_grad;
-  if (g.defined() && !g.is_sparse()) {
-    // Already dense on this rank (a model that does not produce sparse rows): to the others it
-    // counts as every row touched, so all of them choose the dense path.
-  } else if (g.defined()) {
-    g = g.coalesce();
-  }
+  // A gradient already dense on this rank (a model that does not produce sparse rows) counts as
+  // every row touched, so every rank chooses the dense path for it.
+  if (g.defined() && g.is_sparse()) g = g.coalesce();
   const int64_t mine = !g.defined() ? 0 : g.is_sparse() ? g._nnz() : rows_total;
-  std::vector<int64_t> counts;
-  // The counts travel first (one int64 per rank); the choice follows from them everywhere.
   const at::Tensor index = g.defined() && g.is_sparse() ? g._indices().reshape({-1}) :
                            g.defined() ? at::arange(rows_total, p.options().dtype(at::kLong))
                                        : at::empty({0}, p.options().dtype(at::kLong));
-  const int64_t biggest = [&] {
-    at::Tensor c = at::full({1}, mine, p.options().dtype(at::kLong));
-    at::Tensor all = at::empty({n}, c.options());
-    comm_.all_gather(c, all)->wait();
-    at::Tensor host = all.cpu();
-    counts.assign(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + n);
-    return *std::max_element(counts.begin(), counts.end());
-  }();
+  // The counts travel first (one int64 per rank); the choice follows from them everywhere, and
+  // the row gathers below reuse them.
+  const std::vector<int64_t> counts = dist::all_gather_counts(comm_, mine, p.device());
+  const int64_t biggest = *std::max_element(counts.begin(), counts.end());
   int64_t touched = 0;
   for (int64_t c : counts) touched += c;
   stats_.rows += touched;
@@ -101,8 +92,8 @@ void SparseGradReducer::reduce_one(size_t i, bool contribute) {
   // Sparse: gather the indices and the rows (padded to the largest count), sum duplicates.
   at::Tensor values = !g.defined() ? at::empty({0, row_numel}, p.options())
                       : g.is_sparse() ? g._values().reshape({mine, row_numel}) : g.reshape({rows_total, row_numel});
-  at::Tensor all_index = dist::all_gather_rows(comm_, index.contiguous());
-  at::Tensor all_values = dist::all_gather_rows(comm_, values.contiguous());
+  at::Tensor all_index = dist::all_gather_rows(comm_, index.contiguous(), counts);
+  at::Tensor all_values = dist::all_gather_rows(comm_, values.contiguous(), counts);
   stats_.sparse_bytes += static_cast<int64_t>(n - 1) * biggest * (row_bytes + 8);
   if (!contribute) return;
   std::vector<int64_t> shape = p.sizes().vec();

@@ -200,6 +200,11 @@ std::vector<std::string> available_backends();
 // counts (when given) receives n_0..n_{size-1}. Two collectives: the counts, then the rows
 // padded to the largest count (so size() x max n_r rows travel). Collective and synchronous.
 at::Tensor all_gather_rows(Communicator& comm, const at::Tensor& rows, std::vector<int64_t>* counts = nullptr);
+// The second half alone, for a caller that already has every rank's count (counts[r] = rank r's
+// rows; this rank's must equal rows.size(0)): one collective.
+at::Tensor all_gather_rows(Communicator& comm, const at::Tensor& rows, const std::vector<int64_t>& counts);
+// Every rank's `mine`, in rank order (one all-gather of an int64 on `device`).
+std::vector<int64_t> all_gather_counts(Communicator& comm, int64_t mine, c10::Device device);
 
 // Creates the communicator of the whole job.
 //  "local": world size 1 only, no MPI needed; collectives are local copies.
