@@ -47,15 +47,15 @@ SEQUENCE=(test bench1 bench2)
 declare -A CARRY=([test]='[".deps"]' [bench1]='[".deps", ".gpu-build"]' [bench2]='[".deps", ".gpu-build"]')
 declare -A STEPS=(
   [test]="gpuinfo unpack configure build ctest"
-  [bench1]="s2s gpt124m nccl_allreduce mpi_allreduce cpu_adam copies offload_layers async_save"
+  [bench1]="s2s gpt124m nccl_allreduce mpi_allreduce cpu_adam copies offload_layers async_save shard"
   [bench2]="offload6b offload_opt offload_delayed"
   [profile]="profile_layers profile_offload profile_delayed"
 )
 declare -A LIMIT=(
-  [gpuinfo]=10 [unpack]=15 [configure]=60 [build]=270 [ctest]=120
+  [gpuinfo]=10 [unpack]=15 [configure]=60 [build]=230 [ctest]=120
   [s2s]=120 [gpt124m]=45 [nccl_allreduce]=30 [mpi_allreduce]=45 [cpu_adam]=60 [copies]=25
-  [offload_layers]=45 [async_save]=40
-  [offload6b]=380 [offload_opt]=70 [offload_delayed]=70
+  [offload_layers]=45 [async_save]=40 [shard]=90
+  [offload6b]=330 [offload_opt]=70 [offload_delayed]=70
   [profile_layers]=45 [profile_offload]=70 [profile_delayed]=70
 )
 # GPU_LIMIT_<step>=S overrides a limit (the plan sees the override too).
@@ -353,6 +353,19 @@ step_offload_layers() {
 step_async_save() {
   measure "checkpoint save: the step that saves vs an ordinary one, background vs synchronous" '"bench"' \
     python3 tools/async_save_bench.py "$BIN" --device=cuda
+}
+# ZeRO-1/2 on the device: gpt124m on 2 ranks sharing the GPU (gradients through MPI with host
+# staging, so the step time is the staging's; the memory per rank is the figure): the memory
+# report after step 4 of each stage, rank 0.
+step_shard() {
+  SHOW="mpirun -np 2 train_gpt --device=cuda --data=synthetic --amp=bf16 --shard=none|optimizer|gradients" \
+    measure "ZeRO-1/2 on the device, gpt124m, 2 ranks on the one GPU (memory per rank)" \
+    'shard=|trained|memory on|parameters +|gradients +|optimizer state|peak|other \(' bash -c '
+for s in none optimizer gradients; do
+  echo "shard=$s"
+  "${@:2}" "$1" --device=cuda --data=synthetic --amp=bf16 --steps=6 --log_every=3 --progress=false \
+    --memory_report_step=4 --shard=$s || exit 1
+done' _ "$BIN/train_gpt" "${MPIRUN[@]}" -np 2
 }
 # Issue 5's goal: a GPT whose optimizer state does not fit the GPU (6.3B parameters: 100 GB of
 # fp32 weights, gradients and Adam moments) trains with the optimizer state in host memory.
