@@ -151,6 +151,15 @@ run_steps() {
 }
 
 environment() {
+  # libgomp's idle threads spin between parallel regions by default: in a GPU step they take
+  # the cores autograd's device thread and the copy threads need (--offload=layers: 187 -> 129
+  # ms per step with PASSIVE, docs/BENCHMARKS.md). The same default as cluster/slurm/*.sbatch;
+  # OMP_WAIT_POLICY= (set, empty) measures libgomp's own default instead.
+  if [[ -z ${OMP_WAIT_POLICY+set} ]]; then
+    export OMP_WAIT_POLICY=PASSIVE
+  elif [[ -z $OMP_WAIT_POLICY ]]; then
+    unset OMP_WAIT_POLICY
+  fi
   # $BUILD/lib first: a restored build's RUNPATH names the build machine's checkout path.
   export LD_LIBRARY_PATH="$BUILD/lib:$DEPS/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
   local torch_lib

@@ -10,6 +10,7 @@
 #include <cstdio>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <glog/logging.h>
 #include <torch/utils.h>
@@ -155,7 +156,8 @@ Run init_run(int argc, char** argv, const std::string& usage,
   if (run.world.rank == 0) {
     LOG(INFO) << run.program << ": " << run.world.size << " rank(s) (tp " << run.mesh->tp_size()
               << " x dp " << run.mesh->dp_size() << "), device " << run.device << ", backend "
-              << run.comm->backend() << ", amp " << engine::cli::flags().amp;
+              << run.comm->backend() << ", amp " << engine::cli::flags().amp << ", " << at::get_num_threads()
+              << " intra-op CPU thread(s)";
   }
   return run;
 }

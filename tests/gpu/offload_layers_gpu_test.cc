@@ -3,11 +3,17 @@
 // their weights do not stay on the device.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <limits>
+
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
 #include "dtrain/engine/memory/activation_checkpoint.h"
 #include "dtrain/engine/memory/memory.h"
 #include "dtrain/engine/optim/amp.h"
+#include "dtrain/engine/parallel/grad_norm.h"
 #include "dtrain/offload/layer_offload.h"
 #include "test_util.h"
 
@@ -80,6 +86,73 @@ TEST(LayerOffloadGpu, StreamedBlocksMatchResidentBlocksAndLeaveTheDevice) {
   EXPECT_LT(engine::memory_stats(dev).peak_mb - start_mb, 3.5 * block_mb);
 }
 
+// Counts the post-accumulate-grad hook calls of one parameter (the reducer's readiness signal).
+class CountingHook final : public torch::autograd::PostAccumulateGradHook {
+ public:
+  explicit CountingHook(int* calls) : calls_(calls) {}
+  void operator()(const torch::autograd::Variable&) override { ++*calls_; }
+
+ private:
+  int* calls_;
+};
+
+// Gradient accumulation over micro-batches, as the trainer does it: the first backward adopts
+// the gradients copied to pinned memory; later ones (and those after an in-place zeroing, as the
+// reducer's buckets are zeroed) add on the device and write the sum back into the same host
+// tensors, the hooks firing once per parameter and backward. Each stage equals the resident
+// blocks' gradients after the same sequence.
+TEST(LayerOffloadGpu, AccumulatedGradientsAreSummedOnTheDeviceInPlace) {
+  DTRAIN_SKIP_WITHOUT_CUDA();
+  const c10::Device dev(c10::kCUDA, 0);
+  const int64_t d = 256;
+  auto resident = make_blocks(4, d);
+  auto streamed = make_blocks(4, d);
+  for (auto& b : resident) b->to(dev);
+  for (auto& b : streamed) b->to(dev);
+  offload::LayerStreamer streamer(streamed, dev);
+  std::vector<at::Tensor> params_a, params_b;
+  for (size_t i = 0; i < resident.size(); ++i) {
+    for (auto& p : resident[i]->parameters()) params_a.push_back(p);
+    for (auto& p : streamed[i]->parameters()) params_b.push_back(p);
+  }
+  std::vector<int> calls(params_b.size(), 0);
+  for (size_t k = 0; k < params_b.size(); ++k) {
+    torch::autograd::impl::set_post_acc_grad_hooks(params_b[k], std::make_unique<CountingHook>(&calls[k]));
+  }
+  auto micro_batch = [&](int64_t seed) {
+    torch::manual_seed(seed);
+    at::Tensor x = at::randn({8, d}, at::TensorOptions().device(dev));
+    at::Tensor probe = at::randn({8, d}, at::TensorOptions().device(dev));
+    (run(resident, nullptr, x.clone().requires_grad_(true)) * probe).sum().backward();
+    (run(streamed, &streamer, x.clone().requires_grad_(true)) * probe).sum().backward();
+  };
+  auto expect_same = [&](const std::string& stage) {
+    for (size_t k = 0; k < params_b.size(); ++k) {
+      ASSERT_TRUE(params_b[k].grad().defined()) << stage;
+      EXPECT_TRUE(params_b[k].grad().device().is_cpu()) << stage;
+      EXPECT_FALSE(params_b[k].grad().is_sparse()) << stage;
+      EXPECT_LT(testing_util::rel_error(params_b[k].grad(), params_a[k].grad()), 1e-5) << stage << ", parameter " << k;
+    }
+  };
+  micro_batch(1);
+  expect_same("first backward (gradients adopted)");
+  std::vector<const void*> storage;
+  for (auto& p : params_b) {
+    EXPECT_TRUE(p.grad().is_pinned()) << "the adopted gradient is the pinned copy";
+    storage.push_back(p.grad().data_ptr());
+  }
+  micro_batch(2);
+  expect_same("second backward (summed on the device)");
+  for (auto& p : params_a) p.mutable_grad().zero_();
+  for (auto& p : params_b) p.mutable_grad().zero_();
+  micro_batch(3);
+  expect_same("after zeroing in place");
+  for (size_t k = 0; k < params_b.size(); ++k) {
+    EXPECT_EQ(params_b[k].grad().data_ptr(), storage[k]) << "parameter " << k << ": not written in place";
+    EXPECT_EQ(calls[k], 3) << "parameter " << k << ": the post-accumulate hook must fire once per backward";
+  }
+}
+
 // Under AMP, autocast's cache would keep every streamed block's bf16 copy of its weights until
 // the autocast region ends (issue 19, item 5): the streamer turns the cache off while a block is
 // acquired. With checkpointing, forward keeps only block outputs, so what forward leaves on the
@@ -123,6 +196,23 @@ TEST(LayerOffloadGpu, StreamedBlocksUnderAmpKeepNoCastWeights) {
       EXPECT_LT(testing_util::rel_error(pb[k].grad(), pa[k].grad()), 1e-3);
     }
   }
+}
+
+// The gradient norm of a layer-offload run: host gradients (float32 and float64, one not
+// contiguous) beside device ones, against float64 on the CPU; a non-finite host value shows.
+TEST(GradNormGpu, HostAndDeviceGradientsMatchFloat64) {
+  DTRAIN_SKIP_WITHOUT_CUDA();
+  const c10::Device dev(c10::kCUDA, 0);
+  torch::manual_seed(5);
+  std::vector<at::Tensor> grads{at::randn({1000, 300}).to(dev), at::randn({300001}), at::randn({77}, at::kDouble),
+                                at::randn({40, 30}).t(), at::randn({5}).to(dev)};
+  at::Tensor sq = at::zeros({}, at::kDouble);
+  for (const at::Tensor& g : grads) sq += g.to(at::kCPU, at::kDouble).pow(2).sum();
+  const at::Tensor got = engine::grad_norm(grads);
+  EXPECT_EQ(got.device(), dev);
+  EXPECT_LT(std::abs(got.item<double>() / sq.sqrt().item<double>() - 1), 1e-6);
+  grads[1][17] = std::numeric_limits<float>::infinity();
+  EXPECT_TRUE(std::isinf(engine::grad_norm(grads).item<double>()));
 }
 
 }  // namespace
