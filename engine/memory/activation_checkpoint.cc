@@ -216,34 +216,6 @@ std::vector<at::Tensor> recompute(const CheckpointState& state, std::vector<at::
   return state.fn(inputs);
 }
 
-// A host parameter's gradient `g`, computed on a GPU; what autograd gets for the parameter.
-// When the parameter has a dense host gradient of g's shape and dtype already (the reducer's
-// bucket view, pinned for a streamed layer), the sum is formed on the device and written
-// straight back into it: the old gradient comes up, g is added, the result goes down, all on
-// the current stream, so the host does no arithmetic. (Autograd's own CPU accumulation into
-// the host gradient ran at a few GB/s on the GPU machine, contending with the threads that
-// feed the GPU: 78 ms of a 187 ms gpt124m step.) Autograd then gets an empty sparse gradient:
-// its accumulation adds nothing, and the parameter's post-accumulate hooks (the reducer's)
-// still run. Otherwise g goes down into pinned memory for autograd to accumulate (or adopt,
-// when the parameter has no gradient yet). The copies are asynchronous: the caller
-// synchronizes the stream before autograd sees the result.
-at::Tensor deliver_to_host(const at::Tensor& p, const at::Tensor& g) {
-  const at::Tensor& host = p.grad();
-  const bool in_place = host.defined() && host.layout() == at::kStrided && host.device().is_cpu() &&
-                        host.scalar_type() == g.scalar_type() && host.sizes() == g.sizes() &&
-                        host.is_contiguous() && p.dim() > 0;
-  if (!in_place) {
-    at::Tensor pinned = at::empty(g.sizes(), g.options().device(c10::kCPU).pinned_memory(true));
-    pinned.copy_(g, /*non_blocking=*/true);
-    return pinned;
-  }
-  at::Tensor sum = g + host.to(g.options(), /*non_blocking=*/true);
-  host.copy_(sum, /*non_blocking=*/true);  // `sum` is freed in stream order after the copy
-  at::Tensor no_indices = at::empty({p.dim(), 0}, at::TensorOptions().dtype(at::kLong));
-  at::Tensor no_values = at::empty({0}, host.options());
-  return at::sparse_coo_tensor(no_indices, no_values, p.sizes(), host.options().layout(at::kSparse));
-}
-
 variable_list CheckpointFunction::backward(AutogradContext* ctx, variable_list grad_outputs) {
   DTRAIN_CHECK(!at::GradMode::is_enabled(),
                "checkpoint: backward with create_graph=true (double backward) through a "
@@ -253,9 +225,10 @@ variable_list CheckpointFunction::backward(AutogradContext* ctx, variable_list g
   std::vector<at::Tensor> inputs = ctx->get_saved_variables();
   variable_list result = recompute_and_differentiate(*state, inputs, grad_outputs);
   // Parameters may live on another device than the computation (layer offload): their
-  // gradients go where they are (deliver_to_host for a host parameter's GPU gradient). The host
-  // waits for the device-to-host copies once, after the last: autograd reads a CPU gradient on
-  // the CPU as soon as this returns.
+  // gradients go where they are. Device-to-host: every copy of the block into pinned memory
+  // (asynchronous, at full bandwidth), then one wait for the last, instead of a synchronous
+  // pageable copy per parameter. The host must wait here: autograd accumulates a CPU gradient
+  // on the CPU as soon as this returns.
   const size_t first_param = 1 + inputs.size();
   std::optional<c10::Device> copied_from;
   for (size_t j = 0; j < state->params.size(); ++j) {
@@ -263,8 +236,10 @@ variable_list CheckpointFunction::backward(AutogradContext* ctx, variable_list g
     const at::Tensor& p = state->params[j];
     if (!g.defined() || !p.defined() || g.device() == p.device()) continue;
     if (p.device().is_cpu() && g.is_cuda()) {
+      at::Tensor host = at::empty(g.sizes(), g.options().device(c10::kCPU).pinned_memory(true));
+      host.copy_(g, /*non_blocking=*/true);
       copied_from = g.device();
-      g = deliver_to_host(p, g);
+      g = host;
     } else {
       g = g.to(p.device());
     }

@@ -1,12 +1,10 @@
 #include "dtrain/engine/parallel/grad_norm.h"
 
 #include <algorithm>
-#include <cmath>
 #include <map>
 #include <string>
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/parallel/sparse_reducer.h"
@@ -20,58 +18,6 @@ at::ScalarType accumulation_type(const std::vector<at::Tensor>& grads) {
     if (g.defined() && g.scalar_type() == at::kDouble) return at::kDouble;
   }
   return at::kFloat;
-}
-
-// The sum of squares of n values in float64, over fixed chunks summed in chunk order: the same
-// result for any number of threads. Four independent sums per chunk keep the loop from waiting
-// on one addition chain (enough to outrun memory bandwidth on every thread).
-template <typename T>
-double sum_of_squares(const T* x, int64_t n) {
-  constexpr int64_t kChunk = int64_t{1} << 16;
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
-  std::vector<double> partial(static_cast<size_t>(chunks), 0.0);
-  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t c = begin; c < end; ++c) {
-      const T* p = x + c * kChunk;
-      const int64_t m = std::min(kChunk, n - c * kChunk);
-      double a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-      int64_t i = 0;
-      for (; i + 4 <= m; i += 4) {
-        const double v0 = p[i], v1 = p[i + 1], v2 = p[i + 2], v3 = p[i + 3];
-        a0 += v0 * v0;
-        a1 += v1 * v1;
-        a2 += v2 * v2;
-        a3 += v3 * v3;
-      }
-      for (; i < m; ++i) a0 += static_cast<double>(p[i]) * p[i];
-      partial[static_cast<size_t>(c)] = (a0 + a1) + (a2 + a3);
-    }
-  });
-  double total = 0;
-  for (double v : partial) total += v;
-  return total;
-}
-
-// Host gradients in a run whose other gradients are on a GPU (layer offload's): ATen's CPU norm
-// kernels ran at 9 GB/s on the GPU machine (37 ms for gpt124m's 85M streamed parameters), this
-// at the host's memory bandwidth. Consumes the float32/float64 contiguous tensors of `list`,
-// leaving the others; returns the square root of their sum of squares (float64, on the CPU).
-std::optional<double> host_norm(std::vector<at::Tensor>& list) {
-  double total = 0;
-  bool any = false;
-  std::vector<at::Tensor> rest;
-  for (at::Tensor& g : list) {
-    if (!g.is_contiguous() || (g.scalar_type() != at::kFloat && g.scalar_type() != at::kDouble)) {
-      rest.push_back(g);
-      continue;
-    }
-    total += g.scalar_type() == at::kFloat ? sum_of_squares(g.const_data_ptr<float>(), g.numel())
-                                           : sum_of_squares(g.const_data_ptr<double>(), g.numel());
-    any = true;
-  }
-  list = std::move(rest);
-  if (!any) return std::nullopt;
-  return std::sqrt(total);
 }
 
 }  // namespace
@@ -91,16 +37,8 @@ at::Tensor grad_norm(const std::vector<at::Tensor>& grads) {
   }
   if (!first_device) return at::zeros(c10::IntArrayRef{}, at::kFloat);
   const at::ScalarType acc = accumulation_type(grads);
-  bool mixed = false;  // host gradients beside device ones
-  for (auto& [key, list] : groups) mixed = mixed || list.front().device() != *first_device;
   std::vector<at::Tensor> norms;
   for (auto& [key, list] : groups) {
-    if (mixed && list.front().device().is_cpu()) {
-      if (std::optional<double> n = host_norm(list)) {
-        norms.push_back(at::scalar_tensor(*n, at::TensorOptions().dtype(acc)).to(*first_device));
-      }
-      if (list.empty()) continue;
-    }
     for (at::Tensor& n : at::_foreach_norm(list, 2, acc)) {
       // Asynchronous unless the copy lands on the host (the CPU ops after it would race).
       norms.push_back(n.to(*first_device, acc, /*non_blocking=*/!first_device->is_cpu()));

@@ -187,17 +187,6 @@ struct GradReducer::State {
   void rebuild();
 };
 
-// A bucket's storage: that of its parameters, and pinned when they are pinned host tensors
-// (layer offload's): the GPU then reads and writes those gradients asynchronously
-// (activation checkpointing accumulates a streamed layer's gradient on the device, in place).
-namespace {
-at::TensorOptions bucket_options(const at::Tensor& param) {
-  at::TensorOptions options = param.options();
-  if (param.device().is_cpu() && param.is_pinned()) options = options.pinned_memory(true);
-  return options;
-}
-}  // namespace
-
 void GradReducer::State::build(const std::vector<std::vector<size_t>>& assignment) {
   buckets.assign(assignment.size(), Bucket());
   where.assign(params.size(), {0, 0});
@@ -234,7 +223,7 @@ void GradReducer::State::build(const std::vector<std::vector<size_t>>& assignmen
       end = std::max(end, bucket.flat_begin + bucket.numel);
     }
     if (first && one_kind) {
-      kept = at::zeros({end - begin}, bucket_options(*first));
+      kept = at::zeros({end - begin}, first->options());
       kept_begin = begin;
     }
   }
@@ -258,7 +247,7 @@ void GradReducer::State::allocate(size_t b) {
   if (bucket.flat.defined()) return;
   const at::Tensor& first = params[bucket.params.front()];
   bucket.flat = bucket.keep && kept.defined() ? kept.narrow(0, bucket.flat_begin - kept_begin, bucket.numel)
-                                              : at::zeros({bucket.numel}, bucket_options(first));
+                                              : at::zeros({bucket.numel}, first.options());
   bucket.wire = bucket_comm->wire(bucket.flat);
   for (size_t k = 0; k < bucket.params.size(); ++k) {
     const size_t i = bucket.params[k];
