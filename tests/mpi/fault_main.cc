@@ -59,8 +59,9 @@ int main(int argc, char** argv) {
           std::fprintf(stderr, "fault_main: no health service to pause\n");
           return kExitFailure;
         }
-        // Past rank 0's stall check (at half the timeout) and its window (a quarter).
-        std::this_thread::sleep_for(options.timeout * 4 / 5);
+        // Past rank 0's stall check (at half the timeout) and its window (a quarter), and short
+        // of the timeout, with a tenth of the timeout to spare on either side for a loaded machine.
+        std::this_thread::sleep_for(options.timeout * 17 / 20);
       }
       at::Tensor x = at::ones({16});
       comm->all_reduce(x)->wait();
