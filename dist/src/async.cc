@@ -320,7 +320,10 @@ void Watchdog::loop() {
 std::string describe_op(const Communicator& comm, OpType type, const at::Tensor& tensor,
                         ReduceOp reduce, int root, uint64_t seq) {
   std::ostringstream os;
-  os << to_string(type) << " #" << seq << " on '" << comm.name() << "' (" << comm.backend()
+  os << to_string(type) << " #" << seq;
+  if (type == OpType::kSend) os << " to rank " << root;
+  if (type == OpType::kRecv) os << " from rank " << root;
+  os << " on '" << comm.name() << "' (" << comm.backend()
      << ", rank " << comm.rank() << "/" << comm.size();
   if (tensor.defined()) {
     os << ", " << c10::toString(tensor.scalar_type()) << tensor.sizes();

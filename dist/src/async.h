@@ -142,7 +142,8 @@ class Watchdog {
   std::shared_ptr<std::function<void(const std::string&)>> on_warning_;  // guarded by mutex_
 };
 
-// Describes an operation for messages: "all_reduce #3 on 'world' (mpi, rank 0/2, float32[4,4], sum)".
+// Describes an operation for messages: "all_reduce #3 on 'world' (mpi, rank 0/2, float32[4,4], sum)";
+// for send and recv `root` is the peer: "send #2 to rank 1 on 'world' (mpi, rank 0/2, float32[8])".
 std::string describe_op(const Communicator& comm, OpType type, const at::Tensor& tensor,
                         ReduceOp reduce, int root, uint64_t seq);
 

@@ -31,6 +31,8 @@ const char* to_string(OpType type) {
     case OpType::kReduceScatter: return "reduce_scatter";
     case OpType::kBarrier: return "barrier";
     case OpType::kReduce: return "reduce";
+    case OpType::kSend: return "send";
+    case OpType::kRecv: return "recv";
   }
   return "?";
 }
@@ -212,6 +214,36 @@ WorkPtr Communicator::reduce(const at::Tensor& tensor, int root, ReduceOp op) {
   DTRAIN_CHECK(root >= 0 && root < size_, name(), ".reduce: root ", root,
                " is not a rank of this communicator (size ", size_, ")");
   return submit(Op{OpType::kReduce, tensor, tensor, op, root, 0});
+}
+
+WorkPtr Communicator::send(const at::Tensor& tensor, int peer) { return submit_p2p(OpType::kSend, tensor, peer); }
+
+WorkPtr Communicator::recv(const at::Tensor& tensor, int peer) { return submit_p2p(OpType::kRecv, tensor, peer); }
+
+WorkPtr Communicator::submit_p2p(OpType type, const at::Tensor& tensor, int peer) {
+  const char* op = to_string(type);
+  check_tensor(*this, op, "", tensor);
+  DTRAIN_CHECK(peer >= 0 && peer < size_, name(), ".", op, ": peer ", peer, " is not a rank of this communicator (size ",
+               size_, ")");
+  P2pOp p2p{type, tensor, peer, 0};
+  {
+    std::lock_guard<std::mutex> lock(*submit_mutex_);
+    std::vector<uint64_t>& counts = type == OpType::kSend ? sends_ : recvs_;
+    if (counts.empty()) counts.assign(static_cast<size_t>(size_), 0);
+    p2p.seq = ++counts[static_cast<size_t>(peer)];
+    if (type == OpType::kSend && size_ > 1) {
+      const double bytes = static_cast<double>(tensor.numel()) * static_cast<double>(tensor.element_size());
+      ++traffic_.ops;
+      traffic_.payload_bytes += bytes;
+      traffic_.bus_bytes += bytes;
+    }
+  }
+  return enqueue_p2p(std::move(p2p));
+}
+
+WorkPtr Communicator::enqueue_p2p(P2pOp op) {
+  throw Error(name() + "." + to_string(op.type) + ": backend '" + backend() +
+              "' has no point-to-point operations; use the mpi, nccl or local backend");
 }
 
 WorkPtr Communicator::all_gather(const at::Tensor& input, const at::Tensor& output) {

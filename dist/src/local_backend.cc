@@ -8,12 +8,16 @@
 // stream) cannot read an unfinished gradient; synchronize() blocks the host on it.
 #include "backends.h"
 
+#include <condition_variable>
+#include <deque>
+#include <mutex>
 #include <optional>
 
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include "async.h"
 #include "dtrain/dist/error.h"
 
 namespace dtrain::dist {
@@ -47,6 +51,38 @@ class LocalWork final : public Work {
   std::optional<c10::Event> event_;
 };
 
+// A send to oneself or a receive from oneself: done once matched with its partner.
+class LocalP2pWork final : public Work {
+ public:
+  LocalP2pWork(uint64_t seq, at::Tensor tensor) : seq_(seq), tensor_(std::move(tensor)) {}
+  void wait() override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [&] { return done_; });
+    if (error_) std::rethrow_exception(error_);
+  }
+  void synchronize() override { wait(); }
+  bool is_completed() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return done_;
+  }
+  uint64_t sequence() const override { return seq_; }
+  const at::Tensor& tensor() const { return tensor_; }
+  void finish(std::exception_ptr error = nullptr) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    done_ = true;
+    error_ = error;
+    cv_.notify_all();
+  }
+
+ private:
+  const uint64_t seq_;
+  const at::Tensor tensor_;  // a send's copy, or the receive's destination
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
 class LocalCommunicator final : public Communicator {
  public:
   explicit LocalCommunicator(CommOptions options) : Communicator(0, 1, std::move(options)) {}
@@ -65,11 +101,61 @@ class LocalCommunicator final : public Communicator {
     }
     return std::make_shared<LocalWork>(op.seq, op.output.defined() ? op.output : op.input);
   }
+  // Sends to oneself are matched with receives from oneself in issue order: the earlier of
+  // the two waits (watched for the timeout like any operation) until its partner comes.
+  WorkPtr enqueue_p2p(P2pOp op) override {
+    const bool send = op.type == OpType::kSend;
+    auto work = std::make_shared<LocalP2pWork>(op.seq, send ? op.tensor.clone() : op.tensor);
+    std::shared_ptr<LocalP2pWork> partner;
+    {
+      std::lock_guard<std::mutex> lock(p2p_mutex_);
+      auto& theirs = send ? recvs_ : sends_;
+      if (theirs.empty()) {
+        (send ? sends_ : recvs_).push_back(work);
+      } else {
+        partner = theirs.front();
+        theirs.pop_front();
+      }
+    }
+    if (!partner) {
+      Watchdog::Entry entry;
+      entry.what = describe_op(*this, op.type, op.tensor, ReduceOp::kSum, op.peer, op.seq);
+      entry.timeout = options().timeout;
+      entry.done = [work] { return work->is_completed(); };
+      entry.arrivals = [send] { return std::string("this rank has not issued the matching ") + (send ? "recv" : "send"); };
+      entry.owner = this;
+      Watchdog::instance().watch(std::move(entry));
+      return work;
+    }
+    const LocalP2pWork& sent = send ? *work : *partner;
+    const LocalP2pWork& received = send ? *partner : *work;
+    std::exception_ptr error;
+    if (sent.tensor().scalar_type() != received.tensor().scalar_type() ||
+        sent.tensor().sizes() != received.tensor().sizes()) {
+      error = std::make_exception_ptr(Error(
+          describe_op(*this, OpType::kRecv, received.tensor(), ReduceOp::kSum, 0, send ? partner->sequence() : op.seq) +
+          ": the matching send has " + c10::toString(sent.tensor().scalar_type()) + c10::str(sent.tensor().sizes()) +
+          "; sender and receiver must agree on dtype and shape"));
+    } else {
+      received.tensor().copy_(sent.tensor());
+    }
+    partner->finish(error);
+    work->finish(error);
+    return work;
+  }
+
   std::unique_ptr<Communicator> do_split(int color, int, CommOptions child) override {
     if (color < 0) return nullptr;
     return std::make_unique<LocalCommunicator>(std::move(child));
   }
   std::vector<int64_t> exchange(const std::vector<int64_t>& mine) override { return mine; }
+
+ public:
+  ~LocalCommunicator() override { Watchdog::instance().unwatch_owner(this); }
+
+ private:
+  std::mutex p2p_mutex_;
+  std::deque<std::shared_ptr<LocalP2pWork>> sends_, recvs_;  // unmatched, guarded by p2p_mutex_
 };
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstring>
+#include <sstream>
 #include <thread>
 
 #include "async.h"
@@ -55,6 +56,162 @@ std::shared_ptr<HealthTicket> join_health(MpiRuntime& runtime, MPI_Comm comm) {
   return runtime.health()->join(key, std::move(members), std::make_shared<OpProgress>());
 }
 
+// Tags of point-to-point messages on a communicator: the data, and (debug mode) a header
+// with its dtype and shape that the receiver checks first.
+constexpr int kDataTag = 0;
+constexpr int kHeaderTag = 1;
+constexpr int kHeaderLen = 2 + 8;  // dtype, dims, up to 8 sizes
+constexpr int64_t kMaxP2pBytes = int64_t{1} << 30;  // one MPI message's bytes (MPI counts are ints)
+
+std::vector<int64_t> p2p_header(const at::Tensor& t) {
+  std::vector<int64_t> h(kHeaderLen, -1);
+  h[0] = static_cast<int64_t>(t.scalar_type());
+  h[1] = t.dim();
+  for (int64_t i = 0; i < std::min<int64_t>(t.dim(), kHeaderLen - 2); ++i) h[2 + i] = t.size(i);
+  return h;
+}
+
+std::string describe_header(const std::vector<int64_t>& h) {
+  std::ostringstream os;
+  os << c10::toString(static_cast<at::ScalarType>(h[0])) << "[";
+  for (int64_t i = 0; i < std::min<int64_t>(h[1], kHeaderLen - 2); ++i) os << (i ? "," : "") << h[2 + i];
+  os << "]";
+  return os.str();
+}
+
+// One send or receive: its MPI requests (a message per kMaxP2pBytes, and the debug header),
+// completed by MPI_Test from whoever asks (the waiting thread, the watchdog), one at a time.
+// CUDA tensors go through host memory: a send copies the tensor out when it is issued
+// (ordered after the caller's current stream), a receive lands in a host buffer and wait()
+// copies it into the tensor on the caller's current stream.
+class MpiP2pWork final : public Work {
+ public:
+  MpiP2pWork(std::shared_ptr<MpiRuntime> runtime, uint64_t seq, std::string what, int peer)
+      : runtime_(std::move(runtime)), seq_(seq), what_(std::move(what)), peer_(peer) {}
+
+  void start(OpType type, const at::Tensor& tensor, MPI_Comm comm, bool debug) {
+    recv_ = type == OpType::kRecv;
+    tensor_ = tensor;
+    host_ = tensor.is_cuda() ? (recv_ ? at::empty(tensor.sizes(), tensor.options().device(c10::kCPU))
+                                      : tensor.to(c10::kCPU))
+                             : tensor;
+    auto lock = runtime_->lock();
+    if (debug) {
+      header_ = recv_ ? std::vector<int64_t>(kHeaderLen, 0) : p2p_header(tensor);
+      post(header_.data(), static_cast<int64_t>(header_.size() * sizeof(int64_t)), kHeaderTag, comm);
+    }
+    char* data = static_cast<char*>(host_.data_ptr());
+    const int64_t bytes = static_cast<int64_t>(host_.nbytes());
+    for (int64_t off = 0; off < bytes || off == 0; off += kMaxP2pBytes) {
+      post(data + off, std::min(kMaxP2pBytes, bytes - off), kDataTag, comm);
+      if (bytes == 0) break;
+    }
+  }
+
+  void wait() override {
+    while (!is_completed()) std::this_thread::yield();
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (error_) std::rethrow_exception(error_);
+    if (recv_ && tensor_.is_cuda() && !copied_) {
+      tensor_.copy_(host_);  // on the caller's current stream
+      copied_ = true;
+    }
+  }
+  void synchronize() override {
+    wait();
+    if (tensor_.is_cuda()) {
+      c10::impl::VirtualGuardImpl impl(c10::kCUDA);
+      impl.getStream(tensor_.device()).synchronize();
+    }
+  }
+  bool is_completed() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (done_) return true;
+    std::vector<MPI_Status> statuses(requests_.size());
+    int all = 0;
+    int rc = MPI_SUCCESS;
+    {
+      auto mpi_lock = runtime_->lock();
+      rc = MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &all, statuses.data());
+    }
+    if (rc != MPI_SUCCESS) {
+      // MPI_ERR_IN_STATUS: one message failed, typically a receive smaller than what was sent.
+      finish_with(rc == MPI_ERR_IN_STATUS ? truncated_message(statuses) : mpi_error_string(rc));
+      return true;
+    }
+    if (!all) return false;
+    done_ = true;
+    if (recv_) check_received(statuses);
+    return true;
+  }
+  uint64_t sequence() const override { return seq_; }
+
+ private:
+  void post(void* buffer, int64_t bytes, int tag, MPI_Comm comm) {
+    MPI_Request request = MPI_REQUEST_NULL;
+    const int n = static_cast<int>(bytes);
+    MPI_CHECK(recv_ ? MPI_Irecv(buffer, n, MPI_BYTE, peer_, tag, comm, &request)
+                    : MPI_Isend(buffer, n, MPI_BYTE, peer_, tag, comm, &request));
+    requests_.push_back(request);
+    expected_.push_back(bytes);
+  }
+
+  // Under mutex_, after every request completed.
+  void check_received(const std::vector<MPI_Status>& statuses) {
+    size_t first_data = 0;
+    if (!header_.empty()) {
+      first_data = 1;
+      const std::vector<int64_t> mine = p2p_header(tensor_);
+      if (header_ != mine) {
+        finish_with("rank " + std::to_string(peer_) + " sent " + describe_header(header_) +
+                    " but this rank expected " + describe_header(mine) +
+                    " (DTRAIN_DEBUG_COLLECTIVES); sender and receiver must agree on dtype and shape");
+        return;
+      }
+    }
+    for (size_t i = first_data; i < statuses.size(); ++i) {
+      int got = 0;
+      MPI_Get_count(&statuses[i], MPI_BYTE, &got);
+      if (got != expected_[i]) {
+        finish_with("rank " + std::to_string(peer_) + " sent a message of " + std::to_string(got) + " bytes where " +
+                    std::to_string(expected_[i]) + " were expected; sender and receiver must agree on dtype and "
+                    "shape (DTRAIN_DEBUG_COLLECTIVES=1 names both)");
+        return;
+      }
+    }
+  }
+
+  std::string truncated_message(const std::vector<MPI_Status>& statuses) const {
+    for (const MPI_Status& st : statuses) {
+      if (st.MPI_ERROR != MPI_SUCCESS && st.MPI_ERROR != MPI_ERR_PENDING) {
+        return "rank " + std::to_string(peer_) + " sent more than the " + std::to_string(host_.nbytes()) +
+               " bytes this " + (recv_ ? "receive" : "send") + " holds (" + mpi_error_string(st.MPI_ERROR) +
+               "); sender and receiver must agree on dtype and shape";
+      }
+    }
+    return "MPI_Testall failed";
+  }
+
+  void finish_with(const std::string& why) {
+    done_ = true;
+    error_ = std::make_exception_ptr(Error(what_ + ": " + why));
+  }
+
+  std::shared_ptr<MpiRuntime> runtime_;
+  const uint64_t seq_;
+  const std::string what_;
+  const int peer_;
+  bool recv_ = false;
+  at::Tensor tensor_, host_;
+  std::vector<int64_t> header_;
+  std::mutex mutex_;
+  std::vector<MPI_Request> requests_;  // guarded by mutex_ after start()
+  std::vector<int64_t> expected_;
+  bool done_ = false;        // guarded by mutex_
+  bool copied_ = false;      // guarded by mutex_
+  std::exception_ptr error_;  // guarded by mutex_
+};
+
 class MpiCommunicator final : public Communicator {
  public:
   MpiCommunicator(std::shared_ptr<MpiRuntime> runtime, MPI_Comm comm, int rank, int size,
@@ -68,6 +225,21 @@ class MpiCommunicator final : public Communicator {
 
   ~MpiCommunicator() override {
     executor_.reset();  // finishes queued operations first
+    // A point-to-point operation still in flight when its communicator goes is a caller's bug
+    // (MPI may still write its buffer): say so, and keep its buffers for the process's life.
+    Watchdog::instance().unwatch_owner(this);
+    {
+      std::lock_guard<std::mutex> lock(p2p_mutex_);
+      static std::vector<std::shared_ptr<MpiP2pWork>>* leaked = new std::vector<std::shared_ptr<MpiP2pWork>>();
+      for (auto& weak : p2p_) {
+        std::shared_ptr<MpiP2pWork> work = weak.lock();
+        if (work && !work->is_completed()) {
+          LOG(ERROR) << "'" << name() << "' destroyed with a point-to-point operation in flight (#"
+                     << work->sequence() << "); wait for sends and receives before destroying it";
+          leaked->push_back(std::move(work));
+        }
+      }
+    }
     health_.reset();
     if (comm_ != MPI_COMM_NULL) {
       auto lock = runtime_->lock();
@@ -131,6 +303,29 @@ class MpiCommunicator final : public Communicator {
       }
       Watchdog::instance().unwatch(token);
     });
+    return work;
+  }
+
+  // Posted at once from the calling thread (MPI matches a pair's messages in posting order,
+  // apart from the collectives); completed by MPI_Test from wait() and the watchdog.
+  WorkPtr enqueue_p2p(P2pOp op) override {
+    const std::string what = describe_op(*this, op.type, op.tensor, ReduceOp::kSum, op.peer, op.seq);
+    auto work = std::make_shared<MpiP2pWork>(runtime_, op.seq, what, op.peer);
+    work->start(op.type, op.tensor, comm_, options().debug_collectives && op.peer != rank());
+    Watchdog::Entry entry;
+    entry.what = what;
+    entry.timeout = options().timeout;
+    entry.done = [work] { return work->is_completed(); };  // keeps the buffers alive until done
+    entry.abort = [comm = comm_] { MPI_Abort(comm, kExitCollectiveTimeout); };
+    entry.arrivals = [peer = op.peer, send = op.type == OpType::kSend] {
+      return "rank " + std::to_string(peer) + ", the peer, has not completed the matching " +
+             (send ? "recv" : "send");
+    };
+    entry.owner = this;
+    Watchdog::instance().watch(std::move(entry));
+    std::lock_guard<std::mutex> lock(p2p_mutex_);
+    p2p_.erase(std::remove_if(p2p_.begin(), p2p_.end(), [](const auto& w) { return w.expired(); }), p2p_.end());
+    p2p_.push_back(work);
     return work;
   }
 
@@ -228,6 +423,9 @@ class MpiCommunicator final : public Communicator {
   // Runs op on host tensors (in and out may be the same tensor).
   void run_host(const Op& op, const at::Tensor& in, const at::Tensor& out) {
     switch (op.type) {
+      case OpType::kSend:
+      case OpType::kRecv:
+        throw Error("internal: point-to-point operations do not go through the executor");
       case OpType::kBarrier:
         collective(
             "MPI_Barrier", [&] { return MPI_Barrier(comm_); },
@@ -331,6 +529,8 @@ class MpiCommunicator final : public Communicator {
     const int64_t out_bytes = op.output.defined() ? op.output.nbytes() : 0;
     at::Tensor host_in, host_out;
     switch (op.type) {
+      case OpType::kSend:
+      case OpType::kRecv:
       case OpType::kBarrier:
         run_host(op, at::Tensor(), at::Tensor());
         return;
@@ -394,6 +594,8 @@ class MpiCommunicator final : public Communicator {
   std::optional<c10::Stream> copy_stream_;  // used on the executor thread only
   at::Tensor staging_;                      // used on the executor thread only
   std::unique_ptr<SerialExecutor> executor_;
+  std::mutex p2p_mutex_;
+  std::vector<std::weak_ptr<MpiP2pWork>> p2p_;  // guarded by p2p_mutex_
 };
 
 }  // namespace

@@ -149,13 +149,28 @@ class NcclCommunicator final : public Communicator {
     c10::cuda::CUDAGuard guard(device_);
     NCCL_CHECK(ncclGroupEnd());
     // The grouped operations are launched only now: their end events go after them.
-    for (Pending& p : pending) finish(std::move(p.work), p.what, p.seq);
+    for (Pending& p : pending) finish(std::move(p.work), p.what, p.seq, p.collective);
   }
 
  protected:
+  // Point to point on the GPU: ncclSend / ncclRecv on the communicator's stream, in issue
+  // order. A send and a receive that must proceed together (a stage sending to its neighbour
+  // while receiving from it) go inside one CommGroup, as NCCL requires; host tensors go
+  // through the MPI communicator beside this one.
+  WorkPtr enqueue_p2p(P2pOp p2p) override {
+    Op op{p2p.type, p2p.tensor, p2p.tensor, ReduceOp::kSum, p2p.peer, p2p.seq};
+    if (!p2p.tensor.is_cuda()) return forward_to_cpu(op);
+    return enqueue_device(op, describe_op(*this, op.type, op.input, op.reduce, op.root, op.seq));
+  }
+
   WorkPtr enqueue(Op op) override {
     const at::Tensor& any = op.input.defined() ? op.input : op.output;
     if (any.defined() && !any.is_cuda()) return forward_to_cpu(op);
+    return enqueue_device(op, describe_op(*this, op.type, op.input, op.reduce, op.root, op.seq));
+  }
+
+  WorkPtr enqueue_device(const Op& op, std::string what) {
+    const bool collective = op.type != OpType::kSend && op.type != OpType::kRecv;
     for (const at::Tensor* t : {&op.input, &op.output}) {
       if (t->defined()) check_on_comm_device(name() + "." + to_string(op.type), t->device(), device_);
     }
@@ -178,11 +193,10 @@ class NcclCommunicator final : public Communicator {
         c10::cuda::CUDACachingAllocator::recordStream(t->storage().data_ptr(), stream_);
       }
     }
-    std::string what = describe_op(*this, op.type, op.input, op.reduce, op.root, op.seq);
     if (group_open_) {
-      pending_.push_back({work, std::move(what), op.seq});
+      pending_.push_back({work, std::move(what), op.seq, collective});
     } else {
-      finish(work, what, op.seq);
+      finish(work, what, op.seq, collective);
     }
     return work;
   }
@@ -236,20 +250,28 @@ class NcclCommunicator final : public Communicator {
         NCCL_CHECK(ncclReduceScatter(op.input.data_ptr(), op.output.data_ptr(), op.output.numel(),
                                      nccl_type(op.input.scalar_type()), nccl_reduce(op), comm_, s));
         break;
+      case OpType::kSend:  // root: the peer
+        NCCL_CHECK(ncclSend(op.input.data_ptr(), op.input.numel(), nccl_type(op.input.scalar_type()), op.root,
+                            comm_, s));
+        break;
+      case OpType::kRecv:
+        NCCL_CHECK(ncclRecv(op.output.data_ptr(), op.output.numel(), nccl_type(op.output.scalar_type()), op.root,
+                            comm_, s));
+        break;
     }
   }
 
   // Records the operation's end event on stream_ (after its launch) and hands it to the
   // watchdog, which also polls NCCL's asynchronous error: a failed peer or network ends the
   // job at once with NCCL's error, not after the collective timeout.
-  void finish(std::shared_ptr<NcclWork> work, const std::string& what, uint64_t seq) {
+  void finish(std::shared_ptr<NcclWork> work, const std::string& what, uint64_t seq, bool collective) {
     work->end().record(stream_);
     auto* done_event = &work->end();
     // Health: an NCCL operation is "reached" once its rank has issued it (its GPU may still
     // be busy with earlier work), completed once its event has fired.
     std::function<std::string()> arrivals;
     std::shared_ptr<OpProgress> progress;
-    if (health_) {
+    if (health_ && collective) {
       health_->progress().reached = seq;
       progress = std::shared_ptr<OpProgress>(health_, &health_->progress());
       arrivals = [ticket = health_, seq, window = arrival_window(options().timeout)] {
@@ -295,6 +317,8 @@ class NcclCommunicator final : public Communicator {
       case OpType::kReduceScatter: return cpu_->reduce_scatter(op.input, op.output, op.reduce);
       case OpType::kBarrier: return cpu_->barrier();
       case OpType::kReduce: return cpu_->reduce(op.output, op.root, op.reduce);
+      case OpType::kSend: return cpu_->send(op.input, op.root);
+      case OpType::kRecv: return cpu_->recv(op.output, op.root);
     }
     return nullptr;
   }
@@ -310,6 +334,7 @@ class NcclCommunicator final : public Communicator {
     std::shared_ptr<NcclWork> work;
     std::string what;
     uint64_t seq;
+    bool collective;  // a send or receive takes no part in the health service's progress
   };
   bool grouping_ = false;    // inside begin_group() .. end_group()
   bool group_open_ = false;  // ncclGroupStart called for the current group

@@ -138,5 +138,44 @@ TEST(GpuCollectives, NcclBackendAtThisWorldSize) {
   check_all_collectives(*sub, dev);
 }
 
+// Send and receive of CUDA tensors: each rank sends to the next (itself at one rank) inside
+// one group, as NCCL needs for a pair that must proceed together; the receive is usable on the
+// caller's stream after wait(). MPI stages through host memory; NCCL runs ncclSend/ncclRecv.
+void check_point_to_point(Communicator& c, c10::Device dev) {
+  const int n = c.size(), r = c.rank();
+  const int next = (r + 1) % n, prev = (r + n - 1) % n;
+  for (int64_t len : {int64_t{7}, int64_t{1} << 22}) {
+    at::Tensor out = at::arange(len, at::TensorOptions().dtype(at::kFloat).device(dev)) + 1000 * r;
+    at::Tensor in = at::full({len}, -1.0f, at::TensorOptions().device(dev));
+    WorkPtr sw, rw;
+    {
+      CommGroup group(c);
+      sw = c.send(out, next);
+      rw = c.recv(in, prev);
+      group.close();
+    }
+    sw->wait();
+    rw->wait();
+    at::Tensor want = at::arange(len, at::kFloat) + 1000 * prev;
+    EXPECT_TRUE(at::equal(in.cpu(), want)) << c.backend() << ", " << len << " elements";
+  }
+}
+
+TEST(GpuPointToPoint, MpiAndNcclSendAndReceiveCudaTensors) {
+  DTRAIN_SKIP_WITHOUT_CUDA();
+  const World& w = testing_util::world();
+  c10::Device dev(c10::kCUDA, 0);
+  if (w.has_mpi_launcher() || w.size > 1) {
+    auto mpi = create_communicator("mpi", w, dev);
+    check_point_to_point(*mpi, dev);
+  }
+  auto names = available_backends();
+  int gpus = static_cast<int>(c10::impl::getDeviceGuardImpl(c10::kCUDA)->deviceCount());
+  if (std::find(names.begin(), names.end(), "nccl") == names.end() || w.size > gpus) return;
+  c10::Device mine(c10::kCUDA, static_cast<c10::DeviceIndex>(w.local_rank % gpus));
+  auto nccl = create_communicator("nccl", w, mine);
+  check_point_to_point(*nccl, mine);
+}
+
 }  // namespace
 }  // namespace dtrain::dist

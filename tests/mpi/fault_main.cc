@@ -3,6 +3,8 @@
 //   --mode=mismatch  ranks issue different shapes; debug mode must name the mismatch at once
 //   --mode=lone_failure  rank 1 throws while rank 0 is in a collective: the job must end
 //                    promptly, non-zero, with rank 1's message (not hang, not wait for the timeout)
+//   --mode=p2p_stall rank 0 sends a large message that rank 1 never receives: the watchdog must
+//                    end the job by the timeout, naming the send and the peer
 //   --mode=drain     the other ranks' health services do not answer (as if stopped) and they
 //                    join rank 0's all-reduce after its stall check; the job must finish
 //                    normally, the unanswered question drained before MPI_Finalize
@@ -18,7 +20,7 @@
 #include "dtrain/dist/error.h"
 #include "dtrain/dist/logging.h"
 
-DEFINE_string(mode, "timeout", "timeout, mismatch, lone_failure or drain");
+DEFINE_string(mode, "timeout", "timeout, mismatch, lone_failure, p2p_stall or drain");
 DEFINE_double(timeout_s, 2.0, "collective timeout");
 
 int main(int argc, char** argv) {
@@ -50,6 +52,16 @@ int main(int argc, char** argv) {
       at::Tensor x = at::ones({16});
       comm->all_reduce(x)->wait();
       std::printf("all_reduce returned although rank 1 had failed\n");
+      return 0;
+    }
+    if (FLAGS_mode == "p2p_stall") {
+      comm->barrier()->wait();
+      if (comm->rank() == 0) {
+        comm->send(at::ones({int64_t{1} << 24}), 1)->wait();  // 64 MiB: no eager delivery
+        std::printf("send returned although rank 1 never received it\n");
+        return 0;
+      }
+      std::this_thread::sleep_for(options.timeout * 10);
       return 0;
     }
     if (FLAGS_mode == "drain") {

@@ -44,7 +44,7 @@ namespace dtrain::dist {
 enum class ReduceOp { kSum, kAvg, kMax, kMin };
 const char* to_string(ReduceOp op);
 
-enum class OpType { kAllReduce, kBroadcast, kAllGather, kReduceScatter, kBarrier, kReduce };
+enum class OpType { kAllReduce, kBroadcast, kAllGather, kReduceScatter, kBarrier, kReduce, kSend, kRecv };
 const char* to_string(OpType type);
 
 // Completion handle of one collective.
@@ -126,6 +126,21 @@ class Communicator {
   // Completes once every rank has called it.
   WorkPtr barrier();
 
+  // Point to point (pipeline stages), not collective: only this rank and `peer` take part.
+  // send: `tensor` goes to rank `peer` of this communicator. recv: `tensor`, whose shape and
+  // dtype the receiver fixes, is filled from `peer`; a message of another size is an error
+  // at wait(). A rank's sends to one peer match that peer's receives from it one to one, in
+  // issue order, whatever else either issues in between; a rank may send to itself. Both are
+  // asynchronous: the Work's sequence() counts the operations of that direction with that
+  // peer (send #3 to rank 1). They are not ordered with this communicator's collectives.
+  // The timeout, the stall warning and the watchdog's exit apply as to collectives, naming
+  // the peer ("send #3 to rank 1 on 'world' (mpi, rank 0/2, float32[8,1024])"). With
+  // DTRAIN_DEBUG_COLLECTIVES=1 each message carries its dtype and shape, and a receive that
+  // expected another is reported naming both sides. Backends without point to point (none
+  // of the built-in ones) throw dtrain::Error.
+  WorkPtr send(const at::Tensor& tensor, int peer);
+  WorkPtr recv(const at::Tensor& tensor, int peer);
+
   // Operations issued between begin_group() and end_group(), back to back from one thread,
   // may be launched as one: NCCL groups them (ncclGroupStart/ncclGroupEnd), so a bucket
   // reduced to several owners is one launch instead of one per owner. Wait on their Works
@@ -159,6 +174,13 @@ class Communicator {
     uint64_t seq = 0;
   };
   virtual WorkPtr enqueue(Op op) = 0;
+  struct P2pOp {
+    OpType type;  // kSend or kRecv
+    at::Tensor tensor;
+    int peer = 0;
+    uint64_t seq = 0;  // this direction's count with this peer (1, 2, ...)
+  };
+  virtual WorkPtr enqueue_p2p(P2pOp op);
   virtual std::unique_ptr<Communicator> do_split(int color, int key, CommOptions child) = 0;
   // Synchronous all-gather of one fixed-length int64 vector per rank (host memory), ordered
   // with the queued operations. Used by the debug checks.
@@ -166,12 +188,14 @@ class Communicator {
 
  private:
   WorkPtr submit(Op op);
+  WorkPtr submit_p2p(OpType type, const at::Tensor& tensor, int peer);
   void check_matching(const Op& op);
 
   int rank_;
   int size_;
   CommOptions options_;
   uint64_t seq_ = 0;  // guarded by submit_mutex_
+  std::vector<uint64_t> sends_, recvs_;  // per peer: point-to-point counts, guarded by submit_mutex_
   CommTraffic traffic_;  // guarded by submit_mutex_
   std::unique_ptr<std::mutex> submit_mutex_;
 };
