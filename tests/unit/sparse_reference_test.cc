@@ -15,7 +15,7 @@
 #include "dtrain/engine/optim/sparse_optim.h"
 #include "test_util.h"
 
-namespace dtrain::engine {
+namespace dtrain::engine::sparse_reference {  // its own: the unity build may merge it with sparse_optim_test.cc
 namespace {
 
 using json = nlohmann::json;
@@ -128,4 +128,4 @@ INSTANTIATE_TEST_SUITE_P(TorchOptim, SparseVsTorch, ::testing::Range<size_t>(0, 
                          [](const auto& info) { return cases()[info.param].id; });
 
 }  // namespace
-}  // namespace dtrain::engine
+}  // namespace dtrain::engine::sparse_reference

@@ -1,0 +1,75 @@
+// Pipeline parallelism's core: one stage of a model split into P consecutive stages on the P
+// ranks of a pipeline communicator, running a step's micro-batches by a schedule.
+//
+// Each micro-batch flows forward through the stages (the activation sent from stage s to s+1)
+// and its gradient flows back (from s+1 to s). The first stage reads its input from the batch;
+// the last computes the loss, scaled by 1 / micro-batches so that the gradients are those of
+// the mean loss, as with --accum_steps. Schedules (the order of a stage's forwards F and
+// backwards B):
+//   gpipe  every forward, then every backward: a stage holds all m micro-batches' activations.
+//   1f1b   after a warm-up of min(P - 1 - s, m) forwards, one forward and one backward in turn,
+//          then the remaining backwards (Megatron's default): stage s holds at most
+//          min(P - s, m) micro-batches' activations.
+// Both leave the same gradients in the stage's parameters (.grad accumulates, as autograd
+// does), equal to one process running the whole model on the same micro-batches.
+//
+// Transport: Communicator::send/recv on the pipeline communicator (its rank = the stage). The
+// activations' shape and dtype are fixed per step (the receiver must know them): pass them in
+// PipelineStep. Sends are asynchronous (the next forward overlaps them); receives wait.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "dtrain/dist/communicator.h"
+
+namespace dtrain::engine {
+
+enum class PipelineSchedule { kGPipe, k1F1B };
+// "gpipe" or "1f1b"; anything else is a dtrain::Error naming both.
+PipelineSchedule parse_pipeline_schedule(const std::string& name);
+const char* to_string(PipelineSchedule schedule);
+
+struct PipelineAction {
+  enum Kind { kForward, kBackward };
+  Kind kind;
+  int micro;  // 0 .. micro_batches - 1
+  bool operator==(const PipelineAction& o) const { return kind == o.kind && micro == o.micro; }
+};
+
+// Stage `stage` of `stages`: its forwards and backwards for `micro_batches` micro-batches, in
+// the order the schedule runs them. Every micro-batch's forward comes before its backward.
+std::vector<PipelineAction> pipeline_actions(PipelineSchedule schedule, int stages, int stage, int micro_batches);
+
+// One step of one stage.
+struct PipelineStep {
+  int micro_batches = 1;
+  PipelineSchedule schedule = PipelineSchedule::k1F1B;
+  // The activation a stage sends to the next (and the gradient it gets back): its shape and
+  // dtype, the same for every micro-batch; device: the stage's.
+  std::vector<int64_t> activation_shape;
+  at::TensorOptions activation_options;
+  // First stage only: micro-batch i's input to the stage.
+  std::function<at::Tensor(int micro)> input;
+  // The stage's computation: the first stage gets input(i), the others the activation
+  // received from the stage before. The last stage returns micro-batch i's loss (a scalar,
+  // its mean over the micro-batch's rows); the others the activation to send on.
+  std::function<at::Tensor(const at::Tensor& x, int micro)> forward;
+};
+
+struct PipelineStepResult {
+  double loss = 0;  // last stage: the mean of the micro-batches' losses; other stages: 0
+  int peak_in_flight = 0;  // the most micro-batches whose activations the stage held at once
+  std::vector<PipelineAction> ran;  // the actions in the order they ran
+};
+
+// Runs one step's forwards and backwards on this stage (collective over `pp`: every stage
+// calls it with the same micro_batches, schedule and activation shape). Gradients accumulate
+// into the parameters that forward uses.
+PipelineStepResult run_pipeline_step(dist::Communicator& pp, const PipelineStep& step);
+
+}  // namespace dtrain::engine

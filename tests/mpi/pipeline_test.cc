@@ -1,0 +1,130 @@
+// A model split into consecutive stages over the ranks (pp = the world size: 1, 2 or 4) trains
+// to the gradients and loss of one process running the whole model on the same micro-batches
+// (float64, so the two differ by rounding only), for GPipe and 1F1B, with fewer, as many and
+// more micro-batches than stages; each stage holds the schedule's bound of micro-batches.
+#include <gtest/gtest.h>
+
+#include <torch/torch.h>
+
+#include "dtrain/dist/error.h"
+#include "dtrain/engine/parallel/pipeline.h"
+#include "test_util.h"
+
+namespace dtrain::engine {
+namespace {
+
+using testing_util::rel_error;
+using testing_util::world_comm;
+
+constexpr int kBlocks = 8;
+constexpr int64_t kWidth = 6, kRows = 4;
+
+struct Model {
+  std::vector<torch::nn::Linear> blocks;
+  torch::nn::Linear head{nullptr};
+  std::vector<at::Tensor> params(int begin, int end, bool with_head) const {
+    std::vector<at::Tensor> out;
+    for (int b = begin; b < end; ++b) {
+      for (auto& p : blocks[b]->parameters()) out.push_back(p);
+    }
+    if (with_head) {
+      for (auto& p : head->parameters()) out.push_back(p);
+    }
+    return out;
+  }
+};
+
+Model make_model() {
+  torch::manual_seed(7);
+  Model m;
+  for (int b = 0; b < kBlocks; ++b) {
+    m.blocks.push_back(torch::nn::Linear(kWidth, kWidth));
+    m.blocks.back()->to(torch::kFloat64);
+  }
+  m.head = torch::nn::Linear(kWidth, 1);
+  m.head->to(torch::kFloat64);
+  return m;
+}
+
+std::pair<at::Tensor, at::Tensor> micro_batch(int i) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(100 + i);
+  return {at::randn({kRows, kWidth}, g, at::kDouble), at::randn({kRows, 1}, g, at::kDouble)};
+}
+
+at::Tensor run_blocks(Model& m, int begin, int end, at::Tensor x) {
+  for (int b = begin; b < end; ++b) x = torch::tanh(m.blocks[b]->forward(x));
+  return x;
+}
+
+TEST(Pipeline, StagesTrainAsOneProcessForBothSchedules) {
+  auto& pp = world_comm();
+  const int stages = pp.size(), s = pp.rank();
+  ASSERT_EQ(kBlocks % stages, 0);
+  const int per = kBlocks / stages, begin = s * per, end = begin + per;
+  const bool last = s == stages - 1;
+  for (int m : {1, 3, 8}) {
+    // The reference: the whole model in this process, the mean of the micro-batches' losses.
+    Model whole = make_model();
+    at::Tensor total = at::zeros({}, at::kDouble);
+    for (int i = 0; i < m; ++i) {
+      auto [x, y] = micro_batch(i);
+      total = total + torch::mse_loss(whole.head->forward(run_blocks(whole, 0, kBlocks, x)), y);
+    }
+    (total / m).backward();
+    const std::vector<at::Tensor> want = whole.params(begin, end, last);
+    for (PipelineSchedule schedule : {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B}) {
+      const std::string what = std::string(to_string(schedule)) + ", " + std::to_string(m) + " micro-batches, stage " +
+                               std::to_string(s) + "/" + std::to_string(stages);
+      Model model = make_model();
+      PipelineStep step;
+      step.micro_batches = m;
+      step.schedule = schedule;
+      step.activation_shape = {kRows, kWidth};
+      step.activation_options = at::TensorOptions().dtype(at::kDouble);
+      step.input = [](int i) { return micro_batch(i).first; };
+      step.forward = [&](const at::Tensor& x, int i) {
+        at::Tensor h = run_blocks(model, begin, end, x);
+        return last ? torch::mse_loss(model.head->forward(h), micro_batch(i).second) : h;
+      };
+      const PipelineStepResult result = run_pipeline_step(pp, step);
+      const std::vector<at::Tensor> got = model.params(begin, end, last);
+      ASSERT_EQ(got.size(), want.size()) << what;
+      for (size_t k = 0; k < got.size(); ++k) {
+        ASSERT_TRUE(got[k].grad().defined()) << what << ", parameter " << k;
+        EXPECT_LT(rel_error(got[k].grad(), want[k].grad()), 1e-12) << what << ", parameter " << k;
+      }
+      if (last) {
+        EXPECT_NEAR(result.loss, (total / m).item<double>(), 1e-12) << what;
+      } else {
+        EXPECT_EQ(result.loss, 0) << what;
+      }
+      const int bound = schedule == PipelineSchedule::kGPipe ? m : std::min(stages - s, m);
+      EXPECT_EQ(result.peak_in_flight, bound) << what;
+      EXPECT_EQ(result.ran, pipeline_actions(schedule, stages, s, m)) << what;
+    }
+  }
+}
+
+TEST(Pipeline, ActivationOfAnotherShapeIsRefusedNamingIt) {
+  auto& pp = world_comm();
+  if (pp.size() < 2) GTEST_SKIP() << "one stage sends nothing";
+  PipelineStep step;
+  step.activation_shape = {kRows, kWidth};
+  step.activation_options = at::TensorOptions().dtype(at::kDouble);
+  step.input = [](int) { return at::zeros({kRows, kWidth + 1}, at::kDouble); };
+  step.forward = [](const at::Tensor& x, int) { return x * 2; };
+  if (pp.rank() == 0) {
+    try {
+      run_pipeline_step(pp, step);
+      FAIL() << "the first stage sent an activation of the wrong shape";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("stage 0 produced Double[4, 7] but the pipeline sends Double[4, 6]"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  pp.barrier()->wait();  // the other stages issued nothing: their receives were never posted
+}
+
+}  // namespace
+}  // namespace dtrain::engine
