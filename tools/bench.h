@@ -18,5 +18,6 @@ int run_allreduce(BenchContext& ctx);
 int run_engine(BenchContext& ctx);
 int run_cpu_adam(BenchContext& ctx);
 int run_sparse(BenchContext& ctx);
+int run_pipeline(BenchContext& ctx);
 
 }  // namespace dtrain::bench

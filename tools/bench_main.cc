@@ -5,6 +5,8 @@
 //               and the machine's memory bandwidth (--params, --threads, --iters, --warmup)
 //   sparse      an embedding's sparse gradient averaged by row exchange vs densified and
 //               all-reduced, over touched rows per rank (--vocab, --dim): the dense fallback's constant
+//   pipeline    a block stack split into stages over the ranks, GPipe and 1F1B per micro-batch
+//               count: activation memory and idle fraction per stage, and data parallelism's step
 #include <gflags/gflags.h>
 
 #include <cstdio>
@@ -27,8 +29,9 @@ int main(int argc, char** argv) {
       {"engine", bench::run_engine},
       {"cpu_adam", bench::run_cpu_adam},
       {"sparse", bench::run_sparse},
+      {"pipeline", bench::run_pipeline},
   };
-  gflags::SetUsageMessage("dtrain-bench BENCH [flags]; BENCH is one of: allreduce, engine, cpu_adam, sparse");
+  gflags::SetUsageMessage("dtrain-bench BENCH [flags]; BENCH is one of: allreduce, engine, cpu_adam, sparse, pipeline");
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   if (argc < 2 || !benches.count(argv[1])) {
     std::fprintf(stderr, "dtrain-bench: name a benchmark: %s BENCH [flags], BENCH one of:", argv[0]);

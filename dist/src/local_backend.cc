@@ -71,12 +71,13 @@ class LocalP2pWork final : public Work {
     std::lock_guard<std::mutex> lock(mutex_);
     done_ = true;
     error_ = error;
+    tensor_ = at::Tensor();  // a watchdog entry may keep this Work a while: not the buffer
     cv_.notify_all();
   }
 
  private:
   const uint64_t seq_;
-  const at::Tensor tensor_;  // a send's copy, or the receive's destination
+  at::Tensor tensor_;  // a send's copy, or the receive's destination, until matched
   std::mutex mutex_;
   std::condition_variable cv_;
   bool done_ = false;

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstring>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -92,6 +93,7 @@ class MpiP2pWork final : public Work {
   void start(OpType type, const at::Tensor& tensor, MPI_Comm comm, bool debug) {
     recv_ = type == OpType::kRecv;
     tensor_ = tensor;
+    if (tensor.is_cuda()) cuda_device_ = tensor.device();
     host_ = tensor.is_cuda() ? (recv_ ? at::empty(tensor.sizes(), tensor.options().device(c10::kCPU))
                                       : tensor.to(c10::kCPU))
                              : tensor;
@@ -112,17 +114,20 @@ class MpiP2pWork final : public Work {
     while (!is_completed()) std::this_thread::yield();
     std::lock_guard<std::mutex> lock(mutex_);
     if (error_) std::rethrow_exception(error_);
-    if (recv_ && tensor_.is_cuda() && !copied_) {
+    if (recv_ && tensor_.defined() && tensor_.is_cuda() && !copied_) {
       tensor_.copy_(host_);  // on the caller's current stream
       copied_ = true;
+      release_buffers();  // a pageable host source is consumed when copy_ returns
     }
   }
   void synchronize() override {
     wait();
-    if (tensor_.is_cuda()) {
+    if (cuda_device_) {
       c10::impl::VirtualGuardImpl impl(c10::kCUDA);
-      impl.getStream(tensor_.device()).synchronize();
+      impl.getStream(*cuda_device_).synchronize();
     }
+    std::lock_guard<std::mutex> lock(mutex_);
+    release_buffers();
   }
   bool is_completed() override {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -137,11 +142,15 @@ class MpiP2pWork final : public Work {
     if (rc != MPI_SUCCESS) {
       // MPI_ERR_IN_STATUS: one message failed, typically a receive smaller than what was sent.
       finish_with(rc == MPI_ERR_IN_STATUS ? truncated_message(statuses) : mpi_error_string(rc));
+      release_buffers();
       return true;
     }
     if (!all) return false;
     done_ = true;
     if (recv_) check_received(statuses);
+    // The watchdog keeps this Work until its next poll: let the buffers go now (a CUDA
+    // receive keeps them for wait()'s copy).
+    if (!(recv_ && tensor_.is_cuda())) release_buffers();
     return true;
   }
   uint64_t sequence() const override { return seq_; }
@@ -192,6 +201,11 @@ class MpiP2pWork final : public Work {
     return "MPI_Testall failed";
   }
 
+  void release_buffers() {
+    tensor_ = at::Tensor();
+    host_ = at::Tensor();
+  }
+
   void finish_with(const std::string& why) {
     done_ = true;
     error_ = std::make_exception_ptr(Error(what_ + ": " + why));
@@ -209,6 +223,7 @@ class MpiP2pWork final : public Work {
   std::vector<int64_t> expected_;
   bool done_ = false;        // guarded by mutex_
   bool copied_ = false;      // guarded by mutex_
+  std::optional<c10::Device> cuda_device_;
   std::exception_ptr error_;  // guarded by mutex_
 };
 

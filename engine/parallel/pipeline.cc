@@ -1,6 +1,7 @@
 #include "dtrain/engine/parallel/pipeline.h"
 
 #include <algorithm>
+#include <chrono>
 #include <map>
 
 #include <ATen/ATen.h>
@@ -57,8 +58,12 @@ PipelineStepResult run_pipeline_step(dist::Communicator& pp, const PipelineStep&
     at::Tensor input;   // what the stage received (requires grad), or the first stage's input
     at::Tensor output;  // the activation sent on, or the last stage's scaled loss
   };
+  using Clock = std::chrono::steady_clock;
+  auto seconds = [](Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
+  const Clock::time_point step_start = Clock::now();
+  const double start_mb = step.allocated_mb ? step.allocated_mb() : 0;
   std::map<int, InFlight> held;
-  std::vector<dist::WorkPtr> sends;  // kept until the step ends (the buffers must outlive them)
+  std::vector<dist::WorkPtr> sends;  // in flight (a Work keeps its buffer until it completes)
   PipelineStepResult result;
   double loss_sum = 0;
   for (const PipelineAction& action : pipeline_actions(step.schedule, stages, stage, m)) {
@@ -72,7 +77,9 @@ PipelineStepResult run_pipeline_step(dist::Communicator& pp, const PipelineStep&
         pp.recv(x, stage - 1)->wait();
         x.requires_grad_(true);
       }
+      const Clock::time_point compute_start = Clock::now();
       at::Tensor y = step.forward(x, i);
+      result.busy_s += seconds(compute_start, Clock::now());
       if (last) {
         DTRAIN_CHECK(y.numel() == 1, "pipeline step: the last stage's forward must return the micro-batch's loss (a ",
                      "scalar), got ", y.sizes());
@@ -88,17 +95,24 @@ PipelineStepResult run_pipeline_step(dist::Communicator& pp, const PipelineStep&
       }
       held[i] = {x, y};
       result.peak_in_flight = std::max(result.peak_in_flight, static_cast<int>(held.size()));
+      if (step.allocated_mb) {
+        result.peak_activation_mb = std::max(result.peak_activation_mb, step.allocated_mb() - start_mb);
+      }
     } else {
       auto it = held.find(i);
       DTRAIN_CHECK(it != held.end(), "pipeline step: backward of micro-batch ", i, " before its forward");
       InFlight f = std::move(it->second);
       held.erase(it);
       if (last) {
+        const Clock::time_point compute_start = Clock::now();
         f.output.backward();
+        result.busy_s += seconds(compute_start, Clock::now());
       } else {
         at::Tensor grad = activation();
         pp.recv(grad, stage + 1)->wait();
+        const Clock::time_point compute_start = Clock::now();
         f.output.backward(grad);
+        result.busy_s += seconds(compute_start, Clock::now());
       }
       if (!first) {
         at::Tensor g = f.input.grad();
@@ -108,9 +122,14 @@ PipelineStepResult run_pipeline_step(dist::Communicator& pp, const PipelineStep&
       }
     }
     result.ran.push_back(action);
+    // A completed send's buffer (an activation or its gradient) is no longer needed: drop it
+    // now rather than at the end of the step, or 1F1B's memory would grow with m.
+    sends.erase(std::remove_if(sends.begin(), sends.end(), [](const dist::WorkPtr& w) { return w->is_completed(); }),
+                sends.end());
   }
   for (auto& w : sends) w->wait();
   if (last) result.loss = loss_sum / m;
+  result.wall_s = seconds(step_start, Clock::now());
   return result;
 }
 

@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include "dtrain/dist/error.h"
+#include "dtrain/engine/memory/memory.h"
 #include "dtrain/engine/parallel/pipeline.h"
 #include "test_util.h"
 
@@ -103,6 +104,54 @@ TEST(Pipeline, StagesTrainAsOneProcessForBothSchedules) {
       EXPECT_EQ(result.ran, pipeline_actions(schedule, stages, s, m)) << what;
     }
   }
+}
+
+// Activation memory, counted exactly on the CPU: with m = 8 micro-batches a 1F1B stage holds
+// min(P - s, m) micro-batches' activations where GPipe holds all 8, so its peak above the
+// step's start is that fraction of GPipe's (a tolerance for the sends' buffers in flight).
+TEST(Pipeline, OneFOneBHoldsTheBoundOfActivationsGPipeHoldsAll) {
+  auto& pp = world_comm();
+  if (!cpu_memory_tracked()) GTEST_SKIP() << "CPU tensors are not counted (DTRAIN_TRACK_CPU_MEMORY=0)";
+  const int stages = pp.size(), s = pp.rank(), m = 8;
+  const int64_t rows = 256, width = 64;
+  torch::manual_seed(3 + s);
+  std::vector<torch::nn::Linear> layers;
+  for (int k = 0; k < 4; ++k) layers.push_back(torch::nn::Linear(width, width));
+  PipelineStep step;
+  step.micro_batches = m;
+  step.activation_shape = {rows, width};
+  step.activation_options = at::TensorOptions().dtype(at::kFloat);
+  step.input = [&](int i) { return at::full({rows, width}, 0.01 * (i + 1)); };
+  step.forward = [&](const at::Tensor& x, int) {
+    at::Tensor h = x;
+    for (auto& l : layers) h = torch::tanh(l->forward(h));
+    return s == stages - 1 ? h.pow(2).mean() : h;
+  };
+  std::vector<double> samples;
+  step.allocated_mb = [&] {
+    samples.push_back(memory_stats(c10::Device(c10::kCPU)).allocated_mb);
+    return samples.back();
+  };
+  step.schedule = PipelineSchedule::kGPipe;
+  run_pipeline_step(pp, step);  // allocates the gradients, so neither measured step counts them
+  const double gpipe = run_pipeline_step(pp, step).peak_activation_mb;
+  step.schedule = PipelineSchedule::k1F1B;
+  std::string gpipe_samples;
+  for (double v : samples) gpipe_samples += std::to_string(v - samples.front()).substr(0, 5) + " ";
+  samples.clear();
+  const double one_f_one_b = run_pipeline_step(pp, step).peak_activation_mb;
+  std::string f_samples;
+  for (double v : samples) f_samples += std::to_string(v - samples.front()).substr(0, 5) + " ";
+  const double fraction = static_cast<double>(std::min(stages - s, m)) / m;
+  // Beyond the activations held: at most two transport buffers (a send in flight, a receive).
+  const double buffers_mb = 2.0 * rows * width * sizeof(float) / (1024.0 * 1024.0);
+  EXPECT_GT(gpipe, 0);
+  EXPECT_GE(one_f_one_b, 0.95 * fraction * gpipe) << "stage " << s << "/" << stages << ": 1F1B " << one_f_one_b
+                                                   << " MiB, GPipe " << gpipe << " MiB; samples " << gpipe_samples
+                                                   << " | " << f_samples;
+  EXPECT_LE(one_f_one_b, 1.05 * fraction * gpipe + buffers_mb)
+      << "stage " << s << "/" << stages << ": 1F1B " << one_f_one_b << " MiB, GPipe " << gpipe << " MiB; samples "
+      << gpipe_samples << " | " << f_samples;
 }
 
 TEST(Pipeline, ActivationOfAnotherShapeIsRefusedNamingIt) {

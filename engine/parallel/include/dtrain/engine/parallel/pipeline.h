@@ -59,11 +59,20 @@ struct PipelineStep {
   // received from the stage before. The last stage returns micro-batch i's loss (a scalar,
   // its mean over the micro-batch's rows); the others the activation to send on.
   std::function<at::Tensor(const at::Tensor& x, int micro)> forward;
+  // Optional: the device's allocated memory in MiB (engine::memory_stats(device).allocated_mb),
+  // read after each forward for PipelineStepResult::peak_activation_mb.
+  std::function<double()> allocated_mb;
 };
 
 struct PipelineStepResult {
   double loss = 0;  // last stage: the mean of the micro-batches' losses; other stages: 0
   int peak_in_flight = 0;  // the most micro-batches whose activations the stage held at once
+  // Memory the stage's device held above what it held when the step began, at its highest
+  // after a forward (the activations in flight; exact on the CPU, where tensors are counted).
+  // 0 without PipelineStep::allocated_mb.
+  double peak_activation_mb = 0;
+  double busy_s = 0;  // in forward and backward computation (not waiting for a neighbour)
+  double wall_s = 0;  // the whole step on this stage
   std::vector<PipelineAction> ran;  // the actions in the order they ran
 };
 
