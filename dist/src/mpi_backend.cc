@@ -99,8 +99,8 @@ class MpiP2pWork final : public Work {
                              : tensor;
     auto lock = runtime_->lock();
     if (debug) {
-      header_ = recv_ ? std::vector<int64_t>(kHeaderLen, 0) : p2p_header(tensor);
-      post(header_.data(), static_cast<int64_t>(header_.size() * sizeof(int64_t)), kHeaderTag, comm);
+      header_ = recv_ ? at::zeros({kHeaderLen}, at::kLong) : at::tensor(p2p_header(tensor), at::kLong);
+      post(header_.data_ptr(), static_cast<int64_t>(header_.nbytes()), kHeaderTag, comm);
     }
     char* data = static_cast<char*>(host_.data_ptr());
     const int64_t bytes = static_cast<int64_t>(host_.nbytes());
@@ -142,6 +142,16 @@ class MpiP2pWork final : public Work {
     if (rc != MPI_SUCCESS) {
       // MPI_ERR_IN_STATUS: one message failed, typically a receive smaller than what was sent.
       finish_with(rc == MPI_ERR_IN_STATUS ? truncated_message(statuses) : mpi_error_string(rc));
+      // A message still pending (another chunk, the debug header) may yet be written: its
+      // buffer must outlive it, so it stays allocated for the process's life.
+      const bool pending = std::any_of(requests_.begin(), requests_.end(),
+                                       [](MPI_Request r) { return r != MPI_REQUEST_NULL; });
+      if (pending) {
+        static std::mutex kept_mutex;
+        static auto* kept = new std::vector<at::Tensor>();
+        std::lock_guard<std::mutex> keep(kept_mutex);
+        kept->insert(kept->end(), {host_, tensor_, header_});
+      }
       release_buffers();
       return true;
     }
@@ -168,11 +178,12 @@ class MpiP2pWork final : public Work {
   // Under mutex_, after every request completed.
   void check_received(const std::vector<MPI_Status>& statuses) {
     size_t first_data = 0;
-    if (!header_.empty()) {
+    if (header_.defined()) {
       first_data = 1;
       const std::vector<int64_t> mine = p2p_header(tensor_);
-      if (header_ != mine) {
-        finish_with("rank " + std::to_string(peer_) + " sent " + describe_header(header_) +
+      const std::vector<int64_t> theirs(header_.data_ptr<int64_t>(), header_.data_ptr<int64_t>() + kHeaderLen);
+      if (theirs != mine) {
+        finish_with("rank " + std::to_string(peer_) + " sent " + describe_header(theirs) +
                     " but this rank expected " + describe_header(mine) +
                     " (DTRAIN_DEBUG_COLLECTIVES); sender and receiver must agree on dtype and shape");
         return;
@@ -204,6 +215,7 @@ class MpiP2pWork final : public Work {
   void release_buffers() {
     tensor_ = at::Tensor();
     host_ = at::Tensor();
+    header_ = at::Tensor();
   }
 
   void finish_with(const std::string& why) {
@@ -217,7 +229,7 @@ class MpiP2pWork final : public Work {
   const int peer_;
   bool recv_ = false;
   at::Tensor tensor_, host_;
-  std::vector<int64_t> header_;
+  at::Tensor header_;  // debug mode: the message's dtype and shape (kLong[kHeaderLen])
   std::mutex mutex_;
   std::vector<MPI_Request> requests_;  // guarded by mutex_ after start()
   std::vector<int64_t> expected_;
