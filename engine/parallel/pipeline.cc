@@ -5,7 +5,6 @@
 #include <map>
 
 #include <ATen/ATen.h>
-#include <torch/csrc/autograd/autograd.h>
 
 #include "dtrain/dist/error.h"
 
@@ -65,7 +64,7 @@ PipelineStepResult run_pipeline_step(dist::Communicator& pp, const PipelineStep&
   std::map<int, InFlight> held;
   std::vector<dist::WorkPtr> sends;  // in flight (a Work keeps its buffer until it completes)
   PipelineStepResult result;
-  double loss_sum = 0;
+  at::Tensor loss_sum;  // on the device: read once, after the last micro-batch (no sync per micro-batch)
   for (const PipelineAction& action : pipeline_actions(step.schedule, stages, stage, m)) {
     const int i = action.micro;
     if (action.kind == PipelineAction::kForward) {
@@ -83,7 +82,8 @@ PipelineStepResult run_pipeline_step(dist::Communicator& pp, const PipelineStep&
       if (last) {
         DTRAIN_CHECK(y.numel() == 1, "pipeline step: the last stage's forward must return the micro-batch's loss (a ",
                      "scalar), got ", y.sizes());
-        loss_sum += y.detach().item<double>();
+        const at::Tensor loss = y.detach().to(at::kDouble).reshape({});
+        loss_sum = loss_sum.defined() ? loss_sum + loss : loss.clone();
         y = y / m;
       } else {
         const at::ScalarType dtype = c10::typeMetaToScalarType(step.activation_options.dtype());
@@ -128,7 +128,7 @@ PipelineStepResult run_pipeline_step(dist::Communicator& pp, const PipelineStep&
                 sends.end());
   }
   for (auto& w : sends) w->wait();
-  if (last) result.loss = loss_sum / m;
+  if (last) result.loss = loss_sum.item<double>() / m;
   result.wall_s = seconds(step_start, Clock::now());
   return result;
 }
