@@ -97,4 +97,19 @@ inline std::unique_ptr<dist::Communicator> lone() {
   return dist::create_communicator("local", dist::World{}, c10::Device(c10::kCPU));
 }
 
+// 12 steps under --amp=fp16 with an initial loss scale that overflows (width 256, 4 rows per
+// rank): the final weights, and each step's logged loss scale appended to `scales`. A skipped
+// step halves the scale; a step taken keeps it (growth comes after 2000).
+inline std::vector<at::Tensor> fit_fp16(dist::Mesh& mesh, const std::string& shard, c10::Device device,
+                                        std::vector<double>& scales) {
+  Config c;
+  c.width = 256;
+  c.steps = 12;
+  c.fp16 = true;
+  c.shard = shard;
+  c.device = device;
+  c.on_log = [&](const StepMetrics& m) { scales.push_back(m.loss_scale.value_or(-1)); };
+  return fit_on(mesh, 4, c);
+}
+
 }  // namespace dtrain::engine::sharded_cases

@@ -1,7 +1,9 @@
 // dtrain-bench: shared context of the benchmarks (JSON lines on stdout, rank 0 prints).
 #pragma once
 
+#include <algorithm>
 #include <memory>
+#include <vector>
 
 #include "dtrain/dist/communicator.h"
 #include "dtrain/dist/world.h"
@@ -13,6 +15,13 @@ struct BenchContext {
   c10::Device device{c10::kCPU};
   std::unique_ptr<dist::Communicator> comm;
 };
+
+// The median of v (the mean of the middle two for an even count).
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
 
 int run_allreduce(BenchContext& ctx);
 int run_engine(BenchContext& ctx);

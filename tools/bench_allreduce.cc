@@ -31,12 +31,6 @@ at::ScalarType parse_dtype(const std::string& s) {
   throw Error("unknown --dtype=" + s + "; use float32, float64, bfloat16, float16 or int64");
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 // Max over ranks: the slowest rank's median is the collective's time.
 double max_over_ranks(dist::Communicator& comm, double x) {
   at::Tensor t = at::full({1}, x, at::kDouble);

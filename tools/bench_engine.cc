@@ -45,11 +45,6 @@ void sync(c10::Device device) {
   if (device.is_cuda()) at::zeros({1}, at::TensorOptions().device(device)).cpu();
 }
 
-double median_ms(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 template <typename Step>
 double time_steps(c10::Device device, Step&& step) {
   for (int i = 0; i < 5; ++i) step();  // warm-up
@@ -61,7 +56,7 @@ double time_steps(c10::Device device, Step&& step) {
     sync(device);
     ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   }
-  return median_ms(ms);
+  return median(ms);
 }
 
 }  // namespace

@@ -51,11 +51,6 @@ at::Tensor micro_input(int i) {
   return at::randn({FLAGS_pp_rows, FLAGS_pp_width});
 }
 
-double median_of(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 // Every rank's values of `mine`, rank by rank.
 std::vector<std::vector<double>> gather(dist::Communicator& comm, const std::vector<double>& mine) {
   const int64_t n = static_cast<int64_t>(mine.size());
@@ -107,7 +102,7 @@ int run_pipeline(BenchContext& ctx) {
         peak_mb.push_back(r.peak_activation_mb);
         in_flight.push_back(r.peak_in_flight);
       }
-      const auto all = gather(comm, {median_of(walls), median_of(idle), median_of(peak_mb), median_of(in_flight)});
+      const auto all = gather(comm, {median(walls), median(idle), median(peak_mb), median(in_flight)});
       if (s == 0) {
         nlohmann::json row{{"bench", "pipeline"}, {"schedule", engine::to_string(schedule)}, {"stages", stages},
                            {"micro_batches", m}, {"bubble_theory", static_cast<double>(stages - 1) / (m + stages - 1)}};
@@ -152,7 +147,7 @@ int run_pipeline(BenchContext& ctx) {
       for (auto& p : params) p.mutable_grad().zero_();
       if (it > 0) walls.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
-    const auto all = gather(comm, {median_of(walls)});
+    const auto all = gather(comm, {median(walls)});
     if (s == 0) {
       double step_ms = 0;
       for (auto& v : all) step_ms = std::max(step_ms, 1e3 * v[0]);

@@ -24,15 +24,6 @@ DEFINE_int64(dim, 512, "sparse: embedding width");
 DEFINE_int32(sparse_iters, 10, "sparse: timed iterations per point");
 
 namespace dtrain::bench {
-namespace {
-
-double median_of(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-}
-
-}  // namespace
-
 int run_sparse(BenchContext& ctx) {
   dist::Communicator& comm = *ctx.comm;
   DTRAIN_CHECK(FLAGS_vocab >= 16 && FLAGS_dim >= 1 && FLAGS_sparse_iters >= 1, "--vocab >= 16, --dim >= 1, --sparse_iters >= 1");
@@ -67,7 +58,7 @@ int run_sparse(BenchContext& ctx) {
     }
     double ms[2];
     for (int path = 0; path < 2; ++path) {
-      at::Tensor t = at::full({1}, median_of(times[path]), at::kDouble);
+      at::Tensor t = at::full({1}, median(times[path]), at::kDouble);
       comm.all_reduce(t, dist::ReduceOp::kMax)->wait();  // the slowest rank's
       ms[path] = t.item<double>();
     }

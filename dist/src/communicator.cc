@@ -124,6 +124,7 @@ std::string describe_descriptor(const std::vector<int64_t>& d) {
 
 Communicator::Communicator(int rank, int size, CommOptions options)
     : rank_(rank), size_(size), options_(std::move(options)),
+      sends_(static_cast<size_t>(std::max(size, 0)), 0), recvs_(static_cast<size_t>(std::max(size, 0)), 0),
       submit_mutex_(std::make_unique<std::mutex>()) {
   if (env_flag("DTRAIN_DEBUG_COLLECTIVES")) options_.debug_collectives = true;
   DTRAIN_CHECK(options_.timeout.count() > 0, "collective timeout must be positive, got ",
@@ -228,9 +229,7 @@ WorkPtr Communicator::submit_p2p(OpType type, const at::Tensor& tensor, int peer
   P2pOp p2p{type, tensor, peer, 0};
   {
     std::lock_guard<std::mutex> lock(*submit_mutex_);
-    std::vector<uint64_t>& counts = type == OpType::kSend ? sends_ : recvs_;
-    if (counts.empty()) counts.assign(static_cast<size_t>(size_), 0);
-    p2p.seq = ++counts[static_cast<size_t>(peer)];
+    p2p.seq = ++(type == OpType::kSend ? sends_ : recvs_)[static_cast<size_t>(peer)];
     if (type == OpType::kSend && size_ > 1) {
       const double bytes = static_cast<double>(tensor.numel()) * static_cast<double>(tensor.element_size());
       ++traffic_.ops;

@@ -87,6 +87,7 @@ class LocalP2pWork final : public Work {
 class LocalCommunicator final : public Communicator {
  public:
   explicit LocalCommunicator(CommOptions options) : Communicator(0, 1, std::move(options)) {}
+  ~LocalCommunicator() override { Watchdog::instance().unwatch_owner(this); }
   const char* backend() const override { return "local"; }
   bool supports(c10::DeviceType) const override { return true; }
   void raw_all_reduce_blocking(const at::Tensor& in, const at::Tensor& out) override {
@@ -150,9 +151,6 @@ class LocalCommunicator final : public Communicator {
     return std::make_unique<LocalCommunicator>(std::move(child));
   }
   std::vector<int64_t> exchange(const std::vector<int64_t>& mine) override { return mine; }
-
- public:
-  ~LocalCommunicator() override { Watchdog::instance().unwatch_owner(this); }
 
  private:
   std::mutex p2p_mutex_;

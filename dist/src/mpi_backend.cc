@@ -132,7 +132,7 @@ class MpiP2pWork final : public Work {
   bool is_completed() override {
     std::lock_guard<std::mutex> lock(mutex_);
     if (done_) return true;
-    std::vector<MPI_Status> statuses(requests_.size());
+    std::vector<MPI_Status>& statuses = statuses_;
     int all = 0;
     int rc = MPI_SUCCESS;
     {
@@ -172,6 +172,7 @@ class MpiP2pWork final : public Work {
     MPI_CHECK(recv_ ? MPI_Irecv(buffer, n, MPI_BYTE, peer_, tag, comm, &request)
                     : MPI_Isend(buffer, n, MPI_BYTE, peer_, tag, comm, &request));
     requests_.push_back(request);
+    statuses_.emplace_back();
     expected_.push_back(bytes);
   }
 
@@ -232,6 +233,7 @@ class MpiP2pWork final : public Work {
   at::Tensor header_;  // debug mode: the message's dtype and shape (kLong[kHeaderLen])
   std::mutex mutex_;
   std::vector<MPI_Request> requests_;  // guarded by mutex_ after start()
+  std::vector<MPI_Status> statuses_;   // one per request, filled by MPI_Testall (polled while waiting)
   std::vector<int64_t> expected_;
   bool done_ = false;        // guarded by mutex_
   bool copied_ = false;      // guarded by mutex_

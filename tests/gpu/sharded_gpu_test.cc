@@ -41,16 +41,7 @@ TEST(ShardedGpu, Fp16OverflowSkipsTheSameStepsOnTheDevice) {
   if (!testing_util::has_cuda()) GTEST_SKIP() << "no CUDA GPU";
   auto& comm = world_comm();
   dist::Mesh mesh(comm, 1);
-  auto run = [&](const std::string& shard, std::vector<double>& scales) {
-    Config c;
-    c.width = 256;
-    c.steps = 12;
-    c.fp16 = true;
-    c.shard = shard;
-    c.device = gpu();
-    c.on_log = [&](const StepMetrics& m) { scales.push_back(m.loss_scale.value_or(-1)); };
-    return fit_on(mesh, 4, c);
-  };
+  auto run = [&](const std::string& shard, std::vector<double>& scales) { return fit_fp16(mesh, shard, gpu(), scales); };
   std::vector<double> want_scales;
   const std::vector<at::Tensor> want = run("none", want_scales);
   ASSERT_EQ(want_scales.size(), 12u);

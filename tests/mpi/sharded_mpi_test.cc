@@ -83,15 +83,8 @@ TEST(ShardedOptimizer, TrainsAsOneProcessOnTheGlobalBatchWithTheReplicatedOptimi
 TEST(ShardedOptimizer, Fp16OverflowSkipsTheSameStepsOnEveryStage) {
   auto& comm = world_comm();
   dist::Mesh mesh(comm, 1);
-  // A skipped step halves the scale; a step taken keeps it (growth comes after 2000).
   auto run = [&](const std::string& shard, std::vector<double>& scales) {
-    Config c;
-    c.width = 256;
-    c.steps = 12;
-    c.fp16 = true;
-    c.shard = shard;
-    c.on_log = [&](const StepMetrics& m) { scales.push_back(m.loss_scale.value_or(-1)); };
-    return fit_on(mesh, 4, c);
+    return fit_fp16(mesh, shard, c10::Device(c10::kCPU), scales);
   };
   std::vector<double> want_scales;
   const std::vector<at::Tensor> want = run("none", want_scales);
