@@ -50,10 +50,11 @@ at::Tensor grad_norm(const std::vector<at::Tensor>& grads) {
 
 at::Tensor global_grad_norm(const std::vector<at::Tensor>& params, const GradNormLayout& layout) {
   const bool split = !layout.sharded.empty() && layout.tp && layout.tp->size() > 1;
+  const bool staged = layout.pp && layout.pp->size() > 1;
   std::vector<at::Tensor> grads;
   grads.reserve(params.size());
   for (const at::Tensor& p : params) grads.push_back(p.grad());
-  if (!split && !layout.owned) return grad_norm(grads);
+  if (!split && !layout.owned && !staged) return grad_norm(grads);
   DTRAIN_CHECK(layout.sharded.empty() || layout.sharded.size() == params.size(), "global_grad_norm: ",
                params.size(), " parameters but ", layout.sharded.size(), " sharded flags");
   DTRAIN_CHECK(!layout.owned || layout.dp, "global_grad_norm: owned ranges need the data-parallel communicator");
@@ -89,6 +90,7 @@ at::Tensor global_grad_norm(const std::vector<at::Tensor>& params, const GradNor
   if (split) layout.tp->all_reduce(s)->wait();
   at::Tensor total = s + sq_rep.reshape({1});
   if (layout.owned && layout.dp->size() > 1) layout.dp->all_reduce(total)->wait();
+  if (staged) layout.pp->all_reduce(total)->wait();
   return total.sqrt().reshape({}).to(at::kFloat);
 }
 

@@ -28,12 +28,15 @@ struct GradNormLayout {
   // over dp as well (every element is owned by one rank of dp).
   std::optional<FlatRange> owned;
   dist::Communicator* dp = nullptr;  // needed with owned
+  // Pipeline stages: each parameter lives on one stage, so the squares are summed over pp too
+  // (nullptr or one rank: no pipeline).
+  dist::Communicator* pp = nullptr;
 };
 
 // The L2 norm of every gradient of the model, the same on every rank: a 0-dim float32 tensor
 // on the first parameter's device (squares accumulated in float32). Undefined gradients count
 // as zero. Without sharded parameters (or a tp of one rank) and without owned, it is
-// grad_norm() of the gradients. Collective over tp and/or dp where they apply; enqueues work,
+// grad_norm() of the gradients. Collective over tp, dp and/or pp where they apply; enqueues work,
 // no host sync. Throws dtrain::Error for a sharded list of another length, owned without dp,
 // or no gradient at all.
 at::Tensor global_grad_norm(const std::vector<at::Tensor>& params, const GradNormLayout& layout);
