@@ -21,6 +21,46 @@ const char* to_string(PipelineSchedule schedule) {
   return schedule == PipelineSchedule::kGPipe ? "gpipe" : "1f1b";
 }
 
+std::vector<int> pipeline_stage_bounds(int blocks, int stages, const std::string& counts) {
+  DTRAIN_CHECK(stages >= 1, "pipeline: ", stages, " stages; --pp must be >= 1");
+  DTRAIN_CHECK(blocks >= stages, "--pp=", stages, " stages but the model has only ", blocks, " block(s) (--layers); ",
+               "every stage needs at least one block: lower --pp to at most ", blocks, " or add layers");
+  std::vector<int> per_stage;
+  if (counts.empty()) {
+    per_stage.assign(stages, blocks / stages);
+    // The remainder goes to stages 1, 2, ... (at most stages - 1 of them: the last is reached
+    // only when every stage between has its extra block).
+    for (int s = 1; s <= blocks % stages; ++s) ++per_stage[s];
+  } else {
+    std::string item;
+    for (size_t i = 0; i <= counts.size(); ++i) {
+      if (i < counts.size() && counts[i] != ',') {
+        item += counts[i];
+        continue;
+      }
+      size_t used = 0;
+      int n = 0;
+      try {
+        n = std::stoi(item, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      DTRAIN_CHECK(!item.empty() && used == item.size() && n >= 1, "--pp_blocks=", counts, ": '", item,
+                   "' is not a number of blocks >= 1; give one count per stage, e.g. --pp_blocks=2,4,4,2");
+      per_stage.push_back(n);
+      item.clear();
+    }
+    int sum = 0;
+    for (int n : per_stage) sum += n;
+    DTRAIN_CHECK(static_cast<int>(per_stage.size()) == stages && sum == blocks, "--pp_blocks=", counts, " gives ",
+                 per_stage.size(), " stages ", sum, " blocks, but there are ", stages, " stages (--pp) and ", blocks,
+                 " blocks (--layers); give one count per stage, summing to the blocks");
+  }
+  std::vector<int> bounds = {0};
+  for (int n : per_stage) bounds.push_back(bounds.back() + n);
+  return bounds;
+}
+
 std::vector<PipelineAction> pipeline_actions(PipelineSchedule schedule, int stages, int stage, int micro_batches) {
   DTRAIN_CHECK(stages >= 1 && stage >= 0 && stage < stages && micro_batches >= 1, "pipeline_actions: stage ", stage,
                " of ", stages, " with ", micro_batches, " micro-batches is not a pipeline step");
@@ -42,23 +82,82 @@ std::vector<PipelineAction> pipeline_actions(PipelineSchedule schedule, int stag
   return actions;
 }
 
-PipelineStepResult run_pipeline_step(dist::Communicator& pp, const PipelineStep& step) {
-  const int stages = pp.size(), stage = pp.rank();
-  const bool first = stage == 0, last = stage == stages - 1;
-  const int m = step.micro_batches;
-  DTRAIN_CHECK(m >= 1, "pipeline step: micro_batches must be >= 1, got ", m);
-  DTRAIN_CHECK(static_cast<bool>(step.forward), "pipeline step: forward is empty; pass the stage's computation");
-  DTRAIN_CHECK(!first || static_cast<bool>(step.input), "pipeline step: the first stage needs input(micro)");
-  DTRAIN_CHECK(stages == 1 || !step.activation_shape.empty(),
-               "pipeline step: activation_shape is empty; the receiving stage must know the activation's shape");
-  auto activation = [&] { return at::empty(step.activation_shape, step.activation_options); };
+namespace {
 
+using Clock = PipelineStep::Clock;
+
+double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+// What both the training step and the forward-only pass check and share.
+struct StageContext {
+  dist::Communicator& pp;
+  const PipelineStep& step;
+  int stages, stage;
+  bool first, last;
+
+  StageContext(dist::Communicator& comm, const PipelineStep& s)
+      : pp(comm), step(s), stages(comm.size()), stage(comm.rank()), first(stage == 0), last(stage == stages - 1) {
+    DTRAIN_CHECK(step.micro_batches >= 1, "pipeline step: micro_batches must be >= 1, got ", step.micro_batches);
+    DTRAIN_CHECK(static_cast<bool>(step.forward), "pipeline step: forward is empty; pass the stage's computation");
+    DTRAIN_CHECK(!first || static_cast<bool>(step.input), "pipeline step: the first stage needs input(micro)");
+    DTRAIN_CHECK(stages == 1 || !step.activation_shape.empty(),
+                 "pipeline step: activation_shape is empty; the receiving stage must know the activation's shape");
+  }
+  at::Tensor activation() const { return at::empty(step.activation_shape, step.activation_options); }
+  void span(const std::string& what, int micro, Clock::time_point a, Clock::time_point b) const {
+    if (step.on_span) step.on_span(what, micro, a, b);
+  }
+  // Receives from stage `from` into a new activation-shaped tensor, timing the wait.
+  at::Tensor receive(int from, int micro) const {
+    at::Tensor x = activation();
+    const Clock::time_point a = Clock::now();
+    pp.recv(x, from)->wait();
+    span("wait for stage " + std::to_string(from), micro, a, Clock::now());
+    return x;
+  }
+  // The stage's forward of micro-batch i on x (timed); checks what it returns.
+  at::Tensor forward(const at::Tensor& x, int i, double& busy_s) const {
+    const Clock::time_point a = Clock::now();
+    at::Tensor y = step.forward(x, i);
+    const Clock::time_point b = Clock::now();
+    busy_s += seconds(a, b);
+    span("forward", i, a, b);
+    if (last) {
+      DTRAIN_CHECK(y.numel() == 1, "pipeline step: the last stage's forward must return the micro-batch's loss (a ",
+                   "scalar), got ", y.sizes());
+    } else {
+      const at::ScalarType dtype = c10::typeMetaToScalarType(step.activation_options.dtype());
+      DTRAIN_CHECK(y.sizes().vec() == step.activation_shape && y.scalar_type() == dtype, "pipeline step: stage ",
+                   stage, " produced ", y.scalar_type(), y.sizes(), " but the pipeline sends ", dtype,
+                   c10::IntArrayRef(step.activation_shape),
+                   "; every micro-batch's activation must have activation_shape and dtype");
+    }
+    return y;
+  }
+  // Last stage: adds micro-batch loss y to the device-side sum (no host read per micro-batch).
+  static void add_loss(at::Tensor& sum, const at::Tensor& y) {
+    const at::Tensor loss = y.detach().to(at::kDouble).reshape({});
+    sum = sum.defined() ? sum + loss : loss.clone();
+  }
+  void finish(PipelineStepResult& result, at::Tensor loss_sum, Clock::time_point start) const {
+    if (last) {
+      result.loss_sum = loss_sum;
+      if (step.read_loss) result.loss = loss_sum.item<double>() / step.micro_batches;
+    }
+    result.wall_s = seconds(start, Clock::now());
+  }
+};
+
+}  // namespace
+
+PipelineStepResult run_pipeline_step(dist::Communicator& pp, const PipelineStep& step) {
+  const StageContext ctx(pp, step);
+  const int stages = ctx.stages, stage = ctx.stage, m = step.micro_batches;
+  const bool first = ctx.first, last = ctx.last;
   struct InFlight {
     at::Tensor input;   // what the stage received (requires grad), or the first stage's input
     at::Tensor output;  // the activation sent on, or the last stage's scaled loss
   };
-  using Clock = std::chrono::steady_clock;
-  auto seconds = [](Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
   const Clock::time_point step_start = Clock::now();
   const double start_mb = step.allocated_mb ? step.allocated_mb() : 0;
   std::map<int, InFlight> held;
@@ -68,29 +167,13 @@ PipelineStepResult run_pipeline_step(dist::Communicator& pp, const PipelineStep&
   for (const PipelineAction& action : pipeline_actions(step.schedule, stages, stage, m)) {
     const int i = action.micro;
     if (action.kind == PipelineAction::kForward) {
-      at::Tensor x;
-      if (first) {
-        x = step.input(i);
-      } else {
-        x = activation();
-        pp.recv(x, stage - 1)->wait();
-        x.requires_grad_(true);
-      }
-      const Clock::time_point compute_start = Clock::now();
-      at::Tensor y = step.forward(x, i);
-      result.busy_s += seconds(compute_start, Clock::now());
+      at::Tensor x = first ? step.input(i) : ctx.receive(stage - 1, i).requires_grad_(true);
+      at::Tensor y = ctx.forward(x, i, result.busy_s);
       if (last) {
-        DTRAIN_CHECK(y.numel() == 1, "pipeline step: the last stage's forward must return the micro-batch's loss (a ",
-                     "scalar), got ", y.sizes());
-        const at::Tensor loss = y.detach().to(at::kDouble).reshape({});
-        loss_sum = loss_sum.defined() ? loss_sum + loss : loss.clone();
-        y = y / m;
+        StageContext::add_loss(loss_sum, y);
+        y = y.reshape({}) / m;
+        if (step.scale_loss) y = step.scale_loss(y);
       } else {
-        const at::ScalarType dtype = c10::typeMetaToScalarType(step.activation_options.dtype());
-        DTRAIN_CHECK(y.sizes().vec() == step.activation_shape && y.scalar_type() == dtype, "pipeline step: stage ",
-                     stage, " produced ", y.scalar_type(), y.sizes(), " but the pipeline sends ", dtype,
-                     c10::IntArrayRef(step.activation_shape),
-                     "; every micro-batch's activation must have activation_shape and dtype");
         sends.push_back(pp.send(y.detach().contiguous(), stage + 1));
       }
       held[i] = {x, y};
@@ -103,17 +186,18 @@ PipelineStepResult run_pipeline_step(dist::Communicator& pp, const PipelineStep&
       DTRAIN_CHECK(it != held.end(), "pipeline step: backward of micro-batch ", i, " before its forward");
       InFlight f = std::move(it->second);
       held.erase(it);
+      at::Tensor grad;
+      if (!last) grad = ctx.receive(stage + 1, i);
+      if (step.before_backward) step.before_backward(i);
+      const Clock::time_point a = Clock::now();
       if (last) {
-        const Clock::time_point compute_start = Clock::now();
         f.output.backward();
-        result.busy_s += seconds(compute_start, Clock::now());
       } else {
-        at::Tensor grad = activation();
-        pp.recv(grad, stage + 1)->wait();
-        const Clock::time_point compute_start = Clock::now();
         f.output.backward(grad);
-        result.busy_s += seconds(compute_start, Clock::now());
       }
+      const Clock::time_point b = Clock::now();
+      result.busy_s += seconds(a, b);
+      ctx.span("backward", i, a, b);
       if (!first) {
         at::Tensor g = f.input.grad();
         DTRAIN_CHECK(g.defined(), "pipeline step: stage ", stage, "'s forward does not depend on its input; ",
@@ -128,8 +212,28 @@ PipelineStepResult run_pipeline_step(dist::Communicator& pp, const PipelineStep&
                 sends.end());
   }
   for (auto& w : sends) w->wait();
-  if (last) result.loss = loss_sum.item<double>() / m;
-  result.wall_s = seconds(step_start, Clock::now());
+  ctx.finish(result, loss_sum, step_start);
+  return result;
+}
+
+PipelineStepResult run_pipeline_forward(dist::Communicator& pp, const PipelineStep& step) {
+  const StageContext ctx(pp, step);
+  const Clock::time_point start = Clock::now();
+  PipelineStepResult result;
+  at::Tensor loss_sum;
+  std::vector<dist::WorkPtr> sends;
+  for (int i = 0; i < step.micro_batches; ++i) {
+    at::Tensor x = ctx.first ? step.input(i) : ctx.receive(ctx.stage - 1, i);
+    at::Tensor y = ctx.forward(x, i, result.busy_s);
+    if (ctx.last) {
+      StageContext::add_loss(loss_sum, y);
+    } else {
+      sends.push_back(pp.send(y.detach().contiguous(), ctx.stage + 1));
+    }
+    result.ran.push_back({PipelineAction::kForward, i});
+  }
+  for (auto& w : sends) w->wait();
+  ctx.finish(result, loss_sum, start);
   return result;
 }
 

@@ -82,5 +82,48 @@ TEST(PipelineSchedule, NamesAndBadInput) {
   EXPECT_THROW(pipeline_actions(PipelineSchedule::k1F1B, 2, 0, 0), Error);
 }
 
+// The even rule against a brute-force statement of it: sizes differ by at most one, the first
+// stage never has more than the others, and the extra blocks sit on stages 1, 2, ... in order.
+TEST(PipelineStageBounds, EvenRuleGivesTheRemainderToTheStagesAfterTheFirst) {
+  for (int stages = 1; stages <= 8; ++stages) {
+    for (int blocks = stages; blocks <= 3 * stages + 2; ++blocks) {
+      const std::vector<int> b = pipeline_stage_bounds(blocks, stages);
+      const std::string where = std::to_string(blocks) + " blocks, " + std::to_string(stages) + " stages";
+      ASSERT_EQ(static_cast<int>(b.size()), stages + 1) << where;
+      EXPECT_EQ(b.front(), 0) << where;
+      EXPECT_EQ(b.back(), blocks) << where;
+      const int base = blocks / stages, extra = blocks % stages;
+      for (int s = 0; s < stages; ++s) {
+        const int size = b[s + 1] - b[s];
+        EXPECT_EQ(size, base + (s >= 1 && s <= extra ? 1 : 0)) << where << ", stage " << s;
+      }
+    }
+  }
+  EXPECT_EQ(pipeline_stage_bounds(4, 3), (std::vector<int>{0, 1, 3, 4}));
+  EXPECT_EQ(pipeline_stage_bounds(7, 4), (std::vector<int>{0, 1, 3, 5, 7}));
+}
+
+TEST(PipelineStageBounds, ExplicitCountsAndBadInput) {
+  EXPECT_EQ(pipeline_stage_bounds(12, 4, "2,4,4,2"), (std::vector<int>{0, 2, 6, 10, 12}));
+  EXPECT_EQ(pipeline_stage_bounds(3, 1, "3"), (std::vector<int>{0, 3}));
+  auto message = [](int blocks, int stages, const std::string& counts) {
+    try {
+      pipeline_stage_bounds(blocks, stages, counts);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(accepted)");
+  };
+  EXPECT_NE(message(2, 4, "").find("--pp=4 stages but the model has only 2 block(s)"), std::string::npos)
+      << message(2, 4, "");
+  EXPECT_NE(message(12, 4, "2,4,4").find("gives 3 stages 10 blocks, but there are 4 stages"), std::string::npos)
+      << message(12, 4, "2,4,4");
+  EXPECT_NE(message(12, 4, "2,4,4,3").find("gives 4 stages 13 blocks"), std::string::npos);
+  EXPECT_NE(message(12, 4, "2,x,4,2").find("'x' is not a number of blocks >= 1"), std::string::npos);
+  EXPECT_NE(message(12, 4, "6,0,4,2").find("'0' is not a number of blocks >= 1"), std::string::npos);
+  EXPECT_NE(message(12, 4, "6,,4,2").find("'' is not a number"), std::string::npos);
+  EXPECT_NE(message(12, 4, "4,4,2.5,1.5").find("'2.5' is not a number"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace dtrain::engine

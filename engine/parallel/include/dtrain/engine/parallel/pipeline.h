@@ -18,6 +18,7 @@
 // PipelineStep. Sends are asynchronous (the next forward overlaps them); receives wait.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -45,6 +46,16 @@ struct PipelineAction {
 // the order the schedule runs them. Every micro-batch's forward comes before its backward.
 std::vector<PipelineAction> pipeline_actions(PipelineSchedule schedule, int stages, int stage, int micro_batches);
 
+// How a stack of `blocks` blocks is cut into `stages` consecutive stages: the first block of
+// each stage and, last, `blocks` (stages + 1 entries; stage s holds [b[s], b[s+1])).
+//   counts ("a,b,...", --pp_blocks) empty: blocks / stages each, and the remainder one more each
+//     to stages 1, 2, ... (never to the first stage, which also holds the embeddings; to the
+//     last, which holds the head and the loss, only when every middle stage has one more).
+//   counts given: those numbers of blocks, one per stage, each >= 1, summing to `blocks` (e.g.
+//     2,4,4,2 gives the first and last stages fewer).
+// dtrain::Error naming the numbers for fewer blocks than stages or counts that do not fit.
+std::vector<int> pipeline_stage_bounds(int blocks, int stages, const std::string& counts = "");
+
 // One step of one stage.
 struct PipelineStep {
   int micro_batches = 1;
@@ -62,10 +73,24 @@ struct PipelineStep {
   // Optional: the device's allocated memory in MiB (engine::memory_stats(device).allocated_mb),
   // read after each forward for PipelineStepResult::peak_activation_mb.
   std::function<double()> allocated_mb;
+  // Optional, last stage: applied to loss / micro_batches before its backward (the fp16 loss
+  // scale).
+  std::function<at::Tensor(const at::Tensor& loss)> scale_loss;
+  // Optional: called before micro-batch i's backward (the trainer keeps its gradient reducer in
+  // no_sync until the step's last backward, which both schedules run for micro-batch m - 1).
+  std::function<void(int micro)> before_backward;
+  // Optional: each forward ("forward"), backward ("backward") and wait for a neighbour
+  // ("wait for stage s") as it ends, with its times (the timeline's lane of this stage).
+  using Clock = std::chrono::steady_clock;
+  std::function<void(const std::string& what, int micro, Clock::time_point start, Clock::time_point end)> on_span;
+  // Whether the last stage reads the mean loss to the host at the end (a device sync); false
+  // leaves PipelineStepResult::loss at 0 and only loss_sum set.
+  bool read_loss = true;
 };
 
 struct PipelineStepResult {
   double loss = 0;  // last stage: the mean of the micro-batches' losses; other stages: 0
+  at::Tensor loss_sum;  // last stage: the sum of the micro-batches' losses (float64, on the device)
   int peak_in_flight = 0;  // the most micro-batches whose activations the stage held at once
   // Memory the stage's device held above what it held when the step began, at its highest
   // after a forward (the activations in flight; exact on the CPU, where tensors are counted).
@@ -80,5 +105,10 @@ struct PipelineStepResult {
 // calls it with the same micro_batches, schedule and activation shape). Gradients accumulate
 // into the parameters that forward uses.
 PipelineStepResult run_pipeline_step(dist::Communicator& pp, const PipelineStep& step);
+
+// Forwards only (evaluation, under the caller's no_grad): micro-batch after micro-batch through
+// the stages; the last stage's loss_sum (and loss, with read_loss) as above. Ignores schedule,
+// scale_loss and before_backward. Collective over `pp`.
+PipelineStepResult run_pipeline_forward(dist::Communicator& pp, const PipelineStep& step);
 
 }  // namespace dtrain::engine
