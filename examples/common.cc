@@ -122,7 +122,7 @@ Run init_run(int argc, char** argv, const std::string& usage,
   engine::cli::describe_flags("Model", model_listed);
   std::vector<std::string> data = {"data", "data_path", "eval_only", "inplace"};
   if (trainer) data.insert(data.begin() + 3, {"quantize", "quantize_scales"});
-  engine::cli::describe_flags("Data and evaluation", data, {"data_path"});
+  engine::cli::describe_flags("Data and evaluation", data, {"data_path"});  // joins --workers etc.
   if (!model_checks) topics &= ~engine::cli::kTensorParallel;
   engine::cli::parse(argc, argv, usage, topics, defaults);
   Run run;
@@ -142,7 +142,7 @@ Run init_run(int argc, char** argv, const std::string& usage,
                " has no tensor-parallel layers; use train_gpt for tensor parallelism");
   DTRAIN_CHECK(model_checks || !engine::cli::flags().sequence_parallel, "--sequence_parallel: ", run.program,
                " has no tensor-parallel layers; use train_gpt for sequence parallelism");
-  dist::Mesh::check(run.world.size, engine::cli::flags().tp);
+  dist::Mesh::check(run.world.size, engine::cli::flags().tp, engine::cli::flags().pp);
   if (model_checks) model_checks();
   run.device = dist::select_device(run.world, dist::parse_device_request(engine::cli::flags().device));
   engine::parse_amp(engine::cli::flags().amp);  // validates
@@ -151,11 +151,13 @@ Run init_run(int argc, char** argv, const std::string& usage,
   run.comm = dist::create_communicator(engine::cli::flags().backend, run.world, run.device, options);
   // Before the mesh splits the world by --tp and before anything depends on the flags.
   engine::cli::agree_on_flags(*run.comm);
-  run.mesh = std::make_unique<dist::Mesh>(*run.comm, engine::cli::flags().tp);
+  run.mesh = std::make_unique<dist::Mesh>(*run.comm, engine::cli::flags().tp, engine::cli::flags().pp);
   torch::manual_seed(static_cast<uint64_t>(engine::cli::flags().seed));
   if (run.world.rank == 0) {
     LOG(INFO) << run.program << ": " << run.world.size << " rank(s) (tp " << run.mesh->tp_size()
-              << " x dp " << run.mesh->dp_size() << "), device " << run.device << ", backend "
+              << " x dp " << run.mesh->dp_size()
+              << (run.mesh->pp_size() > 1 ? " x pp " + std::to_string(run.mesh->pp_size()) : std::string())
+              << "), device " << run.device << ", backend "
               << run.comm->backend() << ", amp " << engine::cli::flags().amp << ", " << at::get_num_threads()
               << " intra-op CPU thread(s)";
   }

@@ -47,7 +47,7 @@ GptImpl::GptImpl(const GptOptions& o, dist::Communicator& comm) : options(o), tp
   drop = register_module("drop", torch::nn::Dropout(o.dropout));
 }
 
-at::Tensor GptImpl::forward(const at::Tensor& tokens) {
+at::Tensor GptImpl::embed(const at::Tensor& tokens) {
   const int64_t T = tokens.size(1);
   at::Tensor x;
   if (options.sequence_parallel) {
@@ -59,6 +59,10 @@ at::Tensor GptImpl::forward(const at::Tensor& tokens) {
     at::Tensor pos = at::arange(T, tokens.options());
     x = drop->forward(wte->forward(tokens) + wpe->forward(pos));
   }
+  return x;
+}
+
+at::Tensor GptImpl::run_blocks(at::Tensor x) {
   const bool ckpt = options.checkpoint_activations && is_training();
   const size_t n = blocks->size();
   for (size_t i = 0; i < n; ++i) {
@@ -78,12 +82,57 @@ at::Tensor GptImpl::forward(const at::Tensor& tokens) {
       x = ckpt ? engine::checkpoint(fn, x, block->parameters()) : block->forward(x);
     }
   }
+  return x;
+}
+
+at::Tensor GptImpl::forward(const at::Tensor& tokens) {
+  TORCH_CHECK(first_stage && last_stage, "GptImpl::forward is the whole model's; a pipeline stage runs stage_forward");
+  at::Tensor x = run_blocks(embed(tokens));
   at::Tensor h = options.sequence_parallel ? engine::sequence_parallel_layer_norm(ln_f, x, *tp) : ln_f->forward(x);
   return head->forward(h);
 }
 
 at::Tensor GptImpl::loss(const at::Tensor& inputs, const at::Tensor& targets) {
-  at::Tensor logits = forward(inputs);
+  TORCH_CHECK(first_stage && last_stage, "GptImpl::loss is the whole model's; a pipeline stage runs stage_forward");
+  return cross_entropy(run_blocks(embed(inputs)), targets);
+}
+
+void GptImpl::keep_stage(int begin, int end, bool first, bool last) {
+  TORCH_CHECK(0 <= begin && begin < end && end <= static_cast<int>(blocks->size()) && first_stage && last_stage,
+              "keep_stage(", begin, ", ", end, ") of a model of ", blocks->size(), " blocks, once");
+  auto kept = std::make_shared<torch::nn::Module>();  // children named by their whole-model index
+  torch::nn::ModuleList stage_blocks;
+  for (int i = begin; i < end; ++i) {
+    kept->register_module(std::to_string(i), (*blocks)[i]);
+    stage_blocks->push_back((*blocks)[i]);
+  }
+  replace_module("blocks", kept);
+  blocks = stage_blocks;
+  if (!first) {
+    unregister_module("wte");
+    unregister_module("wpe");
+    wte = nullptr;
+    wpe = nullptr;
+  }
+  if (!last) {
+    unregister_module("ln_f");
+    unregister_module("head");
+    ln_f = nullptr;
+    head = nullptr;
+  }
+  first_stage = first;
+  last_stage = last;
+}
+
+at::Tensor GptImpl::stage_forward(const at::Tensor& x, const at::Tensor& targets) {
+  at::Tensor h = run_blocks(first_stage ? embed(x) : x);
+  if (!last_stage) return h;
+  return cross_entropy(h, targets);
+}
+
+at::Tensor GptImpl::cross_entropy(const at::Tensor& x, const at::Tensor& targets) {
+  at::Tensor h = options.sequence_parallel ? engine::sequence_parallel_layer_norm(ln_f, x, *tp) : ln_f->forward(x);
+  at::Tensor logits = head->forward(h);
   const int64_t local = logits.size(-1);
   return engine::vocab_parallel_cross_entropy(logits.reshape({-1, local}), targets.reshape({-1}),
                                               local * tp->rank(), options.vocab, *tp);

@@ -48,6 +48,17 @@ struct GptImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& tokens);
   // Mean next-token cross-entropy: inputs [B, T], targets [B, T].
   at::Tensor loss(const at::Tensor& inputs, const at::Tensor& targets);
+  // Pipeline parallelism: keeps blocks [begin, end) only, and the embeddings when `first`, the
+  // final norm and head when `last`. The blocks keep their whole-model names (blocks.<i>), so a
+  // stage's parameters are a part of the whole model's state_dict. Call right after
+  // construction: every stage builds the whole model from the same seed and drops the rest, so
+  // its weights are those one process would train.
+  void keep_stage(int begin, int end, bool first, bool last);
+  // A stage's computation: the first stage takes tokens [B, T], the others the residual stream
+  // [B, T, d] ([B, T/tp, d] sequence-parallel) the stage before returned; returns the residual
+  // stream after its blocks, or on the last stage the mean loss against targets [B, T].
+  at::Tensor stage_forward(const at::Tensor& x, const at::Tensor& targets);
+  bool first_stage = true, last_stage = true;  // the whole model is both
   int64_t parameter_count() const;  // of the full (unsplit) model
   // Layer offload: keeps every block's parameters in host memory, streamed to `device` one
   // block ahead in forward and backward (blocks are recomputed in backward). Call after
@@ -57,11 +68,16 @@ struct GptImpl : torch::nn::Module {
   dist::Communicator* tp;
   engine::VocabParallelEmbedding wte{nullptr};
   torch::nn::Embedding wpe{nullptr};
-  torch::nn::ModuleList blocks;
+  torch::nn::ModuleList blocks;  // this stage's (all of them without a pipeline)
   torch::nn::LayerNorm ln_f{nullptr};
   engine::ColumnParallelLinear head{nullptr};
   torch::nn::Dropout drop{nullptr};
   std::shared_ptr<offload::LayerStreamer> streamer;
+
+ private:
+  at::Tensor embed(const at::Tensor& tokens);     // [B, T] -> the residual stream
+  at::Tensor run_blocks(at::Tensor x);            // through this stage's blocks
+  at::Tensor cross_entropy(const at::Tensor& h, const at::Tensor& targets);  // final norm, head, loss
 };
 TORCH_MODULE(Gpt);
 

@@ -11,6 +11,7 @@
 #include "dtrain/engine/memory/memory.h"
 #include "dtrain/engine/optim/offload.h"
 #include "dtrain/engine/optim/sharded.h"
+#include <gflags/gflags.h>
 #include <glog/logging.h>
 #include <cstdio>
 #include <cstring>
@@ -18,6 +19,8 @@
 #include "cnn_model.h"
 #include "gpt_model.h"
 #include "seq2seq_model.h"
+
+DECLARE_string(teacher);  // distill.cc
 
 namespace dtrain::examples {
 namespace {
@@ -92,8 +95,24 @@ ExampleModel gpt(const Run& run) {
   mo.sparse_embedding = FLAGS_sparse_embedding;
   torch::manual_seed(engine::cli::flags().seed);
   auto model = Gpt(mo, run.mesh->tp()).ptr();
-  model->to(run.device);
+  const int P = run.mesh->pp_size();
   ExampleModel m;
+  if (P > 1) {
+    // Every stage drew the whole model from the seed; each keeps its blocks (and the embeddings
+    // or head) before anything goes to the device.
+    const std::vector<int> bounds = engine::pipeline_stage_bounds(mo.layers, P, engine::cli::flags().pp_blocks);
+    const int s = run.mesh->pp_rank();
+    model->keep_stage(bounds[s], bounds[s + 1], s == 0, s == P - 1);
+    m.stage_forward = [model, S](const at::Tensor& x, const engine::Batch& b) {
+      const at::Tensor& w = b.fields[0];  // [B, S+1]: inputs w[:, :S], targets w[:, 1:]
+      return model->stage_forward(x.defined() ? x : w.narrow(1, 0, S), w.narrow(1, 1, S));
+    };
+    const int64_t rows_per_rank = mo.sequence_parallel ? S / run.mesh->tp_size() : S;
+    m.stage_activation_shape = [rows_per_rank, d = mo.d_model](int64_t rows) {
+      return std::vector<int64_t>{rows, rows_per_rank, d};
+    };
+  }
+  model->to(run.device);
   m.name = "gpt";
   m.module = model;
   m.loss = [model, S](const engine::Batch& b) {
@@ -232,6 +251,22 @@ std::function<void()> model_checks(const std::string& model) {
     DTRAIN_CHECK(FLAGS_dropout == 0 || T == 1,
                  "--dropout with --tp > 1 is not supported; "
                  "use --dropout=0 (the default for train_gpt)");
+    const int P = engine::cli::flags().pp;
+    DTRAIN_CHECK(P > 1 || engine::cli::flags().pp_blocks.empty(), "--pp_blocks=", engine::cli::flags().pp_blocks,
+                 " needs --pp > 1 (it gives the blocks of each pipeline stage)");
+    engine::pipeline_stage_bounds(FLAGS_layers, P, engine::cli::flags().pp_blocks);  // fewer blocks than stages
+    if (P > 1) {
+      const char* unsupported = !FLAGS_teacher.empty()                   ? "--teacher"
+                                : engine::cli::flags().plan == "auto"   ? "--plan=auto"
+                                : !FLAGS_quantize.empty()               ? "--quantize"
+                                : engine::cli::flags().offload != "none" ? "--offload"
+                                : engine::cli::flags().shard != "none"   ? "--shard"
+                                : engine::cli::flags().prune_amount > 0  ? "--prune_amount"
+                                : FLAGS_sparse_embedding                 ? "--sparse_embedding"
+                                                                         : nullptr;
+      DTRAIN_CHECK(unsupported == nullptr, unsupported ? unsupported : "", " with --pp=", P,
+                   " is not supported yet; train with --pp=1, or without ", unsupported ? unsupported : "");
+    }
   };
 }
 

@@ -50,6 +50,11 @@ struct ExampleModel {
   std::function<std::pair<at::Tensor, at::Tensor>(const engine::Batch&)> logits_and_targets;
   int64_t classes = 0;          // the real number of classes (the vocabulary)
   bool vocab_parallel = false;  // logits split by vocabulary over the tensor-parallel group
+  // With --pp > 1 (gpt): `module` is this rank's pipeline stage, whose computation on a
+  // micro-batch and sent activation these are (TrainerOptions::pipeline); `loss`, `forward` and
+  // the other whole-model functions do not apply then.
+  std::function<at::Tensor(const at::Tensor& x, const engine::Batch& micro)> stage_forward;
+  std::function<std::vector<int64_t>(int64_t rows)> stage_activation_shape;
 };
 
 // The value of --model on the command line (before the flags are parsed: it selects the

@@ -115,6 +115,8 @@ int plan_main(int argc, char** argv) {
                                          "[--gpu_mem_limit_gb=X]: memory estimate and plan",
                                          examples::model_flag_defaults(model_name),
                                          examples::model_checks(model_name), examples::model_flag_names(model_name));
+  DTRAIN_CHECK(engine::cli::flags().pp == 1, "--pp=", engine::cli::flags().pp, ": dtrain-plan does not plan pipeline ",
+               "stages yet (it measures the unsplit model); plan without --pp");
   DTRAIN_CHECK(FLAGS_allow_offload == "none" || FLAGS_allow_offload == "optimizer" ||
                    FLAGS_allow_offload == "layers" || FLAGS_allow_offload == "all",
                "--allow_offload=", FLAGS_allow_offload,

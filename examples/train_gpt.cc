@@ -28,13 +28,23 @@ int main(int argc, char** argv) {
     auto* gpt = model.module->as<examples::GptImpl>();
     if (run.world.rank == 0) {
       LOG(INFO) << "GPT with " << gpt->parameter_count() / 1e6 << "M parameters, tp " << run.mesh->tp_size()
-                << ", dp " << run.mesh->dp_size();
+                << ", dp " << run.mesh->dp_size() << ", pp " << run.mesh->pp_size();
+    }
+    if (run.mesh->pp_size() > 1 && run.mesh->dp_rank() == 0 && run.mesh->tp_rank() == 0) {
+      int64_t numel = 0;
+      for (const at::Tensor& p : gpt->parameters()) numel += p.numel();
+      LOG(INFO) << "pipeline stage " << run.mesh->pp_rank() << " of " << run.mesh->pp_size() << ": blocks "
+                << gpt->blocks->size() << (gpt->first_stage ? " + embeddings" : "")
+                << (gpt->last_stage ? " + head and loss" : "") << ", " << numel / 1e6 << "M parameters"
+                << (run.mesh->tp_size() > 1 ? " (this tensor-parallel rank's)" : "");
     }
     examples::attach_teacher(run, model);  // --teacher: distillation
     engine::TrainerOptions options = examples::trainer_options(run, model.default_optimizer);
     options.eval_perplexity = true;
     options.optimizer.beta2 = 0.95;
     options.tokens_per_sample = S;
+    options.pipeline.forward = model.stage_forward;  // set with --pp > 1
+    options.pipeline.activation_shape = model.stage_activation_shape;
     examples::plan_and_apply(run, model, options);
     engine::Trainer trainer(*model.module, model.loss, *run.mesh, run.device, options);
     examples::TokenData data = examples::token_data(run, S, /*fold_bytes=*/true);

@@ -92,6 +92,11 @@ const std::vector<Spec>& specs() {
       spec(kTensorParallel, "sequence_parallel",
            "with --tp > 1: split the activations between the parallel layers along the sequence",
            &Flags::sequence_parallel),
+      spec(kTensorParallel, "pp", "pipeline stages (consecutive blocks per stage; stages are the outermost ranks)",
+           &Flags::pp),
+      spec(kTensorParallel, "pp_schedule", "with --pp > 1: 1f1b or gpipe", &Flags::pp_schedule),
+      spec(kTensorParallel, "pp_blocks", "with --pp > 1: blocks per stage, e.g. 2,4,4,2 (default: even, extra from stage 1)",
+           &Flags::pp_blocks),
       spec(kData, "workers", "data-loading worker threads", &Flags::workers),
       spec(kData, "prefetch", "batches prepared ahead by the loader", &Flags::prefetch),
       spec(kData, "eval_every", "evaluate every N steps (0: never)", &Flags::eval_every),
@@ -147,8 +152,8 @@ const std::vector<Spec>& specs() {
 
 const std::vector<std::pair<Topic, const char*>>& headings() {
   static const std::vector<std::pair<Topic, const char*>> h = {
-      {kTraining, "Training"}, {kRanks, "Devices and ranks"}, {kTensorParallel, "Tensor parallelism"},
-      {kData, "Data"},         {kMemory, "Memory"},           {kCheckpoints, "Checkpoints and preemption"},
+      {kTraining, "Training"}, {kRanks, "Devices and ranks"}, {kTensorParallel, "Devices and ranks"},
+      {kData, "Data and evaluation"}, {kMemory, "Memory"},    {kCheckpoints, "Checkpoints and preemption"},
       {kObservability, "Observability"}};
   return h;
 }
@@ -222,6 +227,8 @@ void validate(const Flags& f) {
   }
   DTRAIN_CHECK(f.collective_timeout_s > 0, "--collective_timeout_s=", f.collective_timeout_s, " must be positive");
   DTRAIN_CHECK(f.tp >= 1, "--tp=", f.tp, " must be >= 1");
+  DTRAIN_CHECK(f.pp >= 1, "--pp=", f.pp, " must be >= 1");
+  parse_pipeline_schedule(f.pp_schedule);
   DTRAIN_CHECK(f.workers >= 0, "--workers=", f.workers, " must be >= 0");
   DTRAIN_CHECK(f.prefetch >= 1, "--prefetch=", f.prefetch, " must be >= 1");
   DTRAIN_CHECK(f.eval_every >= 0, "--eval_every=", f.eval_every, " must be >= 0");
@@ -263,7 +270,8 @@ void check_known(const std::string& program, const std::vector<std::string>& arg
     for (const Spec& sp : specs()) {
       if (bare != sp.name) continue;
       if (sp.topic == kTensorParallel) {
-        throw Error("--" + bare + ": " + program + " has no tensor-parallel layers (its --help lists the flags it takes)");
+        throw Error("--" + bare + ": " + program + " has no tensor-parallel layers and cannot be split into pipeline "
+                    "stages (train_gpt can; its --help lists the flags it takes)");
       }
       throw Error("--" + bare + ": " + program + " does not take dtrain's flags of this topic (its --help lists the flags it takes)");
     }
@@ -292,12 +300,19 @@ std::string help_text(const std::string& usage) {
   os << usage << "\n";
   // A program's own flags described under a standard heading ("Training") join that section.
   std::set<std::string> standard;
+  // Topics may share a heading (a program's parallelism flags join its ranks'): one section each.
+  auto heading_of = [](Topic topic) {
+    for (const auto& [t, h] : headings()) {
+      if (t == topic) return std::string(h);
+    }
+    return std::string();
+  };
   for (const auto& [topic, heading] : headings()) {
-    if (!registered(topic)) continue;
+    if (!registered(topic) || standard.count(heading)) continue;
     standard.insert(heading);
     os << "\n" << heading << ":\n";
     for (const Spec& sp : specs()) {
-      if (sp.topic == topic) os << flag_line(sp.name) << "\n";
+      if (registered(sp.topic) && heading_of(sp.topic) == heading) os << flag_line(sp.name) << "\n";
     }
     for (const auto& [own, names] : state().described) {
       if (own != heading) continue;
@@ -391,6 +406,7 @@ TrainerOptions trainer_options(const Flags& f, const std::string& default_optimi
   o.memory_report_step = f.memory_report_step;
   o.offload_optimizer = parse_offload(f.offload).optimizer;
   o.shard = f.shard;
+  o.pipeline.schedule = parse_pipeline_schedule(f.pp_schedule);
   o.prune = prune_options(f);
   o.offload.host_mem_limit_gb = f.host_mem_limit_gb;
   o.offload.threads = f.offload_threads;

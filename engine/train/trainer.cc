@@ -70,12 +70,29 @@ Settings settings_of(const TrainerOptions& o) {
       {"save_every", text(o.save_every)}, {"keep_last", text(o.keep_last)}, {"resume", to_string(o.resume)},
       {"saves checkpoints", text(!o.save_dir.empty())}, {"handle_preemption", text(o.handle_preemption)},
       {"on_nonfinite", o.on_nonfinite == NonFinitePolicy::kStop ? "stop" : "skip"},
-      {"max_nonfinite_skips", text(o.max_nonfinite_skips)}};
+      {"max_nonfinite_skips", text(o.max_nonfinite_skips)}, {"pipeline.schedule", to_string(o.pipeline.schedule)}};
   if (o.amp == AmpMode::kFp16) {
     s.push_back({"loss_scaler.init_scale", text(o.loss_scaler.init_scale)});
     s.push_back({"loss_scaler.growth_interval", text(o.loss_scaler.growth_interval)});
   }
   return s;
+}
+
+// What a pipeline-parallel trainer needs and what it does not (yet) combine with; the same on
+// every rank (options and mesh are), so every rank refuses together.
+void check_pipeline_options(const TrainerOptions& o, const dist::Mesh& mesh) {
+  const int P = mesh.pp_size();
+  DTRAIN_CHECK(o.pipeline.forward && o.pipeline.activation_shape, "a mesh of ", P, " pipeline stages needs ",
+               "TrainerOptions::pipeline.forward and .activation_shape (this stage's computation and what it sends); ",
+               "build the trainer with them, or with one stage");
+  const char* unsupported = o.offload_optimizer                       ? "--offload=optimizer"
+                            : parse_shard_mode(o.shard) != ShardMode::kNone ? "--shard"
+                            : o.prune.amount > 0                       ? "--prune_amount"
+                            : o.eval_loss_and_correct                  ? "an evaluation that counts correct predictions"
+                            : o.offload.delayed_update_after >= 0      ? "--offload_delayed_update_after"
+                                                                       : nullptr;
+  DTRAIN_CHECK(unsupported == nullptr, unsupported ? unsupported : "", " with pipeline parallelism (--pp=", P,
+               ") is not supported yet; train with --pp=1, or without ", unsupported ? unsupported : "");
 }
 
 }  // namespace
@@ -142,6 +159,7 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
                                   : refused);
     }
   }
+  if (mesh_.pp_size() > 1) check_pipeline_options(options_, mesh_);
   std::vector<std::string> names;
   for (auto& item : model_.named_parameters()) {
     if (item.value().requires_grad()) {
@@ -150,11 +168,16 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
     }
   }
   DTRAIN_CHECK(!params_.empty(), "the model has no trainable parameters");
+  if (mesh_.pp_size() > 1) {  // the whole model numbers its parameters stage after stage
+    const std::vector<int64_t> counts = dist::all_gather_counts(mesh_.pp(), static_cast<int64_t>(params_.size()), device_);
+    for (int s = 0; s < mesh_.pp_rank(); ++s) pp_param_offset_ += counts[s];
+  }
   specs_ = collect_shard_specs(model_);
   names_ = names;
   for (const std::string& name : names) sharded_.push_back(specs_.count(name) > 0);
   norm_layout_.sharded = sharded_;
   norm_layout_.tp = &mesh_.tp();
+  norm_layout_.pp = &mesh_.pp();  // each stage's squares summed over the stages (a no-op for one)
   // Rank 0's parameters everywhere first: a partitioned optimizer copies them into its
   // master weights when it is built, before the reducer exists.
   ReducerOptions reducer_options = options_.reducer;
@@ -276,6 +299,10 @@ bool Trainer::run_micro_batches(const Batch& batch, at::Tensor& loss_sum) {
   try {
     std::vector<Batch> micro = split_batch(batch, n);
     loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device_));
+    if (mesh_.pp_size() > 1) {
+      run_pipeline(micro, loss_sum);
+      return false;
+    }
     for (int i = 0; i < n; ++i) {
       std::optional<GradReducer::NoSync> no_sync;
       if (i + 1 < n) no_sync.emplace(reducer_.get());
@@ -309,7 +336,8 @@ bool Trainer::run_micro_batches(const Batch& batch, at::Tensor& loss_sum) {
     }
     return false;
   } catch (const c10::OutOfMemoryError& e) {
-    if (!options_.oom_backoff || mesh_.tp_size() > 1) throw;
+    // A stage that fails alone would leave its neighbours waiting for its activations.
+    if (!options_.oom_backoff || mesh_.tp_size() > 1 || mesh_.pp_size() > 1) throw;
     LOG(WARNING) << "out of memory in step " << step_ + 1 << " with micro-batch of "
                  << batch.size() / n << " rows: " << std::string(e.what_without_backtrace()).substr(0, 200);
     loss_sum.reset();
@@ -323,6 +351,63 @@ bool Trainer::run_micro_batches(const Batch& batch, at::Tensor& loss_sum) {
     release_cached_memory(device_);
     return true;
   }
+}
+
+PipelineStep Trainer::pipeline_step(const std::vector<Batch>& micro) const {
+  const PipelineOptions& po = options_.pipeline;
+  PipelineStep ps;
+  ps.micro_batches = static_cast<int>(micro.size());
+  ps.schedule = po.schedule;
+  ps.activation_shape = po.activation_shape(micro.front().size());
+  ps.activation_options = at::TensorOptions().dtype(po.activation_dtype).device(device_);
+  ps.read_loss = false;
+  ps.input = [](int) { return at::Tensor(); };  // the first stage's forward reads its micro-batch
+  const bool last = mesh_.pp_rank() == mesh_.pp_size() - 1;
+  ps.forward = [&micro, &po, last, type = device_.type(), amp = options_.amp](const at::Tensor& x, int i) {
+    at::Tensor y;
+    {
+      AutocastGuard autocast(type, amp);
+      y = po.forward(x, micro.at(i));
+    }
+    return !last && y.scalar_type() != po.activation_dtype ? y.to(po.activation_dtype) : y;
+  };
+  return ps;
+}
+
+void Trainer::run_pipeline(const std::vector<Batch>& micro, at::Tensor& loss_sum) {
+  PipelineStep ps = pipeline_step(micro);
+  const int n = ps.micro_batches;
+  // Gradients accumulate without a reduction until the step's last backward (micro-batch n - 1
+  // in both schedules), whose buckets are reduced over this stage's data-parallel group as
+  // they complete, overlapped with the rest of that backward.
+  std::optional<GradReducer::NoSync> no_sync;
+  ps.before_backward = [&](int i) {
+    if (i + 1 < n && !no_sync) no_sync.emplace(reducer_.get());
+    if (i + 1 == n) no_sync.reset();
+  };
+  if (scaler_->enabled()) ps.scale_loss = [this](const at::Tensor& loss) { return scaler_->scale(loss); };
+  if (timeline_->enabled()) {
+    ps.on_span = [this](const std::string& what, int i, PipelineStep::Clock::time_point a,
+                        PipelineStep::Clock::time_point b) {
+      const bool wait = what.rfind("wait", 0) == 0;
+      timeline_->add_complete(what + " " + std::to_string(i), wait ? "wait" : category::kCompute, lane::kMain, a, b,
+                              {{"micro_batch", static_cast<double>(i)}, {"stage", static_cast<double>(mesh_.pp_rank())}});
+    };
+  }
+  PipelineStepResult r = run_pipeline_step(mesh_.pp(), ps);
+  no_sync.reset();
+  if (sparse_reducer_) sparse_reducer_->reduce();  // after the dense buckets
+  if (r.loss_sum.defined()) loss_sum.add_(r.loss_sum);
+}
+
+at::Tensor Trainer::pipeline_eval_loss(const Batch& batch) {
+  // The step's micro-batches where the batch splits as the training batch does: the stages
+  // overlap their forwards.
+  const int m = batch.size() % accum_steps_ == 0 ? accum_steps_ : 1;
+  const std::vector<Batch> micro = split_batch(batch, m);
+  PipelineStepResult r = run_pipeline_forward(mesh_.pp(), pipeline_step(micro));
+  return r.loss_sum.defined() ? r.loss_sum / m
+                              : at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device_));
 }
 
 std::string Trainer::failing_ranks(bool failed) {
@@ -483,6 +568,8 @@ StepResult Trainer::step(const Batch& batch) {
   }
   // The global-batch mean: average over micro-batches here, over data-parallel ranks there.
   at::Tensor loss = loss_sum.div(accum_steps_).reshape({1});
+  // Pipeline: the loss is the last stage's (the others hold 0), to every stage.
+  if (mesh_.pp_size() > 1) mesh_.pp().all_reduce(loss, dist::ReduceOp::kSum)->wait();
   pending_loss_ = mesh_.dp().all_reduce(loss, dist::ReduceOp::kAvg);
   pending_loss_tensor_ = loss;
   result.step = step_;
@@ -605,6 +692,8 @@ double Trainer::evaluate(DataLoader& eval, int64_t batches) {
         sums[0].add_(loss.detach().to(at::kDouble).reshape({}));
         sums[1].add_(correct.detach().to(at::kDouble).reshape({}));
         sums[2].add_(static_cast<double>(batch.size()));
+      } else if (mesh_.pp_size() > 1) {
+        sums[0].add_(pipeline_eval_loss(batch));
       } else {
         sums[0].add_(loss_(batch).detach().to(at::kDouble).reshape({}));
       }
@@ -615,6 +704,7 @@ double Trainer::evaluate(DataLoader& eval, int64_t batches) {
   // Every rank evaluates as many batches: the mean of the ranks' means is the mean loss; the
   // counts add up.
   at::Tensor loss = sums.narrow(0, 0, 1);
+  if (mesh_.pp_size() > 1) mesh_.pp().all_reduce(loss, dist::ReduceOp::kSum)->wait();  // the last stage's
   mesh_.dp().all_reduce(loss, dist::ReduceOp::kAvg)->wait();
   if (counting) {
     at::Tensor counts = sums.narrow(0, 1, 2);
@@ -628,7 +718,7 @@ double Trainer::evaluate(DataLoader& eval, int64_t batches) {
 
 double Trainer::comm_bus_bytes() const {
   std::vector<const dist::Communicator*> comms = {&mesh_.world()};
-  for (const dist::Communicator* c : {&mesh_.dp(), &mesh_.tp()}) {
+  for (const dist::Communicator* c : {&mesh_.dp(), &mesh_.tp(), &mesh_.pp()}) {
     if (std::find(comms.begin(), comms.end(), c) == comms.end()) comms.push_back(c);
   }
   double bytes = 0;

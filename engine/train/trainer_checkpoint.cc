@@ -19,6 +19,13 @@ int64_t param_index_of(const std::string& state_name) {
   return dot == std::string::npos ? -1 : std::stoll(state_name.substr(0, dot));
 }
 
+// "<param index>.<state name>" with the index moved by delta (pipeline stages number their
+// parameters from 0; the whole model's numbering runs on across the stages).
+std::string shift_param_index(const std::string& state_name, int64_t delta) {
+  const int64_t i = param_index_of(state_name);
+  return i < 0 ? state_name : std::to_string(i + delta) + state_name.substr(state_name.find('.'));
+}
+
 std::pair<int64_t, int64_t> parse_position(const std::string& text, const std::string& source) {
   std::istringstream in(text);
   int64_t epoch = 0, index = 0;
@@ -115,6 +122,53 @@ NamedTensors Trainer::replicated_of_shard(const ShardState& whole) const {
   return out;
 }
 
+void Trainer::gather_pipeline_state(CheckpointData& data) {
+  // Optimizer state is keyed by parameter index: this stage's follow the stages' before it.
+  NamedTensors shifted;
+  for (auto& [name, t] : data.optimizer) shifted.emplace_back(shift_param_index(name, pp_param_offset_), t);
+  data.optimizer = std::move(shifted);
+  // Rank 0 writes the main file: the ranks of its pipeline (data- and tensor-parallel rank 0 of
+  // every stage) send it their parts, in stage order, so the file holds the whole model as one
+  // process would save it (names and order of its state_dict).
+  if (mesh_.dp_rank() != 0 || mesh_.tp_rank() != 0) return;
+  dist::Communicator& pp = mesh_.pp();
+  std::ostringstream described;  // per tensor: part, name, dtype, sizes (tab-separated)
+  if (pp.rank() > 0) {
+    for (const NamedTensors* part : {&data.model, &data.optimizer}) {
+      for (const auto& [name, t] : *part) {
+        described << (part == &data.model ? "model" : "optimizer") << '\t' << name << '\t'
+                  << static_cast<int>(t.scalar_type());
+        for (int64_t d : t.sizes()) described << '\t' << d;
+        described << '\n';
+      }
+    }
+  }
+  const std::vector<std::string> stages = gather_texts(pp, described.str());
+  if (pp.rank() > 0) {
+    std::vector<dist::WorkPtr> sends;
+    for (NamedTensors* part : {&data.model, &data.optimizer}) {
+      for (auto& [name, t] : *part) sends.push_back(pp.send(t.contiguous(), 0));
+    }
+    for (auto& w : sends) w->wait();
+    return;
+  }
+  for (int s = 1; s < pp.size(); ++s) {
+    std::istringstream lines(stages[s]);
+    std::string line;
+    while (std::getline(lines, line)) {
+      std::istringstream fields(line);
+      std::string part, name;
+      int dtype = 0;
+      fields >> part >> name >> dtype;
+      std::vector<int64_t> sizes;
+      for (int64_t d; fields >> d;) sizes.push_back(d);
+      at::Tensor t = at::empty(sizes, at::TensorOptions().dtype(static_cast<at::ScalarType>(dtype)));
+      pp.recv(t, s)->wait();
+      (part == "model" ? data.model : data.optimizer).emplace_back(name, t);
+    }
+  }
+}
+
 Trainer::PreparedSave Trainer::prepare_save(const DataLoader* loader, bool own_copies) {
   DTRAIN_CHECK(!options_.evaluation_only, "this trainer was built for evaluation only (--eval_only): it saves "
                "no checkpoints");
@@ -131,8 +185,15 @@ Trainer::PreparedSave Trainer::prepare_save(const DataLoader* loader, bool own_c
   }
   CheckpointData& data = save.data;
   data.step = step_;
-  data.model = full_model_state(own_copies);        // collective over tp
-  data.optimizer = full_optimizer_state(own_copies);  // collective over tp
+  // A pipeline stage other than the first sends its part to rank 0 at once: plain host copies.
+  const bool sends_part = mesh_.pp_size() > 1 && mesh_.pp_rank() > 0;
+  data.model = full_model_state(own_copies && !sends_part);        // collective over tp
+  data.optimizer = full_optimizer_state(own_copies && !sends_part);  // collective over tp
+  if (mesh_.pp_size() > 1) {
+    // Rank 0's own part may be staged (copies in flight): it only receives.
+    gather_pipeline_state(data);  // collective over the pipeline of rank 0
+    data.meta["pp"] = std::to_string(mesh_.pp_size());
+  }
   if (pruner_) data.masks = pruner_->full_masks();     // collective over tp
   for (auto& [name, t] : scaler_->state()) {
     data.scaler.emplace_back(name, host_copy("scaler." + name, t, HostStaging::kNow, own_copies));
@@ -261,6 +322,29 @@ void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& i
   CheckpointData data = store.load(info.path);
   // The model: every tensor-parallel layout resumes from the unsplit tensors.
   NamedTensors local = data.model;
+  if (mesh_.pp_size() > 1) {
+    // A pipeline stage takes its part of the whole model, and its parameters' optimizer state
+    // (renumbered from the whole model's indices to the stage's).
+    std::unordered_set<std::string> mine;
+    for (const auto& item : model_.named_parameters()) mine.insert(item.key());
+    for (const auto& item : model_.named_buffers()) mine.insert(item.key());
+    NamedTensors part;
+    for (auto& [name, t] : local) {
+      if (mine.count(name)) part.emplace_back(name, t);
+    }
+    local = std::move(part);
+    NamedTensors state;
+    const int64_t begin = pp_param_offset_, end = begin + static_cast<int64_t>(params_.size());
+    for (auto& [name, t] : data.optimizer) {
+      const int64_t i = param_index_of(name);
+      if (i < 0) {
+        state.emplace_back(name, t);
+      } else if (i >= begin && i < end) {
+        state.emplace_back(shift_param_index(name, -begin), t);
+      }
+    }
+    data.optimizer = std::move(state);
+  }
   for (auto& [name, t] : local) {
     auto spec = specs_.find(name);
     if (spec != specs_.end()) t = shard_of(t, spec->second, mesh_.tp_rank(), mesh_.tp_size());

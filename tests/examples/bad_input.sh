@@ -24,6 +24,9 @@ check 2 'offload_delayed_update_after needs --offload=optimizer' "$bin/train_mlp
 check 2 'cap' "$bin/train_gpt" --device=cpu --d_model=64 --heads=4 --layers=1 --seq_len=16 --vocab=96 --offload=optimizer --host_mem_limit_gb=0.0001
 check 2 'has no tensor-parallel layers' "$bin/train_mlp" --tp=2
 check 2 'sequence_parallel: train_mlp has no tensor-parallel layers' "$bin/train_mlp" --sequence_parallel
+check 2 'pp: train_mlp has no tensor-parallel layers and cannot be split into pipeline stages' "$bin/train_mlp" --pp=2
+check 2 "pipeline schedule 'zb' does not exist; use gpipe" "$bin/train_gpt" --pp_schedule=zb
+check 2 'pp_blocks=2 needs --pp > 1' "$bin/train_gpt" --pp_blocks=2
 check 2 'not a multiple of --accum_steps=3' "$bin/train_mlp" --batch_size=64 --accum_steps=3
 check 2 "directory '/nonexistent' does not exist" "$bin/train_mlp" --metrics=/nonexistent/m.jsonl
 check 2 'd_model=50 is not divisible by --heads=8' "$bin/train_seq2seq" --d_model=50

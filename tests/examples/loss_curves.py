@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -338,6 +339,80 @@ def scenario_checkpoint_tp(args):
     compare(steps_after(ref, 8), steps_after(back, 8), "unsplit checkpoint resumed split (tp 2)", 1e-4)
 
 
+def scenario_pipeline(args):
+    """--pp: the blocks split into stages on the ranks of the pipeline; every layout, schedule and
+    micro-batch count follows the one-rank run of the same global batch."""
+    w = args.workdir
+    shape = ["--d_model=64", "--heads=4", "--layers=4", "--seq_len=32", "--ff=128", "--vocab=97", "--workers=1",
+             "--lr=0.003", "--warmup_steps=2", "--schedule=cosine", "--steps=12", "--clip_grad_norm=0.5"]
+    ref = train(args, "train_gpt", 1, shape + ["--batch_size=8"], "pp-ref")
+    assert ref[-1]["loss"] < ref[0]["loss"], "GPT loss did not fall"
+    layouts = [
+        # (ranks, flags, name): the global batch is 8 rows in every layout
+        (2, ["--pp=2", "--batch_size=8", "--accum_steps=4"], "pp 2, 1f1b, 4 micro-batches"),
+        (2, ["--pp=2", "--batch_size=8", "--accum_steps=4", "--pp_schedule=gpipe"], "pp 2, gpipe, 4 micro-batches"),
+        (2, ["--pp=2", "--batch_size=8"], "pp 2, one micro-batch"),
+        (4, ["--pp=4", "--batch_size=8", "--accum_steps=8"], "pp 4, 1f1b, 8 micro-batches"),
+        (4, ["--pp=4", "--batch_size=8", "--accum_steps=8", "--pp_schedule=gpipe"], "pp 4, gpipe, 8 micro-batches"),
+        (4, ["--pp=2", "--batch_size=4", "--accum_steps=2"], "pp 2 x dp 2, 1f1b"),
+        (4, ["--pp=2", "--batch_size=4", "--accum_steps=2", "--pp_schedule=gpipe"], "pp 2 x dp 2, gpipe"),
+        (4, ["--pp=2", "--tp=2", "--batch_size=8", "--accum_steps=2"], "pp 2 x tp 2, 1f1b"),
+        (4, ["--pp=2", "--tp=2", "--batch_size=8", "--accum_steps=2", "--pp_schedule=gpipe", "--sequence_parallel"],
+         "pp 2 x tp 2 sequence-parallel, gpipe"),
+        (2, ["--pp=2", "--batch_size=8", "--accum_steps=4", "--checkpoint_activations"], "pp 2, checkpointed"),
+        (2, ["--pp=2", "--batch_size=8", "--accum_steps=2", "--pp_blocks=1,3"], "pp 2, --pp_blocks=1,3"),
+    ]
+    for i, (ranks, flags, name) in enumerate(layouts):
+        other = train(args, "train_gpt", ranks, shape + flags, f"pp-{i}")
+        compare(ref, other, name, 1e-4)
+        # The clipped norm is the whole model's: squares summed over the stages.
+        compare_grad_norms(ref, other, name)
+    # Three stages of four blocks: the even rule gives the extra block to stage 1.
+    three = train(args, "train_gpt", 3, shape + ["--pp=3", "--batch_size=8", "--accum_steps=2"], "pp-three")
+    compare(ref, three, "pp 3 (blocks 1, 2, 1), 2 micro-batches", 1e-4)
+    # Mixed precision: bf16 against one bf16 rank, fp16's loss scale agreed over the stages.
+    for amp in ("bf16", "fp16"):
+        base = train(args, "train_gpt", 1, shape + ["--batch_size=8", f"--amp={amp}"], f"pp-ref-{amp}")
+        other = train(args, "train_gpt", 2, shape + ["--pp=2", "--batch_size=8", "--accum_steps=4", f"--amp={amp}"],
+                      f"pp-{amp}")
+        compare(base, other, f"pp 2 --amp={amp}", 1e-3)
+        if amp == "fp16":
+            scales = [(a.get("loss_scale"), b.get("loss_scale")) for a, b in zip(base, other)]
+            assert all(x == y for x, y in scales), f"fp16: loss scales differ: {scales}"
+    # Evaluation runs the forwards through the stages: the same evaluation loss.
+    ev = ["--eval_every=6", "--eval_batches=2"]
+    base = train(args, "train_gpt", 1, shape + ev + ["--batch_size=8"], "pp-ref-eval")
+    other = train(args, "train_gpt", 2, shape + ev + ["--pp=2", "--batch_size=8", "--accum_steps=2"], "pp-eval")
+    pairs = [(a["eval_loss"], b["eval_loss"]) for a, b in zip(base, other) if "eval_loss" in a]
+    assert len(pairs) == 2 and all(abs(x - y) <= 1e-4 * abs(x) for x, y in pairs), f"evaluation losses: {pairs}"
+    print(f"ok: pp 2 evaluation losses {pairs}")
+    # Checkpoints hold the whole model (the stages' parts gathered by rank 0): a pp 2 run resumes
+    # unsplit and under pp 4 x 1, an unsplit one under pp 2 x dp 2.
+    const = [f for f in shape if not f.startswith(("--steps", "--warmup_steps", "--schedule"))]
+    const += ["--schedule=constant", "--batch_size=8"]
+    ref16 = train(args, "train_gpt", 1, const + ["--steps=16"], "pp-ref16")
+    split = os.path.join(w, "ck_pp2")
+    train(args, "train_gpt", 2, const + ["--pp=2", "--accum_steps=2", "--steps=8", f"--save_dir={split}"], "pp2-part")
+    for ranks, flags, name in ((1, [], "unsplit"), (4, ["--pp=4", "--accum_steps=2"], "pp 4")):
+        resumed_dir = os.path.join(w, f"ck_pp2_{ranks}")
+        shutil.copytree(split, resumed_dir)
+        resumed = train(args, "train_gpt", ranks, const + flags + ["--steps=16", f"--save_dir={resumed_dir}", "--resume"],
+                        f"pp2-resumed-{ranks}")
+        compare(steps_after(ref16, 8), steps_after(resumed, 8), f"pp 2 checkpoint resumed {name}", 1e-4)
+    unsplit = os.path.join(w, "ck_pp1")
+    train(args, "train_gpt", 1, const + ["--steps=8", f"--save_dir={unsplit}"], "pp1-part")
+    back = train(args, "train_gpt", 4, const + ["--steps=16", "--pp=2", f"--save_dir={unsplit}", "--resume",
+                                               "--batch_size=4"], "pp1-resumed-pp2dp2")
+    compare(steps_after(ref16, 8), steps_after(back, 8), "unsplit checkpoint resumed as pp 2 x dp 2", 1e-4)
+    # torch.load reads the pipeline run's checkpoint: every block of the whole model is there.
+    code = ("import glob, sys, torch; f = sorted(p for p in glob.glob(sys.argv[1] + '/step-*.pt') if '.rank-' not in p)[-1]; "
+            "m = torch.load(f, weights_only=True)['model']; "
+            "names = [k for k in m if k.startswith('blocks.')]; "
+            "assert {k.split('.')[1] for k in names} == {'0', '1', '2', '3'}, names; "
+            "assert 'wte.weight' in m and 'head.weight' in m, list(m)[:5]; print('torch.load:', len(m), 'tensors')")
+    run([args.python, "-c", code, split])
+
+
 def scenario_offload(args):
     shape = ["--d_model=64", "--heads=4", "--layers=2", "--seq_len=32", "--ff=128", "--vocab=96", "--workers=1",
              "--lr=0.003", "--steps=16"]
@@ -641,7 +716,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("scenario", choices=["data_parallel", "amp", "seq2seq", "tensor_parallel", "observability",
                                          "checkpoint", "checkpoint_tp", "offload", "offload_stream", "plan",
-                                         "sequence_parallel", "distill", "sparse"])
+                                         "sequence_parallel", "distill", "sparse", "pipeline"])
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--source", default=os.path.join(os.path.dirname(__file__), "..", ".."))
     ap.add_argument("--bin", required=True)
@@ -655,7 +730,7 @@ def main():
          "checkpoint": scenario_checkpoint, "checkpoint_tp": scenario_checkpoint_tp,
          "offload": scenario_offload, "offload_stream": scenario_offload_stream, "plan": scenario_plan,
          "sequence_parallel": scenario_sequence_parallel, "distill": scenario_distill,
-         "sparse": scenario_sparse}[args.scenario](args)
+         "sparse": scenario_sparse, "pipeline": scenario_pipeline}[args.scenario](args)
 
 
 if __name__ == "__main__":

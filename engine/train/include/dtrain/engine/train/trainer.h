@@ -36,6 +36,7 @@
 #include "dtrain/engine/parallel/tensor_parallel.h"
 #include "dtrain/engine/data/data.h"
 #include "dtrain/engine/parallel/grad_norm.h"
+#include "dtrain/engine/parallel/pipeline.h"
 #include "dtrain/engine/memory/memory_report.h"
 #include "dtrain/engine/observe/metrics.h"
 #include "dtrain/engine/optim/offload.h"
@@ -70,6 +71,22 @@ enum class ResumeMode {
 ResumeMode parse_resume(const std::string& text);
 const char* to_string(ResumeMode mode);
 
+// Pipeline parallelism (a mesh with pp_size() > 1; engine/parallel/pipeline.h): this rank's
+// model is one stage of the whole, and every step runs the rank's accum_steps micro-batches
+// through the stages by `schedule`. The trainer's LossFn is not used then: `forward` is.
+struct PipelineOptions {
+  PipelineSchedule schedule = PipelineSchedule::k1F1B;
+  // The stage's computation on one micro-batch: the first stage gets an undefined x and reads
+  // its input from the micro-batch; every other stage gets the activation the stage before
+  // sent. The last stage returns the micro-batch's mean loss (a scalar; it reads its targets
+  // from the micro-batch), every other stage the activation it sends on. Called under the
+  // trainer's autocast; the activation is sent as activation_dtype (cast when it differs).
+  std::function<at::Tensor(const at::Tensor& x, const Batch& micro)> forward;
+  // The shape of the activation a stage sends for a micro-batch of `rows` rows.
+  std::function<std::vector<int64_t>(int64_t rows)> activation_shape;
+  at::ScalarType activation_dtype = at::kFloat;
+};
+
 struct TrainerOptions {
   int64_t steps = 100;            // optimizer steps fit() runs to
   int accum_steps = 1;            // micro-batches per step (must divide the batch)
@@ -100,6 +117,7 @@ struct TrainerOptions {
   bool oom_backoff = true;
   int64_t tokens_per_sample = 0;  // > 0: report tokens_per_s
   ReducerOptions reducer;
+  PipelineOptions pipeline;  // with a mesh of more than one pipeline stage (above)
   // Parameters with sparse gradients (sparse_gradient_flags(): embeddings built sparse) are
   // kept out of the reducer's buckets and averaged by a SparseGradReducer after the
   // synchronized backward, and updated by make_sparse_aware_optimizer() (only the touched rows).
@@ -230,6 +248,13 @@ class Trainer {
 
  private:
   bool run_micro_batches(const Batch& batch, at::Tensor& loss_sum);
+  // Pipeline parallelism: the micro-batches through the stages (loss_sum: last stage's, else 0).
+  void run_pipeline(const std::vector<Batch>& micro, at::Tensor& loss_sum);
+  // Pipeline parallelism: evaluation's forwards through the stages; the batch's mean loss on the
+  // last stage (a device scalar), zero elsewhere.
+  at::Tensor pipeline_eval_loss(const Batch& batch);
+  // The PipelineStep of `micro` (input, forward, activation shape) for training or evaluation.
+  PipelineStep pipeline_step(const std::vector<Batch>& micro) const;
   bool agree_on_failure(bool failed);
   // Collective over the world: the ranks where `failed` is true ("1,3"), "" when none.
   std::string failing_ranks(bool failed);
@@ -256,6 +281,10 @@ class Trainer {
     std::vector<at::Tensor> nonfinite;  // per device: 1 if a weight is inf/NaN (host, once staged)
   };
   PreparedSave prepare_save(const DataLoader* loader, bool own_copies);
+  // Pipeline: the stages' model and optimizer state into rank 0's `data` (collective over the
+  // pipeline of rank 0; optimizer state renumbered to the whole model's parameter indices).
+  void gather_pipeline_state(CheckpointData& data);
+  int64_t pp_param_offset_ = 0;  // the parameters of the stages before this one
   void check_can_train() const;  // throws for an evaluation-only trainer
   // Writes and publishes a prepared checkpoint over `comm` (collective); returns the path.
   std::string write_save(const PreparedSave& save, dist::Communicator& comm);
