@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include "dtrain/dist/error.h"
+#include "dtrain/dist/mesh.h"
 #include "dtrain/engine/memory/memory.h"
 #include "dtrain/engine/parallel/pipeline.h"
 #include "test_util.h"
@@ -55,6 +56,40 @@ std::pair<at::Tensor, at::Tensor> micro_batch(int i) {
 at::Tensor run_blocks(Model& m, int begin, int end, at::Tensor x) {
   for (int b = begin; b < end; ++b) x = torch::tanh(m.blocks[b]->forward(x));
   return x;
+}
+
+// The mesh's groups against the closed form r = (p D + d) T + t, for every T x P dividing the
+// world: each group's members (all-gathered world ranks) in rank order.
+TEST(PipelineMesh, GroupsFollowTheRankFormula) {
+  auto& world = world_comm();
+  const int W = world.size(), r = world.rank();
+  auto members = [&](dist::Communicator& c) {
+    at::Tensor all = at::empty({c.size()}, at::kLong);
+    c.all_gather(at::full({1}, r, at::kLong), all)->wait();
+    return std::vector<int64_t>(all.data_ptr<int64_t>(), all.data_ptr<int64_t>() + c.size());
+  };
+  for (int T = 1; T <= W; ++T) {
+    for (int P = 1; P <= W; ++P) {
+      if (W % (T * P) != 0) continue;
+      const int D = W / (T * P);
+      dist::Mesh mesh(world, T, P);
+      const int t = r % T, d = (r / T) % D, p = r / (T * D);
+      const std::string where = "T " + std::to_string(T) + ", P " + std::to_string(P);
+      ASSERT_EQ(mesh.tp_rank(), t) << where;
+      ASSERT_EQ(mesh.dp_rank(), d) << where;
+      ASSERT_EQ(mesh.pp_rank(), p) << where;
+      ASSERT_EQ(mesh.pp_size(), P) << where;
+      std::vector<int64_t> tp, dp, pp;
+      for (int i = 0; i < T; ++i) tp.push_back((p * D + d) * T + i);
+      for (int i = 0; i < D; ++i) dp.push_back((p * D + i) * T + t);
+      for (int i = 0; i < P; ++i) pp.push_back((i * D + d) * T + t);
+      EXPECT_EQ(members(mesh.tp()), tp) << where;
+      EXPECT_EQ(members(mesh.dp()), dp) << where;
+      EXPECT_EQ(members(mesh.pp()), pp) << where;
+    }
+  }
+  EXPECT_THROW(dist::Mesh::check(W, 1, W + 1), Error);
+  EXPECT_THROW(dist::Mesh::check(4, 2, 3), Error);
 }
 
 TEST(Pipeline, StagesTrainAsOneProcessForBothSchedules) {
