@@ -1,5 +1,5 @@
 // dtrain-timeline: merges per-rank timeline files and prints how much communication was
-// hidden behind backward.
+// hidden behind backward (and, for a pipeline-parallel run, each stage's idle share of a step).
 //
 //   dtrain-timeline merge OUT.json trace.rank0.json trace.rank1.json ...
 //   dtrain-timeline summary trace.json [more.json ...]
@@ -25,6 +25,8 @@ int summary(const std::vector<std::string>& files) {
     events.insert(events.end(), more.begin(), more.end());
   }
   std::printf("%s\n", dtrain::engine::summarize_overlap(events).to_string().c_str());
+  const std::string stages = dtrain::engine::to_string(dtrain::engine::summarize_pipeline(events));
+  if (!stages.empty()) std::printf("%s\n", stages.c_str());
   return 0;
 }
 

@@ -370,6 +370,64 @@ OverlapSummary summarize_overlap(const std::vector<TraceEvent>& events,
   return s;
 }
 
+std::vector<PipelineStageSummary> summarize_pipeline(const std::vector<TraceEvent>& events) {
+  struct PerRank {
+    PipelineStageSummary s;
+    bool pipelined = false;
+    double micro_batches = 0;
+  };
+  std::map<int, PerRank> ranks;
+  int stages = 0;
+  for (const auto& e : events) {
+    if (e.phase != 'X') continue;
+    PerRank& r = ranks[e.rank];
+    r.s.rank = e.rank;
+    const double ms = e.dur_us / 1000.0;
+    auto stage = e.args.find("stage");
+    if (stage != e.args.end()) {
+      r.pipelined = true;
+      r.s.stage = static_cast<int>(stage->second);
+      stages = std::max(stages, r.s.stage + 1);
+    }
+    if (e.name == "step") {
+      ++r.s.steps;
+      r.s.step_ms += ms;
+      auto m = e.args.find("accum_steps");
+      if (m != e.args.end()) r.micro_batches += m->second;
+    } else if (e.cat == category::kCompute && (e.name == "forward" || e.name == "backward") &&
+               stage != e.args.end()) {
+      r.s.compute_ms += ms;
+    } else if (e.name.rfind("wait for stage", 0) == 0) {
+      r.pipelined = true;
+      r.s.wait_ms += ms;
+    }
+  }
+  std::vector<PipelineStageSummary> out;
+  for (auto& [rank, r] : ranks) {
+    if (!r.pipelined || r.s.steps == 0) continue;
+    r.s.stages = stages;
+    r.s.micro_batches = r.micro_batches / r.s.steps;
+    r.s.step_ms /= r.s.steps;
+    r.s.compute_ms /= r.s.steps;
+    r.s.wait_ms /= r.s.steps;
+    out.push_back(r.s);
+  }
+  return out;
+}
+
+std::string to_string(const std::vector<PipelineStageSummary>& stages) {
+  std::ostringstream os;
+  for (const PipelineStageSummary& s : stages) {
+    os << (os.tellp() > 0 ? "\n" : "") << std::fixed << "stage " << s.stage << " (rank " << s.rank << "): idle "
+       << std::setprecision(0) << 100.0 * s.idle_fraction() << "% of " << std::setprecision(1) << s.step_ms
+       << " ms/step (compute " << s.compute_ms << " ms, waiting for neighbours " << s.wait_ms
+       << " ms); the bubble (P-1)/(m+P-1) is " << std::setprecision(0) << 100.0 * s.bubble_theory() << "% for P "
+       << s.stages << ", m " << std::setprecision(s.micro_batches == static_cast<int>(s.micro_batches) ? 0 : 1)
+       << s.micro_batches;
+  }
+  return os.str();
+}
+
 std::string OverlapSummary::to_string() const {
   std::ostringstream os;
   os << std::fixed << std::setprecision(1) << "communication " << comm_ms_per_step()

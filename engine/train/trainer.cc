@@ -390,7 +390,7 @@ void Trainer::run_pipeline(const std::vector<Batch>& micro, at::Tensor& loss_sum
     ps.on_span = [this](const std::string& what, int i, PipelineStep::Clock::time_point a,
                         PipelineStep::Clock::time_point b) {
       const bool wait = what.rfind("wait", 0) == 0;
-      timeline_->add_complete(what + " " + std::to_string(i), wait ? "wait" : category::kCompute, lane::kMain, a, b,
+      timeline_->add_complete(what, wait ? "wait" : category::kCompute, lane::kMain, a, b,
                               {{"micro_batch", static_cast<double>(i)}, {"stage", static_cast<double>(mesh_.pp_rank())}});
     };
   }
@@ -614,8 +614,9 @@ void Trainer::finish_timeline() {
     files.push_back(timeline_path_for_rank(options_.timeline_path, r, world.size()));
   }
   if (world.size() > 1) merge_timelines(files, options_.timeline_path);
-  LOG(INFO) << "timeline written to " << options_.timeline_path << ": "
-            << summarize_overlap(read_timeline(options_.timeline_path)).to_string();
+  const std::vector<TraceEvent> events = read_timeline(options_.timeline_path);
+  LOG(INFO) << "timeline written to " << options_.timeline_path << ": " << summarize_overlap(events).to_string();
+  if (mesh_.pp_size() > 1) LOG(INFO) << "pipeline stages:\n" << to_string(summarize_pipeline(events));
 }
 
 MemoryReport Trainer::memory_report() const {

@@ -379,6 +379,22 @@ def scenario_pipeline(args):
         if amp == "fp16":
             scales = [(a.get("loss_scale"), b.get("loss_scale")) for a, b in zip(base, other)]
             assert all(x == y for x, y in scales), f"fp16: loss scales differ: {scales}"
+    # The timeline: one lane per stage, each stage's idle share of a step next to the bubble's theory.
+    trace = os.path.join(w, "pp-trace.json")
+    train(args, "train_gpt", 2, shape + ["--pp=2", "--batch_size=8", "--accum_steps=4", f"--timeline={trace}"],
+          "pp-timeline")
+    out = run([os.path.join(args.bin, "dtrain-timeline"), "summary", trace])
+    lines = [l for l in out.splitlines() if "): idle " in l]
+    assert len(lines) == 2 and "stage 0 (rank 0)" in lines[0] and "stage 1 (rank 1)" in lines[1], out[-2000:]
+    assert all("the bubble (P-1)/(m+P-1) is 20% for P 2, m 4" in l for l in lines), lines
+    with open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    for rank in (0, 1):
+        forwards = [e for e in events if e.get("pid") == rank and e.get("name") == "forward" and e.get("ph") == "X"]
+        waits = [e for e in events if e.get("pid") == rank and e.get("name") == f"wait for stage {1 - rank}"]
+        assert len(forwards) == 12 * 4 and all(e["args"]["stage"] == rank for e in forwards), (rank, len(forwards))
+        assert waits, f"rank {rank}: no wait for its neighbour in the timeline"
+    print("ok: the timeline has each stage's forwards and waits;", lines)
     # Evaluation runs the forwards through the stages: the same evaluation loss.
     ev = ["--eval_every=6", "--eval_batches=2"]
     base = train(args, "train_gpt", 1, shape + ev + ["--batch_size=8"], "pp-ref-eval")

@@ -185,6 +185,57 @@ TEST(Timeline, MaxEventsDropsAndCounts) {
   EXPECT_EQ(parse_file(dir / "capped.json")["otherData"]["dropped_events"], 3);
 }
 
+// Two stages' spans of two steps each, and a rank without a pipeline (left out): per step,
+// stage 0 computes 4 x 10 + 4 x 20 = 120 of 200 ms and waits 2 x 15; stage 1 computes
+// 4 x 12 + 4 x 24 = 144 of 180 ms and waits 4 x 5.
+TEST(Timeline, PipelineSummaryMatchesClosedForm) {
+  std::vector<TraceEvent> events;
+  auto add = [&](int rank, const std::string& name, const std::string& cat, double ms, TraceArgs args) {
+    TraceEvent e;
+    e.rank = rank;
+    e.name = name;
+    e.cat = cat;
+    e.dur_us = ms * 1000;
+    e.args = std::move(args);
+    events.push_back(e);
+  };
+  for (int step = 0; step < 2; ++step) {
+    for (int rank = 0; rank < 2; ++rank) {
+      add(rank, "step", category::kCompute, rank == 0 ? 200 : 180, {{"accum_steps", 4}});
+      for (int i = 0; i < 4; ++i) {
+        const TraceArgs args = {{"stage", rank}, {"micro_batch", i}};
+        add(rank, "forward", category::kCompute, rank == 0 ? 10 : 12, args);
+        add(rank, "backward", category::kCompute, rank == 0 ? 20 : 24, args);
+        if (rank == 1 || i < 2) add(rank, "wait for stage " + std::to_string(1 - rank), "wait", rank == 0 ? 15 : 5, args);
+      }
+    }
+    add(2, "step", category::kCompute, 50, {{"accum_steps", 1}});
+    add(2, "forward", category::kCompute, 20, {});
+  }
+  const std::vector<PipelineStageSummary> s = summarize_pipeline(events);
+  ASSERT_EQ(s.size(), 2u);
+  EXPECT_EQ(s[0].stage, 0);
+  EXPECT_EQ(s[1].stage, 1);
+  EXPECT_EQ(s[1].rank, 1);
+  EXPECT_EQ(s[0].stages, 2);
+  EXPECT_EQ(s[0].steps, 2);
+  EXPECT_NEAR(s[0].step_ms, 200, 1e-9);
+  EXPECT_NEAR(s[0].compute_ms, 120, 1e-9);
+  EXPECT_NEAR(s[0].wait_ms, 30, 1e-9);
+  EXPECT_NEAR(s[0].idle_fraction(), 0.4, 1e-12);
+  EXPECT_NEAR(s[0].bubble_theory(), 0.2, 1e-12);
+  EXPECT_NEAR(s[1].compute_ms, 144, 1e-9);
+  EXPECT_NEAR(s[1].wait_ms, 20, 1e-9);
+  EXPECT_NEAR(s[1].idle_fraction(), 0.2, 1e-12);
+  EXPECT_EQ(to_string(s),
+            "stage 0 (rank 0): idle 40% of 200.0 ms/step (compute 120.0 ms, waiting for neighbours 30.0 ms); "
+            "the bubble (P-1)/(m+P-1) is 20% for P 2, m 4\n"
+            "stage 1 (rank 1): idle 20% of 180.0 ms/step (compute 144.0 ms, waiting for neighbours 20.0 ms); "
+            "the bubble (P-1)/(m+P-1) is 20% for P 2, m 4");
+  EXPECT_TRUE(summarize_pipeline({}).empty());
+  EXPECT_EQ(to_string(std::vector<PipelineStageSummary>{}), "");
+}
+
 TEST(Timeline, OverlapSummaryMatchesClosedForm) {
   Timeline r0(true, 0), r1(true, 1);
   const auto t0 = Clock::now();

@@ -170,4 +170,30 @@ struct OverlapSummary {
 OverlapSummary summarize_overlap(const std::vector<TraceEvent>& events,
                                  const OverlapOptions& options = {});
 
+// Pipeline parallelism: where each stage's steps went. The trainer records, per micro-batch,
+// "forward" and "backward" spans (cat compute, args "stage" and "micro_batch") and "wait for
+// stage S" spans (the receive of an activation or its gradient), inside "step" spans (arg
+// "accum_steps": the micro-batches m).
+struct PipelineStageSummary {
+  int rank = 0;
+  int stage = 0;
+  int stages = 0;             // of the pipeline: the highest stage in the events + 1
+  int steps = 0;
+  double micro_batches = 0;   // per step (mean accum_steps)
+  double step_ms = 0;         // per step
+  double compute_ms = 0;      // per step: the forward and backward spans
+  double wait_ms = 0;         // per step: waiting for a neighbour stage's activation or gradient
+  // 1 - compute / step: the stage's bubble, plus what else the step does (optimizer, norm).
+  double idle_fraction() const { return step_ms > 0 ? 1 - compute_ms / step_ms : 0; }
+  // The schedule's bubble in theory: (P - 1) / (m + P - 1).
+  double bubble_theory() const {
+    return stages > 0 ? (stages - 1) / (micro_batches + stages - 1) : 0;
+  }
+};
+// One entry per rank with pipeline spans, by rank. Pure.
+std::vector<PipelineStageSummary> summarize_pipeline(const std::vector<TraceEvent>& events);
+// One line per stage: "stage 1 (rank 1): idle 24% of 113.6 ms/step (compute 86.3 ms, waiting
+// for neighbours 21.0 ms); the bubble (P-1)/(m+P-1) is 20% for P 2, m 4". "" for none.
+std::string to_string(const std::vector<PipelineStageSummary>& stages);
+
 }  // namespace dtrain::engine
