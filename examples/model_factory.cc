@@ -259,8 +259,8 @@ std::function<void()> model_checks(const std::string& model) {
       const char* unsupported = !FLAGS_teacher.empty()                   ? "--teacher"
                                 : engine::cli::flags().plan == "auto"   ? "--plan=auto"
                                 : !FLAGS_quantize.empty()               ? "--quantize"
-                                : engine::cli::flags().offload != "none" ? "--offload"
-                                : engine::cli::flags().shard != "none"   ? "--shard"
+                                : engine::cli::flags().offload_delayed_update_after >= 0
+                                    ? "--offload_delayed_update_after"
                                 : engine::cli::flags().prune_amount > 0  ? "--prune_amount"
                                 : FLAGS_sparse_embedding                 ? "--sparse_embedding"
                                                                          : nullptr;

@@ -5,6 +5,7 @@
 #include <map>
 
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 
 #include "dtrain/dist/error.h"
 
@@ -142,7 +143,7 @@ struct StageContext {
   void finish(PipelineStepResult& result, at::Tensor loss_sum, Clock::time_point start) const {
     if (last) {
       result.loss_sum = loss_sum;
-      if (step.read_loss) result.loss = loss_sum.item<double>() / step.micro_batches;
+      if (step.read_loss && loss_sum.defined()) result.loss = loss_sum.item<double>() / step.micro_batches;
     }
     result.wall_s = seconds(start, Clock::now());
   }
@@ -164,11 +165,37 @@ PipelineStepResult run_pipeline_step(dist::Communicator& pp, const PipelineStep&
   std::vector<dist::WorkPtr> sends;  // in flight (a Work keeps its buffer until it completes)
   PipelineStepResult result;
   at::Tensor loss_sum;  // on the device: read once, after the last micro-batch (no sync per micro-batch)
+  // After an out-of-memory error (finish_after_oom) the stage only keeps its side of the
+  // exchanges: it receives what it is sent and sends zeros of the right shape.
+  auto failed = [&](const c10::OutOfMemoryError&) {
+    if (!step.finish_after_oom) throw;
+    if (!result.out_of_memory) result.out_of_memory = std::current_exception();
+    held.clear();  // the graphs of the micro-batches in flight go at once
+  };
   for (const PipelineAction& action : pipeline_actions(step.schedule, stages, stage, m)) {
     const int i = action.micro;
+    if (result.out_of_memory) {
+      if (action.kind == PipelineAction::kForward) {
+        if (!first) ctx.receive(stage - 1, i);
+        if (!last) sends.push_back(pp.send(ctx.activation().zero_(), stage + 1));
+      } else {
+        if (!last) ctx.receive(stage + 1, i);
+        if (!first) sends.push_back(pp.send(ctx.activation().zero_(), stage - 1));
+      }
+      result.ran.push_back(action);
+      continue;
+    }
     if (action.kind == PipelineAction::kForward) {
       at::Tensor x = first ? step.input(i) : ctx.receive(stage - 1, i).requires_grad_(true);
-      at::Tensor y = ctx.forward(x, i, result.busy_s);
+      at::Tensor y;
+      try {
+        y = ctx.forward(x, i, result.busy_s);
+      } catch (const c10::OutOfMemoryError& e) {
+        failed(e);
+        if (!last) sends.push_back(pp.send(ctx.activation().zero_(), stage + 1));
+        result.ran.push_back(action);
+        continue;
+      }
       if (last) {
         StageContext::add_loss(loss_sum, y);
         y = y.reshape({}) / m;
@@ -190,10 +217,17 @@ PipelineStepResult run_pipeline_step(dist::Communicator& pp, const PipelineStep&
       if (!last) grad = ctx.receive(stage + 1, i);
       if (step.before_backward) step.before_backward(i);
       const Clock::time_point a = Clock::now();
-      if (last) {
-        f.output.backward();
-      } else {
-        f.output.backward(grad);
+      try {
+        if (last) {
+          f.output.backward();
+        } else {
+          f.output.backward(grad);
+        }
+      } catch (const c10::OutOfMemoryError& e) {
+        failed(e);
+        if (!first) sends.push_back(pp.send(ctx.activation().zero_(), stage - 1));
+        result.ran.push_back(action);
+        continue;
       }
       const Clock::time_point b = Clock::now();
       result.busy_s += seconds(a, b);

@@ -133,11 +133,14 @@ void restore_rng_state(const RngState& state) {
 // ---- partitioned state ------------------------------------------------------------------------
 
 ShardState load_resharded_optimizer(const CheckpointStore& store, const CheckpointData& main, int tp_rank,
-                                    const ShardLayout& target) {
-  DTRAIN_CHECK(main.dp_size >= 1 && main.world_size % main.dp_size == 0, "checkpoint step ",
-               main.step, " has an invalid mesh (world ", main.world_size, ", dp ", main.dp_size,
-               ")");
-  const int old_tp = main.world_size / main.dp_size;
+                                    const ShardLayout& target, int pp_rank) {
+  const int old_pp = main.meta.count("pp") ? std::stoi(main.meta.at("pp")) : 1;
+  DTRAIN_CHECK(main.dp_size >= 1 && old_pp >= 1 && main.world_size % (main.dp_size * old_pp) == 0, "checkpoint step ",
+               main.step, " has an invalid mesh (world ", main.world_size, ", dp ", main.dp_size, ", pp ", old_pp, ")");
+  DTRAIN_CHECK(pp_rank >= 0 && pp_rank < old_pp, "checkpoint step ", main.step, " was saved with ", old_pp,
+               " pipeline stage(s); stage ", pp_rank, " has no partitioned optimizer state there (resume a partitioned "
+               "optimizer's checkpoint with the same --pp, or without --offload=optimizer and --shard)");
+  const int old_tp = main.world_size / (main.dp_size * old_pp);
   DTRAIN_CHECK(tp_rank >= 0 && tp_rank < old_tp, "checkpoint step ", main.step,
                " was saved with tensor-parallel size ", old_tp, "; tensor-parallel rank ", tp_rank,
                " has no state there (resume with the same --tp)");
@@ -148,7 +151,7 @@ ShardState load_resharded_optimizer(const CheckpointStore& store, const Checkpoi
   if (needed.empty()) needed.push_back(0);  // for the replicated entries
   std::vector<ShardState> pieces;
   for (int dp_rank : needed) {
-    const int world_rank = dp_rank * old_tp + tp_rank;
+    const int world_rank = (pp_rank * main.dp_size + dp_rank) * old_tp + tp_rank;
     RankState state = store.load_rank(main.step, world_rank);
     const std::string path = store.rank_path_for(main.step, world_rank);
     DTRAIN_CHECK(state.dp_rank == dp_rank && state.tp_rank == tp_rank, "checkpoint ", path,
@@ -156,7 +159,8 @@ ShardState load_resharded_optimizer(const CheckpointStore& store, const Checkpoi
                  ", expected ", dp_rank, " / ", tp_rank);
     DTRAIN_CHECK(state.optimizer_shard.layout.numel == target.numel, "checkpoint ", path,
                  " holds partitioned optimizer state of ", state.optimizer_shard.layout.numel,
-                 " elements, but this model needs ", target.numel, "; it is of a different model");
+                 " elements, but this model needs ", target.numel, "; it is of a different model",
+                 old_pp > 1 ? " (or of another split into pipeline stages: resume with the same --pp and --pp_blocks)" : "");
     pieces.push_back(std::move(state.optimizer_shard));
   }
   return assemble_shard(pieces, target);

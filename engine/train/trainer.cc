@@ -85,9 +85,7 @@ void check_pipeline_options(const TrainerOptions& o, const dist::Mesh& mesh) {
   DTRAIN_CHECK(o.pipeline.forward && o.pipeline.activation_shape, "a mesh of ", P, " pipeline stages needs ",
                "TrainerOptions::pipeline.forward and .activation_shape (this stage's computation and what it sends); ",
                "build the trainer with them, or with one stage");
-  const char* unsupported = o.offload_optimizer                       ? "--offload=optimizer"
-                            : parse_shard_mode(o.shard) != ShardMode::kNone ? "--shard"
-                            : o.prune.amount > 0                       ? "--prune_amount"
+  const char* unsupported = o.prune.amount > 0                       ? "--prune_amount"
                             : o.eval_loss_and_correct                  ? "an evaluation that counts correct predictions"
                             : o.offload.delayed_update_after >= 0      ? "--offload_delayed_update_after"
                                                                        : nullptr;
@@ -336,8 +334,8 @@ bool Trainer::run_micro_batches(const Batch& batch, at::Tensor& loss_sum) {
     }
     return false;
   } catch (const c10::OutOfMemoryError& e) {
-    // A stage that fails alone would leave its neighbours waiting for its activations.
-    if (!options_.oom_backoff || mesh_.tp_size() > 1 || mesh_.pp_size() > 1) throw;
+    // (A pipeline stage gets here after finishing its step's exchanges: run_pipeline.)
+    if (!options_.oom_backoff || mesh_.tp_size() > 1) throw;
     LOG(WARNING) << "out of memory in step " << step_ + 1 << " with micro-batch of "
                  << batch.size() / n << " rows: " << std::string(e.what_without_backtrace()).substr(0, 200);
     loss_sum.reset();
@@ -394,8 +392,12 @@ void Trainer::run_pipeline(const std::vector<Batch>& micro, at::Tensor& loss_sum
                               {{"micro_batch", static_cast<double>(i)}, {"stage", static_cast<double>(mesh_.pp_rank())}});
     };
   }
+  // Out of memory on this stage: the stage still finishes the step's exchanges, so that its
+  // neighbours are not left waiting, and the error goes to run_micro_batches' back-off.
+  ps.finish_after_oom = options_.oom_backoff;
   PipelineStepResult r = run_pipeline_step(mesh_.pp(), ps);
   no_sync.reset();
+  if (r.out_of_memory) std::rethrow_exception(r.out_of_memory);
   if (sparse_reducer_) sparse_reducer_->reduce();  // after the dense buckets
   if (r.loss_sum.defined()) loss_sum.add_(r.loss_sum);
 }

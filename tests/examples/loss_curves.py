@@ -361,6 +361,11 @@ def scenario_pipeline(args):
          "pp 2 x tp 2 sequence-parallel, gpipe"),
         (2, ["--pp=2", "--batch_size=8", "--accum_steps=4", "--checkpoint_activations"], "pp 2, checkpointed"),
         (2, ["--pp=2", "--batch_size=8", "--accum_steps=2", "--pp_blocks=1,3"], "pp 2, --pp_blocks=1,3"),
+        # Each stage's optimizer partitioned over its data-parallel group, or offloaded to the host.
+        (2, ["--pp=2", "--batch_size=8", "--accum_steps=4", "--offload=optimizer"], "pp 2, --offload=optimizer"),
+        (4, ["--pp=2", "--batch_size=4", "--accum_steps=2", "--shard=gradients"], "pp 2 x dp 2, --shard=gradients"),
+        (4, ["--pp=2", "--batch_size=4", "--accum_steps=2", "--offload=optimizer"], "pp 2 x dp 2, --offload=optimizer"),
+        (2, ["--pp=2", "--batch_size=8", "--accum_steps=2", "--offload=layers"], "pp 2, --offload=layers"),
     ]
     for i, (ranks, flags, name) in enumerate(layouts):
         other = train(args, "train_gpt", ranks, shape + flags, f"pp-{i}")
@@ -420,6 +425,19 @@ def scenario_pipeline(args):
     back = train(args, "train_gpt", 4, const + ["--steps=16", "--pp=2", f"--save_dir={unsplit}", "--resume",
                                                "--batch_size=4"], "pp1-resumed-pp2dp2")
     compare(steps_after(ref16, 8), steps_after(back, 8), "unsplit checkpoint resumed as pp 2 x dp 2", 1e-4)
+    # Partitioned optimizer state is kept per stage: it resumes under the same --pp (any data
+    # size), and another --pp is refused naming the one to use.
+    zero = os.path.join(w, "ck_pp2_zero")
+    train(args, "train_gpt", 4, const + ["--pp=2", "--batch_size=4", "--shard=optimizer", "--steps=8",
+                                         f"--save_dir={zero}"], "pp2dp2-zero-part")
+    again = train(args, "train_gpt", 2, const + ["--pp=2", "--shard=optimizer", "--accum_steps=2", "--steps=16",
+                                                 f"--save_dir={zero}", "--resume"], "pp2-zero-resumed")
+    compare(steps_after(ref16, 8), steps_after(again, 8), "pp 2 x dp 2 --shard=optimizer checkpoint resumed as pp 2", 1e-4)
+    refused = train(args, "train_gpt", 4, const + ["--pp=4", "--shard=optimizer", "--accum_steps=2", "--steps=16",
+                                                   f"--save_dir={zero}", "--resume"], "pp4-zero-refused",
+                    expect_status=2)
+    assert "kept per stage; this run has 4. Resume it with --pp=2" in refused, refused[-1500:]
+    print("ok: partitioned state of 2 stages resumes under pp 2 and is refused under pp 4")
     # torch.load reads the pipeline run's checkpoint: every block of the whole model is there.
     code = ("import glob, sys, torch; f = sorted(p for p in glob.glob(sys.argv[1] + '/step-*.pt') if '.rank-' not in p)[-1]; "
             "m = torch.load(f, weights_only=True)['model']; "

@@ -10,6 +10,7 @@
 #include "dtrain/dist/mesh.h"
 #include "dtrain/engine/memory/memory.h"
 #include "dtrain/engine/parallel/pipeline.h"
+#include "pipeline_cases.h"
 #include "test_util.h"
 
 namespace dtrain::engine {
@@ -208,6 +209,23 @@ TEST(Pipeline, ActivationOfAnotherShapeIsRefusedNamingIt) {
     }
   }
   pp.barrier()->wait();  // the other stages issued nothing: their receives were never posted
+}
+
+// Out of memory in the first or the last stage: the failing stage finishes the step's
+// exchanges (zeros), every rank drops the step and halves the micro-batches (16 -> 8 -> 4 rows),
+// and the weights equal a pipeline that used micro-batches of 4 rows from the start.
+TEST(PipelineTrainer, OutOfMemoryInOneStageBacksOffEveryRank) {
+  auto& comm = world_comm();
+  const c10::Device cpu(c10::kCPU);
+  const std::vector<at::Tensor> want = pipeline_cases::two_stage_run(cpu, 4, -1, nullptr);
+  for (int fail_rank : {0, comm.size() - 1}) {
+    SCOPED_TRACE("out of memory on rank " + std::to_string(fail_rank));
+    std::vector<int> seen;
+    const std::vector<at::Tensor> got = pipeline_cases::two_stage_run(cpu, 1, fail_rank, &seen);
+    EXPECT_EQ(seen, (std::vector<int>{4, 4, 4})) << "every rank must agree on the new accumulation";
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) EXPECT_LT(rel_error(got[i], want[i]), 1e-12) << "parameter " << i;
+  }
 }
 
 }  // namespace

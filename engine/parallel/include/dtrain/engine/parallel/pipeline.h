@@ -20,6 +20,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <string>
 #include <vector>
@@ -86,6 +87,13 @@ struct PipelineStep {
   // Whether the last stage reads the mean loss to the host at the end (a device sync); false
   // leaves PipelineStepResult::loss at 0 and only loss_sum set.
   bool read_loss = true;
+  // Out of memory in a stage (c10::OutOfMemoryError from forward or backward): false rethrows
+  // at once, and the neighbours wait for messages that never come (until the collective
+  // timeout). true (the trainer's OOM back-off) finishes the step's exchanges instead: the
+  // stage skips its remaining computation, sends zeros where it owes an activation or a
+  // gradient, and returns the error in PipelineStepResult::out_of_memory, so every stage ends
+  // the step and the ranks can agree to retry it.
+  bool finish_after_oom = false;
 };
 
 struct PipelineStepResult {
@@ -99,6 +107,9 @@ struct PipelineStepResult {
   double busy_s = 0;  // in forward and backward computation (not waiting for a neighbour)
   double wall_s = 0;  // the whole step on this stage
   std::vector<PipelineAction> ran;  // the actions in the order they ran
+  // With finish_after_oom: the out-of-memory error this stage met (its gradients and loss are
+  // then not usable; the caller drops the step), else null.
+  std::exception_ptr out_of_memory;
 };
 
 // Runs one step's forwards and backwards on this stage (collective over `pp`: every stage

@@ -212,9 +212,11 @@ void check_same_layout(const NamedTensors& live, const NamedTensors& saved, cons
 // layout of shard.h) overlap target.range, and assembles target's state from them
 // (assemble_shard); any old data-parallel size resumes any new one. Throws dtrain::Error for
 // a tensor-parallel rank the checkpoint does not have, a checkpoint without rank files, a
-// rank file of another position or model, or what assemble_shard throws.
+// rank file of another position or model, or what assemble_shard throws. Pipeline stages
+// (main.meta "pp", 1 when absent) each partition their own flat space: pp_rank's files are
+// read, and the checkpoint must have that stage (resume partitioned state under the same --pp).
 ShardState load_resharded_optimizer(const CheckpointStore& store, const CheckpointData& main,
-                                    int tp_rank, const ShardLayout& target);
+                                    int tp_rank, const ShardLayout& target, int pp_rank = 0);
 
 // ---- collective save and resume ---------------------------------------------------------------
 
