@@ -48,14 +48,14 @@ declare -A CARRY=([test]='[".deps"]' [bench1]='[".deps", ".gpu-build"]' [bench2]
 declare -A STEPS=(
   [test]="gpuinfo unpack configure build ctest"
   [bench1]="s2s gpt124m nccl_allreduce mpi_allreduce cpu_adam copies offload_layers async_save shard"
-  [bench2]="offload6b offload_opt offload_delayed"
+  [bench2]="offload6b offload_opt offload_delayed pipeline"
   [profile]="profile_layers profile_offload profile_delayed"
 )
 declare -A LIMIT=(
   [gpuinfo]=10 [unpack]=15 [configure]=60 [build]=230 [ctest]=120
   [s2s]=120 [gpt124m]=45 [nccl_allreduce]=30 [mpi_allreduce]=45 [cpu_adam]=60 [copies]=25
   [offload_layers]=45 [async_save]=40 [shard]=90
-  [offload6b]=330 [offload_opt]=70 [offload_delayed]=70
+  [offload6b]=280 [offload_opt]=70 [offload_delayed]=70 [pipeline]=50
   [profile_layers]=45 [profile_offload]=70 [profile_delayed]=70
 )
 # GPU_LIMIT_<step>=S overrides a limit (the plan sees the override too).
@@ -394,6 +394,18 @@ step_offload_opt() {
 step_offload_delayed() {
   measure "optimizer offload, delayed update (CPU step hidden behind the next forward/backward)" \
     'trained|MFU|offload' "$BIN/train_gpt" "${GPT13B[@]}" --offload_delayed_update_after=2
+}
+# Pipeline stages on the device: gpt124m split into 2 stages on 2 ranks sharing the GPU (the
+# activations through MPI with host staging, so the step time is the staging's; the memory per
+# stage and the bubble are the figures), 1F1B with 4 micro-batches, and each stage's idle share
+# of a step from the timeline against (P-1)/(m+P-1).
+step_pipeline() {
+  SHOW="mpirun -np 2 train_gpt --device=cuda --data=synthetic --amp=bf16 --pp=2 --accum_steps=4 --timeline=..." \
+    measure "pipeline stages on the device, gpt124m, 2 stages on the one GPU (memory per stage, bubble)" \
+    'trained|peak|stage [0-9] \(rank' bash -c '
+"${@:3}" "$1" --device=cuda --data=synthetic --amp=bf16 --pp=2 --accum_steps=4 --steps=6 --log_every=3 \
+  --progress=false --memory_report_step=4 --timeline="$2/pp-timeline.json" || exit 1
+"$(dirname "$1")/dtrain-timeline" summary "$2/pp-timeline.json"' _ "$BIN/train_gpt" "$BUILD" "${MPIRUN[@]}" -np 2
 }
 
 # Profiles (--profile_steps: Kineto traces with every kernel and copy) of the rows that miss their

@@ -228,6 +228,10 @@ void write_rank_archive(int64_t step, const RankState& state,
   dict.insert("shard_begin", state.optimizer_shard.layout.range.begin);
   dict.insert("shard_end", state.optimizer_shard.layout.range.end);
   dict.insert("optimizer_shard", tensor_dict(state.optimizer_shard.tensors, "optimizer_shard"));
+  if (!state.stage_model.empty()) {  // a pipeline stage's part of the model (torch.load sees it by name)
+    dict.insert("model", tensor_dict(state.stage_model, "model"));
+    dict.insert("optimizer", tensor_dict(state.stage_optimizer, "optimizer"));
+  }
   dict.insert("rng", rng_dict(state.rng));
   dict.insert("meta", string_dict(state.meta));
   write_archive(dict, sink);
@@ -261,6 +265,10 @@ RankState read_rank_archive(const std::vector<char>& bytes, const std::string& s
   ShardState& shard = state.optimizer_shard;
   shard.layout.numel = int_entry(dict, "flat_numel", source);
   shard.tensors = named_entry(dict, "optimizer_shard", source);
+  if (dict.contains("model")) {
+    state.stage_model = named_entry(dict, "model", source);
+    state.stage_optimizer = named_entry(dict, "optimizer", source);
+  }
   state.rng = rng_entry(dict, source);
   state.meta = meta_entry(dict, source);
   if (dict.contains("shard_begin")) {

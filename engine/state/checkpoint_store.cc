@@ -277,6 +277,20 @@ CheckpointData CheckpointStore::load(const std::string& path) const {
   CheckpointData data = ckpt_detail::read_main_archive(bytes, path);
   DTRAIN_CHECK(data.rank_files == record.rank_files, "checkpoint ", path, " names ",
                data.rank_files, " rank files but its record ", record.rank_files);
+  const int stages = data.meta.count("pp") ? std::stoi(data.meta.at("pp")) : 1;
+  if (stages > 1) {
+    // Stage s's part is in the rank file of its data- and tensor-parallel rank 0, world rank
+    // s * (world / stages).
+    DTRAIN_CHECK(data.world_size % stages == 0 && data.rank_files == data.world_size, "checkpoint ", path, " of ",
+                 stages, " pipeline stages has ", data.rank_files, " rank files for a world of ", data.world_size);
+    for (int s = 1; s < stages; ++s) {
+      RankState part = load_rank(data.step, s * (data.world_size / stages));
+      DTRAIN_CHECK(!part.stage_model.empty(), "checkpoint ", rank_path_for(data.step, s * (data.world_size / stages)),
+                   " holds no part of the model, but it is pipeline stage ", s, "'s");
+      for (auto& t : part.stage_model) data.model.push_back(std::move(t));
+      for (auto& t : part.stage_optimizer) data.optimizer.push_back(std::move(t));
+    }
+  }
   return data;
 }
 

@@ -130,50 +130,19 @@ NamedTensors Trainer::replicated_of_shard(const ShardState& whole) const {
   return out;
 }
 
-void Trainer::gather_pipeline_state(CheckpointData& data) {
+void Trainer::pipeline_stage_part(CheckpointData& data, RankState& rank) const {
   // Optimizer state is keyed by parameter index: this stage's follow the stages' before it.
   NamedTensors shifted;
   for (auto& [name, t] : data.optimizer) shifted.emplace_back(shift_param_index(name, pp_param_offset_), t);
   data.optimizer = std::move(shifted);
-  // Rank 0 writes the main file: the ranks of its pipeline (data- and tensor-parallel rank 0 of
-  // every stage) send it their parts, in stage order, so the file holds the whole model as one
-  // process would save it (names and order of its state_dict).
-  if (mesh_.dp_rank() != 0 || mesh_.tp_rank() != 0) return;
-  dist::Communicator& pp = mesh_.pp();
-  std::ostringstream described;  // per tensor: part, name, dtype, sizes (tab-separated)
-  if (pp.rank() > 0) {
-    for (const NamedTensors* part : {&data.model, &data.optimizer}) {
-      for (const auto& [name, t] : *part) {
-        described << (part == &data.model ? "model" : "optimizer") << '\t' << name << '\t'
-                  << static_cast<int>(t.scalar_type());
-        for (int64_t d : t.sizes()) described << '\t' << d;
-        described << '\n';
-      }
-    }
-  }
-  const std::vector<std::string> stages = gather_texts(pp, described.str());
-  if (pp.rank() > 0) {
-    std::vector<dist::WorkPtr> sends;
-    for (NamedTensors* part : {&data.model, &data.optimizer}) {
-      for (auto& [name, t] : *part) sends.push_back(pp.send(t.contiguous(), 0));
-    }
-    for (auto& w : sends) w->wait();
-    return;
-  }
-  for (int s = 1; s < pp.size(); ++s) {
-    std::istringstream lines(stages[s]);
-    std::string line;
-    while (std::getline(lines, line)) {
-      std::istringstream fields(line);
-      std::string part, name;
-      int dtype = 0;
-      fields >> part >> name >> dtype;
-      std::vector<int64_t> sizes;
-      for (int64_t d; fields >> d;) sizes.push_back(d);
-      at::Tensor t = at::empty(sizes, at::TensorOptions().dtype(static_cast<at::ScalarType>(dtype)));
-      pp.recv(t, s)->wait();
-      (part == "model" ? data.model : data.optimizer).emplace_back(name, t);
-    }
+  // Each stage saves its own layers: stage 0's go into the main file (rank 0), every other
+  // stage's into the rank file of its data- and tensor-parallel rank 0 (CheckpointStore::load
+  // puts the parts together again).
+  if (mesh_.pp_rank() > 0 && mesh_.dp_rank() == 0 && mesh_.tp_rank() == 0) {
+    rank.stage_model = std::move(data.model);
+    rank.stage_optimizer = std::move(data.optimizer);
+    data.model.clear();
+    data.optimizer.clear();
   }
 }
 
@@ -193,14 +162,8 @@ Trainer::PreparedSave Trainer::prepare_save(const DataLoader* loader, bool own_c
   }
   CheckpointData& data = save.data;
   data.step = step_;
-  // A pipeline stage other than the first sends its part to rank 0 at once: plain host copies.
-  const bool sends_part = mesh_.pp_size() > 1 && mesh_.pp_rank() > 0;
-  data.model = full_model_state(own_copies && !sends_part);        // collective over tp
-  data.optimizer = full_optimizer_state(own_copies && !sends_part);  // collective over tp
-  if (mesh_.pp_size() > 1) {
-    // Rank 0's own part may be staged (copies in flight): it only receives.
-    gather_pipeline_state(data);  // collective over the pipeline of rank 0
-  }
+  data.model = full_model_state(own_copies);        // collective over tp
+  data.optimizer = full_optimizer_state(own_copies);  // collective over tp
   if (pruner_) data.masks = pruner_->full_masks();     // collective over tp
   for (auto& [name, t] : scaler_->state()) {
     data.scaler.emplace_back(name, host_copy("scaler." + name, t, HostStaging::kNow, own_copies));
@@ -225,6 +188,7 @@ Trainer::PreparedSave Trainer::prepare_save(const DataLoader* loader, bool own_c
   rank.dp_rank = mesh_.dp_rank();
   rank.dp_size = mesh_.dp_size();
   rank.tp_rank = mesh_.tp_rank();
+  if (mesh_.pp_size() > 1) pipeline_stage_part(data, rank);
   rank.rng = data.rng;
   data.meta["optimizer.offloaded"] = options_.offload_optimizer ? "1" : "0";
   data.meta["optimizer.partitioned"] = optimizer_->shard_layout() ? "1" : "0";

@@ -438,12 +438,15 @@ def scenario_pipeline(args):
                     expect_status=2)
     assert "kept per stage; this run has 4. Resume it with --pp=2" in refused, refused[-1500:]
     print("ok: partitioned state of 2 stages resumes under pp 2 and is refused under pp 4")
-    # torch.load reads the pipeline run's checkpoint: every block of the whole model is there.
-    code = ("import glob, sys, torch; f = sorted(p for p in glob.glob(sys.argv[1] + '/step-*.pt') if '.rank-' not in p)[-1]; "
-            "m = torch.load(f, weights_only=True)['model']; "
-            "names = [k for k in m if k.startswith('blocks.')]; "
-            "assert {k.split('.')[1] for k in names} == {'0', '1', '2', '3'}, names; "
-            "assert 'wte.weight' in m and 'head.weight' in m, list(m)[:5]; print('torch.load:', len(m), 'tensors')")
+    # Each stage saved its own layers, and torch.load reads every file: the main file holds stage
+    # 0's blocks and the embeddings, rank 1's file stage 1's blocks and the head.
+    code = ("import sys, torch; d = sys.argv[1]; "
+            "main = torch.load(d + '/step-000008.pt', weights_only=True)['model']; "
+            "part = torch.load(d + '/step-000008.rank-1.pt', weights_only=True)['model']; "
+            "blocks = lambda m: sorted({k.split('.')[1] for k in m if k.startswith('blocks.')}); "
+            "assert blocks(main) == ['0', '1'] and 'wte.weight' in main and 'head.weight' not in main, list(main); "
+            "assert blocks(part) == ['2', '3'] and 'head.weight' in part and 'wte.weight' not in part, list(part); "
+            "print('torch.load:', len(main), '+', len(part), 'tensors')")
     run([args.python, "-c", code, split])
 
 

@@ -475,6 +475,45 @@ TEST(CheckpointStoreTest, RankFilesArePartOfTheCheckpoint) {
       << skipped[0];
 }
 
+// Pipeline stages save their own layers: stage 0's in the main file, stage s's in the rank file
+// of world rank s * (world / stages); load() gives the whole model back in stage order.
+TEST(CheckpointStoreTest, PipelineStagesPartsAreLoadedAsTheWholeModel) {
+  TempDir dir;
+  CheckpointStore store(dir.path());
+  CheckpointData data;
+  data.step = 4;
+  data.world_size = 4;  // 2 stages x 2 data-parallel ranks
+  data.dp_size = 2;
+  data.rank_files = 4;
+  data.meta = {{"pp", "2"}};
+  data.model = named({{"wte.weight", torch::full({2, 3}, 1.f)}, {"blocks.0.w", torch::full({3}, 2.f)}});
+  data.optimizer = named({{"0.exp_avg", torch::full({2, 3}, 3.f)}, {"1.exp_avg", torch::full({3}, 4.f)}});
+  for (int r = 0; r < 4; ++r) {
+    RankState state;
+    state.rank = r;
+    state.dp_rank = r % 2;
+    state.dp_size = 2;
+    if (r == 2) {
+      state.stage_model = named({{"blocks.1.w", torch::full({3}, 5.f)}, {"head.weight", torch::full({4, 3}, 6.f)}});
+      state.stage_optimizer = named({{"2.exp_avg", torch::full({3}, 7.f)}, {"3.exp_avg", torch::full({4, 3}, 8.f)}});
+    }
+    store.save_rank(4, state);
+  }
+  store.save(data);
+  const CheckpointData back = store.load(store.path_for(4));
+  expect_same(back.model, named({{"wte.weight", torch::full({2, 3}, 1.f)}, {"blocks.0.w", torch::full({3}, 2.f)},
+                                 {"blocks.1.w", torch::full({3}, 5.f)}, {"head.weight", torch::full({4, 3}, 6.f)}}));
+  expect_same(back.optimizer, named({{"0.exp_avg", torch::full({2, 3}, 3.f)}, {"1.exp_avg", torch::full({3}, 4.f)},
+                                     {"2.exp_avg", torch::full({3}, 7.f)}, {"3.exp_avg", torch::full({4, 3}, 8.f)}}));
+  EXPECT_TRUE(store.load_rank(4, 1).stage_model.empty());
+  // A stage's rank file without its part is named.
+  RankState empty;
+  empty.rank = 2;
+  empty.dp_size = 2;
+  store.save_rank(4, empty);
+  EXPECT_TRUE(contains(message_of([&] { store.load(store.path_for(4)); }), "holds no part of the model"));
+}
+
 TEST(CheckpointStoreTest, KeepLastPrunesOlderCheckpointsAndOrphans) {
   TempDir dir;
   CheckpointStoreOptions options;

@@ -122,6 +122,12 @@ struct RankState {
   // Partitioned optimizer state of this data-parallel rank (Optimizer::shard_state(): its
   // range of the flat space and the tensors of that range); layout.numel 0: none.
   ShardState optimizer_shard;
+  // Pipeline parallelism (main meta "pp" > 1): the file of each stage's data- and
+  // tensor-parallel rank 0 after stage 0 holds that stage's part of the model (its parameters
+  // under the whole model's names) and of the replicated optimizer state (under the whole
+  // model's parameter indices); stage 0's part is the main file's. Empty otherwise.
+  NamedTensors stage_model;
+  NamedTensors stage_optimizer;
   RngState rng;
   std::map<std::string, std::string> meta;
 };
@@ -167,7 +173,9 @@ class CheckpointStore {
   std::optional<CheckpointInfo> latest_good(std::vector<std::string>* skipped = nullptr) const;
   // Reads a main file, checking it against its record first. Throws dtrain::Error naming the
   // file and the problem (missing, no record, truncated, checksum mismatch, not a dtrain
-  // checkpoint). Memory: the file's bytes plus the tensors made from them, at the peak.
+  // checkpoint). A pipeline-parallel checkpoint (meta "pp" = P > 1) is whole again: the other
+  // stages' parts (RankState::stage_model, stage_optimizer) are read from their rank files and
+  // appended in stage order. Memory: the file's bytes plus the tensors made from them, at the peak.
   CheckpointData load(const std::string& path) const;
   RankState load_rank(int64_t step, int rank) const;
 

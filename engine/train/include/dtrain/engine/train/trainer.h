@@ -281,9 +281,10 @@ class Trainer {
     std::vector<at::Tensor> nonfinite;  // per device: 1 if a weight is inf/NaN (host, once staged)
   };
   PreparedSave prepare_save(const DataLoader* loader, bool own_copies);
-  // Pipeline: the stages' model and optimizer state into rank 0's `data` (collective over the
-  // pipeline of rank 0; optimizer state renumbered to the whole model's parameter indices).
-  void gather_pipeline_state(CheckpointData& data);
+  // Pipeline: this stage's optimizer state renumbered to the whole model's parameter indices,
+  // and (data- and tensor-parallel rank 0 of a stage after the first) the stage's part of the
+  // model and optimizer moved into its rank file (RankState::stage_model, stage_optimizer).
+  void pipeline_stage_part(CheckpointData& data, RankState& rank) const;
   int64_t pp_param_offset_ = 0;  // the parameters of the stages before this one
   void check_can_train() const;  // throws for an evaluation-only trainer
   // Writes and publishes a prepared checkpoint over `comm` (collective); returns the path.
