@@ -108,12 +108,36 @@ struct StageContext {
   void span(const std::string& what, int micro, Clock::time_point a, Clock::time_point b) const {
     if (step.on_span) step.on_span(what, micro, a, b);
   }
-  // Receives from stage `from` into a new activation-shaped tensor, timing the wait.
-  at::Tensor receive(int from, int micro) const {
-    at::Tensor x = activation();
+  // What an action sends on (an activation, or the gradient of the stage's input), issued with
+  // the next action's receive.
+  struct Outbox {
+    at::Tensor tensor;
+    int peer = -1;
+  };
+  // Issues `out`'s send, if any, and a receive from stage `from` (none for from < 0) as one
+  // group, then waits for the receive (timed) and returns what it received. NCCL runs a group's
+  // operations together; issued one by one on its stream, a send of stage s to s+1 could wait
+  // behind a receive from s+1 that waits for a send queued behind s+1's own receive from s (a
+  // cycle Megatron-LM's send_forward_recv_backward pairs avoid the same way). Sends stay in
+  // `sends` until they complete.
+  at::Tensor exchange(Outbox& out, int from, int micro, std::vector<dist::WorkPtr>& sends) const {
+    at::Tensor x;
+    dist::WorkPtr received;
     const Clock::time_point a = Clock::now();
-    pp.recv(x, from)->wait();
-    span("wait for stage " + std::to_string(from), micro, a, Clock::now());
+    {
+      dist::CommGroup group(pp);
+      if (out.tensor.defined()) sends.push_back(pp.send(out.tensor, out.peer));
+      out = {};
+      if (from >= 0) {
+        x = activation();
+        received = pp.recv(x, from);
+      }
+      group.close();
+    }
+    if (received) {
+      received->wait();
+      span("wait for stage " + std::to_string(from), micro, a, Clock::now());
+    }
     return x;
   }
   // The stage's forward of micro-batch i on x (timed); checks what it returns.
@@ -172,27 +196,27 @@ PipelineStepResult run_pipeline_step(dist::Communicator& pp, const PipelineStep&
     if (!result.out_of_memory) result.out_of_memory = std::current_exception();
     held.clear();  // the graphs of the micro-batches in flight go at once
   };
+  StageContext::Outbox out;  // the last action's send, issued with the next receive
+  const int next_stage = last ? -1 : stage + 1, previous_stage = first ? -1 : stage - 1;
   for (const PipelineAction& action : pipeline_actions(step.schedule, stages, stage, m)) {
     const int i = action.micro;
+    const bool forward = action.kind == PipelineAction::kForward;
     if (result.out_of_memory) {
-      if (action.kind == PipelineAction::kForward) {
-        if (!first) ctx.receive(stage - 1, i);
-        if (!last) sends.push_back(pp.send(ctx.activation().zero_(), stage + 1));
-      } else {
-        if (!last) ctx.receive(stage + 1, i);
-        if (!first) sends.push_back(pp.send(ctx.activation().zero_(), stage - 1));
-      }
+      ctx.exchange(out, forward ? previous_stage : next_stage, i, sends);
+      const int to = forward ? next_stage : previous_stage;
+      if (to >= 0) out = {ctx.activation().zero_(), to};
       result.ran.push_back(action);
       continue;
     }
-    if (action.kind == PipelineAction::kForward) {
-      at::Tensor x = first ? step.input(i) : ctx.receive(stage - 1, i).requires_grad_(true);
+    if (forward) {
+      at::Tensor x = ctx.exchange(out, previous_stage, i, sends);
+      x = first ? step.input(i) : x.requires_grad_(true);
       at::Tensor y;
       try {
         y = ctx.forward(x, i, result.busy_s);
       } catch (const c10::OutOfMemoryError& e) {
         failed(e);
-        if (!last) sends.push_back(pp.send(ctx.activation().zero_(), stage + 1));
+        if (!last) out = {ctx.activation().zero_(), next_stage};
         result.ran.push_back(action);
         continue;
       }
@@ -201,7 +225,7 @@ PipelineStepResult run_pipeline_step(dist::Communicator& pp, const PipelineStep&
         y = y.reshape({}) / m;
         if (step.scale_loss) y = step.scale_loss(y);
       } else {
-        sends.push_back(pp.send(y.detach().contiguous(), stage + 1));
+        out = {y.detach().contiguous(), next_stage};
       }
       held[i] = {x, y};
       result.peak_in_flight = std::max(result.peak_in_flight, static_cast<int>(held.size()));
@@ -213,8 +237,7 @@ PipelineStepResult run_pipeline_step(dist::Communicator& pp, const PipelineStep&
       DTRAIN_CHECK(it != held.end(), "pipeline step: backward of micro-batch ", i, " before its forward");
       InFlight f = std::move(it->second);
       held.erase(it);
-      at::Tensor grad;
-      if (!last) grad = ctx.receive(stage + 1, i);
+      const at::Tensor grad = ctx.exchange(out, next_stage, i, sends);
       if (step.before_backward) step.before_backward(i);
       const Clock::time_point a = Clock::now();
       try {
@@ -225,7 +248,7 @@ PipelineStepResult run_pipeline_step(dist::Communicator& pp, const PipelineStep&
         }
       } catch (const c10::OutOfMemoryError& e) {
         failed(e);
-        if (!first) sends.push_back(pp.send(ctx.activation().zero_(), stage - 1));
+        if (!first) out = {ctx.activation().zero_(), previous_stage};
         result.ran.push_back(action);
         continue;
       }
@@ -236,7 +259,7 @@ PipelineStepResult run_pipeline_step(dist::Communicator& pp, const PipelineStep&
         at::Tensor g = f.input.grad();
         DTRAIN_CHECK(g.defined(), "pipeline step: stage ", stage, "'s forward does not depend on its input; ",
                      "the stage before would get no gradient");
-        sends.push_back(pp.send(g.contiguous(), stage - 1));
+        out = {g.contiguous(), previous_stage};
       }
     }
     result.ran.push_back(action);
@@ -245,6 +268,7 @@ PipelineStepResult run_pipeline_step(dist::Communicator& pp, const PipelineStep&
     sends.erase(std::remove_if(sends.begin(), sends.end(), [](const dist::WorkPtr& w) { return w->is_completed(); }),
                 sends.end());
   }
+  ctx.exchange(out, -1, m, sends);  // the last action's send
   for (auto& w : sends) w->wait();
   ctx.finish(result, loss_sum, step_start);
   return result;
@@ -256,16 +280,19 @@ PipelineStepResult run_pipeline_forward(dist::Communicator& pp, const PipelineSt
   PipelineStepResult result;
   at::Tensor loss_sum;
   std::vector<dist::WorkPtr> sends;
+  StageContext::Outbox out;
   for (int i = 0; i < step.micro_batches; ++i) {
-    at::Tensor x = ctx.first ? step.input(i) : ctx.receive(ctx.stage - 1, i);
+    at::Tensor x = ctx.exchange(out, ctx.first ? -1 : ctx.stage - 1, i, sends);
+    if (ctx.first) x = step.input(i);
     at::Tensor y = ctx.forward(x, i, result.busy_s);
     if (ctx.last) {
       StageContext::add_loss(loss_sum, y);
     } else {
-      sends.push_back(pp.send(y.detach().contiguous(), ctx.stage + 1));
+      out = {y.detach().contiguous(), ctx.stage + 1};
     }
     result.ran.push_back({PipelineAction::kForward, i});
   }
+  ctx.exchange(out, -1, step.micro_batches, sends);
   for (auto& w : sends) w->wait();
   ctx.finish(result, loss_sum, start);
   return result;

@@ -5,6 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <map>
+#include <sstream>
+#include <tuple>
 #include <set>
 #include <string>
 
@@ -80,6 +83,138 @@ TEST(PipelineSchedule, NamesAndBadInput) {
   }
   EXPECT_THROW(pipeline_actions(PipelineSchedule::k1F1B, 2, 2, 4), Error);
   EXPECT_THROW(pipeline_actions(PipelineSchedule::k1F1B, 2, 0, 0), Error);
+}
+
+// ---- a stream-ordered, rendezvous transport (NCCL's p2p semantics) ---------------------------
+// Each rank issues groups of sends and receives in order; a rank's groups run one at a time, a
+// group's operations together (ncclGroupStart/End), and a send completes only with its
+// matching receive running on the peer (a message above NCCL's buffer size). The k-th send from
+// a to b meets the k-th receive of b from a.
+struct P2p {
+  bool send;
+  int peer;
+  int micro;
+};
+using Groups = std::vector<std::vector<P2p>>;
+
+// The groups run_pipeline_step issues on stage s: each action's receive together with the send
+// the action before produced (then the last action's send alone); `grouped` false: every
+// receive and send alone, in the order a stage needs them (receive, compute, send).
+Groups stage_exchanges(PipelineSchedule schedule, int stages, int s, int m, bool grouped) {
+  Groups out;
+  std::vector<P2p> pending;  // the previous action's send
+  for (const PipelineAction& a : pipeline_actions(schedule, stages, s, m)) {
+    const bool fwd = a.kind == PipelineAction::kForward;
+    const int from = fwd ? s - 1 : s + 1, to = fwd ? s + 1 : s - 1;
+    std::vector<P2p> group = grouped ? pending : std::vector<P2p>{};
+    if (!grouped && !pending.empty()) out.push_back(pending);
+    pending.clear();
+    if (from >= 0 && from < stages) group.push_back({false, from, a.micro});
+    if (!group.empty()) out.push_back(group);
+    if (to >= 0 && to < stages) pending.push_back({true, to, a.micro});
+  }
+  if (!pending.empty()) out.push_back(pending);
+  return out;
+}
+
+// Runs every stage's groups under the transport above; false on a deadlock (no operation can
+// complete) or when matched messages carry different micro-batches (`why` says which).
+bool runs_to_completion(const std::vector<Groups>& ranks, std::string* why) {
+  const int n = static_cast<int>(ranks.size());
+  struct Id {
+    int rank, group, pos;
+  };
+  // Pair each send with its receive: the k-th send from a to b with the k-th receive of b from a.
+  std::map<std::pair<int, int>, std::vector<Id>> sends, recvs;  // by (from, to)
+  for (int r = 0; r < n; ++r) {
+    for (int g = 0; g < static_cast<int>(ranks[r].size()); ++g) {
+      for (int i = 0; i < static_cast<int>(ranks[r][g].size()); ++i) {
+        const P2p& op = ranks[r][g][i];
+        (op.send ? sends[{r, op.peer}] : recvs[{op.peer, r}]).push_back({r, g, i});
+      }
+    }
+  }
+  std::map<std::tuple<int, int, int>, Id> partner;
+  for (const auto& [pair, list] : sends) {
+    const std::vector<Id>& other = recvs[pair];
+    if (other.size() != list.size()) {
+      *why = std::to_string(list.size()) + " sends from " + std::to_string(pair.first) + " to " +
+             std::to_string(pair.second) + " but " + std::to_string(other.size()) + " receives";
+      return false;
+    }
+    for (size_t k = 0; k < list.size(); ++k) {
+      const P2p& a = ranks[list[k].rank][list[k].group][list[k].pos];
+      const P2p& b = ranks[other[k].rank][other[k].group][other[k].pos];
+      if (a.micro != b.micro) {
+        *why = "send #" + std::to_string(k) + " from " + std::to_string(pair.first) + " carries micro-batch " +
+               std::to_string(a.micro) + " to a receive of " + std::to_string(b.micro);
+        return false;
+      }
+      partner[{list[k].rank, list[k].group, list[k].pos}] = other[k];
+      partner[{other[k].rank, other[k].group, other[k].pos}] = list[k];
+    }
+  }
+  std::vector<int> head(n, 0);
+  std::set<std::tuple<int, int, int>> done;
+  for (;;) {
+    bool finished = true, progress = false;
+    for (int r = 0; r < n; ++r) {
+      if (head[r] == static_cast<int>(ranks[r].size())) continue;
+      finished = false;
+      for (int i = 0; i < static_cast<int>(ranks[r][head[r]].size()); ++i) {
+        const std::tuple<int, int, int> me{r, head[r], i};
+        if (done.count(me)) continue;
+        const Id p = partner.at(me);
+        if (head[p.rank] == p.group) {  // both sides are running: the message moves
+          done.insert(me);
+          done.insert({p.rank, p.group, p.pos});
+          progress = true;
+        }
+      }
+    }
+    for (int r = 0; r < n; ++r) {  // groups whose operations all completed retire
+      while (head[r] < static_cast<int>(ranks[r].size())) {
+        bool all = true;
+        for (int i = 0; i < static_cast<int>(ranks[r][head[r]].size()); ++i) all = all && done.count({r, head[r], i});
+        if (!all) break;
+        ++head[r];
+        progress = true;
+      }
+    }
+    if (finished) return true;
+    if (!progress) {
+      std::ostringstream os;
+      os << "deadlock:";
+      for (int r = 0; r < n; ++r) os << " rank " << r << " at group " << head[r] << "/" << ranks[r].size() << ";";
+      *why = os.str();
+      return false;
+    }
+  }
+}
+
+TEST(PipelineExchanges, GroupedSendsAndReceivesNeverDeadlockOnAStreamOrderedTransport) {
+  for (PipelineSchedule schedule : {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B}) {
+    for (int stages = 2; stages <= 8; ++stages) {
+      for (int m = 1; m <= 12; ++m) {
+        std::vector<Groups> ranks;
+        for (int s = 0; s < stages; ++s) ranks.push_back(stage_exchanges(schedule, stages, s, m, true));
+        std::string why;
+        EXPECT_TRUE(runs_to_completion(ranks, &why))
+            << to_string(schedule) << ", " << stages << " stages, " << m << " micro-batches: " << why;
+      }
+    }
+  }
+}
+
+// The check can fail: one send or receive at a time deadlocks 1F1B on such a transport (stage
+// 0's second activation waits for stage 1's receive, queued behind stage 1's send of the first
+// gradient, which waits for stage 0's receive, queued behind that activation).
+TEST(PipelineExchanges, OneOperationAtATimeDeadlocks1F1B) {
+  std::vector<Groups> ranks;
+  for (int s = 0; s < 2; ++s) ranks.push_back(stage_exchanges(PipelineSchedule::k1F1B, 2, s, 4, false));
+  std::string why;
+  EXPECT_FALSE(runs_to_completion(ranks, &why));
+  EXPECT_NE(why.find("deadlock"), std::string::npos) << why;
 }
 
 // The even rule against a brute-force statement of it: sizes differ by at most one, the first

@@ -15,7 +15,11 @@
 //
 // Transport: Communicator::send/recv on the pipeline communicator (its rank = the stage). The
 // activations' shape and dtype are fixed per step (the receiver must know them): pass them in
-// PipelineStep. Sends are asynchronous (the next forward overlaps them); receives wait.
+// PipelineStep. Sends are asynchronous (the next computation overlaps them); receives wait.
+// Each action's send is issued together with the next action's receive, as one group
+// (CommGroup): on NCCL, whose operations run in issue order on its stream, a send of stage s
+// left alone could wait behind a receive that needs a send its neighbour has queued behind its
+// own receive from s, a cycle that large activations would turn into a hang.
 #pragma once
 
 #include <chrono>
