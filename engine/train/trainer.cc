@@ -745,6 +745,16 @@ StepMetrics Trainer::log_step(bool eval_now, DataLoader* eval, int64_t global_ba
   MemoryStats mem = memory_stats(device_);
   m.mem_allocated_mb = mem.allocated_mb;
   m.mem_peak_mb = mem.peak_mb;
+  if (mesh_.pp_size() > 1) {
+    // Rank 0's figures are stage 0's: every stage's peak too (from this rank's pipeline).
+    const at::TensorOptions f64 = at::TensorOptions().dtype(at::kDouble).device(device_);
+    at::Tensor peaks = at::empty({mesh_.pp_size()}, f64);
+    mesh_.pp().all_gather(at::full({1}, mem.peak_mb, f64), peaks)->wait();
+    const at::Tensor host = peaks.cpu();
+    for (int s = 0; s < mesh_.pp_size(); ++s) {
+      m.extra["mem_peak_mb_stage" + std::to_string(s)] = host.data_ptr<double>()[s];
+    }
+  }
   m.mem_counter = mem.counter;
   if (scaler_->enabled()) m.loss_scale = scaler_->scale_value();
   if (options_.report_grad_norm && last_grad_norm_.defined()) m.grad_norm = last_grad_norm_.item<double>();

@@ -372,6 +372,8 @@ def scenario_pipeline(args):
         compare(ref, other, name, 1e-4)
         # The clipped norm is the whole model's: squares summed over the stages.
         compare_grad_norms(ref, other, name)
+    # Every logged step carries each stage's peak memory.
+    assert all(r[f"mem_peak_mb_stage{s}"] > 0 for r in other for s in (0, 1)), other[-1]
     # Three stages of four blocks: the even rule gives the extra block to stage 1.
     three = train(args, "train_gpt", 3, shape + ["--pp=3", "--batch_size=8", "--accum_steps=2"], "pp-three")
     compare(ref, three, "pp 3 (blocks 1, 2, 1), 2 micro-batches", 1e-4)
