@@ -255,13 +255,10 @@ std::function<void()> model_checks(const std::string& model) {
     DTRAIN_CHECK(P > 1 || engine::cli::flags().pp_blocks.empty(), "--pp_blocks=", engine::cli::flags().pp_blocks,
                  " needs --pp > 1 (it gives the blocks of each pipeline stage)");
     engine::pipeline_stage_bounds(FLAGS_layers, P, engine::cli::flags().pp_blocks);  // fewer blocks than stages
-    if (P > 1) {
+    if (P > 1) {  // the example's own features (the trainer refuses the engine's it cannot combine)
       const char* unsupported = !FLAGS_teacher.empty()                   ? "--teacher"
                                 : engine::cli::flags().plan == "auto"   ? "--plan=auto"
                                 : !FLAGS_quantize.empty()               ? "--quantize"
-                                : engine::cli::flags().offload_delayed_update_after >= 0
-                                    ? "--offload_delayed_update_after"
-                                : engine::cli::flags().prune_amount > 0  ? "--prune_amount"
                                 : FLAGS_sparse_embedding                 ? "--sparse_embedding"
                                                                          : nullptr;
       DTRAIN_CHECK(unsupported == nullptr, unsupported ? unsupported : "", " with --pp=", P,

@@ -160,16 +160,16 @@ class NcclCommunicator final : public Communicator {
   WorkPtr enqueue_p2p(P2pOp p2p) override {
     Op op{p2p.type, p2p.tensor, p2p.tensor, ReduceOp::kSum, p2p.peer, p2p.seq};
     if (!p2p.tensor.is_cuda()) return forward_to_cpu(op);
-    return enqueue_device(op, describe_op(*this, op.type, op.input, op.reduce, op.root, op.seq));
+    return enqueue_device(op);
   }
 
   WorkPtr enqueue(Op op) override {
     const at::Tensor& any = op.input.defined() ? op.input : op.output;
     if (any.defined() && !any.is_cuda()) return forward_to_cpu(op);
-    return enqueue_device(op, describe_op(*this, op.type, op.input, op.reduce, op.root, op.seq));
+    return enqueue_device(op);
   }
 
-  WorkPtr enqueue_device(const Op& op, std::string what) {
+  WorkPtr enqueue_device(const Op& op) {
     const bool collective = op.type != OpType::kSend && op.type != OpType::kRecv;
     for (const at::Tensor* t : {&op.input, &op.output}) {
       if (t->defined()) check_on_comm_device(name() + "." + to_string(op.type), t->device(), device_);
@@ -193,6 +193,7 @@ class NcclCommunicator final : public Communicator {
         c10::cuda::CUDACachingAllocator::recordStream(t->storage().data_ptr(), stream_);
       }
     }
+    std::string what = describe_op(*this, op.type, op.input, op.reduce, op.root, op.seq);
     if (group_open_) {
       pending_.push_back({work, std::move(what), op.seq, collective});
     } else {

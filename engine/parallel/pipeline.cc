@@ -136,7 +136,7 @@ struct StageContext {
     }
     if (received) {
       received->wait();
-      span("wait for stage " + std::to_string(from), micro, a, Clock::now());
+      if (step.on_span) span("wait for stage " + std::to_string(from), micro, a, Clock::now());
     }
     return x;
   }

@@ -133,13 +133,13 @@ void restore_rng_state(const RngState& state) {
 // ---- partitioned state ------------------------------------------------------------------------
 
 ShardState load_resharded_optimizer(const CheckpointStore& store, const CheckpointData& main, int tp_rank,
-                                    const ShardLayout& target, int pp_rank) {
-  const int old_pp = main.meta.count("pp") ? std::stoi(main.meta.at("pp")) : 1;
+                                    const ShardLayout& target, int pp_rank, int pp_size) {
+  const int old_pp = main.pipeline_stages();
   DTRAIN_CHECK(main.dp_size >= 1 && old_pp >= 1 && main.world_size % (main.dp_size * old_pp) == 0, "checkpoint step ",
                main.step, " has an invalid mesh (world ", main.world_size, ", dp ", main.dp_size, ", pp ", old_pp, ")");
-  DTRAIN_CHECK(pp_rank >= 0 && pp_rank < old_pp, "checkpoint step ", main.step, " was saved with ", old_pp,
-               " pipeline stage(s); stage ", pp_rank, " has no partitioned optimizer state there (resume a partitioned "
-               "optimizer's checkpoint with the same --pp, or without --offload=optimizer and --shard)");
+  DTRAIN_CHECK(old_pp == pp_size && pp_rank >= 0 && pp_rank < pp_size, store.path_for(main.step),
+               " holds partitioned optimizer state (--offload=optimizer or --shard) of ", old_pp,
+               " pipeline stage(s), kept per stage; this run has ", pp_size, ". Resume it with --pp=", old_pp);
   const int old_tp = main.world_size / (main.dp_size * old_pp);
   DTRAIN_CHECK(tp_rank >= 0 && tp_rank < old_tp, "checkpoint step ", main.step,
                " was saved with tensor-parallel size ", old_tp, "; tensor-parallel rank ", tp_rank,

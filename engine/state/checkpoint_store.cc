@@ -277,7 +277,7 @@ CheckpointData CheckpointStore::load(const std::string& path) const {
   CheckpointData data = ckpt_detail::read_main_archive(bytes, path);
   DTRAIN_CHECK(data.rank_files == record.rank_files, "checkpoint ", path, " names ",
                data.rank_files, " rank files but its record ", record.rank_files);
-  const int stages = data.meta.count("pp") ? std::stoi(data.meta.at("pp")) : 1;
+  const int stages = data.pipeline_stages();
   if (stages > 1) {
     // Stage s's part is in the rank file of its data- and tensor-parallel rank 0, world rank
     // s * (world / stages).

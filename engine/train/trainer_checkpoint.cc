@@ -19,14 +19,6 @@ int64_t param_index_of(const std::string& state_name) {
   return dot == std::string::npos ? -1 : std::stoll(state_name.substr(0, dot));
 }
 
-// Partitioned optimizer state is per pipeline stage (each stage's flat space): resumable only
-// under the same number of stages (the same split is checked by the sizes).
-void check_same_pipeline(const CheckpointData& data, int pp_size, const std::string& path) {
-  const int saved = data.meta.count("pp") ? std::stoi(data.meta.at("pp")) : 1;
-  DTRAIN_CHECK(saved == pp_size, path, " holds partitioned optimizer state (--offload=optimizer or --shard) of ", saved,
-               " pipeline stage(s), kept per stage; this run has ", pp_size, ". Resume it with --pp=", saved);
-}
-
 // "<param index>.<state name>" with the index moved by delta (pipeline stages number their
 // parameters from 0; the whole model's numbering runs on across the stages).
 std::string shift_param_index(const std::string& state_name, int64_t delta) {
@@ -347,8 +339,8 @@ void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& i
     if (layout && saved_partitioned) {
       // This rank's range from the saved shards of this tensor-parallel rank that overlap it
       // (any old data-parallel size; offloaded and device-sharded shards alike).
-      check_same_pipeline(data, mesh_.pp_size(), info.path);
-      optimizer_->load_shard_state(load_resharded_optimizer(store, data, mesh_.tp_rank(), *layout, mesh_.pp_rank()));
+      optimizer_->load_shard_state(
+          load_resharded_optimizer(store, data, mesh_.tp_rank(), *layout, mesh_.pp_rank(), mesh_.pp_size()));
     } else if (layout) {
       DTRAIN_CHECK(layout->numel == numel, "the partitioned optimizer covers ", layout->numel, " of the ", numel,
                    " parameter elements (some parameters live on the host); resume with the optimizer the "
@@ -356,9 +348,8 @@ void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& i
       optimizer_->load_shard_state(shard_of_replicated(replicated, *layout));
     } else if (saved_partitioned) {
       // An unsharded run from a partitioned checkpoint: the whole flat space, split per parameter.
-      check_same_pipeline(data, mesh_.pp_size(), info.path);
-      replicated = replicated_of_shard(
-          load_resharded_optimizer(store, data, mesh_.tp_rank(), {numel, {0, numel}}, mesh_.pp_rank()));
+      replicated = replicated_of_shard(load_resharded_optimizer(store, data, mesh_.tp_rank(), {numel, {0, numel}},
+                                                                mesh_.pp_rank(), mesh_.pp_size()));
     }
     // The replicated part (e.g. the host parameters' state of --offload=all), unless it was
     // just cut into this rank's range.

@@ -20,11 +20,13 @@
 namespace dtrain {
 namespace {
 
-std::vector<std::shared_ptr<torch::nn::Module>> make_blocks(int n, int64_t d) {
+// n Linear + Tanh blocks of width d on `device`, the same weights at every call.
+std::vector<std::shared_ptr<torch::nn::Module>> make_blocks(int n, int64_t d, c10::Device device) {
   torch::manual_seed(3);
   std::vector<std::shared_ptr<torch::nn::Module>> blocks;
   for (int i = 0; i < n; ++i) {
     blocks.push_back(std::make_shared<torch::nn::SequentialImpl>(torch::nn::Linear(d, d), torch::nn::Tanh()));
+    blocks.back()->to(device);
   }
   return blocks;
 }
@@ -52,10 +54,8 @@ TEST(LayerOffloadGpu, StreamedBlocksMatchResidentBlocksAndLeaveTheDevice) {
   DTRAIN_SKIP_WITHOUT_CUDA();
   const c10::Device dev(c10::kCUDA, 0);
   const int64_t d = 512;
-  auto resident = make_blocks(6, d);
-  auto streamed = make_blocks(6, d);
-  for (auto& b : resident) b->to(dev);
-  for (auto& b : streamed) b->to(dev);
+  auto resident = make_blocks(6, d, dev);
+  auto streamed = make_blocks(6, d, dev);
   offload::LayerStreamer streamer(streamed, dev);
   for (auto& b : streamed) {
     for (auto& p : b->parameters()) EXPECT_TRUE(p.device().is_cpu()) << "weights live on the host";
@@ -105,10 +105,8 @@ TEST(LayerOffloadGpu, AccumulatedGradientsOfStreamedBlocksMatchResidentOnes) {
   DTRAIN_SKIP_WITHOUT_CUDA();
   const c10::Device dev(c10::kCUDA, 0);
   const int64_t d = 256;
-  auto resident = make_blocks(4, d);
-  auto streamed = make_blocks(4, d);
-  for (auto& b : resident) b->to(dev);
-  for (auto& b : streamed) b->to(dev);
+  auto resident = make_blocks(4, d, dev);
+  auto streamed = make_blocks(4, d, dev);
   offload::LayerStreamer streamer(streamed, dev);
   std::vector<at::Tensor> params_a, params_b;
   for (size_t i = 0; i < resident.size(); ++i) {
@@ -163,10 +161,8 @@ TEST(LayerOffloadGpu, StreamedBlocksUnderAmpKeepNoCastWeights) {
   const c10::Device dev(c10::kCUDA, 0);
   const int64_t d = 1024;
   const int n = 6;
-  auto resident = make_blocks(n, d);
-  auto streamed = make_blocks(n, d);
-  for (auto& b : resident) b->to(dev);
-  for (auto& b : streamed) b->to(dev);
+  auto resident = make_blocks(n, d, dev);
+  auto streamed = make_blocks(n, d, dev);
   offload::LayerStreamer streamer(streamed, dev);
   at::Tensor x = at::randn({8, d}, at::TensorOptions().device(dev));
   at::Tensor probe = at::randn({8, d}, at::TensorOptions().device(dev));

@@ -109,8 +109,10 @@ struct CheckpointData {
   // DataLoader::position() to seek() to), "program", "args".
   std::map<std::string, std::string> meta;
   int world_size = 1;
-  int dp_size = 1;     // world_size / dp_size is the tensor-parallel size
+  int dp_size = 1;     // world_size / (dp_size x pipeline_stages()) is the tensor-parallel size
   int rank_files = 0;  // rank files 0..rank_files-1 belong to this checkpoint
+  // The pipeline stages of the run that saved it (meta "pp"; 1 when absent).
+  int pipeline_stages() const { return meta.count("pp") ? std::stoi(meta.at("pp")) : 1; }
 };
 
 // One rank's own part of a checkpoint.
@@ -221,10 +223,11 @@ void check_same_layout(const NamedTensors& live, const NamedTensors& saved, cons
 // (assemble_shard); any old data-parallel size resumes any new one. Throws dtrain::Error for
 // a tensor-parallel rank the checkpoint does not have, a checkpoint without rank files, a
 // rank file of another position or model, or what assemble_shard throws. Pipeline stages
-// (main.meta "pp", 1 when absent) each partition their own flat space: pp_rank's files are
-// read, and the checkpoint must have that stage (resume partitioned state under the same --pp).
+// (main.pipeline_stages()) each partition their own flat space: stage pp_rank's files are read,
+// and the checkpoint must have as many stages as this run's pp_size (partitioned state resumes
+// under the same --pp only; dtrain::Error naming the one to use otherwise).
 ShardState load_resharded_optimizer(const CheckpointStore& store, const CheckpointData& main,
-                                    int tp_rank, const ShardLayout& target, int pp_rank = 0);
+                                    int tp_rank, const ShardLayout& target, int pp_rank = 0, int pp_size = 1);
 
 // ---- collective save and resume ---------------------------------------------------------------
 
