@@ -94,6 +94,8 @@ double cost_seconds(const PlanInputs& in, const ActivationProfile& profile, cons
   auto [per_row, per_micro] = compute_rates(in, profile, t.amp);
   double seconds = in.batch_size * per_row * (t.checkpoint ? kCheckpointComputeFactor : 1.0);
   seconds += t.accum_steps * per_micro;
+  // A pipeline runs accum_steps + pp - 1 micro-batch times per step, the bubble among them.
+  seconds *= static_cast<double>(t.accum_steps + in.pp - 1) / t.accum_steps;
   const double local = static_cast<double>(local_parameters(in));
   if (t.offload_optimizer) {
     const double cpu_bytes =
@@ -120,9 +122,17 @@ int techniques_used(const Technique& t, AmpMode asked) {
          int{t.offload_optimizer} + int{t.offload_layers} + int{t.shard > 0};
 }
 
-bool fits(const PlanInputs& in, const MemoryEstimate& e) {
-  return (in.gpu_budget_bytes == 0 || e.gpu.total() <= in.gpu_budget_bytes) &&
-         (in.host_budget_bytes == 0 || e.host.total() <= in.host_budget_bytes);
+// A candidate technique with the figures the choice follows: this rank's own, or (with a
+// PlanAgreement) the maximum over the ranks that apply one plan.
+struct Candidate {
+  MemoryEstimate estimate;  // this rank's
+  double seconds = 0;
+  int64_t gpu = 0, host = 0;  // totals
+};
+
+bool fits(const PlanInputs& in, const Candidate& c) {
+  return (in.gpu_budget_bytes == 0 || c.gpu <= in.gpu_budget_bytes) &&
+         (in.host_budget_bytes == 0 || c.host <= in.host_budget_bytes);
 }
 
 std::string component_summary(const MemoryComponents& c) {
@@ -137,26 +147,26 @@ std::string component_summary(const MemoryComponents& c) {
 
 std::string budget_text(int64_t bytes) { return bytes == 0 ? "no limit" : size_text(bytes); }
 
-std::string nothing_fits_message(const PlanInputs& in, const std::vector<MemoryEstimate>& all) {
-  const MemoryEstimate* smallest = &all.front();
-  for (const MemoryEstimate& e : all) {
-    if (e.gpu.total() < smallest->gpu.total() ||
-        (e.gpu.total() == smallest->gpu.total() && e.host.total() < smallest->host.total())) {
-      smallest = &e;
-    }
+std::string nothing_fits_message(const PlanInputs& in, const std::vector<Candidate>& all, bool agreed) {
+  const Candidate* least = &all.front();
+  for (const Candidate& c : all) {
+    if (c.gpu < least->gpu || (c.gpu == least->gpu && c.host < least->host)) least = &c;
   }
-  const bool gpu_short = in.gpu_budget_bytes > 0 && smallest->gpu.total() > in.gpu_budget_bytes;
+  const MemoryEstimate* smallest = &least->estimate;
+  const bool gpu_short = in.gpu_budget_bytes > 0 && least->gpu > in.gpu_budget_bytes;
   std::ostringstream os;
   os << "no combination of techniques fits the GPU budget of " << budget_text(in.gpu_budget_bytes)
      << " (host budget " << budget_text(in.host_budget_bytes) << ") among " << all.size()
-     << " candidates: the smallest GPU estimate is " << size_text(smallest->gpu.total())
-     << " on the GPU and " << size_text(smallest->host.total()) << " on the host, with "
+     << " candidates" << (agreed ? " on every rank" : "") << ": the smallest GPU estimate is "
+     << size_text(least->gpu) << " on the GPU and " << size_text(least->host) << " on the host"
+     << (agreed ? " (the most any rank needs)" : "") << ", with "
      << (smallest->technique.flags().empty() ? "the plain step" : smallest->technique.flags())
-     << " (micro-batch of " << smallest->micro_batch_rows << " rows; "
-     << component_summary(smallest->gpu) << "). To fit: ";
+     << " (micro-batch of " << smallest->micro_batch_rows << " rows";
+  if (smallest->in_flight > 1) os << ", " << smallest->in_flight << " in flight on pipeline stage " << in.stage;
+  os << "; " << (agreed ? "this rank's " : "") << component_summary(smallest->gpu) << "). To fit: ";
   std::vector<std::string> fixes;
   if (gpu_short) {
-    fixes.push_back("raise --gpu_mem_limit_gb to at least " + size_text(smallest->gpu.total()));
+    fixes.push_back("raise --gpu_mem_limit_gb to at least " + size_text(least->gpu));
     fixes.push_back("lower --batch_size (activations scale with the micro-batch)");
     if (!in.can_checkpoint) fixes.push_back("allow --checkpoint_activations");
     if (in.amp == AmpMode::kOff && !in.allow_amp_change)
@@ -164,39 +174,46 @@ std::string nothing_fits_message(const PlanInputs& in, const std::vector<MemoryE
     if (!in.can_offload_optimizer) fixes.push_back("allow --offload=optimizer");
     if (!in.can_offload_layers) fixes.push_back("allow --offload=layers");
     if (!in.can_shard && in.dp > 1) fixes.push_back("allow --shard (ZeRO-1/2 over the " + std::to_string(in.dp) + " data-parallel ranks)");
-    fixes.push_back("split the model over more GPUs (--tp)");
+    fixes.push_back(in.pp > 1 ? "split the model over more GPUs (--tp, or more --pp stages)"
+                              : "split the model over more GPUs (--tp, --pp)");
+    if (in.pp > 1 && in.pp_gpipe) fixes.push_back("use --pp_schedule=1f1b (it holds fewer micro-batches)");
   } else {
-    fixes.push_back("raise --host_mem_limit_gb to at least " + size_text(smallest->host.total()));
+    fixes.push_back("raise --host_mem_limit_gb to at least " + size_text(least->host));
     fixes.push_back("spread the offloaded optimizer state over more data-parallel ranks");
   }
   for (size_t i = 0; i < fixes.size(); ++i) os << (i ? "; " : "") << fixes[i];
   return os.str();
 }
 
-std::string plan_reason(const PlanInputs& in, const std::vector<MemoryEstimate>& all,
-                        const std::vector<std::pair<double, const MemoryEstimate*>>& fitting) {
-  const MemoryEstimate& best = *fitting.front().second;
+std::string plan_reason(const PlanInputs& in, const std::vector<Candidate>& all,
+                        const std::vector<const Candidate*>& fitting, bool agreed) {
+  const Candidate& best = *fitting.front();
+  const std::string name =
+      best.estimate.technique.flags().empty() ? "the plain step" : best.estimate.technique.flags();
   std::ostringstream os;
-  os << "chose " << (best.technique.flags().empty() ? "the plain step" : best.technique.flags())
-     << ": " << size_text(best.gpu.total()) << " of the GPU budget "
+  os << "chose " << name << ": " << size_text(best.gpu) << " of the GPU budget "
      << budget_text(in.gpu_budget_bytes);
-  if (best.host.total() > 0) os << " and " << size_text(best.host.total()) << " on the host";
-  os << ", ~" << std::fixed << std::setprecision(1) << fitting.front().first * 1e3
-     << " ms/step by the cost model; " << fitting.size() << " of " << all.size()
-     << " candidates fit";
+  if (best.host > 0) os << " and " << size_text(best.host) << " on the host";
+  if (agreed) os << " (the most any rank needs)";
+  os << ", ~" << std::fixed << std::setprecision(1) << best.seconds * 1e3
+     << " ms/step by the cost model";
+  if (in.pp > 1) {
+    os << " (" << best.estimate.technique.accum_steps << " micro-batches through " << in.pp
+       << " stages, " << best.estimate.in_flight << " in flight on stage " << in.stage << ")";
+  }
+  os << "; " << fitting.size() << " of " << all.size() << " candidates fit";
   // The plain step (first candidate: no technique) and whether it fits.
-  for (const MemoryEstimate& e : all) {
-    if (techniques_used(e.technique, in.amp) == 0) {
-      os << "; the plain step needs " << size_text(e.gpu.total())
-         << (fits(in, e) ? " (fits)" : " (does not fit)");
+  for (const Candidate& c : all) {
+    if (techniques_used(c.estimate.technique, in.amp) == 0) {
+      os << "; the plain step needs " << size_text(c.gpu) << (fits(in, c) ? " (fits)" : " (does not fit)");
       break;
     }
   }
   if (fitting.size() > 1) {
-    const MemoryEstimate& next = *fitting[1].second;
+    const Candidate& next = *fitting[1];
     os << "; next best: "
-       << (next.technique.flags().empty() ? "the plain step" : next.technique.flags()) << " at ~"
-       << fitting[1].first * 1e3 << " ms/step";
+       << (next.estimate.technique.flags().empty() ? "the plain step" : next.estimate.technique.flags())
+       << " at ~" << next.seconds * 1e3 << " ms/step";
   }
   return os.str();
 }
@@ -273,12 +290,23 @@ void validate(const PlanInputs& in) {
   DTRAIN_CHECK(in.host_bytes_per_second > 0 && in.pcie_bytes_per_second > 0 && in.network_bytes_per_second > 0,
                "bandwidths must be positive (host ", in.host_bytes_per_second, ", pcie ",
                in.pcie_bytes_per_second, ", network ", in.network_bytes_per_second, ")");
+  DTRAIN_CHECK(in.pp >= 1 && in.stage >= 0 && in.stage < in.pp, "PlanInputs.stage=", in.stage,
+               " must be in [0, pp=", in.pp, ") and pp >= 1");
   DTRAIN_CHECK(in.compute_seconds_per_row >= 0 && in.micro_batch_overhead_seconds >= 0,
                "compute times must be >= 0 (0: from the probe)");
 }
 
 int64_t ActivationFit::bytes(int64_t r) const {
   return ceil_bytes(intercept_bytes + bytes_per_row * r);
+}
+
+int64_t ActivationFit::held(int64_t r) const {
+  return ceil_bytes(held_intercept_bytes + held_bytes_per_row * r);
+}
+
+int pipeline_in_flight(const PlanInputs& in, int accum_steps) {
+  if (in.pp <= 1) return 1;
+  return in.pp_gpipe ? accum_steps : std::min(in.pp - in.stage, accum_steps);
 }
 
 const ActivationFit* ActivationProfile::find(bool checkpoint, AmpMode amp) const {
@@ -372,7 +400,10 @@ MemoryEstimate estimate(const PlanInputs& in, const ActivationProfile& profile,
     e.host.gradients += offloaded_layers * bpp;
     e.host.other = kOffloadStagingBytes;
   }
-  e.gpu.activations = fit->bytes(e.micro_batch_rows);
+  // A pipeline stage: the micro-batch in backward at its peak, the others in flight holding
+  // what their forward left for their backward.
+  e.in_flight = pipeline_in_flight(in, t.accum_steps);
+  e.gpu.activations = fit->bytes(e.micro_batch_rows) + (e.in_flight - 1) * fit->held(e.micro_batch_rows);
   e.gpu.transient = std::max(e.gpu.transient, in.optimizer_transient_bytes);
   e.gpu.stale_gradients = in.reducer_rebuild ? e.gpu.gradients : 0;
   e.gpu.other = in.buffer_bytes + profile.persistent_bytes +
@@ -397,7 +428,9 @@ std::map<std::string, double> MemoryEstimate::predicted_mb() const {
 std::string MemoryEstimate::to_string() const {
   std::ostringstream os;
   os << "memory estimate for " << technique.to_string() << " (micro-batch " << micro_batch_rows
-     << " rows), MiB\n";
+     << " rows";
+  if (in_flight > 1) os << ", " << in_flight << " in flight on this pipeline stage";
+  os << "), MiB\n";
   os << std::fixed << std::setprecision(1);
   auto row = [&](const char* label, int64_t g, int64_t h) {
     os << "  " << std::left << std::setw(46) << label << std::right << std::setw(12) << g / kMiBf
@@ -432,6 +465,7 @@ std::string Plan::to_json() const {
                                                                          : "none";
   j["shard"] = technique.shard == 1 ? "optimizer" : technique.shard == 2 ? "gradients" : "none";
   j["micro_batch_rows"] = estimate.micro_batch_rows;
+  j["in_flight"] = estimate.in_flight;
   j["gpu_bytes"] = estimate.gpu.total();
   j["gpu_allocated_peak_bytes"] = estimate.gpu.allocated_peak();
   j["host_bytes"] = estimate.host.total();
@@ -448,7 +482,7 @@ double estimate_step_seconds(const PlanInputs& in, const ActivationProfile& prof
   return cost_seconds(in, profile, t);
 }
 
-Plan choose_plan(const PlanInputs& in, const ActivationProfile& profile) {
+Plan choose_plan(const PlanInputs& in, const ActivationProfile& profile, const PlanAgreement& agree) {
   validate(in);
   std::vector<AmpMode> amps = {in.amp};
   if (in.allow_amp_change) {
@@ -456,7 +490,7 @@ Plan choose_plan(const PlanInputs& in, const ActivationProfile& profile) {
       if (m != in.amp && profile.find(false, m)) amps.push_back(m);
     }
   }
-  std::vector<MemoryEstimate> all;
+  std::vector<Candidate> all;
   for (AmpMode amp : amps) {
     for (int opt : {0, 1}) {
       if (opt && !in.can_offload_optimizer) continue;
@@ -468,7 +502,12 @@ Plan choose_plan(const PlanInputs& in, const ActivationProfile& profile) {
           for (int ckpt : {0, 1}) {
             if ((ckpt && !in.can_checkpoint) || !profile.find(ckpt, amp)) continue;
             for (int accum : accum_candidates(in)) {
-              all.push_back(estimate(in, profile, Technique{ckpt == 1, accum, amp, opt == 1, layers == 1, shard}));
+              Candidate c;
+              c.estimate = estimate(in, profile, Technique{ckpt == 1, accum, amp, opt == 1, layers == 1, shard});
+              c.seconds = cost_seconds(in, profile, c.estimate.technique);
+              c.gpu = c.estimate.gpu.total();
+              c.host = c.estimate.host.total();
+              all.push_back(std::move(c));
             }
           }
         }
@@ -478,25 +517,41 @@ Plan choose_plan(const PlanInputs& in, const ActivationProfile& profile) {
   DTRAIN_CHECK(!all.empty(), "the activation profile has no measurement for amp ",
                engine::to_string(in.amp),
                " (checkpointing off or on); probe with that technique before planning");
-  std::vector<std::pair<double, const MemoryEstimate*>> fitting;
-  for (const MemoryEstimate& e : all) {
-    if (fits(in, e)) fitting.emplace_back(cost_seconds(in, profile, e.technique), &e);
+  if (agree) {
+    const size_t n = all.size();
+    std::vector<double> figures(3 * n);
+    for (size_t i = 0; i < n; ++i) {
+      figures[i] = all[i].seconds;
+      figures[n + i] = static_cast<double>(all[i].gpu);
+      figures[2 * n + i] = static_cast<double>(all[i].host);
+    }
+    agree(figures);
+    DTRAIN_CHECK(figures.size() == 3 * n, "choose_plan: the agreement changed the number of figures from ", 3 * n,
+                 " to ", figures.size());
+    for (size_t i = 0; i < n; ++i) {
+      all[i].seconds = figures[i];
+      all[i].gpu = static_cast<int64_t>(figures[n + i]);
+      all[i].host = static_cast<int64_t>(figures[2 * n + i]);
+    }
   }
-  DTRAIN_CHECK(!fitting.empty(), nothing_fits_message(in, all));
-  std::stable_sort(fitting.begin(), fitting.end(), [&](const auto& a, const auto& b) {
-    if (a.first != b.first) return a.first < b.first;
-    return techniques_used(a.second->technique, in.amp) <
-           techniques_used(b.second->technique, in.amp);
+  std::vector<const Candidate*> fitting;
+  for (const Candidate& c : all) {
+    if (fits(in, c)) fitting.push_back(&c);
+  }
+  DTRAIN_CHECK(!fitting.empty(), nothing_fits_message(in, all, static_cast<bool>(agree)));
+  std::stable_sort(fitting.begin(), fitting.end(), [&](const Candidate* a, const Candidate* b) {
+    if (a->seconds != b->seconds) return a->seconds < b->seconds;
+    return techniques_used(a->estimate.technique, in.amp) < techniques_used(b->estimate.technique, in.amp);
   });
   Plan plan;
-  plan.technique = fitting.front().second->technique;
-  plan.estimate = *fitting.front().second;
-  plan.step_seconds = fitting.front().first;
-  plan.reason = plan_reason(in, all, fitting);
+  plan.technique = fitting.front()->estimate.technique;
+  plan.estimate = fitting.front()->estimate;
+  plan.step_seconds = fitting.front()->seconds;
+  plan.reason = plan_reason(in, all, fitting, static_cast<bool>(agree));
   plan.allocator_limit_bytes =
       in.gpu_budget_bytes == 0 ? 0
                                : std::max<int64_t>(in.gpu_budget_bytes - in.cuda_context_bytes, 1);
-  for (const auto& f : fitting) plan.fitting.push_back(*f.second);
+  for (const Candidate* c : fitting) plan.fitting.push_back(c->estimate);
   return plan;
 }
 

@@ -99,6 +99,7 @@ class RngGuard {
 
 struct RunResult {
   int64_t peak = 0;
+  int64_t held = 0;  // allocated when forward has returned, above the start
   double seconds = 0;
 };
 
@@ -109,12 +110,15 @@ RunResult run_once(const ProbeLossFn& loss_fn, GradientGuard& grads, c10::Device
   reset_peak_memory(device);
   const int64_t start = allocated_bytes(device);
   const auto t0 = std::chrono::steady_clock::now();
+  int64_t held = 0;
   {
     at::Tensor loss;
     {
       AutocastGuard autocast(device.type(), t.amp);
       loss = loss_fn(rows, t.checkpoint);
     }
+    synchronize(device);
+    held = allocated_bytes(device) - start;
     DTRAIN_CHECK(loss.defined() && loss.numel() == 1,
                  "probe_activations: the loss function must return a scalar, got ",
                  loss.defined() ? loss.sizes() : at::IntArrayRef{});
@@ -124,7 +128,14 @@ RunResult run_once(const ProbeLossFn& loss_fn, GradientGuard& grads, c10::Device
   RunResult r;
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   r.peak = std::max<int64_t>(0, peak_bytes(device) - start);
+  r.held = std::max<int64_t>(0, held);
   return r;
+}
+
+// The line through (rows[k], bytes[k]), slope and intercept clamped at 0.
+void fit_line(const int64_t rows[2], const int64_t bytes[2], double& per_row, double& intercept) {
+  per_row = std::max(0.0, static_cast<double>(bytes[1] - bytes[0]) / static_cast<double>(rows[1] - rows[0]));
+  intercept = std::max(0.0, static_cast<double>(bytes[0]) - per_row * static_cast<double>(rows[0]));
 }
 
 }  // namespace
@@ -165,12 +176,11 @@ ActivationProfile probe_activations(const ProbeLossFn& loss_fn,
     for (int k = 0; k < 2; ++k) {
       RunResult r = run_once(loss_fn, grads, device, fit.rows[k], t);
       fit.peak_bytes[k] = r.peak;
+      fit.held_bytes[k] = r.held;
       fit.seconds[k] = r.seconds;
     }
-    fit.bytes_per_row = std::max(0.0, static_cast<double>(fit.peak_bytes[1] - fit.peak_bytes[0]) /
-                                          static_cast<double>(fit.rows[1] - fit.rows[0]));
-    fit.intercept_bytes =
-        std::max(0.0, static_cast<double>(fit.peak_bytes[0]) - fit.bytes_per_row * fit.rows[0]);
+    fit_line(fit.rows, fit.peak_bytes, fit.bytes_per_row, fit.intercept_bytes);
+    fit_line(fit.rows, fit.held_bytes, fit.held_bytes_per_row, fit.held_intercept_bytes);
     profile.fits.push_back(fit);
   }
   return profile;

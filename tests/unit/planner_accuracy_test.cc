@@ -69,6 +69,24 @@ TEST(PlannerAccuracy, ProbeRestoresGradientsAndRandomState) {
   }
 }
 
+TEST(PlannerAccuracy, ProbeMeasuresWhatForwardHoldsForBackward) {
+  // y = tanh(x * w) summed: the product saves x (w's gradient needs it), tanh saves its result,
+  // the product itself is freed when forward returns: 2 x 1024 floats held per row.
+  track_cpu_memory();
+  const c10::Device cpu(c10::kCPU);
+  at::Tensor w = at::randn({1024}).requires_grad_();
+  auto fn = [&](int64_t rows, bool) { return (at::randn({rows, 1024}) * w).tanh().sum(); };
+  const ActivationProfile p = probe_activations(fn, {w}, cpu, ProbeOptions{2, 4, {{false, AmpMode::kOff}}});
+  ASSERT_EQ(p.fits.size(), 1u);
+  const ActivationFit& f = p.fits[0];
+  EXPECT_DOUBLE_EQ(f.held_bytes_per_row, 2 * 1024 * 4.0);
+  EXPECT_LE(f.held_intercept_bytes, 1024.0);  // the loss scalar
+  EXPECT_EQ(f.held(8), f.held_bytes[1] + 4 * 2 * 1024 * 4);
+  // Backward adds to what is held (gradients of the saved tensors' shape), never less.
+  EXPECT_GE(f.peak_bytes[0], f.held_bytes[0]);
+  EXPECT_GE(f.peak_bytes[1], f.held_bytes[1]);
+}
+
 TEST(PlannerAccuracy, ProbeRefusesBadInput) {
   const c10::Device cpu(c10::kCPU);
   at::Tensor w = at::zeros({3}, at::TensorOptions().requires_grad(true));

@@ -383,6 +383,132 @@ TEST(PlannerChoice, NothingFitsNamesTheSmallestEstimate) {
   EXPECT_NE(msg.find("allow --offload=optimizer"), std::string::npos) << msg;
 }
 
+// Peak 10 MiB per row, of which forward holds 6 MiB per row until backward.
+ActivationProfile held_profile() {
+  ActivationProfile p;
+  ActivationFit f = line(false, AmpMode::kOff, 0, 10.0 * kMB);
+  f.held_bytes_per_row = 6.0 * kMB;
+  p.fits = {f};
+  return p;
+}
+
+TEST(PlannerPipeline, StagesHoldTheirMicroBatchesInFlight) {
+  PlanInputs in = inputs();
+  in.pp = 4;
+  const ActivationProfile p = held_profile();
+  for (bool gpipe : {false, true}) {
+    in.pp_gpipe = gpipe;
+    for (int stage = 0; stage < 4; ++stage) {
+      in.stage = stage;
+      for (int m : {1, 2, 4, 8, 16}) {
+        // 1F1B: stage s holds min(P - s, m) micro-batches, GPipe all m; one of them is in
+        // backward (its peak), the others hold what their forward left.
+        const int k = gpipe ? m : std::min(4 - stage, m);
+        const int64_t rows = 16 / m;
+        const MemoryEstimate e = estimate(in, p, Technique{false, m});
+        EXPECT_EQ(e.in_flight, k) << "stage " << stage << " m " << m;
+        EXPECT_EQ(pipeline_in_flight(in, m), k);
+        EXPECT_EQ(e.gpu.activations, rows * 10 * kMB + (k - 1) * rows * 6 * kMB)
+            << (gpipe ? "gpipe" : "1f1b") << " stage " << stage << " m " << m;
+      }
+    }
+  }
+  // GPipe at 16 micro-batches holds the whole batch's forward: no saving from accumulation.
+  in.pp_gpipe = true;
+  in.stage = 0;
+  EXPECT_EQ(estimate(in, p, Technique{false, 16}).gpu.activations, (10 + 15 * 6) * kMB);
+  in.pp_gpipe = false;
+  EXPECT_EQ(estimate(in, p, Technique{false, 16}).gpu.activations, (10 + 3 * 6) * kMB);
+  // Without a pipeline nothing else is in flight.
+  in.pp = 1;
+  EXPECT_EQ(estimate(in, p, Technique{false, 4}).gpu.activations, 40 * kMB);
+  EXPECT_NE(estimate(PlanInputs(inputs()), p, Technique{false, 4}).to_string().find("micro-batch 4 rows)"),
+            std::string::npos);
+  in.pp = 2;
+  in.stage = 2;
+  EXPECT_NE(error_of([&] { estimate(in, p, Technique{}); }).find("PlanInputs.stage=2 must be in [0, pp=2)"),
+            std::string::npos);
+}
+
+TEST(PlannerPipeline, TheBubbleFavoursMoreMicroBatches) {
+  // Rows cost 10 ms, micro-batches 5 ms; a step of m micro-batches through P stages takes
+  // (m + P - 1) micro-batch times.
+  PlanInputs in = inputs();
+  in.pp = 4;
+  const ActivationProfile p = held_profile();
+  for (int m : {1, 2, 4, 8, 16}) {
+    EXPECT_NEAR(estimate_step_seconds(in, p, Technique{false, m}), (m + 3) * (16.0 / m * 0.010 + 0.005), 1e-12);
+  }
+  // Without a pipeline the plain step is fastest; with 4 stages 8 micro-batches are
+  // (11/8 x 0.2 s = 0.275 s against 0.285 s at 16 and 0.315 s at 4).
+  in.pp = 1;
+  EXPECT_EQ(choose_plan(in, p).flags(), "");
+  in.pp = 4;
+  const Plan plan = choose_plan(in, p);
+  EXPECT_EQ(plan.flags(), "--accum_steps=8");
+  EXPECT_NE(plan.reason.find("(8 micro-batches through 4 stages, 4 in flight on stage 0)"), std::string::npos)
+      << plan.reason;
+  EXPECT_NE(plan.to_json().find("\"in_flight\":4"), std::string::npos) << plan.to_json();
+}
+
+TEST(PlannerPipeline, StagesAgreeOnWhatFitsOnEveryOne) {
+  // Two stages: stage 0 (embeddings, 2 micro-batches in flight under 1F1B) and stage 1 (the
+  // head: more parameters, 1 in flight). Each computes its own figures; the agreement takes
+  // the maximum of each, as the all-reduce in the examples does.
+  PlanInputs s0 = inputs(), s1 = inputs();
+  s0.pp = s1.pp = 2;
+  s1.stage = 1;
+  s0.parameters = 10 * kMB;  // 160 MiB of weights, gradients and AdamW state
+  s1.parameters = 20 * kMB;  // 320 MiB
+  s0.reducer_rebuild = s1.reducer_rebuild = false;
+  s0.accum_candidates = s1.accum_candidates = {1, 2};
+  ActivationProfile p = profile();
+  for (ActivationFit& f : p.fits) f.held_bytes_per_row = f.bytes_per_row;  // forward holds it all
+  std::vector<double> figures0, figures1;
+  auto record = [](std::vector<double>& into) { return [&into](std::vector<double>& f) { into = f; }; };
+  const int64_t budget = 900 * kMB;
+  s0.gpu_budget_bytes = s1.gpu_budget_bytes = budget;
+  const Plan alone0 = choose_plan(s0, p, record(figures0));
+  const Plan alone1 = choose_plan(s1, p, record(figures1));
+  ASSERT_EQ(figures0.size(), figures1.size());
+  // Stage 0 holds both micro-batches: the plain step needs 160 + 800 MiB at m = 1 or 2, so it
+  // checkpoints (160 + 80 + 80). Stage 1 holds one: 320 + 400 fits at m = 2, the fastest
+  // (1.5 x 0.17 s against checkpointing's 1.5 x 0.223 s).
+  EXPECT_EQ(alone0.flags(), "--checkpoint_activations --accum_steps=2");
+  EXPECT_EQ(alone1.flags(), "--accum_steps=2");
+  EXPECT_EQ(estimate(s1, p, Technique{false, 2}).gpu.total(), 720 * kMB);
+  EXPECT_EQ(estimate(s0, p, Technique{false, 2}).gpu.total(), 960 * kMB);
+  auto agree_with = [](const std::vector<double>& other) {
+    return [&other](std::vector<double>& f) {
+      for (size_t i = 0; i < f.size(); ++i) f[i] = std::max(f[i], other[i]);
+    };
+  };
+  const Plan plan0 = choose_plan(s0, p, agree_with(figures1));
+  const Plan plan1 = choose_plan(s1, p, agree_with(figures0));
+  EXPECT_EQ(plan0.flags(), "--checkpoint_activations --accum_steps=2");
+  EXPECT_EQ(plan1.flags(), plan0.flags());
+  EXPECT_EQ(plan0.step_seconds, plan1.step_seconds);
+  EXPECT_LE(plan0.estimate.gpu.total(), budget);
+  EXPECT_LE(plan1.estimate.gpu.total(), budget);
+  EXPECT_NE(plan0.reason.find("(the most any rank needs)"), std::string::npos) << plan0.reason;
+  // The plan is the fastest that fits both: every faster candidate overflows one stage.
+  for (const MemoryEstimate& e : plan0.fitting) {
+    EXPECT_LE(std::max(e.gpu.total(), estimate(s1, p, e.technique).gpu.total()), budget) << e.technique.flags();
+  }
+  // Nothing fits on every rank: the message names the most any rank needs.
+  s0.gpu_budget_bytes = s1.gpu_budget_bytes = 350 * kMB;
+  std::vector<double> small0;
+  EXPECT_NO_THROW(choose_plan(s0, p, record(small0)));  // stage 0 alone fits (320 MiB)
+  const std::string msg = error_of([&] { choose_plan(s0, p, agree_with(figures1)); });
+  EXPECT_NE(msg.find("candidates on every rank: the smallest GPU estimate is 400.0 MiB"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("(the most any rank needs)"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("more --pp stages"), std::string::npos) << msg;
+  // An agreement that changes the number of figures is a bug in the caller.
+  EXPECT_NE(error_of([&] { choose_plan(s0, p, [](std::vector<double>& f) { f.pop_back(); }); })
+                .find("changed the number of figures"),
+            std::string::npos);
+}
+
 TEST(PlannerCost, ClosedFormsOfTheCostModel) {
   PlanInputs in = inputs();
   in.layer_parameters = 8 * kMB;

@@ -77,6 +77,13 @@ struct ActivationFit {
   double intercept_bytes = 0;         // clamped >= 0 (weight copies under autocast, transient
                                       // gradients before they are accumulated, ...)
   int64_t bytes(int64_t rows) const;  // the line at `rows`, rounded up
+  // What stays allocated between the forward and the backward of a micro-batch (the tensors
+  // saved for backward and the output): a pipeline stage holds this for every micro-batch
+  // in flight but the one in backward. Measured when the loss function has returned.
+  int64_t held_bytes[2] = {0, 0};
+  double held_bytes_per_row = 0;
+  double held_intercept_bytes = 0;
+  int64_t held(int64_t rows) const;  // the held line at `rows`, rounded up
 };
 
 struct ActivationProfile {
@@ -182,6 +189,14 @@ struct PlanInputs {
   // whose parameters live on two devices).
   bool can_shard = false;
 
+  // Pipeline parallelism (--pp): the model here is this rank's stage (its parameters, its
+  // buffers, its probe), stage `stage` of `pp`. A stage holds the activations of several
+  // micro-batches at once: 1F1B min(pp - stage, accum_steps), GPipe (pp_gpipe) all
+  // accum_steps of them. The step takes (accum_steps + pp - 1) micro-batch times (the bubble).
+  int pp = 1;
+  int stage = 0;
+  bool pp_gpipe = false;
+
   // Budgets (0: no limit). gpu_budget_bytes is the process's device memory: the allocator's
   // peak plus the workspace allowance plus the CUDA context. host_budget_bytes caps what
   // offload keeps on the host (the pinned pool's --host_mem_limit_gb).
@@ -215,7 +230,8 @@ struct MemoryComponents {
   int64_t parameters = 0;
   int64_t gradients = 0;
   int64_t optimizer_state = 0;  // host side: fp32 master weights + state
-  int64_t activations = 0;      // the probe's line at the micro-batch size
+  int64_t activations = 0;      // the probe's line at the micro-batch size (a pipeline stage:
+                                // plus the held line for each other micro-batch in flight)
   int64_t transient = 0;        // outside forward/backward: optimizer temporaries
   int64_t stale_gradients = 0;  // the old gradient buckets of step 2 (PlanInputs::reducer_rebuild)
   int64_t other = 0;            // buffers, input batches, persistent workspaces
@@ -230,6 +246,7 @@ struct MemoryComponents {
 struct MemoryEstimate {
   Technique technique;
   int64_t micro_batch_rows = 0;
+  int in_flight = 1;      // micro-batches whose activations are held at once (pipeline stages)
   MemoryComponents gpu;   // the training device (the CPU itself when training on the CPU)
   MemoryComponents host;  // what offload keeps on the host (0 without offload)
   // For MemoryReport::predicted (MiB): "parameters", "gradients", "optimizer_state",
@@ -271,12 +288,26 @@ struct Plan {
 //                 over PCIe
 //   layer offload per micro-batch: layer parameters twice (forward, backward) and their
 //                 gradients once over PCIe
+//   pipeline      compute and micro-batch overheads x (accum_steps + pp - 1) / accum_steps
 // Compute per row and the overhead come from the profile's timings of the non-checkpointed
 // fit of the technique's AMP mode (a line over the two sizes) unless PlanInputs gives them;
 // without either, 1 ms per row and 1 ms per micro-batch. Ties prefer fewer techniques.
 // Throws dtrain::Error when nothing fits: the message gives the smallest estimate (technique
 // and GPU/host totals against the budgets) and what to change.
-Plan choose_plan(const PlanInputs& inputs, const ActivationProfile& profile);
+//
+// Ranks that must apply one plan (every rank of a run; the stages of a pipeline differ most)
+// pass `agree`: called once, on every such rank, with each candidate's figures laid out as
+// [step seconds x N, GPU total x N, host total x N] for the N candidates (enumerated in the
+// same order on every rank that has the same flags), it must replace each figure with its
+// maximum over those ranks (an all-reduce with max). The choice then follows the agreed
+// figures (a candidate fits when it fits on every rank; the slowest stage sets the pace), so
+// every rank picks the same technique; Plan::estimate stays this rank's own.
+using PlanAgreement = std::function<void(std::vector<double>& figures)>;
+Plan choose_plan(const PlanInputs& inputs, const ActivationProfile& profile,
+                 const PlanAgreement& agree = nullptr);
+// The number of micro-batches whose activations stage `inputs.stage` holds at once under
+// `accum_steps` micro-batches: 1 without a pipeline (see PlanInputs::pp).
+int pipeline_in_flight(const PlanInputs& inputs, int accum_steps);
 // The cost model's seconds per optimizer step of `technique` (as above; pure).
 double estimate_step_seconds(const PlanInputs& inputs, const ActivationProfile& profile,
                              const Technique& technique);
