@@ -111,6 +111,8 @@ ExampleModel gpt(const Run& run) {
     m.stage_activation_shape = [rows_per_rank, d = mo.d_model](int64_t rows) {
       return std::vector<int64_t>{rows, rows_per_rank, d};
     };
+    m.first_stage = s == 0;
+    m.last_stage = s == P - 1;
   }
   model->to(run.device);
   m.name = "gpt";
@@ -127,10 +129,12 @@ ExampleModel gpt(const Run& run) {
   };
   m.set_checkpointing = [model](bool on) { model->options.checkpoint_activations = on; };
   m.block_prefixes = {"blocks."};
-  m.blocks = FLAGS_layers;
+  m.blocks = static_cast<int>(model->blocks->size());  // a pipeline stage's own
   m.input_bytes_per_row = (S + 1) * 8;
   const int64_t tp = run.mesh->tp_size();
-  m.largest_activation_bytes_per_row = S * ((FLAGS_vocab + tp - 1) / tp) * 4;
+  // The logits (the last stage's; an earlier stage's largest is the activation it sends).
+  m.largest_activation_bytes_per_row =
+      m.last_stage ? S * ((FLAGS_vocab + tp - 1) / tp) * 4 : S * mo.d_model * 4;
   m.default_optimizer = "adamw";
   m.offload_layers = [model, device] { model->offload_blocks(device); };
   m.inputs = [S](const engine::Batch& b) { return std::vector<at::Tensor>{b.fields[0].narrow(1, 0, S)}; };
@@ -257,7 +261,6 @@ std::function<void()> model_checks(const std::string& model) {
     engine::pipeline_stage_bounds(FLAGS_layers, P, engine::cli::flags().pp_blocks);  // fewer blocks than stages
     if (P > 1) {  // the example's own features (the trainer refuses the engine's it cannot combine)
       const char* unsupported = !FLAGS_teacher.empty()                   ? "--teacher"
-                                : engine::cli::flags().plan == "auto"   ? "--plan=auto"
                                 : !FLAGS_quantize.empty()               ? "--quantize"
                                 : FLAGS_sparse_embedding                 ? "--sparse_embedding"
                                                                          : nullptr;
@@ -307,6 +310,9 @@ engine::PlanInputs plan_inputs(const Run& run, const ExampleModel& m,
   in.can_checkpoint = static_cast<bool>(m.set_checkpointing);
   in.largest_activation_bytes_per_row = m.largest_activation_bytes_per_row;
   in.cuda_context_bytes = run.device.is_cuda() ? engine::kDefaultCudaContextBytes : 0;
+  in.pp = run.mesh->pp_size();  // the counts above are this stage's: `module` is the stage
+  in.stage = run.mesh->pp_rank();
+  in.pp_gpipe = engine::parse_pipeline_schedule(engine::cli::flags().pp_schedule) == engine::PipelineSchedule::kGPipe;
   return in;
 }
 
@@ -328,7 +334,16 @@ engine::ActivationProfile probe_example_model(const Run& run, ExampleModel& m,
     profile = engine::probe_activations(
         [&](int64_t rows, bool checkpoint) {
           if (m.set_checkpointing) m.set_checkpointing(checkpoint);
-          return m.loss(m.synthetic_batch(rows));
+          if (!m.stage_forward) return m.loss(m.synthetic_batch(rows));
+          // A pipeline stage: the activation it would receive (a leaf that needs its gradient,
+          // as the trainer's), its forward, and for all but the last stage a backward seeded
+          // with a gradient of the sent activation's shape, as the next stage would return.
+          at::Tensor x;
+          if (!m.first_stage) {
+            x = at::randn(m.stage_activation_shape(rows), at::TensorOptions().device(run.device)).requires_grad_();
+          }
+          at::Tensor y = m.stage_forward(x, m.synthetic_batch(rows));
+          return m.last_stage ? y : (y * at::randn_like(y)).sum();
         },
         m.module->parameters(), run.device, po);
   } catch (...) {
@@ -341,6 +356,44 @@ engine::ActivationProfile probe_example_model(const Run& run, ExampleModel& m,
   return profile;
 }
 
+engine::PlanAgreement plan_agreement(dist::Communicator& comm) {
+  if (comm.size() == 1) return nullptr;  // one rank agrees with itself
+  return [&comm](std::vector<double>& figures) {
+    // The ranks must have enumerated the same candidates (the same flags do): check first.
+    const double n = static_cast<double>(figures.size());
+    at::Tensor count = at::tensor({n, -n}, at::kDouble);
+    comm.all_reduce(count, dist::ReduceOp::kMax)->wait();
+    DTRAIN_CHECK(count[0].item<double>() == -count[1].item<double>(),
+                 "--plan=auto: the ranks considered different numbers of candidate techniques (",
+                 -count[1].item<double>(), " to ", count[0].item<double>(),
+                 "); every rank must be given the same flags");
+    at::Tensor t = at::tensor(figures, at::kDouble);
+    comm.all_reduce(t, dist::ReduceOp::kMax)->wait();
+    const double* p = t.data_ptr<double>();
+    figures.assign(p, p + t.numel());
+  };
+}
+
+std::string stage_estimates(const Run& run, const engine::MemoryEstimate& mine) {
+  if (run.mesh->pp_size() == 1) return "";
+  // Each stage's estimate, from the first data-parallel and tensor-parallel rank of the stage.
+  const int P = run.mesh->pp_size();
+  at::Tensor t = at::zeros({2 * P}, at::kDouble);
+  if (run.mesh->dp_rank() == 0 && run.mesh->tp_rank() == 0) {
+    t[run.mesh->pp_rank()] = static_cast<double>(mine.gpu.allocated_peak());
+    t[P + run.mesh->pp_rank()] = mine.in_flight;
+  }
+  run.comm->all_reduce(t, dist::ReduceOp::kSum)->wait();
+  std::string out;
+  for (int s = 0; s < P; ++s) {
+    char line[160];
+    std::snprintf(line, sizeof line, "%s: plan: stage %d estimate: allocated peak %.1f MiB, %d micro-batches in flight\n",
+                  run.program.c_str(), s, t[s].item<double>() / (1024.0 * 1024.0), static_cast<int>(t[P + s].item<double>()));
+    out += line;
+  }
+  return out;
+}
+
 void plan_and_apply(const Run& run, ExampleModel& model, engine::TrainerOptions& options) {
   const bool planning = engine::cli::flags().plan == "auto";
   const int64_t budget = engine::cli::flags().gpu_mem_limit_gb > 0
@@ -350,6 +403,13 @@ void plan_and_apply(const Run& run, ExampleModel& model, engine::TrainerOptions&
   engine::OffloadChoice offload = engine::parse_offload(engine::cli::flags().offload);
   if (planning) {
     engine::PlanInputs in = plan_inputs(run, model, options);
+    // What the device holds already besides the model (on the CPU the data set, for one) is
+    // there during every step too.
+    int64_t model_bytes = 0;
+    for (const at::Tensor& t : model.module->parameters()) model_bytes += static_cast<int64_t>(t.nbytes());
+    for (const at::Tensor& t : model.module->buffers()) model_bytes += static_cast<int64_t>(t.nbytes());
+    in.buffer_bytes += std::max<int64_t>(
+        0, std::llround(engine::memory_stats(run.device).allocated_mb * 1024.0 * 1024.0) - model_bytes);
     in.gpu_budget_bytes = budget;
     in.host_budget_bytes = engine::cli::flags().host_mem_limit_gb > 0
                                ? static_cast<int64_t>(engine::cli::flags().host_mem_limit_gb * 1024.0 * 1024.0 * 1024.0)
@@ -361,23 +421,20 @@ void plan_and_apply(const Run& run, ExampleModel& model, engine::TrainerOptions&
     // ZeRO-1/2 when the data-parallel group has more than one rank and --shard was left at none.
     in.can_shard = run.mesh->dp_size() > 1 && engine::parse_shard_mode(options.shard) == engine::ShardMode::kNone;
     engine::ActivationProfile profile = probe_example_model(run, model, {options.amp}, /*probe_rows=*/2);
-    engine::Plan plan = engine::choose_plan(in, profile);
-    // Every rank takes rank 0's plan (measurements can differ slightly).
-    at::Tensor t = at::tensor({static_cast<int64_t>(plan.technique.checkpoint), static_cast<int64_t>(plan.technique.accum_steps),
-                               static_cast<int64_t>(plan.technique.offload_optimizer),
-                               static_cast<int64_t>(plan.technique.offload_layers), plan.allocator_limit_bytes,
-                               static_cast<int64_t>(plan.technique.shard)},
-                              at::kLong);
-    run.comm->broadcast(t, 0)->wait();
-    if (model.set_checkpointing) model.set_checkpointing(t[0].item<int64_t>() != 0);
-    options.accum_steps = static_cast<int>(t[1].item<int64_t>());
-    offload.optimizer = offload.optimizer || t[2].item<int64_t>() != 0;
-    offload.layers = offload.layers || t[3].item<int64_t>() != 0;
-    allocator_limit = t[4].item<int64_t>();
-    if (const int64_t shard = t[5].item<int64_t>()) options.shard = shard == 1 ? "optimizer" : "gradients";
+    // Every rank applies the plan that fits on every rank (measurements differ slightly
+    // between data-parallel ranks, and a pipeline's stages hold different layers).
+    engine::Plan plan = engine::choose_plan(in, profile, plan_agreement(*run.comm));
+    if (model.set_checkpointing) model.set_checkpointing(plan.technique.checkpoint);
+    options.accum_steps = plan.technique.accum_steps;
+    offload.optimizer = offload.optimizer || plan.technique.offload_optimizer;
+    offload.layers = offload.layers || plan.technique.offload_layers;
+    allocator_limit = plan.allocator_limit_bytes;
+    if (plan.technique.shard > 0) options.shard = plan.technique.shard == 1 ? "optimizer" : "gradients";
+    const std::string stages = stage_estimates(run, plan.estimate);
     if (run.world.rank == 0) {
       LOG(INFO) << "--plan=auto: " << plan.reason << "\n" << plan.estimate.to_string();
-      std::printf("%s: plan: %s\n", run.program.c_str(), plan.technique.flags().empty() ? "(as given)" : plan.technique.flags().c_str());
+      std::printf("%s: plan: %s\n%s", run.program.c_str(), plan.technique.flags().empty() ? "(as given)" : plan.technique.flags().c_str(),
+                  stages.c_str());
       std::fflush(stdout);
     }
     engine::release_cached_memory(run.device);

@@ -55,6 +55,8 @@ struct ExampleModel {
   // the other whole-model functions do not apply then.
   std::function<at::Tensor(const at::Tensor& x, const engine::Batch& micro)> stage_forward;
   std::function<std::vector<int64_t>(int64_t rows)> stage_activation_shape;
+  bool first_stage = true;  // the stage owns the embeddings (takes the batch, receives nothing)
+  bool last_stage = true;   // the stage owns the head and returns the loss
 };
 
 // The value of --model on the command line (before the flags are parsed: it selects the
@@ -89,10 +91,19 @@ engine::ActivationProfile probe_example_model(const Run& run, ExampleModel& mode
                                               const std::vector<engine::AmpMode>& amps,
                                               int64_t probe_rows);
 
-// --plan=auto: probes `model`, chooses the fastest technique whose estimate fits
-// --gpu_mem_limit_gb (and --host_mem_limit_gb), and applies it to the model and `options`
-// (every rank takes rank 0's plan). With --gpu_mem_limit_gb the caching allocator is capped
+// --plan=auto: probes `model` (with --pp: this rank's stage), chooses the fastest technique
+// whose estimate fits --gpu_mem_limit_gb (and --host_mem_limit_gb) on every rank, and applies
+// it to the model and `options`. With --gpu_mem_limit_gb the caching allocator is capped
 // (CUDA) whether or not a plan is made. Then applies --offload=layers. Collective.
 void plan_and_apply(const Run& run, ExampleModel& model, engine::TrainerOptions& options);
+
+// choose_plan's agreement over every rank of `comm` (all-reduces with max; refuses ranks that
+// enumerated different candidates). Collective when called.
+engine::PlanAgreement plan_agreement(dist::Communicator& comm);
+
+// With --pp > 1: one line per stage, "<program>: plan: stage s estimate: allocated peak X MiB,
+// k micro-batches in flight", from each stage's estimate `mine` (the first data-parallel and
+// tensor-parallel rank of each stage gives it); "" without a pipeline. Collective.
+std::string stage_estimates(const Run& run, const engine::MemoryEstimate& mine);
 
 }  // namespace dtrain::examples

@@ -8,6 +8,9 @@
 // measured allocated peak against the estimate.
 //   dtrain-plan --model=seq2seq --gpu_mem_limit_gb=20
 //   dtrain-plan --model=gpt --batch_size=16 --gpu_mem_limit_gb=40 --allow_amp_change
+// With --pp (gpt; under mpirun with the run's ranks) each rank probes its own stage, the plan
+// is the fastest that fits every stage, and --verify_steps trains the pipeline:
+//   mpirun -np 4 dtrain-plan --model=gpt --pp=4 --gpu_mem_limit_gb=40 --verify_steps=3
 #include <c10/core/CachingDeviceAllocator.h>
 
 #include <cmath>
@@ -60,7 +63,8 @@ engine::PlanInputs budgeted_inputs(const examples::Run& run, const examples::Exa
 }
 
 // Trains --verify_steps steps of the flags' technique on one synthetic batch and compares
-// the allocator's peak (above what was allocated before the model) with the estimate.
+// the allocator's peak (above what was allocated before the model) with the estimate; with
+// --pp, each stage's (the first lines and the JSON's "stages"; the other figures are stage 0's).
 // With --gpu_mem_limit_gb on a GPU the caching allocator is capped first (apply_memory_limit
 // with the budget less the CUDA context), so a plan that does not really fit fails here.
 void verify(const examples::Run& run, examples::ExampleModel& m, const engine::PlanInputs& in,
@@ -81,6 +85,8 @@ void verify(const examples::Run& run, examples::ExampleModel& m, const engine::P
     capped = engine::apply_memory_limit(
         run.device, std::max<int64_t>(1, in.gpu_budget_bytes - in.cuda_context_bytes));
   }
+  o.pipeline.forward = m.stage_forward;  // with --pp: each rank trains its stage
+  o.pipeline.activation_shape = m.stage_activation_shape;
   engine::Trainer trainer(*m.module, m.loss, *run.mesh, run.device, o);
   engine::Batch batch = m.synthetic_batch(engine::cli::flags().batch_size);
   engine::reset_peak_memory(run.device);
@@ -89,7 +95,24 @@ void verify(const examples::Run& run, examples::ExampleModel& m, const engine::P
       engine::memory_stats(run.device).peak_mb * kMiBf - static_cast<double>(baseline_bytes);
   const double predicted = static_cast<double>(e.gpu.allocated_peak());
   const double error = (predicted - measured) / measured;
+  // With --pp each stage's own figures (from the first data- and tensor-parallel rank of each).
+  const int P = run.mesh->pp_size();
+  at::Tensor stages = at::zeros({2 * P}, at::kDouble);
+  if (run.mesh->dp_rank() == 0 && run.mesh->tp_rank() == 0) {
+    stages[run.mesh->pp_rank()] = measured;
+    stages[P + run.mesh->pp_rank()] = predicted;
+  }
+  if (P > 1) run.comm->all_reduce(stages, dist::ReduceOp::kSum)->wait();
   if (run.world.rank != 0) return;
+  nlohmann::json per_stage = nlohmann::json::array();
+  for (int s = 0; s < P && P > 1; ++s) {
+    const double ms = stages[s].item<double>(), ps = stages[P + s].item<double>();
+    std::printf("verify: stage %d: measured allocated peak %.1f MiB, estimated %.1f MiB (%+.1f%%)\n", s,
+                ms / kMiBf, ps / kMiBf, 100 * (ps - ms) / ms);
+    per_stage.push_back({{"measured_peak_bytes", static_cast<int64_t>(ms)},
+                         {"estimated_peak_bytes", static_cast<int64_t>(ps)},
+                         {"relative_error", (ps - ms) / ms}});
+  }
   std::printf(
       "verify: %lld steps of %s%s: measured allocated peak %.1f MiB, estimated %.1f MiB "
       "(%+.1f%%)\n",
@@ -103,6 +126,7 @@ void verify(const examples::Run& run, examples::ExampleModel& m, const engine::P
   j["estimated_peak_bytes"] = e.gpu.allocated_peak();
   j["relative_error"] = error;
   j["capped"] = capped;
+  if (P > 1) j["stages"] = per_stage;
   std::printf("%s\n", j.dump().c_str());
 }
 
@@ -115,8 +139,6 @@ int plan_main(int argc, char** argv) {
                                          "[--gpu_mem_limit_gb=X]: memory estimate and plan",
                                          examples::model_flag_defaults(model_name),
                                          examples::model_checks(model_name), examples::model_flag_names(model_name));
-  DTRAIN_CHECK(engine::cli::flags().pp == 1, "--pp=", engine::cli::flags().pp, ": dtrain-plan does not plan pipeline ",
-               "stages yet (it measures the unsplit model); plan without --pp");
   DTRAIN_CHECK(FLAGS_allow_offload == "none" || FLAGS_allow_offload == "optimizer" ||
                    FLAGS_allow_offload == "layers" || FLAGS_allow_offload == "all",
                "--allow_offload=", FLAGS_allow_offload,
@@ -151,10 +173,11 @@ int plan_main(int argc, char** argv) {
   if (rank0) {
     std::printf(
         "dtrain-plan: %s on %s, %.2fM parameters (%lld sharded over tp %d), dp %d, batch %lld, "
-        "optimizer %s, amp %s\n",
+        "optimizer %s, amp %s%s\n",
         model_name.c_str(), run.device.str().c_str(), in.parameters / 1e6,
         static_cast<long long>(in.sharded_parameters), in.tp, in.dp,
-        static_cast<long long>(in.batch_size), in.optimizer.c_str(), engine::to_string(in.amp));
+        static_cast<long long>(in.batch_size), in.optimizer.c_str(), engine::to_string(in.amp),
+        in.pp > 1 ? (" (pipeline stage 0 of " + std::to_string(in.pp) + ": the figures below are its own)").c_str() : "");
     std::printf("activation probe:\n%s", profile.to_string().c_str());
     std::printf("%s", now.to_string().c_str());
     auto budget = [](int64_t bytes) {
@@ -165,14 +188,18 @@ int plan_main(int argc, char** argv) {
                 budget(in.host_budget_bytes).c_str());
     std::fflush(stdout);
   }
-  engine::Plan plan = engine::choose_plan(in, profile);  // dtrain::Error when nothing fits
+  // One plan for every rank (with --pp, each stage probed its own layers); dtrain::Error when
+  // nothing fits.
+  engine::Plan plan = engine::choose_plan(in, profile, examples::plan_agreement(*run.comm));
+  const std::string stages = examples::stage_estimates(run, plan.estimate);
   if (rank0) {
-    std::printf("plan: %s\n", plan.flags().empty() ? "the plain step (no flags to add)"
-                                                   : ("add " + plan.flags()).c_str());
+    std::printf("plan: %s\n%s", plan.flags().empty() ? "the plain step (no flags to add)"
+                                                     : ("add " + plan.flags()).c_str(), stages.c_str());
     std::printf("reason: %s\n", plan.reason.c_str());
     nlohmann::json j = nlohmann::json::parse(plan.to_json());
     j["model"] = model_name;
     j["current_flags_gpu_bytes"] = now.gpu.total();
+    j["current_flags_in_flight"] = now.in_flight;
     j["current_flags_fit"] =
         (in.gpu_budget_bytes == 0 || now.gpu.total() <= in.gpu_budget_bytes) &&
         (in.host_budget_bytes == 0 || now.host.total() <= in.host_budget_bytes);

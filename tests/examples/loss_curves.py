@@ -564,6 +564,65 @@ def scenario_plan(args):
     assert peak <= budget_mib, f"the auto plan peaked at {peak} MiB over the {budget_mib} MiB budget"
     print(f"ok: --plan=auto trains under {budget_mib} MiB (peak {peak:.1f} MiB) where the plain step needs "
           f"{plain[-1]['mem_peak_mb']:.1f} MiB; accumulation {planned[-1].get('accum_steps')}")
+    plan_pipeline(args)
+
+
+def plan_pipeline(args):
+    """--plan=auto and dtrain-plan with --pp: each stage probes its own layers, its estimate counts the
+    micro-batches it holds in flight (1F1B min(P - s, m), GPipe m), and every rank applies the plan that
+    fits every stage."""
+    shape = ["--d_model=64", "--heads=4", "--layers=4", "--seq_len=64", "--ff=256", "--vocab=97", "--batch_size=16",
+             "--device=cpu", "--pp=2"]
+    mpirun = shlex.split(args.mpirun) + ["-np", "2"]
+
+    def plan(*flags):
+        out = run(mpirun + [os.path.join(args.bin, "dtrain-plan"), "--model=gpt"] + shape + list(flags))
+        return out, [json.loads(l) for l in out.splitlines() if l.startswith("{")]
+
+    # The estimate of every stage against the peak of the pipeline trained with those flags.
+    for flags in (["--accum_steps=4"], ["--accum_steps=4", "--pp_schedule=gpipe"],
+                  ["--accum_steps=2", "--checkpoint_activations"], ["--accum_steps=8", "--amp=bf16"]):
+        out, js = plan("--verify_steps=2", *flags)
+        stages = [j for j in js if "verify_steps" in j][0]["stages"]
+        assert len(stages) == 2, stages
+        for s, v in enumerate(stages):
+            assert abs(v["relative_error"]) < 0.10, f"{flags} stage {s}: estimate off by {v['relative_error']:.1%}"
+        print(f"ok: {' '.join(flags)}: stage estimates within " +
+              ", ".join(f"{v['relative_error']:+.1%}" for v in stages) + " of the measured peaks")
+    # GPipe holds every micro-batch, 1F1B at most P - s: at 8 micro-batches GPipe's stage 0 needs more.
+    one_f = plan("--accum_steps=8")[1][0]
+    gpipe = plan("--accum_steps=8", "--pp_schedule=gpipe")[1][0]
+    assert one_f["current_flags_in_flight"] == 2 and gpipe["current_flags_in_flight"] == 8, (one_f, gpipe)
+    assert gpipe["current_flags_gpu_bytes"] > one_f["current_flags_gpu_bytes"], (one_f, gpipe)
+    # A budget below the plain step: the plan fits every stage, measured.
+    plain = plan()[1][0]
+    budget = 0.6 * plain["current_flags_gpu_bytes"]
+    gb = f"--gpu_mem_limit_gb={budget / (1 << 30):.8f}"
+    out, js = plan(gb)
+    chosen = js[0]["flags"]
+    assert chosen and all(f"plan: stage {s} estimate: allocated peak" in out for s in (0, 1)), out[-2000:]
+    out, js = plan(gb, "--verify_steps=2", *chosen.split())
+    stages = [j for j in js if "verify_steps" in j][0]["stages"]
+    assert all(v["measured_peak_bytes"] <= budget for v in stages), (budget, stages)
+    print(f"ok: dtrain-plan --pp=2 under {budget / (1 << 20):.1f} MiB (plain {plain['current_flags_gpu_bytes'] / (1 << 20):.1f}): "
+          f"'{chosen}', stages peak " + ", ".join(f"{v['measured_peak_bytes'] / (1 << 20):.2f}" for v in stages) + " MiB")
+    # train_gpt applies the same plan on both stages and follows the unsplit run.
+    common = ["--d_model=64", "--heads=4", "--layers=4", "--seq_len=64", "--ff=256", "--vocab=97", "--batch_size=16",
+              "--steps=4", "--workers=1", "--lr=0.003"]
+    ref = train(args, "train_gpt", 1, common, "plan-pp-ref")
+    out = train(args, "train_gpt", 2, common + ["--pp=2", "--plan=auto", gb], "plan-pp", output=True)
+    lines = [l for l in out.splitlines() if l.startswith("train_gpt: plan: ") and "stage" not in l]
+    assert len(lines) == 1 and lines[0] != "train_gpt: plan: (as given)", out[-2000:]
+    applied = lines[0][len("train_gpt: plan: "):]
+    planned = metrics(os.path.join(args.workdir, "plan-pp.jsonl"))
+    compare(ref, planned, f"pp 2 --plan=auto ({applied})", 1e-4)
+    accum = [int(f.split("=")[1]) for f in applied.split() if f.startswith("--accum_steps=")]
+    assert planned[-1]["accum_steps"] == (accum[0] if accum else 1), planned[-1]
+    print(f"ok: train_gpt --pp=2 --plan=auto applied '{applied}' on both stages")
+    # Nothing fits on every stage: every rank stops with the same clear error.
+    out = train(args, "train_gpt", 2, common + ["--pp=2", "--plan=auto", "--gpu_mem_limit_gb=0.0002"],
+                "plan-pp-none", expect_status=2)
+    assert "candidates on every rank" in out and "more --pp stages" in out, out[-2000:]
 
 
 def scenario_sparse(args):
