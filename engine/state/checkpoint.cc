@@ -132,14 +132,29 @@ void restore_rng_state(const RngState& state) {
 
 // ---- partitioned state ------------------------------------------------------------------------
 
+std::vector<int64_t> CheckpointData::stage_flat_numels(int tp_rank) const {
+  const int stages = pipeline_stages();
+  if (stages == 1) return {};
+  const auto it = meta.find("pp.flat_numel");
+  if (it == meta.end()) return {};
+  std::vector<int64_t> all;
+  std::stringstream in(it->second);
+  for (std::string item; std::getline(in, item, ',');) all.push_back(std::stoll(item));
+  DTRAIN_CHECK(!all.empty() && all.size() % stages == 0, "checkpoint step ", step, ": meta pp.flat_numel holds ",
+               all.size(), " counts for ", stages, " pipeline stages");
+  const int tp = static_cast<int>(all.size()) / stages;
+  DTRAIN_CHECK(tp_rank >= 0 && tp_rank < tp, "checkpoint step ", step, " was saved with tensor-parallel size ", tp,
+               "; tensor-parallel rank ", tp_rank, " has no state there (resume with the same --tp)");
+  std::vector<int64_t> out;
+  for (int s = 0; s < stages; ++s) out.push_back(all[static_cast<size_t>(s * tp + tp_rank)]);
+  return out;
+}
+
 ShardState load_resharded_optimizer(const CheckpointStore& store, const CheckpointData& main, int tp_rank,
-                                    const ShardLayout& target, int pp_rank, int pp_size) {
+                                    const ShardLayout& target, const StageSpace& space) {
   const int old_pp = main.pipeline_stages();
   DTRAIN_CHECK(main.dp_size >= 1 && old_pp >= 1 && main.world_size % (main.dp_size * old_pp) == 0, "checkpoint step ",
                main.step, " has an invalid mesh (world ", main.world_size, ", dp ", main.dp_size, ", pp ", old_pp, ")");
-  DTRAIN_CHECK(old_pp == pp_size && pp_rank >= 0 && pp_rank < pp_size, store.path_for(main.step),
-               " holds partitioned optimizer state (--offload=optimizer or --shard) of ", old_pp,
-               " pipeline stage(s), kept per stage; this run has ", pp_size, ". Resume it with --pp=", old_pp);
   const int old_tp = main.world_size / (main.dp_size * old_pp);
   DTRAIN_CHECK(tp_rank >= 0 && tp_rank < old_tp, "checkpoint step ", main.step,
                " was saved with tensor-parallel size ", old_tp, "; tensor-parallel rank ", tp_rank,
@@ -147,23 +162,64 @@ ShardState load_resharded_optimizer(const CheckpointStore& store, const Checkpoi
   DTRAIN_CHECK(main.rank_files == main.world_size, "checkpoint step ", main.step, " has ",
                main.rank_files, " rank files for ", main.world_size,
                " ranks; it holds no partitioned optimizer state");
-  std::vector<int> needed = overlapping_shards(target.numel, main.dp_size, target.range);
-  if (needed.empty()) needed.push_back(0);  // for the replicated entries
-  std::vector<ShardState> pieces;
-  for (int dp_rank : needed) {
-    const int world_rank = (pp_rank * main.dp_size + dp_rank) * old_tp + tp_rank;
-    RankState state = store.load_rank(main.step, world_rank);
-    const std::string path = store.rank_path_for(main.step, world_rank);
-    DTRAIN_CHECK(state.dp_rank == dp_rank && state.tp_rank == tp_rank, "checkpoint ", path,
-                 " is of data-parallel rank ", state.dp_rank, " / tensor-parallel rank ", state.tp_rank,
-                 ", expected ", dp_rank, " / ", tp_rank);
-    DTRAIN_CHECK(state.optimizer_shard.layout.numel == target.numel, "checkpoint ", path,
-                 " holds partitioned optimizer state of ", state.optimizer_shard.layout.numel,
-                 " elements, but this model needs ", target.numel, "; it is of a different model",
-                 old_pp > 1 ? " (or of another split into pipeline stages: resume with the same --pp and --pp_blocks)" : "");
-    pieces.push_back(std::move(state.optimizer_shard));
+  DTRAIN_CHECK(space.stages >= 1 && space.stage >= 0 && space.stage < space.stages && space.offset >= 0,
+               "load_resharded_optimizer: stage ", space.stage, " of ", space.stages, " at offset ", space.offset,
+               " is not a pipeline position");
+  // The whole model's flat space is the stages' spaces end to end, under the old split and the
+  // new one; the checkpoint records each old stage's size.
+  const int64_t whole = space.whole_numel >= 0 ? space.whole_numel : target.numel;
+  std::vector<int64_t> old_numel = old_pp == 1 ? std::vector<int64_t>{whole} : main.stage_flat_numels(tp_rank);
+  int64_t new_offset = space.offset, numel = whole;
+  std::vector<int> old_stages;
+  if (old_numel.empty()) {
+    // Saved before the sizes were recorded: stage by stage, under the same split only.
+    DTRAIN_CHECK(old_pp == space.stages, store.path_for(main.step),
+                 " holds partitioned optimizer state (--offload=optimizer or --shard) of ", old_pp,
+                 " pipeline stage(s) without their sizes; this run has ", space.stages, ". Resume it with --pp=", old_pp);
+    old_numel = {target.numel};
+    old_stages = {space.stage};
+    new_offset = 0;
+    numel = target.numel;
+  } else {
+    for (int s = 0; s < old_pp; ++s) old_stages.push_back(s);
+    int64_t old_whole = 0;
+    for (int64_t n : old_numel) old_whole += n;
+    DTRAIN_CHECK(old_whole == whole, store.path_for(main.step), " holds partitioned optimizer state of ", old_whole,
+                 " elements", old_pp > 1 ? " (" + std::to_string(old_pp) + " pipeline stages)" : std::string(),
+                 ", but this model needs ", whole, "; it is of a different model");
   }
-  return assemble_shard(pieces, target);
+  const FlatRange want{new_offset + target.range.begin, new_offset + target.range.end};
+  std::vector<ShardState> pieces;
+  int64_t old_offset = 0;
+  for (size_t k = 0; k < old_stages.size(); ++k) {
+    const int64_t n = old_numel[k];
+    const FlatRange local{std::max(want.begin, old_offset) - old_offset,
+                          std::min(want.end, old_offset + n) - old_offset};
+    std::vector<int> needed;
+    if (local.begin < local.end) needed = overlapping_shards(n, main.dp_size, local);
+    // An empty range: one piece for the replicated entries.
+    if (needed.empty() && pieces.empty() && k + 1 == old_stages.size()) needed.push_back(0);
+    for (int dp_rank : needed) {
+      const int world_rank = (old_stages[k] * main.dp_size + dp_rank) * old_tp + tp_rank;
+      RankState state = store.load_rank(main.step, world_rank);
+      const std::string path = store.rank_path_for(main.step, world_rank);
+      DTRAIN_CHECK(state.dp_rank == dp_rank && state.tp_rank == tp_rank, "checkpoint ", path,
+                   " is of data-parallel rank ", state.dp_rank, " / tensor-parallel rank ", state.tp_rank,
+                   ", expected ", dp_rank, " / ", tp_rank);
+      DTRAIN_CHECK(state.optimizer_shard.layout.numel == n, "checkpoint ", path,
+                   " holds partitioned optimizer state of ", state.optimizer_shard.layout.numel,
+                   " elements, but this model needs ", n, "; it is of a different model",
+                   old_pp > 1 ? " (or of another split into pipeline stages: resume with the same --pp and --pp_blocks)"
+                              : "");
+      ShardState piece = std::move(state.optimizer_shard);
+      piece.layout = {numel, {piece.layout.range.begin + old_offset, piece.layout.range.end + old_offset}};
+      pieces.push_back(std::move(piece));
+    }
+    old_offset += n;
+  }
+  ShardState out = assemble_shard(pieces, ShardLayout{numel, want});
+  out.layout = target;
+  return out;
 }
 
 // ---- collectives ------------------------------------------------------------------------------

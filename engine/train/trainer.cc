@@ -257,6 +257,19 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
       pruner_ = std::make_unique<Pruner>(model_, options_.prune, specs_, mesh_.tp());
     }
   }
+  if (mesh_.pp_size() > 1 && optimizer_) {
+    // Each stage's partitioned flat space (per tensor-parallel rank), recorded in checkpoints
+    // so that partitioned state resumes under another split into stages.
+    const std::optional<ShardLayout> layout = optimizer_->shard_layout();
+    int64_t flat = 0;
+    for (const at::Tensor& p : params_) flat += p.numel();
+    if (layout) flat = layout->numel;
+    const std::vector<int64_t> all = dist::all_gather_counts(mesh_.world(), flat, device_);
+    const int T = mesh_.tp_size(), D = mesh_.dp_size();
+    for (int s = 0; s < mesh_.pp_size(); ++s) {
+      for (int t = 0; t < T; ++t) pp_flat_numels_.push_back(all[static_cast<size_t>((s * D) * T + t)]);
+    }
+  }
   LossScalerOptions scaler_options = options_.loss_scaler;
   scaler_options.enabled = options_.amp == AmpMode::kFp16;
   scaler_ = std::make_unique<LossScaler>(scaler_options, device_);

@@ -122,6 +122,24 @@ NamedTensors Trainer::replicated_of_shard(const ShardState& whole) const {
   return out;
 }
 
+StageSpace Trainer::stage_space(int64_t numel) const {
+  StageSpace space;
+  space.stage = mesh_.pp_rank();
+  space.stages = mesh_.pp_size();
+  if (pp_flat_numels_.empty()) return space;
+  space.whole_numel = 0;
+  for (int s = 0; s < space.stages; ++s) {
+    const int64_t n = pp_flat_numels_[static_cast<size_t>(s * mesh_.tp_size() + mesh_.tp_rank())];
+    if (s < space.stage) space.offset += n;
+    space.whole_numel += n;
+  }
+  DTRAIN_CHECK(pp_flat_numels_[static_cast<size_t>(space.stage * mesh_.tp_size() + mesh_.tp_rank())] == numel,
+               "pipeline stage ", space.stage, ": its flat space has ", numel, " elements, but ",
+               pp_flat_numels_[static_cast<size_t>(space.stage * mesh_.tp_size() + mesh_.tp_rank())],
+               " were counted when the trainer was built");
+  return space;
+}
+
 void Trainer::pipeline_stage_part(CheckpointData& data, RankState& rank) const {
   // Optimizer state is keyed by parameter index: this stage's follow the stages' before it.
   NamedTensors shifted;
@@ -163,7 +181,12 @@ Trainer::PreparedSave Trainer::prepare_save(const DataLoader* loader, bool own_c
   data.rng = capture_rng_state();
   data.meta = options_.checkpoint_meta;
   data.meta["accum_steps"] = std::to_string(accum_steps_);
-  data.meta["pp"] = std::to_string(mesh_.pp_size());  // partitioned optimizer state is per stage
+  data.meta["pp"] = std::to_string(mesh_.pp_size());
+  if (!pp_flat_numels_.empty()) {  // where each stage's partitioned state lies in the whole model's
+    std::string counts;
+    for (int64_t n : pp_flat_numels_) counts += (counts.empty() ? "" : ",") + std::to_string(n);
+    data.meta["pp.flat_numel"] = counts;
+  }
   if (loader) {
     auto [epoch, index] = loader->position();
     data.meta["loader.train"] = std::to_string(epoch) + "," + std::to_string(index);
@@ -340,7 +363,7 @@ void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& i
       // This rank's range from the saved shards of this tensor-parallel rank that overlap it
       // (any old data-parallel size; offloaded and device-sharded shards alike).
       optimizer_->load_shard_state(
-          load_resharded_optimizer(store, data, mesh_.tp_rank(), *layout, mesh_.pp_rank(), mesh_.pp_size()));
+          load_resharded_optimizer(store, data, mesh_.tp_rank(), *layout, stage_space(layout->numel)));
     } else if (layout) {
       DTRAIN_CHECK(layout->numel == numel, "the partitioned optimizer covers ", layout->numel, " of the ", numel,
                    " parameter elements (some parameters live on the host); resume with the optimizer the "
@@ -348,8 +371,8 @@ void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& i
       optimizer_->load_shard_state(shard_of_replicated(replicated, *layout));
     } else if (saved_partitioned) {
       // An unsharded run from a partitioned checkpoint: the whole flat space, split per parameter.
-      replicated = replicated_of_shard(load_resharded_optimizer(store, data, mesh_.tp_rank(), {numel, {0, numel}},
-                                                                mesh_.pp_rank(), mesh_.pp_size()));
+      replicated = replicated_of_shard(
+          load_resharded_optimizer(store, data, mesh_.tp_rank(), {numel, {0, numel}}, stage_space(numel)));
     }
     // The replicated part (e.g. the host parameters' state of --offload=all), unless it was
     // just cut into this rank's range.

@@ -427,19 +427,32 @@ def scenario_pipeline(args):
     back = train(args, "train_gpt", 4, const + ["--steps=16", "--pp=2", f"--save_dir={unsplit}", "--resume",
                                                "--batch_size=4"], "pp1-resumed-pp2dp2")
     compare(steps_after(ref16, 8), steps_after(back, 8), "unsplit checkpoint resumed as pp 2 x dp 2", 1e-4)
-    # Partitioned optimizer state is kept per stage: it resumes under the same --pp (any data
-    # size), and another --pp is refused naming the one to use.
+    # Partitioned optimizer state: each stage saves its range of the stage's flat space, placed in
+    # the whole model's (stages end to end), so it resumes under any --pp, data size, or unsplit.
     zero = os.path.join(w, "ck_pp2_zero")
     train(args, "train_gpt", 4, const + ["--pp=2", "--batch_size=4", "--shard=optimizer", "--steps=8",
                                          f"--save_dir={zero}"], "pp2dp2-zero-part")
-    again = train(args, "train_gpt", 2, const + ["--pp=2", "--shard=optimizer", "--accum_steps=2", "--steps=16",
-                                                 f"--save_dir={zero}", "--resume"], "pp2-zero-resumed")
-    compare(steps_after(ref16, 8), steps_after(again, 8), "pp 2 x dp 2 --shard=optimizer checkpoint resumed as pp 2", 1e-4)
-    refused = train(args, "train_gpt", 4, const + ["--pp=4", "--shard=optimizer", "--accum_steps=2", "--steps=16",
-                                                   f"--save_dir={zero}", "--resume"], "pp4-zero-refused",
-                    expect_status=2)
-    assert "kept per stage; this run has 4. Resume it with --pp=2" in refused, refused[-1500:]
-    print("ok: partitioned state of 2 stages resumes under pp 2 and is refused under pp 4")
+    layouts = ((2, ["--pp=2", "--accum_steps=2"], "pp 2"),
+               (2, ["--pp=2", "--accum_steps=2", "--pp_blocks=1,3"], "pp 2 with blocks 1, 3"),
+               (4, ["--pp=4", "--accum_steps=2"], "pp 4"),
+               (2, ["--batch_size=4"], "dp 2, unsplit"),
+               (1, [], "one rank"))
+    for i, (ranks, flags, name) in enumerate(layouts):
+        d = os.path.join(w, f"ck_pp2_zero_{i}")
+        shutil.copytree(zero, d)
+        again = train(args, "train_gpt", ranks, const + flags + ["--shard=optimizer", "--steps=16", f"--save_dir={d}",
+                                                                 "--resume"], f"pp2-zero-resumed-{i}")
+        compare(steps_after(ref16, 8), steps_after(again, 8),
+                f"pp 2 x dp 2 --shard=optimizer checkpoint resumed as {name}", 1e-4)
+    # And the other way: an unsplit partitioned checkpoint (dp 2) resumed as pp 4, the state
+    # offloaded to the host.
+    flat = os.path.join(w, "ck_dp2_zero")
+    train(args, "train_gpt", 2, const + ["--batch_size=4", "--shard=optimizer", "--steps=8", f"--save_dir={flat}"],
+          "dp2-zero-part")
+    again = train(args, "train_gpt", 4, const + ["--pp=4", "--accum_steps=2", "--offload=optimizer", "--steps=16",
+                                                 f"--save_dir={flat}", "--resume"], "dp2-zero-resumed-pp4")
+    compare(steps_after(ref16, 8), steps_after(again, 8), "dp 2 --shard=optimizer checkpoint resumed as pp 4 offloaded",
+            1e-4)
     # Each stage saved its own layers, and torch.load reads every file: the main file holds stage
     # 0's blocks and the embeddings, rank 1's file stage 1's blocks and the head.
     code = ("import sys, torch; d = sys.argv[1]; "

@@ -745,6 +745,89 @@ TEST(ShardLayoutTest, LoadsOnlyTheNeededRankFilesAcrossTensorParallelRanks) {
                        "tensor-parallel size 2; tensor-parallel rank 2 has no state there"));
 }
 
+// A checkpoint of `numels.size()` pipeline stages x dp data-parallel ranks (tp 1) whose
+// partitioned state cuts the whole flat array `whole` stage by stage (each stage's part split
+// over dp), with the stages' sizes recorded unless `record_sizes` is false.
+CheckpointData save_staged(CheckpointStore& store, const at::Tensor& whole, const std::vector<int64_t>& numels, int dp,
+                           bool record_sizes = true) {
+  const int stages = static_cast<int>(numels.size());
+  CheckpointData main;
+  main.step = 5;
+  main.world_size = stages * dp;
+  main.dp_size = dp;
+  main.rank_files = main.world_size;
+  main.meta["pp"] = std::to_string(stages);
+  std::string counts;
+  int64_t offset = 0;
+  for (int s = 0; s < stages; ++s) {
+    counts += (s ? "," : "") + std::to_string(numels[s]);
+    const std::vector<ShardState> pieces = saved_pieces(whole.narrow(0, offset, numels[s]), dp);
+    for (int d = 0; d < dp; ++d) {
+      RankState state;
+      state.rank = s * dp + d;
+      state.dp_rank = d;
+      state.dp_size = dp;
+      state.optimizer_shard = pieces[d];
+      if (s > 0 && d == 0) state.stage_model = named({{"stage" + std::to_string(s) + ".w", torch::zeros({1})}});
+      store.save_rank(main.step, state);
+    }
+    offset += numels[s];
+  }
+  if (record_sizes && stages > 1) main.meta["pp.flat_numel"] = counts;
+  store.save(main);
+  return store.load(store.path_for(main.step));
+}
+
+TEST(ShardLayoutTest, PartitionedStateReshardsAcrossPipelineSplits) {
+  // The whole model's flat space is the stages' spaces end to end: 300 elements, saved as
+  // stages of 130 + 170 over 2 data-parallel ranks each, or unsplit over 3.
+  const at::Tensor whole = torch::arange(300, torch::kFloat) * 0.25f + 1.f;
+  const std::vector<std::vector<int64_t>> splits = {{300}, {130, 170}, {100, 120, 80}, {50, 50, 100, 100}};
+  for (const std::vector<int64_t>& old_split : {splits[1], splits[0], splits[2]}) {
+    TempDir dir;
+    CheckpointStore store(dir.path());
+    const int old_dp = old_split.size() == 1 ? 3 : 2;
+    const CheckpointData main = save_staged(store, whole, old_split, old_dp);
+    for (const std::vector<int64_t>& new_split : splits) {
+      const int stages = static_cast<int>(new_split.size());
+      int64_t offset = 0;
+      for (int s = 0; s < stages; ++s) {
+        for (int dp : {1, 2, 3}) {
+          for (int r = 0; r < dp; ++r) {
+            const ShardLayout target{new_split[s], shard_range(new_split[s], dp, r)};
+            const StageSpace space{s, stages, offset, 300};
+            const ShardState got = load_resharded_optimizer(store, main, 0, target, space);
+            ASSERT_EQ(got.tensors.size(), 3u);
+            EXPECT_TRUE(got.layout.numel == target.numel && got.layout.range == target.range);
+            EXPECT_EQ(got.tensors[0].second.item<float>(), 4.f);  // the replicated "step"
+            const at::Tensor expected = whole.narrow(0, offset + target.range.begin, target.range.size());
+            EXPECT_TRUE(at::equal(got.tensors[1].second, expected))
+                << old_split.size() << " stages -> stage " << s << " of " << stages << ", rank " << r << " of " << dp;
+            EXPECT_TRUE(at::equal(got.tensors[2].second, 2 * expected));
+          }
+        }
+        offset += new_split[s];
+      }
+    }
+    // A whole model of another size is another model.
+    EXPECT_TRUE(contains(message_of([&] {
+                           load_resharded_optimizer(store, main, 0, ShardLayout{170, {0, 170}}, StageSpace{1, 2, 130, 301});
+                         }),
+                         "but this model needs 301; it is of a different model"));
+  }
+  // Saved without the stages' sizes: only the same split resumes.
+  TempDir dir;
+  CheckpointStore store(dir.path());
+  const CheckpointData legacy = save_staged(store, whole, splits[1], 2, /*record_sizes=*/false);
+  const ShardState same = load_resharded_optimizer(store, legacy, 0, ShardLayout{170, shard_range(170, 1, 0)},
+                                                   StageSpace{1, 2, 130, 300});
+  EXPECT_TRUE(at::equal(same.tensors[1].second, whole.narrow(0, 130, 170)));
+  EXPECT_TRUE(contains(message_of([&] {
+                         load_resharded_optimizer(store, legacy, 0, ShardLayout{100, {0, 100}}, StageSpace{0, 3, 0, 300});
+                       }),
+                       "of 2 pipeline stage(s) without their sizes; this run has 3. Resume it with --pp=2"));
+}
+
 // ---- one run per checkpoint directory -----------------------------------------------------------
 
 TEST(DirectoryLockTest, SecondHolderIsRefusedNamingTheFirst) {

@@ -113,6 +113,11 @@ struct CheckpointData {
   int rank_files = 0;  // rank files 0..rank_files-1 belong to this checkpoint
   // The pipeline stages of the run that saved it (meta "pp"; 1 when absent).
   int pipeline_stages() const { return meta.count("pp") ? std::stoi(meta.at("pp")) : 1; }
+  // With several stages: the elements of each stage's partitioned flat optimizer space on
+  // tensor-parallel rank tp_rank, stage after stage (meta "pp.flat_numel": stages x tp counts,
+  // stage-major); empty without stages or when the checkpoint did not record them. Throws
+  // dtrain::Error for a malformed record or a tp_rank it does not have.
+  std::vector<int64_t> stage_flat_numels(int tp_rank) const;
 };
 
 // One rank's own part of a checkpoint.
@@ -217,17 +222,28 @@ void check_same_layout(const NamedTensors& live, const NamedTensors& saved, cons
                        const std::string& source);
 
 // ---- partitioned (flat) state -------------------------------------------------------------------
+// Where a pipeline stage's flat space lies in the whole model's: the stages' spaces (each its
+// parameters end to end, in the model's order) laid end to end in stage order, per
+// tensor-parallel rank. The default is no pipeline: the stage is the whole.
+struct StageSpace {
+  int stage = 0;
+  int stages = 1;
+  int64_t offset = 0;        // elements of the stages before this one
+  int64_t whole_numel = -1;  // elements of every stage together (-1: the target's numel)
+};
+
 // Layout and assembly: shard.h. Reads from `store` only the rank files of checkpoint `main`
 // (already loaded) of tensor-parallel rank tp_rank whose ranges (main.dp_size ranks in the
 // layout of shard.h) overlap target.range, and assembles target's state from them
-// (assemble_shard); any old data-parallel size resumes any new one. Throws dtrain::Error for
-// a tensor-parallel rank the checkpoint does not have, a checkpoint without rank files, a
-// rank file of another position or model, or what assemble_shard throws. Pipeline stages
-// (main.pipeline_stages()) each partition their own flat space: stage pp_rank's files are read,
-// and the checkpoint must have as many stages as this run's pp_size (partitioned state resumes
-// under the same --pp only; dtrain::Error naming the one to use otherwise).
+// (assemble_shard); any old data-parallel size resumes any new one. Pipeline stages: the
+// target's range is placed in the whole model's flat space (`space`), the old stages' ranges
+// likewise (CheckpointData::stage_flat_numels), so any old split into stages (or none)
+// resumes any new one; a checkpoint saved without the stages' sizes resumes under its own
+// --pp only (dtrain::Error naming it). Throws dtrain::Error for a tensor-parallel rank the
+// checkpoint does not have, a checkpoint without rank files, a rank file of another position
+// or model, a whole model of another size, or what assemble_shard throws.
 ShardState load_resharded_optimizer(const CheckpointStore& store, const CheckpointData& main,
-                                    int tp_rank, const ShardLayout& target, int pp_rank = 0, int pp_size = 1);
+                                    int tp_rank, const ShardLayout& target, const StageSpace& space = {});
 
 // ---- collective save and resume ---------------------------------------------------------------
 

@@ -286,6 +286,10 @@ class Trainer {
   // model and optimizer moved into its rank file (RankState::stage_model, stage_optimizer).
   void pipeline_stage_part(CheckpointData& data, RankState& rank) const;
   int64_t pp_param_offset_ = 0;  // the parameters of the stages before this one
+  // Pipeline: each stage's partitioned flat optimizer space, stages x tp (stage-major); where
+  // this rank's lies in the whole model's (StageSpace) when resuming partitioned state.
+  std::vector<int64_t> pp_flat_numels_;
+  StageSpace stage_space(int64_t numel) const;
   void check_can_train() const;  // throws for an evaluation-only trainer
   // Writes and publishes a prepared checkpoint over `comm` (collective); returns the path.
   std::string write_save(const PreparedSave& save, dist::Communicator& comm);
