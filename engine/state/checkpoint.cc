@@ -171,7 +171,8 @@ ShardState load_resharded_optimizer(const CheckpointStore& store, const Checkpoi
   std::vector<int64_t> old_numel = old_pp == 1 ? std::vector<int64_t>{whole} : main.stage_flat_numels(tp_rank);
   int64_t new_offset = space.offset, numel = whole;
   std::vector<int> old_stages;
-  if (old_numel.empty()) {
+  const bool sizes_unknown = old_numel.empty();
+  if (sizes_unknown) {
     // Saved before the sizes were recorded: stage by stage, under the same split only.
     DTRAIN_CHECK(old_pp == space.stages, store.path_for(main.step),
                  " holds partitioned optimizer state (--offload=optimizer or --shard) of ", old_pp,
@@ -209,8 +210,8 @@ ShardState load_resharded_optimizer(const CheckpointStore& store, const Checkpoi
       DTRAIN_CHECK(state.optimizer_shard.layout.numel == n, "checkpoint ", path,
                    " holds partitioned optimizer state of ", state.optimizer_shard.layout.numel,
                    " elements, but this model needs ", n, "; it is of a different model",
-                   old_pp > 1 ? " (or of another split into pipeline stages: resume with the same --pp and --pp_blocks)"
-                              : "");
+                   sizes_unknown ? " (or of another split into pipeline stages: resume with the same --pp and --pp_blocks)"
+                                 : "");
       ShardState piece = std::move(state.optimizer_shard);
       piece.layout = {numel, {piece.layout.range.begin + old_offset, piece.layout.range.end + old_offset}};
       pieces.push_back(std::move(piece));
