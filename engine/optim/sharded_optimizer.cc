@@ -16,7 +16,8 @@ ShardMode parse_shard_mode(const std::string& text) {
   if (text == "none") return ShardMode::kNone;
   if (text == "optimizer") return ShardMode::kOptimizer;
   if (text == "gradients") return ShardMode::kGradients;
-  DTRAIN_CHECK(text != "parameters", "--shard=parameters (ZeRO stage 3) is not built yet; --shard=gradients "
+  DTRAIN_CHECK(text != "parameters", "--shard=parameters (ZeRO stage 3) is not available in the trainer yet (the "
+               "engine's ShardedOptimizer with units and ParameterUnits are its pieces); --shard=gradients "
                "partitions the optimizer state and the gradients (ZeRO-2), and --offload=optimizer keeps the "
                "partitioned optimizer state in host memory");
   throw Error("--shard=" + text + " is not one of: none, optimizer, gradients");
@@ -43,13 +44,47 @@ struct ShardedOptimizer::Impl {
   // A rank whose range holds no real element (a model smaller than the padding) updates a
   // one-element stand-in with a zero gradient, so its step count stays the group's.
   bool empty = false;
+  // ZeRO-3: `own` is a buffer of its own (flat and own_padded stay undefined); unit k holds
+  // parameters [unit_first[k], unit_first[k + 1]) in unit_buf[k], materialized while gathered.
+  bool zero3 = false;
+  std::vector<size_t> unit_first;
+  std::vector<at::Tensor> unit_buf;
+  std::vector<bool> gathered;
 };
+
+namespace {
+
+// A tensor's storage without bytes, and with them again (views of it keep their offsets).
+void release_storage(const at::Tensor& t) {
+  c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
+  impl->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
+  impl->set_nbytes(0);
+}
+
+void materialize_storage(const at::Tensor& t) {
+  c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
+  DTRAIN_CHECK(impl->allocator() != nullptr, "--shard=parameters: the buffer on ", t.device(), " has no allocator");
+  const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+  impl->set_data_ptr_noswap(impl->allocator()->allocate(bytes));
+  impl->set_nbytes(bytes);
+}
+
+}  // namespace
 
 ShardedOptimizer::ShardedOptimizer(std::vector<at::Tensor> params, const OptimizerOptions& options,
                                    dist::Communicator& dp)
+    : ShardedOptimizer(std::move(params), options, dp, {}) {}
+
+ShardedOptimizer::ShardedOptimizer(std::vector<at::Tensor> params, const OptimizerOptions& options,
+                                   dist::Communicator& dp, std::vector<size_t> unit_starts)
     : options_(options), params_(std::move(params)), impl_(std::make_unique<Impl>()) {
   validate(options_);
-  check_one_flat_space(params_, "--shard=optimizer");
+  check_one_flat_space(params_, unit_starts.empty() ? "--shard=optimizer" : "--shard=parameters");
+  for (size_t k = 0; k < unit_starts.size(); ++k) {
+    DTRAIN_CHECK(unit_starts[k] < params_.size() && (k == 0 ? unit_starts[k] == 0 : unit_starts[k] > unit_starts[k - 1]),
+                 "--shard=parameters: the units must start at parameter 0 and ascend below ", params_.size(),
+                 "; unit ", k, " starts at ", unit_starts[k]);
+  }
   const at::Tensor& first = params_.front();
   DTRAIN_CHECK(at::isFloatingType(first.scalar_type()), "--shard=optimizer: the parameters are ",
                first.scalar_type(), ", not floating point");
@@ -64,25 +99,48 @@ ShardedOptimizer::ShardedOptimizer(std::vector<at::Tensor> params, const Optimiz
   s.lo = mine.begin;
   s.hi = mine.end;
   at::NoGradGuard no_grad;
-  s.flat = at::zeros({padded}, first.options().requires_grad(false));
-  for (size_t j = 0; j < params_.size(); ++j) {
-    at::Tensor view = s.flat.narrow(0, s.offsets[j], params_[j].numel()).view(params_[j].sizes());
-    view.copy_(params_[j].detach());
-    params_[j].set_data(view);
-  }
   const int64_t per_rank = padded / ranks;
-  s.own_padded = s.flat.narrow(0, dp.rank() * per_rank, per_rank);
-  s.own = s.flat.narrow(0, s.lo, s.hi - s.lo);
+  if (unit_starts.empty()) {
+    s.flat = at::zeros({padded}, first.options().requires_grad(false));
+    for (size_t j = 0; j < params_.size(); ++j) {
+      at::Tensor view = s.flat.narrow(0, s.offsets[j], params_[j].numel()).view(params_[j].sizes());
+      view.copy_(params_[j].detach());
+      params_[j].set_data(view);
+    }
+    s.own_padded = s.flat.narrow(0, dp.rank() * per_rank, per_rank);
+    s.own = s.flat.narrow(0, s.lo, s.hi - s.lo);
+  } else {
+    // This rank's range of the weights, kept; each unit's parameters views of a buffer that
+    // holds bytes only while the unit is gathered.
+    s.zero3 = true;
+    s.unit_first = unit_starts;
+    s.unit_first.push_back(params_.size());
+    s.own = at::empty({s.hi - s.lo}, first.options().requires_grad(false));
+    for (size_t j = 0; j < params_.size(); ++j) {
+      const int64_t a = std::max(s.offsets[j], s.lo), b = std::min(s.offsets[j + 1], s.hi);
+      if (a < b) s.own.narrow(0, a - s.lo, b - a).copy_(params_[j].detach().reshape({-1}).narrow(0, a - s.offsets[j], b - a));
+    }
+    for (size_t k = 0; k + 1 < s.unit_first.size(); ++k) {
+      const int64_t base = s.offsets[s.unit_first[k]];
+      at::Tensor buf = at::empty({s.offsets[s.unit_first[k + 1]] - base}, first.options().requires_grad(false));
+      for (size_t j = s.unit_first[k]; j < s.unit_first[k + 1]; ++j) {
+        params_[j].set_data(buf.narrow(0, s.offsets[j] - base, params_[j].numel()).view(params_[j].sizes()));
+      }
+      release_storage(buf);
+      s.unit_buf.push_back(buf);
+      s.gathered.push_back(false);
+    }
+  }
   s.empty = s.hi == s.lo;
   // fp32 master weights for fp16/bf16 parameters; fp32 and fp64 ones are their own master.
   const at::ScalarType dtype = first.scalar_type();
   const at::ScalarType master_dtype = dtype == at::kHalf || dtype == at::kBFloat16 ? at::kFloat : dtype;
   if (s.empty) {
-    s.master = at::zeros({1}, s.flat.options().dtype(master_dtype));
+    s.master = at::zeros({1}, s.own.options().dtype(master_dtype));
   } else {
     s.master = master_dtype == dtype ? s.own : s.own.to(master_dtype);
   }
-  s.grad_shard = at::zeros({s.master.numel()}, s.flat.options().dtype(master_dtype));
+  s.grad_shard = at::zeros({s.master.numel()}, s.own.options().dtype(master_dtype));
   for (size_t j = 0; j < params_.size(); ++j) {
     const int64_t a = std::max(s.offsets[j], s.lo), b = std::min(s.offsets[j + 1], s.hi);
     if (a >= b) continue;
@@ -95,7 +153,55 @@ ShardedOptimizer::ShardedOptimizer(std::vector<at::Tensor> params, const Optimiz
   s.master.mutable_grad() = s.grad_shard;
   s.inner = make_optimizer({s.master}, options_);
   LOG_IF(INFO, dp.rank() == 0) << "sharded optimizer: " << s.numel << " parameters in " << ranks
-                               << " shard(s) of at most " << per_rank << " on " << first.device();
+                               << " shard(s) of at most " << per_rank << " on " << first.device()
+                               << (s.zero3 ? ", the weights too, gathered per unit (" +
+                                                 std::to_string(s.unit_buf.size()) + " units)"
+                                           : std::string());
+}
+
+int ShardedOptimizer::units() const { return static_cast<int>(impl_->unit_buf.size()); }
+
+std::pair<size_t, size_t> ShardedOptimizer::unit_params(int k) const {
+  DTRAIN_CHECK(k >= 0 && k < units(), "unit ", k, " of ", units());
+  return {impl_->unit_first[k], impl_->unit_first[k + 1]};
+}
+
+FlatRange ShardedOptimizer::unit_range(int k) const {
+  const auto [first, last] = unit_params(k);
+  return {impl_->offsets[first], impl_->offsets[last]};
+}
+
+bool ShardedOptimizer::unit_gathered(int k) const {
+  unit_params(k);
+  return impl_->gathered[k];
+}
+
+std::vector<dist::WorkPtr> ShardedOptimizer::gather_unit(int k) {
+  const FlatRange unit = unit_range(k);
+  Impl& s = *impl_;
+  if (s.gathered[k]) return {};
+  at::NoGradGuard no_grad;
+  const at::Tensor& buf = s.unit_buf[k];
+  materialize_storage(buf);
+  s.gathered[k] = true;
+  std::vector<dist::WorkPtr> works;
+  const int ranks = s.dp->size();
+  for (int r = 0; r < ranks; ++r) {
+    const FlatRange owned = shard_range(s.numel, ranks, r);
+    const int64_t a = std::max(owned.begin, unit.begin), b = std::min(owned.end, unit.end);
+    if (a >= b) continue;
+    at::Tensor piece = buf.narrow(0, a - unit.begin, b - a);
+    if (r == s.dp->rank()) piece.copy_(s.own.narrow(0, a - s.lo, b - a));
+    if (ranks > 1) works.push_back(s.dp->broadcast(piece, r));
+  }
+  return works;
+}
+
+void ShardedOptimizer::release_unit(int k) {
+  unit_params(k);
+  if (!impl_->gathered[k]) return;
+  release_storage(impl_->unit_buf[k]);
+  impl_->gathered[k] = false;
 }
 
 ShardedOptimizer::~ShardedOptimizer() = default;
@@ -131,6 +237,11 @@ void ShardedOptimizer::step(const at::Tensor& grad_multiplier) {
   s.master.mutable_grad() = s.grad_shard;  // the fused kernels may rebind it; keep the buffer
   s.inner->step(grad_multiplier);
   if (!s.empty && s.master.data_ptr() != s.own.data_ptr()) s.own.copy_(s.master.detach());
+  // ZeRO-3 gathers each unit when it is next used; a unit gathered now holds the old weights.
+  if (s.zero3) {
+    for (int k = 0; k < units(); ++k) release_unit(k);
+    return;
+  }
   if (s.dp->size() > 1) s.dp->all_gather(s.own_padded, s.flat)->wait();
 }
 

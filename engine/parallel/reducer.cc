@@ -158,6 +158,7 @@ struct GradReducer::State {
   bool finished = false;       // this step's synchronized backward completed (reset by zero_grad)
   bool callback_queued = false;
   size_t next_launch = 0;
+  size_t next_complete = 0;  // buckets [0, next_complete) of this step are reduced and settled
   std::vector<char> param_ready;
   std::vector<size_t> arrival;  // first synchronized backward's arrival order
   int hooks_fired = 0;
@@ -173,6 +174,9 @@ struct GradReducer::State {
   void zero_buckets();
   void allocate(size_t b);
   void release(size_t b);
+  // Waits for bucket b's reduction, records its timing, writes kept values back, and releases
+  // it when this rank owns none of it.
+  void complete(size_t b);
   bool release_unowned = false;  // options.release_unowned on more than one rank
   at::Tensor kept;               // consecutive buckets: the kept buckets' storage, in flat order
   int64_t kept_begin = 0;        // its first element's flat-space offset
@@ -274,6 +278,7 @@ void GradReducer::State::release(size_t b) {
 void GradReducer::State::start_step() {
   in_step = true;
   next_launch = 0;
+  next_complete = 0;
   hooks_fired = 0;
   param_ready.assign(params.size(), 0);
   for (Bucket& b : buckets) {
@@ -319,6 +324,37 @@ void GradReducer::State::launch(size_t b) {
     event.work = bucket.mine;
     observer(event);
   }
+  // ZeRO-2/3: a bucket none of which is ours is released once its reduction completes, so at
+  // most this bucket and the gradients still to come are whole during backward: wait for the
+  // ones launched before it (the reduction of this one overlaps the rest of backward).
+  if (release_unowned) {
+    while (next_complete < b) complete(next_complete++);
+  }
+}
+
+void GradReducer::State::complete(size_t k) {
+  Bucket& b = buckets[k];
+  struct Settle {  // the bucket is settled whether or not its reduction failed
+    State* s;
+    size_t k;
+    ~Settle() {
+      Bucket& b = s->buckets[k];
+      b.works.clear();
+      b.mine.reset();
+      s->release(k);  // ZeRO-2: none of this bucket is ours, and its reduction is complete
+    }
+  } settle{this, k};
+  if (!b.works.empty()) {
+    for (const dist::WorkPtr& w : b.works) w->wait();
+    Clock::time_point start, end, s2, e2;
+    if (!b.works.front()->timing(&start, &s2) || !b.works.back()->timing(&e2, &end)) {
+      start = k < stats.bucket_launch.size() ? stats.bucket_launch[k] : Clock::now();
+      end = Clock::now();
+    }
+    stats.bucket_start.push_back(start);
+    stats.bucket_end.push_back(end);
+  }
+  if (b.keep && !b.wire.is_same(b.flat)) b.flat.copy_(b.wire);
 }
 
 void GradReducer::State::on_hook(size_t i) {
@@ -370,28 +406,14 @@ void GradReducer::State::finish_step(bool abandoned) {
                     "start their buckets early.";
   }
   std::exception_ptr failure;
-  for (size_t k = 0; k < buckets.size(); ++k) {
-    Bucket& b = buckets[k];
+  for (size_t k = next_complete; k < buckets.size(); ++k) {
     try {
-      if (!b.works.empty()) {
-        for (const dist::WorkPtr& w : b.works) w->wait();
-        Clock::time_point start, end, s2, e2;
-        if (!b.works.front()->timing(&start, &s2) || !b.works.back()->timing(&e2, &end)) {
-          start = k < stats.bucket_launch.size() ? stats.bucket_launch[k] : Clock::now();
-          end = Clock::now();
-        }
-        stats.bucket_start.push_back(start);
-        stats.bucket_end.push_back(end);
-      }
-      if (b.keep && !b.wire.is_same(b.flat)) b.flat.copy_(b.wire);
+      complete(k);
     } catch (...) {
       if (!failure) failure = std::current_exception();
     }
-    b.works.clear();
-    b.mine.reset();
-    // ZeRO-2: none of this bucket is ours, and its reduction to its owner is complete.
-    release(k);
   }
+  next_complete = buckets.size();
   stats.reduced = Clock::now();
   last_stats = stats;
   in_step = false;

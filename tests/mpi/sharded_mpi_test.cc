@@ -268,7 +268,7 @@ TEST(ShardedOptimizer, ResumesUnderAnotherStageDataParallelSizeOrOffload) {
 
 TEST(ShardedOptimizer, StagesNotBuiltYetAndUnknownNamesAreRefused) {
   EXPECT_EQ(parse_shard_mode("gradients"), ShardMode::kGradients);
-  EXPECT_NE(testing_util::error_of([] { parse_shard_mode("parameters"); }).find("(ZeRO stage 3) is not built yet"),
+  EXPECT_NE(testing_util::error_of([] { parse_shard_mode("parameters"); }).find("(ZeRO stage 3) is not available in the trainer yet"),
             std::string::npos);
   EXPECT_NE(testing_util::error_of([] { parse_shard_mode("zero1"); }).find("is not one of: none, optimizer, gradients"),
             std::string::npos);

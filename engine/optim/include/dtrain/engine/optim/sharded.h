@@ -23,6 +23,7 @@
 // and in load_shard_state() never (each rank loads its own range).
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -38,7 +39,29 @@ class ShardedOptimizer : public Optimizer {
   // Throws dtrain::Error as make_optimizer() does, and for parameters of several devices or
   // dtypes. The parameters must already agree across dp (the trainer broadcasts rank 0's).
   ShardedOptimizer(std::vector<at::Tensor> params, const OptimizerOptions& options, dist::Communicator& dp);
+  // ZeRO-3: also the parameters are partitioned. unit_starts (ascending, starting at 0) cut
+  // the parameters into units of consecutive parameters; each unit's parameters become views
+  // of a flat buffer of its own whose storage is released at once and materialized only by
+  // gather_unit() (until release_unit()), while this rank keeps its range of the weights in a
+  // buffer of its own between steps. step() updates that range only (no all-gather).
+  ShardedOptimizer(std::vector<at::Tensor> params, const OptimizerOptions& options, dist::Communicator& dp,
+                   std::vector<size_t> unit_starts);
   ~ShardedOptimizer() override;
+
+  // ZeRO-3 (the constructor with units): the number of units, the parameter indices of unit k
+  // ([first, last)) and its elements of the flat space.
+  int units() const;
+  std::pair<size_t, size_t> unit_params(int k) const;
+  FlatRange unit_range(int k) const;
+  // Materializes unit k's buffer and issues the broadcasts of its pieces from their owners
+  // over dp (the owner first copies its piece in): the parameters hold the unit's current
+  // weights once every returned Work completes. Collective over dp, in the same order on
+  // every rank; a no-op returning nothing while the unit is gathered already.
+  std::vector<dist::WorkPtr> gather_unit(int k);
+  // Releases unit k's buffer (its parameters' storage then holds no bytes). Local; a no-op
+  // when released already. The caller makes sure nothing still reads them (pending work).
+  void release_unit(int k);
+  bool unit_gathered(int k) const;
 
   void step(const at::Tensor& grad_multiplier) override;
   // Reads this rank's range of the gradients straight from the reducer's storage when the
@@ -63,6 +86,35 @@ class ShardedOptimizer : public Optimizer {
   OptimizerOptions options_;
   std::vector<at::Tensor> params_;
   std::unique_ptr<Impl> impl_;
+};
+
+// ZeRO-3's units in a training step (the forward and backward hooks libtorch's C++ modules
+// lack): run(k, forward) gathers unit k (waiting for its prefetch), issues the gather of unit
+// k + 1, runs the unit's forward, and releases unit k again. With grad mode on, the output is
+// tied to a backward step that gathers unit k again (prefetching unit k - 1) before anything
+// of the unit's backward runs, and a hook on each of its parameters' gradients releases the
+// unit once every one of them was computed. Runs each unit's forward and backward with only
+// it (and the one prefetched) materialized: the peak holds about two units' weights plus the
+// activations. Single-threaded (the training thread's forward; autograd's thread for
+// backward); collective over dp through the optimizer's gathers (every rank must run the same
+// units in the same order).
+class ParameterUnits {
+ public:
+  explicit ParameterUnits(ShardedOptimizer& optimizer);
+  ~ParameterUnits();
+  ParameterUnits(const ParameterUnits&) = delete;
+  ParameterUnits& operator=(const ParameterUnits&) = delete;
+  at::Tensor run(int k, const std::function<at::Tensor()>& forward);
+  // Gathers every unit and waits (for reading or saving the whole weights), or releases every
+  // unit (and drops pending prefetches after waiting for them).
+  void gather_all();
+  void release_all();
+  int units() const;
+
+  struct State;  // shared with the backward steps
+
+ private:
+  std::shared_ptr<State> state_;
 };
 
 // "none" | "optimizer" (ZeRO-1) | "gradients" (ZeRO-2: the same optimizer, and the reducer

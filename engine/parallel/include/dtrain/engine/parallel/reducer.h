@@ -67,7 +67,10 @@ struct ReducerOptions {
   // ZeRO-2 (needs `owned`): buckets also close where the owner changes, and a bucket holding
   // no element of this rank's range keeps no storage between steps. Its storage is allocated
   // at its first gradient of a step (the gradient is copied in), reduced to its owner, and
-  // released when the synchronized backward ends: the parameters' .grad become undefined.
+  // released as soon as that reduction completes: launching a bucket first waits for the
+  // buckets launched before it (one reduction in flight at a time, overlapped with the rest
+  // of backward), so the gradients whole at once are the current bucket's and those still
+  // being computed. The released parameters' .grad become undefined.
   // Between steps a rank then holds its own range's gradients (plus a parameter straddling a
   // range boundary) instead of all of them. Gradients accumulated under no_sync stay whole
   // until the synchronized backward reduces them.

@@ -1,0 +1,142 @@
+// ZeRO-3's units in a step: gather before a unit's forward and again before its backward,
+// prefetch the next unit on the communicator while the current one computes, release as soon
+// as the unit's computation is done (sharded.h).
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <mutex>
+
+#include "dtrain/dist/error.h"
+#include "dtrain/engine/optim/sharded.h"
+
+namespace dtrain::engine {
+
+struct ParameterUnits::State {
+  ShardedOptimizer* optimizer = nullptr;
+  std::vector<std::vector<dist::WorkPtr>> pending;  // per unit: its gather in flight
+  std::vector<int> grads_left;                      // per unit: gradients still to come in this backward
+  std::vector<std::pair<at::Tensor, unsigned>> hooks;
+  std::mutex mutex;  // forward runs on the training thread, backward on autograd's
+
+  int units() const { return optimizer->units(); }
+  // Issues unit k's gather unless it is gathered or in flight (k outside the units: nothing).
+  void prefetch(int k) {
+    if (k < 0 || k >= units() || optimizer->unit_gathered(k)) return;
+    pending[k] = optimizer->gather_unit(k);
+  }
+  // Unit k gathered and its broadcasts complete.
+  void ensure(int k) {
+    prefetch(k);
+    for (const dist::WorkPtr& w : pending[k]) w->wait();
+    pending[k].clear();
+  }
+  void release(int k) {
+    for (const dist::WorkPtr& w : pending[k]) w->wait();  // never free what a transfer writes
+    pending[k].clear();
+    optimizer->release_unit(k);
+  }
+};
+
+namespace {
+
+// The state, carried through the autograd context's IValues.
+struct StateHolder : torch::CustomClassHolder {
+  explicit StateHolder(std::shared_ptr<ParameterUnits::State> s) : state(std::move(s)) {}
+  std::shared_ptr<ParameterUnits::State> state;
+};
+
+// Identity in forward; in backward, before anything of unit k's backward runs (the gradient
+// of its output arrives here first): gather unit k again, prefetch unit k - 1, and count the
+// unit's gradients to come.
+struct GatherBeforeBackward : public torch::autograd::Function<GatherBeforeBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            std::shared_ptr<ParameterUnits::State> state, int64_t k) {
+    ctx->saved_data["k"] = k;
+    ctx->saved_data["state"] = c10::IValue::make_capsule(c10::make_intrusive<StateHolder>(std::move(state)));
+    return x.view_as(x);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const int k = static_cast<int>(ctx->saved_data["k"].toInt());
+    auto holder = c10::static_intrusive_pointer_cast<StateHolder>(ctx->saved_data["state"].toCapsule());
+    ParameterUnits::State& s = *holder->state;
+    {
+      std::lock_guard<std::mutex> lock(s.mutex);
+      s.ensure(k);
+      const auto [first, last] = s.optimizer->unit_params(k);
+      s.grads_left[k] = static_cast<int>(last - first);
+      s.prefetch(k - 1);
+    }
+    return {grads[0], at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+ParameterUnits::ParameterUnits(ShardedOptimizer& optimizer) : state_(std::make_shared<State>()) {
+  DTRAIN_CHECK(optimizer.units() > 0, "ParameterUnits: the optimizer was built without units (--shard=parameters "
+               "builds it with them)");
+  State& s = *state_;
+  s.optimizer = &optimizer;
+  s.pending.resize(optimizer.units());
+  s.grads_left.assign(optimizer.units(), 0);
+  // Once the last gradient of a unit in this backward was computed, nothing of its backward
+  // reads its weights any more: release them.
+  std::weak_ptr<State> weak = state_;
+  for (int k = 0; k < optimizer.units(); ++k) {
+    const auto [first, last] = optimizer.unit_params(k);
+    for (size_t j = first; j < last; ++j) {
+      at::Tensor p = optimizer.params()[j];
+      const unsigned handle = p.register_hook([weak, k](const at::Tensor&) {
+        std::shared_ptr<State> s = weak.lock();
+        if (!s) return;
+        std::lock_guard<std::mutex> lock(s->mutex);
+        if (s->grads_left[k] > 0 && --s->grads_left[k] == 0) s->release(k);
+      });
+      s.hooks.emplace_back(p, handle);
+    }
+  }
+}
+
+ParameterUnits::~ParameterUnits() {
+  for (auto& [p, handle] : state_->hooks) p.remove_hook(handle);
+  try {
+    release_all();
+  } catch (...) {  // a destructor must not throw; the communicator reports its own failures
+  }
+}
+
+int ParameterUnits::units() const { return state_->units(); }
+
+at::Tensor ParameterUnits::run(int k, const std::function<at::Tensor()>& forward) {
+  State& s = *state_;
+  DTRAIN_CHECK(k >= 0 && k < s.units(), "ParameterUnits::run: unit ", k, " of ", s.units());
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    s.ensure(k);
+    s.prefetch(k + 1);
+  }
+  at::Tensor y = forward();
+  if (at::GradMode::is_enabled() && y.requires_grad()) y = GatherBeforeBackward::apply(y, state_, k);
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.release(k);
+  return y;
+}
+
+void ParameterUnits::gather_all() {
+  State& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  for (int k = 0; k < s.units(); ++k) s.prefetch(k);
+  for (int k = 0; k < s.units(); ++k) s.ensure(k);
+}
+
+void ParameterUnits::release_all() {
+  State& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  for (int k = 0; k < s.units(); ++k) {
+    s.grads_left[k] = 0;
+    s.release(k);
+  }
+}
+
+}  // namespace dtrain::engine
