@@ -1,5 +1,7 @@
 #include "gpt_model.h"
 
+#include "dtrain/engine/optim/sharded.h"
+
 #include <ATen/ATen.h>
 
 #include "dtrain/engine/memory/activation_checkpoint.h"
@@ -47,7 +49,18 @@ GptImpl::GptImpl(const GptOptions& o, dist::Communicator& comm) : options(o), tp
   drop = register_module("drop", torch::nn::Dropout(o.dropout));
 }
 
+std::vector<std::string> GptImpl::unit_starts() const {
+  std::vector<std::string> out = {"wte."};
+  for (size_t i = 0; i < blocks->size(); ++i) out.push_back("blocks." + std::to_string(i) + ".");
+  out.push_back("ln_f.");
+  return out;
+}
+
 at::Tensor GptImpl::embed(const at::Tensor& tokens) {
+  return units ? units->run(0, [&] { return embed_tokens(tokens); }) : embed_tokens(tokens);
+}
+
+at::Tensor GptImpl::embed_tokens(const at::Tensor& tokens) {
   const int64_t T = tokens.size(1);
   at::Tensor x;
   if (options.sequence_parallel) {
@@ -68,6 +81,22 @@ at::Tensor GptImpl::run_blocks(at::Tensor x) {
   for (size_t i = 0; i < n; ++i) {
     auto* block = (*blocks)[i]->as<GptBlockImpl>();
     auto fn = [block](const at::Tensor& in) { return block->forward(in); };
+    if (units) {
+      // ZeRO-3: block i is unit i + 1, gathered around its forward and (recomputed or not)
+      // again before its backward.
+      engine::ParameterUnits* u = units;
+      const int k = static_cast<int>(i) + 1;
+      if (ckpt) {
+        engine::CheckpointHooks hooks;
+        hooks.before_forward = [u, k] { u->before_forward(k); };
+        hooks.after_forward = [u, k] { u->after_forward(k); };
+        hooks.before_recompute = [u, k] { u->before_backward(k); };
+        x = engine::checkpoint(fn, x, block->parameters(), hooks);
+      } else {
+        x = u->run(k, [&] { return block->forward(x); });
+      }
+      continue;
+    }
     if (streamer) {
       // Weights come to the device just in time (the next block's already on its way) and go
       // back right after; backward recomputes the block with them fetched again.
@@ -88,8 +117,11 @@ at::Tensor GptImpl::run_blocks(at::Tensor x) {
 at::Tensor GptImpl::forward(const at::Tensor& tokens) {
   TORCH_CHECK(first_stage && last_stage, "GptImpl::forward is the whole model's; a pipeline stage runs stage_forward");
   at::Tensor x = run_blocks(embed(tokens));
-  at::Tensor h = options.sequence_parallel ? engine::sequence_parallel_layer_norm(ln_f, x, *tp) : ln_f->forward(x);
-  return head->forward(h);
+  auto logits = [&] {
+    at::Tensor h = options.sequence_parallel ? engine::sequence_parallel_layer_norm(ln_f, x, *tp) : ln_f->forward(x);
+    return head->forward(h);
+  };
+  return units ? units->run(static_cast<int>(blocks->size()) + 1, logits) : logits();
 }
 
 at::Tensor GptImpl::loss(const at::Tensor& inputs, const at::Tensor& targets) {
@@ -131,6 +163,11 @@ at::Tensor GptImpl::stage_forward(const at::Tensor& x, const at::Tensor& targets
 }
 
 at::Tensor GptImpl::cross_entropy(const at::Tensor& x, const at::Tensor& targets) {
+  if (!units) return head_loss(x, targets);
+  return units->run(static_cast<int>(blocks->size()) + 1, [&] { return head_loss(x, targets); });
+}
+
+at::Tensor GptImpl::head_loss(const at::Tensor& x, const at::Tensor& targets) {
   at::Tensor h = options.sequence_parallel ? engine::sequence_parallel_layer_norm(ln_f, x, *tp) : ln_f->forward(x);
   at::Tensor logits = head->forward(h);
   const int64_t local = logits.size(-1);

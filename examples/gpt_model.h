@@ -8,6 +8,10 @@
 #pragma once
 
 #include <torch/nn/module.h>
+
+#include <string>
+#include <vector>
+
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/embedding.h>
@@ -15,6 +19,10 @@
 
 #include "dtrain/engine/parallel/tensor_parallel.h"
 #include "dtrain/offload/layer_offload.h"
+
+namespace dtrain::engine {
+class ParameterUnits;
+}  // namespace dtrain::engine
 
 namespace dtrain::examples {
 
@@ -73,11 +81,18 @@ struct GptImpl : torch::nn::Module {
   engine::ColumnParallelLinear head{nullptr};
   torch::nn::Dropout drop{nullptr};
   std::shared_ptr<offload::LayerStreamer> streamer;
+  // --shard=parameters (ZeRO-3; the whole model, no pipeline): the trainer's units, which run
+  // the embeddings as unit 0, block i as unit i + 1 and the final norm and head as the last
+  // (unit_starts() names them for TrainerOptions::shard_unit_starts). Null: plain modules.
+  engine::ParameterUnits* units = nullptr;
+  std::vector<std::string> unit_starts() const;
 
  private:
-  at::Tensor embed(const at::Tensor& tokens);     // [B, T] -> the residual stream
+  at::Tensor embed(const at::Tensor& tokens);     // [B, T] -> the residual stream (unit 0)
+  at::Tensor embed_tokens(const at::Tensor& tokens);
   at::Tensor run_blocks(at::Tensor x);            // through this stage's blocks
-  at::Tensor cross_entropy(const at::Tensor& h, const at::Tensor& targets);  // final norm, head, loss
+  at::Tensor cross_entropy(const at::Tensor& h, const at::Tensor& targets);  // final norm, head, loss (last unit)
+  at::Tensor head_loss(const at::Tensor& h, const at::Tensor& targets);
 };
 TORCH_MODULE(Gpt);
 

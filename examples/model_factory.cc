@@ -267,6 +267,16 @@ std::function<void()> model_checks(const std::string& model) {
       DTRAIN_CHECK(unsupported == nullptr, unsupported ? unsupported : "", " with --pp=", P,
                    " is not supported yet; train with --pp=1, or without ", unsupported ? unsupported : "");
     }
+    if (engine::cli::flags().shard == "parameters") {  // ZeRO-3: the example's features it does not take yet
+      const std::string& offload = engine::cli::flags().offload;
+      const char* unsupported = offload == "layers" || offload == "all" ? "--offload=layers"
+                                : !FLAGS_teacher.empty()               ? "--teacher"
+                                : !FLAGS_quantize.empty()              ? "--quantize"
+                                : engine::cli::flags().plan == "auto"  ? "--plan=auto"
+                                                                       : nullptr;
+      DTRAIN_CHECK(unsupported == nullptr, "--shard=parameters with ", unsupported ? unsupported : "",
+                   " is not supported yet; use --shard=gradients, or drop ", unsupported ? unsupported : "");
+    }
   };
 }
 

@@ -169,6 +169,8 @@ int plan_main(int argc, char** argv) {
   current.offload_optimizer = engine::cli::flags().offload == "optimizer" || engine::cli::flags().offload == "all";
   current.offload_layers = engine::cli::flags().offload == "layers" || engine::cli::flags().offload == "all";
   current.shard = static_cast<int>(engine::parse_shard_mode(engine::cli::flags().shard));
+  DTRAIN_CHECK(current.shard <= 2, "--shard=parameters: dtrain-plan does not estimate ZeRO-3 yet; plan with "
+               "--shard=gradients (its weights are whole, an upper bound)");
   const engine::MemoryEstimate now = engine::estimate(in, profile, current);
   if (rank0) {
     std::printf(

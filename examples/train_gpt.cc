@@ -45,8 +45,10 @@ int main(int argc, char** argv) {
     options.tokens_per_sample = S;
     options.pipeline.forward = model.stage_forward;  // set with --pp > 1
     options.pipeline.activation_shape = model.stage_activation_shape;
+    if (options.shard == "parameters") options.shard_unit_starts = gpt->unit_starts();  // ZeRO-3's units
     examples::plan_and_apply(run, model, options);
     engine::Trainer trainer(*model.module, model.loss, *run.mesh, run.device, options);
+    gpt->units = trainer.parameter_units();  // null unless --shard=parameters
     examples::TokenData data = examples::token_data(run, S, /*fold_bytes=*/true);
     engine::DataLoader loader(data.train, examples::loader_options(run, engine::cli::flags().batch_size, true, engine::cli::flags().seed));
     auto eval = examples::eval_loader(run, data);

@@ -8,6 +8,8 @@ Modes (--mode, default: all three, each in a fresh pair of processes):
   zero1  DDP + torch.distributed.optim.ZeroRedundancyOptimizer(AdamW) (dtrain --shard=optimizer)
   zero2  FSDP1 FullyShardedDataParallel(ShardingStrategy.SHARD_GRAD_OP) around the whole
          model + AdamW over the local FlatParameter shard            (dtrain --shard=gradients)
+  zero3  FSDP1 FULL_SHARD with each Block its own unit (ModuleWrapPolicy) and the embeddings
+         and head in the root unit, forward prefetch on               (dtrain --shard=parameters)
 
 The model mirrors examples/gpt_model.{h,cc} at tp = 1 (GPT-2 layout): token embedding
 (vocab x d) plus learned positional embedding (seq_len x d); per block a pre-norm LayerNorm,
@@ -49,7 +51,7 @@ Printed per mode by rank 0, one JSON line:
                           optimizer.step() + zero_grad() over steps 51..steps (1-based)
   loss_last               the loss of the last step, averaged over the ranks
 
-usage: .venv/bin/python tools/zero_torch_bench.py [--mode=all|ddp|zero1|zero2] [--steps=200]
+usage: .venv/bin/python tools/zero_torch_bench.py [--mode=all|ddp|zero1|zero2|zero3] [--steps=200]
            [--world=2] [--d_model=128] [--heads=4] [--layers=2] [--ff=512] [--vocab=2048]
            [--seq_len=32] [--batch_size=8]
 """
@@ -67,7 +69,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
-MODES = ("ddp", "zero1", "zero2")
+MODES = ("ddp", "zero1", "zero2", "zero3")
 WARMUP_STEPS = 50  # steps 1..50 are excluded from the median
 
 
@@ -172,7 +174,15 @@ def run_mode(rank, a, mode):
     assert parameters == dtrain_parameter_count(a), (parameters, dtrain_parameter_count(a))
 
     adamw = dict(lr=a.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=a.weight_decay)
-    if mode == "zero2":
+    if mode == "zero3":
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        wrapped = FSDP(model, sharding_strategy=ShardingStrategy.FULL_SHARD, device_id=torch.device("cpu"),
+                       auto_wrap_policy=ModuleWrapPolicy({Block}), forward_prefetch=True, use_orig_params=False)
+        optimizer = torch.optim.AdamW(wrapped.parameters(), **adamw)  # the local shards
+
+        def clip():
+            wrapped.clip_grad_norm_(a.clip_grad_norm)
+    elif mode == "zero2":
         # One FSDP unit around the whole model, on the CPU. device_id=cpu is required: without
         # a device_id this torch refuses ("FSDP needs a non-CPU accelerator device, but no
         # accelerator device is detected."). SHARD_GRAD_OP keeps the gathered parameters

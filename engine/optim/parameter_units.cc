@@ -35,6 +35,28 @@ struct ParameterUnits::State {
     pending[k].clear();
     optimizer->release_unit(k);
   }
+  void check(int k) const {
+    DTRAIN_CHECK(k >= 0 && k < units(), "ParameterUnits: unit ", k, " of ", units());
+  }
+  void before_forward(int k) {
+    check(k);
+    std::lock_guard<std::mutex> lock(mutex);
+    ensure(k);
+    prefetch(k + 1);
+  }
+  void after_forward(int k) {
+    check(k);
+    std::lock_guard<std::mutex> lock(mutex);
+    release(k);
+  }
+  void before_backward(int k) {
+    check(k);
+    std::lock_guard<std::mutex> lock(mutex);
+    ensure(k);
+    const auto [first, last] = optimizer->unit_params(k);
+    grads_left[k] = static_cast<int>(last - first);
+    prefetch(k - 1);
+  }
 };
 
 namespace {
@@ -59,14 +81,7 @@ struct GatherBeforeBackward : public torch::autograd::Function<GatherBeforeBackw
                                                  torch::autograd::variable_list grads) {
     const int k = static_cast<int>(ctx->saved_data["k"].toInt());
     auto holder = c10::static_intrusive_pointer_cast<StateHolder>(ctx->saved_data["state"].toCapsule());
-    ParameterUnits::State& s = *holder->state;
-    {
-      std::lock_guard<std::mutex> lock(s.mutex);
-      s.ensure(k);
-      const auto [first, last] = s.optimizer->unit_params(k);
-      s.grads_left[k] = static_cast<int>(last - first);
-      s.prefetch(k - 1);
-    }
+    holder->state->before_backward(k);
     return {grads[0], at::Tensor(), at::Tensor()};
   }
 };
@@ -109,19 +124,16 @@ ParameterUnits::~ParameterUnits() {
 int ParameterUnits::units() const { return state_->units(); }
 
 at::Tensor ParameterUnits::run(int k, const std::function<at::Tensor()>& forward) {
-  State& s = *state_;
-  DTRAIN_CHECK(k >= 0 && k < s.units(), "ParameterUnits::run: unit ", k, " of ", s.units());
-  {
-    std::lock_guard<std::mutex> lock(s.mutex);
-    s.ensure(k);
-    s.prefetch(k + 1);
-  }
+  state_->before_forward(k);
   at::Tensor y = forward();
   if (at::GradMode::is_enabled() && y.requires_grad()) y = GatherBeforeBackward::apply(y, state_, k);
-  std::lock_guard<std::mutex> lock(s.mutex);
-  s.release(k);
+  state_->after_forward(k);
   return y;
 }
+
+void ParameterUnits::before_forward(int k) { state_->before_forward(k); }
+void ParameterUnits::after_forward(int k) { state_->after_forward(k); }
+void ParameterUnits::before_backward(int k) { state_->before_backward(k); }
 
 void ParameterUnits::gather_all() {
   State& s = *state_;

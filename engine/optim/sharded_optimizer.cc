@@ -16,11 +16,8 @@ ShardMode parse_shard_mode(const std::string& text) {
   if (text == "none") return ShardMode::kNone;
   if (text == "optimizer") return ShardMode::kOptimizer;
   if (text == "gradients") return ShardMode::kGradients;
-  DTRAIN_CHECK(text != "parameters", "--shard=parameters (ZeRO stage 3) is not available in the trainer yet (the "
-               "engine's ShardedOptimizer with units and ParameterUnits are its pieces); --shard=gradients "
-               "partitions the optimizer state and the gradients (ZeRO-2), and --offload=optimizer keeps the "
-               "partitioned optimizer state in host memory");
-  throw Error("--shard=" + text + " is not one of: none, optimizer, gradients");
+  if (text == "parameters") return ShardMode::kParameters;
+  throw Error("--shard=" + text + " is not one of: none, optimizer, gradients, parameters");
 }
 
 struct ShardedOptimizer::Impl {
@@ -275,6 +272,9 @@ std::vector<at::Tensor> ShardedOptimizer::device_state() const {
   std::vector<at::Tensor> out = impl_->inner->device_state();
   out.push_back(impl_->grad_shard);
   if (impl_->empty || impl_->master.data_ptr() != impl_->own.data_ptr()) out.push_back(impl_->master);
+  // ZeRO-3: this rank's range of the weights lives here between steps (the parameters' own
+  // storage holds bytes only while their unit is gathered).
+  if (impl_->zero3) out.push_back(impl_->own);
   return out;
 }
 

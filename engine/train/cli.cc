@@ -104,7 +104,7 @@ const std::vector<Spec>& specs() {
       spec(kMemory, "offload", "none, optimizer, layers or all", &Flags::offload),
       spec(kMemory, "shard",
            "partition across the data-parallel group: none, optimizer (ZeRO-1: optimizer state and "
-           "master weights), or gradients (ZeRO-2: also the gradients between steps)",
+           "master weights), gradients (ZeRO-2: also gradients) or parameters (ZeRO-3: also weights)",
            &Flags::shard),
       spec(kMemory, "offload_threads", "CPU optimizer threads (0: OMP_NUM_THREADS or the cores)",
            &Flags::offload_threads),
@@ -419,7 +419,8 @@ TrainerOptions trainer_options(const Flags& f, const std::string& default_optimi
   o.resume = parse_resume(f.resume);
   o.async_save = f.async_save;
   o.progress = f.progress;
-  o.oom_backoff = tp_size == 1;
+  // Not yet under ZeRO-3: a rank that fails would still owe the other ranks its unit gathers.
+  o.oom_backoff = tp_size == 1 && f.shard != "parameters";
   return o;
 }
 

@@ -80,6 +80,39 @@ Settings settings_of(const TrainerOptions& o) {
 
 // What a pipeline-parallel trainer needs and what it does not (yet) combine with; the same on
 // every rank (options and mesh are), so every rank refuses together.
+// --shard=parameters: the parameter index at which each unit begins (names in the trainer's
+// order; a unit begins at the first name under each of the prefixes).
+std::vector<size_t> unit_starts(const std::vector<std::string>& names, const std::vector<std::string>& prefixes) {
+  DTRAIN_CHECK(!prefixes.empty(), "--shard=parameters needs the model's units (TrainerOptions::shard_unit_starts: "
+               "where each unit's parameters begin); this model gives none. Use --shard=gradients");
+  // The first parameter under each prefix begins a unit.
+  std::vector<size_t> starts;
+  std::vector<bool> used(prefixes.size(), false);
+  for (size_t j = 0; j < names.size(); ++j) {
+    bool begins = false;
+    for (size_t i = 0; i < prefixes.size(); ++i) {
+      if (!used[i] && names[j].compare(0, prefixes[i].size(), prefixes[i]) == 0) used[i] = begins = true;
+    }
+    if (begins) starts.push_back(j);
+  }
+  DTRAIN_CHECK(!starts.empty() && starts.front() == 0, "--shard=parameters: the first parameter, '", names.front(),
+               "', begins no unit (TrainerOptions::shard_unit_starts must name where every unit begins)");
+  return starts;
+}
+
+// What --shard=parameters does not combine with yet.
+void check_parameter_sharding(const TrainerOptions& o, const dist::Mesh& mesh, bool sparse) {
+  const char* other = mesh.tp_size() > 1   ? "--tp > 1"
+                      : mesh.pp_size() > 1 ? "--pp > 1"
+                      : o.prune.amount > 0 ? "--prune_amount"
+                      : sparse             ? "sparse embedding gradients"
+                      : o.oom_backoff      ? "OOM back-off (TrainerOptions::oom_backoff: a rank that fails would "
+                                             "still owe the others its unit gathers)"
+                                           : nullptr;
+  DTRAIN_CHECK(other == nullptr, "--shard=parameters (ZeRO-3) with ", other ? other : "",
+               " is not supported yet; use --shard=gradients, or drop ", other ? other : "");
+}
+
 void check_pipeline_options(const TrainerOptions& o, const dist::Mesh& mesh) {
   const int P = mesh.pp_size();
   DTRAIN_CHECK(o.pipeline.forward && o.pipeline.activation_shape, "a mesh of ", P, " pipeline stages needs ",
@@ -226,7 +259,18 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
           << (sparse_params.size() > 1 ? ", ..." : "") << "): averaged row-wise after backward, updated "
           << "only where touched (" << options_.optimizer.name << "'s sparse rule)";
     } else if (options_.offload_optimizer) {
+      DTRAIN_CHECK(shard != ShardMode::kParameters, "--shard=parameters (ZeRO-3) with --offload=optimizer is not "
+                   "supported yet; use --shard=gradients with it (the ZeRO-Offload layout), or drop --offload");
       optimizer_ = make_offload_optimizer(params_, options_.optimizer, mesh_.dp(), options_.offload, device_);
+    } else if (shard == ShardMode::kParameters) {
+      check_parameter_sharding(options_, mesh_, !sparse_params.empty());
+      auto sharded = std::make_unique<ShardedOptimizer>(params_, options_.optimizer, mesh_.dp(),
+                                                        unit_starts(names, options_.shard_unit_starts));
+      units_ = std::make_unique<ParameterUnits>(*sharded);
+      optimizer_ = std::move(sharded);
+      LOG_IF(INFO, mesh_.world().rank() == 0)
+          << "--shard=parameters: " << units_->units() << " units gathered per use; this rank keeps 1/"
+          << mesh_.dp_size() << " of the weights, gradients and optimizer state between steps";
     } else if (shard != ShardMode::kNone) {
       optimizer_ = std::make_unique<ShardedOptimizer>(params_, options_.optimizer, mesh_.dp());
     } else {
@@ -240,7 +284,7 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
         norm_layout_.owned = FlatRange{mine.first, mine.second};
         norm_layout_.dp = &mesh_.dp();
         // ZeRO-2: the gradients outside this rank's range are not kept between steps.
-        reducer_options.release_unowned = shard == ShardMode::kGradients;
+        reducer_options.release_unowned = shard == ShardMode::kGradients || shard == ShardMode::kParameters;
         LOG_IF(INFO, mesh_.world().rank() == 0)
             << "each gradient is reduced only to the rank whose shard holds it (the optimizer's, "
             << reducer_options.owned.size() << " shards)"

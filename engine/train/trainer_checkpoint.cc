@@ -7,11 +7,28 @@
 #include <glog/logging.h>
 
 #include "dtrain/dist/error.h"
+#include "dtrain/engine/optim/sharded.h"
 #include "dtrain/engine/train/agreement.h"
 #include "dtrain/engine/train/trainer.h"
 
 namespace dtrain::engine {
 namespace {
+
+// ZeRO-3 (--shard=parameters): every unit gathered while this lives, released after.
+class GatheredUnits {
+ public:
+  explicit GatheredUnits(ParameterUnits* units) : units_(units) {
+    if (units_) units_->gather_all();
+  }
+  ~GatheredUnits() {
+    if (units_) units_->release_all();
+  }
+  GatheredUnits(const GatheredUnits&) = delete;
+  GatheredUnits& operator=(const GatheredUnits&) = delete;
+
+ private:
+  ParameterUnits* units_;
+};
 
 // "<param index>.<state name>" -> the parameter index.
 int64_t param_index_of(const std::string& state_name) {
@@ -161,6 +178,9 @@ Trainer::PreparedSave Trainer::prepare_save(const DataLoader* loader, bool own_c
                "no checkpoints");
   flush_updates();  // a delayed update in flight goes into the saved weights
   dist::Communicator& world = mesh_.world();
+  // ZeRO-3: the whole weights for the save (copied, so the units go back to their shards).
+  GatheredUnits gathered(units_.get());
+  if (units_) own_copies = true;
   PreparedSave save;
   // Never a checkpoint of non-finite weights (rotation could then push out the last good one).
   // One flag per device, computed where the weights are and read by write_save: the training
@@ -306,6 +326,9 @@ bool Trainer::resume_checkpoint(DataLoader* loader, bool required) {
 void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& info,
                            DataLoader* loader) {
   dist::Communicator& world = mesh_.world();
+  // ZeRO-3: the weights are loaded into the whole units; the optimizer's state (or, from an
+  // unsharded checkpoint, the weights themselves) then sets this rank's range.
+  GatheredUnits gathered(units_.get());
   CheckpointData data = store.load(info.path);
   // The model: every tensor-parallel layout resumes from the unsplit tensors.
   NamedTensors local = data.model;

@@ -27,6 +27,8 @@ check 2 'sequence_parallel: train_mlp has no tensor-parallel layers' "$bin/train
 check 2 'pp: train_mlp has no tensor-parallel layers and cannot be split into pipeline stages' "$bin/train_mlp" --pp=2
 check 2 "pipeline schedule 'zb' does not exist; use gpipe" "$bin/train_gpt" --pp_schedule=zb
 check 2 'pp_blocks=2 needs --pp > 1' "$bin/train_gpt" --pp_blocks=2
+check 2 "shard=parameters needs the model's units" "$bin/train_mlp" --shard=parameters
+check 2 'shard=parameters with --offload=layers is not supported yet' "$bin/train_gpt" --device=cpu --shard=parameters --offload=layers
 check 2 'not a multiple of --accum_steps=3' "$bin/train_mlp" --batch_size=64 --accum_steps=3
 check 2 "directory '/nonexistent' does not exist" "$bin/train_mlp" --metrics=/nonexistent/m.jsonl
 check 2 'd_model=50 is not divisible by --heads=8' "$bin/train_seq2seq" --d_model=50

@@ -42,7 +42,8 @@ def train(args, program, ranks, flags, name, expect_status=0, env=None, output=F
         run(cmd, env=dict(os.environ, **env) if env else None)
         return metrics(out)
     print("$", " ".join(shlex.quote(c) for c in cmd), flush=True)
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600,
+                       env=dict(os.environ, **env) if env else None)
     print(p.stdout[-3000:], flush=True)
     if p.returncode != expect_status:
         sys.exit(f"FAIL: expected exit status {expect_status}, got {p.returncode}")
@@ -465,6 +466,91 @@ def scenario_pipeline(args):
     run([args.python, "-c", code, split])
 
 
+def scenario_zero3(args):
+    """--shard=parameters (ZeRO-3): each rank keeps 1/N of the weights, gradients and optimizer state; every
+    layout follows the one-rank run of the same global batch, and its checkpoints resume under another stage,
+    data size, or unsharded."""
+    w = args.workdir
+    shape = ["--d_model=64", "--heads=4", "--layers=4", "--seq_len=32", "--ff=128", "--vocab=97", "--workers=1",
+             "--lr=0.003", "--warmup_steps=2", "--schedule=cosine", "--steps=12", "--clip_grad_norm=0.5"]
+    ref = train(args, "train_gpt", 1, shape + ["--batch_size=8"], "z3-ref")
+    for ranks, flags, name in ((2, ["--batch_size=4"], "2 ranks"),
+                               (4, ["--batch_size=2"], "4 ranks"),
+                               (2, ["--batch_size=4", "--accum_steps=2"], "2 ranks, 2 micro-batches"),
+                               (2, ["--batch_size=4", "--checkpoint_activations"], "2 ranks, checkpointed"),
+                               (4, ["--batch_size=2", "--accum_steps=2", "--checkpoint_activations"],
+                                "4 ranks, 2 micro-batches, checkpointed")):
+        other = train(args, "train_gpt", ranks, shape + flags + ["--shard=parameters"], f"z3-{len(name)}-{ranks}")
+        compare(ref, other, f"--shard=parameters, {name}", 1e-4)
+        compare_grad_norms(ref, other, f"--shard=parameters, {name}")
+    base = train(args, "train_gpt", 1, shape + ["--batch_size=8", "--amp=bf16"], "z3-ref-bf16")
+    other = train(args, "train_gpt", 2, shape + ["--batch_size=4", "--amp=bf16", "--shard=parameters"], "z3-bf16")
+    compare(base, other, "--shard=parameters --amp=bf16", 1e-3)
+    # fp16: the loss scale and the overflow check agreed over the ranks.
+    base = train(args, "train_gpt", 1, shape + ["--batch_size=8", "--amp=fp16"], "z3-ref-fp16")
+    other = train(args, "train_gpt", 2, shape + ["--batch_size=4", "--amp=fp16", "--shard=parameters"], "z3-fp16")
+    compare(base, other, "--shard=parameters --amp=fp16", 1e-3)
+    assert [a.get("loss_scale") for a in base] == [b.get("loss_scale") for b in other], "fp16 loss scales differ"
+    # Evaluation runs the forwards through the units.
+    ev = ["--eval_every=6", "--eval_batches=2"]
+    base = train(args, "train_gpt", 1, shape + ev + ["--batch_size=8"], "z3-ref-eval")
+    other = train(args, "train_gpt", 2, shape + ev + ["--batch_size=4", "--shard=parameters"], "z3-eval")
+    pairs = [(a["eval_loss"], b["eval_loss"]) for a, b in zip(base, other) if "eval_loss" in a]
+    assert len(pairs) == 2 and all(abs(x - y) <= 1e-4 * abs(x) for x, y in pairs), f"evaluation losses: {pairs}"
+    # Memory (the memory report of rank 0, exact on the CPU): weights, gradients and optimizer state at 4 ranks
+    # against the unsharded rank's.
+    big = ["--d_model=128", "--heads=4", "--layers=8", "--seq_len=32", "--ff=512", "--vocab=512", "--workers=1",
+           "--steps=3", "--batch_size=2", "--memory_report_step=3", "--log_every=1"]
+    import re
+    rows = {}
+    for shard in ("none", "parameters"):
+        out = train(args, "train_gpt", 4, big + [f"--shard={shard}"], f"z3-mem-{shard}", output=True,
+                    env={"GLOG_minloglevel": "0"})  # the memory report is an INFO line
+        found = dict(re.findall(r"^\s+(parameters|gradients|optimizer state|activations|other)\b[^\n]*?([0-9.]+)$",
+                                out, re.M))
+        assert len(found) == 5, (shard, found, out[-2000:])
+        rows[shard] = {k: float(v) for k, v in found.items()}
+    none, z3 = rows["none"], rows["parameters"]
+    held = lambda r: r["parameters"] + r["gradients"] + r["optimizer state"] + r["other"] - none["other"]
+    ratio = held(z3) / held(none)
+    assert ratio <= 0.3, f"--shard=parameters at 4 ranks holds {ratio:.2f} of the unsharded rank's state: {rows}"
+    # The step's peak above its start: the activations and at most two units' weights (a block: 12 d^2 + 13 d
+    # parameters here, 4 bytes each; the prefetch keeps the next one on its way).
+    block_mib = (12 * 128 * 128 + 13 * 128) * 4 / 2**20
+    assert z3["activations"] <= none["activations"] + 2 * block_mib, rows
+    # Bytes per step (the communicator's bus bytes): DDP's all-reduce moves 2 (N - 1) / N x the weights, ZeRO-3
+    # gathers every unit twice and reduces the gradients to their owners: 3 x.
+    comm = {shard: metrics(os.path.join(w, f"z3-mem-{shard}.jsonl"))[-1]["comm_mb"] for shard in rows}
+    weights_mb = comm["none"] * 4 / (2 * 3)
+    assert abs(comm["parameters"] - 3 * weights_mb) <= 0.05 * 3 * weights_mb, (comm, weights_mb)
+    print(f"ok: --shard=parameters moves {comm['parameters'] / weights_mb:.3f} x the weights per step")
+    print(f"ok: --shard=parameters on 4 ranks holds {ratio:.3f} of the unsharded weights, gradients and optimizer "
+          f"state between steps; its step peaks {z3['activations'] - none['activations']:.2f} MiB above the "
+          f"unsharded one's activations (a block's weights: {block_mib:.2f} MiB)")
+    # Checkpoints: stage 3 at 4 ranks -> 2 ranks stage 2 -> one rank unsharded, each continuing the curve.
+    const = [f for f in shape if not f.startswith(("--steps", "--warmup_steps", "--schedule"))]
+    const += ["--schedule=constant"]
+    ref16 = train(args, "train_gpt", 1, const + ["--batch_size=8", "--steps=16"], "z3-ref16")
+    d = os.path.join(w, "ck_z3")
+    train(args, "train_gpt", 4, const + ["--batch_size=2", "--shard=parameters", "--steps=8", f"--save_dir={d}"],
+          "z3-part")
+    two = train(args, "train_gpt", 2, const + ["--batch_size=4", "--shard=gradients", "--steps=12", f"--save_dir={d}",
+                                             "--resume"], "z3-resumed-2")
+    compare([r for r in steps_after(ref16, 8) if r["step"] <= 12], steps_after(two, 8),
+            "--shard=parameters on 4 ranks resumed as 2 ranks stage 2", 1e-4)
+    one = train(args, "train_gpt", 1, const + ["--batch_size=8", "--steps=16", f"--save_dir={d}", "--resume"],
+                "z3-resumed-1")
+    compare(steps_after(ref16, 12), steps_after(one, 12), "... resumed again unsharded on one rank", 1e-4)
+    back = os.path.join(w, "ck_z3_back")
+    train(args, "train_gpt", 1, const + ["--batch_size=8", "--steps=8", f"--save_dir={back}"], "z3-plain-part")
+    again = train(args, "train_gpt", 4, const + ["--batch_size=2", "--shard=parameters", "--steps=16",
+                                                 f"--save_dir={back}", "--resume"], "z3-from-plain")
+    compare(steps_after(ref16, 8), steps_after(again, 8), "an unsharded checkpoint resumed as --shard=parameters", 1e-4)
+    code = ("import sys, glob, torch; d = sys.argv[1]; "
+            "[torch.load(f, weights_only=True) for f in sorted(glob.glob(d + '/*.pt'))]; print('torch.load ok')")
+    run([args.python, "-c", code, d])
+
+
 def scenario_offload(args):
     shape = ["--d_model=64", "--heads=4", "--layers=2", "--seq_len=32", "--ff=128", "--vocab=96", "--workers=1",
              "--lr=0.003", "--steps=16"]
@@ -827,7 +913,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("scenario", choices=["data_parallel", "amp", "seq2seq", "tensor_parallel", "observability",
                                          "checkpoint", "checkpoint_tp", "offload", "offload_stream", "plan",
-                                         "sequence_parallel", "distill", "sparse", "pipeline"])
+                                         "sequence_parallel", "distill", "sparse", "pipeline", "zero3"])
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--source", default=os.path.join(os.path.dirname(__file__), "..", ".."))
     ap.add_argument("--bin", required=True)
@@ -841,7 +927,8 @@ def main():
          "checkpoint": scenario_checkpoint, "checkpoint_tp": scenario_checkpoint_tp,
          "offload": scenario_offload, "offload_stream": scenario_offload_stream, "plan": scenario_plan,
          "sequence_parallel": scenario_sequence_parallel, "distill": scenario_distill,
-         "sparse": scenario_sparse, "pipeline": scenario_pipeline}[args.scenario](args)
+         "sparse": scenario_sparse, "pipeline": scenario_pipeline,
+         "zero3": scenario_zero3}[args.scenario](args)
 
 
 if __name__ == "__main__":

@@ -105,6 +105,12 @@ class ParameterUnits {
   ParameterUnits(const ParameterUnits&) = delete;
   ParameterUnits& operator=(const ParameterUnits&) = delete;
   at::Tensor run(int k, const std::function<at::Tensor()>& forward);
+  // run()'s parts, for a unit whose forward is recomputed in backward (activation
+  // checkpointing's hooks: before_forward / after_forward around the forward, before_backward
+  // before the recomputation, which the gradient hooks then follow).
+  void before_forward(int k);
+  void after_forward(int k);
+  void before_backward(int k);
   // Gathers every unit and waits (for reading or saving the whole weights), or releases every
   // unit (and drops pending prefetches after waiting for them).
   void gather_all();
@@ -119,9 +125,10 @@ class ParameterUnits {
 
 // "none" | "optimizer" (ZeRO-1) | "gradients" (ZeRO-2: the same optimizer, and the reducer
 // releases the gradient buckets this rank does not own, ReducerOptions::release_unowned):
-// --shard. "parameters" (ZeRO-3) is named and refused with the reason; anything else throws
-// dtrain::Error listing the choices.
-enum class ShardMode { kNone, kOptimizer, kGradients };
+// --shard. "parameters" (ZeRO-3: ShardedOptimizer with units and ParameterUnits, in the
+// trainer with TrainerOptions::shard_unit_starts); anything else throws dtrain::Error listing
+// the choices.
+enum class ShardMode { kNone, kOptimizer, kGradients, kParameters };
 ShardMode parse_shard_mode(const std::string& text);
 
 }  // namespace dtrain::engine

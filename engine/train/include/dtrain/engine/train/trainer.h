@@ -50,6 +50,8 @@
 
 namespace dtrain::engine {
 
+class ParameterUnits;  // optim/sharded.h
+
 // What fit() does when a step's loss or gradient norm is not finite (fp32 and bf16; with fp16
 // the loss scaler skips overflowing steps and lowers the scale).
 enum class NonFinitePolicy {
@@ -135,6 +137,13 @@ struct TrainerOptions {
   // reduced, ReducerOptions::release_unowned). With offload_optimizer the optimizer state is
   // partitioned already (in host memory); "gradients" then still releases the device buckets.
   std::string shard = "none";
+  // --shard=parameters (ZeRO-3): where the model's units begin, as parameter-name prefixes (a
+  // unit begins at the first parameter whose name starts with each of them and runs to the
+  // next unit's first; the first parameter must begin one), e.g. {"wte.", "blocks.0.",
+  // "blocks.1.", "ln_f."}. The model then runs each unit's forward through
+  // Trainer::parameter_units() (ParameterUnits::run, or its parts with activation
+  // checkpointing), in unit order.
+  std::vector<std::string> shard_unit_starts;
   // Magnitude pruning (optim/prune.h; --prune_amount, --prune_scope, --prune_at_step,
   // --prune_from_step/--prune_to_step/--prune_every): masks chosen before the scheduled steps'
   // forward, applied to gradients before and weights after every update, saved in checkpoints.
@@ -235,6 +244,9 @@ class Trainer {
   bool preempted() const { return preempted_; }
   // The memory report of the last step (components, allocator figures), for logs.
   MemoryReport memory_report() const;
+  // --shard=parameters: the units whose forward the model runs through ParameterUnits::run
+  // (TrainerOptions::shard_unit_starts); null otherwise. Valid as long as the trainer.
+  ParameterUnits* parameter_units() const { return units_.get(); }
   Timeline& timeline() { return *timeline_; }
   int accum_steps() const { return accum_steps_; }
   Optimizer& optimizer() { return *optimizer_; }
@@ -330,6 +342,7 @@ class Trainer {
   std::unique_ptr<GradReducer> reducer_;
   std::unique_ptr<SparseGradReducer> sparse_reducer_;  // null: no parameter has sparse gradients
   std::unique_ptr<Optimizer> optimizer_;
+  std::unique_ptr<ParameterUnits> units_;  // --shard=parameters (after optimizer_: it refers to it)
   std::unique_ptr<Pruner> pruner_;  // with prune.amount > 0
   std::unique_ptr<LossScaler> scaler_;
   std::unique_ptr<MetricsWriter> metrics_;
