@@ -211,7 +211,10 @@ ShardState load_resharded_optimizer(const CheckpointStore& store, const Checkpoi
                    " holds partitioned optimizer state of ", state.optimizer_shard.layout.numel,
                    " elements, but this model needs ", n, "; it is of a different model",
                    sizes_unknown ? " (or of another split into pipeline stages: resume with the same --pp and --pp_blocks)"
-                                 : "");
+                                 : "",
+                   old_tp > 1 ? " (or of another --tp: partitioned optimizer state resumes under the tensor-parallel "
+                                "size it was saved with, " + std::to_string(old_tp) + ")"
+                              : "");
       ShardState piece = std::move(state.optimizer_shard);
       piece.layout = {numel, {piece.layout.range.begin + old_offset, piece.layout.range.end + old_offset}};
       pieces.push_back(std::move(piece));

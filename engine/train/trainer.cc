@@ -102,8 +102,7 @@ std::vector<size_t> unit_starts(const std::vector<std::string>& names, const std
 
 // What --shard=parameters does not combine with yet.
 void check_parameter_sharding(const TrainerOptions& o, const dist::Mesh& mesh, bool sparse) {
-  const char* other = mesh.tp_size() > 1   ? "--tp > 1"
-                      : mesh.pp_size() > 1 ? "--pp > 1"
+  const char* other = mesh.pp_size() > 1 ? "--pp > 1"
                       : o.prune.amount > 0 ? "--prune_amount"
                       : sparse             ? "sparse embedding gradients"
                       : o.oom_backoff      ? "OOM back-off (TrainerOptions::oom_backoff: a rank that fails would "

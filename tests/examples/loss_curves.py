@@ -479,7 +479,12 @@ def scenario_zero3(args):
                                (2, ["--batch_size=4", "--accum_steps=2"], "2 ranks, 2 micro-batches"),
                                (2, ["--batch_size=4", "--checkpoint_activations"], "2 ranks, checkpointed"),
                                (4, ["--batch_size=2", "--accum_steps=2", "--checkpoint_activations"],
-                                "4 ranks, 2 micro-batches, checkpointed")):
+                                "4 ranks, 2 micro-batches, checkpointed"),
+                               # The 2D mesh: each tensor-parallel rank's shards split over its
+                               # data-parallel group (FSDP2 + TP).
+                               (4, ["--tp=2", "--batch_size=4"], "tp 2 x dp 2"),
+                               (4, ["--tp=2", "--batch_size=4", "--sequence_parallel", "--accum_steps=2"],
+                                "tp 2 x dp 2, sequence-parallel, 2 micro-batches")):
         other = train(args, "train_gpt", ranks, shape + flags + ["--shard=parameters"], f"z3-{len(name)}-{ranks}")
         compare(ref, other, f"--shard=parameters, {name}", 1e-4)
         compare_grad_norms(ref, other, f"--shard=parameters, {name}")
@@ -549,6 +554,18 @@ def scenario_zero3(args):
     code = ("import sys, glob, torch; d = sys.argv[1]; "
             "[torch.load(f, weights_only=True) for f in sorted(glob.glob(d + '/*.pt'))]; print('torch.load ok')")
     run([args.python, "-c", code, d])
+    # On the 2D mesh: tp 2 x dp 2 stage 3 resumed as itself, then as tp 2 unsharded (partitioned state
+    # resumes under the same --tp).
+    d2 = os.path.join(w, "ck_z3_tp")
+    train(args, "train_gpt", 4, const + ["--tp=2", "--batch_size=4", "--shard=parameters", "--steps=8",
+                                         f"--save_dir={d2}"], "z3-tp-part")
+    again = train(args, "train_gpt", 4, const + ["--tp=2", "--batch_size=4", "--shard=parameters", "--steps=12",
+                                                 f"--save_dir={d2}", "--resume"], "z3-tp-resumed")
+    compare([r for r in steps_after(ref16, 8) if r["step"] <= 12], steps_after(again, 8),
+            "tp 2 x dp 2 --shard=parameters resumed as itself", 1e-4)
+    tp2 = train(args, "train_gpt", 2, const + ["--tp=2", "--batch_size=8", "--steps=16", f"--save_dir={d2}",
+                                               "--resume"], "z3-tp-resumed-tp2")
+    compare(steps_after(ref16, 12), steps_after(tp2, 12), "... resumed again as tp 2 unsharded", 1e-4)
 
 
 def scenario_offload(args):
