@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
 #include <mutex>
 
 #include "dtrain/dist/error.h"
@@ -12,8 +13,13 @@
 namespace dtrain::engine {
 
 struct ParameterUnits::State {
+  using Clock = std::chrono::steady_clock;
   ShardedOptimizer* optimizer = nullptr;
   std::vector<std::vector<dist::WorkPtr>> pending;  // per unit: its gather in flight
+  std::vector<Clock::time_point> issued, ready;     // per unit: its gather's issue, and when it was ready
+  std::vector<const char*> phase;                   // per unit: "forward" or "backward" while gathered
+  bool recording = false;
+  std::vector<ParameterUnits::Event> events;
   std::vector<int> grads_left;                      // per unit: gradients still to come in this backward
   std::vector<std::pair<at::Tensor, unsigned>> hooks;
   std::mutex mutex;  // forward runs on the training thread, backward on autograd's
@@ -22,17 +28,37 @@ struct ParameterUnits::State {
   // Issues unit k's gather unless it is gathered or in flight (k outside the units: nothing).
   void prefetch(int k) {
     if (k < 0 || k >= units() || optimizer->unit_gathered(k)) return;
+    if (recording) issued[k] = Clock::now();
     pending[k] = optimizer->gather_unit(k);
   }
-  // Unit k gathered and its broadcasts complete.
-  void ensure(int k) {
-    prefetch(k);
+  // Waits for unit k's gather in flight, recording its transfer.
+  void finish(int k) {
+    if (pending[k].empty()) return;
     for (const dist::WorkPtr& w : pending[k]) w->wait();
+    if (recording) {
+      Clock::time_point start = issued[k], end = Clock::now(), s2, e2;
+      if (pending[k].front()->timing(&start, &s2) && pending[k].back()->timing(&e2, &end)) {
+        start = std::max(start, issued[k]);
+      }
+      events.push_back({"gather", k, start, end});
+    }
     pending[k].clear();
   }
+  // Unit k gathered and its broadcasts complete.
+  void ensure(int k, const char* why) {
+    prefetch(k);
+    finish(k);
+    if (recording && phase[k] == nullptr) {
+      phase[k] = why;
+      ready[k] = Clock::now();
+    }
+  }
   void release(int k) {
-    for (const dist::WorkPtr& w : pending[k]) w->wait();  // never free what a transfer writes
-    pending[k].clear();
+    finish(k);  // never free what a transfer writes
+    if (recording && phase[k] != nullptr && optimizer->unit_gathered(k)) {
+      events.push_back({phase[k], k, ready[k], Clock::now()});
+    }
+    phase[k] = nullptr;
     optimizer->release_unit(k);
   }
   void check(int k) const {
@@ -41,7 +67,7 @@ struct ParameterUnits::State {
   void before_forward(int k) {
     check(k);
     std::lock_guard<std::mutex> lock(mutex);
-    ensure(k);
+    ensure(k, "forward");
     prefetch(k + 1);
   }
   void after_forward(int k) {
@@ -52,7 +78,7 @@ struct ParameterUnits::State {
   void before_backward(int k) {
     check(k);
     std::lock_guard<std::mutex> lock(mutex);
-    ensure(k);
+    ensure(k, "backward");
     const auto [first, last] = optimizer->unit_params(k);
     grads_left[k] = static_cast<int>(last - first);
     prefetch(k - 1);
@@ -94,6 +120,9 @@ ParameterUnits::ParameterUnits(ShardedOptimizer& optimizer) : state_(std::make_s
   State& s = *state_;
   s.optimizer = &optimizer;
   s.pending.resize(optimizer.units());
+  s.issued.resize(optimizer.units());
+  s.ready.resize(optimizer.units());
+  s.phase.assign(optimizer.units(), nullptr);
   s.grads_left.assign(optimizer.units(), 0);
   // Once the last gradient of a unit in this backward was computed, nothing of its backward
   // reads its weights any more: release them.
@@ -139,7 +168,19 @@ void ParameterUnits::gather_all() {
   State& s = *state_;
   std::lock_guard<std::mutex> lock(s.mutex);
   for (int k = 0; k < s.units(); ++k) s.prefetch(k);
-  for (int k = 0; k < s.units(); ++k) s.ensure(k);
+  for (int k = 0; k < s.units(); ++k) s.finish(k);
+}
+
+void ParameterUnits::record_events(bool on) {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->recording = on;
+}
+
+std::vector<ParameterUnits::Event> ParameterUnits::take_events() {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  std::vector<Event> out;
+  out.swap(state_->events);
+  return out;
 }
 
 void ParameterUnits::release_all() {

@@ -332,6 +332,7 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
     timeline.path = timeline_path_for_rank(options_.timeline_path, mesh_.world().rank(), mesh_.world().size());
   }
   timeline_ = std::make_unique<Timeline>(timeline);
+  if (units_) units_->record_events(timeline.enabled);  // ZeRO-3's gathers and units on the timeline
   profiler_ = std::make_unique<StepProfiler>(
       parse_profile_steps(options_.profile_steps),
       timeline_path_for_rank(options_.profile_path, mesh_.world().rank(), mesh_.world().size()), device_);
@@ -651,6 +652,18 @@ void Trainer::record_step_timeline(std::chrono::steady_clock::time_point start) 
       timeline_->add_instant("enqueue " + collective, category::kComm, lane::kComm, s.bucket_launch[k], args);
     }
     timeline_->add_complete(collective, category::kComm, lane::kComm, s.bucket_start[k], s.bucket_end[k], args);
+  }
+  // ZeRO-3: each unit's gathers (on the comm lane: hidden where a computation overlaps them) and
+  // its computations, forward and backward, on a lane of their own.
+  if (units_) {
+    for (const ParameterUnits::Event& e : units_->take_events()) {
+      const TraceArgs args = {{"unit", static_cast<double>(e.unit)}};
+      if (e.name == "gather") {
+        timeline_->add_complete("gather unit", category::kComm, lane::kComm, e.start, e.end, args);
+      } else {
+        timeline_->add_complete("unit " + e.name, category::kCompute, lane::kUnits, e.start, e.end, args);
+      }
+    }
   }
   // A host update (optimizer offload); a delayed one ran during this step's forward and backward.
   if (auto t = optimizer_->take_update_timing()) {

@@ -496,6 +496,24 @@ def scenario_zero3(args):
     other = train(args, "train_gpt", 2, shape + ["--batch_size=4", "--amp=fp16", "--shard=parameters"], "z3-fp16")
     compare(base, other, "--shard=parameters --amp=fp16", 1e-3)
     assert [a.get("loss_scale") for a in base] == [b.get("loss_scale") for b in other], "fp16 loss scales differ"
+    # The timeline: each unit's gathers on the comm lane, its forward and backward on the units lane; the
+    # gather of unit k + 1 travels while unit k's forward computes (the prefetch).
+    trace = os.path.join(w, "z3-trace.json")
+    train(args, "train_gpt", 2, shape + ["--batch_size=4", "--shard=parameters", f"--timeline={trace}"], "z3-timeline")
+    with open(trace) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and e.get("pid") == 0]
+    gathers = [e for e in events if e["name"] == "gather unit"]
+    forwards = [e for e in events if e["name"] == "unit forward"]
+    backwards = [e for e in events if e["name"] == "unit backward"]
+    units = 4 + 2  # embeddings, 4 blocks, head
+    # Per step: each unit gathered for its forward and again for its backward.
+    assert len(forwards) == 12 * units and len(backwards) == 12 * units, (len(forwards), len(backwards))
+    assert len(gathers) == 2 * 12 * units, len(gathers)
+    overlap = lambda a, b: a["ts"] < b["ts"] + b["dur"] and b["ts"] < a["ts"] + a["dur"]
+    prefetched = sum(1 for g in gathers for f in forwards
+                     if f["args"]["unit"] + 1 == g["args"]["unit"] and overlap(g, f))
+    assert prefetched > 0, "no gather of unit k + 1 overlaps unit k's forward"
+    print(f"ok: the timeline has {len(gathers)} unit gathers, {prefetched} of them overlapping the previous unit's forward")
     # Evaluation runs the forwards through the units.
     ev = ["--eval_every=6", "--eval_batches=2"]
     base = train(args, "train_gpt", 1, shape + ev + ["--batch_size=8"], "z3-ref-eval")

@@ -23,6 +23,7 @@ inline constexpr char kComm[] = "comm";          // collectives (each bucket's a
 inline constexpr char kLoader[] = "loader";      // data loading and batching
 inline constexpr char kCopy[] = "copy";          // host-device copies (loader, offload)
 inline constexpr char kOptimizer[] = "optimizer";
+inline constexpr char kUnits[] = "units";        // ZeRO-3's units: each one's forward and backward
 }  // namespace lane
 
 // Categories ("cat") that summarize_overlap() and the docs rely on.

@@ -23,6 +23,7 @@
 // and in load_shard_state() never (each rank loads its own range).
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -116,6 +117,19 @@ class ParameterUnits {
   void gather_all();
   void release_all();
   int units() const;
+
+  // For the timeline: what happened to each unit since the last take_events() (recording
+  // only after record_events(true)). A gather's transfer where the backend measured it (MPI:
+  // its executor thread), else from issue to the end of the wait; a computation from the
+  // unit's gather being ready to its release (forward: the unit's forward; backward: until
+  // its last gradient).
+  struct Event {
+    std::string name;  // "gather", "forward", "backward"
+    int unit = 0;
+    std::chrono::steady_clock::time_point start, end;
+  };
+  void record_events(bool on);
+  std::vector<Event> take_events();
 
   struct State;  // shared with the backward steps
 
