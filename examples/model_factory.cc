@@ -130,6 +130,7 @@ ExampleModel gpt(const Run& run) {
   m.set_checkpointing = [model](bool on) { model->options.checkpoint_activations = on; };
   m.block_prefixes = {"blocks."};
   m.blocks = static_cast<int>(model->blocks->size());  // a pipeline stage's own
+  if (P == 1) m.unit_starts = model->unit_starts();
   m.input_bytes_per_row = (S + 1) * 8;
   const int64_t tp = run.mesh->tp_size();
   // The logits (the last stage's; an earlier stage's largest is the activation it sends).
@@ -320,6 +321,21 @@ engine::PlanInputs plan_inputs(const Run& run, const ExampleModel& m,
   in.can_checkpoint = static_cast<bool>(m.set_checkpointing);
   in.largest_activation_bytes_per_row = m.largest_activation_bytes_per_row;
   in.cuda_context_bytes = run.device.is_cuda() ? engine::kDefaultCudaContextBytes : 0;
+  // ZeRO-3's largest unit (the first parameter under each prefix begins one, as the trainer
+  // cuts them), in this rank's elements.
+  std::vector<bool> used(m.unit_starts.size(), false);
+  int64_t unit = 0;
+  for (const auto& item : m.module->named_parameters()) {
+    if (!item.value().requires_grad()) continue;
+    for (size_t i = 0; i < m.unit_starts.size(); ++i) {
+      if (!used[i] && has_prefix(item.key(), {m.unit_starts[i]})) {
+        used[i] = true;
+        unit = 0;
+      }
+    }
+    unit += item.value().numel();
+    if (!m.unit_starts.empty()) in.largest_unit_parameters = std::max(in.largest_unit_parameters, unit);
+  }
   in.pp = run.mesh->pp_size();  // the counts above are this stage's: `module` is the stage
   in.stage = run.mesh->pp_rank();
   in.pp_gpipe = engine::parse_pipeline_schedule(engine::cli::flags().pp_schedule) == engine::PipelineSchedule::kGPipe;
@@ -439,7 +455,9 @@ void plan_and_apply(const Run& run, ExampleModel& model, engine::TrainerOptions&
     offload.optimizer = offload.optimizer || plan.technique.offload_optimizer;
     offload.layers = offload.layers || plan.technique.offload_layers;
     allocator_limit = plan.allocator_limit_bytes;
-    if (plan.technique.shard > 0) options.shard = plan.technique.shard == 1 ? "optimizer" : "gradients";
+    if (plan.technique.shard > 0) {
+      options.shard = plan.technique.shard == 1 ? "optimizer" : plan.technique.shard == 2 ? "gradients" : "parameters";
+    }
     const std::string stages = stage_estimates(run, plan.estimate);
     if (run.world.rank == 0) {
       LOG(INFO) << "--plan=auto: " << plan.reason << "\n" << plan.estimate.to_string();

@@ -55,6 +55,9 @@ struct ExampleModel {
   // the other whole-model functions do not apply then.
   std::function<at::Tensor(const at::Tensor& x, const engine::Batch& micro)> stage_forward;
   std::function<std::vector<int64_t>(int64_t rows)> stage_activation_shape;
+  // ZeRO-3's units as parameter-name prefixes (TrainerOptions::shard_unit_starts); empty for a
+  // model that names none (gpt without a pipeline names its embeddings, blocks and head).
+  std::vector<std::string> unit_starts;
   bool first_stage = true;  // the stage owns the embeddings (takes the batch, receives nothing)
   bool last_stage = true;   // the stage owns the head and returns the loss
 };

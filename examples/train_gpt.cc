@@ -45,7 +45,7 @@ int main(int argc, char** argv) {
     options.tokens_per_sample = S;
     options.pipeline.forward = model.stage_forward;  // set with --pp > 1
     options.pipeline.activation_shape = model.stage_activation_shape;
-    if (options.shard == "parameters") options.shard_unit_starts = gpt->unit_starts();  // ZeRO-3's units
+    options.shard_unit_starts = model.unit_starts;  // ZeRO-3's units (--shard=parameters, or a plan's)
     examples::plan_and_apply(run, model, options);
     engine::Trainer trainer(*model.module, model.loss, *run.mesh, run.device, options);
     gpt->units = trainer.parameter_units();  // null unless --shard=parameters

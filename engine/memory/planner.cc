@@ -104,10 +104,17 @@ double cost_seconds(const PlanInputs& in, const ActivationProfile& profile, cons
     seconds +=
         2.0 * local * in.bytes_per_parameter / in.pcie_bytes_per_second;  // grads down, weights up
   }
-  if (t.shard > 0 && in.dp > 1) {
+  if (t.shard > 0 && t.shard < 3 && in.dp > 1) {
     // Reduction to owners (1 x) + all-gather ((dp - 1) / dp x) against the all-reduce's
     // 2 (dp - 1) / dp x: weights / dp more bytes per step, not overlapped with compute.
     seconds += local * in.bytes_per_parameter / in.dp / in.network_bytes_per_second;
+  }
+  if (t.shard == 3 && in.dp > 1) {
+    // ZeRO-3: every micro-batch gathers the weights twice (forward, backward) and the step
+    // reduces to owners once, against the all-reduce's 2 (dp - 1) / dp: counted whole (the
+    // prefetch hides part of it behind compute).
+    const double weights = local * in.bytes_per_parameter;
+    seconds += (2.0 * t.accum_steps + 1 - 2.0 * (in.dp - 1) / in.dp) * weights / in.network_bytes_per_second;
   }
   if (t.offload_layers) {
     const double layer_bytes =
@@ -234,6 +241,7 @@ std::string Technique::flags() const {
   }
   if (shard == 1) parts.push_back("--shard=optimizer");
   if (shard == 2) parts.push_back("--shard=gradients");
+  if (shard == 3) parts.push_back("--shard=parameters");
   std::string out;
   for (const std::string& p : parts) out += (out.empty() ? "" : " ") + p;
   return out;
@@ -247,7 +255,7 @@ std::string Technique::to_string() const {
          : offload_optimizer                 ? "optimizer"
          : offload_layers                    ? "layers"
                                              : "none")
-     << ", shard " << (shard == 1 ? "optimizer" : shard == 2 ? "gradients" : "none");
+     << ", shard " << (shard == 1 ? "optimizer" : shard == 2 ? "gradients" : shard == 3 ? "parameters" : "none");
   return os.str();
 }
 
@@ -260,6 +268,8 @@ void validate(const PlanInputs& in) {
                "PlanInputs.layer_parameters=", in.layer_parameters,
                " must be in [0, parameters=", in.parameters, "]");
   DTRAIN_CHECK(in.layers >= 0, "PlanInputs.layers must be >= 0, got ", in.layers);
+  DTRAIN_CHECK(in.largest_unit_parameters >= 0, "PlanInputs.largest_unit_parameters must be >= 0, got ",
+               in.largest_unit_parameters);
   DTRAIN_CHECK(in.tp >= 1 && in.dp >= 1, "PlanInputs.tp=", in.tp, " and dp=", in.dp,
                " must be >= 1");
   DTRAIN_CHECK(
@@ -363,13 +373,16 @@ MemoryEstimate estimate(const PlanInputs& in, const ActivationProfile& profile,
   }
   e.gpu.parameters = on_gpu * bpp;
   e.gpu.gradients = on_gpu * bpp;
-  DTRAIN_CHECK(t.shard >= 0 && t.shard <= 2, "Technique.shard=", t.shard, " must be 0, 1 or 2");
+  DTRAIN_CHECK(t.shard >= 0 && t.shard <= 3, "Technique.shard=", t.shard, " must be 0, 1, 2 or 3");
+  DTRAIN_CHECK(t.shard < 3 || in.largest_unit_parameters > 0,
+               "--shard=parameters: PlanInputs.largest_unit_parameters is 0 (the model names no units)");
+  DTRAIN_CHECK(t.shard < 3 || !t.offload_optimizer, "--shard=parameters with --offload=optimizer is not supported");
   DTRAIN_CHECK(t.shard == 0 || !t.offload_layers,
                "--shard with --offload=layers: layer offload keeps the parameters on two devices; shard or "
                "offload layers");
   // This rank's range of the flat parameter space under --shard (ZeRO's 1/N).
   const int64_t range = (local + in.dp - 1) / in.dp;
-  if (t.shard == 2 && t.accum_steps == 1) {
+  if (t.shard >= 2 && t.accum_steps == 1) {
     // Only the rank's range's gradients persist; the others live from their bucket's first
     // gradient to the end of backward, while the activations are being freed: they are
     // counted as a transient that does not overlap the activations' peak (exact for a stack
@@ -377,6 +390,13 @@ MemoryEstimate estimate(const PlanInputs& in, const ActivationProfile& profile,
     // an end).
     e.gpu.gradients = range * bpp;
     e.gpu.transient = std::max<int64_t>(e.gpu.transient, (on_gpu - range) * bpp);
+  }
+  // ZeRO-3: between steps this rank's range of the weights; during forward and backward the
+  // unit computing and the one prefetched are whole besides (counted with the activations).
+  int64_t gathered_units = 0;
+  if (t.shard == 3) {
+    e.gpu.parameters = range * bpp;
+    gathered_units = 2 * std::min(in.largest_unit_parameters, local) * bpp;
   }
   if (t.offload_optimizer) {
     // The CPU optimizer's shard: fp32 master weights, fp32 state, an fp32 gradient copy.
@@ -403,7 +423,8 @@ MemoryEstimate estimate(const PlanInputs& in, const ActivationProfile& profile,
   // A pipeline stage: the micro-batch in backward at its peak, the others in flight holding
   // what their forward left for their backward.
   e.in_flight = pipeline_in_flight(in, t.accum_steps);
-  e.gpu.activations = fit->bytes(e.micro_batch_rows) + (e.in_flight - 1) * fit->held(e.micro_batch_rows);
+  e.gpu.activations = fit->bytes(e.micro_batch_rows) + (e.in_flight - 1) * fit->held(e.micro_batch_rows) +
+                      gathered_units;
   e.gpu.transient = std::max(e.gpu.transient, in.optimizer_transient_bytes);
   e.gpu.stale_gradients = in.reducer_rebuild ? e.gpu.gradients : 0;
   e.gpu.other = in.buffer_bytes + profile.persistent_bytes +
@@ -463,7 +484,10 @@ std::string Plan::to_json() const {
                  : technique.offload_optimizer                           ? "optimizer"
                  : technique.offload_layers                              ? "layers"
                                                                          : "none";
-  j["shard"] = technique.shard == 1 ? "optimizer" : technique.shard == 2 ? "gradients" : "none";
+  j["shard"] = technique.shard == 1   ? "optimizer"
+               : technique.shard == 2 ? "gradients"
+               : technique.shard == 3 ? "parameters"
+                                      : "none";
   j["micro_batch_rows"] = estimate.micro_batch_rows;
   j["in_flight"] = estimate.in_flight;
   j["gpu_bytes"] = estimate.gpu.total();
@@ -496,9 +520,10 @@ Plan choose_plan(const PlanInputs& in, const ActivationProfile& profile, const P
       if (opt && !in.can_offload_optimizer) continue;
       for (int layers : {0, 1}) {
         if (layers && (!in.can_offload_layers || in.layers == 0)) continue;
-        for (int shard : {0, 1, 2}) {
+        for (int shard : {0, 1, 2, 3}) {
           // Offloaded state is partitioned already: with it only stage 2 adds something.
           if (shard > 0 && (!in.can_shard || in.dp == 1 || layers || (opt && shard == 1))) continue;
+          if (shard == 3 && (opt || in.largest_unit_parameters == 0)) continue;
           for (int ckpt : {0, 1}) {
             if ((ckpt && !in.can_checkpoint) || !profile.find(ckpt, amp)) continue;
             for (int accum : accum_candidates(in)) {

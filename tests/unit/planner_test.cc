@@ -325,19 +325,29 @@ TEST(PlannerChoice, NeedsOptimizerOffload) {
   EXPECT_NE(msg.find("raise --host_mem_limit_gb to at least"), std::string::npos) << msg;
 }
 
-TEST(PlannerChoice, PicksTheShardingStageTheBudgetNeeds) {
-  // 100 Mi fp32 parameters with AdamW on 4 data-parallel ranks, 1 MiB of activations per row,
-  // 16 rows: plain 400 + 400 + 800 + 16 MiB; ZeRO-1 400 + 400 + 200 (a quarter of the state)
-  // + 16; ZeRO-2 400 + 100 + 200 + max(16, 300 of other ranks' gradients at the end of
-  // backward).
+// 100 Mi fp32 parameters with AdamW on 4 data-parallel ranks, 1 MiB of activations per row, 16
+// rows, one micro-batch, no checkpointing.
+PlanInputs four_ranks() {
   PlanInputs in = inputs();
   in.reducer_rebuild = false;
   in.parameters = 100 * kMB;
   in.dp = 4;
   in.accum_candidates = {1};
   in.can_checkpoint = false;
+  return in;
+}
+
+ActivationProfile one_mib_per_row() {
   ActivationProfile p;
   p.fits = {line(false, AmpMode::kOff, 0, 1.0 * kMB)};
+  return p;
+}
+
+TEST(PlannerChoice, PicksTheShardingStageTheBudgetNeeds) {
+  // Plain 400 + 400 + 800 + 16 MiB; ZeRO-1 400 + 400 + 200 (a quarter of the state) + 16;
+  // ZeRO-2 400 + 100 + 200 + max(16, 300 of other ranks' gradients at the end of backward).
+  PlanInputs in = four_ranks();
+  const ActivationProfile p = one_mib_per_row();
   in.gpu_budget_bytes = 1200 * kMB;
   EXPECT_NE(error_of([&] { choose_plan(in, p); }).find("allow --shard (ZeRO-1/2 over the 4 data-parallel ranks)"),
             std::string::npos);
@@ -355,6 +365,36 @@ TEST(PlannerChoice, PicksTheShardingStageTheBudgetNeeds) {
   // One data-parallel rank: nothing to shard over.
   in.dp = 1;
   EXPECT_NE(error_of([&] { choose_plan(in, p); }).find("no combination of techniques fits"), std::string::npos);
+}
+
+TEST(PlannerChoice, PicksStageThreeWhenOnlyTheWeightsSplitToo) {
+  // As above; stage 3 keeps a quarter of the weights (100 MiB) and two units of 10 Mi
+  // parameters whole during the step (80 MiB, beside the 16 MiB of activations, under the
+  // 300 MiB of other ranks' gradients at the end of backward): 100 + 100 + 200 + 300.
+  PlanInputs in = four_ranks();
+  in.can_shard = true;
+  const ActivationProfile p = one_mib_per_row();
+  in.gpu_budget_bytes = 800 * kMB;
+  // Without units stage 3 is no candidate, and stage 2's 1000 MiB does not fit.
+  EXPECT_NE(error_of([&] { choose_plan(in, p); }).find("no combination of techniques fits"), std::string::npos);
+  in.largest_unit_parameters = 10 * kMB;
+  const Plan plan = choose_plan(in, p);
+  EXPECT_EQ(plan.flags(), "--shard=parameters");
+  EXPECT_EQ(plan.estimate.gpu.parameters, 100 * kMB);
+  EXPECT_EQ(plan.estimate.gpu.activations, 16 * kMB + 80 * kMB);
+  EXPECT_EQ(plan.estimate.gpu.allocated_peak(), 700 * kMB);
+  EXPECT_NE(plan.to_json().find("\"shard\":\"parameters\""), std::string::npos) << plan.to_json();
+  // Two gathers and the reduction against the all-reduce's 1.5 x: 1.5 x the weights more.
+  EXPECT_NEAR(plan.step_seconds, 16 * 0.010 + 0.005 + 1.5 * 100.0 * kMB * 4 / 25e9, 1e-12);
+  // A roomy budget keeps the faster stage 0.
+  in.gpu_budget_bytes = 0;
+  EXPECT_EQ(choose_plan(in, p).flags(), "");
+  EXPECT_NE(error_of([&] {
+              PlanInputs bad = in;
+              bad.largest_unit_parameters = 0;
+              estimate(bad, p, Technique{false, 1, AmpMode::kOff, false, false, 3});
+            }).find("largest_unit_parameters is 0"),
+            std::string::npos);
 }
 
 TEST(PlannerChoice, KeepsTheNumericsUnlessAllowed) {

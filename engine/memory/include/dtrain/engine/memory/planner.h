@@ -55,7 +55,8 @@ struct Technique {
   bool offload_layers = false;     // block parameters on the host, streamed in per layer
   // ZeRO stage over the data-parallel group (--shard): 0 none, 1 optimizer (state and fp32
   // master split), 2 gradients (also the gradients between steps; with accum_steps > 1 they
-  // stay whole until the last micro-batch, so 2 then saves what 1 does).
+  // stay whole until the last micro-batch, so 2 then saves what 1 does), 3 parameters (also
+  // the weights, two units whole during forward and backward).
   int shard = 0;
   // The example flags that select this technique, e.g. "--checkpoint_activations
   // --accum_steps=4 --amp=bf16 --offload=optimizer --shard=gradients" ("" for the plain step).
@@ -185,9 +186,12 @@ struct PlanInputs {
   bool can_checkpoint = true;
   bool can_offload_optimizer = false;
   bool can_offload_layers = false;
-  // May pick --shard=optimizer or --shard=gradients (with dp > 1; not with layer offload,
-  // whose parameters live on two devices).
+  // May pick --shard=optimizer, gradients or (with units) parameters (with dp > 1; not with
+  // layer offload, whose parameters live on two devices).
   bool can_shard = false;
+  // ZeRO-3's units: this rank's elements of the largest one (0: the model names no units, so
+  // --shard=parameters is not a candidate).
+  int64_t largest_unit_parameters = 0;
 
   // Pipeline parallelism (--pp): the model here is this rank's stage (its parameters, its
   // buffers, its probe), stage `stage` of `pp`. A stage holds the activations of several
@@ -288,6 +292,8 @@ struct Plan {
 //                 over PCIe
 //   layer offload per micro-batch: layer parameters twice (forward, backward) and their
 //                 gradients once over PCIe
+//   ZeRO-3        (2 accum_steps + 1 - 2 (dp - 1) / dp) x the weights' bytes over the network
+//                 (two gathers per micro-batch and the reduction, against the all-reduce)
 //   pipeline      compute and micro-batch overheads x (accum_steps + pp - 1) / accum_steps
 // Compute per row and the overhead come from the profile's timings of the non-checkpointed
 // fit of the technique's AMP mode (a line over the two sizes) unless PlanInputs gives them;
