@@ -18,136 +18,13 @@
 #include "dtrain/engine/optim/sharded.h"
 #include "dtrain/engine/parallel/reducer.h"
 #include "test_util.h"
+#include "zero3_cases.h"
 
-namespace dtrain::engine::zero3_test {
+namespace dtrain::engine::zero3_cases {
+namespace {
 
 using testing_util::rel_error;
 using testing_util::world_comm;
-
-constexpr int64_t kWidth = 64, kBlocks = 16, kRows = 4;  // rows per rank
-
-// kBlocks blocks tanh(Linear(x)) and a head Linear(width, 1), float64, the same weights on
-// every rank (seeded).
-struct Stack {
-  Stack() {
-    torch::manual_seed(7);
-    for (int i = 0; i < kBlocks; ++i) blocks.push_back(torch::nn::Linear(kWidth, kWidth));
-    head = torch::nn::Linear(kWidth, 1);
-    for (auto& b : blocks) b->to(at::kDouble);
-    head->to(at::kDouble);
-  }
-  std::vector<at::Tensor> params() const {
-    std::vector<at::Tensor> out;
-    for (const auto& b : blocks) {
-      out.push_back(b->weight);
-      out.push_back(b->bias);
-    }
-    out.push_back(head->weight);
-    out.push_back(head->bias);
-    return out;
-  }
-  std::vector<torch::nn::Linear> blocks;
-  torch::nn::Linear head{nullptr};
-};
-
-// The global batch of step s: kRows rows per rank, rank r's are rows [r kRows, (r + 1) kRows).
-std::pair<at::Tensor, at::Tensor> batch(int step, int ranks) {
-  at::Generator g = at::detail::createCPUGenerator(100 + step);
-  at::Tensor x = at::randn({ranks * kRows, kWidth}, g, at::kDouble);
-  at::Tensor y = at::randn({ranks * kRows, 1}, g, at::kDouble);
-  return {x, y};
-}
-
-OptimizerOptions adamw() {
-  OptimizerOptions o;
-  o.name = "adamw";
-  o.lr = 1e-2;
-  o.weight_decay = 0.1;
-  return o;
-}
-
-constexpr int kSteps = 3;
-constexpr int64_t kBucketBytes = int64_t{32} << 10;
-
-// One process, the whole batch, the replicated optimizer.
-std::vector<at::Tensor> reference(int ranks) {
-  Stack m;
-  std::unique_ptr<Optimizer> opt = make_optimizer(m.params(), adamw());
-  const at::Tensor one = at::ones({}, at::kDouble);
-  for (int s = 0; s < kSteps; ++s) {
-    auto [x, y] = batch(s, ranks);
-    at::Tensor h = x;
-    for (auto& b : m.blocks) h = at::tanh(b->forward(h));
-    at::mse_loss(m.head->forward(h), y).backward();
-    opt->step(one);
-    opt->zero_grad();
-  }
-  std::vector<at::Tensor> out;
-  for (const at::Tensor& p : m.params()) out.push_back(p.detach().clone());
-  return out;
-}
-
-struct Zero3Run {
-  std::vector<at::Tensor> weights;
-  double resident_bytes = 0;  // allocated between steps (after the last one)
-  double peak_bytes = 0;      // allocated at the last step's peak
-  double start_bytes = 0;     // allocated before the model (the baseline of both)
-  double bus_bytes_per_step = 0;
-  int64_t numel = 0;
-};
-
-Zero3Run zero3(dist::Communicator& comm) {
-  track_cpu_memory();
-  const c10::Device cpu(c10::kCPU);
-  Zero3Run out;
-  out.start_bytes = memory_stats(cpu).allocated_mb * 1024 * 1024;
-  Stack m;
-  std::vector<at::Tensor> params = m.params();
-  for (const at::Tensor& p : params) out.numel += p.numel();
-  // A unit per block (weight, bias) and one for the head.
-  std::vector<size_t> starts;
-  for (size_t j = 0; j < params.size(); j += 2) starts.push_back(j);
-  ShardedOptimizer opt(params, adamw(), comm, starts);
-  ReducerOptions ro;
-  ro.broadcast_parameters = false;  // the weights are released already; every rank drew the same
-  ro.release_unowned = comm.size() > 1;
-  ro.bucket_bytes = kBucketBytes;  // several buckets, launched during backward
-  ro.first_bucket_bytes = kBucketBytes / 4;
-  for (const FlatRange& r : opt.gradient_owners()) ro.owned.emplace_back(r.begin, r.end);
-  GradReducer reducer(params, comm, ro);
-  opt.attach(reducer);
-  ParameterUnits units(opt);
-  const at::Tensor one = at::ones({}, at::kDouble);
-  double bus_before = 0;
-  for (int s = 0; s < kSteps; ++s) {
-    auto [x, y] = batch(s, comm.size());
-    x = x.narrow(0, comm.rank() * kRows, kRows).clone();
-    y = y.narrow(0, comm.rank() * kRows, kRows).clone();
-    if (s == kSteps - 1) {
-      out.resident_bytes = memory_stats(cpu).allocated_mb * 1024 * 1024;
-      reset_peak_memory(cpu);
-      bus_before = comm.traffic().bus_bytes;
-    }
-    at::Tensor h = x;
-    for (int k = 0; k < kBlocks; ++k) {
-      h = units.run(k, [&] { return at::tanh(m.blocks[k]->forward(h)); });
-    }
-    at::Tensor pred = units.run(kBlocks, [&] { return m.head->forward(h); });
-    // The mean over this rank's rows; the reducer averages over the ranks: the global mean.
-    at::mse_loss(pred, y).backward();
-    opt.step(one);
-    reducer.zero_grad();
-    if (s == kSteps - 1) {
-      out.peak_bytes = memory_stats(cpu).peak_mb * 1024 * 1024;
-      out.bus_bytes_per_step = comm.traffic().bus_bytes - bus_before;
-    }
-  }
-  for (int k = 0; k < units.units(); ++k) EXPECT_FALSE(opt.unit_gathered(k)) << "unit " << k << " left gathered";
-  units.gather_all();
-  for (const at::Tensor& p : params) out.weights.push_back(p.detach().clone());
-  units.release_all();
-  return out;
-}
 
 TEST(ParameterUnits, TrainsAsOneProcessOnTheGlobalBatch) {
   auto& comm = world_comm();
@@ -221,4 +98,5 @@ TEST(ParameterUnits, BadUnitsAreRefused) {
   EXPECT_NE(message({0, 99}).find("ascend below " + std::to_string(params.size())), std::string::npos);
 }
 
-}  // namespace dtrain::engine::zero3_test
+}  // namespace
+}  // namespace dtrain::engine::zero3_cases

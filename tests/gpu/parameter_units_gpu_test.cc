@@ -1,0 +1,35 @@
+// ZeRO-3's engine pieces with the model on a CUDA GPU (1 rank, and 2 ranks over MPI sharing it):
+// the units' buffers are materialized and released by the CUDA caching allocator, gathered by
+// broadcasts of device tensors, and the weights after three steps equal one CPU process on the
+// global batch (float64: the device and the host compute the same function to rounding); between
+// steps a rank holds its range, and all the units are released.
+#include <gtest/gtest.h>
+
+#include "test_util.h"
+#include "zero3_cases.h"
+
+namespace dtrain::engine::zero3_cases {
+namespace {
+
+using testing_util::rel_error;
+using testing_util::world_comm;
+
+TEST(ParameterUnitsGpu, TrainsAsOneCpuProcessOnTheGlobalBatch) {
+  if (!testing_util::has_cuda()) GTEST_SKIP() << "no CUDA GPU";
+  auto& comm = world_comm();
+  const std::vector<at::Tensor> want = reference(comm.size());
+  const Zero3Run got = zero3(comm, c10::Device(c10::kCUDA, 0));
+  ASSERT_EQ(got.weights.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_LT(rel_error(got.weights[i], want[i]), 1e-10) << "parameter " << i << " on rank " << comm.rank();
+  }
+  // Weights, two moments and the kept gradients of this rank's range, plus the buckets around
+  // its ends and the caching allocator's rounding (512-byte blocks).
+  const double resident = got.resident_bytes - got.start_bytes;
+  EXPECT_LE(resident, 4.0 * got.numel * 8 / comm.size() + 2.0 * kBucketBytes + (64 << 10) +
+                          (comm.size() == 1 ? got.numel * 8.0 : 0))
+      << "rank " << comm.rank();
+}
+
+}  // namespace
+}  // namespace dtrain::engine::zero3_cases
