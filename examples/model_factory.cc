@@ -457,6 +457,7 @@ void plan_and_apply(const Run& run, ExampleModel& model, engine::TrainerOptions&
     allocator_limit = plan.allocator_limit_bytes;
     if (plan.technique.shard > 0) {
       options.shard = plan.technique.shard == 1 ? "optimizer" : plan.technique.shard == 2 ? "gradients" : "parameters";
+      if (plan.technique.shard == 3) options.oom_backoff = false;  // not yet under ZeRO-3 (as --shard=parameters)
     }
     const std::string stages = stage_estimates(run, plan.estimate);
     if (run.world.rank == 0) {

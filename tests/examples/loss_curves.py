@@ -547,6 +547,13 @@ def scenario_zero3(args):
     weights_mb = comm["none"] * 4 / (2 * 3)
     assert abs(comm["parameters"] - 3 * weights_mb) <= 0.05 * 3 * weights_mb, (comm, weights_mb)
     print(f"ok: --shard=parameters moves {comm['parameters'] / weights_mb:.3f} x the weights per step")
+    # The planner picks stage 3 when only splitting the weights too fits the budget (16 MiB here: stage 2
+    # needs about 20), and the run follows the unsharded one.
+    budget = ["--plan=auto", f"--gpu_mem_limit_gb={16 / 1024}", "--memory_report_step=0"]
+    out = train(args, "train_gpt", 4, big + budget, "z3-planned", output=True)
+    assert "train_gpt: plan: --shard=parameters\n" in out, out[-2000:]
+    compare(metrics(os.path.join(w, "z3-mem-none.jsonl")), metrics(os.path.join(w, "z3-planned.jsonl")),
+            "--plan=auto choosing --shard=parameters", 1e-4)
     print(f"ok: --shard=parameters on 4 ranks holds {ratio:.3f} of the unsharded weights, gradients and optimizer "
           f"state between steps; its step peaks {z3['activations'] - none['activations']:.2f} MiB above the "
           f"unsharded one's activations (a block's weights: {block_mib:.2f} MiB)")
