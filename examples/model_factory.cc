@@ -400,21 +400,28 @@ engine::PlanAgreement plan_agreement(dist::Communicator& comm) {
   };
 }
 
+std::vector<std::vector<double>> per_stage(const Run& run, const std::vector<double>& mine) {
+  const int P = run.mesh->pp_size();
+  const int64_t n = static_cast<int64_t>(mine.size());
+  at::Tensor t = at::zeros({P * n}, at::kDouble);
+  if (run.mesh->dp_rank() == 0 && run.mesh->tp_rank() == 0) {
+    for (int64_t i = 0; i < n; ++i) t[run.mesh->pp_rank() * n + i] = mine[i];
+  }
+  if (P > 1) run.comm->all_reduce(t, dist::ReduceOp::kSum)->wait();
+  std::vector<std::vector<double>> out(P);
+  const double* p = t.data_ptr<double>();
+  for (int s = 0; s < P; ++s) out[s].assign(p + s * n, p + (s + 1) * n);
+  return out;
+}
+
 std::string stage_estimates(const Run& run, const engine::MemoryEstimate& mine) {
   if (run.mesh->pp_size() == 1) return "";
-  // Each stage's estimate, from the first data-parallel and tensor-parallel rank of the stage.
-  const int P = run.mesh->pp_size();
-  at::Tensor t = at::zeros({2 * P}, at::kDouble);
-  if (run.mesh->dp_rank() == 0 && run.mesh->tp_rank() == 0) {
-    t[run.mesh->pp_rank()] = static_cast<double>(mine.gpu.allocated_peak());
-    t[P + run.mesh->pp_rank()] = mine.in_flight;
-  }
-  run.comm->all_reduce(t, dist::ReduceOp::kSum)->wait();
+  const auto stages = per_stage(run, {static_cast<double>(mine.gpu.allocated_peak()), static_cast<double>(mine.in_flight)});
   std::string out;
-  for (int s = 0; s < P; ++s) {
+  for (size_t s = 0; s < stages.size(); ++s) {
     char line[160];
-    std::snprintf(line, sizeof line, "%s: plan: stage %d estimate: allocated peak %.1f MiB, %d micro-batches in flight\n",
-                  run.program.c_str(), s, t[s].item<double>() / (1024.0 * 1024.0), static_cast<int>(t[P + s].item<double>()));
+    std::snprintf(line, sizeof line, "%s: plan: stage %zu estimate: allocated peak %.1f MiB, %d micro-batches in flight\n",
+                  run.program.c_str(), s, stages[s][0] / (1024.0 * 1024.0), static_cast<int>(stages[s][1]));
     out += line;
   }
   return out;

@@ -104,6 +104,10 @@ void plan_and_apply(const Run& run, ExampleModel& model, engine::TrainerOptions&
 // enumerated different candidates). Collective when called.
 engine::PlanAgreement plan_agreement(dist::Communicator& comm);
 
+// Each pipeline stage's `mine` (the same length on every rank), as its first data-parallel and
+// tensor-parallel rank gives it, stage after stage (one entry without a pipeline). Collective.
+std::vector<std::vector<double>> per_stage(const Run& run, const std::vector<double>& mine);
+
 // With --pp > 1: one line per stage, "<program>: plan: stage s estimate: allocated peak X MiB,
 // k micro-batches in flight", from each stage's estimate `mine` (the first data-parallel and
 // tensor-parallel rank of each stage gives it); "" without a pipeline. Collective.

@@ -97,16 +97,11 @@ void verify(const examples::Run& run, examples::ExampleModel& m, const engine::P
   const double error = (predicted - measured) / measured;
   // With --pp each stage's own figures (from the first data- and tensor-parallel rank of each).
   const int P = run.mesh->pp_size();
-  at::Tensor stages = at::zeros({2 * P}, at::kDouble);
-  if (run.mesh->dp_rank() == 0 && run.mesh->tp_rank() == 0) {
-    stages[run.mesh->pp_rank()] = measured;
-    stages[P + run.mesh->pp_rank()] = predicted;
-  }
-  if (P > 1) run.comm->all_reduce(stages, dist::ReduceOp::kSum)->wait();
+  const std::vector<std::vector<double>> stages = examples::per_stage(run, {measured, predicted});
   if (run.world.rank != 0) return;
   nlohmann::json per_stage = nlohmann::json::array();
   for (int s = 0; s < P && P > 1; ++s) {
-    const double ms = stages[s].item<double>(), ps = stages[P + s].item<double>();
+    const double ms = stages[s][0], ps = stages[s][1];
     std::printf("verify: stage %d: measured allocated peak %.1f MiB, estimated %.1f MiB (%+.1f%%)\n", s,
                 ms / kMiBf, ps / kMiBf, 100 * (ps - ms) / ms);
     per_stage.push_back({{"measured_peak_bytes", static_cast<int64_t>(ms)},
