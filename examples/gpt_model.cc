@@ -1,5 +1,6 @@
 #include "gpt_model.h"
 
+#include "dtrain/dist/error.h"
 #include "dtrain/engine/optim/sharded.h"
 
 #include <ATen/ATen.h>
@@ -56,8 +57,40 @@ std::vector<std::string> GptImpl::unit_starts() const {
   return out;
 }
 
+void GptImpl::use_units(engine::ParameterUnits* u, const std::vector<std::string>& prefixes) {
+  units = u;
+  piece_unit.clear();
+  if (!units) return;
+  // The trainer's order: this module's trainable parameters as named_parameters() lists them.
+  std::vector<std::string> names;
+  for (const auto& item : named_parameters()) {
+    if (item.value().requires_grad()) names.push_back(item.key());
+  }
+  const std::vector<size_t> starts = engine::unit_starts_of(names, prefixes);
+  const size_t L = blocks->size();
+  auto piece_of = [L](const std::string& name) -> size_t {
+    if (name.rfind("blocks.", 0) == 0) return 1 + std::stoul(name.substr(7));
+    return name.rfind("wte.", 0) == 0 || name.rfind("wpe.", 0) == 0 ? 0 : L + 1;
+  };
+  piece_unit.assign(L + 2, -1);
+  int unit = -1;
+  for (size_t j = 0, next = 0; j < names.size(); ++j) {
+    const bool begins = next < starts.size() && starts[next] == j;
+    if (begins) ++unit, ++next;
+    int& mine = piece_unit[piece_of(names[j])];
+    DTRAIN_CHECK(mine < 0 || mine == unit, "train_gpt --shard_units: a unit begins at '", names[j],
+                 "', inside ", piece_of(names[j]) == 0 ? std::string("the embeddings")
+                               : piece_of(names[j]) == L + 1 ? std::string("the final norm and head")
+                                                             : "block " + std::to_string(piece_of(names[j]) - 1),
+                 "; train_gpt's units begin at the embeddings (wte.), a block (blocks.<i>.) or the final norm (ln_f.)");
+    mine = unit;
+  }
+  DTRAIN_CHECK(static_cast<int>(unit + 1) == units->units(), "train_gpt: ", unit + 1, " units from the prefixes, but ",
+               "the trainer has ", units->units(), " (build both from the same --shard_units)");
+}
+
 at::Tensor GptImpl::embed(const at::Tensor& tokens) {
-  return units ? units->run(0, [&] { return embed_tokens(tokens); }) : embed_tokens(tokens);
+  return units ? units->run(piece_unit[0], [&] { return embed_tokens(tokens); }) : embed_tokens(tokens);
 }
 
 at::Tensor GptImpl::embed_tokens(const at::Tensor& tokens) {
@@ -82,19 +115,33 @@ at::Tensor GptImpl::run_blocks(at::Tensor x) {
     auto* block = (*blocks)[i]->as<GptBlockImpl>();
     auto fn = [block](const at::Tensor& in) { return block->forward(in); };
     if (units) {
-      // ZeRO-3: block i is unit i + 1, gathered around its forward and (recomputed or not)
-      // again before its backward.
+      // ZeRO-3: the blocks of one unit (block i alone by default), gathered around their
+      // forward and (recomputed or not) again before their backward.
       engine::ParameterUnits* u = units;
-      const int k = static_cast<int>(i) + 1;
+      const int k = piece_unit[1 + i];
+      size_t last = i + 1;
+      while (last < n && piece_unit[1 + last] == k) ++last;
+      std::vector<GptBlockImpl*> group;
+      std::vector<at::Tensor> params;
+      for (size_t b = i; b < last; ++b) {
+        group.push_back((*blocks)[b]->as<GptBlockImpl>());
+        for (const at::Tensor& p : group.back()->parameters()) params.push_back(p);
+      }
+      auto run_group = [group](const at::Tensor& in) {
+        at::Tensor h = in;
+        for (GptBlockImpl* b : group) h = b->forward(h);
+        return h;
+      };
       if (ckpt) {
         engine::CheckpointHooks hooks;
         hooks.before_forward = [u, k] { u->before_forward(k); };
         hooks.after_forward = [u, k] { u->after_forward(k); };
         hooks.before_recompute = [u, k] { u->before_backward(k); };
-        x = engine::checkpoint(fn, x, block->parameters(), hooks);
+        x = engine::checkpoint(run_group, x, params, hooks);
       } else {
-        x = u->run(k, [&] { return block->forward(x); });
+        x = u->run(k, [&] { return run_group(x); });
       }
+      i = last - 1;
       continue;
     }
     if (streamer) {
@@ -121,7 +168,7 @@ at::Tensor GptImpl::forward(const at::Tensor& tokens) {
     at::Tensor h = options.sequence_parallel ? engine::sequence_parallel_layer_norm(ln_f, x, *tp) : ln_f->forward(x);
     return head->forward(h);
   };
-  return units ? units->run(static_cast<int>(blocks->size()) + 1, logits) : logits();
+  return units ? units->run(piece_unit.back(), logits) : logits();
 }
 
 at::Tensor GptImpl::loss(const at::Tensor& inputs, const at::Tensor& targets) {
@@ -164,7 +211,7 @@ at::Tensor GptImpl::stage_forward(const at::Tensor& x, const at::Tensor& targets
 
 at::Tensor GptImpl::cross_entropy(const at::Tensor& x, const at::Tensor& targets) {
   if (!units) return head_loss(x, targets);
-  return units->run(static_cast<int>(blocks->size()) + 1, [&] { return head_loss(x, targets); });
+  return units->run(piece_unit.back(), [&] { return head_loss(x, targets); });
 }
 
 at::Tensor GptImpl::head_loss(const at::Tensor& x, const at::Tensor& targets) {

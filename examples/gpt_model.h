@@ -81,10 +81,15 @@ struct GptImpl : torch::nn::Module {
   engine::ColumnParallelLinear head{nullptr};
   torch::nn::Dropout drop{nullptr};
   std::shared_ptr<offload::LayerStreamer> streamer;
-  // --shard=parameters (ZeRO-3; the whole model, no pipeline): the trainer's units, which run
-  // the embeddings as unit 0, block i as unit i + 1 and the final norm and head as the last
-  // (unit_starts() names them for TrainerOptions::shard_unit_starts). Null: plain modules.
-  engine::ParameterUnits* units = nullptr;
+  // --shard=parameters (ZeRO-3; the whole model, no pipeline): the trainer's units, cut by the
+  // same prefixes the trainer was given (TrainerOptions::shard_unit_starts). By default
+  // (unit_starts()) the embeddings are unit 0, block i unit i + 1, the final norm and head the
+  // last; a coarser choice groups consecutive pieces (several blocks run as one unit). Throws
+  // dtrain::Error when a unit would begin inside the embeddings, a block or the head.
+  void use_units(engine::ParameterUnits* units, const std::vector<std::string>& prefixes);
+  engine::ParameterUnits* units = nullptr;  // null: plain modules
+  // The unit of each piece: [0] the embeddings, [1 + i] block i, [blocks + 1] final norm + head.
+  std::vector<int> piece_unit;
   std::vector<std::string> unit_starts() const;
 
  private:

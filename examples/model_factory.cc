@@ -15,6 +15,7 @@
 #include <glog/logging.h>
 #include <cstdio>
 #include <cstring>
+#include <sstream>
 #include "dtrain/engine/parallel/tensor_parallel.h"
 #include "cnn_model.h"
 #include "gpt_model.h"
@@ -130,7 +131,20 @@ ExampleModel gpt(const Run& run) {
   m.set_checkpointing = [model](bool on) { model->options.checkpoint_activations = on; };
   m.block_prefixes = {"blocks."};
   m.blocks = static_cast<int>(model->blocks->size());  // a pipeline stage's own
-  if (P == 1) m.unit_starts = model->unit_starts();
+  if (P == 1) {  // ZeRO-3's units: --shard_units, else the embeddings, each block, the head
+    m.use_units = [model](engine::ParameterUnits* u, const std::vector<std::string>& prefixes) {
+      model->use_units(u, prefixes);
+    };
+    m.unit_starts = model->unit_starts();
+    const std::string& chosen = engine::cli::flags().shard_units;
+    if (!chosen.empty()) {
+      m.unit_starts.clear();
+      std::istringstream in(chosen);
+      for (std::string prefix; std::getline(in, prefix, ',');) {
+        if (!prefix.empty()) m.unit_starts.push_back(prefix);
+      }
+    }
+  }
   m.input_bytes_per_row = (S + 1) * 8;
   const int64_t tp = run.mesh->tp_size();
   // The logits (the last stage's; an earlier stage's largest is the activation it sends).
@@ -321,20 +335,22 @@ engine::PlanInputs plan_inputs(const Run& run, const ExampleModel& m,
   in.can_checkpoint = static_cast<bool>(m.set_checkpointing);
   in.largest_activation_bytes_per_row = m.largest_activation_bytes_per_row;
   in.cuda_context_bytes = run.device.is_cuda() ? engine::kDefaultCudaContextBytes : 0;
-  // ZeRO-3's largest unit (the first parameter under each prefix begins one, as the trainer
-  // cuts them), in this rank's elements.
-  std::vector<bool> used(m.unit_starts.size(), false);
-  int64_t unit = 0;
-  for (const auto& item : m.module->named_parameters()) {
-    if (!item.value().requires_grad()) continue;
-    for (size_t i = 0; i < m.unit_starts.size(); ++i) {
-      if (!used[i] && has_prefix(item.key(), {m.unit_starts[i]})) {
-        used[i] = true;
-        unit = 0;
-      }
+  // ZeRO-3's largest unit (cut as the trainer cuts them), in this rank's elements.
+  if (!m.unit_starts.empty()) {
+    std::vector<std::string> names;
+    std::vector<int64_t> numels;
+    for (const auto& item : m.module->named_parameters()) {
+      if (!item.value().requires_grad()) continue;
+      names.push_back(item.key());
+      numels.push_back(item.value().numel());
     }
-    unit += item.value().numel();
-    if (!m.unit_starts.empty()) in.largest_unit_parameters = std::max(in.largest_unit_parameters, unit);
+    std::vector<size_t> starts = engine::unit_starts_of(names, m.unit_starts);
+    starts.push_back(names.size());
+    for (size_t k = 0; k + 1 < starts.size(); ++k) {
+      int64_t unit = 0;
+      for (size_t j = starts[k]; j < starts[k + 1]; ++j) unit += numels[j];
+      in.largest_unit_parameters = std::max(in.largest_unit_parameters, unit);
+    }
   }
   in.pp = run.mesh->pp_size();  // the counts above are this stage's: `module` is the stage
   in.stage = run.mesh->pp_rank();

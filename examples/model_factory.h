@@ -55,9 +55,13 @@ struct ExampleModel {
   // the other whole-model functions do not apply then.
   std::function<at::Tensor(const at::Tensor& x, const engine::Batch& micro)> stage_forward;
   std::function<std::vector<int64_t>(int64_t rows)> stage_activation_shape;
-  // ZeRO-3's units as parameter-name prefixes (TrainerOptions::shard_unit_starts); empty for a
-  // model that names none (gpt without a pipeline names its embeddings, blocks and head).
+  // ZeRO-3's units as parameter-name prefixes (TrainerOptions::shard_unit_starts; --shard_units
+  // chooses others); empty for a model that names none (gpt without a pipeline names its
+  // embeddings, blocks and head).
   std::vector<std::string> unit_starts;
+  // Hands the model the trainer's units (Trainer::parameter_units(); null: none) and the
+  // prefixes they were cut by; set where unit_starts is.
+  std::function<void(engine::ParameterUnits* units, const std::vector<std::string>& prefixes)> use_units;
   bool first_stage = true;  // the stage owns the embeddings (takes the batch, receives nothing)
   bool last_stage = true;   // the stage owns the head and returns the loss
 };

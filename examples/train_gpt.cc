@@ -48,7 +48,7 @@ int main(int argc, char** argv) {
     options.shard_unit_starts = model.unit_starts;  // ZeRO-3's units (--shard=parameters, or a plan's)
     examples::plan_and_apply(run, model, options);
     engine::Trainer trainer(*model.module, model.loss, *run.mesh, run.device, options);
-    gpt->units = trainer.parameter_units();  // null unless --shard=parameters
+    if (model.use_units) model.use_units(trainer.parameter_units(), options.shard_unit_starts);  // --shard=parameters
     examples::TokenData data = examples::token_data(run, S, /*fold_bytes=*/true);
     engine::DataLoader loader(data.train, examples::loader_options(run, engine::cli::flags().batch_size, true, engine::cli::flags().seed));
     auto eval = examples::eval_loader(run, data);

@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -91,11 +92,14 @@ struct Zero3Run {
   double start_bytes = 0;     // allocated before the model (the baseline of both)
   double bus_bytes_per_step = 0;
   int64_t numel = 0;
+  int64_t host_bytes = 0;  // the optimizer's host memory (offloaded)
 };
 
 // Trains kSteps steps with the model, the optimizer and the reducer on `device` (the batch drawn
-// on the CPU, as for the reference).
-inline Zero3Run zero3(dist::Communicator& comm, c10::Device device = c10::Device(c10::kCPU)) {
+// on the CPU, as for the reference); with `offload`, the optimizer's range on the host (the
+// ZeRO-Offload layout of stage 3).
+inline Zero3Run zero3(dist::Communicator& comm, c10::Device device = c10::Device(c10::kCPU),
+                      const OffloadOptions* offload = nullptr) {
   if (device.is_cpu()) track_cpu_memory();
   const c10::Device cpu = device;
   Zero3Run out;
@@ -106,7 +110,10 @@ inline Zero3Run zero3(dist::Communicator& comm, c10::Device device = c10::Device
   // A unit per block (weight, bias) and one for the head.
   std::vector<size_t> starts;
   for (size_t j = 0; j < params.size(); j += 2) starts.push_back(j);
-  ShardedOptimizer opt(params, adamw(), comm, starts);
+  std::unique_ptr<ShardedOptimizer> owned =
+      offload ? std::make_unique<ShardedOptimizer>(params, adamw(), comm, starts, *offload)
+              : std::make_unique<ShardedOptimizer>(params, adamw(), comm, starts);
+  ShardedOptimizer& opt = *owned;
   ReducerOptions ro;
   ro.broadcast_parameters = false;  // the weights are released already; every rank drew the same
   ro.release_unowned = comm.size() > 1;
@@ -141,6 +148,7 @@ inline Zero3Run zero3(dist::Communicator& comm, c10::Device device = c10::Device
       out.bus_bytes_per_step = comm.traffic().bus_bytes - bus_before;
     }
   }
+  out.host_bytes = opt.host_bytes();
   for (int k = 0; k < units.units(); ++k) EXPECT_FALSE(opt.unit_gathered(k)) << "unit " << k << " left gathered";
   units.gather_all();
   for (const at::Tensor& p : params) out.weights.push_back(p.detach().cpu().clone());

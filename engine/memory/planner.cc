@@ -376,7 +376,6 @@ MemoryEstimate estimate(const PlanInputs& in, const ActivationProfile& profile,
   DTRAIN_CHECK(t.shard >= 0 && t.shard <= 3, "Technique.shard=", t.shard, " must be 0, 1, 2 or 3");
   DTRAIN_CHECK(t.shard < 3 || in.largest_unit_parameters > 0,
                "--shard=parameters: PlanInputs.largest_unit_parameters is 0 (the model names no units)");
-  DTRAIN_CHECK(t.shard < 3 || !t.offload_optimizer, "--shard=parameters with --offload=optimizer is not supported");
   DTRAIN_CHECK(t.shard == 0 || !t.offload_layers,
                "--shard with --offload=layers: layer offload keeps the parameters on two devices; shard or "
                "offload layers");
@@ -404,6 +403,9 @@ MemoryEstimate estimate(const PlanInputs& in, const ActivationProfile& profile,
     e.host.optimizer_state = shard * 4 * (1 + nstate);
     e.host.gradients = shard * 4;
     e.host.other = kOffloadStagingBytes;
+    // ZeRO-3's offloaded layout keeps the range's gradients in fp32 on the device for the copy
+    // (fp32 weights read the reducer's buckets in place).
+    if (t.shard == 3 && bpp == 2) e.gpu.optimizer_state = range * 4;
   } else if (t.shard > 0) {
     // ShardedOptimizer: the state of the range in the master dtype; bf16/fp16 weights add an
     // fp32 master copy and an fp32 gradient shard (fp32/fp64 ones read the range of the
@@ -523,7 +525,7 @@ Plan choose_plan(const PlanInputs& in, const ActivationProfile& profile, const P
         for (int shard : {0, 1, 2, 3}) {
           // Offloaded state is partitioned already: with it only stage 2 adds something.
           if (shard > 0 && (!in.can_shard || in.dp == 1 || layers || (opt && shard == 1))) continue;
-          if (shard == 3 && (opt || in.largest_unit_parameters == 0)) continue;
+          if (shard == 3 && in.largest_unit_parameters == 0) continue;
           for (int ckpt : {0, 1}) {
             if ((ckpt && !in.can_checkpoint) || !profile.find(ckpt, amp)) continue;
             for (int accum : accum_candidates(in)) {

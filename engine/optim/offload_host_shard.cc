@@ -1,4 +1,7 @@
 // Optimizer offload: this rank's shard on the host (see offload_internal.h).
+#include <map>
+#include <string>
+
 #include <ATen/ATen.h>
 #include <glog/logging.h>
 
@@ -6,7 +9,6 @@
 #include "offload_internal.h"
 
 namespace dtrain::engine::offload_detail {
-namespace {
 
 offload::CpuOptimizerOptions cpu_options(const OptimizerOptions& o, int rank, int count, int threads) {
   offload::CpuOptimizerOptions c;
@@ -18,7 +20,67 @@ offload::CpuOptimizerOptions cpu_options(const OptimizerOptions& o, int rank, in
   return c;
 }
 
+namespace {
+
+// "<array>.<chunk>" -> array
+std::string array_of(const std::string& name) { return name.substr(0, name.rfind('.')); }
+
 }  // namespace
+
+std::vector<std::pair<std::string, at::Tensor>> cpu_shard_arrays(const offload::CpuOptimizer& cpu, int64_t real) {
+  std::map<std::string, std::vector<at::Tensor>> chunks;
+  at::Tensor step;
+  for (auto& [name, t] : cpu.state()) {
+    if (name == "step") {
+      step = t.clone();
+    } else if (name != "layout") {
+      chunks[array_of(name)].push_back(t);  // chunk order as listed (ascending)
+    }
+  }
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  out.emplace_back("step", step);
+  for (auto& [array, parts] : chunks) out.emplace_back(array, at::cat(parts).narrow(0, 0, real).clone());
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> cpu_state_of_arrays(
+    const offload::CpuOptimizer& cpu, const std::vector<std::pair<std::string, at::Tensor>>& given, int64_t real) {
+  std::map<std::string, at::Tensor> arrays;
+  at::Tensor step;
+  for (auto& [name, t] : given) {
+    if (name == "step") {
+      step = t;
+      continue;
+    }
+    DTRAIN_CHECK(t.dim() == 1 && t.numel() == real, "offloaded optimizer state '", name, "' has ", t.numel(),
+                 " elements for a range of ", real);
+    arrays[name] = t;
+  }
+  DTRAIN_CHECK(step.defined(), "the saved optimizer state has no 'step'");
+  // Chunk c of array a holds shard elements [c * chunk, (c + 1) * chunk).
+  std::vector<std::pair<std::string, at::Tensor>> target;
+  std::map<std::string, int64_t> next;
+  for (auto& [name, t] : cpu.state()) {
+    if (name == "step") {
+      target.emplace_back(name, step.to(t.scalar_type()).reshape(t.sizes()));
+      continue;
+    }
+    if (name == "layout") {
+      target.emplace_back(name, t.clone());
+      continue;
+    }
+    const std::string a = array_of(name);
+    auto it = arrays.find(a);
+    DTRAIN_CHECK(it != arrays.end(), "the saved optimizer state has no '", a, "' (another --optimizer?)");
+    const int64_t off = next[a];
+    at::Tensor chunk = at::zeros({t.numel()}, at::kFloat);
+    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(t.numel(), real - off));
+    if (n > 0) chunk.narrow(0, 0, n).copy_(it->second.narrow(0, off, n));
+    next[a] = off + t.numel();
+    target.emplace_back(name, chunk);
+  }
+  return target;
+}
 
 HostShard::HostShard(std::vector<at::Tensor>& params, const OptimizerOptions& options, dist::Communicator& dp,
                      const OffloadOptions& offload)

@@ -30,13 +30,6 @@ StreamGradients parse_stream_gradients(const std::string& text) {
               " is not one of: auto, on, off (OffloadOptions::stream_gradients)");
 }
 
-namespace {
-
-// "<array>.<chunk>" -> array
-std::string array_of(const std::string& name) { return name.substr(0, name.rfind('.')); }
-
-}  // namespace
-
 // The three parts (offload_internal.h). Members are destroyed in reverse order: the streamer
 // and the updater stop before the gradient buffers they use are freed, and those before the
 // shard's pool.
@@ -189,22 +182,10 @@ void OffloadedOptimizer::load_state(const std::vector<std::pair<std::string, at:
 }
 
 ShardState OffloadedOptimizer::shard_state() const {
-  // Chunks of each array joined into the shard's real elements.
   if (impl_->updater) impl_->updater->wait();  // the state of every step taken (weights not published)
-  std::map<std::string, std::vector<at::Tensor>> chunks;
-  at::Tensor step;
-  for (auto& [name, t] : impl_->shard.cpu().state()) {
-    if (name == "step") {
-      step = t.clone();
-    } else if (name != "layout") {
-      chunks[array_of(name)].push_back(t);  // chunk order as listed (ascending)
-    }
-  }
   ShardState out;
   out.layout = *shard_layout();
-  const int64_t real = out.layout.range.size();
-  out.tensors.emplace_back("step", step);
-  for (auto& [array, parts] : chunks) out.tensors.emplace_back(array, at::cat(parts).narrow(0, 0, real).clone());
+  out.tensors = offload_detail::cpu_shard_arrays(impl_->shard.cpu(), out.layout.range.size());
   return out;
 }
 
@@ -214,42 +195,9 @@ void OffloadedOptimizer::load_shard_state(const ShardState& state) {
                "optimizer offload: the partitioned state holds elements [", state.layout.range.begin, ", ",
                state.layout.range.end, ") of ", state.layout.numel, "; this rank holds [", mine.range.begin, ", ",
                mine.range.end, ") of ", mine.numel, " (assemble it with assemble_shard)");
-  const int64_t real = mine.range.size();
-  std::map<std::string, at::Tensor> arrays;
-  at::Tensor step;
-  for (auto& [name, t] : state.tensors) {
-    if (name == "step") {
-      step = t;
-      continue;
-    }
-    DTRAIN_CHECK(t.dim() == 1 && t.numel() == real, "offloaded optimizer state '", name, "' has ", t.numel(),
-                 " elements for a range of ", real);
-    arrays[name] = t;
-  }
-  DTRAIN_CHECK(step.defined(), "the saved optimizer state has no 'step'");
-  // Into the CPU optimizer's chunked layout: chunk c of array a holds shard elements
-  // [c * chunk, (c + 1) * chunk).
-  std::vector<std::pair<std::string, at::Tensor>> target;
-  std::map<std::string, int64_t> next;
-  for (auto& [name, t] : impl_->shard.cpu().state()) {
-    if (name == "step") {
-      target.emplace_back(name, step.to(t.scalar_type()).reshape(t.sizes()));
-      continue;
-    }
-    if (name == "layout") {
-      target.emplace_back(name, t.clone());
-      continue;
-    }
-    const std::string a = array_of(name);
-    auto it = arrays.find(a);
-    DTRAIN_CHECK(it != arrays.end(), "the saved optimizer state has no '", a, "' (another --optimizer?)");
-    const int64_t off = next[a];
-    at::Tensor chunk = at::zeros({t.numel()}, at::kFloat);
-    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(t.numel(), real - off));
-    if (n > 0) chunk.narrow(0, 0, n).copy_(it->second.narrow(0, off, n));
-    next[a] = off + t.numel();
-    target.emplace_back(name, chunk);
-  }
+  // The CPU optimizer's chunked state, checked before anything changes.
+  std::vector<std::pair<std::string, at::Tensor>> target =
+      offload_detail::cpu_state_of_arrays(impl_->shard.cpu(), state.tensors, mine.range.size());
   if (impl_->updater) impl_->updater->drop();  // its result is replaced by what is loaded
   impl_->shard.cpu().load_state(target);
   impl_->steps = impl_->shard.cpu().step_count();

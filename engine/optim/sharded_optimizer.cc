@@ -9,6 +9,7 @@
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/parallel/reducer.h"
 #include "dtrain/offload/cpu_optimizer.h"
+#include "offload_internal.h"
 
 namespace dtrain::engine {
 
@@ -18,6 +19,47 @@ ShardMode parse_shard_mode(const std::string& text) {
   if (text == "gradients") return ShardMode::kGradients;
   if (text == "parameters") return ShardMode::kParameters;
   throw Error("--shard=" + text + " is not one of: none, optimizer, gradients, parameters");
+}
+
+namespace {
+
+// "blocks.0.attn.qkv.weight" -> "blocks.0.attn.qkv" (its module; "" for a top-level parameter).
+std::string module_of(const std::string& name) {
+  const auto dot = name.rfind('.');
+  return dot == std::string::npos ? std::string() : name.substr(0, dot);
+}
+
+}  // namespace
+
+std::vector<size_t> unit_starts_of(const std::vector<std::string>& names, const std::vector<std::string>& prefixes,
+                                   const std::vector<bool>& tensor_parallel) {
+  DTRAIN_CHECK(!prefixes.empty(), "--shard=parameters needs the model's units (--shard_units, or "
+               "TrainerOptions::shard_unit_starts: where each unit's parameters begin); this model gives none. "
+               "Name them, or use --shard=gradients");
+  DTRAIN_CHECK(!names.empty(), "--shard=parameters: the model has no trainable parameters");
+  std::vector<size_t> starts;
+  std::vector<bool> used(prefixes.size(), false);
+  for (size_t j = 0; j < names.size(); ++j) {
+    bool begins = false;
+    for (size_t i = 0; i < prefixes.size(); ++i) {
+      if (!used[i] && names[j].compare(0, prefixes[i].size(), prefixes[i]) == 0) used[i] = begins = true;
+    }
+    if (!begins) continue;
+    const std::string layer = module_of(names[j]);
+    DTRAIN_CHECK(j == 0 || layer.empty() || module_of(names[j - 1]) != layer, "--shard=parameters: unit ",
+                 starts.size(), " would begin at '", names[j], "', inside the ",
+                 j < tensor_parallel.size() && tensor_parallel[j] ? "tensor-parallel " : "", "layer '", layer,
+                 "' (its '", names[j - 1], "' falls in the unit before): a unit must hold whole layers. End the "
+                 "prefix at a layer, e.g. '", layer, ".'");
+    starts.push_back(j);
+  }
+  for (size_t i = 0; i < prefixes.size(); ++i) {
+    DTRAIN_CHECK(used[i], "--shard=parameters: no parameter's name begins with the unit prefix '", prefixes[i],
+                 "' (the first is '", names.front(), "', the last '", names.back(), "')");
+  }
+  DTRAIN_CHECK(starts.front() == 0, "--shard=parameters: the first parameter, '", names.front(),
+               "', begins no unit (the units must name where every unit begins; add a prefix of it)");
+  return starts;
 }
 
 struct ShardedOptimizer::Impl {
@@ -37,7 +79,12 @@ struct ShardedOptimizer::Impl {
   };
   std::vector<Piece> pieces;
   std::vector<at::Tensor> piece_dst;
-  std::unique_ptr<Optimizer> inner;  // make_optimizer() over {master}
+  std::unique_ptr<Optimizer> inner;  // make_optimizer() over {master}; null when offloaded
+  // Offloaded (the ZeRO-Offload layout): the CPU optimizer over {own} (master and state in the
+  // pool, writing the new weights back into own), and the gradient range's host staging.
+  std::unique_ptr<offload::PinnedPool> pool;
+  std::unique_ptr<offload::CpuOptimizer> cpu;
+  at::Tensor host_grad;
   // A rank whose range holds no real element (a model smaller than the padding) updates a
   // one-element stand-in with a zero gradient, so its step count stays the group's.
   bool empty = false;
@@ -75,6 +122,22 @@ ShardedOptimizer::ShardedOptimizer(std::vector<at::Tensor> params, const Optimiz
 ShardedOptimizer::ShardedOptimizer(std::vector<at::Tensor> params, const OptimizerOptions& options,
                                    dist::Communicator& dp, std::vector<size_t> unit_starts)
     : options_(options), params_(std::move(params)), impl_(std::make_unique<Impl>()) {
+  impl_->dp = &dp;
+  init(std::move(unit_starts), nullptr);
+}
+
+ShardedOptimizer::ShardedOptimizer(std::vector<at::Tensor> params, const OptimizerOptions& options,
+                                   dist::Communicator& dp, std::vector<size_t> unit_starts,
+                                   const OffloadOptions& offload)
+    : options_(options), params_(std::move(params)), impl_(std::make_unique<Impl>()) {
+  DTRAIN_CHECK(!unit_starts.empty(), "ShardedOptimizer: the offloaded layout is stage 3's (give the units); "
+               "stages 1 and 2 offload with OffloadedOptimizer (make_offload_optimizer)");
+  impl_->dp = &dp;
+  init(std::move(unit_starts), &offload);
+}
+
+void ShardedOptimizer::init(std::vector<size_t> unit_starts, const OffloadOptions* offload) {
+  dist::Communicator& dp = *impl_->dp;
   validate(options_);
   check_one_flat_space(params_, unit_starts.empty() ? "--shard=optimizer" : "--shard=parameters");
   for (size_t k = 0; k < unit_starts.size(); ++k) {
@@ -86,7 +149,6 @@ ShardedOptimizer::ShardedOptimizer(std::vector<at::Tensor> params, const Optimiz
   DTRAIN_CHECK(at::isFloatingType(first.scalar_type()), "--shard=optimizer: the parameters are ",
                first.scalar_type(), ", not floating point");
   Impl& s = *impl_;
-  s.dp = &dp;
   s.offsets.push_back(0);
   for (const at::Tensor& p : params_) s.offsets.push_back(s.offsets.back() + p.numel());
   s.numel = s.offsets.back();
@@ -129,6 +191,33 @@ ShardedOptimizer::ShardedOptimizer(std::vector<at::Tensor> params, const Optimiz
     }
   }
   s.empty = s.hi == s.lo;
+  if (offload) {
+    // The ZeRO-Offload layout: the range's fp32 master and state on the host, updated there.
+    offload::PinnedPoolOptions po;
+    po.pin = !first.device().is_cpu();  // page-locked only when there is a device to copy to
+    po.limit_bytes = offload->host_mem_limit_gb > 0 ? offload::host_limit_bytes_from_gb(offload->host_mem_limit_gb) : 0;
+    s.pool = std::make_unique<offload::PinnedPool>(po);
+    offload::CpuOptimizerOptions c = offload_detail::cpu_options(options_, 0, 1, offload->threads);
+    c.write_back = !s.empty;  // an empty range updates a stand-in whose result goes nowhere
+    const int64_t n = s.empty ? 1 : s.hi - s.lo;
+    s.cpu = std::make_unique<offload::CpuOptimizer>(
+        std::vector<at::Tensor>{s.empty ? at::zeros({1}, s.own.options()) : s.own}, c, *s.pool);
+    s.host_grad = s.pool->allocate(n, at::kFloat);
+    s.host_grad.zero_();
+    s.grad_shard = at::zeros({n}, s.own.options().dtype(at::kFloat));
+    for (size_t j = 0; j < params_.size(); ++j) {
+      const int64_t a = std::max(s.offsets[j], s.lo), b = std::min(s.offsets[j + 1], s.hi);
+      if (a >= b) continue;
+      s.pieces.push_back({j, a - s.offsets[j], b - a});
+      s.piece_dst.push_back(s.grad_shard.narrow(0, a - s.lo, b - a));
+    }
+    LOG_IF(INFO, dp.rank() == 0) << "sharded optimizer: " << s.numel << " parameters in " << ranks
+                                 << " shard(s), the weights gathered per unit (" << s.unit_buf.size()
+                                 << " units), each rank's master and optimizer state on the host ("
+                                 << s.cpu->host_bytes() / (1024.0 * 1024.0) << " MiB, "
+                                 << offload::to_string(s.cpu->isa()) << " x " << s.cpu->threads() << " threads)";
+    return;
+  }
   // fp32 master weights for fp16/bf16 parameters; fp32 and fp64 ones are their own master.
   const at::ScalarType dtype = first.scalar_type();
   const at::ScalarType master_dtype = dtype == at::kHalf || dtype == at::kBFloat16 ? at::kFloat : dtype;
@@ -213,7 +302,7 @@ void ShardedOptimizer::attach(GradReducer& reducer) {
   s.grad_shard = view;  // the reducer's storage of [lo, hi): no copy, no buffer of our own
   s.pieces.clear();
   s.piece_dst.clear();
-  s.master.mutable_grad() = s.grad_shard;
+  if (s.master.defined()) s.master.mutable_grad() = s.grad_shard;  // undefined when offloaded
 }
 
 void ShardedOptimizer::step(const at::Tensor& grad_multiplier) {
@@ -231,6 +320,21 @@ void ShardedOptimizer::step(const at::Tensor& grad_multiplier) {
     src.push_back(g.detach().reshape({-1}).narrow(0, s.pieces[k].from, s.pieces[k].n));
   }
   if (!dst.empty()) at::_foreach_copy_(dst, src);
+  if (s.cpu) {
+    // Offloaded: the gradient range to the host, the CPU update, the new weights back into own
+    // (ordered before the work queued after this on the current stream).
+    DTRAIN_CHECK(!grad_multiplier.defined() || grad_multiplier.numel() == 1, "--shard=parameters --offload=optimizer: "
+                 "the gradient multiplier must be a one-element tensor, got ", grad_multiplier.toString());
+    const double multiplier = grad_multiplier.defined() ? grad_multiplier.item<double>() : 1.0;
+    const int64_t n = s.host_grad.numel();
+    if (!s.empty) s.host_grad.copy_(s.grad_shard.narrow(0, 0, n));
+    s.cpu->set_lr(options_.lr);
+    s.cpu->begin_step(multiplier);
+    s.cpu->step_range(0, n, s.host_grad);
+    s.cpu->end_step();
+    for (int k = 0; k < units(); ++k) release_unit(k);
+    return;
+  }
   s.master.mutable_grad() = s.grad_shard;  // the fused kernels may rebind it; keep the buffer
   s.inner->step(grad_multiplier);
   if (!s.empty && s.master.data_ptr() != s.own.data_ptr()) s.own.copy_(s.master.detach());
@@ -249,11 +353,14 @@ void ShardedOptimizer::zero_grad() {
 }
 
 void ShardedOptimizer::set_lr(double lr) {
-  impl_->inner->set_lr(lr);
+  if (impl_->inner) impl_->inner->set_lr(lr);
+  if (impl_->cpu) impl_->cpu->set_lr(lr);  // checks it
   options_.lr = lr;
 }
 
-double ShardedOptimizer::lr() const { return impl_->inner->lr(); }
+double ShardedOptimizer::lr() const { return impl_->inner ? impl_->inner->lr() : options_.lr; }
+
+int64_t ShardedOptimizer::host_bytes() const { return impl_->pool ? impl_->pool->used_bytes() : 0; }
 
 void ShardedOptimizer::load_state(const std::vector<std::pair<std::string, at::Tensor>>& state) {
   DTRAIN_CHECK(state.empty(), "--shard=optimizer: load_state got ", state.size(),
@@ -269,6 +376,7 @@ std::vector<FlatRange> ShardedOptimizer::gradient_owners() const {
 }
 
 std::vector<at::Tensor> ShardedOptimizer::device_state() const {
+  if (impl_->cpu) return {impl_->grad_shard, impl_->own};  // the master and state are on the host
   std::vector<at::Tensor> out = impl_->inner->device_state();
   out.push_back(impl_->grad_shard);
   if (impl_->empty || impl_->master.data_ptr() != impl_->own.data_ptr()) out.push_back(impl_->master);
@@ -294,6 +402,10 @@ ShardState ShardedOptimizer::shard_state() const {
   out.layout = *shard_layout();
   const auto host = at::TensorOptions().device(at::kCPU);
   const int64_t real = impl_->hi - impl_->lo;
+  if (impl_->cpu) {  // the same arrays, from the CPU optimizer's chunks
+    out.tensors = offload_detail::cpu_shard_arrays(*impl_->cpu, real);
+    return out;
+  }
   // 1-D arrays of the range's real elements (none for an empty range); "step" as it is.
   auto array = [&](const at::Tensor& t) { return t.detach().reshape({-1}).narrow(0, 0, real); };
   out.tensors.emplace_back("master", array(impl_->master).to(host, false, /*copy=*/true));
@@ -311,6 +423,19 @@ void ShardedOptimizer::load_shard_state(const ShardState& state) {
                "--shard=optimizer: the partitioned state holds elements [", state.layout.range.begin, ", ",
                state.layout.range.end, ") of ", state.layout.numel, "; this rank holds [", mine.range.begin, ", ",
                mine.range.end, ") of ", mine.numel, " (assemble it with assemble_shard)");
+  if (s.cpu) {
+    // An empty range keeps its stand-in's zeros: only the step count is loaded.
+    std::vector<std::pair<std::string, at::Tensor>> arrays = state.tensors;
+    if (s.empty) {
+      for (auto& [name, t] : arrays) {
+        if (name != "step") t = at::zeros({1}, at::kFloat);
+      }
+    }
+    s.cpu->load_state(offload_detail::cpu_state_of_arrays(*s.cpu, arrays, s.empty ? 1 : s.hi - s.lo));
+    at::NoGradGuard no_grad;
+    if (!s.empty) s.own.copy_(s.cpu->master_weights());  // the weights between steps
+    return;
+  }
   std::map<std::string, at::Tensor> given;
   for (const auto& [name, t] : state.tensors) given[name] = t;
   auto master = given.find("master");

@@ -106,6 +106,10 @@ const std::vector<Spec>& specs() {
            "partition across the data-parallel group: none, optimizer (ZeRO-1: optimizer state and "
            "master weights), gradients (ZeRO-2: also gradients) or parameters (ZeRO-3: also weights)",
            &Flags::shard),
+      spec(kMemory, "shard_units",
+           "with --shard=parameters: the units gathered whole, as parameter-name prefixes (the first parameter under "
+           "each begins a unit), e.g. wte.,blocks.0.,blocks.1.,ln_f. (default: the model's own)",
+           &Flags::shard_units),
       spec(kMemory, "offload_threads", "CPU optimizer threads (0: OMP_NUM_THREADS or the cores)",
            &Flags::offload_threads),
       spec(kMemory, "offload_stream_gradients",
@@ -235,6 +239,8 @@ void validate(const Flags& f) {
   DTRAIN_CHECK(f.eval_batches >= 1, "--eval_batches=", f.eval_batches, " must be >= 1");
   const OffloadChoice offload = parse_offload(f.offload);
   parse_shard_mode(f.shard);
+  DTRAIN_CHECK(f.shard_units.empty() || f.shard == "parameters" || f.plan == "auto", "--shard_units=",
+               f.shard_units, " names ZeRO-3's units: it needs --shard=parameters (or --plan=auto, which may choose it)");
   engine::validate(prune_options(f));
   DTRAIN_CHECK(f.plan == "none" || f.plan == "auto", "--plan=", f.plan, " is not one of: none, auto");
   DTRAIN_CHECK(f.gpu_mem_limit_gb >= 0, "--gpu_mem_limit_gb=", f.gpu_mem_limit_gb, " must be >= 0");

@@ -78,28 +78,6 @@ Settings settings_of(const TrainerOptions& o) {
   return s;
 }
 
-// What a pipeline-parallel trainer needs and what it does not (yet) combine with; the same on
-// every rank (options and mesh are), so every rank refuses together.
-// --shard=parameters: the parameter index at which each unit begins (names in the trainer's
-// order; a unit begins at the first name under each of the prefixes).
-std::vector<size_t> unit_starts(const std::vector<std::string>& names, const std::vector<std::string>& prefixes) {
-  DTRAIN_CHECK(!prefixes.empty(), "--shard=parameters needs the model's units (TrainerOptions::shard_unit_starts: "
-               "where each unit's parameters begin); this model gives none. Use --shard=gradients");
-  // The first parameter under each prefix begins a unit.
-  std::vector<size_t> starts;
-  std::vector<bool> used(prefixes.size(), false);
-  for (size_t j = 0; j < names.size(); ++j) {
-    bool begins = false;
-    for (size_t i = 0; i < prefixes.size(); ++i) {
-      if (!used[i] && names[j].compare(0, prefixes[i].size(), prefixes[i]) == 0) used[i] = begins = true;
-    }
-    if (begins) starts.push_back(j);
-  }
-  DTRAIN_CHECK(!starts.empty() && starts.front() == 0, "--shard=parameters: the first parameter, '", names.front(),
-               "', begins no unit (TrainerOptions::shard_unit_starts must name where every unit begins)");
-  return starts;
-}
-
 // What --shard=parameters does not combine with yet.
 void check_parameter_sharding(const TrainerOptions& o, const dist::Mesh& mesh, bool sparse) {
   const char* other = mesh.pp_size() > 1 ? "--pp > 1"
@@ -112,6 +90,8 @@ void check_parameter_sharding(const TrainerOptions& o, const dist::Mesh& mesh, b
                " is not supported yet; use --shard=gradients, or drop ", other ? other : "");
 }
 
+// What a pipeline-parallel trainer needs and what it does not (yet) combine with; the same on
+// every rank (options and mesh are), so every rank refuses together.
 void check_pipeline_options(const TrainerOptions& o, const dist::Mesh& mesh) {
   const int P = mesh.pp_size();
   DTRAIN_CHECK(o.pipeline.forward && o.pipeline.activation_shape, "a mesh of ", P, " pipeline stages needs ",
@@ -257,19 +237,31 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
           << sparse_params.size() << " parameter(s) with sparse gradients (" << sparse_options.names.front()
           << (sparse_params.size() > 1 ? ", ..." : "") << "): averaged row-wise after backward, updated "
           << "only where touched (" << options_.optimizer.name << "'s sparse rule)";
-    } else if (options_.offload_optimizer) {
-      DTRAIN_CHECK(shard != ShardMode::kParameters, "--shard=parameters (ZeRO-3) with --offload=optimizer is not "
-                   "supported yet; use --shard=gradients with it (the ZeRO-Offload layout), or drop --offload");
-      optimizer_ = make_offload_optimizer(params_, options_.optimizer, mesh_.dp(), options_.offload, device_);
     } else if (shard == ShardMode::kParameters) {
       check_parameter_sharding(options_, mesh_, !sparse_params.empty());
-      auto sharded = std::make_unique<ShardedOptimizer>(params_, options_.optimizer, mesh_.dp(),
-                                                        unit_starts(names, options_.shard_unit_starts));
+      std::vector<size_t> starts = unit_starts_of(names, options_.shard_unit_starts, sharded_);
+      std::unique_ptr<ShardedOptimizer> sharded;
+      if (options_.offload_optimizer) {  // the ZeRO-Offload layout of stage 3
+        const char* other = options_.offload.delayed_update_after >= 0 ? "--offload_delayed_update_after"
+                            : parse_stream_gradients(options_.offload.stream_gradients) == StreamGradients::kOn
+                                ? "--offload_stream_gradients=on"
+                                : nullptr;
+        DTRAIN_CHECK(other == nullptr, "--shard=parameters --offload=optimizer with ", other ? other : "",
+                     " is not supported yet (each rank copies its gradient range to the host after backward and "
+                     "updates it there); drop ", other ? other : "");
+        sharded = std::make_unique<ShardedOptimizer>(params_, options_.optimizer, mesh_.dp(), std::move(starts),
+                                                     options_.offload);
+      } else {
+        sharded = std::make_unique<ShardedOptimizer>(params_, options_.optimizer, mesh_.dp(), std::move(starts));
+      }
       units_ = std::make_unique<ParameterUnits>(*sharded);
       optimizer_ = std::move(sharded);
       LOG_IF(INFO, mesh_.world().rank() == 0)
           << "--shard=parameters: " << units_->units() << " units gathered per use; this rank keeps 1/"
-          << mesh_.dp_size() << " of the weights, gradients and optimizer state between steps";
+          << mesh_.dp_size() << " of the weights, gradients and optimizer state between steps"
+          << (options_.offload_optimizer ? " (the optimizer state and fp32 master on the host)" : "");
+    } else if (options_.offload_optimizer) {
+      optimizer_ = make_offload_optimizer(params_, options_.optimizer, mesh_.dp(), options_.offload, device_);
     } else if (shard != ShardMode::kNone) {
       optimizer_ = std::make_unique<ShardedOptimizer>(params_, options_.optimizer, mesh_.dp());
     } else {

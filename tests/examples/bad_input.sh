@@ -29,6 +29,9 @@ check 2 "pipeline schedule 'zb' does not exist; use gpipe" "$bin/train_gpt" --pp
 check 2 'pp_blocks=2 needs --pp > 1' "$bin/train_gpt" --pp_blocks=2
 check 2 "shard=parameters needs the model's units" "$bin/train_mlp" --shard=parameters
 check 2 'shard=parameters with --offload=layers is not supported yet' "$bin/train_gpt" --device=cpu --shard=parameters --offload=layers
+check 2 "no parameter's name begins with the unit prefix 'blocks.9.'" "$bin/train_gpt" --device=cpu --layers=1 --shard=parameters --shard_units=wte.,blocks.9.
+check 2 "a unit begins at 'blocks.0.mlp.fc1.weight', inside block 0" "$bin/train_gpt" --device=cpu --layers=1 --shard=parameters --shard_units=wte.,blocks.0.mlp.
+check 2 'shard_units=wte. names ZeRO-3' "$bin/train_gpt" --shard_units=wte.
 check 2 'not a multiple of --accum_steps=3' "$bin/train_mlp" --batch_size=64 --accum_steps=3
 check 2 "directory '/nonexistent' does not exist" "$bin/train_mlp" --metrics=/nonexistent/m.jsonl
 check 2 'd_model=50 is not divisible by --heads=8' "$bin/train_seq2seq" --d_model=50

@@ -484,10 +484,24 @@ def scenario_zero3(args):
                                # data-parallel group (FSDP2 + TP).
                                (4, ["--tp=2", "--batch_size=4"], "tp 2 x dp 2"),
                                (4, ["--tp=2", "--batch_size=4", "--sequence_parallel", "--accum_steps=2"],
-                                "tp 2 x dp 2, sequence-parallel, 2 micro-batches")):
+                                "tp 2 x dp 2, sequence-parallel, 2 micro-batches"),
+                               # Units of the user's choosing: the embeddings with block 0, blocks 1-2,
+                               # block 3 with the head (--shard_units).
+                               (2, ["--batch_size=4", "--shard_units=wte.,blocks.1.,blocks.3."],
+                                "2 ranks, 3 units of --shard_units"),
+                               # The ZeRO-Offload layout of stage 3: each rank's master range and state on
+                               # the host, updated by the CPU optimizer.
+                               (2, ["--batch_size=4", "--offload=optimizer"], "2 ranks, the optimizer offloaded"),
+                               (4, ["--batch_size=2", "--accum_steps=2", "--offload=optimizer",
+                                    "--checkpoint_activations"],
+                                "4 ranks, the optimizer offloaded, 2 micro-batches, checkpointed")):
         other = train(args, "train_gpt", ranks, shape + flags + ["--shard=parameters"], f"z3-{len(name)}-{ranks}")
         compare(ref, other, f"--shard=parameters, {name}", 1e-4)
         compare_grad_norms(ref, other, f"--shard=parameters, {name}")
+    out = train(args, "train_gpt", 2, shape + ["--batch_size=4", "--steps=3", "--shard=parameters",
+                                             "--shard_units=wte.,blocks.1.,blocks.3."], "z3-units", output=True,
+                env={"GLOG_minloglevel": "0"})
+    assert "--shard=parameters: 3 units gathered per use" in out, out[-2000:]
     base = train(args, "train_gpt", 1, shape + ["--batch_size=8", "--amp=bf16"], "z3-ref-bf16")
     other = train(args, "train_gpt", 2, shape + ["--batch_size=4", "--amp=bf16", "--shard=parameters"], "z3-bf16")
     compare(base, other, "--shard=parameters --amp=bf16", 1e-3)
@@ -554,6 +568,16 @@ def scenario_zero3(args):
     assert "train_gpt: plan: --shard=parameters\n" in out, out[-2000:]
     compare(metrics(os.path.join(w, "z3-mem-none.jsonl")), metrics(os.path.join(w, "z3-planned.jsonl")),
             "--plan=auto choosing --shard=parameters", 1e-4)
+    # dtrain-plan --verify_steps trains stage 3 (the model running the trainer's units) and reports the peak
+    # against the estimate.
+    out = run(shlex.split(args.mpirun) + ["-np", "4", os.path.join(args.bin, "dtrain-plan"), "--model=gpt",
+                                          "--device=cpu", "--shard=parameters", "--verify_steps=3"] +
+              [f for f in big if not f.startswith(("--steps", "--memory_report_step", "--log_every", "--workers"))])
+    verified = [json.loads(l) for l in out.splitlines() if l.startswith("{") and "verify_steps" in l]
+    assert len(verified) == 1 and verified[0]["flags"] == "--shard=parameters", out[-2000:]
+    assert abs(verified[0]["relative_error"]) <= 0.15, verified
+    print(f"ok: dtrain-plan --shard=parameters --verify_steps=3: estimate {verified[0]['relative_error']:+.1%} "
+          f"of the trained peak")
     print(f"ok: --shard=parameters on 4 ranks holds {ratio:.3f} of the unsharded weights, gradients and optimizer "
           f"state between steps; its step peaks {z3['activations'] - none['activations']:.2f} MiB above the "
           f"unsharded one's activations (a block's weights: {block_mib:.2f} MiB)")
@@ -579,6 +603,18 @@ def scenario_zero3(args):
     code = ("import sys, glob, torch; d = sys.argv[1]; "
             "[torch.load(f, weights_only=True) for f in sorted(glob.glob(d + '/*.pt'))]; print('torch.load ok')")
     run([args.python, "-c", code, d])
+    # The offloaded layout saves the same partitioned arrays: stage 3 offloaded on 2 ranks resumes as
+    # stage 3 on the device on 4 ranks, and that as stage 3 offloaded on 4.
+    d3 = os.path.join(w, "ck_z3_offload")
+    train(args, "train_gpt", 2, const + ["--batch_size=4", "--shard=parameters", "--offload=optimizer", "--steps=8",
+                                         f"--save_dir={d3}"], "z3-offload-part")
+    four = train(args, "train_gpt", 4, const + ["--batch_size=2", "--shard=parameters", "--steps=12",
+                                              f"--save_dir={d3}", "--resume"], "z3-offload-resumed-4")
+    compare([r for r in steps_after(ref16, 8) if r["step"] <= 12], steps_after(four, 8),
+            "--shard=parameters --offload=optimizer on 2 ranks resumed on the device on 4", 1e-4)
+    again = train(args, "train_gpt", 4, const + ["--batch_size=2", "--shard=parameters", "--offload=optimizer",
+                                               "--steps=16", f"--save_dir={d3}", "--resume"], "z3-offload-resumed-4o")
+    compare(steps_after(ref16, 12), steps_after(again, 12), "... resumed again offloaded on 4 ranks", 1e-4)
     # On the 2D mesh: tp 2 x dp 2 stage 3 resumed as itself, then as tp 2 unsharded (partitioned state
     # resumes under the same --tp).
     d2 = os.path.join(w, "ck_z3_tp")

@@ -81,6 +81,35 @@ TEST(ParameterUnits, MovesThreeTimesTheWeightsPerStep) {
   EXPECT_NEAR(got.bus_bytes_per_step, 3 * weights, 0.05 * weights) << got.bus_bytes_per_step / weights;
 }
 
+// The ZeRO-Offload layout of stage 3 (--shard=parameters --offload=optimizer): the same steps
+// with each rank's range of the fp32 master weights and AdamW state on the host, updated by the
+// CPU optimizer. The device keeps the range of the weights and of the gradients only; the host
+// the range's master and two moments. The update runs in fp32 (the CPU optimizer's master), so
+// the float64 reference is met to fp32's rounding.
+TEST(ParameterUnits, OffloadedOptimizerTrainsAsOneProcessAndKeepsItsStateOnTheHost) {
+  auto& comm = world_comm();
+  const int n = comm.size();
+  const std::vector<at::Tensor> want = reference(n);
+  OffloadOptions offload;
+  offload.threads = 1;
+  const Zero3Run got = zero3(comm, c10::Device(c10::kCPU), &offload);
+  ASSERT_EQ(got.weights.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_LT(rel_error(got.weights[i], want[i]), 1e-5) << "parameter " << i << " on rank " << comm.rank();
+  }
+  // The host: the range's fp32 master, two moments and gradient staging, and the CPU
+  // optimizer's two copy-back tiles (4 Mi fp32 elements each, whatever the range).
+  const double range = static_cast<double>(got.numel) / n;
+  const double tiles = 2.0 * (int64_t{4} << 20) * 4;
+  EXPECT_GE(got.host_bytes, 4 * range * 4 * 0.99 + tiles) << "rank " << comm.rank();
+  EXPECT_LE(got.host_bytes, 4 * (range + 64) * 4 + 4 * 256 + tiles) << "rank " << comm.rank();
+  // The rest ("allocated" on the CPU counts the host pool too): the range of the weights and
+  // the gradients kept (float64), the range's fp32 gradient for the copy, and no moments.
+  const double resident = got.resident_bytes - got.start_bytes - got.host_bytes;
+  const double bound = 2.0 * got.numel * 8 / n + got.numel * 4.0 / n + 2.0 * kBucketBytes + (16 << 10);
+  EXPECT_LE(resident, bound) << "rank " << comm.rank();
+}
+
 TEST(ParameterUnits, BadUnitsAreRefused) {
   auto& comm = world_comm();
   Stack m;

@@ -3,6 +3,7 @@
 // holding every case), so the file stays within a few seconds.
 #include "dtrain/engine/parallel/grad_norm.h"
 #include "dtrain/engine/optim/optim.h"
+#include "dtrain/engine/optim/sharded.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -842,4 +843,31 @@ TEST(GradClip, MatchesTorchClipGradNorm) {
 }
 
 }  // namespace
+// ZeRO-3's units from name prefixes (the trainer's and the planner's one rule): the first
+// parameter under each prefix begins a unit; a unit never begins inside a layer.
+TEST(UnitStarts, PrefixesCutWholeLayers) {
+  const std::vector<std::string> names = {"wte.weight", "wpe.weight", "blocks.0.attn.qkv.weight",
+                                          "blocks.0.attn.qkv.bias", "blocks.0.mlp.fc1.weight",
+                                          "blocks.1.attn.qkv.weight", "ln_f.weight", "head.weight"};
+  EXPECT_EQ(unit_starts_of(names, {"wte.", "blocks.0.", "blocks.1.", "ln_f."}), (std::vector<size_t>{0, 2, 5, 6}));
+  // Coarser: several blocks in one unit; a prefix inside another's range starts its own.
+  EXPECT_EQ(unit_starts_of(names, {"w", "blocks.0.mlp.", "head."}), (std::vector<size_t>{0, 4, 7}));
+  using testing_util::error_of;
+  std::vector<bool> tp(names.size(), false);
+  tp[2] = tp[3] = true;
+  EXPECT_NE(error_of([&] { unit_starts_of(names, {"wte.", "blocks.0.attn.qkv.bias"}, tp); })
+                .find("unit 1 would begin at 'blocks.0.attn.qkv.bias', inside the tensor-parallel layer "
+                      "'blocks.0.attn.qkv' (its 'blocks.0.attn.qkv.weight' falls in the unit before)"),
+            std::string::npos);
+  // wte and wpe are layers of their own: a unit may begin at either.
+  EXPECT_EQ(unit_starts_of(names, {"wte.", "wpe.weight"}), (std::vector<size_t>{0, 1}));
+  EXPECT_NE(error_of([&] { unit_starts_of(names, {"wte.", "blocks.9."}); })
+                .find("no parameter's name begins with the unit prefix 'blocks.9.'"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { unit_starts_of(names, {"blocks.0."}); })
+                .find("the first parameter, 'wte.weight', begins no unit"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { unit_starts_of(names, {}); }).find("needs the model's units"), std::string::npos);
+}
+
 }  // namespace dtrain::engine

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "dtrain/dist/communicator.h"
+#include "dtrain/engine/optim/offload.h"
 #include "dtrain/engine/optim/optim.h"
 
 namespace dtrain::engine {
@@ -47,6 +48,15 @@ class ShardedOptimizer : public Optimizer {
   // buffer of its own between steps. step() updates that range only (no all-gather).
   ShardedOptimizer(std::vector<at::Tensor> params, const OptimizerOptions& options, dist::Communicator& dp,
                    std::vector<size_t> unit_starts);
+  // ZeRO-3 with the optimizer offloaded (the ZeRO-Offload layout of stage 3, --shard=parameters
+  // --offload=optimizer): as above, but this rank's fp32 master range and optimizer state live
+  // in host memory (pinned when the parameters are on a GPU; offload.host_mem_limit_gb caps it)
+  // and the CPU optimizer (offload::CpuOptimizer, offload.threads) updates them; the new weights
+  // go back to the rank's range of the weights on the device. The device keeps only that range
+  // and its gradients. offload's streaming and delayed-update options are not used (the trainer
+  // refuses them).
+  ShardedOptimizer(std::vector<at::Tensor> params, const OptimizerOptions& options, dist::Communicator& dp,
+                   std::vector<size_t> unit_starts, const OffloadOptions& offload);
   ~ShardedOptimizer() override;
 
   // ZeRO-3 (the constructor with units): the number of units, the parameter indices of unit k
@@ -81,9 +91,12 @@ class ShardedOptimizer : public Optimizer {
   std::optional<ShardLayout> shard_layout() const override;
   ShardState shard_state() const override;
   void load_shard_state(const ShardState& state) override;
+  // Offloaded: the host memory held (the range's master, state and gradient staging); else 0.
+  int64_t host_bytes() const override;
 
  private:
   struct Impl;
+  void init(std::vector<size_t> unit_starts, const OffloadOptions* offload);
   OptimizerOptions options_;
   std::vector<at::Tensor> params_;
   std::unique_ptr<Impl> impl_;
@@ -136,6 +149,17 @@ class ParameterUnits {
  private:
   std::shared_ptr<State> state_;
 };
+
+// ZeRO-3's units from parameter-name prefixes (TrainerOptions::shard_unit_starts, the examples'
+// --shard_units): names are the trainer's parameters in order; the first parameter under each
+// prefix begins a unit (the index returned). tensor_parallel[j] (optional) says parameter j is a
+// tensor-parallel shard, for the message. Throws dtrain::Error naming the prefix and the fix for:
+// no prefix, a prefix under which no parameter lies, a first parameter that begins no unit, and
+// a unit that would begin inside a layer (between two parameters of one module, e.g. a
+// tensor-parallel linear's weight and bias): a unit's forward must find all of its layers'
+// weights gathered.
+std::vector<size_t> unit_starts_of(const std::vector<std::string>& names, const std::vector<std::string>& prefixes,
+                                   const std::vector<bool>& tensor_parallel = {});
 
 // "none" | "optimizer" (ZeRO-1) | "gradients" (ZeRO-2: the same optimizer, and the reducer
 // releases the gradient buckets this rank does not own, ReducerOptions::release_unowned):

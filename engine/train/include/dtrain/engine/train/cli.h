@@ -45,7 +45,7 @@ enum Topic : unsigned {
   kRanks = 1u << 1,           // --device --backend --collective_timeout_s
   kTensorParallel = 1u << 2,  // model parallelism: --tp --sequence_parallel --pp --pp_schedule --pp_blocks
   kData = 1u << 3,            // --workers --prefetch --eval_every --eval_batches
-  kMemory = 1u << 4,          // --offload --shard --offload_* --host_mem_limit_gb --plan --gpu_mem_limit_gb
+  kMemory = 1u << 4,          // --offload --shard --shard_units --offload_* --host_mem_limit_gb --plan --gpu_mem_limit_gb
                               // --memory_report_step --checkpoint_activations
   kCheckpoints = 1u << 5,     // --save_dir --save_every --keep_last --resume --async_save
   kObservability = 1u << 6,   // --log_every --metrics --tensorboard_dir --timeline --progress
@@ -92,6 +92,7 @@ struct Flags {
   // kMemory
   std::string offload = "none";
   std::string shard = TrainerOptions().shard;
+  std::string shard_units;  // "a.,b.,...": ZeRO-3's unit prefixes ("": the model's own)
   int32_t offload_threads = OffloadOptions().threads;
   std::string offload_stream_gradients = OffloadOptions().stream_gradients;
   bool offload_reduce_to_owner = OffloadOptions().reduce_to_owner;
