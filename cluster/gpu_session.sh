@@ -54,7 +54,7 @@ declare -A STEPS=(
 declare -A LIMIT=(
   [gpuinfo]=10 [unpack]=15 [configure]=60 [build]=230 [ctest]=120
   [s2s]=100 [gpt124m]=45 [nccl_allreduce]=30 [mpi_allreduce]=45 [cpu_adam]=60 [copies]=25
-  [offload_layers]=45 [async_save]=40 [shard]=110
+  [offload_layers]=45 [async_save]=40 [shard]=115
   [offload6b]=280 [offload_opt]=70 [offload_delayed]=70 [pipeline]=50
   [profile_layers]=45 [profile_offload]=70 [profile_delayed]=70
 )
@@ -365,14 +365,15 @@ step_async_save() {
 }
 # ZeRO-1/2/3 on the device: gpt124m on 2 ranks sharing the GPU (gradients and ZeRO-3's gathers
 # through MPI with host staging, so the step time is the staging's; the memory per rank is the
-# figure): the memory report after step 4 of each stage, rank 0.
+# figure): the memory report after step 4 of each stage, rank 0; ZeRO-3 also with the optimizer
+# offloaded (its device figure against stage 3's, its host figure).
 step_shard() {
-  SHOW="mpirun -np 2 train_gpt --device=cuda --data=synthetic --amp=bf16 --shard=none|optimizer|gradients|parameters" \
+  SHOW="mpirun -np 2 train_gpt --device=cuda --data=synthetic --amp=bf16 --shard=none|optimizer|gradients|parameters (also offloaded)" \
     measure "ZeRO-1/2/3 on the device, gpt124m, 2 ranks on the one GPU (memory per rank)" \
     'shard=|trained|memory on|parameters +|gradients +|optimizer state|peak|other \(' bash -c '
-for s in none optimizer gradients parameters; do
+for s in none optimizer gradients parameters "parameters --offload=optimizer"; do
   echo "shard=$s"
-  "${@:2}" "$1" --device=cuda --data=synthetic --amp=bf16 --steps=6 --log_every=3 --progress=false \
+  "${@:2}" "$1" --device=cuda --data=synthetic --amp=bf16 --steps=5 --log_every=1 --progress=false \
     --memory_report_step=4 --shard=$s || exit 1
 done' _ "$BIN/train_gpt" "${MPIRUN[@]}" -np 2
 }

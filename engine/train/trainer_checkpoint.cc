@@ -178,21 +178,34 @@ Trainer::PreparedSave Trainer::prepare_save(const DataLoader* loader, bool own_c
                "no checkpoints");
   flush_updates();  // a delayed update in flight goes into the saved weights
   dist::Communicator& world = mesh_.world();
-  // ZeRO-3: the whole weights for the save (copied, so the units go back to their shards).
-  GatheredUnits gathered(units_.get());
-  if (units_) own_copies = true;
+  // ZeRO-3: no unit is gathered. Each rank's range of the weights goes into its rank file (the
+  // partitioned "master"); the main file holds the rest of the model (buffers, frozen weights).
+  const bool weights_partitioned = units_ != nullptr;
   PreparedSave save;
   // Never a checkpoint of non-finite weights (rotation could then push out the last good one).
   // One flag per device, computed where the weights are and read by write_save: the training
-  // thread does not wait for the device here.
+  // thread does not wait for the device here (ZeRO-3: each rank's range, below).
   std::map<std::string, std::vector<at::Tensor>> by_device;
-  for (const at::Tensor& p : params_) by_device[p.device().str()].push_back(p);
+  if (!weights_partitioned) {
+    for (const at::Tensor& p : params_) by_device[p.device().str()].push_back(p);
+  }
   for (auto& [device, weights] : by_device) {
     save.nonfinite.push_back(host_copy("nonfinite." + device, any_nonfinite(weights), HostStaging::kNow, own_copies));
   }
   CheckpointData& data = save.data;
   data.step = step_;
-  data.model = full_model_state(own_copies);        // collective over tp
+  if (weights_partitioned) {
+    std::unordered_set<std::string> trainable(names_.begin(), names_.end());
+    for (const auto& [name, spec] : specs_) {
+      DTRAIN_CHECK(trainable.count(name), "--shard=parameters: '", name, "' is split over tensor-parallel ranks but ",
+                   "is not a trainable parameter; such a model cannot be saved in shards yet");
+    }
+    for (auto& [name, t] : model_state(model_)) {
+      if (!trainable.count(name)) data.model.emplace_back(name, host_copy("model." + name, t, HostStaging::kNow, own_copies));
+    }
+  } else {
+    data.model = full_model_state(own_copies);      // collective over tp
+  }
   data.optimizer = full_optimizer_state(own_copies);  // collective over tp
   if (pruner_) data.masks = pruner_->full_masks();     // collective over tp
   for (auto& [name, t] : scaler_->state()) {
@@ -201,6 +214,14 @@ Trainer::PreparedSave Trainer::prepare_save(const DataLoader* loader, bool own_c
   data.rng = capture_rng_state();
   data.meta = options_.checkpoint_meta;
   data.meta["accum_steps"] = std::to_string(accum_steps_);
+  if (weights_partitioned) {
+    // The flat space's parameters (name:elements, in order), for a resume to check its model.
+    std::string layout;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      layout += (i ? "," : "") + names_[i] + ":" + std::to_string(params_[i].numel());
+    }
+    data.meta["model.partitioned"] = layout;
+  }
   data.meta["pp"] = std::to_string(mesh_.pp_size());
   if (!pp_flat_numels_.empty()) {  // where each stage's partitioned state lies in the whole model's
     std::string counts;
@@ -228,6 +249,11 @@ Trainer::PreparedSave Trainer::prepare_save(const DataLoader* loader, bool own_c
   data.meta["optimizer.offloaded"] = options_.offload_optimizer ? "1" : "0";
   data.meta["optimizer.partitioned"] = optimizer_->shard_layout() ? "1" : "0";
   if (optimizer_->shard_layout()) rank.optimizer_shard = optimizer_->shard_state();
+  if (weights_partitioned) {  // this rank's range of the weights: the fp32 master
+    for (const auto& [name, t] : rank.optimizer_shard.tensors) {
+      if (name == "master") save.nonfinite.push_back(any_nonfinite({t}));
+    }
+  }
   if (own_copies) {
     // A background write must not see the training change what it writes: every tensor that
     // may alias live state is copied (the model and replicated optimizer state are staged).
@@ -323,13 +349,69 @@ bool Trainer::resume_checkpoint(DataLoader* loader, bool required) {
   return true;
 }
 
+void Trainer::restore_partitioned_weights(const CheckpointStore& store, const CheckpointData& data,
+                                          const std::string& layout, NamedTensors& rest, const std::string& source) {
+  // The saved flat space's parameters against this model's (a pipeline stage: its own, by name).
+  std::map<std::string, int64_t> saved;
+  std::istringstream in(layout);
+  for (std::string item; std::getline(in, item, ',');) {
+    const auto colon = item.rfind(':');
+    DTRAIN_CHECK(colon != std::string::npos, source, ": malformed meta 'model.partitioned' entry '", item, "'");
+    saved[item.substr(0, colon)] = std::stoll(item.substr(colon + 1));
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto it = saved.find(names_[i]);
+    DTRAIN_CHECK(it != saved.end(), "checkpoint ", source, " is of a different model: '", names_[i],
+                 "' of this model is not among its weights (", saved.size(), " there, ", params_.size(), " here)");
+    // Tensor-parallel shards may differ in size between ranks (a padded vocabulary): the saved
+    // sizes are tensor-parallel rank 0's.
+    DTRAIN_CHECK(mesh_.tp_rank() != 0 || it->second == params_[i].numel(), "checkpoint ", source,
+                 " is of a different model: '", names_[i], "' has ", it->second, " elements there but ",
+                 params_[i].numel(), " here (another shape flag?)");
+  }
+  DTRAIN_CHECK(mesh_.pp_size() > 1 || saved.size() == params_.size(), "checkpoint ", source,
+               " is of a different model: it has ", saved.size(), " trainable weights, this model ", params_.size());
+  // Everything but the flat space's weights from the main file, checked as a whole model is.
+  std::unordered_set<std::string> trainable(names_.begin(), names_.end());
+  NamedTensors live;
+  for (auto& [name, t] : model_state(model_)) {
+    if (!trainable.count(name)) live.emplace_back(name, t);
+  }
+  check_same_layout(live, rest, "model", source);
+  std::map<std::string, at::Tensor> by_name(rest.begin(), rest.end());
+  at::NoGradGuard no_grad;
+  for (auto& [name, t] : live) t.copy_(by_name.at(name));
+  if (units_) return;  // ZeRO-3 again: the optimizer's load sets this rank's range of the weights
+  // Any other layout takes the whole flat space (of this stage and tensor-parallel rank) from
+  // the ranks' ranges of it.
+  int64_t numel = 0;
+  for (const at::Tensor& p : params_) numel += p.numel();
+  const ShardState whole = load_resharded_optimizer(store, data, mesh_.tp_rank(), {numel, {0, numel}},
+                                                    stage_space(numel));
+  at::Tensor master;
+  for (const auto& [name, t] : whole.tensors) {
+    if (name == "master") master = t;
+  }
+  DTRAIN_CHECK(master.defined() && master.numel() == numel, "checkpoint ", source, ": the ranks' files hold ",
+               master.defined() ? master.numel() : 0, " of the ", numel, " weight elements");
+  int64_t offset = 0;
+  for (const at::Tensor& p : params_) {
+    p.detach().copy_(master.narrow(0, offset, p.numel()).view(p.sizes()));
+    offset += p.numel();
+  }
+}
+
 void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& info,
                            DataLoader* loader) {
   dist::Communicator& world = mesh_.world();
-  // ZeRO-3: the weights are loaded into the whole units; the optimizer's state (or, from an
-  // unsharded checkpoint, the weights themselves) then sets this rank's range.
-  GatheredUnits gathered(units_.get());
   CheckpointData data = store.load(info.path);
+  // A ZeRO-3 checkpoint keeps the weights in the ranks' partitioned state only.
+  const auto partitioned_weights = data.meta.find("model.partitioned");
+  const bool weights_partitioned = partitioned_weights != data.meta.end();
+  // ZeRO-3 from a checkpoint with whole weights: they are loaded into the whole units, and the
+  // optimizer's state (or, from an unsharded checkpoint, the weights themselves) then sets this
+  // rank's range.
+  GatheredUnits gathered(weights_partitioned ? nullptr : units_.get());
   // The model: every tensor-parallel layout resumes from the unsplit tensors.
   NamedTensors local = data.model;
   if (mesh_.pp_size() > 1) {
@@ -359,7 +441,11 @@ void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& i
     auto spec = specs_.find(name);
     if (spec != specs_.end()) t = shard_of(t, spec->second, mesh_.tp_rank(), mesh_.tp_size());
   }
-  load_model_state(model_, local, info.path);
+  if (weights_partitioned) {
+    restore_partitioned_weights(store, data, partitioned_weights->second, local, info.path);
+  } else {
+    load_model_state(model_, local, info.path);
+  }
   const bool saved_offloaded = data.meta.count("optimizer.offloaded") && data.meta.at("optimizer.offloaded") == "1";
   // Checkpoints from before --shard were partitioned exactly when offloaded.
   const bool saved_partitioned = data.meta.count("optimizer.partitioned")

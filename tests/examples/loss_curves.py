@@ -588,6 +588,37 @@ def scenario_zero3(args):
     d = os.path.join(w, "ck_z3")
     train(args, "train_gpt", 4, const + ["--batch_size=2", "--shard=parameters", "--steps=8", f"--save_dir={d}"],
           "z3-part")
+    # Each rank wrote its range of the weights (the partitioned fp32 "master") and nothing gathered them: the
+    # main file holds no trainable weight; the ranks' ranges end to end are the flat space that
+    # meta['model.partitioned'] lists, and dtrain-export assembles exactly those weights.
+    model_flags = [f for f in const if f.startswith(("--d_model", "--heads", "--layers", "--seq_len", "--ff", "--vocab"))]
+    st = os.path.join(w, "z3-export.safetensors")
+    run([os.path.join(args.bin, "dtrain-export"), "--model=gpt", "--device=cpu", *model_flags, f"--checkpoint={d}",
+         "--format=safetensors", f"--output={st}"])
+    code = ("import sys, torch; from safetensors.torch import load_file; d, st = sys.argv[1], sys.argv[2]; "
+            "main = torch.load(d + '/step-000008.pt', weights_only=True); "
+            "layout = [(e.rsplit(':', 1)[0], int(e.rsplit(':', 1)[1])) for e in main['meta']['model.partitioned'].split(',')]; "
+            "assert not any(n in main['model'] for n, _ in layout), 'the main file holds trainable weights'; "
+            "ranks = sorted((torch.load(f'{d}/step-000008.rank-{r}.pt', weights_only=True) for r in range(4)), "
+            "key=lambda f: f['shard_begin']); "
+            "flat = torch.cat([f['optimizer_shard']['master'] for f in ranks]); "
+            "assert flat.numel() == sum(n for _, n in layout) == ranks[0]['flat_numel'], (flat.numel(), ranks[0]['flat_numel']); "
+            "w = load_file(st); offsets = [0]; [offsets.append(offsets[-1] + n) for _, n in layout]; "
+            "bad = [name for (name, n), o in zip(layout, offsets) if not torch.equal(w[name].flatten().float(), flat[o:o + n])]; "
+            "assert not bad, bad; "
+            "print('ok:', len(layout), 'weights in 4 rank files, none in the main file; dtrain-export assembles them')")
+    run([args.python, "-c", code, d, st])
+    # A model of another shape does not resume from it: a clear error, and the directory as it was.
+    wrong = os.path.join(w, "ck_z3_wrong")
+    shutil.copytree(d, wrong)
+    files = lambda: {f: os.path.getmtime(os.path.join(wrong, f)) for f in os.listdir(wrong) if f.endswith(".pt")}
+    before = files()
+    shape_ff = [f if not f.startswith("--ff=") else "--ff=256" for f in const]
+    out = train(args, "train_gpt", 4, shape_ff + ["--batch_size=2", "--shard=parameters", "--steps=12",
+                                                 f"--save_dir={wrong}", "--resume"], "z3-wrong", expect_status=2)
+    assert "is of a different model: 'blocks.0.mlp.fc1.weight' has 8192 elements there but 16384 here" in out, \
+        out[-2000:]
+    assert files() == before, f"the checkpoints changed: {before} -> {files()}"
     two = train(args, "train_gpt", 2, const + ["--batch_size=4", "--shard=gradients", "--steps=12", f"--save_dir={d}",
                                              "--resume"], "z3-resumed-2")
     compare([r for r in steps_after(ref16, 8) if r["step"] <= 12], steps_after(two, 8),

@@ -2,7 +2,7 @@
 // the units' buffers are materialized and released by the CUDA caching allocator, gathered by
 // broadcasts of device tensors, and the weights after three steps equal one CPU process on the
 // global batch (float64: the device and the host compute the same function to rounding); between
-// steps a rank holds its range, and all the units are released.
+// steps a rank holds its range, and all the units are released; also with the optimizer offloaded.
 #include <gtest/gtest.h>
 
 #include "test_util.h"
@@ -28,6 +28,27 @@ TEST(ParameterUnitsGpu, TrainsAsOneCpuProcessOnTheGlobalBatch) {
   const double resident = got.resident_bytes - got.start_bytes;
   EXPECT_LE(resident, 4.0 * got.numel * 8 / comm.size() + 2.0 * kBucketBytes + (64 << 10) +
                           (comm.size() == 1 ? got.numel * 8.0 : 0))
+      << "rank " << comm.rank();
+}
+
+// The ZeRO-Offload layout of stage 3 on the device: the gradient range copied to pinned host
+// memory, the CPU optimizer's update, the new weights copied back on its copy stream (ordered
+// before the next forward by end_step). The update runs in fp32 on the host: fp32's rounding.
+// The device holds the weights' and gradients' ranges and the fp32 gradient range, no moments.
+TEST(ParameterUnitsGpu, OffloadedOptimizerTrainsAsOneCpuProcess) {
+  if (!testing_util::has_cuda()) GTEST_SKIP() << "no CUDA GPU";
+  auto& comm = world_comm();
+  const std::vector<at::Tensor> want = reference(comm.size());
+  OffloadOptions offload;
+  const Zero3Run got = zero3(comm, c10::Device(c10::kCUDA, 0), &offload);
+  ASSERT_EQ(got.weights.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_LT(rel_error(got.weights[i], want[i]), 1e-5) << "parameter " << i << " on rank " << comm.rank();
+  }
+  EXPECT_GT(got.host_bytes, 0) << "rank " << comm.rank();
+  const double resident = got.resident_bytes - got.start_bytes;
+  EXPECT_LE(resident, 2.0 * got.numel * 8 / comm.size() + got.numel * 4.0 / comm.size() + 2.0 * kBucketBytes +
+                          (64 << 10))
       << "rank " << comm.rank();
 }
 

@@ -336,6 +336,11 @@ class Trainer {
   ShardState shard_of_replicated(const NamedTensors& replicated, const ShardLayout& layout) const;
   NamedTensors replicated_of_shard(const ShardState& whole) const;
   NamedTensors full_model_state(bool staged);
+  // A ZeRO-3 checkpoint's model (meta "model.partitioned": the flat space's names and sizes):
+  // `rest` (the main file's tensors) into the buffers and untrained weights, and, unless this
+  // trainer shards the weights too, the weights from the ranks' partitioned ranges.
+  void restore_partitioned_weights(const CheckpointStore& store, const CheckpointData& data, const std::string& layout,
+                                   NamedTensors& rest, const std::string& source);
   NamedTensors full_optimizer_state(bool staged);
   HostStaging staging_;  // the background save's host copies (pinned buffers reused across saves)
   std::unique_ptr<DirectoryLock> save_dir_lock_;  // rank 0, with a save_dir: one run per directory
