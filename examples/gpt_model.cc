@@ -51,9 +51,10 @@ GptImpl::GptImpl(const GptOptions& o, dist::Communicator& comm) : options(o), tp
 }
 
 std::vector<std::string> GptImpl::unit_starts() const {
-  std::vector<std::string> out = {"wte."};
-  for (size_t i = 0; i < blocks->size(); ++i) out.push_back("blocks." + std::to_string(i) + ".");
-  out.push_back("ln_f.");
+  std::vector<std::string> out;  // a pipeline stage's: the pieces it holds
+  if (first_stage) out.push_back("wte.");
+  for (size_t i = 0; i < blocks->size(); ++i) out.push_back("blocks." + std::to_string(block_base + i) + ".");
+  if (last_stage) out.push_back("ln_f.");
   return out;
 }
 
@@ -67,9 +68,9 @@ void GptImpl::use_units(engine::ParameterUnits* u, const std::vector<std::string
     if (item.value().requires_grad()) names.push_back(item.key());
   }
   const std::vector<size_t> starts = engine::unit_starts_of(names, prefixes);
-  const size_t L = blocks->size();
-  auto piece_of = [L](const std::string& name) -> size_t {
-    if (name.rfind("blocks.", 0) == 0) return 1 + std::stoul(name.substr(7));
+  const size_t L = blocks->size(), base = static_cast<size_t>(block_base);
+  auto piece_of = [L, base](const std::string& name) -> size_t {
+    if (name.rfind("blocks.", 0) == 0) return 1 + std::stoul(name.substr(7)) - base;
     return name.rfind("wte.", 0) == 0 || name.rfind("wpe.", 0) == 0 ? 0 : L + 1;
   };
   piece_unit.assign(L + 2, -1);
@@ -201,6 +202,7 @@ void GptImpl::keep_stage(int begin, int end, bool first, bool last) {
   }
   first_stage = first;
   last_stage = last;
+  block_base = begin;
 }
 
 at::Tensor GptImpl::stage_forward(const at::Tensor& x, const at::Tensor& targets) {

@@ -67,6 +67,7 @@ struct GptImpl : torch::nn::Module {
   // stream after its blocks, or on the last stage the mean loss against targets [B, T].
   at::Tensor stage_forward(const at::Tensor& x, const at::Tensor& targets);
   bool first_stage = true, last_stage = true;  // the whole model is both
+  int block_base = 0;  // the whole-model index of this stage's first block (the names' index)
   int64_t parameter_count() const;  // of the full (unsplit) model
   // Layer offload: keeps every block's parameters in host memory, streamed to `device` one
   // block ahead in forward and backward (blocks are recomputed in backward). Call after

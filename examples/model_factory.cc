@@ -131,7 +131,7 @@ ExampleModel gpt(const Run& run) {
   m.set_checkpointing = [model](bool on) { model->options.checkpoint_activations = on; };
   m.block_prefixes = {"blocks."};
   m.blocks = static_cast<int>(model->blocks->size());  // a pipeline stage's own
-  if (P == 1) {  // ZeRO-3's units: --shard_units, else the embeddings, each block, the head
+  {  // ZeRO-3's units: --shard_units, else the embeddings, each block, the head (a stage's own)
     m.use_units = [model](engine::ParameterUnits* u, const std::vector<std::string>& prefixes) {
       model->use_units(u, prefixes);
     };
@@ -278,6 +278,8 @@ std::function<void()> model_checks(const std::string& model) {
       const char* unsupported = !FLAGS_teacher.empty()                   ? "--teacher"
                                 : !FLAGS_quantize.empty()               ? "--quantize"
                                 : FLAGS_sparse_embedding                 ? "--sparse_embedding"
+                                // each stage's units: its embeddings, each of its blocks, its head
+                                : !engine::cli::flags().shard_units.empty() ? "--shard_units"
                                                                          : nullptr;
       DTRAIN_CHECK(unsupported == nullptr, unsupported ? unsupported : "", " with --pp=", P,
                    " is not supported yet; train with --pp=1, or without ", unsupported ? unsupported : "");

@@ -285,8 +285,11 @@ CheckpointData CheckpointStore::load(const std::string& path) const {
                  stages, " pipeline stages has ", data.rank_files, " rank files for a world of ", data.world_size);
     for (int s = 1; s < stages; ++s) {
       RankState part = load_rank(data.step, s * (data.world_size / stages));
-      DTRAIN_CHECK(!part.stage_model.empty(), "checkpoint ", rank_path_for(data.step, s * (data.world_size / stages)),
-                   " holds no part of the model, but it is pipeline stage ", s, "'s");
+      // (ZeRO-3's stages keep their weights in the partitioned state: a stage of weights only
+      // has no other part.)
+      DTRAIN_CHECK(!part.stage_model.empty() || data.meta.count("model.partitioned"), "checkpoint ",
+                   rank_path_for(data.step, s * (data.world_size / stages)), " holds no part of the model, but it is ",
+                   "pipeline stage ", s, "'s");
       for (auto& t : part.stage_model) data.model.push_back(std::move(t));
       for (auto& t : part.stage_optimizer) data.optimizer.push_back(std::move(t));
     }

@@ -79,9 +79,8 @@ Settings settings_of(const TrainerOptions& o) {
 }
 
 // What --shard=parameters does not combine with yet.
-void check_parameter_sharding(const TrainerOptions& o, const dist::Mesh& mesh, bool sparse) {
-  const char* other = mesh.pp_size() > 1 ? "--pp > 1"
-                      : o.prune.amount > 0 ? "--prune_amount"
+void check_parameter_sharding(const TrainerOptions& o, bool sparse) {
+  const char* other = o.prune.amount > 0 ? "--prune_amount"
                       : sparse             ? "sparse embedding gradients"
                       : o.oom_backoff      ? "OOM back-off (TrainerOptions::oom_backoff: a rank that fails would "
                                              "still owe the others its unit gathers)"
@@ -238,7 +237,7 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
           << (sparse_params.size() > 1 ? ", ..." : "") << "): averaged row-wise after backward, updated "
           << "only where touched (" << options_.optimizer.name << "'s sparse rule)";
     } else if (shard == ShardMode::kParameters) {
-      check_parameter_sharding(options_, mesh_, !sparse_params.empty());
+      check_parameter_sharding(options_, !sparse_params.empty());
       std::vector<size_t> starts = unit_starts_of(names, options_.shard_unit_starts, sharded_);
       std::unique_ptr<ShardedOptimizer> sharded;
       if (options_.offload_optimizer) {  // the ZeRO-Offload layout of stage 3

@@ -215,10 +215,17 @@ Trainer::PreparedSave Trainer::prepare_save(const DataLoader* loader, bool own_c
   data.meta = options_.checkpoint_meta;
   data.meta["accum_steps"] = std::to_string(accum_steps_);
   if (weights_partitioned) {
-    // The flat space's parameters (name:elements, in order), for a resume to check its model.
+    // The flat space's parameters (name:elements, in order), for a resume to check its model;
+    // under --pp the stages' lists end to end (each from its data- and tensor-parallel rank 0).
     std::string layout;
     for (size_t i = 0; i < params_.size(); ++i) {
       layout += (i ? "," : "") + names_[i] + ":" + std::to_string(params_[i].numel());
+    }
+    if (mesh_.pp_size() > 1) {
+      const std::vector<std::string> all = gather_texts(world, layout);  // collective over the world
+      const int per_stage = world.size() / mesh_.pp_size();
+      layout.clear();
+      for (int s = 0; s < mesh_.pp_size(); ++s) layout += (s ? "," : "") + all[static_cast<size_t>(s * per_stage)];
     }
     data.meta["model.partitioned"] = layout;
   }

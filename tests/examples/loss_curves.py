@@ -502,6 +502,15 @@ def scenario_zero3(args):
                                              "--shard_units=wte.,blocks.1.,blocks.3."], "z3-units", output=True,
                 env={"GLOG_minloglevel": "0"})
     assert "--shard=parameters: 3 units gathered per use" in out, out[-2000:]
+    # Pipeline stages (FSDP + PP): each stage's units (its embeddings, blocks, head) gathered over its
+    # data-parallel group, every micro-batch's forward and backward running them in order.
+    for flags, name in ((["--accum_steps=2"], "1F1B, 2 micro-batches"),
+                        (["--accum_steps=4", "--pp_schedule=gpipe", "--checkpoint_activations"],
+                         "GPipe, 4 micro-batches, checkpointed")):
+        other = train(args, "train_gpt", 4, shape + ["--pp=2", "--batch_size=4", "--shard=parameters"] + flags,
+                      f"z3-pp-{len(name)}")
+        compare(ref, other, f"--shard=parameters, pp 2 x dp 2, {name}", 1e-4)
+        compare_grad_norms(ref, other, f"--shard=parameters, pp 2 x dp 2, {name}")
     base = train(args, "train_gpt", 1, shape + ["--batch_size=8", "--amp=bf16"], "z3-ref-bf16")
     other = train(args, "train_gpt", 2, shape + ["--batch_size=4", "--amp=bf16", "--shard=parameters"], "z3-bf16")
     compare(base, other, "--shard=parameters --amp=bf16", 1e-3)
@@ -646,6 +655,23 @@ def scenario_zero3(args):
     again = train(args, "train_gpt", 4, const + ["--batch_size=2", "--shard=parameters", "--offload=optimizer",
                                                "--steps=16", f"--save_dir={d3}", "--resume"], "z3-offload-resumed-4o")
     compare(steps_after(ref16, 12), steps_after(again, 12), "... resumed again offloaded on 4 ranks", 1e-4)
+    # Pipeline stages: pp 2 x dp 2 stage 3 (each stage's ranks write their ranges of its flat space)
+    # resumed as itself, then on one rank unsharded, and as pp 4.
+    dpp = os.path.join(w, "ck_z3_pp")
+    train(args, "train_gpt", 4, const + ["--pp=2", "--batch_size=4", "--accum_steps=2", "--shard=parameters",
+                                         "--steps=8", f"--save_dir={dpp}"], "z3-pp-part")
+    four = os.path.join(w, "ck_z3_pp4")
+    shutil.copytree(dpp, four)
+    again = train(args, "train_gpt", 4, const + ["--pp=2", "--batch_size=4", "--accum_steps=2", "--shard=parameters",
+                                                 "--steps=12", f"--save_dir={dpp}", "--resume"], "z3-pp-resumed")
+    compare([r for r in steps_after(ref16, 8) if r["step"] <= 12], steps_after(again, 8),
+            "pp 2 x dp 2 --shard=parameters resumed as itself", 1e-4)
+    one = train(args, "train_gpt", 1, const + ["--batch_size=8", "--steps=16", f"--save_dir={dpp}", "--resume"],
+                "z3-pp-resumed-1")
+    compare(steps_after(ref16, 12), steps_after(one, 12), "... resumed again unsharded on one rank", 1e-4)
+    pp4 = train(args, "train_gpt", 4, const + ["--pp=4", "--batch_size=8", "--accum_steps=2", "--steps=16",
+                                               f"--save_dir={four}", "--resume"], "z3-pp-resumed-pp4")
+    compare(steps_after(ref16, 8), steps_after(pp4, 8), "pp 2 x dp 2 --shard=parameters resumed as pp 4", 1e-4)
     # On the 2D mesh: tp 2 x dp 2 stage 3 resumed as itself, then as tp 2 unsharded (partitioned state
     # resumes under the same --tp).
     d2 = os.path.join(w, "ck_z3_tp")
