@@ -93,6 +93,8 @@ struct Zero3Run {
   double bus_bytes_per_step = 0;
   int64_t numel = 0;
   int64_t host_bytes = 0;  // the optimizer's host memory (offloaded)
+  int64_t gradient_bytes = 0;  // the reducer's gradient storage after the last step
+  int64_t range = 0;           // this rank's elements of the flat space
 };
 
 // Trains kSteps steps with the model, the optimizer and the reducer on `device` (the batch drawn
@@ -117,6 +119,7 @@ inline Zero3Run zero3(dist::Communicator& comm, c10::Device device = c10::Device
   ReducerOptions ro;
   ro.broadcast_parameters = false;  // the weights are released already; every rank drew the same
   ro.release_unowned = comm.size() > 1;
+  ro.owned_gradients_only = comm.size() > 1;  // as the trainer's --shard=parameters
   ro.bucket_bytes = kBucketBytes;  // several buckets, launched during backward
   ro.first_bucket_bytes = kBucketBytes / 4;
   for (const FlatRange& r : opt.gradient_owners()) ro.owned.emplace_back(r.begin, r.end);
@@ -149,6 +152,8 @@ inline Zero3Run zero3(dist::Communicator& comm, c10::Device device = c10::Device
     }
   }
   out.host_bytes = opt.host_bytes();
+  out.gradient_bytes = reducer.gradient_bytes();
+  out.range = opt.shard_layout()->range.size();
   for (int k = 0; k < units.units(); ++k) EXPECT_FALSE(opt.unit_gathered(k)) << "unit " << k << " left gathered";
   units.gather_all();
   for (const at::Tensor& p : params) out.weights.push_back(p.detach().cpu().clone());

@@ -79,6 +79,9 @@ struct ShardedOptimizer::Impl {
   };
   std::vector<Piece> pieces;
   std::vector<at::Tensor> piece_dst;
+  // attach(): the reducer's storage of [lo, hi) in another dtype than grad_shard (bf16/fp16
+  // weights, fp32 master), copied into grad_shard at each step instead of the pieces.
+  at::Tensor grad_source;
   std::unique_ptr<Optimizer> inner;  // make_optimizer() over {master}; null when offloaded
   // Offloaded (the ZeRO-Offload layout): the CPU optimizer over {own} (master and state in the
   // pool, writing the new weights back into own), and the gradient range's host staging.
@@ -192,7 +195,8 @@ void ShardedOptimizer::init(std::vector<size_t> unit_starts, const OffloadOption
   }
   s.empty = s.hi == s.lo;
   if (offload) {
-    // The ZeRO-Offload layout: the range's fp32 master and state on the host, updated there.
+    // The ZeRO-Offload layout: the range's fp32 master and state on the host, updated there by
+    // the CPU optimizer, which writes the new weights back into own.
     offload::PinnedPoolOptions po;
     po.pin = !first.device().is_cpu();  // page-locked only when there is a device to copy to
     po.limit_bytes = offload->host_mem_limit_gb > 0 ? offload::host_limit_bytes_from_gb(offload->host_mem_limit_gb) : 0;
@@ -205,33 +209,30 @@ void ShardedOptimizer::init(std::vector<size_t> unit_starts, const OffloadOption
     s.host_grad = s.pool->allocate(n, at::kFloat);
     s.host_grad.zero_();
     s.grad_shard = at::zeros({n}, s.own.options().dtype(at::kFloat));
-    for (size_t j = 0; j < params_.size(); ++j) {
-      const int64_t a = std::max(s.offsets[j], s.lo), b = std::min(s.offsets[j + 1], s.hi);
-      if (a >= b) continue;
-      s.pieces.push_back({j, a - s.offsets[j], b - a});
-      s.piece_dst.push_back(s.grad_shard.narrow(0, a - s.lo, b - a));
+  } else {
+    // fp32 master weights for fp16/bf16 parameters; fp32 and fp64 ones are their own master.
+    const at::ScalarType dtype = first.scalar_type();
+    const at::ScalarType master_dtype = dtype == at::kHalf || dtype == at::kBFloat16 ? at::kFloat : dtype;
+    if (s.empty) {
+      s.master = at::zeros({1}, s.own.options().dtype(master_dtype));
+    } else {
+      s.master = master_dtype == dtype ? s.own : s.own.to(master_dtype);
     }
+    s.grad_shard = at::zeros({s.master.numel()}, s.own.options().dtype(master_dtype));
+  }
+  for (size_t j = 0; j < params_.size(); ++j) {
+    const int64_t a = std::max(s.offsets[j], s.lo), b = std::min(s.offsets[j + 1], s.hi);
+    if (a >= b) continue;
+    s.pieces.push_back({j, a - s.offsets[j], b - a});
+    s.piece_dst.push_back(s.grad_shard.narrow(0, a - s.lo, b - a));
+  }
+  if (s.cpu) {
     LOG_IF(INFO, dp.rank() == 0) << "sharded optimizer: " << s.numel << " parameters in " << ranks
                                  << " shard(s), the weights gathered per unit (" << s.unit_buf.size()
                                  << " units), each rank's master and optimizer state on the host ("
                                  << s.cpu->host_bytes() / (1024.0 * 1024.0) << " MiB, "
                                  << offload::to_string(s.cpu->isa()) << " x " << s.cpu->threads() << " threads)";
     return;
-  }
-  // fp32 master weights for fp16/bf16 parameters; fp32 and fp64 ones are their own master.
-  const at::ScalarType dtype = first.scalar_type();
-  const at::ScalarType master_dtype = dtype == at::kHalf || dtype == at::kBFloat16 ? at::kFloat : dtype;
-  if (s.empty) {
-    s.master = at::zeros({1}, s.own.options().dtype(master_dtype));
-  } else {
-    s.master = master_dtype == dtype ? s.own : s.own.to(master_dtype);
-  }
-  s.grad_shard = at::zeros({s.master.numel()}, s.own.options().dtype(master_dtype));
-  for (size_t j = 0; j < params_.size(); ++j) {
-    const int64_t a = std::max(s.offsets[j], s.lo), b = std::min(s.offsets[j + 1], s.hi);
-    if (a >= b) continue;
-    s.pieces.push_back({j, a - s.offsets[j], b - a});
-    s.piece_dst.push_back(s.grad_shard.narrow(0, a - s.lo, b - a));
   }
   // The master shard as a leaf the rules update in place; its gradient is grad_shard.
   at::Tensor leaf = s.master.detach().requires_grad_(true);
@@ -296,12 +297,14 @@ void ShardedOptimizer::attach(GradReducer& reducer) {
   Impl& s = *impl_;
   if (s.empty) return;
   at::Tensor view = reducer.flat_gradients(s.lo, s.hi);
-  if (!view.defined() || view.scalar_type() != s.grad_shard.scalar_type() || view.device() != s.grad_shard.device()) {
+  if (!view.defined() || view.device() != s.grad_shard.device()) return;
+  s.pieces.clear();  // [lo, hi) is one run of the reducer's storage: read from it, not from .grad
+  s.piece_dst.clear();
+  if (view.scalar_type() != s.grad_shard.scalar_type()) {
+    s.grad_source = view;  // converted into grad_shard at each step
     return;
   }
   s.grad_shard = view;  // the reducer's storage of [lo, hi): no copy, no buffer of our own
-  s.pieces.clear();
-  s.piece_dst.clear();
   if (s.master.defined()) s.master.mutable_grad() = s.grad_shard;  // undefined when offloaded
 }
 
@@ -320,6 +323,7 @@ void ShardedOptimizer::step(const at::Tensor& grad_multiplier) {
     src.push_back(g.detach().reshape({-1}).narrow(0, s.pieces[k].from, s.pieces[k].n));
   }
   if (!dst.empty()) at::_foreach_copy_(dst, src);
+  if (s.grad_source.defined()) s.grad_shard.copy_(s.grad_source);
   if (s.cpu) {
     // Offloaded: the gradient range to the host, the CPU update, the new weights back into own
     // (ordered before the work queued after this on the current stream).
@@ -328,8 +332,7 @@ void ShardedOptimizer::step(const at::Tensor& grad_multiplier) {
     const double multiplier = grad_multiplier.defined() ? grad_multiplier.item<double>() : 1.0;
     const int64_t n = s.host_grad.numel();
     if (!s.empty) s.host_grad.copy_(s.grad_shard.narrow(0, 0, n));
-    s.cpu->set_lr(options_.lr);
-    s.cpu->begin_step(multiplier);
+    s.cpu->begin_step(multiplier);  // at set_lr()'s rate
     s.cpu->step_range(0, n, s.host_grad);
     s.cpu->end_step();
     for (int k = 0; k < units(); ++k) release_unit(k);

@@ -55,6 +55,7 @@ at::Tensor global_grad_norm(const std::vector<at::Tensor>& params, const GradNor
   grads.reserve(params.size());
   for (const at::Tensor& p : params) grads.push_back(p.grad());
   if (!split && !layout.owned && !staged) return grad_norm(grads);
+  const bool flat = layout.owned && layout.owned_values.defined();
   DTRAIN_CHECK(layout.sharded.empty() || layout.sharded.size() == params.size(), "global_grad_norm: ",
                params.size(), " parameters but ", layout.sharded.size(), " sharded flags");
   DTRAIN_CHECK(!layout.owned || layout.dp, "global_grad_norm: owned ranges need the data-parallel communicator");
@@ -74,9 +75,12 @@ at::Tensor global_grad_norm(const std::vector<at::Tensor>& params, const GradNor
       a = std::clamp<int64_t>(layout.owned->begin - offset, 0, n);
       b = std::clamp<int64_t>(layout.owned->end - offset, 0, n);
     }
+    const int64_t begin = offset;
     offset += n;
-    if (!g.defined() || a >= b) continue;
-    at::Tensor part = a == 0 && b == n ? g : g.reshape({-1}).narrow(0, a, b - a);
+    if ((!g.defined() && !flat) || a >= b) continue;
+    at::Tensor part = flat                 ? layout.owned_values.narrow(0, begin + a - layout.owned->begin, b - a)
+                      : a == 0 && b == n ? g
+                                         : g.reshape({-1}).narrow(0, a, b - a);
     at::Tensor sq = part.to(acc_type).pow(2).sum();
     at::Tensor& acc = !layout.sharded.empty() && layout.sharded[i] ? sq_shard : sq_rep;
     acc = acc.defined() ? acc + sq : sq;

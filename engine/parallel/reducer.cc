@@ -181,6 +181,7 @@ struct GradReducer::State {
   at::Tensor kept;               // consecutive buckets: the kept buckets' storage, in flat order
   int64_t kept_begin = 0;        // its first element's flat-space offset
   FlatRange mine;                // this rank's owned range (release_unowned)
+  at::Tensor owned;              // owned_gradients_only: the gradients of `mine`
   std::vector<int64_t> flat_offsets;  // consecutive buckets: each parameter's flat-space offset
   void start_step();
   void mark_ready(size_t i);
@@ -208,7 +209,7 @@ void GradReducer::State::build(const std::vector<std::vector<size_t>>& assignmen
     if (release_unowned) {
       const int64_t lo = std::max(bucket.flat_begin, mine.begin);
       const int64_t hi = std::min(bucket.flat_begin + bucket.numel, mine.end);
-      bucket.keep = lo < hi;
+      bucket.keep = lo < hi && !owned.defined();  // owned_gradients_only: `owned` keeps our part
     }
   }
   // Consecutive buckets: the kept ones (all, unless release_unowned) are one run of the flat
@@ -241,6 +242,7 @@ void GradReducer::State::build(const std::vector<std::vector<size_t>>& assignmen
 
 void GradReducer::State::zero_buckets() {
   if (kept.defined()) kept.zero_();  // every kept bucket, one launch
+  if (owned.defined()) owned.zero_();
   for (Bucket& b : buckets) {
     if (b.flat.defined() && !(b.keep && kept.defined())) b.flat.zero_();
   }
@@ -355,6 +357,13 @@ void GradReducer::State::complete(size_t k) {
     stats.bucket_end.push_back(end);
   }
   if (b.keep && !b.wire.is_same(b.flat)) b.flat.copy_(b.wire);
+  if (owned.defined()) {  // our part of the bucket into `owned`, then the bucket goes
+    const int64_t lo = std::max(b.flat_begin, mine.begin), hi = std::min(b.flat_begin + b.numel, mine.end);
+    if (lo < hi) {
+      const at::Tensor& values = b.wire.scalar_type() == b.flat.scalar_type() ? b.wire : b.flat.copy_(b.wire);
+      owned.narrow(0, lo - mine.begin, hi - lo).copy_(values.narrow(0, lo - b.flat_begin, hi - lo));
+    }
+  }
 }
 
 void GradReducer::State::on_hook(size_t i) {
@@ -464,6 +473,8 @@ GradReducer::GradReducer(std::vector<at::Tensor> params, dist::Communicator& com
   }
   DTRAIN_CHECK(!options.release_unowned || !options.owned.empty(),
                "ReducerOptions.release_unowned needs ReducerOptions.owned (which rank owns which gradients)");
+  DTRAIN_CHECK(!options.owned_gradients_only || options.release_unowned,
+               "ReducerOptions.owned_gradients_only needs ReducerOptions.release_unowned");
   // The bucket strategy first: its bad options throw before any collective.
   std::shared_ptr<BucketComm> bucket_comm = options.bucket_comm;
   std::vector<int64_t> flat_offsets;
@@ -501,6 +512,13 @@ GradReducer::GradReducer(std::vector<at::Tensor> params, dist::Communicator& com
       const auto& owned = state_->options.owned;
       state_->release_unowned = true;
       state_->mine = FlatRange{owned[comm.rank()].first, owned[comm.rank()].second};
+      bool one_kind = true;
+      for (const at::Tensor& p : params_) {
+        one_kind = one_kind && p.scalar_type() == params_.front().scalar_type() && p.device() == params_.front().device();
+      }
+      if (state_->options.owned_gradients_only && one_kind) {
+        state_->owned = at::zeros({state_->mine.end - state_->mine.begin}, params_.front().options());
+      }
       for (size_t i = 0; i < params_.size(); ++i) {
         const int64_t a = flat_offsets[i], e = a + params_[i].numel();
         std::pair<int, int> span{-1, -1};
@@ -687,7 +705,7 @@ ReducerStepStats GradReducer::last_step_stats() const {
 
 int64_t GradReducer::gradient_bytes() const {
   std::lock_guard<std::mutex> lock(state_->mutex);
-  int64_t bytes = 0;
+  int64_t bytes = state_->owned.defined() ? state_->owned.nbytes() : 0;
   for (const Bucket& b : state_->buckets) {
     if (b.flat.defined()) bytes += b.flat.nbytes();
     if (b.wire.defined() && !b.wire.is_same(b.flat)) bytes += b.wire.nbytes();
@@ -698,8 +716,17 @@ int64_t GradReducer::gradient_bytes() const {
 at::Tensor GradReducer::flat_gradients(int64_t begin, int64_t end) const {
   std::lock_guard<std::mutex> lock(state_->mutex);
   const State& s = *state_;
+  if (s.owned.defined()) {
+    if (begin < s.mine.begin || end > s.mine.end || begin > end) return {};
+    return s.owned.narrow(0, begin - s.mine.begin, end - begin);
+  }
   if (!s.kept.defined() || begin < s.kept_begin || end > s.kept_begin + s.kept.numel() || begin > end) return {};
   return s.kept.narrow(0, begin - s.kept_begin, end - begin);
+}
+
+at::Tensor GradReducer::owned_gradients() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->owned;
 }
 
 int64_t GradReducer::synchronized_backwards() const {

@@ -275,6 +275,9 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
         norm_layout_.dp = &mesh_.dp();
         // ZeRO-2: the gradients outside this rank's range are not kept between steps.
         reducer_options.release_unowned = shard == ShardMode::kGradients || shard == ShardMode::kParameters;
+        // ZeRO-3: only this rank's range of the gradients, in one buffer (a parameter that
+        // straddles a range boundary is not kept whole); the optimizer and the norm read it.
+        reducer_options.owned_gradients_only = shard == ShardMode::kParameters;
         LOG_IF(INFO, mesh_.world().rank() == 0)
             << "each gradient is reduced only to the rank whose shard holds it (the optimizer's, "
             << reducer_options.owned.size() << " shards)"
@@ -283,6 +286,7 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
       }
     }
     reducer_ = std::make_unique<GradReducer>(sparse_reducer_ ? dense_params : params_, mesh_.dp(), reducer_options);
+    norm_layout_.owned_values = reducer_->owned_gradients();
     optimizer_->attach(*reducer_);
     if (options_.prune.amount > 0) {
       DTRAIN_CHECK(!options_.offload_optimizer || options_.offload.delayed_update_after < 0,
@@ -507,6 +511,8 @@ void Trainer::apply_update(StepMetrics& m, bool& skipped, const at::Tensor& loss
   std::vector<at::Tensor> grads;
   grads.reserve(params_.size());
   for (const at::Tensor& p : params_) grads.push_back(gradient_values(p.grad()));
+  // ZeRO-3: the parameters' .grad are undefined; this rank's range of the gradients is here.
+  if (reducer_ && reducer_->owned_gradients().defined()) grads.push_back(reducer_->owned_gradients());
   bool finite = scaler_->check_finite(grads, &mesh_.world());
   at::Tensor multiplier;  // undefined: 1
   if (scaler_->enabled()) multiplier = scaler_->inverse_scale();
@@ -684,6 +690,7 @@ void Trainer::finish_timeline() {
 MemoryReport Trainer::memory_report() const {
   std::vector<at::Tensor> grads;
   for (const at::Tensor& p : params_) grads.push_back(gradient_values(p.grad()));
+  if (reducer_ && reducer_->owned_gradients().defined()) grads.push_back(reducer_->owned_gradients());  // ZeRO-3
   MemoryReport r = build_memory_report(device_, params_, grads,
                                        optimizer_ ? optimizer_->device_state() : std::vector<at::Tensor>{},
                                        step_start_allocated_mb_, step_peak_mb_);

@@ -37,7 +37,8 @@ TEST(ParameterUnits, TrainsAsOneProcessOnTheGlobalBatch) {
 }
 
 // Between steps a rank holds its range of the weights, of the two AdamW moments and of the
-// gradients (plus the parameters that straddle its range's ends): at 4 ranks at most 0.3 of the
+// gradients (exactly: a parameter that straddles its range's ends is not kept whole): at 4
+// ranks at most 0.3 of the
 // 4 x numel values an unsharded rank holds (weights, gradients, two moments). At the step's
 // peak, at most two units' weights (the one computing, the one prefetched), the activations
 // and two gradient buckets come on top (all the weights at once would be 16 units').
@@ -48,9 +49,11 @@ TEST(ParameterUnits, HoldsItsShareBetweenStepsAndAboutTwoUnitsMoreAtThePeak) {
   const double unsharded = 4.0 * got.numel * 8;
   const double resident = got.resident_bytes - got.start_bytes;
   const double block_bytes = (kWidth * kWidth + kWidth) * 8.0;
-  // This rank's range (weights, two moments) and its kept gradients: 4 x numel / n, plus the
-  // buckets around its range's two ends (one bucket each at most) and a few scalars (the
-  // optimizer's step counts, the batch).
+  // The gradients: exactly this rank's range, also where a parameter straddles its ends.
+  if (n > 1) EXPECT_EQ(got.gradient_bytes, got.range * 8) << "rank " << comm.rank();
+  // This rank's range (weights, two moments, gradients): 4 x numel / n, plus what the backend
+  // may still hold of the last collectives (at most a bucket or a unit's piece here) and a few
+  // scalars (the optimizer's step counts, the batch).
   // On one rank the gradient shard is the optimizer's own copy, not a view of the reducer's.
   const double bound = 4.0 * got.numel * 8 / n + 2.0 * kBucketBytes + (16 << 10) + (n == 1 ? got.numel * 8.0 : 0);
   EXPECT_LE(resident, bound) << "rank " << comm.rank();
@@ -106,7 +109,9 @@ TEST(ParameterUnits, OffloadedOptimizerTrainsAsOneProcessAndKeepsItsStateOnTheHo
   // The rest ("allocated" on the CPU counts the host pool too): the range of the weights and
   // the gradients kept (float64), the range's fp32 gradient for the copy, and no moments.
   const double resident = got.resident_bytes - got.start_bytes - got.host_bytes;
-  const double bound = 2.0 * got.numel * 8 / n + got.numel * 4.0 / n + 2.0 * kBucketBytes + (16 << 10);
+  if (n > 1) EXPECT_EQ(got.gradient_bytes, got.range * 8) << "rank " << comm.rank();
+  const double bound = 2.0 * got.numel * 8 / n + got.numel * 4.0 / n + 2.0 * kBucketBytes + (16 << 10) +
+                       (n == 1 ? got.numel * 8.0 : 0);
   EXPECT_LE(resident, bound) << "rank " << comm.rank();
 }
 

@@ -262,6 +262,59 @@ TEST(Reducer, ReleaseUnownedKeepsOnlyTheBucketsOfThisRanksRange) {
   }
 }
 
+// ZeRO-3's gradients (owned_gradients_only): every bucket is released once reduced, this rank's
+// part copied into one buffer of its range first, so between steps a rank holds exactly its
+// range (not the whole of a parameter that straddles a boundary) and no .grad is defined.
+TEST(Reducer, OwnedGradientsOnlyKeepsExactlyThisRanksRange) {
+  auto& comm = world_comm();
+  const int N = comm.size();
+  for (bool compress : {false, true}) {
+    SCOPED_TRACE(compress ? "bfloat16 on the wire" : "float64 on the wire");
+    auto model = make_mlp(0);
+    std::vector<at::Tensor> ps = model->parameters();
+    int64_t total = 0;
+    for (auto& p : ps) total += p.numel();
+    ReducerOptions options;
+    options.first_bucket_bytes = 256;
+    options.bucket_bytes = 1024;
+    options.release_unowned = true;
+    options.owned_gradients_only = true;
+    if (compress) options.compress = at::kBFloat16;
+    // Boundaries inside parameters: every range boundary splits one.
+    for (int r = 0; r < N; ++r) options.owned.emplace_back(total * r / N + (r ? 3 : 0), total * (r + 1) / N + (r + 1 < N ? 3 : 0));
+    const auto [lo, hi] = options.owned[comm.rank()];
+    GradReducer reducer(ps, comm, options);
+    if (N == 1) {
+      EXPECT_FALSE(reducer.owned_gradients().defined()) << "one rank owns everything: nothing to release";
+      continue;
+    }
+    ASSERT_TRUE(reducer.owned_gradients().defined());
+    EXPECT_EQ(reducer.owned_gradients().numel(), hi - lo);
+    EXPECT_TRUE(reducer.flat_gradients(lo, hi).is_same(reducer.owned_gradients()) ||
+                reducer.flat_gradients(lo, hi).data_ptr() == reducer.owned_gradients().data_ptr());
+    auto ref = make_mlp(0);
+    for (int64_t step = 0; step < 3; ++step) {
+      auto [x, y] = global_batch(step, 8 * N);
+      reducer.zero_grad();
+      EXPECT_EQ(reducer.gradient_bytes(), (hi - lo) * 8) << "between steps, step " << step;
+      at::Tensor xs = shard(x, comm.rank(), N), ys = shard(y, comm.rank(), N);
+      {
+        auto guard = reducer.no_sync();
+        (torch::mse_loss(model->forward(xs.narrow(0, 0, 4)), ys.narrow(0, 0, 4)) / 2).backward();
+      }
+      (torch::mse_loss(model->forward(xs.narrow(0, 4, 4)), ys.narrow(0, 4, 4)) / 2).backward();
+      EXPECT_EQ(reducer.gradient_bytes(), (hi - lo) * 8) << "after backward, step " << step;
+      for (size_t i = 0; i < ps.size(); ++i) EXPECT_FALSE(ps[i].grad().defined()) << "parameter " << i;
+      for (auto& p : ref->parameters()) p.mutable_grad() = at::Tensor();
+      torch::mse_loss(ref->forward(x), y).backward();
+      std::vector<at::Tensor> want_parts;
+      for (auto& g : grads_of(*ref)) want_parts.push_back(g.reshape({-1}));
+      const at::Tensor want = at::cat(want_parts).narrow(0, lo, hi - lo);
+      EXPECT_LT(rel_error(reducer.owned_gradients(), want), compress ? 2e-2 : 1e-12) << "step " << step;
+    }
+  }
+}
+
 TEST(Reducer, ReleaseUnownedWithoutOwnedRangesIsRefused) {
   auto& comm = world_comm();
   auto model = make_mlp(0);

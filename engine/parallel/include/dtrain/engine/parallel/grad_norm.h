@@ -28,6 +28,9 @@ struct GradNormLayout {
   // over dp as well (every element is owned by one rank of dp).
   std::optional<FlatRange> owned;
   dist::Communicator* dp = nullptr;  // needed with owned
+  // With owned: the range's gradients in one flat tensor (GradReducer::owned_gradients(), whose
+  // parameters' .grad are undefined) read instead of the parameters' .grad. Undefined: .grad.
+  at::Tensor owned_values;
   // Pipeline stages: each parameter lives on one stage, so the squares are summed over pp too
   // (nullptr or one rank: no pipeline).
   dist::Communicator* pp = nullptr;
