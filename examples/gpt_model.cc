@@ -78,11 +78,12 @@ void GptImpl::use_units(engine::ParameterUnits* u, const std::vector<std::string
   for (size_t j = 0, next = 0; j < names.size(); ++j) {
     const bool begins = next < starts.size() && starts[next] == j;
     if (begins) ++unit, ++next;
-    int& mine = piece_unit[piece_of(names[j])];
-    DTRAIN_CHECK(mine < 0 || mine == unit, "train_gpt --shard_units: a unit begins at '", names[j],
-                 "', inside ", piece_of(names[j]) == 0 ? std::string("the embeddings")
-                               : piece_of(names[j]) == L + 1 ? std::string("the final norm and head")
-                                                             : "block " + std::to_string(piece_of(names[j]) - 1),
+    const size_t piece = piece_of(names[j]);
+    int& mine = piece_unit[piece];
+    DTRAIN_CHECK(mine < 0 || mine == unit, "train_gpt --shard_units: a unit begins at '", names[j], "', inside ",
+                 piece == 0       ? std::string("the embeddings")
+                 : piece == L + 1 ? std::string("the final norm and head")
+                                  : "block " + std::to_string(piece - 1),
                  "; train_gpt's units begin at the embeddings (wte.), a block (blocks.<i>.) or the final norm (ln_f.)");
     mine = unit;
   }

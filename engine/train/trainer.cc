@@ -89,6 +89,16 @@ void check_parameter_sharding(const TrainerOptions& o, bool sparse) {
                " is not supported yet; use --shard=gradients, or drop ", other ? other : "");
 }
 
+// The gradients to check or count: each parameter's (a sparse one's values), and under ZeRO-3
+// the reducer's buffer of this rank's range (the parameters' .grad are undefined then).
+std::vector<at::Tensor> gradient_tensors(const std::vector<at::Tensor>& params, const GradReducer* reducer) {
+  std::vector<at::Tensor> grads;
+  grads.reserve(params.size() + 1);
+  for (const at::Tensor& p : params) grads.push_back(gradient_values(p.grad()));
+  if (reducer && reducer->owned_gradients().defined()) grads.push_back(reducer->owned_gradients());
+  return grads;
+}
+
 // What a pipeline-parallel trainer needs and what it does not (yet) combine with; the same on
 // every rank (options and mesh are), so every rank refuses together.
 void check_pipeline_options(const TrainerOptions& o, const dist::Mesh& mesh) {
@@ -508,11 +518,7 @@ void Trainer::apply_update(StepMetrics& m, bool& skipped, const at::Tensor& loss
   if (pruner_) pruner_->mask_gradients();
   // The gradients are read only: unscaling and clipping become one multiplier that the
   // optimizer applies inside its update.
-  std::vector<at::Tensor> grads;
-  grads.reserve(params_.size());
-  for (const at::Tensor& p : params_) grads.push_back(gradient_values(p.grad()));
-  // ZeRO-3: the parameters' .grad are undefined; this rank's range of the gradients is here.
-  if (reducer_ && reducer_->owned_gradients().defined()) grads.push_back(reducer_->owned_gradients());
+  const std::vector<at::Tensor> grads = gradient_tensors(params_, reducer_.get());
   bool finite = scaler_->check_finite(grads, &mesh_.world());
   at::Tensor multiplier;  // undefined: 1
   if (scaler_->enabled()) multiplier = scaler_->inverse_scale();
@@ -688,10 +694,7 @@ void Trainer::finish_timeline() {
 }
 
 MemoryReport Trainer::memory_report() const {
-  std::vector<at::Tensor> grads;
-  for (const at::Tensor& p : params_) grads.push_back(gradient_values(p.grad()));
-  if (reducer_ && reducer_->owned_gradients().defined()) grads.push_back(reducer_->owned_gradients());  // ZeRO-3
-  MemoryReport r = build_memory_report(device_, params_, grads,
+  MemoryReport r = build_memory_report(device_, params_, gradient_tensors(params_, reducer_.get()),
                                        optimizer_ ? optimizer_->device_state() : std::vector<at::Tensor>{},
                                        step_start_allocated_mb_, step_peak_mb_);
   if (const int64_t host = optimizer_ ? optimizer_->host_bytes() : 0) {

@@ -43,6 +43,17 @@ std::string shift_param_index(const std::string& state_name, int64_t delta) {
   return i < 0 ? state_name : std::to_string(i + delta) + state_name.substr(state_name.find('.'));
 }
 
+// The model's state outside the flat space of `trained` (ZeRO-3 keeps those weights in the
+// ranks' partitioned state): its buffers and frozen weights, aliasing the module's.
+NamedTensors state_outside(torch::nn::Module& model, const std::vector<std::string>& trained) {
+  const std::unordered_set<std::string> flat(trained.begin(), trained.end());
+  NamedTensors out;
+  for (auto& [name, t] : model_state(model)) {
+    if (!flat.count(name)) out.emplace_back(name, t);
+  }
+  return out;
+}
+
 std::pair<int64_t, int64_t> parse_position(const std::string& text, const std::string& source) {
   std::istringstream in(text);
   int64_t epoch = 0, index = 0;
@@ -195,13 +206,10 @@ Trainer::PreparedSave Trainer::prepare_save(const DataLoader* loader, bool own_c
   CheckpointData& data = save.data;
   data.step = step_;
   if (weights_partitioned) {
-    std::unordered_set<std::string> trainable(names_.begin(), names_.end());
-    for (const auto& [name, spec] : specs_) {
-      DTRAIN_CHECK(trainable.count(name), "--shard=parameters: '", name, "' is split over tensor-parallel ranks but ",
+    for (auto& [name, t] : state_outside(model_, names_)) {
+      DTRAIN_CHECK(!specs_.count(name), "--shard=parameters: '", name, "' is split over tensor-parallel ranks but ",
                    "is not a trainable parameter; such a model cannot be saved in shards yet");
-    }
-    for (auto& [name, t] : model_state(model_)) {
-      if (!trainable.count(name)) data.model.emplace_back(name, host_copy("model." + name, t, HostStaging::kNow, own_copies));
+      data.model.emplace_back(name, host_copy("model." + name, t, HostStaging::kNow, own_copies));
     }
   } else {
     data.model = full_model_state(own_copies);      // collective over tp
@@ -356,8 +364,9 @@ bool Trainer::resume_checkpoint(DataLoader* loader, bool required) {
   return true;
 }
 
-void Trainer::restore_partitioned_weights(const CheckpointStore& store, const CheckpointData& data,
-                                          const std::string& layout, NamedTensors& rest, const std::string& source) {
+std::optional<ShardState> Trainer::restore_partitioned_weights(const CheckpointStore& store, const CheckpointData& data,
+                                                               const std::string& layout, NamedTensors& rest,
+                                                               const std::string& source) {
   // The saved flat space's parameters against this model's (a pipeline stage: its own, by name).
   std::map<std::string, int64_t> saved;
   std::istringstream in(layout);
@@ -379,22 +388,17 @@ void Trainer::restore_partitioned_weights(const CheckpointStore& store, const Ch
   DTRAIN_CHECK(mesh_.pp_size() > 1 || saved.size() == params_.size(), "checkpoint ", source,
                " is of a different model: it has ", saved.size(), " trainable weights, this model ", params_.size());
   // Everything but the flat space's weights from the main file, checked as a whole model is.
-  std::unordered_set<std::string> trainable(names_.begin(), names_.end());
-  NamedTensors live;
-  for (auto& [name, t] : model_state(model_)) {
-    if (!trainable.count(name)) live.emplace_back(name, t);
-  }
+  NamedTensors live = state_outside(model_, names_);
   check_same_layout(live, rest, "model", source);
   std::map<std::string, at::Tensor> by_name(rest.begin(), rest.end());
   at::NoGradGuard no_grad;
   for (auto& [name, t] : live) t.copy_(by_name.at(name));
-  if (units_) return;  // ZeRO-3 again: the optimizer's load sets this rank's range of the weights
+  if (units_) return std::nullopt;  // ZeRO-3 again: the optimizer's load sets this rank's range of the weights
   // Any other layout takes the whole flat space (of this stage and tensor-parallel rank) from
   // the ranks' ranges of it.
   int64_t numel = 0;
   for (const at::Tensor& p : params_) numel += p.numel();
-  const ShardState whole = load_resharded_optimizer(store, data, mesh_.tp_rank(), {numel, {0, numel}},
-                                                    stage_space(numel));
+  ShardState whole = load_resharded_optimizer(store, data, mesh_.tp_rank(), {numel, {0, numel}}, stage_space(numel));
   at::Tensor master;
   for (const auto& [name, t] : whole.tensors) {
     if (name == "master") master = t;
@@ -406,6 +410,7 @@ void Trainer::restore_partitioned_weights(const CheckpointStore& store, const Ch
     p.detach().copy_(master.narrow(0, offset, p.numel()).view(p.sizes()));
     offset += p.numel();
   }
+  return whole;
 }
 
 void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& info,
@@ -448,8 +453,9 @@ void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& i
     auto spec = specs_.find(name);
     if (spec != specs_.end()) t = shard_of(t, spec->second, mesh_.tp_rank(), mesh_.tp_size());
   }
+  std::optional<ShardState> whole;  // a ZeRO-3 checkpoint's whole flat space, when it was read
   if (weights_partitioned) {
-    restore_partitioned_weights(store, data, partitioned_weights->second, local, info.path);
+    whole = restore_partitioned_weights(store, data, partitioned_weights->second, local, info.path);
   } else {
     load_model_state(model_, local, info.path);
   }
@@ -478,8 +484,10 @@ void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& i
     if (layout && saved_partitioned) {
       // This rank's range from the saved shards of this tensor-parallel rank that overlap it
       // (any old data-parallel size; offloaded and device-sharded shards alike).
-      optimizer_->load_shard_state(
-          load_resharded_optimizer(store, data, mesh_.tp_rank(), *layout, stage_space(layout->numel)));
+      optimizer_->load_shard_state(whole && whole->layout.numel == layout->numel
+                                       ? assemble_shard({*whole}, *layout)
+                                       : load_resharded_optimizer(store, data, mesh_.tp_rank(), *layout,
+                                                                  stage_space(layout->numel)));
     } else if (layout) {
       DTRAIN_CHECK(layout->numel == numel, "the partitioned optimizer covers ", layout->numel, " of the ", numel,
                    " parameter elements (some parameters live on the host); resume with the optimizer the "
@@ -488,7 +496,8 @@ void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& i
     } else if (saved_partitioned) {
       // An unsharded run from a partitioned checkpoint: the whole flat space, split per parameter.
       replicated = replicated_of_shard(
-          load_resharded_optimizer(store, data, mesh_.tp_rank(), {numel, {0, numel}}, stage_space(numel)));
+          whole ? *whole
+                : load_resharded_optimizer(store, data, mesh_.tp_rank(), {numel, {0, numel}}, stage_space(numel)));
     }
     // The replicated part (e.g. the host parameters' state of --offload=all), unless it was
     // just cut into this rank's range.

@@ -338,9 +338,12 @@ class Trainer {
   NamedTensors full_model_state(bool staged);
   // A ZeRO-3 checkpoint's model (meta "model.partitioned": the flat space's names and sizes):
   // `rest` (the main file's tensors) into the buffers and untrained weights, and, unless this
-  // trainer shards the weights too, the weights from the ranks' partitioned ranges.
-  void restore_partitioned_weights(const CheckpointStore& store, const CheckpointData& data, const std::string& layout,
-                                   NamedTensors& rest, const std::string& source);
+  // trainer shards the weights too, the weights from the ranks' partitioned ranges. Returns the
+  // whole flat space's partitioned state it read for them (none under ZeRO-3), so the
+  // optimizer's part is cut from it rather than read again.
+  std::optional<ShardState> restore_partitioned_weights(const CheckpointStore& store, const CheckpointData& data,
+                                                        const std::string& layout, NamedTensors& rest,
+                                                        const std::string& source);
   NamedTensors full_optimizer_state(bool staged);
   HostStaging staging_;  // the background save's host copies (pinned buffers reused across saves)
   std::unique_ptr<DirectoryLock> save_dir_lock_;  // rank 0, with a save_dir: one run per directory
