@@ -482,7 +482,8 @@ void plan_and_apply(const Run& run, ExampleModel& model, engine::TrainerOptions&
     allocator_limit = plan.allocator_limit_bytes;
     if (plan.technique.shard > 0) {
       options.shard = plan.technique.shard == 1 ? "optimizer" : plan.technique.shard == 2 ? "gradients" : "parameters";
-      if (plan.technique.shard == 3) options.oom_backoff = false;  // not yet under ZeRO-3 (as --shard=parameters)
+      // As --shard=parameters: no OOM back-off with pipeline stages (trainer_options).
+      if (plan.technique.shard == 3 && engine::cli::flags().pp > 1) options.oom_backoff = false;
     }
     const std::string stages = stage_estimates(run, plan.estimate);
     if (run.world.rank == 0) {

@@ -133,8 +133,40 @@ Communicator::Communicator(int rank, int size, CommOptions options)
 
 Communicator::~Communicator() = default;
 
+namespace {
+
+// A collective skipped by skip_collectives(): complete from the start.
+class SkippedWork final : public Work {
+ public:
+  explicit SkippedWork(uint64_t seq) : seq_(seq) {}
+  void wait() override {}
+  void synchronize() override {}
+  bool is_completed() override { return true; }
+  uint64_t sequence() const override { return seq_; }
+
+ private:
+  const uint64_t seq_;
+};
+
+}  // namespace
+
+void Communicator::skip_collectives(uint64_t n) {
+  std::lock_guard<std::mutex> lock(*submit_mutex_);
+  DTRAIN_CHECK(skip_ + n <= seq_, "'", name(), "': cannot skip ", skip_ + n, " collectives, ", seq_,
+               " were issued so far");
+  skip_ += n;
+}
+
+uint64_t Communicator::skipping() const {
+  std::lock_guard<std::mutex> lock(*submit_mutex_);
+  return skip_;
+}
+
 WorkPtr Communicator::submit(Op op) {
   std::lock_guard<std::mutex> lock(*submit_mutex_);
+  if (skip_ > 0) {  // issued before: it keeps the number it had then
+    return std::make_shared<SkippedWork>(seq_ - --skip_);
+  }
   op.seq = ++seq_;
   if (size_ > 1 && op.type != OpType::kBarrier) {
     const at::Tensor& counted = op.type == OpType::kAllGather ? op.output : op.input.defined() ? op.input : op.output;

@@ -679,6 +679,26 @@ void GradReducer::abandon_step() {
   state_->zero_buckets();
 }
 
+void GradReducer::forget_step() {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  State& s = *state_;
+  s.sync = true;
+  if (!s.in_step) return;
+  std::exception_ptr failure;
+  for (size_t k = s.next_complete; k < s.next_launch; ++k) {
+    try {
+      s.complete(k);
+    } catch (...) {
+      if (!failure) failure = std::current_exception();
+    }
+  }
+  s.in_step = false;
+  s.callback_queued = false;  // autograd drops a failed backward's final callbacks
+  s.unused.clear();
+  if (s.synced_backwards == 0) s.arrival.clear();  // the run again records the order afresh
+  if (failure) std::rethrow_exception(failure);
+}
+
 void GradReducer::set_bucket_observer(std::function<void(const LaunchedBucket&)> observer) {
   std::lock_guard<std::mutex> lock(state_->mutex);
   state_->observer = std::move(observer);

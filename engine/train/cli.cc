@@ -425,8 +425,9 @@ TrainerOptions trainer_options(const Flags& f, const std::string& default_optimi
   o.resume = parse_resume(f.resume);
   o.async_save = f.async_save;
   o.progress = f.progress;
-  // Not yet under ZeRO-3: a rank that fails would still owe the other ranks its unit gathers.
-  o.oom_backoff = tp_size == 1 && f.shard != "parameters";
+  // Not yet under ZeRO-3 with pipeline stages: a stage that fails would still owe its
+  // data-parallel peers its unit gathers.
+  o.oom_backoff = tp_size == 1 && !(f.shard == "parameters" && f.pp > 1);
   return o;
 }
 

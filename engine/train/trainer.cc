@@ -79,12 +79,13 @@ Settings settings_of(const TrainerOptions& o) {
 }
 
 // What --shard=parameters does not combine with yet.
-void check_parameter_sharding(const TrainerOptions& o, bool sparse) {
-  const char* other = o.prune.amount > 0 ? "--prune_amount"
-                      : sparse             ? "sparse embedding gradients"
-                      : o.oom_backoff      ? "OOM back-off (TrainerOptions::oom_backoff: a rank that fails would "
-                                             "still owe the others its unit gathers)"
-                                           : nullptr;
+void check_parameter_sharding(const TrainerOptions& o, bool sparse, int pp_size) {
+  const char* other = o.prune.amount > 0               ? "--prune_amount"
+                      : sparse                         ? "sparse embedding gradients"
+                      : o.oom_backoff && pp_size > 1   ? "--pp and OOM back-off (TrainerOptions::oom_backoff: a "
+                                                         "stage that fails would still owe its data-parallel peers "
+                                                         "its unit gathers)"
+                                                       : nullptr;
   DTRAIN_CHECK(other == nullptr, "--shard=parameters (ZeRO-3) with ", other ? other : "",
                " is not supported yet; use --shard=gradients, or drop ", other ? other : "");
 }
@@ -247,7 +248,7 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
           << (sparse_params.size() > 1 ? ", ..." : "") << "): averaged row-wise after backward, updated "
           << "only where touched (" << options_.optimizer.name << "'s sparse rule)";
     } else if (shard == ShardMode::kParameters) {
-      check_parameter_sharding(options_, !sparse_params.empty());
+      check_parameter_sharding(options_, !sparse_params.empty(), mesh_.pp_size());
       std::vector<size_t> starts = unit_starts_of(names, options_.shard_unit_starts, sharded_);
       std::unique_ptr<ShardedOptimizer> sharded;
       if (options_.offload_optimizer) {  // the ZeRO-Offload layout of stage 3
@@ -356,44 +357,17 @@ Trainer::~Trainer() {
 bool Trainer::run_micro_batches(const Batch& batch, at::Tensor& loss_sum) {
   const int n = accum_steps_;
   bool synced_backward_done = false;
+  const std::vector<Batch> micro = split_batch(batch, n);
+  // ZeRO-3: where this step's collectives begin on each communicator, for a replay after an
+  // out-of-memory error (finish_step_on_one_row).
+  const std::vector<std::pair<dist::Communicator*, uint64_t>> issued = units_ ? issued_so_far() : decltype(issued)();
   try {
-    std::vector<Batch> micro = split_batch(batch, n);
     loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device_));
     if (mesh_.pp_size() > 1) {
       run_pipeline(micro, loss_sum);
       return false;
     }
-    for (int i = 0; i < n; ++i) {
-      std::optional<GradReducer::NoSync> no_sync;
-      if (i + 1 < n) no_sync.emplace(reducer_.get());
-      at::Tensor loss;
-      {
-        Timeline::Span span(*timeline_, "forward", category::kCompute, lane::kMain);
-        AutocastGuard autocast(device_.type(), options_.amp);
-        loss = loss_(micro[i]);
-      }
-      DTRAIN_CHECK(loss.defined() && loss.numel() == 1, "the loss function must return a scalar, got ",
-                   loss.defined() ? loss.sizes() : at::IntArrayRef{});
-      loss_sum.add_(loss.detach().to(at::kDouble).reshape({}));
-      at::Tensor scaled = scaler_->scale(loss.reshape({}) / n);
-      loss.reset();
-      const auto backward_start = std::chrono::steady_clock::now();
-      scaled.backward();
-      if (i + 1 == n && sparse_reducer_) sparse_reducer_->reduce();  // after the dense buckets
-      if (timeline_->enabled()) {
-        if (i + 1 < n) {
-          timeline_->add_complete("backward", category::kCompute, lane::kMain, backward_start,
-                                  std::chrono::steady_clock::now());
-        } else {
-          // The synchronized backward: computation until the end-of-backward callback, then
-          // the wait for the buckets still in flight (the communication not hidden).
-          ReducerStepStats st = reducer_->last_step_stats();
-          timeline_->add_complete("backward", category::kCompute, lane::kMain, backward_start, st.backward_end);
-          timeline_->add_complete("wait for gradients", "wait", lane::kMain, st.backward_end, st.reduced);
-        }
-      }
-      if (i + 1 == n) synced_backward_done = true;
-    }
+    forward_backward(micro, loss_sum, synced_backward_done);
     return false;
   } catch (const c10::OutOfMemoryError& e) {
     // (A pipeline stage gets here after finishing its step's exchanges: run_pipeline.)
@@ -404,12 +378,91 @@ bool Trainer::run_micro_batches(const Batch& batch, at::Tensor& loss_sum) {
     // The report's step peak is the failed attempt's (set after a step otherwise: 0 in step 1).
     step_peak_mb_ = memory_stats(device_).peak_mb;
     if (device_.is_cuda()) LOG(WARNING) << "memory at the failure:\n" << memory_report().to_string();
-    if (!synced_backward_done) {
+    if (units_) {
+      if (!synced_backward_done) finish_step_on_one_row(micro, issued);
+      units_->release_all();
+    } else if (!synced_backward_done) {
       reducer_->abandon_step();
       if (sparse_reducer_) sparse_reducer_->abandon();
     }
     release_cached_memory(device_);
     return true;
+  }
+}
+
+void Trainer::forward_backward(const std::vector<Batch>& micro, at::Tensor& loss_sum, bool& synced_backward_done) {
+  const int n = static_cast<int>(micro.size());
+  for (int i = 0; i < n; ++i) {
+    std::optional<GradReducer::NoSync> no_sync;
+    if (i + 1 < n) no_sync.emplace(reducer_.get());
+    at::Tensor loss;
+    {
+      Timeline::Span span(*timeline_, "forward", category::kCompute, lane::kMain);
+      AutocastGuard autocast(device_.type(), options_.amp);
+      loss = loss_(micro[i]);
+    }
+    DTRAIN_CHECK(loss.defined() && loss.numel() == 1, "the loss function must return a scalar, got ",
+                 loss.defined() ? loss.sizes() : at::IntArrayRef{});
+    loss_sum.add_(loss.detach().to(at::kDouble).reshape({}));
+    at::Tensor scaled = scaler_->scale(loss.reshape({}) / n);
+    loss.reset();
+    const auto backward_start = std::chrono::steady_clock::now();
+    scaled.backward();
+    if (i + 1 == n && sparse_reducer_) sparse_reducer_->reduce();  // after the dense buckets
+    if (timeline_->enabled()) {
+      if (i + 1 < n) {
+        timeline_->add_complete("backward", category::kCompute, lane::kMain, backward_start,
+                                std::chrono::steady_clock::now());
+      } else {
+        // The synchronized backward: computation until the end-of-backward callback, then
+        // the wait for the buckets still in flight (the communication not hidden).
+        ReducerStepStats st = reducer_->last_step_stats();
+        timeline_->add_complete("backward", category::kCompute, lane::kMain, backward_start, st.backward_end);
+        timeline_->add_complete("wait for gradients", "wait", lane::kMain, st.backward_end, st.reduced);
+      }
+    }
+    if (i + 1 == n) synced_backward_done = true;
+  }
+}
+
+std::vector<std::pair<dist::Communicator*, uint64_t>> Trainer::issued_so_far() const {
+  std::vector<std::pair<dist::Communicator*, uint64_t>> out{{&mesh_.dp(), mesh_.dp().issued()}};
+  if (&mesh_.world() != &mesh_.dp()) out.emplace_back(&mesh_.world(), mesh_.world().issued());
+  return out;
+}
+
+void Trainer::finish_step_on_one_row(const std::vector<Batch>& micro,
+                                     const std::vector<std::pair<dist::Communicator*, uint64_t>>& issued) {
+  // The other ranks go on through the step's unit gathers and gradient reductions, in an order
+  // that only the step's graph fixes, and none of which depends on the rows of a micro-batch.
+  // So this rank runs the whole step again on one row of each micro-batch, skipping the
+  // collectives it took part in before it failed and taking part in the rest; every rank then
+  // reaches the agreement on the failure in step with the others. What it computes is dropped
+  // (every rank zeroes the gradients before the retry).
+  units_->release_all();     // waits for the gathers in flight
+  reducer_->forget_step();   // waits for the bucket reductions launched
+  for (const auto& [comm, before] : issued) comm->skip_collectives(comm->issued() - before);
+  std::vector<Batch> rows(micro.size());
+  for (size_t i = 0; i < micro.size(); ++i) {
+    rows[i] = micro[i];
+    for (at::Tensor& f : rows[i].fields) f = f.narrow(0, 0, std::min<int64_t>(1, f.size(0)));
+  }
+  at::Tensor dropped = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device_));
+  bool done = false;
+  try {
+    forward_backward(rows, dropped, done);
+  } catch (const c10::OutOfMemoryError& e) {
+    throw Error(detail::concat(
+        "out of memory on rank ", mesh_.world().rank(), " in step ", step_ + 1, " even on one row per micro-batch, "
+        "while finishing the failed attempt's unit gathers and gradient reductions with the other ranks "
+        "(--shard=parameters): the units' gathered weights alone do not fit; cut the model into smaller "
+        "units (--shard_units), use more data-parallel ranks, or add --offload=optimizer or --amp (",
+        std::string(e.what_without_backtrace()).substr(0, 200), ")"));
+  }
+  for (const auto& [comm, before] : issued) {
+    DTRAIN_CHECK(comm->skipping() == 0, "the replay of step ", step_ + 1, " after an out-of-memory error issued ",
+                 comm->skipping(), " collective(s) fewer on '", comm->name(), "' than the failed attempt; the "
+                 "ranks are out of step (does the model's forward depend on the batch's rows?)");
   }
 }
 

@@ -159,6 +159,14 @@ class GradReducer {
   // on every rank.
   void abandon_step();
 
+  // After a failure on this rank during a step that this rank will run again from its start
+  // with its communicator skipping what it issued already (dist::Communicator::
+  // skip_collectives; the trainer's OOM back-off under ZeRO-3, whose unit gathers are
+  // interleaved with the bucket reductions): waits for the bucket reductions this step
+  // launched (the other ranks take part in them), then forgets the step as if its
+  // synchronized backward had not begun, issuing nothing. The gradients are left as they are.
+  void forget_step();
+
   // Calls observer for every bucket as its average is launched in a synchronized backward
   // (abandoned steps included), on the launching thread (autograd's, or the caller's at the
   // end of backward) under the reducer's lock: the observer must only hand the event on

@@ -115,7 +115,10 @@ struct TrainerOptions {
   bool progress = true;           // console progress on rank 0
   // On c10::OutOfMemoryError inside forward/backward: drop the step, release cached memory,
   // halve the micro-batch (doubling accum_steps, so the global batch is unchanged), agree
-  // across ranks, retry the same batch. Needs tensor-parallel size 1.
+  // across ranks, retry the same batch. Needs tensor-parallel size 1. Under --shard=parameters
+  // (ZeRO-3) the failing rank first runs the step again on one row per micro-batch, taking part
+  // in the unit gathers and gradient reductions it still owes the others (one pipeline stage
+  // only: with --pp the trainer refuses it).
   bool oom_backoff = true;
   int64_t tokens_per_sample = 0;  // > 0: report tokens_per_s
   ReducerOptions reducer;
@@ -260,6 +263,14 @@ class Trainer {
 
  private:
   bool run_micro_batches(const Batch& batch, at::Tensor& loss_sum);
+  // The micro-batches' forwards and backwards (gradient reduction in the last one's);
+  // synced_backward_done turns true once that completed.
+  void forward_backward(const std::vector<Batch>& micro, at::Tensor& loss_sum, bool& synced_backward_done);
+  // ZeRO-3's OOM back-off: the collectives issued so far on the communicators a step uses, and
+  // the replay of a failed step on one row per micro-batch that takes part in the rest of them.
+  std::vector<std::pair<dist::Communicator*, uint64_t>> issued_so_far() const;
+  void finish_step_on_one_row(const std::vector<Batch>& micro,
+                              const std::vector<std::pair<dist::Communicator*, uint64_t>>& issued);
   // Pipeline parallelism: the micro-batches through the stages (loss_sum: last stage's, else 0).
   void run_pipeline(const std::vector<Batch>& micro, at::Tensor& loss_sum);
   // Pipeline parallelism: evaluation's forwards through the stages; the batch's mean loss on the
