@@ -3,10 +3,12 @@
 // broadcasts of device tensors, and the weights after three steps equal one CPU process on the
 // global batch (float64: the device and the host compute the same function to rounding); between
 // steps a rank holds its range, and all the units are released; also with the optimizer offloaded.
+// OOM back-off through the trainer with the units on the device (zero3_oom_cases.h).
 #include <gtest/gtest.h>
 
 #include "test_util.h"
 #include "zero3_cases.h"
+#include "zero3_oom_cases.h"
 
 namespace dtrain::engine::zero3_cases {
 namespace {
@@ -50,6 +52,13 @@ TEST(ParameterUnitsGpu, OffloadedOptimizerTrainsAsOneCpuProcess) {
   EXPECT_LE(resident, 2.0 * got.numel * 8 / comm.size() + got.numel * 4.0 / comm.size() + 2.0 * kBucketBytes +
                           (64 << 10))
       << "rank " << comm.rank();
+}
+
+// The failing rank's replay with CUDA tensors: the units materialized by the caching allocator,
+// the skipped broadcasts' buffers left as allocated, the other ranks' staged through the host.
+TEST(ParameterUnitsGpu, OutOfMemoryBackOffReplaysTheStepAndMatchesTheSmallerMicroBatches) {
+  if (!testing_util::has_cuda()) GTEST_SKIP() << "no CUDA GPU";
+  zero3_oom_cases::expect_back_off_matches_the_smaller_micro_batches(c10::Device(c10::kCUDA, 0));
 }
 
 }  // namespace
