@@ -12,6 +12,7 @@
 
 #include "dtrain/dist/error.h"
 #include "dtrain/dist/mesh.h"
+#include "dtrain/engine/memory/activation_checkpoint.h"
 #include "dtrain/engine/optim/sharded.h"
 #include "dtrain/engine/train/trainer.h"
 #include "test_util.h"
@@ -23,7 +24,8 @@ namespace dtrain::engine::zero3_oom_cases {
 // graph. Four units of one linear layer each, buckets of one parameter. The last rank fails
 // (16 -> 8 -> 4 rows, two back-offs) either in unit 2's forward (after unit 0's and 1's gathers
 // and unit 2's prefetch went out) or in unit 1's backward (after units 3 and 2 were gathered
-// again and their gradients reduced). Every rank must come out of the step together and end
+// again and their gradients reduced), also with activation checkpointing (each unit gathered a
+// third time for its recomputation). Every rank must come out of the step together and end
 // where the unsharded run on micro-batches of 4 rows from the start ends.
 struct Zero3OomStack : torch::nn::Module {
   Zero3OomStack() {
@@ -46,7 +48,7 @@ struct Zero3OomInBackward : public torch::autograd::Function<Zero3OomInBackward>
 enum class Zero3Fail { kNone, kForward, kBackward, kAlways };
 
 inline std::vector<at::Tensor> zero3_oom_run(c10::Device device, const std::string& shard, int accum, Zero3Fail fail,
-                                             std::vector<int>* accum_seen) {
+                                             std::vector<int>* accum_seen, bool checkpointed = false) {
   auto& comm = testing_util::world_comm();
   dist::Mesh mesh(comm, 1);
   auto model = std::make_shared<Zero3OomStack>();
@@ -67,15 +69,25 @@ inline std::vector<at::Tensor> zero3_oom_run(c10::Device device, const std::stri
     ParameterUnits* units = trainer->parameter_units();
     at::Tensor x = b.fields[0].to(device);
     for (int k = 0; k < 4; ++k) {
-      auto layer = [&] {
+      auto layer = [&, k, oom](const at::Tensor& in) {  // recomputed in backward: oom by value
         if (k == 2 && oom && fail != Zero3Fail::kBackward) {
           TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory (simulated in forward for a test)");
         }
-        at::Tensor y = model->layers[k]->forward(x);
+        at::Tensor y = model->layers[k]->forward(in);
         if (k < 3) y = torch::tanh(y);
         return k == 1 && oom && fail == Zero3Fail::kBackward ? Zero3OomInBackward::apply(y) : y;
       };
-      x = units ? units->run(k, layer) : layer();
+      if (!units) {
+        x = layer(x);
+      } else if (!checkpointed) {
+        x = units->run(k, [&] { return layer(x); });
+      } else {  // as the example GPT: the recomputation in backward gathers the unit again
+        CheckpointHooks hooks;
+        hooks.before_forward = [units, k] { units->before_forward(k); };
+        hooks.after_forward = [units, k] { units->after_forward(k); };
+        hooks.before_recompute = [units, k] { units->before_backward(k); };
+        x = checkpoint(layer, x, model->layers[k]->parameters(), hooks);
+      }
     }
     return torch::mse_loss(x, b.fields[1].to(device));
   };
@@ -99,10 +111,13 @@ inline std::vector<at::Tensor> zero3_oom_run(c10::Device device, const std::stri
 inline void expect_back_off_matches_the_smaller_micro_batches(c10::Device device) {
   auto& comm = testing_util::world_comm();
   const std::vector<at::Tensor> want = zero3_oom_run(device, "none", 4, Zero3Fail::kNone, nullptr);
-  for (Zero3Fail where : {Zero3Fail::kForward, Zero3Fail::kBackward}) {
-    SCOPED_TRACE(where == Zero3Fail::kForward ? "out of memory in unit 2's forward" : "in unit 1's backward");
+  for (int run = 0; run < 4; ++run) {
+    const Zero3Fail where = run % 2 ? Zero3Fail::kBackward : Zero3Fail::kForward;
+    const bool checkpointed = run >= 2;
+    SCOPED_TRACE(std::string(where == Zero3Fail::kForward ? "out of memory in unit 2's forward" : "in unit 1's backward") +
+                 (checkpointed ? ", activation checkpointing (unit 1 is recomputed when it fails)" : ""));
     std::vector<int> seen;
-    const std::vector<at::Tensor> got = zero3_oom_run(device, "parameters", 1, where, &seen);
+    const std::vector<at::Tensor> got = zero3_oom_run(device, "parameters", 1, where, &seen, checkpointed);
     ASSERT_EQ(seen.size(), 4u);
     for (int a : seen) EXPECT_EQ(a, 4) << "every rank must agree on the new accumulation";
     ASSERT_EQ(got.size(), want.size());
