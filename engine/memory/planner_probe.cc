@@ -1,6 +1,7 @@
 // probe_activations(): real forward + backward runs measured with the device's allocator
 // statistics, with the gradients and RNG states put back afterwards.
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/Context.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/VirtualGuardImpl.h>

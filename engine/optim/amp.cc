@@ -5,6 +5,7 @@
 #include <utility>
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/autocast_mode.h>
 
 #include "dtrain/dist/communicator.h"

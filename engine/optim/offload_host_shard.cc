@@ -3,6 +3,7 @@
 #include <string>
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <glog/logging.h>
 
 #include "dtrain/dist/error.h"

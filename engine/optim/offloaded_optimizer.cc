@@ -7,6 +7,7 @@
 #include <utility>
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <glog/logging.h>
 
 #include "dtrain/dist/error.h"

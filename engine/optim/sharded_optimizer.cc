@@ -4,6 +4,7 @@
 #include <map>
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <glog/logging.h>
 
 #include "dtrain/dist/error.h"

@@ -3,6 +3,7 @@
 #include <optional>
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/autocast_mode.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/Event.h>
