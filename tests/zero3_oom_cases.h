@@ -51,7 +51,9 @@ inline std::vector<at::Tensor> zero3_oom_run(c10::Device device, const std::stri
                                              std::vector<int>* accum_seen, bool checkpointed = false) {
   auto& comm = testing_util::world_comm();
   dist::Mesh mesh(comm, 1);
-  auto model = std::make_shared<Zero3OomStack>();
+  // Not in a shared_ptr (as a user's `Net net;`): the trainer must not need one.
+  Zero3OomStack net;
+  Zero3OomStack* model = &net;
   model->to(device);
   TrainerOptions o;
   o.steps = 4;
