@@ -9,6 +9,7 @@
 #include <torch/nn/modules/linear.h>
 
 #include "dtrain/dist/error.h"
+#include "dtrain/engine/parallel/modules.h"
 
 namespace dtrain::engine {
 namespace {
@@ -75,16 +76,14 @@ Pruner::Pruner(torch::nn::Module& model, PruneOptions options, std::map<std::str
     : options_(std::move(options)), specs_(std::move(specs)), tp_(&tp) {
   validate(options_);
   auto rule = options_.prunable ? options_.prunable : default_prunable;
-  auto visit = [&](const std::string& prefix, torch::nn::Module& m) {
+  for_each_module(model, [&](const std::string& name, torch::nn::Module& m) {
+    const std::string prefix = name.empty() ? "" : name + ".";
     for (const auto& p : m.named_parameters(/*recurse=*/false)) {
       if (!p.value().requires_grad() || !rule(prefix + p.key(), m, p.key())) continue;
       names_.push_back(prefix + p.key());
       params_.push_back(p.value());
     }
-  };
-  // The model itself apart: named_modules(include_self) needs it held by a shared_ptr.
-  visit("", model);
-  for (const auto& item : model.named_modules("", /*include_self=*/false)) visit(item.key() + ".", *item.value());
+  });
   DTRAIN_CHECK(!params_.empty(), "--prune_amount: the model has no prunable parameter (by default the weights of "
                "Linear, Conv and tensor-parallel linear layers); choose them with PruneOptions::prunable");
 }

@@ -177,6 +177,9 @@ struct GradReducer::State {
   // Waits for bucket b's reduction, records its timing, writes kept values back, and releases
   // it when this rank owns none of it.
   void complete(size_t b);
+  // complete() for buckets [next_complete, end), every one settled even after a failure; the
+  // first failure is returned.
+  std::exception_ptr complete_until(size_t end);
   bool release_unowned = false;  // options.release_unowned on more than one rank
   at::Tensor kept;               // consecutive buckets: the kept buckets' storage, in flat order
   int64_t kept_begin = 0;        // its first element's flat-space offset
@@ -366,6 +369,18 @@ void GradReducer::State::complete(size_t k) {
   }
 }
 
+std::exception_ptr GradReducer::State::complete_until(size_t end) {
+  std::exception_ptr failure;
+  for (; next_complete < end; ++next_complete) {
+    try {
+      complete(next_complete);
+    } catch (...) {
+      if (!failure) failure = std::current_exception();
+    }
+  }
+  return failure;
+}
+
 void GradReducer::State::on_hook(size_t i) {
   std::lock_guard<std::mutex> lock(mutex);
   // The gradient must live in its bucket; if someone replaced .grad, copy it back.
@@ -414,15 +429,7 @@ void GradReducer::State::finish_step(bool abandoned) {
                     "with find_unused_parameters and call prepare_for_backward(outputs) to "
                     "start their buckets early.";
   }
-  std::exception_ptr failure;
-  for (size_t k = next_complete; k < buckets.size(); ++k) {
-    try {
-      complete(k);
-    } catch (...) {
-      if (!failure) failure = std::current_exception();
-    }
-  }
-  next_complete = buckets.size();
+  std::exception_ptr failure = complete_until(buckets.size());
   stats.reduced = Clock::now();
   last_stats = stats;
   in_step = false;
@@ -684,14 +691,7 @@ void GradReducer::forget_step() {
   State& s = *state_;
   s.sync = true;
   if (!s.in_step) return;
-  std::exception_ptr failure;
-  for (size_t k = s.next_complete; k < s.next_launch; ++k) {
-    try {
-      s.complete(k);
-    } catch (...) {
-      if (!failure) failure = std::current_exception();
-    }
-  }
+  std::exception_ptr failure = s.complete_until(s.next_launch);
   s.in_step = false;
   s.callback_queued = false;  // autograd drops a failed backward's final callbacks
   s.unused.clear();

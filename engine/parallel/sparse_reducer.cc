@@ -8,6 +8,7 @@
 #include <torch/nn/modules/embedding.h>
 
 #include "dtrain/dist/error.h"
+#include "dtrain/engine/parallel/modules.h"
 #include "dtrain/engine/parallel/tensor_parallel.h"
 
 namespace dtrain::engine {
@@ -25,14 +26,11 @@ std::vector<bool> sparse_gradient_flags(torch::nn::Module& model, const std::vec
     auto it = w.defined() ? index.find(w.unsafeGetTensorImpl()) : index.end();
     if (it != index.end()) flags[it->second] = true;
   };
-  auto visit = [&](torch::nn::Module& m) {
+  for_each_module(model, [&](const std::string&, torch::nn::Module& m) {
     if (auto* e = m.as<torch::nn::EmbeddingImpl>(); e && e->options.sparse()) flag(e->weight);
     if (auto* e = m.as<torch::nn::EmbeddingBagImpl>(); e && e->options.sparse()) flag(e->weight);
     if (auto* e = m.as<VocabParallelEmbeddingImpl>(); e && e->sparse) flag(e->weight);
-  };
-  // The model itself apart: named_modules(include_self) needs it held by a shared_ptr.
-  visit(model);
-  for (const auto& item : model.named_modules("", /*include_self=*/false)) visit(*item.value());
+  });
   return flags;
 }
 
