@@ -2,8 +2,10 @@
 
 #include <cstdlib>
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <sstream>
+#include <thread>
 
 #include <ATen/ATen.h>
 #include <glog/logging.h>
@@ -122,16 +124,48 @@ std::string describe_descriptor(const std::vector<int64_t>& d) {
 
 }  // namespace
 
+// A group's thread ownership: the thread that began the group holds `mutex` until its
+// end_group(); every other thread's operation takes `mutex` while it issues (GroupTurn), so it
+// waits for the group to end and never joins it.
+struct Communicator::GroupGate {
+  std::mutex mutex;
+  std::atomic<std::thread::id> owner{};  // the open group's thread; none when no group is open
+
+  bool mine() const { return owner.load() == std::this_thread::get_id(); }
+};
+
+namespace {
+
+// For one operation's issue: nothing on the thread whose group is open (it holds the gate),
+// else the gate for the duration, which waits while another thread's group is open.
+class GroupTurn {
+ public:
+  GroupTurn(std::mutex& mutex, bool own_group) {
+    if (!own_group) lock_ = std::unique_lock<std::mutex>(mutex);
+  }
+
+ private:
+  std::unique_lock<std::mutex> lock_;
+};
+
+}  // namespace
+
 Communicator::Communicator(int rank, int size, CommOptions options)
     : rank_(rank), size_(size), options_(std::move(options)),
       sends_(static_cast<size_t>(std::max(size, 0)), 0), recvs_(static_cast<size_t>(std::max(size, 0)), 0),
-      submit_mutex_(std::make_unique<std::mutex>()) {
+      submit_mutex_(std::make_unique<std::mutex>()), group_(std::make_unique<GroupGate>()) {
   if (env_flag("DTRAIN_DEBUG_COLLECTIVES")) options_.debug_collectives = true;
   DTRAIN_CHECK(options_.timeout.count() > 0, "collective timeout must be positive, got ",
                options_.timeout.count(), " ms; pass --collective_timeout_s > 0");
 }
 
-Communicator::~Communicator() = default;
+Communicator::~Communicator() {
+  if (group_->mine()) {  // a begin_group() without its end_group(): let other threads' operations go
+    LOG(ERROR) << "'" << name() << "' destroyed inside a group of operations (begin_group() without end_group())";
+    group_->owner = std::thread::id();
+    group_->mutex.unlock();
+  }
+}
 
 namespace {
 
@@ -162,7 +196,35 @@ uint64_t Communicator::skipping() const {
   return skip_;
 }
 
+void Communicator::begin_group() {
+  DTRAIN_CHECK(!group_->mine(), "'", name(), "': begin_group() inside a group; groups do not nest");
+  group_->mutex.lock();  // waits while another thread's group is open
+  group_->owner = std::this_thread::get_id();
+  try {
+    do_begin_group();
+  } catch (...) {
+    group_->owner = std::thread::id();
+    group_->mutex.unlock();
+    throw;
+  }
+}
+
+void Communicator::end_group() {
+  DTRAIN_CHECK(group_->mine(), "'", name(), "': end_group() on a thread that has no group open on this "
+               "communicator; a group ends on the thread that began it (CommGroup pairs the calls)");
+  // The group ends (and other threads may issue again) whether or not its launch succeeded.
+  struct Release {
+    GroupGate& gate;
+    ~Release() {
+      gate.owner = std::thread::id();
+      gate.mutex.unlock();
+    }
+  } release{*group_};
+  do_end_group();
+}
+
 WorkPtr Communicator::submit(Op op) {
+  GroupTurn turn(group_->mutex, group_->mine());
   std::lock_guard<std::mutex> lock(*submit_mutex_);
   if (skip_ > 0) {  // issued before: it keeps the number it had then
     return std::make_shared<SkippedWork>(seq_ - --skip_);
@@ -259,6 +321,7 @@ WorkPtr Communicator::submit_p2p(OpType type, const at::Tensor& tensor, int peer
   DTRAIN_CHECK(peer >= 0 && peer < size_, name(), ".", op, ": peer ", peer, " is not a rank of this communicator (size ",
                size_, ")");
   P2pOp p2p{type, tensor, peer, 0};
+  GroupTurn turn(group_->mutex, group_->mine());
   {
     std::lock_guard<std::mutex> lock(*submit_mutex_);
     p2p.seq = ++(type == OpType::kSend ? sends_ : recvs_)[static_cast<size_t>(peer)];
@@ -340,6 +403,7 @@ WorkPtr Communicator::barrier() {
 std::unique_ptr<Communicator> Communicator::split(int color, int key, const std::string& suffix) {
   CommOptions child = options_;
   child.name = options_.name + "/" + suffix;
+  GroupTurn turn(group_->mutex, group_->mine());
   std::lock_guard<std::mutex> lock(*submit_mutex_);
   return do_split(color, key, std::move(child));
 }

@@ -12,6 +12,7 @@
 #include <deque>
 #include <mutex>
 #include <optional>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>
@@ -24,31 +25,51 @@ namespace dtrain::dist {
 namespace {
 
 // Complete on the host at once; for device tensors, complete on the device once the event
-// recorded on the issuing stream fires.
+// recorded on the issuing stream fires, and until then the Work holds the operation's tensors
+// (released by wait(), synchronize(), or is_completed() seeing the event fired).
 class LocalWork final : public Work {
  public:
-  LocalWork(uint64_t seq, const at::Tensor& tensor) : seq_(seq) {
+  LocalWork(uint64_t seq, const at::Tensor& input, const at::Tensor& output) : seq_(seq) {
+    const at::Tensor& tensor = output.defined() ? output : input;
     if (!tensor.defined() || tensor.device().is_cpu()) return;
     device_ = tensor.device();
     c10::impl::VirtualGuardImpl impl(device_.type());
     event_.emplace(device_.type());
     event_->record(impl.getStream(device_));
+    for (const at::Tensor* t : {&input, &output}) {
+      if (t->defined()) held_.push_back(*t);
+    }
   }
   void wait() override {
     if (!event_) return;
     c10::impl::VirtualGuardImpl impl(device_.type());
     event_->block(impl.getStream(device_));
+    release();  // later work on the waiting stream, and reuse on the issuing one, follow it
   }
   void synchronize() override {
-    if (event_) event_->synchronize();
+    if (!event_) return;
+    event_->synchronize();
+    release();
   }
-  bool is_completed() override { return !event_ || event_->query(); }
+  bool is_completed() override {
+    if (!event_) return true;
+    if (!event_->query()) return false;
+    release();
+    return true;
+  }
   uint64_t sequence() const override { return seq_; }
 
  private:
+  void release() {
+    std::vector<at::Tensor> dropped;
+    std::lock_guard<std::mutex> lock(mutex_);
+    dropped.swap(held_);
+  }
   const uint64_t seq_;
   c10::Device device_{c10::kCPU};
   std::optional<c10::Event> event_;
+  std::mutex mutex_;
+  std::vector<at::Tensor> held_;  // guarded by mutex_; device tensors until the event fired
 };
 
 // A send to oneself or a receive from oneself: done once matched with its partner.
@@ -77,7 +98,7 @@ class LocalP2pWork final : public Work {
 
  private:
   const uint64_t seq_;
-  at::Tensor tensor_;  // a send's copy, or the receive's destination, until matched
+  at::Tensor tensor_;  // the tensor sent, or the receive's destination, until matched
   std::mutex mutex_;
   std::condition_variable cv_;
   bool done_ = false;
@@ -101,13 +122,15 @@ class LocalCommunicator final : public Communicator {
         !op.output.is_same(op.input) && op.output.data_ptr() != op.input.data_ptr()) {
       op.output.view(-1).copy_(op.input.view(-1));
     }
-    return std::make_shared<LocalWork>(op.seq, op.output.defined() ? op.output : op.input);
+    return std::make_shared<LocalWork>(op.seq, op.input, op.output);
   }
   // Sends to oneself are matched with receives from oneself in issue order: the earlier of
-  // the two waits (watched for the timeout like any operation) until its partner comes.
+  // the two waits (watched for the timeout like any operation) until its partner comes. Each
+  // Work holds its tensor until then (the caller may drop it: communicator.h), and the
+  // receive copies from the sent tensor itself, on the stream current at the match.
   WorkPtr enqueue_p2p(P2pOp op) override {
     const bool send = op.type == OpType::kSend;
-    auto work = std::make_shared<LocalP2pWork>(op.seq, send ? op.tensor.clone() : op.tensor);
+    auto work = std::make_shared<LocalP2pWork>(op.seq, op.tensor);
     std::shared_ptr<LocalP2pWork> partner;
     {
       std::lock_guard<std::mutex> lock(p2p_mutex_);

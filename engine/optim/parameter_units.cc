@@ -2,6 +2,7 @@
 // prefetch the next unit on the communicator while the current one computes, release as soon
 // as the unit's computation is done (sharded.h).
 #include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
@@ -23,6 +24,11 @@ struct ParameterUnits::State {
   std::vector<int> grads_left;                      // per unit: gradients still to come in this backward
   std::vector<std::pair<at::Tensor, unsigned>> hooks;
   std::mutex mutex;  // forward runs on the training thread, backward on autograd's
+  // The units' device, made current around every unit operation (guard()): the gathers'
+  // allocations, copies and waits land there whichever thread runs them (the training thread,
+  // autograd's, a checkpoint's). nullopt on the CPU.
+  std::optional<c10::Device> device;
+  c10::OptionalDeviceGuard guard() const { return c10::OptionalDeviceGuard(device); }
 
   int units() const { return optimizer->units(); }
   // Issues unit k's gather unless it is gathered or in flight (k outside the units: nothing).
@@ -66,17 +72,20 @@ struct ParameterUnits::State {
   }
   void before_forward(int k) {
     check(k);
+    const c10::OptionalDeviceGuard on_device = guard();
     std::lock_guard<std::mutex> lock(mutex);
     ensure(k, "forward");
     prefetch(k + 1);
   }
   void after_forward(int k) {
     check(k);
+    const c10::OptionalDeviceGuard on_device = guard();
     std::lock_guard<std::mutex> lock(mutex);
     release(k);
   }
   void before_backward(int k) {
     check(k);
+    const c10::OptionalDeviceGuard on_device = guard();
     std::lock_guard<std::mutex> lock(mutex);
     ensure(k, "backward");
     const auto [first, last] = optimizer->unit_params(k);
@@ -119,6 +128,8 @@ ParameterUnits::ParameterUnits(ShardedOptimizer& optimizer) : state_(std::make_s
                "builds it with them)");
   State& s = *state_;
   s.optimizer = &optimizer;
+  const c10::Device device = optimizer.params().front().device();
+  if (!device.is_cpu()) s.device = device;
   s.pending.resize(optimizer.units());
   s.issued.resize(optimizer.units());
   s.ready.resize(optimizer.units());
@@ -134,6 +145,7 @@ ParameterUnits::ParameterUnits(ShardedOptimizer& optimizer) : state_(std::make_s
       const unsigned handle = p.register_hook([weak, k](const at::Tensor&) {
         std::shared_ptr<State> s = weak.lock();
         if (!s) return;
+        const c10::OptionalDeviceGuard on_device = s->guard();
         std::lock_guard<std::mutex> lock(s->mutex);
         if (s->grads_left[k] > 0 && --s->grads_left[k] == 0) s->release(k);
       });
@@ -166,6 +178,7 @@ void ParameterUnits::before_backward(int k) { state_->before_backward(k); }
 
 void ParameterUnits::gather_all() {
   State& s = *state_;
+  const c10::OptionalDeviceGuard on_device = s.guard();
   std::lock_guard<std::mutex> lock(s.mutex);
   for (int k = 0; k < s.units(); ++k) s.prefetch(k);
   for (int k = 0; k < s.units(); ++k) s.finish(k);
@@ -185,6 +198,7 @@ std::vector<ParameterUnits::Event> ParameterUnits::take_events() {
 
 void ParameterUnits::release_all() {
   State& s = *state_;
+  const c10::OptionalDeviceGuard on_device = s.guard();
   std::lock_guard<std::mutex> lock(s.mutex);
   for (int k = 0; k < s.units(); ++k) {
     s.grads_left[k] = 0;

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <c10/core/DeviceGuard.h>
 #include <glog/logging.h>
 
 #include "dtrain/dist/error.h"
@@ -100,24 +101,29 @@ struct ShardedOptimizer::Impl {
   std::vector<bool> gathered;
 };
 
-namespace {
-
-// A tensor's storage without bytes, and with them again (views of it keep their offsets).
-void release_storage(const at::Tensor& t) {
+// Both on the tensor's device, whatever the calling thread's current device is: the CUDA
+// caching allocator allocates on the current device (a thread that set none: GPU 0), and a
+// free may record events on the streams that used the block.
+void release_unit_storage(const at::Tensor& t) {
+  c10::OptionalDeviceGuard guard;
+  if (!t.device().is_cpu()) guard.reset_device(t.device());
   c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
   impl->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
   impl->set_nbytes(0);
 }
 
-void materialize_storage(const at::Tensor& t) {
+void materialize_unit_storage(const at::Tensor& t) {
   c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
   DTRAIN_CHECK(impl->allocator() != nullptr, "--shard=parameters: the buffer on ", t.device(), " has no allocator");
   const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
-  impl->set_data_ptr_noswap(impl->allocator()->allocate(bytes));
+  c10::OptionalDeviceGuard guard;
+  if (!t.device().is_cpu()) guard.reset_device(t.device());
+  at::DataPtr data = impl->allocator()->allocate(bytes);
+  DTRAIN_CHECK(bytes == 0 || data.device() == t.device(), "--shard=parameters: the allocator of the unit buffer on ",
+               t.device(), " allocated on ", data.device());
+  impl->set_data_ptr_noswap(std::move(data));
   impl->set_nbytes(bytes);
 }
-
-}  // namespace
 
 ShardedOptimizer::ShardedOptimizer(std::vector<at::Tensor> params, const OptimizerOptions& options,
                                    dist::Communicator& dp)
@@ -189,7 +195,7 @@ void ShardedOptimizer::init(std::vector<size_t> unit_starts, const OffloadOption
       for (size_t j = s.unit_first[k]; j < s.unit_first[k + 1]; ++j) {
         params_[j].set_data(buf.narrow(0, s.offsets[j] - base, params_[j].numel()).view(params_[j].sizes()));
       }
-      release_storage(buf);
+      release_unit_storage(buf);
       s.unit_buf.push_back(buf);
       s.gathered.push_back(false);
     }
@@ -270,7 +276,7 @@ std::vector<dist::WorkPtr> ShardedOptimizer::gather_unit(int k) {
   if (s.gathered[k]) return {};
   at::NoGradGuard no_grad;
   const at::Tensor& buf = s.unit_buf[k];
-  materialize_storage(buf);
+  materialize_unit_storage(buf);
   s.gathered[k] = true;
   std::vector<dist::WorkPtr> works;
   const int ranks = s.dp->size();
@@ -288,7 +294,7 @@ std::vector<dist::WorkPtr> ShardedOptimizer::gather_unit(int k) {
 void ShardedOptimizer::release_unit(int k) {
   unit_params(k);
   if (!impl_->gathered[k]) return;
-  release_storage(impl_->unit_buf[k]);
+  release_unit_storage(impl_->unit_buf[k]);
   impl_->gathered[k] = false;
 }
 

@@ -3,8 +3,12 @@
 #include <algorithm>
 #include <chrono>
 #include <map>
+#include <memory>
+#include <utility>
 
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
 #include "dtrain/dist/error.h"
@@ -89,15 +93,92 @@ using Clock = PipelineStep::Clock;
 
 double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
+// Times a stage's spans (PipelineStep::on_span) and its busy time. With host clocks on the CPU,
+// and on any device without on_span: each span is reported as it ends. On a CUDA device with
+// on_span, the host returns from a forward or backward as soon as its kernels are queued, so a
+// span is a pair of timing events recorded on the current stream around the call; finish()
+// waits for the stage's device work once, at the end of the step, and places every span on
+// the host clock through a reference event recorded on the then idle stream, before reporting
+// them in order.
+class SpanTimer {
+ public:
+  struct Mark {
+    Clock::time_point host;
+    std::shared_ptr<c10::Event> event;  // device timing only
+  };
+
+  explicit SpanTimer(const PipelineStep& step)
+      : on_span_(step.on_span), device_(step.activation_options.device()),
+        on_device_(static_cast<bool>(step.on_span) && device_.is_cuda()) {}
+
+  Mark mark() const {
+    Mark m{Clock::now(), nullptr};
+    if (on_device_) {
+      m.event = std::make_shared<c10::Event>(device_.type(), c10::EventFlag::BACKEND_DEFAULT);
+      m.event->record(current_stream());
+    }
+    return m;
+  }
+  // The span a..b; `busy` ones (forwards and backwards) add to busy_s.
+  void span(const std::string& what, int micro, const Mark& a, const Mark& b, bool busy) {
+    if (!on_device_) {
+      if (busy) busy_s_ += seconds(a.host, b.host);
+      if (on_span_) on_span_(what, micro, a.host, b.host);
+      return;
+    }
+    spans_.push_back({what, micro, a.event, b.event, busy});
+  }
+  // Device spans: waits for the last one's end, then reports them all (host spans went out
+  // already). Returns the busy seconds.
+  double finish() {
+    if (spans_.empty()) return busy_s_;
+    spans_.back().end->synchronize();
+    c10::Event anchor(device_.type(), c10::EventFlag::BACKEND_DEFAULT);
+    anchor.record(current_stream());  // the stream is idle: it fires at once
+    anchor.synchronize();
+    const Clock::time_point at = Clock::now();
+    auto host = [&](const c10::Event& e) {
+      const double ms = e.elapsedTime(anchor);  // from e to the anchor
+      return at - std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double, std::milli>(ms));
+    };
+    for (const DeviceSpan& d : spans_) {
+      const Clock::time_point a = host(*d.start), b = host(*d.end);
+      if (d.busy) busy_s_ += seconds(a, b);
+      on_span_(d.what, d.micro, a, b);
+    }
+    spans_.clear();
+    return busy_s_;
+  }
+
+ private:
+  struct DeviceSpan {
+    std::string what;
+    int micro;
+    std::shared_ptr<c10::Event> start, end;
+    bool busy;
+  };
+  c10::Stream current_stream() const {
+    c10::impl::VirtualGuardImpl impl(device_.type());
+    return impl.getStream(device_);
+  }
+  const std::function<void(const std::string&, int, Clock::time_point, Clock::time_point)>& on_span_;
+  const c10::Device device_;
+  const bool on_device_;
+  double busy_s_ = 0;              // host spans: as they end; device spans: at finish()
+  std::vector<DeviceSpan> spans_;  // device spans not reported yet
+};
+
 // What both the training step and the forward-only pass check and share.
 struct StageContext {
   dist::Communicator& pp;
   const PipelineStep& step;
   int stages, stage;
   bool first, last;
+  SpanTimer timer;
 
   StageContext(dist::Communicator& comm, const PipelineStep& s)
-      : pp(comm), step(s), stages(comm.size()), stage(comm.rank()), first(stage == 0), last(stage == stages - 1) {
+      : pp(comm), step(s), stages(comm.size()), stage(comm.rank()), first(stage == 0), last(stage == stages - 1),
+        timer(s) {
     DTRAIN_CHECK(step.micro_batches >= 1, "pipeline step: micro_batches must be >= 1, got ", step.micro_batches);
     DTRAIN_CHECK(static_cast<bool>(step.forward), "pipeline step: forward is empty; pass the stage's computation");
     DTRAIN_CHECK(!first || static_cast<bool>(step.input), "pipeline step: the first stage needs input(micro)");
@@ -105,9 +186,6 @@ struct StageContext {
                  "pipeline step: activation_shape is empty; the receiving stage must know the activation's shape");
   }
   at::Tensor activation() const { return at::empty(step.activation_shape, step.activation_options); }
-  void span(const std::string& what, int micro, Clock::time_point a, Clock::time_point b) const {
-    if (step.on_span) step.on_span(what, micro, a, b);
-  }
   // What an action sends on (an activation, or the gradient of the stage's input), issued with
   // the next action's receive.
   struct Outbox {
@@ -119,15 +197,17 @@ struct StageContext {
   // operations together; issued one by one on its stream, a send of stage s to s+1 could wait
   // behind a receive from s+1 that waits for a send queued behind s+1's own receive from s (a
   // cycle Megatron-LM's send_forward_recv_backward pairs avoid the same way). Sends stay in
-  // `sends` until they complete.
-  at::Tensor exchange(Outbox& out, int from, int micro, std::vector<dist::WorkPtr>& sends) const {
+  // `sends` until they complete; the sent tensor is also held here until the group is closed
+  // (every backend's Work holds it until the send completes too): inside a group NCCL launches
+  // at the close, and memory freed before it could be handed to this group's receive.
+  at::Tensor exchange(Outbox& out, int from, int micro, std::vector<dist::WorkPtr>& sends) {
     at::Tensor x;
     dist::WorkPtr received;
-    const Clock::time_point a = Clock::now();
+    const SpanTimer::Mark a = from >= 0 ? timer.mark() : SpanTimer::Mark{};
     {
+      const Outbox sending = std::exchange(out, Outbox{});
       dist::CommGroup group(pp);
-      if (out.tensor.defined()) sends.push_back(pp.send(out.tensor, out.peer));
-      out = {};
+      if (sending.tensor.defined()) sends.push_back(pp.send(sending.tensor, sending.peer));
       if (from >= 0) {
         x = activation();
         received = pp.recv(x, from);
@@ -136,17 +216,15 @@ struct StageContext {
     }
     if (received) {
       received->wait();
-      if (step.on_span) span("wait for stage " + std::to_string(from), micro, a, Clock::now());
+      timer.span("wait for stage " + std::to_string(from), micro, a, timer.mark(), /*busy=*/false);
     }
     return x;
   }
   // The stage's forward of micro-batch i on x (timed); checks what it returns.
-  at::Tensor forward(const at::Tensor& x, int i, double& busy_s) const {
-    const Clock::time_point a = Clock::now();
+  at::Tensor forward(const at::Tensor& x, int i) {
+    const SpanTimer::Mark a = timer.mark();
     at::Tensor y = step.forward(x, i);
-    const Clock::time_point b = Clock::now();
-    busy_s += seconds(a, b);
-    span("forward", i, a, b);
+    timer.span("forward", i, a, timer.mark(), /*busy=*/true);
     if (last) {
       DTRAIN_CHECK(y.numel() == 1, "pipeline step: the last stage's forward must return the micro-batch's loss (a ",
                    "scalar), got ", y.sizes());
@@ -164,7 +242,8 @@ struct StageContext {
     const at::Tensor loss = y.detach().to(at::kDouble).reshape({});
     sum = sum.defined() ? sum + loss : loss.clone();
   }
-  void finish(PipelineStepResult& result, at::Tensor loss_sum, Clock::time_point start) const {
+  void finish(PipelineStepResult& result, at::Tensor loss_sum, Clock::time_point start) {
+    result.busy_s = timer.finish();
     if (last) {
       result.loss_sum = loss_sum;
       if (step.read_loss && loss_sum.defined()) result.loss = loss_sum.item<double>() / step.micro_batches;
@@ -176,7 +255,7 @@ struct StageContext {
 }  // namespace
 
 PipelineStepResult run_pipeline_step(dist::Communicator& pp, const PipelineStep& step) {
-  const StageContext ctx(pp, step);
+  StageContext ctx(pp, step);
   const int stages = ctx.stages, stage = ctx.stage, m = step.micro_batches;
   const bool first = ctx.first, last = ctx.last;
   struct InFlight {
@@ -213,7 +292,7 @@ PipelineStepResult run_pipeline_step(dist::Communicator& pp, const PipelineStep&
       x = first ? step.input(i) : x.requires_grad_(true);
       at::Tensor y;
       try {
-        y = ctx.forward(x, i, result.busy_s);
+        y = ctx.forward(x, i);
       } catch (const c10::OutOfMemoryError& e) {
         failed(e);
         if (!last) out = {ctx.activation().zero_(), next_stage};
@@ -239,7 +318,7 @@ PipelineStepResult run_pipeline_step(dist::Communicator& pp, const PipelineStep&
       held.erase(it);
       const at::Tensor grad = ctx.exchange(out, next_stage, i, sends);
       if (step.before_backward) step.before_backward(i);
-      const Clock::time_point a = Clock::now();
+      const SpanTimer::Mark a = ctx.timer.mark();
       try {
         if (last) {
           f.output.backward();
@@ -252,9 +331,7 @@ PipelineStepResult run_pipeline_step(dist::Communicator& pp, const PipelineStep&
         result.ran.push_back(action);
         continue;
       }
-      const Clock::time_point b = Clock::now();
-      result.busy_s += seconds(a, b);
-      ctx.span("backward", i, a, b);
+      ctx.timer.span("backward", i, a, ctx.timer.mark(), /*busy=*/true);
       if (!first) {
         at::Tensor g = f.input.grad();
         DTRAIN_CHECK(g.defined(), "pipeline step: stage ", stage, "'s forward does not depend on its input; ",
@@ -275,7 +352,7 @@ PipelineStepResult run_pipeline_step(dist::Communicator& pp, const PipelineStep&
 }
 
 PipelineStepResult run_pipeline_forward(dist::Communicator& pp, const PipelineStep& step) {
-  const StageContext ctx(pp, step);
+  StageContext ctx(pp, step);
   const Clock::time_point start = Clock::now();
   PipelineStepResult result;
   at::Tensor loss_sum;
@@ -284,7 +361,7 @@ PipelineStepResult run_pipeline_forward(dist::Communicator& pp, const PipelineSt
   for (int i = 0; i < step.micro_batches; ++i) {
     at::Tensor x = ctx.exchange(out, ctx.first ? -1 : ctx.stage - 1, i, sends);
     if (ctx.first) x = step.input(i);
-    at::Tensor y = ctx.forward(x, i, result.busy_s);
+    at::Tensor y = ctx.forward(x, i);
     if (ctx.last) {
       StageContext::add_loss(loss_sum, y);
     } else {

@@ -50,11 +50,13 @@ at::Tensor HostStaging::stage(const std::string& key, const at::Tensor& source, 
   }
   DeviceCopies& d = copies_on(t.device());
   if (when == kUntilNextUpdate) {
-    if (!d.any_side) {  // the side stream starts after the work issued so far
-      d.issued->record(current_stream(t.device()));
-      d.issued->block(*d.side);
-      d.any_side = true;
-    }
+    // The side stream goes on only after the work issued so far on the current stream: t's
+    // last write may have come after the previous stage() call (an optimizer's state() makes
+    // SGD's step counters just before they are staged). An event record and a stream wait per
+    // tensor, on the host a few microseconds.
+    d.issued->record(current_stream(t.device()));
+    d.issued->block(*d.side);
+    d.any_side = true;
     c10::StreamGuard guard(*d.side);
     buffer.copy_(t, /*non_blocking=*/true);
   } else {
@@ -76,6 +78,7 @@ void HostStaging::seal() {
 
 void HostStaging::wait() const {
   for (const auto& [device, d] : devices_) {
+    c10::DeviceGuard guard(device);  // the calling thread (a writer's) may have no current device
     if (d.any_side) d.side_done->synchronize();
     if (d.any_now) d.now_done->synchronize();
   }

@@ -93,7 +93,9 @@ NamedTensors Trainer::full_model_state(bool staged) {
 }
 
 NamedTensors Trainer::full_optimizer_state(bool staged) {
-  // The replicated part (a partitioned part goes into the rank files).
+  // The replicated part (a partitioned part goes into the rank files). state() may make
+  // tensors just now, on the current stream (SGD's step counters): staged, each is copied after
+  // the work issued before its stage() call, so after that write (HostStaging).
   NamedTensors state = optimizer_->state();
   for (auto& [name, t] : state) {
     int64_t i = param_index_of(name);
@@ -317,7 +319,9 @@ void Trainer::save_checkpoint_async(const DataLoader* loader) {
   if (!save_comm_) save_comm_ = mesh_.world().split(0, mesh_.world().rank(), "checkpoint");
   auto save = std::make_shared<PreparedSave>(prepare_save(loader, /*own_copies=*/true));
   last_saved_step_ = step_;
-  save_in_flight_ = std::async(std::launch::async, [this, save] {
+  // The writer thread works on this rank's device (a new thread's current CUDA device is GPU
+  // 0, where its first CUDA call would make a context on every rank of the node).
+  save_in_flight_ = async_on_device(device_, [this, save] {
     staging_.wait();  // the device copies of prepare_save have landed
     return write_save(*save, *save_comm_);
   });

@@ -2,10 +2,15 @@
 // staged through pinned host memory with several ranks sharing one GPU.
 #include <gtest/gtest.h>
 
+#include <optional>
+
 #include <ATen/ATen.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include "../../dist/src/teardown.h"
+#include "comm_contract_cases.h"
+#include "device_work.h"
 #include "dtrain/dist/communicator.h"
 #include "dtrain/dist/error.h"
 #include "dtrain/dist/world.h"
@@ -161,20 +166,127 @@ void check_point_to_point(Communicator& c, c10::Device dev) {
   }
 }
 
-TEST(GpuPointToPoint, MpiAndNcclSendAndReceiveCudaTensors) {
+// One test per backend, each skipping visibly (not passing) where its backend cannot run here:
+// MPI needs mpirun (gpu.mpi.np2); NCCL needs one GPU per rank, so on a one-GPU machine it runs
+// at one rank only.
+TEST(GpuPointToPoint, MpiSendsAndReceivesCudaTensors) {
   DTRAIN_SKIP_WITHOUT_CUDA();
   const World& w = testing_util::world();
-  c10::Device dev(c10::kCUDA, 0);
-  if (w.has_mpi_launcher() || w.size > 1) {
-    auto mpi = create_communicator("mpi", w, dev);
-    check_point_to_point(*mpi, dev);
-  }
+  if (!w.has_mpi_launcher() && w.size == 1) GTEST_SKIP() << "run under mpirun for the MPI backend";
+  c10::Device dev(c10::kCUDA, 0);  // ranks may share the single GPU
+  auto mpi = create_communicator("mpi", w, dev);
+  check_point_to_point(*mpi, dev);
+}
+
+TEST(GpuPointToPoint, NcclSendsAndReceivesCudaTensors) {
+  DTRAIN_SKIP_WITHOUT_CUDA();
   auto names = available_backends();
+  if (std::find(names.begin(), names.end(), "nccl") == names.end()) GTEST_SKIP() << "built without NCCL";
+  const World& w = testing_util::world();
   int gpus = static_cast<int>(c10::impl::getDeviceGuardImpl(c10::kCUDA)->deviceCount());
-  if (std::find(names.begin(), names.end(), "nccl") == names.end() || w.size > gpus) return;
+  if (w.size > gpus) GTEST_SKIP() << "NCCL needs one GPU per rank (" << w.size << " ranks, " << gpus << " GPUs)";
   c10::Device mine(c10::kCUDA, static_cast<c10::DeviceIndex>(w.local_rank % gpus));
   auto nccl = create_communicator("nccl", w, mine);
   check_point_to_point(*nccl, mine);
+}
+
+// This rank's GPU for NCCL, or nullopt (with the reason in *why) where NCCL cannot run here.
+std::optional<c10::Device> nccl_device(std::string* why) {
+  auto names = available_backends();
+  if (std::find(names.begin(), names.end(), "nccl") == names.end()) {
+    *why = "built without NCCL";
+    return std::nullopt;
+  }
+  const World& w = testing_util::world();
+  const int gpus = static_cast<int>(c10::impl::getDeviceGuardImpl(c10::kCUDA)->deviceCount());
+  if (w.size > gpus) {
+    *why = "NCCL needs one GPU per rank (" + std::to_string(w.size) + " ranks, " + std::to_string(gpus) + " GPUs)";
+    return std::nullopt;
+  }
+  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(w.local_rank % gpus));
+}
+
+// Regression (NCCL's Works held no tensors, and the pipeline dropped a send's tensor before its
+// group was launched at end_group(): the caching allocator could hand the freed block to the
+// group's receive). On NCCL, tensors the caller dropped stay alive until their operation
+// completes: an all-reduce's input while the all-reduce waits behind a long kernel, and a send
+// to the next rank (oneself at one rank) dropped inside its group before the close, whose
+// receive is allocated after the drop with the same size (comm_contract_cases.h). The local
+// backend with CUDA tensors keeps the same contract.
+TEST(GpuCommContract, NcclHoldsTensorsTheCallerDroppedUntilTheyComplete) {
+  DTRAIN_SKIP_WITHOUT_CUDA();
+  std::string why;
+  const std::optional<c10::Device> mine = nccl_device(&why);
+  if (!mine) GTEST_SKIP() << why;
+  auto nccl = create_communicator("nccl", testing_util::world(), *mine);
+  contract_cases::Hooks hooks;
+  hooks.delay = [&] { testing_util::queue_matmuls(*mine, 40); };
+  contract_cases::check_all_reduce_holds_a_dropped_input(*nccl, *mine, hooks);
+  // An idle NCCL stream: a block freed before the launch would be reusable at once.
+  testing_util::synchronize_device(*mine);
+  contract_cases::check_group_holds_a_send_dropped_before_close(*nccl, *mine, /*launches_at_close=*/true);
+  if (testing_util::world().size == 1) {
+    auto local = create_communicator("local", World{}, *mine);
+    contract_cases::check_all_reduce_holds_a_dropped_input(*local, *mine);
+    contract_cases::check_group_holds_a_send_dropped_before_close(*local, *mine, /*launches_at_close=*/false);
+  }
+}
+
+// NCCL launches a group's operations at end_group(): waiting on one before is a dtrain::Error
+// that says so, not a wait on an event never recorded (which returned at once, before any data).
+TEST(GpuCommContract, NcclWaitOnAnOperationOfAnOpenGroupIsAnError) {
+  DTRAIN_SKIP_WITHOUT_CUDA();
+  std::string why;
+  const std::optional<c10::Device> mine = nccl_device(&why);
+  if (!mine) GTEST_SKIP() << why;
+  auto c = create_communicator("nccl", testing_util::world(), *mine);
+  const int n = c->size(), r = c->rank(), next = (r + 1) % n, prev = (r + n - 1) % n;
+  at::Tensor out = contract_cases::message(r, 1024, *mine);
+  at::Tensor in = at::full({1024}, -1.0f, at::TensorOptions().device(*mine));
+  CommGroup group(*c);
+  WorkPtr sent = c->send(out, next), received = c->recv(in, prev);
+  EXPECT_FALSE(received->is_completed());
+  const std::string waited = testing_util::error_of([&] { received->wait(); });
+  EXPECT_NE(waited.find("wait() on an operation of a group that is still open"), std::string::npos) << waited;
+  EXPECT_NE(waited.find("call end_group()"), std::string::npos) << waited;
+  const std::string synced = testing_util::error_of([&] { sent->synchronize(); });
+  EXPECT_NE(synced.find("synchronize() on an operation of a group that is still open"), std::string::npos) << synced;
+  group.close();
+  sent->wait();
+  received->wait();
+  EXPECT_TRUE(at::equal(in.cpu(), contract_cases::message(prev, 1024, c10::Device(c10::kCPU))));
+}
+
+// Regression (the destructor always called ncclCommDestroy, which waits for the queued work: a
+// peer that failed mid-operation made a rank block in it forever). A communicator destroyed with
+// a collective still queued (behind a long kernel) is aborted, and its destructor returns; an
+// idle one is destroyed. The path taken is counted (teardown_counts()) and an abort is logged.
+TEST(GpuCommTeardown, NcclAbortsWithWorkQueuedAndDestroysWhenIdle) {
+  DTRAIN_SKIP_WITHOUT_CUDA();
+  std::string why;
+  const std::optional<c10::Device> mine = nccl_device(&why);
+  if (!mine) GTEST_SKIP() << why;
+  if (testing_util::world().size > 1) GTEST_SKIP() << "one rank (every rank would abort its side of a collective)";
+  const TeardownCounts start = teardown_counts();
+  {
+    auto idle = create_communicator("nccl", testing_util::world(), *mine);
+    at::Tensor x = at::ones({16}, at::TensorOptions().device(*mine));
+    idle->all_reduce(x)->synchronize();
+  }
+  EXPECT_EQ(teardown_counts().destroyed, start.destroyed + 1) << "an idle communicator is destroyed";
+  EXPECT_EQ(teardown_counts().aborted, start.aborted);
+  WorkPtr queued;
+  {
+    auto busy = create_communicator("nccl", testing_util::world(), *mine);
+    testing_util::queue_matmuls(*mine, 40);
+    at::Tensor x = at::ones({16}, at::TensorOptions().device(*mine));
+    queued = busy->all_reduce(x);
+    EXPECT_FALSE(queued->is_completed()) << "the all-reduce runs after the matrix products";
+  }  // returns (an abort does not wait for the collective)
+  EXPECT_EQ(teardown_counts().aborted, start.aborted + 1) << "a communicator with work queued is aborted";
+  EXPECT_EQ(teardown_counts().destroyed, start.destroyed + 1);
+  testing_util::synchronize_device(*mine);
+  queued.reset();
 }
 
 }  // namespace

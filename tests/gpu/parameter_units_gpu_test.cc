@@ -61,5 +61,35 @@ TEST(ParameterUnitsGpu, OutOfMemoryBackOffReplaysTheStepAndMatchesTheSmallerMicr
   zero3_oom_cases::expect_back_off_matches_the_smaller_micro_batches(c10::Device(c10::kCUDA, 0));
 }
 
+// Regression (ZeRO-3's unit buffers were allocated on the calling thread's current device, GPU 0
+// for a thread that set none): units of a model on a second GPU, gathered while the thread's
+// current device is GPU 0, hold their bytes on their own GPU and the right values, and the
+// thread's device is left as it was. Needs two GPUs; the unit test
+// DeviceThreads.UnitStorageIsMaterializedOnTheTensorsDevice checks the same on the CPU.
+TEST(ParameterUnitsGpu, UnitsOnAnotherGpuAreGatheredThereWhateverTheCurrentDevice) {
+  if (!testing_util::has_cuda()) GTEST_SKIP() << "no CUDA GPU";
+  const auto* cuda = c10::impl::getDeviceGuardImpl(c10::kCUDA);
+  if (cuda->deviceCount() < 2) GTEST_SKIP() << "needs two GPUs (" << cuda->deviceCount() << " here)";
+  const c10::Device second(c10::kCUDA, 1);
+  auto comm = dist::create_communicator("local", dist::World{}, second);
+  std::vector<at::Tensor> params, want;
+  for (int64_t rows : {64, 32, 16}) {
+    params.push_back(at::randn({rows, 8}, at::device(second)).requires_grad_(true));
+    want.push_back(params.back().detach().cpu());
+  }
+  OptimizerOptions oo;
+  oo.name = "adam";
+  ShardedOptimizer optimizer(params, oo, *comm, {0, 1, 2});
+  ParameterUnits units(optimizer);
+  cuda->setDevice(c10::Device(c10::kCUDA, 0));
+  units.gather_all();
+  for (size_t j = 0; j < params.size(); ++j) {
+    EXPECT_EQ(optimizer.params()[j].storage().data_ptr().device(), second) << "parameter " << j;
+    EXPECT_TRUE(at::equal(optimizer.params()[j].detach().cpu(), want[j])) << "parameter " << j;
+  }
+  EXPECT_EQ(cuda->getDevice().index(), 0);
+  units.release_all();
+}
+
 }  // namespace
 }  // namespace dtrain::engine::zero3_cases

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include "comm_contract_cases.h"
 #include "dtrain/dist/communicator.h"
 #include "dtrain/dist/error.h"
 #include "dtrain/dist/mesh.h"
@@ -209,6 +210,23 @@ TEST(MpiCollectives, ManyAsyncOperationsCompleteInIssueOrder) {
     EXPECT_TRUE(works[k]->is_completed());
   }
   EXPECT_LT(works[0]->sequence(), works[49]->sequence());
+  c.barrier()->wait();
+}
+
+// The memory contract (communicator.h): the MPI backend holds tensors the caller dropped until
+// their operation completes, a collective's input while its peers have not even issued theirs
+// (they wait on a second communicator until rank 0 has looked), a send dropped inside a group
+// before the group is closed (comm_contract_cases.h; the same cases run on the local backend in
+// the unit tests and on NCCL in the GPU tests).
+TEST(MpiCollectives, OperationsHoldTensorsTheCallerDroppedUntilTheyComplete) {
+  Communicator& c = world_comm();
+  auto gate = c.split(0, c.rank(), "gate");
+  ASSERT_NE(gate, nullptr);
+  contract_cases::Hooks hooks;
+  hooks.gate = gate.get();
+  const c10::Device cpu(c10::kCPU);
+  contract_cases::check_all_reduce_holds_a_dropped_input(c, cpu, hooks);
+  contract_cases::check_group_holds_a_send_dropped_before_close(c, cpu, /*launches_at_close=*/false);
   c.barrier()->wait();
 }
 

@@ -6,9 +6,11 @@
 // the order they were issued; every rank must issue the same collectives on a communicator
 // in the same order (with DTRAIN_DEBUG_COLLECTIVES=1 this is checked before each one).
 //
-// Memory: the caller keeps ownership of the tensors; the communicator holds references to
-// them until the Work completes, so dropping them early is safe. Do not write to a tensor,
-// or read an output, before wait() returns.
+// Memory: the caller keeps ownership of the tensors; every backend holds references to them
+// until the operation has completed (on a GPU: until its Work's wait() or synchronize()
+// returns, or the backend sees it complete, and never before the operation was launched, which
+// inside a group is at end_group()), so dropping them early is safe, also inside a group. Do
+// not write to a tensor, or read an output, before wait() returns.
 //
 // Streams (CUDA tensors): the operation is ordered after the work already queued on the
 // caller's current CUDA stream when the collective is issued. After Work::wait() returns the
@@ -25,7 +27,17 @@
 // Thread-safety: a Communicator may be used from several threads (the autograd engine's
 // hooks and the main thread), but operations issued concurrently from different threads
 // are ordered by whoever enqueues first, so only do that when the order cannot differ
-// across ranks.
+// across ranks. A group (begin_group() .. end_group()) belongs to the thread that began it:
+// while it is open, operations from other threads wait for its end (see begin_group()).
+//
+// One queue per communicator on NCCL: its collectives and its point-to-point operations run on
+// the communicator's one stream, in the order this process issued them, each starting only
+// once the one before it has finished. A send or receive therefore waits behind every
+// operation issued before it on that communicator (and a collective behind an unmatched
+// receive), so every rank must issue them in an order that cannot deadlock: the same
+// collectives in the same order, and point-to-point operations that pair up (a send and the
+// receive it must proceed with inside one group). Pipelines use a communicator of their own
+// (the mesh's pp) for their sends and receives.
 #pragma once
 
 #include <chrono>
@@ -132,7 +144,9 @@ class Communicator {
   // at wait(). A rank's sends to one peer match that peer's receives from it one to one, in
   // issue order, whatever else either issues in between; a rank may send to itself. Both are
   // asynchronous: the Work's sequence() counts the operations of that direction with that
-  // peer (send #3 to rank 1). They are not ordered with this communicator's collectives.
+  // peer (send #3 to rank 1). The MPI and local backends do not order them with this
+  // communicator's collectives; NCCL runs both on one stream in issue order (see the top of
+  // this file: issue them so that no rank can wait for a peer that waits for it).
   // The timeout, the stall warning and the watchdog's exit apply as to collectives, naming
   // the peer ("send #3 to rank 1 on 'world' (mpi, rank 0/2, float32[8,1024])"). With
   // DTRAIN_DEBUG_COLLECTIVES=1 each message carries its dtype and shape, and a receive that
@@ -144,10 +158,17 @@ class Communicator {
   // Operations issued between begin_group() and end_group(), back to back from one thread,
   // may be launched as one: NCCL groups them (ncclGroupStart/ncclGroupEnd), so a bucket
   // reduced to several owners is one launch instead of one per owner. Wait on their Works
-  // only after end_group(). The other backends run them one by one, as without a group.
-  // Groups do not nest. CommGroup (below) pairs the two calls.
-  virtual void begin_group() {}
-  virtual void end_group() {}
+  // only after end_group(): on NCCL nothing of the group is launched before it, and wait() or
+  // synchronize() on one of its Works throws dtrain::Error. The other backends run them one
+  // by one, as without a group. Groups do not nest (begin_group() inside one throws
+  // dtrain::Error). CommGroup (below) pairs the two calls.
+  // A group belongs to the thread that began it (NCCL's group state is per thread): until
+  // that thread calls end_group(), any operation, begin_group() or split() on this
+  // communicator from another thread blocks, and then runs after the group, in none. So the
+  // thread holding a group open must not wait for another thread that issues on this
+  // communicator. end_group() on a thread that holds no group here throws dtrain::Error.
+  void begin_group();
+  void end_group();
 
   // Collective and synchronous: ranks passing the same color form a new communicator,
   // ranked by (key, rank). Returns nullptr for color < 0 (the rank joins no group). The
@@ -192,6 +213,10 @@ class Communicator {
   };
   virtual WorkPtr enqueue_p2p(P2pOp op);
   virtual std::unique_ptr<Communicator> do_split(int color, int key, CommOptions child) = 0;
+  // A group's begin and end as the backend sees them, on the group's thread (the base class
+  // keeps the thread ownership). Defaults: nothing (operations run one by one).
+  virtual void do_begin_group() {}
+  virtual void do_end_group() {}
   // Synchronous all-gather of one fixed-length int64 vector per rank (host memory), ordered
   // with the queued operations. Used by the debug checks.
   virtual std::vector<int64_t> exchange(const std::vector<int64_t>& mine) = 0;
@@ -209,6 +234,10 @@ class Communicator {
   std::vector<uint64_t> sends_, recvs_;  // per peer: point-to-point counts, guarded by submit_mutex_
   CommTraffic traffic_;  // guarded by submit_mutex_
   std::unique_ptr<std::mutex> submit_mutex_;
+  // The open group's owner thread, and the mutex it holds from begin_group() to end_group()
+  // (taken before submit_mutex_ by every other thread's operation).
+  struct GroupGate;
+  std::unique_ptr<GroupGate> group_;
 };
 
 // begin_group() on construction, end_group() at close() or destruction (where a failure is
@@ -255,3 +284,5 @@ std::unique_ptr<Communicator> create_communicator(const std::string& backend,
                                                   CommOptions options = {});
 
 }  // namespace dtrain::dist
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

@@ -111,7 +111,8 @@ class ShardedOptimizer : public Optimizer {
 // it (and the one prefetched) materialized: the peak holds about two units' weights plus the
 // activations. Single-threaded (the training thread's forward; autograd's thread for
 // backward); collective over dp through the optimizer's gathers (every rank must run the same
-// units in the same order).
+// units in the same order). Each of its calls (and its gradient hooks) makes the units' device
+// current while it runs, so gathers and releases land there from any thread.
 class ParameterUnits {
  public:
   explicit ParameterUnits(ShardedOptimizer& optimizer);
@@ -161,6 +162,16 @@ class ParameterUnits {
 std::vector<size_t> unit_starts_of(const std::vector<std::string>& names, const std::vector<std::string>& prefixes,
                                    const std::vector<bool>& tensor_parallel = {});
 
+// ZeRO-3's unit buffers: a tensor whose storage holds bytes only while its unit is gathered
+// (views of it keep their offsets). release_unit_storage() frees the bytes;
+// materialize_unit_storage() allocates them again (uninitialized) from the storage's
+// allocator. Both work on the tensor's device whatever the calling thread's current device is
+// (the CUDA caching allocator allocates on the current device; autograd's threads, a writer
+// thread or a caller that never set one would otherwise get GPU 0's memory). Synchronous on
+// the host; not thread-safe for one tensor.
+void release_unit_storage(const at::Tensor& t);
+void materialize_unit_storage(const at::Tensor& t);
+
 // "none" | "optimizer" (ZeRO-1) | "gradients" (ZeRO-2: the same optimizer, and the reducer
 // releases the gradient buckets this rank does not own, ReducerOptions::release_unowned):
 // --shard. "parameters" (ZeRO-3: ShardedOptimizer with units and ParameterUnits, in the
@@ -170,3 +181,5 @@ enum class ShardMode { kNone, kOptimizer, kGradients, kParameters };
 ShardMode parse_shard_mode(const std::string& text);
 
 }  // namespace dtrain::engine
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

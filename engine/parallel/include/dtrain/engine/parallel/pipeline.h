@@ -16,6 +16,7 @@
 // Transport: Communicator::send/recv on the pipeline communicator (its rank = the stage). The
 // activations' shape and dtype are fixed per step (the receiver must know them): pass them in
 // PipelineStep. Sends are asynchronous (the next computation overlaps them); receives wait.
+// A sent tensor is held until its send completes (by the step, and by the send's Work).
 // Each action's send is issued together with the next action's receive, as one group
 // (CommGroup): on NCCL, whose operations run in issue order on its stream, a send of stage s
 // left alone could wait behind a receive that needs a send its neighbour has queued behind its
@@ -85,7 +86,12 @@ struct PipelineStep {
   // no_sync until the step's last backward, which both schedules run for micro-batch m - 1).
   std::function<void(int micro)> before_backward;
   // Optional: each forward ("forward"), backward ("backward") and wait for a neighbour
-  // ("wait for stage s") as it ends, with its times (the timeline's lane of this stage).
+  // ("wait for stage s"), with its times (the timeline's lane of this stage), in the order they
+  // ran. On the CPU: host clocks, each reported as it ends. On a CUDA device (activation_options'
+  // device) the host only queues the work, so the times are the device's: CUDA events recorded
+  // on the current stream around each call, read once at the end of the step (the step then
+  // waits for the stage's device work) and placed on the host clock, all reported then. A wait
+  // on the device is the time its stream stood still for the neighbour's message.
   using Clock = std::chrono::steady_clock;
   std::function<void(const std::string& what, int micro, Clock::time_point start, Clock::time_point end)> on_span;
   // Whether the last stage reads the mean loss to the host at the end (a device sync); false
@@ -108,7 +114,10 @@ struct PipelineStepResult {
   // after a forward (the activations in flight; exact on the CPU, where tensors are counted).
   // 0 without PipelineStep::allocated_mb.
   double peak_activation_mb = 0;
-  double busy_s = 0;  // in forward and backward computation (not waiting for a neighbour)
+  // In forward and backward computation (not waiting for a neighbour), by on_span's clocks:
+  // the device's with on_span on a CUDA device, else the host's (on a GPU without on_span, the
+  // time to queue the work).
+  double busy_s = 0;
   double wall_s = 0;  // the whole step on this stage
   std::vector<PipelineAction> ran;  // the actions in the order they ran
   // With finish_after_oom: the out-of-memory error this stage met (its gradients and loss are
@@ -127,3 +136,5 @@ PipelineStepResult run_pipeline_step(dist::Communicator& pp, const PipelineStep&
 PipelineStepResult run_pipeline_forward(dist::Communicator& pp, const PipelineStep& step);
 
 }  // namespace dtrain::engine
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

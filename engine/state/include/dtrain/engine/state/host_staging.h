@@ -1,6 +1,7 @@
 // Host copies of training state for a checkpoint written in the background.
 #pragma once
 
+#include <future>
 #include <map>
 #include <optional>
 #include <string>
@@ -8,6 +9,7 @@
 #include <vector>
 
 #include <ATen/Tensor.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 
@@ -25,15 +27,21 @@ namespace dtrain::engine {
 // under its key and reused by later saves of the same shape and dtype (the first save pays
 // for the pinned allocation, later ones only for the copy). kUntilNextUpdate sources (weights,
 // optimizer state: written only by the next optimizer update) are copied on a side stream of
-// their device, so the copy overlaps the next step's forward and backward; fence() makes the
-// device's current stream wait for those copies before the update writes the sources.
+// their device, so the copy overlaps the next step's forward and backward; each such copy
+// starts after the work issued on the device's current stream before its stage() call (a
+// source created or written just before, such as the step counters an optimizer's state()
+// makes, is copied after that write, wherever it falls among the save's stage() calls).
+// fence() makes the device's current stream wait for those copies before the update writes
+// the sources.
 // kNow sources (buffers that the next forward writes, such as BatchNorm's running statistics)
 // are copied on the current stream, ordered before anything issued after them. A host tensor
 // is cloned at once (no buffer is kept: host state can be as large as the host's memory).
 //
 // One save at a time: stage() and seal() must not run while a writer is still reading the
 // previous save's buffers (wait for it first). The sources staged are kept alive until fence().
-// Not thread-safe except that wait() may run on another thread than stage/seal/fence.
+// Not thread-safe except that wait() may run on another thread than stage/seal/fence (any
+// thread: it makes each device current while it waits for it, so a writer thread makes no
+// CUDA context on GPU 0).
 class HostStaging {
  public:
   enum Source { kNow, kUntilNextUpdate };
@@ -59,7 +67,7 @@ class HostStaging {
  private:
   struct DeviceCopies {
     std::optional<c10::Stream> side;
-    std::optional<c10::Event> issued;  // current stream, before the first side copy
+    std::optional<c10::Event> issued;  // current stream, before each side copy
     std::optional<c10::Event> side_done;
     std::optional<c10::Event> now_done;
     bool any_side = false;
@@ -74,4 +82,20 @@ class HostStaging {
   bool fenced_ = true;   // fence() ran since the last seal()
 };
 
+// Runs fn on a thread of its own whose current device is `device` for the whole run
+// (c10::DeviceGuard; a CPU device sets nothing), and returns fn's result as a std::future, as
+// std::async(std::launch::async, fn) does. A new thread's current CUDA device is GPU 0: a
+// background writer without this makes a CUDA context there with its first CUDA call (an
+// event wait, a device read), on every rank of a node.
+template <class Fn>
+auto async_on_device(c10::Device device, Fn fn) -> std::future<decltype(fn())> {
+  return std::async(std::launch::async, [device, fn = std::move(fn)]() mutable {
+    c10::OptionalDeviceGuard guard;
+    if (!device.is_cpu()) guard.reset_device(device);
+    return fn();
+  });
+}
+
 }  // namespace dtrain::engine
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order
