@@ -1,6 +1,11 @@
 // An outside program on the installed dtrain, as a user writes one: its own model and dataset,
 // dtrain's command line and trainer, data parallelism over whatever ranks it is started with.
 // Prints "dtrain <version>: <steps> steps on <ranks> rank(s), loss <last>".
+// <glog/logging.h> comes first, as in many programs: libtorch's headers, included after it,
+// would replace glog's LOG macros with c10's (which drop INFO) if dtrain's headers did not
+// restore them; install_test.sh checks that the INFO line below is printed.
+#include <glog/logging.h>
+
 #include <cmath>
 #include <cstdio>
 #include <memory>
@@ -40,6 +45,7 @@ int main(int argc, char** argv) {
                                       {"workers", "1"}, {"device", "cpu"}});
     dtrain::dist::World world = dtrain::dist::detect_world();
     dtrain::dist::init_logging(argv[0], world);
+    LOG(INFO) << "consumer: an INFO line through glog";
     c10::Device device = dtrain::dist::select_device(world, dtrain::dist::parse_device_request(f.device));
     auto comm = dtrain::dist::create_communicator(f.backend, world, device);
     cli::agree_on_flags(*comm);

@@ -62,3 +62,5 @@ void set_process_identity(int rank, int world_size, const std::string& host);
   throw ::dtrain::Error(::dtrain::detail::concat(library, " failure at ", __FILE__, ":", \
                                                  __LINE__, " (", ::dtrain::process_identity(), \
                                                  "): ", __VA_ARGS__))
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

@@ -12,3 +12,5 @@ namespace dtrain::dist {
 void init_logging(const char* argv0, const World& world);
 
 }  // namespace dtrain::dist
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

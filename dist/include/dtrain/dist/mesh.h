@@ -50,3 +50,5 @@ class Mesh {
 };
 
 }  // namespace dtrain::dist
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

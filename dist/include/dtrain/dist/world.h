@@ -53,3 +53,5 @@ DeviceRequest parse_device_request(const std::string& text);  // throws on unkno
 c10::Device select_device(const World& world, DeviceRequest request);
 
 }  // namespace dtrain::dist
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

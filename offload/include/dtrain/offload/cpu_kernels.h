@@ -89,3 +89,5 @@ using UpdateFn = void (*)(const UpdateConfig& config, const UpdateArrays& arrays
 UpdateFn update_kernel(Isa isa);
 
 }  // namespace dtrain::offload
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

@@ -180,3 +180,5 @@ class CpuOptimizer {
 };
 
 }  // namespace dtrain::offload
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

@@ -48,3 +48,5 @@ class LayerStreamer {
 };
 
 }  // namespace dtrain::offload
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

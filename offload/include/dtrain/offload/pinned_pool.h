@@ -84,3 +84,5 @@ class PinnedPool {
 };
 
 }  // namespace dtrain::offload
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

@@ -60,3 +60,5 @@ class ThreadPool {
 };
 
 }  // namespace dtrain::offload
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

@@ -36,3 +36,5 @@ struct UpdateRuleOptions {
 void validate_rule(const UpdateRuleOptions& options, const std::string& who);
 
 }  // namespace dtrain::offload
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

@@ -15,3 +15,5 @@ uint32_t crc32c(const void* data, size_t size, uint32_t crc = 0);
 uint32_t crc32c_portable(const void* data, size_t size, uint32_t crc = 0);
 
 }  // namespace dtrain::engine
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

@@ -59,3 +59,5 @@ std::vector<int> overlapping_shards(int64_t numel, int old_ranks, FlatRange rang
 ShardState assemble_shard(const std::vector<ShardState>& pieces, const ShardLayout& target);
 
 }  // namespace dtrain::engine
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

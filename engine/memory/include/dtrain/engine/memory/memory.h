@@ -30,3 +30,5 @@ void reset_peak_memory(c10::Device device);
 void release_cached_memory(c10::Device device);
 
 }  // namespace dtrain::engine
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

@@ -137,3 +137,5 @@ GpuStatus gpu_status(c10::Device device);
 std::string gpu_summary_line(c10::Device device);
 
 }  // namespace dtrain::engine
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

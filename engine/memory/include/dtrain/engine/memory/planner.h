@@ -332,3 +332,5 @@ double estimate_step_seconds(const PlanInputs& inputs, const ActivationProfile& 
 bool apply_memory_limit(c10::Device device, int64_t bytes);
 
 }  // namespace dtrain::engine
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

@@ -198,3 +198,5 @@ std::vector<PipelineStageSummary> summarize_pipeline(const std::vector<TraceEven
 std::string to_string(const std::vector<PipelineStageSummary>& stages);
 
 }  // namespace dtrain::engine
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

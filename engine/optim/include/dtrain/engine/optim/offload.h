@@ -130,3 +130,5 @@ std::unique_ptr<Optimizer> make_offload_optimizer(std::vector<at::Tensor> params
                                                   c10::Device device);
 
 }  // namespace dtrain::engine
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

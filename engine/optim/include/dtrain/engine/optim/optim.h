@@ -185,3 +185,5 @@ at::Tensor clip_grads(const std::vector<at::Tensor>& grads, const at::Tensor& no
 at::Tensor clip_coefficient(const at::Tensor& norm, double max_norm);
 
 }  // namespace dtrain::engine
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

@@ -80,3 +80,5 @@ std::unique_ptr<Optimizer> make_sparse_aware_optimizer(std::vector<at::Tensor> p
                                                        const OptimizerOptions& options);
 
 }  // namespace dtrain::engine
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

@@ -85,3 +85,5 @@ class CompressedBuckets : public BucketComm {
 };
 
 }  // namespace dtrain::engine
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

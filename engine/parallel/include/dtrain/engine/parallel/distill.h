@@ -52,3 +52,5 @@ at::Tensor vocab_parallel_distillation_loss(const at::Tensor& student, const at:
                                             const DistillOptions& o);
 
 }  // namespace dtrain::engine
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

@@ -45,3 +45,5 @@ struct GradNormLayout {
 at::Tensor global_grad_norm(const std::vector<at::Tensor>& params, const GradNormLayout& layout);
 
 }  // namespace dtrain::engine
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

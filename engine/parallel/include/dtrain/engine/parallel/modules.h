@@ -17,3 +17,5 @@ void for_each_module(torch::nn::Module& model, Fn&& fn) {
 }
 
 }  // namespace dtrain::engine
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

@@ -111,3 +111,5 @@ std::vector<std::pair<std::string, at::Tensor>> int8_state(const torch::nn::Modu
 QuantGranularity parse_quant_granularity(const std::string& name);
 
 }  // namespace dtrain::engine
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

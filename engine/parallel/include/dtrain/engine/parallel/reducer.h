@@ -215,3 +215,5 @@ void broadcast_tensors(dist::Communicator& comm, const std::vector<at::Tensor>& 
                        int root = 0);
 
 }  // namespace dtrain::engine
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

@@ -87,3 +87,5 @@ std::vector<bool> sparse_gradient_flags(torch::nn::Module& model, const std::vec
 at::Tensor gradient_values(const at::Tensor& grad);
 
 }  // namespace dtrain::engine
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

@@ -220,3 +220,5 @@ std::map<std::string, at::Tensor> gather_full_state(torch::nn::Module& split_mod
 at::Tensor gather_full_tensor(const at::Tensor& local, const ShardSpec& spec, dist::Communicator& tp);
 
 }  // namespace dtrain::engine
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

@@ -26,3 +26,5 @@ class DirectoryLock {
 };
 
 }  // namespace dtrain::engine
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

@@ -70,3 +70,5 @@ int64_t trace_to_torchscript(torch::nn::Module& module,
 at::Tensor run_torchscript(const std::string& path, const std::vector<at::Tensor>& inputs);
 
 }  // namespace dtrain::engine
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

@@ -27,3 +27,5 @@ void agree_on_settings(dist::Communicator& comm, const Settings& settings, const
 std::vector<std::string> gather_texts(dist::Communicator& comm, const std::string& mine);
 
 }  // namespace dtrain::engine
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

@@ -63,3 +63,5 @@ struct RequeueOptions {
 RequeueResult request_requeue(const RequeueOptions& options = {});
 
 }  // namespace dtrain::engine
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order
