@@ -26,7 +26,7 @@
 DEFINE_string(data, "real", "real (files that installed packages ship) or synthetic");
 DEFINE_string(data_path, "", "data file or directory (default: the example's)");
 DEFINE_bool(inplace, true, "in-place activations where safe");
-DEFINE_bool(eval_only, false, "only evaluate --eval_batches batches under no_grad (memory/speed of inference)");
+DEFINE_bool(eval_only, false, "only evaluate the --eval_samples held-out set under no_grad (memory/speed of inference)");
 DEFINE_string(quantize, "", "int8: dynamic int8 Linear layers (CPU): --eval_only evaluates them beside float32, dtrain-export writes them");
 DEFINE_string(quantize_scales, "channel", "int8 weight scales: channel (one per output feature) or tensor (one per weight)");
 // Model shape
@@ -238,17 +238,23 @@ engine::StepMetrics fit_and_report(const Run& run, engine::Trainer& trainer, tor
                   static_cast<long long>(trainer.current_step()), engine::cli::flags().save_dir.c_str());
     }
   }
-  const int64_t batches = engine::cli::flags().eval_batches;
+  // The held-out set of --eval_samples (the same samples for any rank count), in forwards of
+  // the loader's batch: timed as a whole after one warm-up forward.
+  const int64_t samples = static_cast<int64_t>(data.evaluation_order(engine::cli::flags().eval_samples).size());
+  const int64_t chunks = (samples + data.options().batch_size - 1) / data.options().batch_size;
+  const int64_t forwards = (chunks + run.mesh->dp_size() - 1) / run.mesh->dp_size();
   auto evaluate = [&](const char* what) {
     trainer.evaluate(data, 1);  // warm-up
     engine::reset_peak_memory(run.device);
     auto t0 = std::chrono::steady_clock::now();
-    double loss = trainer.evaluate(data, batches);
-    double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / batches;
+    double loss = trainer.evaluate(data);
+    double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / forwards;
     engine::MemoryStats mem = engine::memory_stats(run.device);
     if (run.world.rank == 0) {
-      std::printf("%s: evaluated %lld batches under no_grad%s: loss %.4f, %.1f ms/batch, peak memory %.0f MB\n",
-                  run.program.c_str(), static_cast<long long>(batches), what, loss, ms, mem.peak_mb);
+      std::printf("%s: evaluated %lld held-out samples (%lld batches per rank) under no_grad%s: loss %.4f, %.1f "
+                  "ms/batch, peak memory %.0f MB\n",
+                  run.program.c_str(), static_cast<long long>(samples), static_cast<long long>(forwards), what, loss,
+                  ms, mem.peak_mb);
     }
     return std::make_pair(loss, ms);
   };
@@ -256,7 +262,7 @@ engine::StepMetrics fit_and_report(const Run& run, engine::Trainer& trainer, tor
     evaluate("");
     return engine::StepMetrics();
   }
-  // The same batches in float32 and then with int8 Linear layers, for the comparison.
+  // The same samples in float32 and then with int8 Linear layers, for the comparison.
   const auto [float_loss, float_ms] = evaluate(" in float32");
   engine::QuantizeOptions q;
   q.granularity = engine::parse_quant_granularity(FLAGS_quantize_scales);
@@ -317,7 +323,20 @@ TokenData token_data(const Run& run, int64_t window_len, bool fold_bytes) {
                " is too small for byte tokens of the text corpus (needs >= 256)");
   const std::string path = FLAGS_data_path.empty() ? text_corpus_dir() : FLAGS_data_path;
   at::Tensor bytes = load_text_bytes(path);
-  if (FLAGS_vocab < 256) bytes = at::remainder(bytes.to(at::kLong), FLAGS_vocab);
+  if (FLAGS_vocab < 256) {
+    // Said out loud: distinct bytes then share a token, so the model cannot tell them apart.
+    const int64_t distinct = std::get<0>(at::_unique(bytes)).numel();
+    const int64_t classes = std::get<0>(at::_unique(at::remainder(bytes.to(at::kLong), FLAGS_vocab))).numel();
+    if (run.world.rank == 0) {
+      std::fprintf(stderr,
+                   "%s: --vocab=%lld is below 256: each byte b of the corpus becomes token b mod %lld, so its %lld "
+                   "distinct bytes fall into %lld tokens%s; use --vocab=256 to keep every byte apart\n",
+                   run.program.c_str(), static_cast<long long>(FLAGS_vocab), static_cast<long long>(FLAGS_vocab),
+                   static_cast<long long>(distinct), static_cast<long long>(classes),
+                   classes < distinct ? " (some share one)" : "");
+    }
+    bytes = at::remainder(bytes.to(at::kLong), FLAGS_vocab);
+  }
   const int64_t n = bytes.numel(), held = std::max<int64_t>(n / 10, window_len + 1);
   DTRAIN_CHECK(n - held >= window_len + 1, path, " has ", n, " tokens: too few for windows of ", window_len + 1,
                " tokens to train on and ", held, " held out for evaluation; use more text or a shorter --seq_len");

@@ -75,7 +75,7 @@ inline int guarded_main(const char* program, const std::function<int()>& body) {
   return engine::cli::run_main(program, body);
 }
 
-// Trains (or with --eval_only evaluates --eval_batches batches under no_grad, timing them)
+// Trains (or with --eval_only evaluates the --eval_samples held-out set under no_grad, timing it)
 // and prints the summary on rank 0. eval may be null (then train's data is evaluated).
 // Returns the last logged metrics (step 0 when only evaluating).
 // With --quantize=int8 (only with --eval_only) the batches are evaluated in float32, then

@@ -47,25 +47,69 @@ std::pair<at::Tensor, at::Tensor> load_digits(const std::string& path) {
   return {x, y};
 }
 
-at::Tensor load_text_bytes(const std::string& dir) {
+namespace {
+
+// Why `bytes` (the start of a file) is not text, or "" when it is: NUL bytes or malformed UTF-8
+// mean a binary file (a token shard, an executable, a compressed archive), whose bytes a byte
+// language model would learn as if they were characters.
+std::string not_text(const std::string& bytes) {
+  size_t i = 0;
+  while (i < bytes.size()) {
+    const auto c = static_cast<unsigned char>(bytes[i]);
+    if (c == 0) return "byte " + std::to_string(i) + " is 0x00";
+    int more = c < 0x80 ? 0 : (c >> 5) == 0x6 ? 1 : (c >> 4) == 0xE ? 2 : (c >> 3) == 0x1E ? 3 : -1;
+    if (more < 0) return "byte " + std::to_string(i) + " (0x" + "0123456789abcdef"[c >> 4] + "0123456789abcdef"[c & 15] +
+                         ") does not begin a UTF-8 character";
+    if (i + more >= bytes.size()) break;  // a character cut by the sample's end
+    for (int k = 1; k <= more; ++k) {
+      if ((static_cast<unsigned char>(bytes[i + k]) >> 6) != 0x2) {
+        return "bytes " + std::to_string(i) + "-" + std::to_string(i + k) + " are not a UTF-8 character";
+      }
+    }
+    i += more + 1;
+  }
+  return "";
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  DTRAIN_CHECK(in.good(), "cannot read '", path, "'; pass --data_path=FILE_OR_DIR or --data=synthetic");
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+}  // namespace
+
+at::Tensor load_text_bytes(const std::string& path) {
   // POSIX rather than std::filesystem (see examples/common.cc).
-  DIR* d = opendir(dir.c_str());
-  DTRAIN_CHECK(d != nullptr, "text corpus directory '", dir,
-               "' cannot be read; pass --data_path=DIR or --data=synthetic");
+  struct stat top {};
+  DTRAIN_CHECK(stat(path.c_str(), &top) == 0, "the text corpus '", path, "' does not exist; pass --data_path=FILE or ",
+               "DIR (text files) or --data=synthetic");
   std::vector<std::string> files;
-  while (dirent* e = readdir(d)) {
-    std::string path = dir + "/" + e->d_name;
-    struct stat st {};
-    if (stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode)) files.push_back(path);
+  if (S_ISDIR(top.st_mode)) {
+    DIR* d = opendir(path.c_str());
+    DTRAIN_CHECK(d != nullptr, "the text corpus directory '", path, "' cannot be read; pass --data_path=FILE or DIR ",
+                 "or --data=synthetic");
+    while (dirent* e = readdir(d)) {
+      std::string file = path + "/" + e->d_name;
+      struct stat st {};
+      if (stat(file.c_str(), &st) == 0 && S_ISREG(st.st_mode)) files.push_back(file);
+    }
+    closedir(d);
+    std::sort(files.begin(), files.end());
+  } else {
+    files.push_back(path);
   }
-  closedir(d);
-  std::sort(files.begin(), files.end());
   std::string all;
-  for (auto& p : files) {
-    std::ifstream in(p, std::ios::binary);
-    all.append(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  for (const std::string& file : files) {
+    const std::string text = read_file(file);
+    const std::string why = not_text(text.substr(0, 1 << 20));
+    DTRAIN_CHECK(why.empty(), "'", file, "' is not text (", why, "): the example language models train on UTF-8 ",
+                 "text, one token per byte, and would learn a binary file's bytes (a token shard, an executable, an ",
+                 "archive) as if they were characters. Pass text with --data_path (a file, or a directory of text ",
+                 "files), or --data=synthetic");
+    all += text;
   }
-  DTRAIN_CHECK(!all.empty(), "no text found in ", dir);
+  DTRAIN_CHECK(!all.empty(), "no text found in '", path, "'");
   at::Tensor t = at::empty({static_cast<int64_t>(all.size())}, at::kByte);
   std::memcpy(t.data_ptr(), all.data(), all.size());
   return t;

@@ -15,8 +15,11 @@ namespace dtrain::examples {
 // label). Returns {pixels float [N, 64] scaled to [0, 1], labels int64 [N]}.
 std::pair<at::Tensor, at::Tensor> load_digits(const std::string& path);
 
-// The bytes of every regular file in a directory (sorted by name), concatenated, as uint8.
-at::Tensor load_text_bytes(const std::string& dir);
+// The bytes of a text file, or of every regular file in a directory (sorted by name)
+// concatenated, as uint8. dtrain::Error for a path that does not exist, a file that cannot be
+// read, or one that is not text (NUL bytes or malformed UTF-8 in its first MiB: a binary
+// file, such as a token shard, that a byte model would learn as characters).
+at::Tensor load_text_bytes(const std::string& path);
 
 // Language-model windows over a token stream: sample i is tokens[i*stride, i*stride+len+1)
 // (int64), split by the example into input and target.

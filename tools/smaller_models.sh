@@ -18,12 +18,12 @@ COMMON=(--device=cpu --seq_len=128 --vocab=256 --batch_size=16 --lr=0.001 --warm
         --progress=false --log_every=50 --workers=1)
 STEPS=${STEPS:-400}                  # the students'
 TEACHER_STEPS=${TEACHER_STEPS:-$STEPS}
-EVAL=(--eval_every="$STEPS" --eval_batches=32)
+EVAL=(--eval_every="$STEPS" --eval_samples=512)
 
 echo "# teacher: ${TEACHER_SHAPE[*]}, $TEACHER_STEPS steps" >&2
 if [[ ! -d $WORK/teacher ]]; then
   "$BIN/train_gpt" "${COMMON[@]}" "${TEACHER_SHAPE[@]}" --steps="$TEACHER_STEPS" --eval_every="$TEACHER_STEPS" \
-    --eval_batches=32 --save_dir="$WORK/teacher" \
+    --eval_samples=512 --save_dir="$WORK/teacher" \
     2>"$WORK/teacher.log" | tee "$WORK/teacher.out" >&2
 fi
 
@@ -32,7 +32,7 @@ echo "| model | scales | Linear weights | eval loss float32 | eval loss int8 | c
 echo "| --- | --- | --- | --- | --- | --- | --- |"
 for scales in channel tensor; do
   out=$("$BIN/train_gpt" "${COMMON[@]}" "${TEACHER_SHAPE[@]}" --eval_only --resume --save_dir="$WORK/teacher" \
-        --quantize=int8 --quantize_scales="$scales" --eval_batches=32 2>>"$WORK/quantize.log")
+        --quantize=int8 --quantize_scales="$scales" --eval_samples=512 2>>"$WORK/quantize.log")
   echo "$out" >&2
   python3 - "$scales" <<PYEOF
 import re, sys

@@ -5,7 +5,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BIN="${DTRAIN_BIN:-$ROOT/build/bin}"
-shape=(--data=synthetic --steps=8 --log_every=4 --workers=2 --progress=false --eval_batches=4)
+shape=(--data=synthetic --steps=8 --log_every=4 --workers=2 --progress=false --eval_samples=64)
 if [[ "$*" != *"--device=cuda"* ]]; then
   # A CPU-sized version of the seed model (the seed shape is for the GPU).
   shape+=(--device=cpu --d_model=256 --heads=4 --ff=1024 --layers=2 --seq_len=128 --vocab=8000 --batch_size=8)

@@ -8,6 +8,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <glog/logging.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <deque>
 #include <exception>
@@ -287,6 +288,37 @@ Batch DataLoader::next() { return impl_->next(); }
 int64_t DataLoader::batches_per_epoch() const { return impl_->batches_per_epoch(); }
 std::pair<int64_t, int64_t> DataLoader::position() const { return impl_->position(); }
 void DataLoader::seek(int64_t epoch, int64_t index) { impl_->seek(epoch, index); }
+
+int64_t DataLoader::dataset_size() const { return impl_->dataset()->size(); }
+
+std::vector<int64_t> DataLoader::evaluation_order(int64_t samples) const {
+  const int64_t n = dataset_size();
+  DTRAIN_CHECK(samples >= 0, "DataLoader::evaluation_order: samples = ", samples, " must be >= 0 (0: all)");
+  const int64_t count = samples == 0 ? n : std::min(samples, n);
+  std::vector<int64_t> order;
+  if (options_.shuffle) {
+    order = data_detail::permutation(n, options_.seed, /*epoch=*/0);
+    order.resize(static_cast<size_t>(count));
+  } else {
+    order.resize(static_cast<size_t>(count));
+    for (int64_t i = 0; i < count; ++i) order[static_cast<size_t>(i)] = i;
+  }
+  return order;
+}
+
+Batch DataLoader::load(const std::vector<int64_t>& indices) const {
+  std::shared_ptr<const Dataset> dataset = impl_->dataset();
+  for (int64_t i : indices) {
+    DTRAIN_CHECK(i >= 0 && i < dataset->size(), "DataLoader::load: sample ", i, " is outside the dataset's ",
+                 dataset->size(), " samples");
+  }
+  Batch batch;
+  std::vector<at::Tensor> host = dataset->get_batch(indices);
+  check_fields(host, indices.size());
+  const c10::Device device = resolve(options_.device);
+  for (const at::Tensor& f : host) batch.fields.push_back(f.to(device));
+  return batch;
+}
 
 void DataLoader::shard(int dp_rank, int dp_size) {
   if (dp_rank == options_.dp_rank && dp_size == options_.dp_size) return;

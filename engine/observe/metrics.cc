@@ -33,6 +33,7 @@ std::string to_json(const StepMetrics& m) {
 
 MetricsWriter::MetricsWriter(const std::string& path, bool enabled) {
   if (!enabled || path.empty()) return;
+  path_ = path;
   file_ = std::fopen(path.c_str(), "w");
   DTRAIN_CHECK(file_ != nullptr, "cannot write the metrics file '", path, "': ",
                std::strerror(errno), "; pass a writable path to --metrics");
@@ -41,10 +42,56 @@ MetricsWriter::MetricsWriter(const std::string& path, bool enabled) {
 std::unique_ptr<MetricsWriter> MetricsWriter::open_append(const std::string& path, bool enabled) {
   std::unique_ptr<MetricsWriter> w(new MetricsWriter());
   if (!enabled || path.empty()) return w;
+  w->path_ = path;
   w->file_ = std::fopen(path.c_str(), "a");
   DTRAIN_CHECK(w->file_ != nullptr, "cannot append to the metrics file '", path, "': ",
                std::strerror(errno), "; pass a writable path to --metrics");
   return w;
+}
+
+void MetricsWriter::keep_through_step(int64_t step) {
+  if (!file_) return;
+  if (std::fclose(file_) != 0) LOG(ERROR) << "closing the metrics file failed";
+  file_ = nullptr;
+  std::string kept;
+  int dropped = 0;
+  if (std::FILE* in = std::fopen(path_.c_str(), "r")) {
+    std::string line;
+    for (int c = std::fgetc(in);; c = std::fgetc(in)) {
+      if (c != EOF && c != '\n') {
+        line += static_cast<char>(c);
+        continue;
+      }
+      if (!line.empty()) {
+        const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+        if (j.is_object() && j.contains("step") && j["step"].is_number_integer() && j["step"].get<int64_t>() > step) {
+          ++dropped;
+        } else {
+          kept += line + '\n';
+        }
+      }
+      line.clear();
+      if (c == EOF) break;
+    }
+    std::fclose(in);
+  }
+  if (dropped > 0) {
+    const std::string tmp = path_ + ".tmp";
+    std::FILE* out = std::fopen(tmp.c_str(), "w");
+    DTRAIN_CHECK(out != nullptr, "cannot rewrite the metrics file '", path_, "' (", tmp, "): ", std::strerror(errno));
+    const bool written = std::fwrite(kept.data(), 1, kept.size(), out) == kept.size() && std::fflush(out) == 0 &&
+                         fsync(fileno(out)) == 0;
+    const bool closed = std::fclose(out) == 0;
+    if (!written || !closed || std::rename(tmp.c_str(), path_.c_str()) != 0) {
+      const std::string why = std::strerror(errno);
+      std::remove(tmp.c_str());
+      throw Error("rewriting the metrics file '" + path_ + "' failed: " + why);
+    }
+    LOG(INFO) << "metrics file " << path_ << ": dropped " << dropped << " line(s) of steps after " << step
+              << ", which this run logs again from its checkpoint";
+  }
+  file_ = std::fopen(path_.c_str(), "a");
+  DTRAIN_CHECK(file_ != nullptr, "cannot append to the metrics file '", path_, "': ", std::strerror(errno));
 }
 
 MetricsWriter::~MetricsWriter() {

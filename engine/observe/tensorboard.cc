@@ -117,6 +117,12 @@ void EventWriter::add_metrics(const StepMetrics& m, std::optional<double> wall_t
   flush();
 }
 
+void EventWriter::add_resume(int64_t step) {
+  if (!file_) return;
+  write_record(tb_detail::session_start_event(now_seconds(), step, "resumed at step " + std::to_string(step)));
+  flush();
+}
+
 void EventWriter::flush() {
   if (!file_) return;
   if (std::fflush(file_) != 0) {

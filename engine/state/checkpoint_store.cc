@@ -153,7 +153,7 @@ std::string check_file(FileSystem* fs, const std::string& path, std::vector<char
 CheckpointStore::CheckpointStore(std::string dir, CheckpointStoreOptions options)
     : dir_(std::move(dir)), options_(options) {
   while (dir_.size() > 1 && dir_.back() == '/') dir_.pop_back();
-  DTRAIN_CHECK(!dir_.empty(), "checkpoint directory is empty; pass --save_dir=DIR");
+  DTRAIN_CHECK(!dir_.empty(), "no checkpoint directory was given (the path is empty); pass --save_dir=DIR");
   DTRAIN_CHECK(options_.keep_last >= 0, "keep_last=", options_.keep_last,
                " must be >= 0 (0 keeps every checkpoint)");
   fs_ = options_.fs ? options_.fs : default_file_system();
@@ -335,6 +335,23 @@ void CheckpointStore::prune_and_clean(int64_t committed_step) {
   for (const std::string& path : records) fs_->remove(path);
   for (const std::string& path : others) fs_->remove(path);
   if (!records.empty() || !others.empty()) fs_->sync_dir(dir_);
+}
+
+int CheckpointStore::remove_all() {
+  if (!fs_->exists(dir_)) return 0;
+  std::vector<std::string> records, others;
+  std::set<int64_t> steps;
+  for (const std::string& name : fs_->list_dir(dir_)) {
+    std::optional<FileName> file = ckpt_detail::parse_file_name(name);
+    if (!file) continue;
+    if (file->kind == FileName::kMainRecord) steps.insert(file->step);
+    (file->kind == FileName::kMainRecord ? records : others).push_back(join(dir_, name));
+  }
+  // Records first: a crash mid-way leaves no committed checkpoint with missing files.
+  for (const std::string& path : records) fs_->remove(path);
+  for (const std::string& path : others) fs_->remove(path);
+  if (!records.empty() || !others.empty()) fs_->sync_dir(dir_);
+  return static_cast<int>(steps.size());
 }
 
 }  // namespace dtrain::engine

@@ -37,6 +37,22 @@ PruneOptions prune_options(const Flags& f) {
   return o;
 }
 
+// "a,b,c" -> {"a", "b", "c"}; an empty item is a dtrain::Error naming the flag.
+std::vector<std::string> split_list(const std::string& text, const char* flag) {
+  std::vector<std::string> items;
+  std::string item;
+  for (size_t i = 0; i <= text.size(); ++i) {
+    if (i < text.size() && text[i] != ',') {
+      item += text[i];
+      continue;
+    }
+    DTRAIN_CHECK(!item.empty(), flag, "=", text, ": an empty item; give a comma-separated list such as a.,b.");
+    items.push_back(item);
+    item.clear();
+  }
+  return items;
+}
+
 // The file name gflags records for the standard flags (--helpfull groups by it).
 constexpr const char* kFile = "dtrain/engine/train/cli.cc";
 
@@ -48,21 +64,22 @@ struct Spec {
   const char* name;
   const char* help;
   std::function<void()> register_flag;
+  unsigned reach = 0;  // Reach bits: which of trainer_options, loader_options, run_options read it
 };
 
 template <typename T>
-Spec spec(Topic topic, const char* name, const char* help, T Flags::*member) {
+Spec spec(Topic topic, const char* name, const char* help, T Flags::*member, unsigned reach = kToTrainer) {
   return {topic, name, help, [=] {
             gflags::FlagRegisterer(name, help, kFile, &(g_values.*member), &(g_defaults.*member));
-          }};
+          }, reach};
 }
 
 const std::vector<Spec>& specs() {
   static const std::vector<Spec> all = {
       spec(kTraining, "steps", "optimizer steps to train", &Flags::steps),
-      spec(kTraining, "batch_size", "samples per data-parallel rank per optimizer step", &Flags::batch_size),
+      spec(kTraining, "batch_size", "samples per data-parallel rank per optimizer step", &Flags::batch_size, kToRun),
       spec(kTraining, "lr", "base learning rate", &Flags::lr),
-      spec(kTraining, "seed", "random seed (model init, data order, dropout)", &Flags::seed),
+      spec(kTraining, "seed", "random seed (model init, data order, dropout)", &Flags::seed, kToLoader | kToRun),
       spec(kTraining, "optimizer", "sgd, adam, adamw or adagrad (default: the program's)", &Flags::optimizer),
       spec(kTraining, "weight_decay", "weight decay", &Flags::weight_decay),
       spec(kTraining, "clip_grad_norm", "clip gradients to this global norm (0: off)", &Flags::clip_grad_norm),
@@ -84,24 +101,26 @@ const std::vector<Spec>& specs() {
       spec(kTraining, "prune_at_step", "prune once, before this step", &Flags::prune_at_step),
       spec(kTraining, "prune_steps", "A-B: prune gradually from step A to B (Zhu & Gupta's cubic schedule)",
            &Flags::prune_steps),
-      spec(kRanks, "device", "auto, cpu or cuda (each rank its GPU: local rank modulo the GPUs)", &Flags::device),
-      spec(kRanks, "backend", "communicator: auto, nccl, mpi or local", &Flags::backend),
+      spec(kRanks, "device", "auto, cpu or cuda (each rank its GPU: local rank modulo the GPUs)", &Flags::device, kToRun),
+      spec(kRanks, "backend", "communicator: auto, nccl, mpi or local", &Flags::backend, kToRun),
       spec(kRanks, "collective_timeout_s", "seconds before a stuck collective ends the job",
-           &Flags::collective_timeout_s),
-      spec(kTensorParallel, "tp", "tensor-parallel size (consecutive ranks form a group)", &Flags::tp),
+           &Flags::collective_timeout_s, kToRun),
+      spec(kTensorParallel, "tp", "tensor-parallel size (consecutive ranks form a group)", &Flags::tp, kToRun),
       spec(kTensorParallel, "sequence_parallel",
            "with --tp > 1: split the activations between the parallel layers along the sequence",
-           &Flags::sequence_parallel),
+           &Flags::sequence_parallel, kToRun),
       spec(kTensorParallel, "pp", "pipeline stages (consecutive blocks per stage; stages are the outermost ranks)",
-           &Flags::pp),
+           &Flags::pp, kToRun),
       spec(kTensorParallel, "pp_schedule", "with --pp > 1: 1f1b or gpipe", &Flags::pp_schedule),
       spec(kTensorParallel, "pp_blocks", "with --pp > 1: blocks per stage, e.g. 2,4,4,2 (default: even, extra from stage 1)",
-           &Flags::pp_blocks),
-      spec(kData, "workers", "data-loading worker threads", &Flags::workers),
-      spec(kData, "prefetch", "batches prepared ahead by the loader", &Flags::prefetch),
+           &Flags::pp_blocks, kToRun),
+      spec(kData, "workers", "data-loading worker threads", &Flags::workers, kToLoader),
+      spec(kData, "prefetch", "batches prepared ahead by the loader", &Flags::prefetch, kToLoader),
       spec(kData, "eval_every", "evaluate every N steps (0: never)", &Flags::eval_every),
-      spec(kData, "eval_batches", "batches per evaluation", &Flags::eval_batches),
-      spec(kMemory, "offload", "none, optimizer, layers or all", &Flags::offload),
+      spec(kData, "eval_samples",
+           "held-out samples each evaluation scores, the same ones every time and for any rank count (0: all)",
+           &Flags::eval_samples),
+      spec(kMemory, "offload", "none, optimizer, layers or all", &Flags::offload, kToTrainer | kToRun),
       spec(kMemory, "shard",
            "partition across the data-parallel group: none, optimizer (ZeRO-1: optimizer state and "
            "master weights), gradients (ZeRO-2: also gradients) or parameters (ZeRO-3: also weights)",
@@ -123,13 +142,13 @@ const std::vector<Spec>& specs() {
            &Flags::offload_delayed_update_after),
       spec(kMemory, "host_mem_limit_gb", "cap of pinned host memory for offload (0: none)", &Flags::host_mem_limit_gb),
       spec(kMemory, "plan", "none, or auto: choose checkpointing/accumulation/offload to fit --gpu_mem_limit_gb",
-           &Flags::plan),
+           &Flags::plan, kToRun),
       spec(kMemory, "gpu_mem_limit_gb", "GPU memory budget in GiB, CUDA context included (0: the whole device)",
-           &Flags::gpu_mem_limit_gb),
+           &Flags::gpu_mem_limit_gb, kToRun),
       spec(kMemory, "memory_report_step", "log where memory goes after this step (0: never)",
            &Flags::memory_report_step),
       spec(kMemory, "checkpoint_activations", "recompute each block's activations in backward",
-           &Flags::checkpoint_activations),
+           &Flags::checkpoint_activations, kToRun),
       spec(kCheckpoints, "save_dir", "save checkpoints to this directory (one run per directory)", &Flags::save_dir),
       spec(kCheckpoints, "save_every", "also save every N steps (0: at the end and on preemption only)",
            &Flags::save_every),
@@ -138,6 +157,10 @@ const std::vector<Spec>& specs() {
            "continue from the newest good checkpoint in --save_dir: yes (one must exist; a bare --resume), "
            "auto (if there is one, else start), no",
            &Flags::resume),
+      spec(kCheckpoints, "save_dir_exists",
+           "a fresh start (--resume=no) into a --save_dir holding checkpoints: error, overwrite (remove them) or "
+           "resume (continue from them)",
+           &Flags::save_dir_exists),
       spec(kCheckpoints, "async_save", "periodic saves write in the background while training goes on",
            &Flags::async_save),
       spec(kObservability, "log_every", "log metrics every N steps", &Flags::log_every),
@@ -236,7 +259,7 @@ void validate(const Flags& f) {
   DTRAIN_CHECK(f.workers >= 0, "--workers=", f.workers, " must be >= 0");
   DTRAIN_CHECK(f.prefetch >= 1, "--prefetch=", f.prefetch, " must be >= 1");
   DTRAIN_CHECK(f.eval_every >= 0, "--eval_every=", f.eval_every, " must be >= 0");
-  DTRAIN_CHECK(f.eval_batches >= 1, "--eval_batches=", f.eval_batches, " must be >= 1");
+  DTRAIN_CHECK(f.eval_samples >= 0, "--eval_samples=", f.eval_samples, " must be >= 0 (0: the whole held-out split)");
   const OffloadChoice offload = parse_offload(f.offload);
   parse_shard_mode(f.shard);
   DTRAIN_CHECK(f.shard_units.empty() || f.shard == "parameters" || f.plan == "auto", "--shard_units=",
@@ -254,6 +277,8 @@ void validate(const Flags& f) {
   DTRAIN_CHECK(f.save_every >= 0, "--save_every=", f.save_every, " must be >= 0");
   DTRAIN_CHECK(f.keep_last >= 0, "--keep_last=", f.keep_last, " must be >= 0");
   parse_resume(f.resume);
+  parse_save_dir_exists(f.save_dir_exists);
+  if (!f.shard_units.empty()) split_list(f.shard_units, "--shard_units");
   DTRAIN_CHECK(f.log_every >= 1, "--log_every=", f.log_every, " must be >= 1");
 }
 
@@ -403,7 +428,7 @@ TrainerOptions trainer_options(const Flags& f, const std::string& default_optimi
   o.max_nonfinite_skips = f.max_nonfinite_skips;
   o.log_every = f.log_every;
   o.eval_every = f.eval_every;
-  o.eval_batches = f.eval_batches;
+  o.eval_samples = f.eval_samples;
   o.metrics_path = f.metrics;
   o.tensorboard_dir = f.tensorboard_dir;
   o.timeline_path = f.timeline;
@@ -412,6 +437,7 @@ TrainerOptions trainer_options(const Flags& f, const std::string& default_optimi
   o.memory_report_step = f.memory_report_step;
   o.offload_optimizer = parse_offload(f.offload).optimizer;
   o.shard = f.shard;
+  if (!f.shard_units.empty()) o.shard_unit_starts = split_list(f.shard_units, "--shard_units");
   o.pipeline.schedule = parse_pipeline_schedule(f.pp_schedule);
   o.prune = prune_options(f);
   o.offload.host_mem_limit_gb = f.host_mem_limit_gb;
@@ -423,12 +449,39 @@ TrainerOptions trainer_options(const Flags& f, const std::string& default_optimi
   o.save_every = f.save_every;
   o.keep_last = f.keep_last;
   o.resume = parse_resume(f.resume);
+  o.save_dir_exists = parse_save_dir_exists(f.save_dir_exists);
   o.async_save = f.async_save;
   o.progress = f.progress;
   // Not yet under ZeRO-3 with pipeline stages: a stage that fails would still owe its
   // data-parallel peers its unit gathers.
   o.oom_backoff = tp_size == 1 && !(f.shard == "parameters" && f.pp > 1);
   return o;
+}
+
+RunOptions run_options(const Flags& f) {
+  RunOptions o;
+  o.device = f.device;
+  o.backend = f.backend;
+  o.collective_timeout_s = f.collective_timeout_s;
+  o.tp = f.tp;
+  o.pp = f.pp;
+  o.pp_blocks = f.pp_blocks;
+  o.sequence_parallel = f.sequence_parallel;
+  o.batch_size = f.batch_size;
+  o.seed = static_cast<uint64_t>(f.seed);
+  o.checkpoint_activations = f.checkpoint_activations;
+  o.offload_layers = parse_offload(f.offload).layers;
+  o.plan = f.plan;
+  o.gpu_mem_limit_gb = f.gpu_mem_limit_gb;
+  return o;
+}
+
+std::vector<FlagInfo> registered_flags() {
+  std::vector<FlagInfo> out;
+  for (const Spec& sp : specs()) {
+    if (registered(sp.topic)) out.push_back({sp.name, sp.topic, sp.reach});
+  }
+  return out;
 }
 
 LoaderOptions loader_options(const Flags& f, int64_t batch_size, c10::Device device, bool shuffle) {

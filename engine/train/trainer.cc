@@ -26,7 +26,9 @@ void validate(const TrainerOptions& o) {
   DTRAIN_CHECK(o.accum_steps >= 1, "--accum_steps must be >= 1, got ", o.accum_steps);
   DTRAIN_CHECK(o.log_every >= 1, "--log_every must be >= 1, got ", o.log_every);
   DTRAIN_CHECK(o.eval_every >= 0, "--eval_every must be >= 0 (0 = never), got ", o.eval_every);
-  DTRAIN_CHECK(o.eval_batches >= 1, "eval_batches must be >= 1, got ", o.eval_batches);
+  DTRAIN_CHECK(o.resume == ResumeMode::kNo || !o.save_dir.empty(), "--resume=", to_string(o.resume),
+               " needs the checkpoint directory to resume from: pass --save_dir=DIR");
+  DTRAIN_CHECK(o.eval_samples >= 0, "eval_samples must be >= 0 (0: the whole held-out split), got ", o.eval_samples);
   DTRAIN_CHECK(std::isfinite(o.clip_grad_norm) && o.clip_grad_norm >= 0,
                "clip_grad_norm must be a finite number >= 0 (0 = off), got ", o.clip_grad_norm);
   DTRAIN_CHECK(o.tokens_per_sample >= 0, "tokens_per_sample must be >= 0");
@@ -58,7 +60,7 @@ Settings settings_of(const TrainerOptions& o) {
       {"schedule", o.schedule.name}, {"warmup_steps", text(o.schedule.warmup_steps)},
       {"total_steps", text(o.schedule.total_steps)}, {"min_lr_ratio", text(o.schedule.min_lr_ratio)},
       {"clip_grad_norm", text(o.clip_grad_norm)}, {"report_grad_norm", text(o.report_grad_norm)},
-      {"eval_every", text(o.eval_every)}, {"eval_batches", text(o.eval_batches)},
+      {"eval_every", text(o.eval_every)}, {"eval_samples", text(o.eval_samples)},
       {"oom_backoff", text(o.oom_backoff)}, {"offload_optimizer", text(o.offload_optimizer)},
       {"offload.stream_gradients", o.offload.stream_gradients},
       {"offload.delayed_update_after", text(o.offload.delayed_update_after)},
@@ -68,6 +70,7 @@ Settings settings_of(const TrainerOptions& o) {
       {"reducer.compress", o.reducer.compress ? c10::toString(*o.reducer.compress) : "off"},
       {"reducer.find_unused_parameters", text(o.reducer.find_unused_parameters)},
       {"save_every", text(o.save_every)}, {"keep_last", text(o.keep_last)}, {"resume", to_string(o.resume)},
+      {"save_dir_exists", to_string(o.save_dir_exists)},
       {"saves checkpoints", text(!o.save_dir.empty())}, {"handle_preemption", text(o.handle_preemption)},
       {"on_nonfinite", o.on_nonfinite == NonFinitePolicy::kStop ? "stop" : "skip"},
       {"max_nonfinite_skips", text(o.max_nonfinite_skips)}, {"pipeline.schedule", to_string(o.pipeline.schedule)}};
@@ -139,6 +142,23 @@ const char* to_string(ResumeMode mode) {
   return "?";
 }
 
+SaveDirExists parse_save_dir_exists(const std::string& text) {
+  if (text == "error") return SaveDirExists::kError;
+  if (text == "overwrite") return SaveDirExists::kOverwrite;
+  if (text == "resume") return SaveDirExists::kResume;
+  throw Error("--save_dir_exists=" + text + " is not one of: error, overwrite (remove the earlier checkpoints), "
+              "resume (continue from them)");
+}
+
+const char* to_string(SaveDirExists mode) {
+  switch (mode) {
+    case SaveDirExists::kError: return "error";
+    case SaveDirExists::kOverwrite: return "overwrite";
+    case SaveDirExists::kResume: return "resume";
+  }
+  return "?";
+}
+
 std::vector<Batch> split_batch(const Batch& batch, int n) {
   const int64_t rows = batch.size();
   DTRAIN_CHECK(n >= 1 && rows % n == 0, "a batch of ", rows, " rows does not split into ", n,
@@ -178,16 +198,27 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
                                         "' is in use by another run (rank 0 says which)"
                                   : refused);
     }
+    if (options_.resume == ResumeMode::kNo) start_fresh_in_save_dir();
   }
   if (mesh_.pp_size() > 1) check_pipeline_options(options_, mesh_);
   std::vector<std::string> names;
+  // A parameter registered under two names (tied weights: nanoGPT's head.weight = wte.weight)
+  // is trained once, under its first name, as PyTorch's parameters() lists it; autograd sums
+  // the gradients of its uses into its one .grad.
+  std::map<const c10::TensorImpl*, std::string> first_name;
+  std::vector<std::pair<std::string, std::string>> tied;  // (second name, first name)
   for (auto& item : model_.named_parameters()) {
-    if (item.value().requires_grad()) {
-      params_.push_back(item.value());
-      names.push_back(item.key());
+    if (!item.value().requires_grad()) continue;
+    auto [it, added] = first_name.emplace(item.value().unsafeGetTensorImpl(), item.key());
+    if (!added) {
+      tied.emplace_back(item.key(), it->second);
+      continue;
     }
+    params_.push_back(item.value());
+    names.push_back(item.key());
   }
   DTRAIN_CHECK(!params_.empty(), "the model has no trainable parameters");
+  if (!tied.empty()) check_tied_parameters(tied);
   if (mesh_.pp_size() > 1) {  // the whole model numbers its parameters stage after stage
     const std::vector<int64_t> counts = dist::all_gather_counts(mesh_.pp(), static_cast<int64_t>(params_.size()), device_);
     for (int s = 0; s < mesh_.pp_rank(); ++s) pp_param_offset_ += counts[s];
@@ -225,6 +256,9 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
       }
     }
     if (!sparse_params.empty()) {
+      DTRAIN_CHECK(tied.empty(), "sparse embedding gradients (", sparse_options.names.front(), ") with tied parameters ('",
+                   tied.front().first, "' is '", tied.front().second, "'): a tied embedding's gradient is dense where "
+                   "the other use touches it; drop --sparse_embedding or untie the parameters");
       DTRAIN_CHECK(!options_.offload_optimizer && shard == ShardMode::kNone, "sparse embedding gradients (",
                    sparse_options.names.front(), ") with ", options_.offload_optimizer ? "--offload=optimizer" : "--shard",
                    ": the partitioned optimizers keep one flat dense gradient space; drop --sparse_embedding, or "
@@ -500,6 +534,8 @@ void Trainer::run_pipeline(const std::vector<Batch>& micro, at::Tensor& loss_sum
   };
   if (scaler_->enabled()) ps.scale_loss = [this](const at::Tensor& loss) { return scaler_->scale(loss); };
   if (timeline_->enabled()) {
+    // On a GPU the spans are the device's (CUDA events around each forward and backward, read
+    // at the end of the step: run_pipeline_step then waits for the stage's device work).
     ps.on_span = [this](const std::string& what, int i, PipelineStep::Clock::time_point a,
                         PipelineStep::Clock::time_point b) {
       const bool wait = what.rfind("wait", 0) == 0;
@@ -801,6 +837,19 @@ void shard_loader(const dist::Mesh& mesh, DataLoader& loader, const std::string&
   }
 }
 
+void Trainer::score_batch(const Batch& batch, double weight, at::Tensor& sums) {
+  AutocastGuard autocast(device_.type(), options_.amp);
+  if (options_.eval_loss_and_correct) {
+    auto [loss, correct] = options_.eval_loss_and_correct(batch);
+    sums[0].add_(loss.detach().to(at::kDouble).reshape({}) * weight);
+    sums[1].add_(correct.detach().to(at::kDouble).reshape({}) * (weight > 0 ? 1.0 : 0.0));
+  } else if (mesh_.pp_size() > 1) {
+    sums[0].add_(pipeline_eval_loss(batch) * weight);  // zero except on the last stage
+  } else {
+    sums[0].add_(loss_(batch).detach().to(at::kDouble).reshape({}) * weight);
+  }
+}
+
 double Trainer::evaluate(DataLoader& eval, int64_t batches) {
   shard_loader(mesh_, eval, "the evaluation loader");
   const bool was_training = model_.is_training();
@@ -812,17 +861,8 @@ double Trainer::evaluate(DataLoader& eval, int64_t batches) {
     torch::NoGradGuard no_grad;
     for (int64_t b = 0; b < batches; ++b) {
       Batch batch = eval.next();
-      AutocastGuard autocast(device_.type(), options_.amp);
-      if (counting) {
-        auto [loss, correct] = options_.eval_loss_and_correct(batch);
-        sums[0].add_(loss.detach().to(at::kDouble).reshape({}));
-        sums[1].add_(correct.detach().to(at::kDouble).reshape({}));
-        sums[2].add_(static_cast<double>(batch.size()));
-      } else if (mesh_.pp_size() > 1) {
-        sums[0].add_(pipeline_eval_loss(batch));
-      } else {
-        sums[0].add_(loss_(batch).detach().to(at::kDouble).reshape({}));
-      }
+      score_batch(batch, /*weight=*/1.0, sums);
+      if (counting) sums[2].add_(static_cast<double>(batch.size()));
     }
   }
   model_.train(was_training);
@@ -840,6 +880,109 @@ double Trainer::evaluate(DataLoader& eval, int64_t batches) {
   const double* v = host.data_ptr<double>();
   last_eval_accuracy_ = counting && v[2] > 0 ? std::optional<double>(v[1] / v[2]) : std::nullopt;
   return v[0];
+}
+
+void Trainer::check_tied_parameters(const std::vector<std::pair<std::string, std::string>>& tied) const {
+  const std::string pair = "'" + tied.front().first + "' is '" + tied.front().second + "'";
+  const char* mode = mesh_.pp_size() > 1                       ? "--pp > 1 (the two names may live on different stages)"
+                     : mesh_.tp_size() > 1                     ? "--tp > 1 (each rank holds its own slice of each layer)"
+                     : parse_shard_mode(options_.shard) == ShardMode::kParameters ? "--shard=parameters (ZeRO-3's units "
+                                                                                   "own each weight once)"
+                                                                                 : nullptr;
+  DTRAIN_CHECK(mode == nullptr, "tied parameters (", pair, (tied.size() > 1 ? ", and more" : ""), ") with ", mode,
+               " are not supported yet; untie them (give each its own parameter) or train without that option");
+  if (mesh_.world().rank() == 0) {
+    for (const auto& [second, first] : tied) {
+      LOG(INFO) << "tied parameters: '" << second << "' is '" << first << "'; trained once, its gradient the sum "
+                << "over both uses (checkpoints keep both names)";
+    }
+  }
+}
+
+void Trainer::start_fresh_in_save_dir() {
+  // Rank 0 holds the directory's lock and decides; every rank learns the outcome (collective).
+  std::string refused;
+  bool resume = false;
+  if (mesh_.world().rank() == 0) {
+    try {
+      CheckpointStore store(options_.save_dir, CheckpointStoreOptions{0, options_.checkpoint_fs});
+      const std::vector<CheckpointInfo> found = store.list();
+      if (!found.empty()) {
+        const std::string what = std::to_string(found.size()) + " checkpoint(s) of an earlier run (newest: " +
+                                 found.front().path + ")";
+        switch (options_.save_dir_exists) {
+          case SaveDirExists::kError:
+            refused = "--save_dir=" + options_.save_dir + " already holds " + what +
+                      ", and this run starts fresh (--resume=no): its checkpoints would sit beside them, and a "
+                      "later --resume would continue whichever is newest. Continue that run with --resume=auto, "
+                      "start over with --save_dir_exists=overwrite (removes them), or give another --save_dir";
+            break;
+          case SaveDirExists::kOverwrite:
+            LOG(WARNING) << "--save_dir_exists=overwrite: removing " << what << " from " << options_.save_dir;
+            store.remove_all();
+            break;
+          case SaveDirExists::kResume:
+            LOG(INFO) << "--save_dir_exists=resume: " << options_.save_dir << " holds " << what
+                      << "; continuing from the newest good one";
+            resume = true;
+            break;
+        }
+      }
+    } catch (const std::exception& e) {
+      refused = e.what();
+    }
+  }
+  // Every rank throws rank 0's message, or none does.
+  const std::string rank0_refused = gather_texts(mesh_.world(), refused).front();
+  if (!rank0_refused.empty()) throw Error(rank0_refused);
+  // Every rank resumes or none: rank 0's finding, broadcast.
+  at::Tensor flag = at::full({1}, resume ? 1 : 0, at::kLong);
+  mesh_.world().broadcast(flag, 0)->wait();
+  if (flag.item<int64_t>() != 0) options_.resume = ResumeMode::kAuto;
+}
+
+double Trainer::evaluate(DataLoader& eval) {
+  shard_loader(mesh_, eval, "the evaluation loader");
+  const std::vector<int64_t> order = eval.evaluation_order(options_.eval_samples);
+  DTRAIN_CHECK(!order.empty(), "evaluation: the held-out dataset has no samples");
+  const int64_t rows_per_chunk = eval.options().batch_size;
+  const int64_t chunks = (static_cast<int64_t>(order.size()) + rows_per_chunk - 1) / rows_per_chunk;
+  const int64_t dp = mesh_.dp_size(), rank = mesh_.dp_rank();
+  const int64_t rounds = (chunks + dp - 1) / dp;
+  const bool was_training = model_.is_training();
+  model_.eval();
+  // [row-weighted loss sum, correct predictions, rows], summed on the device: one host read.
+  at::Tensor sums = at::zeros({3}, at::TensorOptions().dtype(at::kDouble).device(device_));
+  const bool counting = static_cast<bool>(options_.eval_loss_and_correct);
+  {
+    torch::NoGradGuard no_grad;
+    for (int64_t round = 0; round < rounds; ++round) {
+      const int64_t chunk = round * dp + rank;
+      const bool counts = chunk < chunks;
+      // A rank past the last chunk runs the set's first sample so that every rank runs the same
+      // forwards; it does not count.
+      const int64_t first = counts ? chunk * rows_per_chunk : 0;
+      const int64_t rows = counts ? std::min<int64_t>(rows_per_chunk, static_cast<int64_t>(order.size()) - first) : 1;
+      Batch batch = eval.load(std::vector<int64_t>(order.begin() + first, order.begin() + first + rows));
+      batch.index = chunk;
+      const double weight = counts ? static_cast<double>(rows) : 0.0;
+      score_batch(batch, weight, sums);
+      sums[2].add_(weight);
+    }
+  }
+  model_.train(was_training);
+  // The last stage holds the loss (the others add zero); every stage counts the rows.
+  if (mesh_.pp_size() > 1) {
+    at::Tensor loss = sums.narrow(0, 0, 1);
+    mesh_.pp().all_reduce(loss, dist::ReduceOp::kSum)->wait();
+  }
+  mesh_.dp().all_reduce(sums, dist::ReduceOp::kSum)->wait();
+  at::Tensor host = sums.cpu();
+  const double* v = host.data_ptr<double>();
+  DTRAIN_CHECK(static_cast<int64_t>(v[2]) == static_cast<int64_t>(order.size()), "evaluation: the ranks scored ",
+               v[2], " rows of a ", order.size(), "-sample held-out set (internal error)");
+  last_eval_accuracy_ = counting ? std::optional<double>(v[1] / v[2]) : std::nullopt;
+  return v[0] / v[2];
 }
 
 double Trainer::comm_bus_bytes() const {
@@ -892,7 +1035,7 @@ StepMetrics Trainer::log_step(bool eval_now, DataLoader* eval, int64_t global_ba
     m.extra["nonfinite_skips"] = static_cast<double>(nonfinite_skips_);
   }
   if (eval_now) {
-    m.eval_loss = evaluate(*eval, options_.eval_batches);
+    m.eval_loss = evaluate(*eval);
     if (last_eval_accuracy_) m.extra["eval_accuracy"] = *last_eval_accuracy_;
     if (options_.eval_perplexity) m.extra["eval_perplexity"] = std::exp(*m.eval_loss);
   }
@@ -912,7 +1055,13 @@ bool Trainer::stop_for_preemption(const DataLoader& train) {
     LOG(WARNING) << "preempted (signal " << preemption_signal() << ") after step " << step_
                  << (options_.save_dir.empty() ? "; no --save_dir, nothing saved" : "; saving a checkpoint");
   }
-  if (!options_.save_dir.empty()) save_checkpoint(&train);
+  if (!options_.save_dir.empty()) {
+    if (last_saved_step_ == step_) {
+      wait_for_save();  // this step's periodic save (possibly in the background) is the checkpoint
+    } else {
+      save_checkpoint(&train);
+    }
+  }
   if (mesh_.world().rank() == 0) {
     RequeueResult rq = request_requeue();
     if (rq.attempted) LOG(WARNING) << "requeue: " << rq.message;
@@ -946,10 +1095,25 @@ StepMetrics Trainer::fit(DataLoader& train, DataLoader* eval) {
     ~EvalScope() { slot = nullptr; }
   } eval_scope{eval_};
   eval_ = eval;
-  if (options_.resume != ResumeMode::kNo) resume_checkpoint(&train, options_.resume == ResumeMode::kYes);
-  if (step_ >= options_.steps && mesh_.world().rank() == 0) {
-    LOG(INFO) << "the run is complete: step " << step_ << " of " << options_.steps
-              << " steps was reached (checkpoint in " << options_.save_dir << "); nothing to train";
+  if (options_.resume != ResumeMode::kNo) {
+    resume_checkpoint(&train, options_.resume == ResumeMode::kYes);
+    // The lines an earlier process logged after the checkpoint it left are logged again now:
+    // one line per step in the metrics file.
+    metrics_->keep_through_step(step_);
+  }
+  // TensorBoard: points of steps from here on that earlier processes wrote are superseded.
+  tensorboard_->add_resume(step_ + 1);
+  if (step_ >= options_.steps) {
+    if (mesh_.world().rank() == 0) {
+      LOG(WARNING) << "the run is complete: step " << step_ << " of " << options_.steps
+                   << " steps was reached (checkpoint in " << options_.save_dir << "); nothing to train";
+    }
+    // Nothing was trained: no loss to report (NaN, never a made-up 0).
+    StepMetrics done;
+    done.step = step_;
+    done.loss = std::numeric_limits<double>::quiet_NaN();
+    finish_timeline();
+    return done;
   }
   const int64_t first_step = step_ + 1;  // logged too, so a resumed run shows where it starts
   reset_peak_memory(device_);

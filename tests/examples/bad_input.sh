@@ -39,6 +39,12 @@ check 2 "unexpected argument 'extra'" "$bin/train_cnn" extra
 check 2 "unknown communicator backend 'gloo'" "$bin/train_mlp" --backend=gloo
 check 2 "cannot create the TensorBoard directory '/proc/forbidden'" "$bin/train_mlp" --tensorboard_dir=/proc/forbidden
 check 2 "timeline=/nonexistent/t.json: directory '/nonexistent' does not exist" "$bin/train_mlp" --timeline=/nonexistent/t.json
+# A binary file (uint16 tokens, as llm.c's and nanoGPT's shards hold) is not text: refused, naming it.
+bin_tokens=$(mktemp)
+printf '\x34\x12\x00\x00\xff\xfe\x01\x00' >"$bin_tokens"
+check 2 "'$bin_tokens' is not text \\(byte 2 is 0x00\\)" "$bin/train_gpt" --device=cpu --data_path="$bin_tokens" --steps=1
+check 2 "the text corpus '/nonexistent/corpus.txt' does not exist" "$bin/train_gpt" --device=cpu --data_path=/nonexistent/corpus.txt
+rm -f "$bin_tokens"
 rm -f /tmp/dtrain_bad_input.$$
 [[ $failed == 0 ]] && echo "all bad-input cases exit 2 with a message"
 exit $failed

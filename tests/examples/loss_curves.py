@@ -252,7 +252,7 @@ def dir_digest(path):
 def scenario_checkpoint(args):
     w = args.workdir
     common = ["--lr=0.003", "--workers=1", "--seed=5", "--schedule=constant"]
-    evals = ["--eval_every=5", "--eval_batches=2"]
+    evals = ["--eval_every=5", "--eval_samples=64"]
     ref = train(args, "train_mlp", 2, common + evals + ["--steps=20", "--batch_size=32"], "ref")
     # 10 steps, then --resume to 20: steps 11-20 equal the uninterrupted run, evaluations too
     # (the evaluation loader continues where it was).
@@ -404,7 +404,7 @@ def scenario_pipeline(args):
         assert waits, f"rank {rank}: no wait for its neighbour in the timeline"
     print("ok: the timeline has each stage's forwards and waits;", lines)
     # Evaluation runs the forwards through the stages: the same evaluation loss.
-    ev = ["--eval_every=6", "--eval_batches=2"]
+    ev = ["--eval_every=6", "--eval_samples=16"]
     base = train(args, "train_gpt", 1, shape + ev + ["--batch_size=8"], "pp-ref-eval")
     other = train(args, "train_gpt", 2, shape + ev + ["--pp=2", "--batch_size=8", "--accum_steps=2"], "pp-eval")
     pairs = [(a["eval_loss"], b["eval_loss"]) for a, b in zip(base, other) if "eval_loss" in a]
@@ -537,8 +537,10 @@ def scenario_zero3(args):
                      if f["args"]["unit"] + 1 == g["args"]["unit"] and overlap(g, f))
     assert prefetched > 0, "no gather of unit k + 1 overlaps unit k's forward"
     print(f"ok: the timeline has {len(gathers)} unit gathers, {prefetched} of them overlapping the previous unit's forward")
-    # Evaluation runs the forwards through the units.
-    ev = ["--eval_every=6", "--eval_batches=2"]
+    # Evaluation runs the forwards through the units: 20 held-out samples are 5 chunks of 4 rows on
+    # 2 ranks, so rank 1 runs a forward that does not count in the last round (the units' gathers
+    # stay matched).
+    ev = ["--eval_every=6", "--eval_samples=20"]
     base = train(args, "train_gpt", 1, shape + ev + ["--batch_size=8"], "z3-ref-eval")
     other = train(args, "train_gpt", 2, shape + ev + ["--batch_size=4", "--shard=parameters"], "z3-eval")
     pairs = [(a["eval_loss"], b["eval_loss"]) for a, b in zip(base, other) if "eval_loss" in a]
@@ -1046,11 +1048,98 @@ def scenario_distill(args):
     print("ok: --distill_* without --teacher refused; nothing written by the refused runs")
 
 
+def scenario_traps(args):
+    """The silent traps of a user's run (issue "No silent wrong work"), through the example programs."""
+    import signal
+    import time
+    w = args.workdir
+    common = ["--workers=1", "--seed=5", "--schedule=constant"]
+    # 1. Every evaluation scores the same held-out samples: with weights that barely move
+    #    (lr 1e-9), successive eval_loss values are equal (they differed by as much as training
+    #    improves them when each evaluation took the next slice).
+    still = common + ["--lr=1e-9", "--steps=8", "--eval_every=2", "--eval_samples=96", "--batch_size=16"]
+    evals = [m["eval_loss"] for m in train(args, "train_mlp", 1, still, "still") if "eval_loss" in m]
+    assert len(evals) == 4, evals
+    spread = (max(evals) - min(evals)) / abs(evals[0])
+    assert spread < 1e-6, f"FAIL: successive evaluations of (nearly) the same weights differ by {spread:.2e}: {evals}"
+    print(f"ok: 4 evaluations of the same held-out set: {evals[0]:.6f} (spread {spread:.1e})")
+    # 2. The evaluated set does not depend on the layout: 1 rank x 16 and 2 ranks x 16 (a
+    #    different global batch), also with accumulation, score the same samples at step 1.
+    first = ["--lr=1e-9", "--steps=1", "--eval_every=1", "--eval_samples=100"]
+    layouts = [(1, ["--batch_size=16"]), (2, ["--batch_size=16"]), (2, ["--batch_size=8", "--accum_steps=2"]),
+               (4, ["--batch_size=4"])]
+    got = [train(args, "train_mlp", n, common + first + f, f"layout{i}")[0]["eval_loss"] for i, (n, f) in enumerate(layouts)]
+    worst = max(abs(g - got[0]) / abs(got[0]) for g in got)
+    assert worst < 1e-6, f"FAIL: eval_loss depends on the layout: {got}"
+    print(f"ok: eval_loss {got[0]:.6f} for 1x16, 2x16, 2x(2x8) and 4x4 (worst relative difference {worst:.1e})")
+    # 3. A fresh run into a directory of another run's checkpoints is refused, names the
+    #    choices, and writes nothing there; --save_dir_exists=resume continues from them.
+    ck = os.path.join(w, "ck-shared")
+    train(args, "train_mlp", 1, common + ["--steps=6", "--save_every=3", f"--save_dir={ck}"], "first-run")
+    before = sorted(os.listdir(ck))
+    out = train(args, "train_mlp", 1, common + ["--steps=4", f"--save_dir={ck}"], "fresh-run", expect_status=2)
+    assert "already holds 2 checkpoint(s) of an earlier run" in out and "--save_dir_exists=overwrite" in out, out
+    assert sorted(os.listdir(ck)) == before, "a refused run changed the checkpoint directory"
+    resumed = train(args, "train_mlp", 1, common + ["--steps=8", f"--save_dir={ck}", "--save_dir_exists=resume"],
+                    "resume-run")
+    assert [m["step"] for m in resumed] == [7, 8], f"--save_dir_exists=resume did not continue from step 6: {resumed}"
+    print("ok: a fresh run into another run's checkpoints is refused; --save_dir_exists=resume continues")
+    # 4. Killed (SIGKILL, no save) after its last checkpoint, then resumed: the metrics file and
+    #    TensorBoard hold one point per step, and the curve equals an uninterrupted run's.
+    ck = os.path.join(w, "ck-killed")
+    tb = os.path.join(w, "tb-killed")
+    killed_metrics = os.path.join(w, "killed.jsonl")
+    cmd = [os.path.join(args.bin, "train_mlp"), "--device=cpu", "--progress=false", "--log_every=1",
+           f"--metrics={killed_metrics}", f"--tensorboard_dir={tb}", f"--save_dir={ck}", "--save_every=7",
+           "--steps=100000", "--async_save=false", "--lr=0.003"] + common
+    print("$", " ".join(shlex.quote(c) for c in cmd), flush=True)
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        steps = [m["step"] for m in metrics(killed_metrics)] if os.path.exists(killed_metrics) else []
+        if steps and steps[-1] >= 25 and steps[-1] % 7 != 0:
+            break
+        time.sleep(0.01)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    logged = [m["step"] for m in metrics(killed_metrics)]
+    saved = max(int(n[5:11]) for n in os.listdir(ck) if n.startswith("step-") and n.endswith(".pt") and "rank" not in n)
+    assert logged[-1] > saved, f"the kill came before any step past the checkpoint ({logged[-1]} vs {saved})"
+    end = saved + 6
+    train(args, "train_mlp", 1, common + ["--lr=0.003", f"--steps={end}", f"--save_dir={ck}", "--resume=auto",
+                                          f"--tensorboard_dir={tb}", f"--metrics={killed_metrics}"], "resumed-killed",
+          output=True)
+    lines = metrics(killed_metrics)
+    steps = [m["step"] for m in lines]
+    assert steps == list(range(1, end + 1)), f"FAIL: the metrics file's steps after the resume: {steps}"
+    ref = train(args, "train_mlp", 1, common + ["--lr=0.003", f"--steps={end}", "--save_every=7",
+                                                f"--save_dir={os.path.join(w, 'ck-ref')}", "--async_save=false"], "uninterrupted")
+    compare(ref, lines, "killed at step %d and resumed from step %d" % (logged[-1], saved), 1e-6)
+    code = (
+        "import sys\n"
+        "from tensorboard.backend.event_processing.event_accumulator import EventAccumulator\n"
+        "acc = EventAccumulator(sys.argv[1]); acc.Reload()\n"
+        "print(' '.join(f'{e.step}:{e.value!r}' for e in acc.Scalars('train/loss')))\n")
+    out = subprocess.run([args.python, "-c", code, tb], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert out.returncode == 0, out.stderr
+    points = [(int(a), float(b)) for a, b in (x.split(":") for x in out.stdout.split())]
+    assert [st for st, _ in points] == list(range(1, end + 1)), f"FAIL: TensorBoard's train/loss steps: {points}"
+    worst = max(abs(v - m["loss"]) / abs(m["loss"]) for (_, v), m in zip(points, lines))
+    assert worst < 1e-6, f"FAIL: TensorBoard's train/loss differs from the metrics file by {worst:.2e}"
+    print(f"ok: killed after step {logged[-1]}, resumed from {saved}: one metrics line and one TensorBoard point per "
+          f"step 1-{end}, equal to the uninterrupted run")
+    # 5. Bytes folded into a smaller vocabulary are said out loud.
+    out = train(args, "train_gpt", 1, ["--steps=1", "--d_model=32", "--heads=2", "--layers=1", "--ff=64", "--seq_len=16",
+                                       "--vocab=96", "--batch_size=2", "--workers=1"], "fold", output=True)
+    assert "--vocab=96 is below 256: each byte b of the corpus becomes token b mod 96" in out, out
+    print("ok: --vocab below 256 says that it folds bytes")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("scenario", choices=["data_parallel", "amp", "seq2seq", "tensor_parallel", "observability",
                                          "checkpoint", "checkpoint_tp", "offload", "offload_stream", "plan",
-                                         "sequence_parallel", "distill", "sparse", "pipeline", "zero3"])
+                                         "sequence_parallel", "distill", "sparse", "pipeline", "zero3", "traps"])
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--source", default=os.path.join(os.path.dirname(__file__), "..", ".."))
     ap.add_argument("--bin", required=True)
@@ -1065,7 +1154,7 @@ def main():
          "offload": scenario_offload, "offload_stream": scenario_offload_stream, "plan": scenario_plan,
          "sequence_parallel": scenario_sequence_parallel, "distill": scenario_distill,
          "sparse": scenario_sparse, "pipeline": scenario_pipeline,
-         "zero3": scenario_zero3}[args.scenario](args)
+         "zero3": scenario_zero3, "traps": scenario_traps}[args.scenario](args)
 
 
 if __name__ == "__main__":

@@ -112,8 +112,8 @@ def check_gpt_weights(args, work, ck, shape):
 
 def check_eval(args, program, flags, ck):
     out = run([os.path.join(args.bin, program), "--device=cpu", "--eval_only", "--resume", f"--save_dir={ck}",
-               "--quantize=int8", "--eval_batches=8", "--progress=false", *flags])
-    losses = [float(x) for x in re.findall(r"evaluated 8 batches under no_grad[^:]*: loss ([0-9.]+)", out)]
+               "--quantize=int8", "--eval_samples=64", "--progress=false", *flags])
+    losses = [float(x) for x in re.findall(r"evaluated 64 held-out samples \([0-9]+ batches per rank\) under no_grad[^:]*: loss ([0-9.]+)", out)]
     assert len(losses) == 2, out
     m = re.search(r"weights ([0-9.]+) MB -> ([0-9.]+) MB \(([0-9.]+)x smaller\)", out)
     assert m, out

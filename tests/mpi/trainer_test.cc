@@ -2,7 +2,11 @@
 // the smaller micro-batches from the start; metrics and evaluation.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 
 #include <c10/util/Exception.h>
@@ -11,6 +15,7 @@
 
 #include "dtrain/dist/error.h"
 #include "dtrain/dist/mesh.h"
+#include "dtrain/engine/state/checkpoint.h"
 #include "dtrain/engine/train/trainer.h"
 #include "test_util.h"
 #include "zero3_oom_cases.h"
@@ -244,6 +249,225 @@ TEST(Trainer, EvaluateCountsAccuracyOverTheDataParallelGroup) {
   EXPECT_GT(want, 0.0);
   EXPECT_LT(want, 1.0);
   EXPECT_NEAR(loss, torch::cross_entropy_loss(logits, y.narrow(0, 0, rows)).item<double>(), 1e-12);
+}
+
+// evaluate(loader): the held-out set is eval_samples samples of the loader's epoch-0 order,
+// whatever the rank count, batch size or data-parallel sharding, the same set at every call,
+// and the loss is the row-weighted mean over it: the mean squared error over the set computed
+// in one forward here, for 37 samples (partial chunks, ranks without a chunk in the last round)
+// in batches of 4 and 5 rows, the whole split and 23 samples, shuffled or not. The loader's
+// position does not move. (Before: eval_batches batches per rank, continuing where the last
+// evaluation stopped, so successive evaluations and rank counts scored different samples.)
+TEST(Trainer, EvaluationScoresTheSameHeldOutSetForEveryLayoutAndEveryCall) {
+  auto& comm = world_comm();
+  dist::Mesh mesh(comm, 1);
+  auto model = make_model();
+  auto g = at::make_generator<at::CPUGeneratorImpl>(21);
+  at::Tensor x = at::randn({37, 6}, g, at::kDouble), y = at::randn({37, 1}, g, at::kDouble);
+  auto data = std::make_shared<TensorDataset>(std::vector<at::Tensor>{x, y});
+  for (int64_t samples : {int64_t{0}, int64_t{23}}) {
+    for (int64_t rows : {int64_t{4}, int64_t{5}}) {
+      for (bool shuffle : {false, true}) {
+        SCOPED_TRACE("eval_samples " + std::to_string(samples) + ", batch " + std::to_string(rows) +
+                     (shuffle ? ", shuffled" : ""));
+        TrainerOptions o = base_options();
+        o.eval_samples = samples;
+        Trainer trainer(*model, [&](const Batch& b) { return torch::mse_loss(model->forward(b.fields[0]), b.fields[1]); },
+                        mesh, c10::Device(c10::kCPU), o);
+        LoaderOptions lo;
+        lo.batch_size = rows;
+        lo.shuffle = shuffle;
+        lo.seed = 77;
+        lo.workers = 0;
+        DataLoader loader(data, lo);
+        const std::vector<int64_t> order = loader.evaluation_order(samples);
+        ASSERT_EQ(static_cast<int64_t>(order.size()), samples == 0 ? 37 : samples);
+        const double first = trainer.evaluate(loader);
+        const double second = trainer.evaluate(loader);
+        EXPECT_EQ(first, second) << "two evaluations of the same weights scored different samples";
+        EXPECT_EQ(loader.position(), (std::pair<int64_t, int64_t>{0, 0}));
+        torch::NoGradGuard no_grad;
+        at::Tensor index = at::tensor(order, at::kLong);
+        const double want =
+            torch::mse_loss(model->forward(x.index_select(0, index)), y.index_select(0, index)).item<double>();
+        EXPECT_NEAR(first, want, 1e-12 * std::abs(want));
+      }
+    }
+  }
+}
+
+// Two modules holding one parameter (tied weights, as nanoGPT ties its head to the token
+// embedding): the trainer trains it once with the summed gradient of both uses, as PyTorch's
+// parameters() lists it, at every rank count and with ZeRO-1; the reference is a plain
+// libtorch AdamW loop in float64 on the global batch. ZeRO-3 refuses it, naming both names.
+struct HoldsImpl : torch::nn::Module {
+  explicit HoldsImpl(at::Tensor w) { weight = register_parameter("weight", std::move(w)); }
+  at::Tensor weight;
+};
+TORCH_MODULE(Holds);
+struct TiedNetImpl : torch::nn::Module {
+  TiedNetImpl() {
+    torch::manual_seed(4);
+    at::Tensor w = torch::randn({5, 6}, torch::kFloat64) * 0.3;
+    embed = register_module("embed", Holds(w));
+    mid = register_module("mid", torch::nn::Linear(torch::nn::LinearOptions(5, 5)));
+    head = register_module("head", Holds(w));  // the same tensor under a second name
+    mid->to(torch::kFloat64);
+  }
+  at::Tensor forward(const at::Tensor& x) {  // [n, 6] -> [n, 6]
+    at::Tensor h = torch::tanh(x.matmul(embed->weight.t()));
+    return mid->forward(h).matmul(head->weight);
+  }
+  Holds embed{nullptr}, head{nullptr};
+  torch::nn::Linear mid{nullptr};
+};
+TORCH_MODULE(TiedNet);
+
+TEST(Trainer, TiedParametersTrainOnceWithTheSummedGradientLikeATorchLoop) {
+  auto& comm = world_comm();
+  const int64_t rows = 4, steps = 3;
+  auto global_batch = [&](int64_t step) {
+    auto g = at::make_generator<at::CPUGeneratorImpl>(500 + step);
+    return std::make_pair(at::randn({rows * comm.size(), 6}, g, at::kDouble),
+                          at::randn({rows * comm.size(), 6}, g, at::kDouble));
+  };
+  // Reference: one process, the whole global batch, torch::optim::AdamW on the distinct tensors.
+  TiedNet ref;
+  std::vector<at::Tensor> distinct = {ref->embed->weight, ref->mid->weight, ref->mid->bias};
+  ASSERT_EQ(ref->parameters().size(), 4u) << "the tie is the premise of this test";
+  torch::optim::AdamW adamw(distinct, torch::optim::AdamWOptions(0.01).weight_decay(0));
+  for (int64_t s = 0; s < steps; ++s) {
+    auto [x, y] = global_batch(s);
+    adamw.zero_grad();
+    torch::mse_loss(ref->forward(x), y).backward();
+    adamw.step();
+  }
+  for (const char* shard : {"none", "optimizer"}) {
+    SCOPED_TRACE(std::string("--shard=") + shard);
+    dist::Mesh mesh(comm, 1);
+    TiedNet model;
+    TrainerOptions o = base_options();
+    o.optimizer.name = "adamw";
+    o.optimizer.weight_decay = 0;
+    o.shard = shard;
+    Trainer trainer(*model, [&](const Batch& b) { return torch::mse_loss(model->forward(b.fields[0]), b.fields[1]); },
+                    mesh, c10::Device(c10::kCPU), o);
+    for (int64_t s = 0; s < steps; ++s) {
+      auto [x, y] = global_batch(s);
+      Batch b;
+      b.fields = {x.narrow(0, rows * comm.rank(), rows), y.narrow(0, rows * comm.rank(), rows)};
+      trainer.step(b);
+    }
+    EXPECT_EQ(model->embed->weight.data_ptr(), model->head->weight.data_ptr()) << "the tie survived training";
+    EXPECT_LT(testing_util::rel_error(model->embed->weight, ref->embed->weight), 1e-12);
+    EXPECT_LT(testing_util::rel_error(model->mid->weight, ref->mid->weight), 1e-12);
+    EXPECT_LT(testing_util::rel_error(model->mid->bias, ref->mid->bias), 1e-12);
+  }
+  dist::Mesh mesh(comm, 1);
+  TiedNet model;
+  TrainerOptions o = base_options();
+  o.shard = "parameters";
+  o.shard_unit_starts = {"embed.", "mid.", "head."};
+  const std::string error = testing_util::error_of([&] {
+    Trainer trainer(*model, [&](const Batch& b) { return torch::mse_loss(model->forward(b.fields[0]), b.fields[1]); },
+                    mesh, c10::Device(c10::kCPU), o);
+  });
+  EXPECT_NE(error.find("tied parameters ('head.weight' is 'embed.weight') with --shard=parameters"), std::string::npos)
+      << error;
+}
+
+// fit() of make_model() on 64 random rows, 4 per rank and step, saving into `dir`.
+struct SavingRun {
+  dist::Mesh& mesh;
+  std::string dir;
+  int64_t save_every = 0;
+  StepMetrics fit(int64_t steps, ResumeMode resume, SaveDirExists exists, int64_t* reached = nullptr) {
+    auto model = make_model();
+    TrainerOptions o = base_options();
+    o.steps = steps;
+    o.save_dir = dir;
+    o.keep_last = 0;
+    o.save_every = save_every;
+    o.async_save = false;
+    o.resume = resume;
+    o.save_dir_exists = exists;
+    Trainer trainer(*model, [&](const Batch& b) { return torch::mse_loss(model->forward(b.fields[0]), b.fields[1]); },
+                    mesh, c10::Device(c10::kCPU), o);
+    auto g = at::make_generator<at::CPUGeneratorImpl>(3);
+    auto data = std::make_shared<TensorDataset>(
+        std::vector<at::Tensor>{at::randn({64, 6}, g, at::kDouble), at::randn({64, 1}, g, at::kDouble)});
+    LoaderOptions lo;
+    lo.batch_size = 4;
+    lo.workers = 0;
+    DataLoader loader(data, lo);
+    StepMetrics last = trainer.fit(loader);
+    if (reached) *reached = trainer.current_step();
+    return last;
+  }
+};
+
+// A fresh run (resume kNo) into a save_dir holding an earlier run's checkpoints: refused by
+// default, naming the directory and the choices; "overwrite" removes them first; "resume"
+// continues from the newest. (Before: the fresh run's checkpoints were written beside the
+// others', and a later resume continued whichever run's step was newest.)
+TEST(Trainer, AFreshStartIntoADirectoryOfCheckpointsIsRefusedOverwrittenOrResumedAsAsked) {
+  auto& comm = world_comm();
+  dist::Mesh mesh(comm, 1);
+  // One directory for every rank: rank 0's name.
+  std::unique_ptr<testing_util::ScratchDir> scratch;
+  std::string dir;
+  {
+    if (comm.rank() == 0) scratch = std::make_unique<testing_util::ScratchDir>("save_dir_exists", true);
+    std::string mine = comm.rank() == 0 ? scratch->str() : std::string();
+    at::Tensor n = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong);
+    comm.broadcast(n, 0)->wait();
+    at::Tensor bytes = at::zeros({n.item<int64_t>()}, at::kByte);
+    if (comm.rank() == 0) std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
+    comm.broadcast(bytes, 0)->wait();
+    dir.assign(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel()));
+  }
+  SavingRun saving{mesh, dir, /*save_every=*/2};
+  auto run = [&](int64_t steps, ResumeMode resume, SaveDirExists exists) {
+    int64_t reached = 0;
+    saving.fit(steps, resume, exists, &reached);
+    return reached;
+  };
+  auto steps_saved = [&] {
+    std::vector<int64_t> steps;
+    for (const CheckpointInfo& c : CheckpointStore(dir).list()) steps.push_back(c.step);
+    return steps;
+  };
+  EXPECT_EQ(run(6, ResumeMode::kNo, SaveDirExists::kError), 6);
+  EXPECT_EQ(steps_saved(), (std::vector<int64_t>{6, 4, 2}));
+  const std::string error = testing_util::error_of([&] { run(3, ResumeMode::kNo, SaveDirExists::kError); });
+  EXPECT_NE(error.find("--save_dir=" + dir + " already holds 3 checkpoint(s) of an earlier run"), std::string::npos)
+      << error;
+  EXPECT_NE(error.find("--save_dir_exists=overwrite"), std::string::npos) << error;
+  EXPECT_EQ(steps_saved(), (std::vector<int64_t>{6, 4, 2})) << "a refused run must leave the directory as it was";
+  EXPECT_EQ(run(8, ResumeMode::kNo, SaveDirExists::kResume), 8) << "resume continues from step 6";
+  EXPECT_EQ(steps_saved(), (std::vector<int64_t>{8, 6, 4, 2}));
+  EXPECT_EQ(run(3, ResumeMode::kNo, SaveDirExists::kOverwrite), 3);
+  EXPECT_EQ(steps_saved(), (std::vector<int64_t>{3, 2})) << "overwrite removes the earlier run's checkpoints first";
+  comm.barrier()->wait();
+}
+
+// A run that had already reached its steps trains nothing: fit() says so and returns a NaN
+// loss, never a made-up 0.
+TEST(Trainer, FitOfACompleteRunReturnsNoLoss) {
+  auto& comm = world_comm();
+  dist::Mesh mesh(comm, 1);
+  // One directory for every rank (all ranks run on one machine, under one mpirun).
+  const std::string dir = "/tmp/dtrain_complete_run_" + std::to_string(getppid());
+  if (comm.rank() == 0) testing_util::remove_tree(dir);
+  comm.barrier()->wait();
+  SavingRun saving{mesh, dir};
+  StepMetrics last = saving.fit(2, ResumeMode::kAuto, SaveDirExists::kError);
+  EXPECT_TRUE(std::isfinite(last.loss));
+  last = saving.fit(2, ResumeMode::kAuto, SaveDirExists::kError);
+  EXPECT_EQ(last.step, 2);
+  EXPECT_TRUE(std::isnan(last.loss)) << "a complete run reported loss " << last.loss;
+  comm.barrier()->wait();
+  if (comm.rank() == 0) testing_util::remove_tree(dir);
 }
 
 // The metrics' comm_mb (bytes this rank sends per step, counted by the communicators as ring

@@ -22,6 +22,16 @@ std::string file_version_event(double wall_time, const std::string& version) {
   return serialize(event);
 }
 
+std::string session_start_event(double wall_time, int64_t step, const std::string& msg) {
+  dtrain::tb::Event event;
+  event.set_wall_time(wall_time);
+  event.set_step(step);
+  auto* log = event.mutable_session_log();
+  log->set_status(dtrain::tb::SessionLog::START);
+  log->set_msg(msg);
+  return serialize(event);
+}
+
 std::string scalar_event(double wall_time, int64_t step, const std::string& tag, float value) {
   dtrain::tb::Event event;
   event.set_wall_time(wall_time);

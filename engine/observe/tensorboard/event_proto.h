@@ -11,6 +11,8 @@ namespace dtrain::engine::tb_detail {
 
 // Event{wall_time, file_version}: the first record of every events file.
 std::string file_version_event(double wall_time, const std::string& version);
+// Event{wall_time, step, session_log{START, msg}}.
+std::string session_start_event(double wall_time, int64_t step, const std::string& msg);
 // Event{wall_time, step, summary{value{tag, simple_value}}}.
 std::string scalar_event(double wall_time, int64_t step, const std::string& tag, float value);
 // Event{wall_time, step, summary{value{tag, metadata{plugin "text"}, tensor: DT_STRING [1]}}}.

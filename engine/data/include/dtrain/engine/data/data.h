@@ -110,6 +110,19 @@ class DataLoader {
   void shard(int dp_rank, int dp_size);
   const LoaderOptions& options() const { return options_; }
 
+  // Samples in the dataset.
+  int64_t dataset_size() const;
+  // A held-out set that does not depend on the layout: the first `samples` samples of epoch
+  // 0's order (the (seed, 0) permutation with shuffle, else dataset order), all of them for
+  // samples == 0 or more than the dataset has. The same for every dp_rank, dp_size,
+  // batch_size and worker count. Trainer::evaluate(loader) scores this set.
+  std::vector<int64_t> evaluation_order(int64_t samples) const;
+  // The samples `indices` assembled on the calling thread into a batch on options().device,
+  // ready on the caller's current stream. Does not move position(); thread-safe (the dataset's
+  // get_batch is). Throws dtrain::Error for an index out of range or a dataset that returns
+  // the wrong number of rows.
+  Batch load(const std::vector<int64_t>& indices) const;
+
  private:
   class Impl;
   LoaderOptions options_;
@@ -117,3 +130,5 @@ class DataLoader {
 };
 
 }  // namespace dtrain::engine
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

@@ -38,10 +38,17 @@ class MetricsWriter {
   void write(const StepMetrics& m);
   // Appends instead of truncating (resuming a run).
   static std::unique_ptr<MetricsWriter> open_append(const std::string& path, bool enabled);
+  // A run that resumed from its checkpoint of `step`: drops the file's lines of later steps
+  // (what an earlier process logged after that checkpoint before it was stopped), so the file
+  // keeps one line per step, and appends after the rest. The file is rewritten through a
+  // temporary file and a rename: a crash leaves the old file or the new one, never a mix.
+  // Lines that are not JSON objects with a "step" are kept. dtrain::Error on I/O failure.
+  void keep_through_step(int64_t step);
 
  private:
   MetricsWriter() = default;
   std::FILE* file_ = nullptr;
+  std::string path_;
 };
 
 // Serializes one step as a JSON object (no newline).
@@ -62,3 +69,5 @@ class Progress {
 };
 
 }  // namespace dtrain::engine
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

@@ -49,6 +49,11 @@ class EventWriter {
   //   perf/step_ms, perf/samples_per_s, perf/tokens_per_s,
   //   memory/allocated_mb, memory/peak_mb, and extra/<key> for each entry of m.extra.
   void add_metrics(const StepMetrics& m, std::optional<double> wall_time = std::nullopt);
+  // A run that resumes at `step` (its checkpoint is of step - 1): a SessionLog START event,
+  // on which TensorBoard's readers drop every point of step >= `step` that an earlier process
+  // wrote into this directory (the steps it logged after that checkpoint and before it was
+  // stopped), so each step keeps one point, this run's. Flushed.
+  void add_resume(int64_t step);
   void flush();
 
   bool enabled() const { return file_ != nullptr; }
@@ -70,3 +75,5 @@ uint32_t mask_crc32c(uint32_t crc);
 std::string tfrecord_frame(std::string_view data);
 
 }  // namespace dtrain::engine
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

@@ -192,6 +192,12 @@ class CheckpointStore {
   // rank file without a committed main file is never read).
   void discard_uncommitted_rank_file(int64_t step, int rank) const;
 
+  // Removes every checkpoint file of the directory (committed or not, records first; other
+  // files stay) and returns how many committed checkpoints it held. For a run told to start
+  // over in a directory of an earlier run's checkpoints. Throws dtrain::Error when a file
+  // cannot be removed (the checkpoints whose records went first are gone then).
+  int remove_all();
+
   std::string path_for(int64_t step) const;                 // DIR/step-000123.pt
   std::string rank_path_for(int64_t step, int rank) const;  // DIR/step-000123.rank-R.pt
   const std::string& dir() const { return dir_; }
@@ -260,3 +266,5 @@ std::optional<CheckpointInfo> agree_latest_good(const CheckpointStore& store,
                                                 dist::Communicator& world);
 
 }  // namespace dtrain::engine
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

@@ -44,7 +44,7 @@ enum Topic : unsigned {
                               // --on_nonfinite --max_nonfinite_skips
   kRanks = 1u << 1,           // --device --backend --collective_timeout_s
   kTensorParallel = 1u << 2,  // model parallelism: --tp --sequence_parallel --pp --pp_schedule --pp_blocks
-  kData = 1u << 3,            // --workers --prefetch --eval_every --eval_batches
+  kData = 1u << 3,            // --workers --prefetch --eval_every --eval_samples
   kMemory = 1u << 4,          // --offload --shard --shard_units --offload_* --host_mem_limit_gb --plan --gpu_mem_limit_gb
                               // --memory_report_step --checkpoint_activations
   kCheckpoints = 1u << 5,     // --save_dir --save_every --keep_last --resume --async_save
@@ -88,7 +88,7 @@ struct Flags {
   int32_t workers = LoaderOptions().workers;
   int32_t prefetch = LoaderOptions().prefetch;
   int64_t eval_every = TrainerOptions().eval_every;
-  int64_t eval_batches = TrainerOptions().eval_batches;
+  int64_t eval_samples = TrainerOptions().eval_samples;
   // kMemory
   std::string offload = "none";
   std::string shard = TrainerOptions().shard;
@@ -107,6 +107,7 @@ struct Flags {
   int64_t save_every = TrainerOptions().save_every;
   int32_t keep_last = TrainerOptions().keep_last;
   std::string resume = "no";
+  std::string save_dir_exists = to_string(TrainerOptions().save_dir_exists);
   bool async_save = TrainerOptions().async_save;
   // kObservability
   int64_t log_every = TrainerOptions().log_every;
@@ -120,6 +121,39 @@ struct Flags {
 
 // The values (one set per process).
 const Flags& flags();
+
+// What the run-level flags set: the device, communicator, mesh, batch and memory plan a
+// program builds before its Trainer (the other flags reach TrainerOptions or LoaderOptions).
+struct RunOptions {
+  std::string device = "auto";       // --device: dist::parse_device_request()
+  std::string backend = "auto";      // --backend: dist::create_communicator()
+  int collective_timeout_s = 300;    // --collective_timeout_s: dist::CommOptions::timeout
+  int tp = 1;                        // --tp, --pp: dist::Mesh(world, tp, pp)
+  int pp = 1;
+  std::string pp_blocks;             // --pp_blocks: pipeline_stage_bounds()
+  bool sequence_parallel = false;    // --sequence_parallel: the model's tensor-parallel layers
+  int64_t batch_size = 64;           // --batch_size: per data-parallel rank (loader_options' batch)
+  uint64_t seed = 0;                 // --seed: torch::manual_seed before building the model
+  bool checkpoint_activations = false;  // --checkpoint_activations: the model's blocks
+  bool offload_layers = false;       // --offload=layers|all: the model's blocks streamed
+  std::string plan = "none";         // --plan, --gpu_mem_limit_gb: the memory planner
+  double gpu_mem_limit_gb = 0;
+};
+RunOptions run_options(const Flags& f);
+
+// Where a standard flag's value goes (a bit set: --offload reaches two).
+enum Reach : unsigned {
+  kToTrainer = 1u << 0,  // trainer_options()
+  kToLoader = 1u << 1,   // loader_options()
+  kToRun = 1u << 2,      // run_options()
+};
+struct FlagInfo {
+  std::string name;
+  Topic topic;
+  unsigned reach;
+};
+// The standard flags registered in this process (by parse()), in --help order.
+std::vector<FlagInfo> registered_flags();
 
 // Registers the standard flags of `topics` (once per process; a second call may only add
 // topics), applies `defaults` ({"batch_size", "16"}: this program's defaults, shown by --help),
@@ -162,3 +196,5 @@ void exit_if_preempted(const Trainer& trainer, const std::string& program, int w
 int run_main(const std::string& program, const std::function<int()>& body);
 
 }  // namespace dtrain::engine::cli
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order

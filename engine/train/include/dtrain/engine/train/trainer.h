@@ -73,6 +73,18 @@ enum class ResumeMode {
 ResumeMode parse_resume(const std::string& text);
 const char* to_string(ResumeMode mode);
 
+// What a fresh start (ResumeMode::kNo) does when save_dir already holds checkpoints (of an
+// earlier run: its steps would sit beside this run's, and a later resume would pick whichever
+// is newest, the other run's included, without a word).
+enum class SaveDirExists {
+  kError,      // dtrain::Error naming the directory, its newest checkpoint and the choices
+  kOverwrite,  // remove the earlier checkpoints first (logged), then start at step 1
+  kResume,     // continue from them, as ResumeMode::kAuto
+};
+// "error", "overwrite", "resume" (--save_dir_exists); dtrain::Error naming them otherwise.
+SaveDirExists parse_save_dir_exists(const std::string& text);
+const char* to_string(SaveDirExists mode);
+
 // Pipeline parallelism (a mesh with pp_size() > 1; engine/parallel/pipeline.h): this rank's
 // model is one stage of the whole, and every step runs the rank's accum_steps micro-batches
 // through the stages by `schedule`. The trainer's LossFn is not used then: `forward` is.
@@ -104,7 +116,11 @@ struct TrainerOptions {
   int max_nonfinite_skips = 10;   // kSkip: stop after this many consecutive skipped steps
   int64_t log_every = 10;         // metrics line at step 1, every this many steps, and the last
   int64_t eval_every = 0;         // 0: never; else evaluate every this many steps
-  int64_t eval_batches = 4;       // batches per evaluation (per rank)
+  // The held-out set every evaluation of fit() scores: the first eval_samples samples of the
+  // evaluation loader's epoch-0 order (DataLoader::evaluation_order), 0: the whole split. The
+  // same samples at every evaluation of a run and for every layout (rank count, batch size,
+  // tp, pp, sharding), so eval_loss values are comparable across evaluations and runs.
+  int64_t eval_samples = 0;
   // Classifiers: an evaluation batch's mean loss and its number of correct predictions (scalar
   // tensors, from one forward). When set, evaluate() uses it instead of the loss function and
   // fit() logs eval_accuracy = correct / rows over every evaluated batch of every
@@ -179,6 +195,8 @@ struct TrainerOptions {
   bool async_save = true;
   ResumeMode resume = ResumeMode::kNo;  // fit() continues from a checkpoint in save_dir (above).
                                        // A run that had reached `steps` trains nothing.
+  // With resume == kNo and checkpoints already in save_dir (checked when the trainer is built).
+  SaveDirExists save_dir_exists = SaveDirExists::kError;
   FileSystem* checkpoint_fs = nullptr;  // where checkpoints go (tests inject faults); nullptr: POSIX
   // Each step, agree across ranks on SIGTERM/SIGUSR1; then fit() saves, asks Slurm to requeue
   // and returns with preempted() set (exit with kExitRequeue then). The trainer installs the
@@ -221,8 +239,18 @@ class Trainer {
   // Steps until options.steps, logging and evaluating as configured; returns the last
   // logged metrics.
   StepMetrics fit(DataLoader& train, DataLoader* eval = nullptr);
-  // Mean loss over `batches` batches of eval, under no_grad and eval mode, averaged over the
-  // data-parallel group.
+  // The held-out set's mean loss (options.eval_samples samples of eval's evaluation_order(),
+  // whatever the layout; what fit() logs as eval_loss), under no_grad and eval mode. The
+  // samples are cut into chunks of eval's batch_size rows dealt to the data-parallel ranks in
+  // turn; every rank runs as many forwards (a rank without a chunk in the last round runs one
+  // row that does not count), so collectives inside the forward (ZeRO-3's gathers, tensor
+  // parallelism, pipeline stages) stay matched. The loss is the row-weighted mean of the
+  // chunks' mean losses. Collective over the mesh. Does not move eval's position.
+  double evaluate(DataLoader& eval);
+  // Mean loss over the next `batches` batches of this rank's share of eval (moving its
+  // position), averaged over the data-parallel group: which samples these are depends on the
+  // rank count and batch size. For timing a forward pass (--eval_only); evaluate(eval) is the
+  // comparable figure.
   double evaluate(DataLoader& eval, int64_t batches);
   // The accuracy of the last evaluate() (with options.eval_loss_and_correct), else empty.
   std::optional<double> last_eval_accuracy() const { return last_eval_accuracy_; }
@@ -273,12 +301,21 @@ class Trainer {
                               const std::vector<std::pair<dist::Communicator*, uint64_t>>& issued);
   // Pipeline parallelism: the micro-batches through the stages (loss_sum: last stage's, else 0).
   void run_pipeline(const std::vector<Batch>& micro, at::Tensor& loss_sum);
+  // Evaluation: adds the batch's mean loss x weight to sums[0] and (eval_loss_and_correct) its
+  // correct predictions to sums[1] (none for weight 0), under autocast; the caller holds no_grad.
+  void score_batch(const Batch& batch, double weight, at::Tensor& sums);
   // Pipeline parallelism: evaluation's forwards through the stages; the batch's mean loss on the
   // last stage (a device scalar), zero elsewhere.
   at::Tensor pipeline_eval_loss(const Batch& batch);
   // The PipelineStep of `micro` (input, forward, activation shape) for training or evaluation.
   PipelineStep pipeline_step(const std::vector<Batch>& micro) const;
   bool agree_on_failure(bool failed);
+  // Constructor: refuses tied parameters (one tensor under two names) where a mode cannot
+  // train them as one (ZeRO-3, tensor or pipeline parallelism), naming them; logs the others.
+  void check_tied_parameters(const std::vector<std::pair<std::string, std::string>>& tied) const;
+  // Constructor, with save_dir and ResumeMode::kNo: applies options.save_dir_exists to a
+  // directory that already holds checkpoints (collective over the world).
+  void start_fresh_in_save_dir();
   // Collective over the world: the ranks where `failed` is true ("1,3"), "" when none.
   std::string failing_ranks(bool failed);
   // resume_checkpoint()'s loads and restores on this rank (no collectives; may throw).
@@ -390,3 +427,5 @@ class Trainer {
 std::vector<Batch> split_batch(const Batch& batch, int n);
 
 }  // namespace dtrain::engine
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order
