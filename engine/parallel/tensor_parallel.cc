@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <sstream>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -370,15 +371,13 @@ void load_full_state(torch::nn::Module& split_model, const std::map<std::string,
   }
 }
 
-at::Tensor gather_full_tensor(const at::Tensor& local_in, const ShardSpec& s, dist::Communicator& tp) {
-  at::Tensor local = local_in.detach().contiguous();
-  const int T = tp.size();
-  if (s.dim < 0) return local.clone();
-  if (T == 1) return local.narrow(s.dim, 0, std::min<int64_t>(s.full, local.size(s.dim))).clone();
-  at::Tensor all = at::empty({T * local.numel()}, local.options());
-  tp.all_gather(local.view(-1), all)->wait();
-  std::vector<at::Tensor> pieces;
-  for (const at::Tensor& c : all.chunk(T)) pieces.push_back(c.view(local.sizes()));
+at::Tensor join_shards(const std::vector<at::Tensor>& pieces, const ShardSpec& s) {
+  DTRAIN_CHECK(!pieces.empty(), "join_shards: no shards");
+  for (const at::Tensor& p : pieces) {
+    DTRAIN_CHECK(p.sizes() == pieces.front().sizes(), "join_shards: shards of shapes ", pieces.front().sizes(), " and ",
+                 p.sizes(), "; every rank's shard has the same shape");
+  }
+  if (s.dim < 0) return pieces.front().clone();
   at::Tensor full;
   if (s.parts == 1) {
     full = at::cat(pieces, s.dim);
@@ -391,7 +390,34 @@ at::Tensor gather_full_tensor(const at::Tensor& local_in, const ShardSpec& s, di
     }
     full = at::cat(blocks, s.dim);
   }
-  return full.narrow(s.dim, 0, s.full).contiguous();
+  return full.narrow(s.dim, 0, std::min<int64_t>(s.full, full.size(s.dim))).contiguous();
+}
+
+std::string to_text(const ShardSpec& s) {
+  return std::to_string(s.dim) + ":" + std::to_string(s.parts) + ":" + std::to_string(s.full) + ":" +
+         std::to_string(s.padded);
+}
+
+ShardSpec shard_spec_from_text(const std::string& text, const std::string& source) {
+  ShardSpec s;
+  char c1 = 0, c2 = 0, c3 = 0;
+  std::istringstream in(text);
+  DTRAIN_CHECK((in >> s.dim >> c1 >> s.parts >> c2 >> s.full >> c3 >> s.padded) && c1 == ':' && c2 == ':' &&
+                   c3 == ':' && s.parts >= 1,
+               source, ": malformed tensor-parallel split '", text, "' (dim:parts:full:padded)");
+  return s;
+}
+
+at::Tensor gather_full_tensor(const at::Tensor& local_in, const ShardSpec& s, dist::Communicator& tp) {
+  at::Tensor local = local_in.detach().contiguous();
+  const int T = tp.size();
+  if (s.dim < 0) return local.clone();
+  if (T == 1) return local.narrow(s.dim, 0, std::min<int64_t>(s.full, local.size(s.dim))).clone();
+  at::Tensor all = at::empty({T * local.numel()}, local.options());
+  tp.all_gather(local.view(-1), all)->wait();
+  std::vector<at::Tensor> pieces;
+  for (const at::Tensor& c : all.chunk(T)) pieces.push_back(c.view(local.sizes()));
+  return join_shards(pieces, s);
 }
 
 std::map<std::string, at::Tensor> gather_full_state(torch::nn::Module& split_model, dist::Communicator& tp) {

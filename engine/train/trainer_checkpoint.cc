@@ -224,21 +224,38 @@ Trainer::PreparedSave Trainer::prepare_save(const DataLoader* loader, bool own_c
   data.rng = capture_rng_state();
   data.meta = options_.checkpoint_meta;
   data.meta["accum_steps"] = std::to_string(accum_steps_);
-  if (weights_partitioned) {
-    // The flat space's parameters (name:elements, in order), for a resume to check its model;
-    // under --pp the stages' lists end to end (each from its data- and tensor-parallel rank 0).
-    std::string layout;
+  int64_t flat_numel = 0;
+  for (const at::Tensor& p : params_) flat_numel += p.numel();
+  const std::optional<ShardLayout> optimizer_layout = optimizer_->shard_layout();
+  if (weights_partitioned || (optimizer_layout && optimizer_layout->numel == flat_numel)) {
+    // The flat space's parameters (name:elements, in order; a resume checks its model against
+    // them) and each tensor-parallel split (name=dim:parts:full:padded), with which a resume
+    // under another --tp puts the tensor-parallel ranks' ranges together into whole tensors.
+    // Under --pp the stages' lists end to end (each from its data- and tensor-parallel rank 0).
+    std::string layout, splits;
     for (size_t i = 0; i < params_.size(); ++i) {
       layout += (i ? "," : "") + names_[i] + ":" + std::to_string(params_[i].numel());
+      auto spec = specs_.find(names_[i]);
+      if (spec != specs_.end()) splits += (splits.empty() ? "" : ";") + names_[i] + "=" + to_text(spec->second);
     }
     if (mesh_.pp_size() > 1) {
-      const std::vector<std::string> all = gather_texts(world, layout);  // collective over the world
+      const std::vector<std::string> all = gather_texts(world, layout + "|" + splits);  // collective over the world
       const int per_stage = world.size() / mesh_.pp_size();
       layout.clear();
-      for (int s = 0; s < mesh_.pp_size(); ++s) layout += (s ? "," : "") + all[static_cast<size_t>(s * per_stage)];
+      splits.clear();
+      for (int s = 0; s < mesh_.pp_size(); ++s) {
+        const std::string& stage = all[static_cast<size_t>(s * per_stage)];
+        const size_t bar = stage.find('|');
+        layout += (s ? "," : "") + stage.substr(0, bar);
+        const std::string stage_splits = stage.substr(bar + 1);
+        if (!stage_splits.empty()) splits += (splits.empty() ? "" : ";") + stage_splits;
+      }
     }
-    data.meta["model.partitioned"] = layout;
+    if (weights_partitioned) data.meta["model.partitioned"] = layout;
+    data.meta["flat.params"] = layout;
+    data.meta["tp.splits"] = splits;
   }
+  data.meta["tp"] = std::to_string(mesh_.tp_size());
   data.meta["pp"] = std::to_string(mesh_.pp_size());
   if (!pp_flat_numels_.empty()) {  // where each stage's partitioned state lies in the whole model's
     std::string counts;
@@ -370,7 +387,8 @@ bool Trainer::resume_checkpoint(DataLoader* loader, bool required) {
 
 std::optional<ShardState> Trainer::restore_partitioned_weights(const CheckpointStore& store, const CheckpointData& data,
                                                                const std::string& layout, NamedTensors& rest,
-                                                               const std::string& source) {
+                                                               const std::string& source,
+                                                               const std::optional<ShardState>& other_tp) {
   // The saved flat space's parameters against this model's (a pipeline stage: its own, by name).
   std::map<std::string, int64_t> saved;
   std::istringstream in(layout);
@@ -383,9 +401,9 @@ std::optional<ShardState> Trainer::restore_partitioned_weights(const CheckpointS
     auto it = saved.find(names_[i]);
     DTRAIN_CHECK(it != saved.end(), "checkpoint ", source, " is of a different model: '", names_[i],
                  "' of this model is not among its weights (", saved.size(), " there, ", params_.size(), " here)");
-    // Tensor-parallel shards may differ in size between ranks (a padded vocabulary): the saved
-    // sizes are tensor-parallel rank 0's.
-    DTRAIN_CHECK(mesh_.tp_rank() != 0 || it->second == params_[i].numel(), "checkpoint ", source,
+    // The saved sizes are tensor-parallel rank 0's of the saved layout (another --tp: checked
+    // against the whole tensors when they are put together).
+    DTRAIN_CHECK(other_tp || mesh_.tp_rank() != 0 || it->second == params_[i].numel(), "checkpoint ", source,
                  " is of a different model: '", names_[i], "' has ", it->second, " elements there but ",
                  params_[i].numel(), " here (another shape flag?)");
   }
@@ -397,12 +415,14 @@ std::optional<ShardState> Trainer::restore_partitioned_weights(const CheckpointS
   std::map<std::string, at::Tensor> by_name(rest.begin(), rest.end());
   at::NoGradGuard no_grad;
   for (auto& [name, t] : live) t.copy_(by_name.at(name));
-  if (units_) return std::nullopt;  // ZeRO-3 again: the optimizer's load sets this rank's range of the weights
+  if (units_) return other_tp;  // ZeRO-3 again: the optimizer's load sets this rank's range of the weights
   // Any other layout takes the whole flat space (of this stage and tensor-parallel rank) from
   // the ranks' ranges of it.
   int64_t numel = 0;
   for (const at::Tensor& p : params_) numel += p.numel();
-  ShardState whole = load_resharded_optimizer(store, data, mesh_.tp_rank(), {numel, {0, numel}}, stage_space(numel));
+  ShardState whole = other_tp ? *other_tp
+                              : load_resharded_optimizer(store, data, mesh_.tp_rank(), {numel, {0, numel}},
+                                                         stage_space(numel));
   at::Tensor master;
   for (const auto& [name, t] : whole.tensors) {
     if (name == "master") master = t;
@@ -415,6 +435,104 @@ std::optional<ShardState> Trainer::restore_partitioned_weights(const CheckpointS
     offset += p.numel();
   }
   return whole;
+}
+
+ShardState Trainer::whole_from_other_tp(const CheckpointStore& store, const CheckpointData& data, int saved_tp,
+                                        const std::string& source) const {
+  DTRAIN_CHECK(data.meta.count("flat.params") && data.meta.count("tp.splits"), source, " holds partitioned state ",
+               "(--shard, --offload=optimizer) of --tp=", saved_tp, " saved before checkpoints recorded the ",
+               "tensor-parallel splits; resume it with --tp=", saved_tp);
+  // The saved flat space: every parameter (whole model, stage after stage) with its elements
+  // on each tensor-parallel rank, and the splits of those that are split.
+  std::vector<std::pair<std::string, int64_t>> saved;
+  int64_t saved_numel = 0;
+  {
+    std::istringstream in(data.meta.at("flat.params"));
+    for (std::string item; std::getline(in, item, ',');) {
+      const auto colon = item.rfind(':');
+      DTRAIN_CHECK(colon != std::string::npos, source, ": malformed meta 'flat.params' entry '", item, "'");
+      saved.emplace_back(item.substr(0, colon), std::stoll(item.substr(colon + 1)));
+      saved_numel += saved.back().second;
+    }
+  }
+  std::map<std::string, ShardSpec> splits;
+  {
+    std::istringstream in(data.meta.at("tp.splits"));
+    for (std::string item; std::getline(in, item, ';');) {
+      const auto eq = item.find('=');
+      DTRAIN_CHECK(eq != std::string::npos, source, ": malformed meta 'tp.splits' entry '", item, "'");
+      splits[item.substr(0, eq)] = shard_spec_from_text(item.substr(eq + 1), source);
+    }
+  }
+  // Each saved tensor-parallel rank's whole flat space (every stage, every data-parallel range).
+  std::vector<ShardState> per_rank;
+  for (int t = 0; t < saved_tp; ++t) {
+    per_rank.push_back(load_resharded_optimizer(store, data, t, {saved_numel, {0, saved_numel}},
+                                                StageSpace{0, 1, 0, saved_numel}));
+  }
+  std::map<std::string, std::pair<int64_t, int64_t>> where;  // name -> (offset, elements) in a saved space
+  int64_t offset = 0;
+  for (const auto& [name, n] : saved) {
+    where[name] = {offset, n};
+    offset += n;
+  }
+  auto entry = [&](const ShardState& state, const std::string& slot) {
+    for (const auto& [name, t] : state.tensors) {
+      if (name == slot) return t;
+    }
+    throw Error(detail::concat("checkpoint ", source, ": a tensor-parallel rank's partitioned state has no '", slot,
+                               "' (the ranks' files disagree)"));
+  };
+  // This rank's flat space: its parameters' whole tensors, cut for this --tp, end to end.
+  ShardState out;
+  int64_t numel = 0;
+  for (const at::Tensor& p : params_) numel += p.numel();
+  out.layout = {numel, {0, numel}};
+  for (const auto& [slot, first] : per_rank.front().tensors) {
+    if (first.dim() == 0) {  // the same on every rank ("step")
+      out.tensors.emplace_back(slot, first);
+      continue;
+    }
+    std::vector<at::Tensor> mine;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      auto at = where.find(names_[i]);
+      DTRAIN_CHECK(at != where.end(), "checkpoint ", source, " is of a different model: '", names_[i],
+                   "' is not among its weights");
+      auto spec_here = specs_.find(names_[i]);
+      auto spec_saved = splits.find(names_[i]);
+      // The whole tensor's shape: this rank's shard's, with the split dimension whole.
+      std::vector<int64_t> shape(params_[i].sizes().begin(), params_[i].sizes().end());
+      if (spec_here != specs_.end()) shape[static_cast<size_t>(spec_here->second.dim)] = spec_here->second.full;
+      at::Tensor whole;
+      if (spec_saved == splits.end()) {
+        const int64_t n = c10::multiply_integers(shape);
+        DTRAIN_CHECK(at->second.second == n, "checkpoint ", source, " is of a different model: '", names_[i],
+                     "' has ", at->second.second, " elements there but ", n, " here (another shape flag?)");
+        whole = entry(per_rank.front(), slot).narrow(0, at->second.first, n).view(shape);
+      } else {
+        const ShardSpec& s = spec_saved->second;
+        DTRAIN_CHECK(s.dim >= 0 && s.dim < static_cast<int>(shape.size()) && shape[static_cast<size_t>(s.dim)] == s.full,
+                     "checkpoint ", source, " is of a different model: '", names_[i], "' is split there into ", s.full,
+                     " along dimension ", s.dim, ", but has shape ", c10::IntArrayRef(shape), " here");
+        std::vector<int64_t> piece_shape = shape;
+        piece_shape[static_cast<size_t>(s.dim)] = s.padded / saved_tp;
+        std::vector<at::Tensor> pieces;
+        for (const ShardState& r : per_rank) {
+          pieces.push_back(entry(r, slot).narrow(0, at->second.first, at->second.second).view(piece_shape));
+        }
+        whole = join_shards(pieces, s);
+      }
+      at::Tensor cut = spec_here != specs_.end()
+                           ? shard_of(whole, spec_here->second, mesh_.tp_rank(), mesh_.tp_size())
+                           : whole;
+      mine.push_back(cut.reshape({-1}));
+    }
+    out.tensors.emplace_back(slot, at::cat(mine));
+  }
+  if (mesh_.world().rank() == 0) {
+    LOG(INFO) << source << ": partitioned state of --tp=" << saved_tp << " put together for --tp=" << mesh_.tp_size();
+  }
+  return out;
 }
 
 void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& info,
@@ -457,17 +575,26 @@ void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& i
     auto spec = specs_.find(name);
     if (spec != specs_.end()) t = shard_of(t, spec->second, mesh_.tp_rank(), mesh_.tp_size());
   }
-  std::optional<ShardState> whole;  // a ZeRO-3 checkpoint's whole flat space, when it was read
-  if (weights_partitioned) {
-    whole = restore_partitioned_weights(store, data, partitioned_weights->second, local, info.path);
-  } else {
-    load_model_state(model_, local, info.path);
-  }
   const bool saved_offloaded = data.meta.count("optimizer.offloaded") && data.meta.at("optimizer.offloaded") == "1";
   // Checkpoints from before --shard were partitioned exactly when offloaded.
   const bool saved_partitioned = data.meta.count("optimizer.partitioned")
                                      ? data.meta.at("optimizer.partitioned") == "1"
                                      : saved_offloaded;
+  // Partitioned state saved under another tensor-parallel size: this rank's whole flat space,
+  // put together from every saved tensor-parallel rank's (whole_from_other_tp).
+  const int saved_pp = data.meta.count("pp") ? std::stoi(data.meta.at("pp")) : 1;
+  const int saved_tp = data.meta.count("tp") ? std::stoi(data.meta.at("tp"))
+                                             : data.world_size / std::max(1, data.dp_size * saved_pp);
+  std::optional<ShardState> other_tp;
+  if (saved_tp != mesh_.tp_size() && (weights_partitioned || (saved_partitioned && optimizer_))) {
+    other_tp = whole_from_other_tp(store, data, saved_tp, info.path);
+  }
+  std::optional<ShardState> whole = other_tp;  // the whole flat space, when it was read
+  if (weights_partitioned) {
+    whole = restore_partitioned_weights(store, data, partitioned_weights->second, local, info.path, other_tp);
+  } else {
+    load_model_state(model_, local, info.path);
+  }
   if (!optimizer_) {  // evaluation only: the weights are what it came for
     step_ = data.step;
     return;

@@ -1048,6 +1048,72 @@ def scenario_distill(args):
     print("ok: --distill_* without --teacher refused; nothing written by the refused runs")
 
 
+# (tp, pp, dp) of the reshard scenario: every layout of 2 in each axis up to 8 ranks. CI runs
+# RESHARD_CI (each axis alone and with tensor parallelism); --full runs them all.
+RESHARD_LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2), (2, 2, 1), (1, 2, 2), (2, 2, 2)]
+RESHARD_CI = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2), (2, 2, 1)]
+RESHARD_MODES = [("none", "none"), ("optimizer", "none"), ("parameters", "none"), ("none", "optimizer"),
+                 ("parameters", "optimizer")]
+
+
+def scenario_reshard(args):
+    """Checkpoints of every layout (tp x pp x dp, with ZeRO-1/3 and optimizer offload) resume at
+    one rank and export from one process with the weights of the one-rank run."""
+    w = args.workdir
+    shape = ["--d_model=32", "--heads=2", "--layers=2", "--seq_len=16", "--ff=64", "--vocab=97"]
+    # SGD (momentum 0.9): the weights of two layouts differ by the gradients' rounding only (Adam
+    # would turn a rounding difference of a near-zero gradient into a full step), so the exported
+    # weights are compared to 1e-5; the momentum is the partitioned state that is resharded.
+    common = shape + ["--workers=1", "--optimizer=sgd", "--lr=0.05", "--seed=4", "--schedule=constant"]
+    ref_dir = os.path.join(w, "ref")
+    ref = train(args, "train_gpt", 1, common + ["--steps=4", "--batch_size=8", "--save_every=3", "--keep_last=0",
+                                                f"--save_dir={ref_dir}"], "reshard-ref")
+
+    def export(ck, name):
+        out = os.path.join(w, name + ".safetensors")
+        run([os.path.join(args.bin, "dtrain-export"), "--model=gpt", *shape, f"--checkpoint={ck}",
+             "--format=safetensors", f"--output={out}"])
+        return out
+
+    # Compared by safetensors' own reader, in the Python that has it: the worst relative difference.
+    compare_code = (
+        "import sys\n"
+        "from safetensors.torch import load_file\n"
+        "a, b = load_file(sys.argv[1]), load_file(sys.argv[2])\n"
+        "assert sorted(a) == sorted(b), (sorted(a), sorted(b))\n"
+        "print(max(float((a[k].double() - b[k].double()).abs().max() / b[k].double().abs().max().clamp_min(1e-12))"
+        " for k in b))\n")
+
+    # The reference's weights after step 3: its step-3 checkpoint, exported alone.
+    ref3 = os.path.join(w, "ref3")
+    os.makedirs(ref3)
+    for n in os.listdir(ref_dir):
+        if n.startswith("step-000003"):
+            shutil.copy(os.path.join(ref_dir, n), ref3)
+    want = export(ref3, "ref3")
+    layouts = RESHARD_LAYOUTS if args.full else RESHARD_CI
+    checked = 0
+    for tp, pp, dp in layouts:
+        for shard, offload in RESHARD_MODES:
+            name = f"tp{tp}-pp{pp}-dp{dp}-shard_{shard}-offload_{offload}"
+            ck = os.path.join(w, name)
+            ranks = tp * pp * dp
+            flags = [f"--tp={tp}", f"--pp={pp}", f"--shard={shard}", f"--offload={offload}",
+                     f"--batch_size={8 // dp}", f"--accum_steps={2 if pp > 1 else 1}"]
+            train(args, "train_gpt", ranks, common + flags + ["--steps=3", f"--save_dir={ck}"], name)
+            # Exported from one process: the weights of step 3 (before the resume below saves step 4).
+            got = export(ck, name)
+            worst = float(run([args.python, "-c", compare_code, got, want]).strip().splitlines()[-1])
+            # Resumed at one rank, unsplit: its step 4 is the reference's.
+            resumed = train(args, "train_gpt", 1, common + ["--steps=4", "--batch_size=8", f"--save_dir={ck}",
+                                                            "--resume=yes"], name + "-resumed")
+            compare(steps_after(ref, 3), resumed, name + " resumed at 1 rank", 1e-4)
+            assert worst < 1e-5, f"FAIL: {name}: exported weights differ from the one-rank run's by {worst:.2e}"
+            print(f"ok: {name}: resumed at 1 rank and exported with the one-rank weights (worst {worst:.1e})")
+            checked += 1
+    print(f"ok: {checked} layouts saved, resumed at one rank and exported")
+
+
 def scenario_traps(args):
     """The silent traps of a user's run (issue "No silent wrong work"), through the example programs."""
     import signal
@@ -1139,7 +1205,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("scenario", choices=["data_parallel", "amp", "seq2seq", "tensor_parallel", "observability",
                                          "checkpoint", "checkpoint_tp", "offload", "offload_stream", "plan",
-                                         "sequence_parallel", "distill", "sparse", "pipeline", "zero3", "traps"])
+                                         "sequence_parallel", "distill", "sparse", "pipeline", "zero3", "traps",
+                                         "reshard"])
+    ap.add_argument("--full", action="store_true", help="reshard: every layout, not only CI's")
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--source", default=os.path.join(os.path.dirname(__file__), "..", ".."))
     ap.add_argument("--bin", required=True)
@@ -1154,7 +1222,7 @@ def main():
          "offload": scenario_offload, "offload_stream": scenario_offload_stream, "plan": scenario_plan,
          "sequence_parallel": scenario_sequence_parallel, "distill": scenario_distill,
          "sparse": scenario_sparse, "pipeline": scenario_pipeline,
-         "zero3": scenario_zero3, "traps": scenario_traps}[args.scenario](args)
+         "zero3": scenario_zero3, "traps": scenario_traps, "reshard": scenario_reshard}[args.scenario](args)
 
 
 if __name__ == "__main__":

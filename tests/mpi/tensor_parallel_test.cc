@@ -71,6 +71,31 @@ TEST(TensorParallelLayers, ColumnRowAndMlpMatchTheUnsplitLinears) {
   }
 }
 
+// join_shards() puts every rank's shard_of() back together, for any group size, padding and
+// fused blocks (q, k, v); a resume under another --tp relies on it (no communication).
+TEST(TensorParallelLayers, JoinShardsInvertsShardOfForEveryGroupSize) {
+  const at::Tensor x = testing_util::same_everywhere({12, 5}, 31);
+  for (int parts : {1, 3}) {
+    for (int size : {1, 2, 3, 4}) {
+      ShardSpec spec;
+      spec.dim = 0;
+      spec.parts = parts;
+      spec.full = parts == 1 ? 11 : 12;  // 11 rows: padding for 2, 3 and 4 ranks
+      const int64_t unit = static_cast<int64_t>(parts) * size;
+      spec.padded = (spec.full + unit - 1) / unit * unit;
+      const at::Tensor full = x.narrow(0, 0, spec.full);
+      std::vector<at::Tensor> shards;
+      for (int r = 0; r < size; ++r) shards.push_back(shard_of(full, spec, r, size));
+      EXPECT_TRUE(at::equal(join_shards(shards, spec), full)) << "parts " << parts << ", " << size << " ranks";
+    }
+  }
+  ShardSpec replicated;
+  EXPECT_TRUE(at::equal(join_shards({x, x}, replicated), x));
+  EXPECT_NE(testing_util::error_of([&] { join_shards({x, x.narrow(0, 0, 6)}, replicated); }).find("shards of shapes"),
+            std::string::npos);
+  EXPECT_EQ(to_text(shard_spec_from_text("1:3:97:98", "test")), "1:3:97:98");
+}
+
 TEST(TensorParallelLayers, ScatterAndGatherAreInverse) {
   if (world_comm().size() < 2) GTEST_SKIP();
   for (int T : testing_util::tp_group_sizes()) {

@@ -204,6 +204,14 @@ TORCH_MODULE(ParallelMlp);
 // ---- splitting and gathering whole models ------------------------------------------------
 // This rank's shard of a full (unsplit) tensor under spec.
 at::Tensor shard_of(const at::Tensor& full, const ShardSpec& spec, int rank, int size);
+// The inverse of shard_of over the whole group: the full tensor (padding dropped) of the
+// shards of ranks 0..shards.size()-1, each shaped as a rank's shard under spec (spec.padded
+// being the padding of that group size). No communication. Throws dtrain::Error for shards of
+// unequal shapes.
+at::Tensor join_shards(const std::vector<at::Tensor>& shards, const ShardSpec& spec);
+// "dim:parts:full:padded", and back (dtrain::Error naming `source` for malformed text).
+std::string to_text(const ShardSpec& spec);
+ShardSpec shard_spec_from_text(const std::string& text, const std::string& source);
 
 // Copies an unsplit model's parameters (by full dotted name, e.g. from a checkpoint of the
 // plain model) into this rank's split model: sharded ones are sliced, the rest copied.

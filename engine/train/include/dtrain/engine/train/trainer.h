@@ -391,7 +391,15 @@ class Trainer {
   // optimizer's part is cut from it rather than read again.
   std::optional<ShardState> restore_partitioned_weights(const CheckpointStore& store, const CheckpointData& data,
                                                         const std::string& layout, NamedTensors& rest,
-                                                        const std::string& source);
+                                                        const std::string& source,
+                                                        const std::optional<ShardState>& other_tp);
+  // Partitioned state (ZeRO-3's weights, a partitioned optimizer's) saved under another
+  // tensor-parallel size (saved_tp): every saved tensor-parallel rank's flat space read whole,
+  // each parameter's tensor put together from them (meta flat.params, tp.splits) and cut for
+  // this rank; returns this rank's (this stage's) whole flat space, every state entry. Reads
+  // the whole model's partitioned state on every rank (a layout change, not the common path).
+  ShardState whole_from_other_tp(const CheckpointStore& store, const CheckpointData& data, int saved_tp,
+                                 const std::string& source) const;
   NamedTensors full_optimizer_state(bool staged);
   HostStaging staging_;  // the background save's host copies (pinned buffers reused across saves)
   std::unique_ptr<DirectoryLock> save_dir_lock_;  // rank 0, with a save_dir: one run per directory
