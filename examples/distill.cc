@@ -107,8 +107,7 @@ void attach_teacher(const Run& run, ExampleModel& student) {
   o.save_dir = FLAGS_teacher;
   o.resume = engine::ResumeMode::kYes;
   o.progress = false;
-  teacher->loader = std::make_unique<engine::Trainer>(*teacher->model.module, teacher->model.loss, *run.mesh,
-                                                      run.device, o);
+  teacher->loader = make_trainer(run, teacher->model, o);
   try {
     teacher->loader->resume_checkpoint(nullptr, /*required=*/true);
   } catch (const Error& e) {
@@ -142,6 +141,10 @@ void attach_teacher(const Run& run, ExampleModel& student) {
   const bool vocab_parallel = student.vocab_parallel && run.mesh->tp_size() > 1;
   dist::Communicator* tp = &run.mesh->tp();
   const int64_t classes = student.classes;
+  // The trainer takes the student's module and this loss, not its spec's (whose post is the
+  // plain cross-entropy): distillation is refused with --pp and --shard=parameters, which need
+  // the spec, and the student's checkpointing and layer streaming stay its applied model's.
+  student.spec.reset();
   student.loss = [=](const engine::Batch& b) {
     if (!student_module->is_training()) return hard(b);  // evaluation: the plain loss
     at::Tensor teacher_logits;

@@ -102,9 +102,9 @@ int export_main(int argc, char** argv) {
   o.tensorboard_dir.clear();
   o.timeline_path.clear();
   o.progress = false;
-  engine::Trainer trainer(*m.module, m.loss, *run.mesh, run.device, o);
-  trainer.resume_checkpoint(nullptr, /*required=*/true);
-  const int64_t step = trainer.current_step();
+  std::unique_ptr<engine::Trainer> trainer = examples::make_trainer(run, m, o);
+  trainer->resume_checkpoint(nullptr, /*required=*/true);
+  const int64_t step = trainer->current_step();
   m.module->eval();
 
   int64_t parameters = 0;

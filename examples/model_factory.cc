@@ -18,7 +18,7 @@
 #include <sstream>
 #include "dtrain/engine/parallel/tensor_parallel.h"
 #include "cnn_model.h"
-#include "gpt_model.h"
+#include "dtrain/engine/models/gpt.h"
 #include "seq2seq_model.h"
 
 DECLARE_string(teacher);  // distill.cc
@@ -83,7 +83,7 @@ ExampleModel seq2seq(const Run& run) {
 
 ExampleModel gpt(const Run& run) {
   const int64_t S = FLAGS_seq_len;
-  GptOptions mo;
+  engine::GptOptions mo;
   mo.vocab = FLAGS_vocab;
   mo.d_model = FLAGS_d_model;
   mo.heads = FLAGS_heads;
@@ -91,67 +91,52 @@ ExampleModel gpt(const Run& run) {
   mo.layers = FLAGS_layers;
   mo.seq_len = S;
   mo.dropout = FLAGS_dropout;
-  mo.checkpoint_activations = engine::cli::flags().checkpoint_activations;
   mo.sequence_parallel = engine::cli::flags().sequence_parallel;
   mo.sparse_embedding = FLAGS_sparse_embedding;
   torch::manual_seed(engine::cli::flags().seed);
-  auto model = Gpt(mo, run.mesh->tp()).ptr();
-  const int P = run.mesh->pp_size();
+  auto model = engine::Gpt(mo, run.mesh->tp()).ptr();
   ExampleModel m;
-  if (P > 1) {
-    // Every stage drew the whole model from the seed; each keeps its blocks (and the embeddings
-    // or head) before anything goes to the device.
-    const std::vector<int> bounds = engine::pipeline_stage_bounds(mo.layers, P, engine::cli::flags().pp_blocks);
-    const int s = run.mesh->pp_rank();
-    model->keep_stage(bounds[s], bounds[s + 1], s == 0, s == P - 1);
-    m.stage_forward = [model, S](const at::Tensor& x, const engine::Batch& b) {
-      const at::Tensor& w = b.fields[0];  // [B, S+1]: inputs w[:, :S], targets w[:, 1:]
-      return model->stage_forward(x.defined() ? x : w.narrow(1, 0, S), w.narrow(1, 1, S));
-    };
-    const int64_t rows_per_rank = mo.sequence_parallel ? S / run.mesh->tp_size() : S;
-    m.stage_activation_shape = [rows_per_rank, d = mo.d_model](int64_t rows) {
-      return std::vector<int64_t>{rows, rows_per_rank, d};
-    };
-    m.first_stage = s == 0;
-    m.last_stage = s == P - 1;
-  }
+  // The library's model: its spec, split for this pipeline stage before anything goes to the
+  // device (every stage drew the whole model from the seed and keeps its part).
+  engine::ModelSpec spec = engine::gpt_spec(model);
+  engine::ModelTechniques t;
+  engine::split_pipeline_stage(spec, run.mesh->pp_rank(), run.mesh->pp_size(), engine::cli::flags().pp_blocks, t);
   model->to(run.device);
+  t.checkpoint_activations = engine::cli::flags().checkpoint_activations;
+  t.device = run.device;
+  m.spec = spec;
+  // For what runs outside the trainer (memory probes, a teacher): the spec with checkpointing
+  // and streaming as asked; the trainer applies its own.
+  m.applied = std::make_shared<engine::AppliedModel>(spec, t);
+  m.first_stage = m.applied->first_stage();
+  m.last_stage = m.applied->last_stage();
+  if (run.mesh->pp_size() > 1) {
+    m.stage_forward = [a = m.applied](const at::Tensor& x, const engine::Batch& b) { return a->stage_forward(x, b); };
+    m.stage_activation_shape = spec.activation_shape;
+  }
   m.name = "gpt";
   m.module = model;
-  m.loss = [model, S](const engine::Batch& b) {
-    const at::Tensor& w = b.fields[0];  // [B, S+1]
-    return model->loss(w.narrow(1, 0, S), w.narrow(1, 1, S));
-  };
+  m.loss = [a = m.applied](const engine::Batch& b) { return a->loss(b); };
   const c10::Device device = run.device;
   m.synthetic_batch = [S, device](int64_t rows) {
     engine::Batch b;
     b.fields.push_back(random_tokens(rows, S + 1, device));
     return b;
   };
-  m.set_checkpointing = [model](bool on) { model->options.checkpoint_activations = on; };
+  m.set_checkpointing = [a = m.applied](bool on) { a->set_checkpoint_activations(on); };
   m.block_prefixes = {"blocks."};
   m.blocks = static_cast<int>(model->blocks->size());  // a pipeline stage's own
-  {  // ZeRO-3's units: --shard_units, else the embeddings, each block, the head (a stage's own)
-    m.use_units = [model](engine::ParameterUnits* u, const std::vector<std::string>& prefixes) {
-      model->use_units(u, prefixes);
-    };
-    m.unit_starts = model->unit_starts();
-    const std::string& chosen = engine::cli::flags().shard_units;
-    if (!chosen.empty()) {
-      m.unit_starts.clear();
-      std::istringstream in(chosen);
-      for (std::string prefix; std::getline(in, prefix, ',');) {
-        if (!prefix.empty()) m.unit_starts.push_back(prefix);
-      }
-    }
-  }
+  // ZeRO-3's units: --shard_units, else the embeddings, each block, the head (a stage's own).
+  m.unit_starts = engine::cli::flags().shard_units.empty() ? engine::default_unit_prefixes(spec)
+                                                           : engine::cli::trainer_options(engine::cli::flags(), "adamw")
+                                                                 .shard_unit_starts;
   m.input_bytes_per_row = (S + 1) * 8;
   const int64_t tp = run.mesh->tp_size();
   // The logits (the last stage's; an earlier stage's largest is the activation it sends).
   m.largest_activation_bytes_per_row =
       m.last_stage ? S * ((FLAGS_vocab + tp - 1) / tp) * 4 : S * mo.d_model * 4;
   m.default_optimizer = "adamw";
-  m.offload_layers = [model, device] { model->offload_blocks(device); };
+  m.offload_layers = [a = m.applied] { a->stream_blocks(); };
   m.inputs = [S](const engine::Batch& b) { return std::vector<at::Tensor>{b.fields[0].narrow(1, 0, S)}; };
   m.forward = [model](const std::vector<at::Tensor>& in) { return model->forward(in.at(0)); };
   m.logits_and_targets = [model, S](const engine::Batch& b) {
@@ -161,6 +146,7 @@ ExampleModel gpt(const Run& run) {
   };
   m.classes = FLAGS_vocab;
   m.vocab_parallel = true;
+  m.parameter_count = model->parameter_count();
   return m;
 }
 
@@ -445,6 +431,12 @@ std::string stage_estimates(const Run& run, const engine::MemoryEstimate& mine) 
   return out;
 }
 
+std::unique_ptr<engine::Trainer> make_trainer(const Run& run, const ExampleModel& model,
+                                              const engine::TrainerOptions& options) {
+  if (model.spec) return std::make_unique<engine::Trainer>(*model.spec, *run.mesh, run.device, options);
+  return std::make_unique<engine::Trainer>(*model.module, model.loss, *run.mesh, run.device, options);
+}
+
 void plan_and_apply(const Run& run, ExampleModel& model, engine::TrainerOptions& options) {
   const bool planning = engine::cli::flags().plan == "auto";
   const int64_t budget = engine::cli::flags().gpu_mem_limit_gb > 0
@@ -476,6 +468,7 @@ void plan_and_apply(const Run& run, ExampleModel& model, engine::TrainerOptions&
     // between data-parallel ranks, and a pipeline's stages hold different layers).
     engine::Plan plan = engine::choose_plan(in, profile, plan_agreement(*run.comm));
     if (model.set_checkpointing) model.set_checkpointing(plan.technique.checkpoint);
+    options.checkpoint_activations = plan.technique.checkpoint;
     options.accum_steps = plan.technique.accum_steps;
     offload.optimizer = offload.optimizer || plan.technique.offload_optimizer;
     offload.layers = offload.layers || plan.technique.offload_layers;
@@ -495,10 +488,11 @@ void plan_and_apply(const Run& run, ExampleModel& model, engine::TrainerOptions&
     engine::release_cached_memory(run.device);
   }
   options.offload_optimizer = offload.optimizer;
+  options.offload_layers = offload.layers && model.spec.has_value();  // the trainer streams the spec's blocks
   if (offload.layers) {
     DTRAIN_CHECK(static_cast<bool>(model.offload_layers), "--offload=layers: the ", model.name,
                  " model has no blocks to stream");
-    model.offload_layers();
+    if (!model.spec) model.offload_layers();
   }
   if (allocator_limit > 0 && engine::apply_memory_limit(run.device, allocator_limit) && run.world.rank == 0) {
     LOG(INFO) << "GPU memory capped at " << allocator_limit / (1024.0 * 1024.0) << " MiB by the caching allocator";

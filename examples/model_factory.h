@@ -8,6 +8,7 @@
 
 #include <functional>
 #include <map>
+#include <optional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -59,9 +60,13 @@ struct ExampleModel {
   // chooses others); empty for a model that names none (gpt without a pipeline names its
   // embeddings, blocks and head).
   std::vector<std::string> unit_starts;
-  // Hands the model the trainer's units (Trainer::parameter_units(); null: none) and the
-  // prefixes they were cut by; set where unit_starts is.
-  std::function<void(engine::ParameterUnits* units, const std::vector<std::string>& prefixes)> use_units;
+  // A model given to the trainer by its ModelSpec (gpt): the trainer applies the pipeline
+  // split, ZeRO-3's units, checkpointing and layer offload to it (make_trainer); `applied`
+  // is the same spec with the flags' checkpointing for what runs outside the trainer (probes,
+  // a teacher's forward).
+  std::optional<engine::ModelSpec> spec;
+  std::shared_ptr<engine::AppliedModel> applied;
+  int64_t parameter_count = 0;  // of the full (unsplit) model, where known
   bool first_stage = true;  // the stage owns the embeddings (takes the batch, receives nothing)
   bool last_stage = true;   // the stage owns the head and returns the loss
 };
@@ -79,6 +84,10 @@ std::map<std::string, std::string> model_flag_defaults(const std::string& model)
 // The shape checks against --tp that init_run runs before any communicator (gpt), or null
 // for a model without tensor-parallel layers.
 std::function<void()> model_checks(const std::string& model);
+// The trainer of `model`: from its ModelSpec when it has one (the techniques applied by the
+// trainer), else from its module and loss.
+std::unique_ptr<engine::Trainer> make_trainer(const Run& run, const ExampleModel& model,
+                                              const engine::TrainerOptions& options);
 // Builds `model` from the flags (seeded with --seed as the example is) on run.device.
 ExampleModel build_example_model(const std::string& model, const Run& run);
 

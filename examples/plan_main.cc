@@ -85,11 +85,9 @@ void verify(const examples::Run& run, examples::ExampleModel& m, const engine::P
     capped = engine::apply_memory_limit(
         run.device, std::max<int64_t>(1, in.gpu_budget_bytes - in.cuda_context_bytes));
   }
-  o.pipeline.forward = m.stage_forward;  // with --pp: each rank trains its stage
-  o.pipeline.activation_shape = m.stage_activation_shape;
-  o.shard_unit_starts = m.unit_starts;  // --shard=parameters: the model runs the trainer's units
-  engine::Trainer trainer(*m.module, m.loss, *run.mesh, run.device, o);
-  if (m.use_units) m.use_units(trainer.parameter_units(), o.shard_unit_starts);
+  // A model with a spec (gpt): the trainer applies the stage, the units and checkpointing itself.
+  std::unique_ptr<engine::Trainer> made = examples::make_trainer(run, m, o);
+  engine::Trainer& trainer = *made;
   engine::Batch batch = m.synthetic_batch(engine::cli::flags().batch_size);
   engine::reset_peak_memory(run.device);
   for (int64_t s = 0; s < FLAGS_verify_steps; ++s) trainer.step(batch);

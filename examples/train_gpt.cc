@@ -13,7 +13,6 @@
 
 #include "common.h"
 #include "distill.h"
-#include "gpt_model.h"
 #include "model_factory.h"
 
 using namespace dtrain;
@@ -25,17 +24,16 @@ int main(int argc, char** argv) {
                                            examples::model_flag_names("gpt"));
     const int64_t S = FLAGS_seq_len;
     examples::ExampleModel model = examples::build_example_model("gpt", run);
-    auto* gpt = model.module->as<examples::GptImpl>();
     if (run.world.rank == 0) {
-      LOG(INFO) << "GPT with " << gpt->parameter_count() / 1e6 << "M parameters, tp " << run.mesh->tp_size()
+      LOG(INFO) << "GPT with " << model.parameter_count / 1e6 << "M parameters, tp " << run.mesh->tp_size()
                 << ", dp " << run.mesh->dp_size() << ", pp " << run.mesh->pp_size();
     }
     if (run.mesh->pp_size() > 1 && run.mesh->dp_rank() == 0 && run.mesh->tp_rank() == 0) {
       int64_t numel = 0;
-      for (const at::Tensor& p : gpt->parameters()) numel += p.numel();
+      for (const at::Tensor& p : model.module->parameters()) numel += p.numel();
       LOG(INFO) << "pipeline stage " << run.mesh->pp_rank() << " of " << run.mesh->pp_size() << ": blocks "
-                << gpt->blocks->size() << (gpt->first_stage ? " + embeddings" : "")
-                << (gpt->last_stage ? " + head and loss" : "") << ", " << numel / 1e6 << "M parameters"
+                << model.blocks << (model.first_stage ? " + embeddings" : "")
+                << (model.last_stage ? " + head and loss" : "") << ", " << numel / 1e6 << "M parameters"
                 << (run.mesh->tp_size() > 1 ? " (this tensor-parallel rank's)" : "");
     }
     examples::attach_teacher(run, model);  // --teacher: distillation
@@ -43,19 +41,17 @@ int main(int argc, char** argv) {
     options.eval_perplexity = true;
     options.optimizer.beta2 = 0.95;
     options.tokens_per_sample = S;
-    options.pipeline.forward = model.stage_forward;  // set with --pp > 1
-    options.pipeline.activation_shape = model.stage_activation_shape;
-    options.shard_unit_starts = model.unit_starts;  // ZeRO-3's units (--shard=parameters, or a plan's)
     examples::plan_and_apply(run, model, options);
-    engine::Trainer trainer(*model.module, model.loss, *run.mesh, run.device, options);
-    if (model.use_units) model.use_units(trainer.parameter_units(), options.shard_unit_starts);  // --shard=parameters
+    // The library's GPT, given by its ModelSpec: the trainer applies the pipeline stage, ZeRO-3's
+    // units, checkpointing and layer offload to its blocks.
+    std::unique_ptr<engine::Trainer> trainer = examples::make_trainer(run, model, options);
     examples::TokenData data = examples::token_data(run, S, /*fold_bytes=*/true);
     engine::DataLoader loader(data.train, examples::loader_options(run, engine::cli::flags().batch_size, true, engine::cli::flags().seed));
     auto eval = examples::eval_loader(run, data);
-    engine::StepMetrics last = examples::fit_and_report(run, trainer, *model.module, loader, eval.get());
+    engine::StepMetrics last = examples::fit_and_report(run, *trainer, *model.module, loader, eval.get());
     if (run.world.rank == 0 && run.device.is_cuda() && last.step_ms > 0) {
       // Model FLOPs per token: 6 N for the weights plus attention's 12 L d T (forward+backward).
-      double flops_per_token = 6.0 * gpt->parameter_count() + 12.0 * FLAGS_layers * FLAGS_d_model * S;
+      double flops_per_token = 6.0 * model.parameter_count + 12.0 * FLAGS_layers * FLAGS_d_model * S;
       double tokens_per_s = last.samples_per_s * S;
       std::printf("train_gpt: %.1f TFLOP/s model FLOPs (MFU %.1f%% of 989 TFLOP/s dense bf16)\n",
                   flops_per_token * tokens_per_s / 1e12, 100 * flops_per_token * tokens_per_s / 989e12);

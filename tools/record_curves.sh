@@ -41,3 +41,21 @@ run gpt_offload_delayed 2 train_gpt "${GPT[@]}" --batch_size=4 --offload=optimiz
 run gpt_offload_allreduce 2 train_gpt "${GPT[@]}" --batch_size=4 --offload=optimizer --offload_reduce_to_owner=false
 run gpt_offload_fp16 2 train_gpt "${GPT[@]}" --batch_size=4 --offload=optimizer --offload_stream_gradients=on --amp=fp16
 run gpt_offload_tp2 4 train_gpt "${GPT[@]}" --batch_size=4 --tp=2 --offload=optimizer --clip_grad_norm=0.5
+# The techniques applied to the model's blocks from outside (issue "Models and parallelism as a
+# library"): activation checkpointing, layer streaming, ZeRO-3 units, pipeline stages, sequence
+# parallelism, each alone and together.
+run gpt_ckpt 2 train_gpt "${GPT[@]}" --batch_size=4 --checkpoint_activations
+run gpt_layers 1 train_gpt "${GPT[@]}" --batch_size=8 --offload=layers
+run gpt_zero3 2 train_gpt "${GPT[@]}" --batch_size=4 --shard=parameters
+run gpt_zero3_ckpt 2 train_gpt "${GPT[@]}" --batch_size=4 --shard=parameters --checkpoint_activations
+run gpt_zero3_units 2 train_gpt "${GPT[@]}" --batch_size=4 --shard=parameters --shard_units=wte.,blocks.1.
+run gpt_zero3_tp2 4 train_gpt "${GPT[@]}" --batch_size=4 --shard=parameters --tp=2
+run gpt_pp2 2 train_gpt "${GPT[@]}" --batch_size=8 --pp=2 --accum_steps=4
+run gpt_pp2_gpipe_ckpt 2 train_gpt "${GPT[@]}" --batch_size=8 --pp=2 --accum_steps=4 --pp_schedule=gpipe --checkpoint_activations
+run gpt_pp2_tp2_sp 4 train_gpt "${GPT[@]}" --batch_size=8 --pp=2 --tp=2 --accum_steps=2 --sequence_parallel
+run gpt_pp2_zero3 4 train_gpt "${GPT[@]}" --batch_size=4 --pp=2 --accum_steps=2 --shard=parameters
+run gpt_tp2_sp 2 train_gpt "${GPT[@]}" --batch_size=8 --tp=2 --sequence_parallel
+run gpt_pp2_layers 2 train_gpt "${GPT[@]}" --batch_size=8 --pp=2 --accum_steps=2 --offload=layers
+run s2s_1x8 1 train_seq2seq --device=cpu --progress=false --log_every=1 --workers=1 --seed=5 --steps=8 --d_model=64 --heads=4 --layers=2 --ff=128 --seq_len=32 --vocab=256 --dropout=0 --batch_size=8
+run s2s_ckpt 2 train_seq2seq --device=cpu --progress=false --log_every=1 --workers=1 --seed=5 --steps=8 --d_model=64 --heads=4 --layers=2 --ff=128 --seq_len=32 --vocab=256 --dropout=0 --batch_size=4 --checkpoint_activations
+run cnn_2x32 2 train_cnn --device=cpu --progress=false --log_every=1 --workers=1 --seed=3 --steps=12 --batch_size=32

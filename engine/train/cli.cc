@@ -113,7 +113,7 @@ const std::vector<Spec>& specs() {
            &Flags::pp, kToRun),
       spec(kTensorParallel, "pp_schedule", "with --pp > 1: 1f1b or gpipe", &Flags::pp_schedule),
       spec(kTensorParallel, "pp_blocks", "with --pp > 1: blocks per stage, e.g. 2,4,4,2 (default: even, extra from stage 1)",
-           &Flags::pp_blocks, kToRun),
+           &Flags::pp_blocks, kToTrainer | kToRun),
       spec(kData, "workers", "data-loading worker threads", &Flags::workers, kToLoader),
       spec(kData, "prefetch", "batches prepared ahead by the loader", &Flags::prefetch, kToLoader),
       spec(kData, "eval_every", "evaluate every N steps (0: never)", &Flags::eval_every),
@@ -148,7 +148,7 @@ const std::vector<Spec>& specs() {
       spec(kMemory, "memory_report_step", "log where memory goes after this step (0: never)",
            &Flags::memory_report_step),
       spec(kMemory, "checkpoint_activations", "recompute each block's activations in backward",
-           &Flags::checkpoint_activations, kToRun),
+           &Flags::checkpoint_activations, kToTrainer | kToRun),
       spec(kCheckpoints, "save_dir", "save checkpoints to this directory (one run per directory)", &Flags::save_dir),
       spec(kCheckpoints, "save_every", "also save every N steps (0: at the end and on preemption only)",
            &Flags::save_every),
@@ -437,6 +437,9 @@ TrainerOptions trainer_options(const Flags& f, const std::string& default_optimi
   o.memory_report_step = f.memory_report_step;
   o.offload_optimizer = parse_offload(f.offload).optimizer;
   o.shard = f.shard;
+  o.checkpoint_activations = f.checkpoint_activations;
+  o.offload_layers = parse_offload(f.offload).layers;
+  o.pp_blocks = f.pp_blocks;
   if (!f.shard_units.empty()) o.shard_unit_starts = split_list(f.shard_units, "--shard_units");
   o.pipeline.schedule = parse_pipeline_schedule(f.pp_schedule);
   o.prune = prune_options(f);

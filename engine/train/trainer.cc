@@ -173,6 +173,41 @@ std::vector<Batch> split_batch(const Batch& batch, int n) {
   return out;
 }
 
+Trainer::Applied Trainer::apply_to_spec(ModelSpec spec, dist::Mesh& mesh, c10::Device device,
+                                        TrainerOptions options) {
+  validate(spec);
+  ModelTechniques t;
+  t.checkpoint_activations = options.checkpoint_activations;
+  t.offload_layers = options.offload_layers;
+  t.device = device;
+  split_pipeline_stage(spec, mesh.pp_rank(), mesh.pp_size(), options.pp_blocks, t);
+  if (options.shard == "parameters" && options.shard_unit_starts.empty()) {
+    options.shard_unit_starts = default_unit_prefixes(spec);
+  }
+  Applied a;
+  a.model = std::make_shared<AppliedModel>(spec, t);
+  a.model->start_streaming();  // before the trainer takes the parameters: the blocks' live on the host
+  std::shared_ptr<AppliedModel> model = a.model;
+  a.loss = [model](const Batch& b) { return model->loss(b); };
+  if (mesh.pp_size() > 1) {
+    options.pipeline.forward = [model](const at::Tensor& x, const Batch& micro) { return model->stage_forward(x, micro); };
+    options.pipeline.activation_shape = spec.activation_shape;
+    options.pipeline.activation_dtype = spec.activation_dtype;
+  }
+  a.options = std::move(options);
+  return a;
+}
+
+Trainer::Trainer(ModelSpec spec, dist::Mesh& mesh, c10::Device device, TrainerOptions options)
+    : Trainer(apply_to_spec(std::move(spec), mesh, device, std::move(options)), mesh, device) {}
+
+Trainer::Trainer(Applied applied, dist::Mesh& mesh, c10::Device device)
+    : Trainer(*applied.model->spec().module, applied.loss, mesh, device, applied.options) {
+  applied_ = std::move(applied.model);
+  // ZeRO-3: the units the trainer cut run around the model's pieces.
+  if (units_) applied_->use_units(units_.get(), options_.shard_unit_starts, names_);
+}
+
 Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::Device device,
                  TrainerOptions options)
     : model_(model), loss_(std::move(loss)), mesh_(mesh), device_(device),

@@ -78,6 +78,29 @@ print(f"{sys.argv[1]}: 2 ranks x 32 follow 1 rank x 64 over 12 steps (worst rela
 PY
 }
 data_parallel c_cxx
+# The consumer's own decoder model (decoder.cc: plain modules and a ModelSpec) trains with each
+# technique the trainer applies to its blocks, and logs the loss curve of one rank.
+decoder=$work/c_cxx/decoder
+env GLOG_minloglevel=1 "$decoder" --metrics="$work/decoder-one.jsonl" >"$work/decoder.out" 2>&1 ||
+  { cat "$work/decoder.out"; fail "decoder: 1 rank"; }
+layouts=("2|--shard=parameters --batch_size=4" "2|--pp=2 --accum_steps=2" "2|--tp=2" "1|--checkpoint_activations"
+         "1|--offload=layers" "2|--pp=2 --accum_steps=2 --checkpoint_activations" "2|--tp=2 --checkpoint_activations")
+for layout in "${layouts[@]}"; do
+  np=${layout%%|*}
+  read -ra flags <<<"${layout#*|}"
+  env GLOG_minloglevel=1 "${mpirun[@]}" -np "$np" "$decoder" "${flags[@]}" --metrics="$work/decoder-other.jsonl" \
+    >"$work/decoder.out" 2>&1 || { cat "$work/decoder.out"; fail "decoder: ${flags[*]} on $np rank(s)"; }
+  python3 - "${flags[*]} on $np rank(s)" "$work/decoder-one.jsonl" "$work/decoder-other.jsonl" <<'PY' ||
+import json, sys
+one, other = ([json.loads(l)["loss"] for l in open(p)] for p in sys.argv[2:])
+assert len(one) == len(other) == 6, (len(one), len(other))
+worst = max(abs(a - b) / abs(a) for a, b in zip(one, other))
+assert worst < 1e-5, f"worst relative difference {worst:.2e}: {one} vs {other}"
+assert one[-1] < one[0], f"the loss does not fall: {one}"
+print(f"decoder {sys.argv[1]}: the curve of 1 rank over 6 steps (worst relative difference {worst:.1e})")
+PY
+    fail "decoder: ${flags[*]} on $np rank(s) does not follow 1 rank"
+done
 data_parallel cxx_only
 app=$work/cxx_only/app
 # Preemption from the package: SIGUSR1 (the program never installs a handler) saves a

@@ -88,7 +88,8 @@ const std::map<std::string, Probe>& probes() {
       {"pp", {"2", {}, kToRun, [](const Built& b) { return text(b.run.pp); }}},
       {"pp_schedule", {"gpipe", {}, kToTrainer,
                        [](const Built& b) { return text(static_cast<int>(b.trainer.pipeline.schedule)); }}},
-      {"pp_blocks", {"1,2", {{"pp", "2"}}, kToRun, [](const Built& b) { return b.run.pp_blocks; }}},
+      {"pp_blocks", {"1,2", {{"pp", "2"}}, kToTrainer | kToRun,
+                     [](const Built& b) { return b.trainer.pp_blocks + "|" + b.run.pp_blocks; }}},
       // kData
       {"workers", {"5", {}, kToLoader, [](const Built& b) { return text(b.loader.workers); }}},
       {"prefetch", {"6", {}, kToLoader, [](const Built& b) { return text(b.loader.prefetch); }}},
@@ -96,7 +97,9 @@ const std::map<std::string, Probe>& probes() {
       {"eval_samples", {"123", {}, kToTrainer, [](const Built& b) { return text(b.trainer.eval_samples); }}},
       // kMemory
       {"offload", {"all", {}, kToTrainer | kToRun,
-                   [](const Built& b) { return text(b.trainer.offload_optimizer) + text(b.run.offload_layers); }}},
+                   [](const Built& b) {
+                     return text(b.trainer.offload_optimizer) + text(b.trainer.offload_layers) + text(b.run.offload_layers);
+                   }}},
       {"shard", {"gradients", {}, kToTrainer, [](const Built& b) { return b.trainer.shard; }}},
       {"shard_units", {"wte.,blocks.0.", {{"shard", "parameters"}}, kToTrainer,
                        [](const Built& b) { return join(b.trainer.shard_unit_starts); }}},
@@ -112,7 +115,8 @@ const std::map<std::string, Probe>& probes() {
       {"gpu_mem_limit_gb", {"4", {}, kToRun, [](const Built& b) { return text(b.run.gpu_mem_limit_gb); }}},
       {"memory_report_step", {"3", {}, kToTrainer, [](const Built& b) { return text(b.trainer.memory_report_step); }}},
       {"checkpoint_activations",
-       {"true", {}, kToRun, [](const Built& b) { return text(b.run.checkpoint_activations); }}},
+       {"true", {}, kToTrainer | kToRun,
+        [](const Built& b) { return text(b.trainer.checkpoint_activations) + text(b.run.checkpoint_activations); }}},
       // kCheckpoints
       {"save_dir", {"/tmp/x", {}, kToTrainer, [](const Built& b) { return b.trainer.save_dir; }}},
       {"save_every", {"5", {}, kToTrainer, [](const Built& b) { return text(b.trainer.save_every); }}},

@@ -38,6 +38,7 @@
 #include "dtrain/engine/parallel/grad_norm.h"
 #include "dtrain/engine/parallel/pipeline.h"
 #include "dtrain/engine/memory/memory_report.h"
+#include "dtrain/engine/models/model_spec.h"
 #include "dtrain/engine/observe/metrics.h"
 #include "dtrain/engine/optim/offload.h"
 #include "dtrain/engine/optim/optim.h"
@@ -163,6 +164,13 @@ struct TrainerOptions {
   // Trainer::parameter_units() (ParameterUnits::run, or its parts with activation
   // checkpointing), in unit order.
   std::vector<std::string> shard_unit_starts;
+  // A trainer built from a ModelSpec applies these to the model's blocks (models/model_spec.h):
+  // each block recomputed in backward, each block's weights streamed from host memory, and
+  // under a pipeline (mesh pp > 1) the blocks per stage ("a,b,...": pipeline_stage_bounds; "":
+  // the even rule). A trainer built from a module and a LossFn leaves them to the model.
+  bool checkpoint_activations = false;
+  bool offload_layers = false;
+  std::string pp_blocks;
   // Magnitude pruning (optim/prune.h; --prune_amount, --prune_scope, --prune_at_step,
   // --prune_from_step/--prune_to_step/--prune_every): masks chosen before the scheduled steps'
   // forward, applied to gradients before and weights after every update, saved in checkpoints.
@@ -232,6 +240,13 @@ class Trainer {
   // must outlive the trainer.
   Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::Device device,
           TrainerOptions options);
+  // A plain model given by its ModelSpec (models/model_spec.h), on `device` already: the
+  // trainer applies the pipeline split (mesh pp > 1; split_pipeline_stage() may have been
+  // called before moving the model to the device), layer offload, activation checkpointing
+  // and ZeRO-3's units (shard_unit_starts, default: default_unit_prefixes()) to its blocks and
+  // computes the loss as spec.post(blocks(spec.pre(batch)), batch). options.pipeline is set
+  // from the spec. Collective as the constructor above.
+  Trainer(ModelSpec spec, dist::Mesh& mesh, c10::Device device, TrainerOptions options);
   ~Trainer();
 
   // One optimizer step on this rank's batch.
@@ -357,6 +372,17 @@ class Trainer {
   void save_checkpoint_async(const DataLoader* loader);
   // Waits for the background save in flight, if any; rethrows its failure.
   void wait_for_save();
+
+  // The ModelSpec constructor's: the model with the techniques applied, the loss it gives and
+  // the options it sets.
+  struct Applied {
+    std::shared_ptr<AppliedModel> model;
+    LossFn loss;
+    TrainerOptions options;
+  };
+  static Applied apply_to_spec(ModelSpec spec, dist::Mesh& mesh, c10::Device device, TrainerOptions options);
+  Trainer(Applied applied, dist::Mesh& mesh, c10::Device device);
+  std::shared_ptr<AppliedModel> applied_;  // null for a module + LossFn trainer
 
   torch::nn::Module& model_;
   LossFn loss_;

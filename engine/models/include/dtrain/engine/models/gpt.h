@@ -1,0 +1,80 @@
+// A GPT-style decoder language model (GPT-2 layout: pre-norm blocks, causal self-attention
+// through scaled_dot_product_attention, GELU MLP, learned positions, untied output head) built
+// from dtrain's tensor-parallel layers, so a tensor-parallel group splits heads, MLP and
+// vocabulary. With a group of one rank it is the plain model; any group size draws the same
+// initial full weights. sequence_parallel additionally splits the residual stream and the layer
+// norms along the sequence over the group (Megatron-LM sequence parallelism): each rank keeps
+// [B, S/T, d] between the parallel regions; the result is the same model (float rounding).
+//
+// A plain model: its forward is embeddings, its BlockStack, final norm and head. Pipeline
+// stages, ZeRO-3 units, activation checkpointing and layer offload are applied from outside
+// through gpt_spec() (models/model_spec.h).
+#pragma once
+
+#include <memory>
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/normalization.h>
+
+#include "dtrain/engine/models/blocks.h"
+#include "dtrain/engine/models/model_spec.h"
+#include "dtrain/engine/parallel/tensor_parallel.h"
+
+namespace dtrain::engine {
+
+struct GptOptions {
+  int64_t vocab = 32000, d_model = 768, heads = 12, ff = 3072, seq_len = 1024;
+  int layers = 12;
+  double dropout = 0.0;
+  bool sparse_embedding = false;  // the token embedding's gradient sparse (the rows a batch touched)
+  // Split activations between the tensor-parallel regions along the sequence (seq_len must
+  // divide by the group size). No effect with a group of one rank.
+  bool sequence_parallel = false;
+};
+
+struct GptBlockImpl : torch::nn::Module {
+  GptBlockImpl(const GptOptions& o, dist::Communicator& tp);
+  at::Tensor forward(const at::Tensor& x);  // [B, S, d], or [B, S/T, d] when sequence-parallel
+  at::Tensor norm(torch::nn::LayerNorm& ln, const at::Tensor& x);
+  bool sequence_parallel;
+  dist::Communicator* tp;
+  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+  ParallelSelfAttention attn{nullptr};
+  ParallelMlp mlp{nullptr};
+  torch::nn::Dropout drop{nullptr};
+};
+TORCH_MODULE(GptBlock);
+
+struct GptImpl : torch::nn::Module {
+  GptImpl(const GptOptions& o, dist::Communicator& tp);
+  // tokens [B, T] -> this rank's logits [B, T, padded_vocab / tp].
+  at::Tensor forward(const at::Tensor& tokens);
+  // Mean next-token cross-entropy: inputs [B, T], targets [B, T].
+  at::Tensor loss(const at::Tensor& inputs, const at::Tensor& targets);
+  // The parts of the forward pass: tokens -> the residual stream the blocks take ([B, T, d],
+  // [B, T/tp, d] sequence-parallel); the blocks' output -> logits, or -> the mean loss.
+  at::Tensor embed(const at::Tensor& tokens);
+  at::Tensor logits(const at::Tensor& h);
+  at::Tensor head_loss(const at::Tensor& h, const at::Tensor& targets);
+  int64_t parameter_count() const;  // of the full (unsplit) model
+  GptOptions options;
+  dist::Communicator* tp;
+  VocabParallelEmbedding wte{nullptr};
+  torch::nn::Embedding wpe{nullptr};
+  BlockStack blocks{nullptr};
+  torch::nn::LayerNorm ln_f{nullptr};
+  ColumnParallelLinear head{nullptr};
+  torch::nn::Dropout drop{nullptr};
+};
+TORCH_MODULE(Gpt);
+
+// The GPT's ModelSpec for batches whose field 0 holds [B, seq_len + 1] token windows (inputs
+// w[:, :S], targets w[:, 1:]): pre = embed, post = head_loss, pre_modules wte and wpe,
+// post_modules ln_f and head, the stage activation [rows, S (or S/tp), d] float32.
+ModelSpec gpt_spec(const std::shared_ptr<GptImpl>& model);
+
+}  // namespace dtrain::engine
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order
