@@ -93,6 +93,50 @@ TEST(PipelineMesh, GroupsFollowTheRankFormula) {
   EXPECT_THROW(dist::Mesh::check(4, 2, 3), Error);
 }
 
+// A mesh with an axis of its own ("cp" between dp and tp): each axis's group is the ranks that
+// differ from this one only along it, by the mixed-radix closed form, for every split of the
+// world; the standard accessors follow, and an unknown axis or bad sizes are named.
+TEST(PipelineMesh, NamedAxesFollowTheMixedRadixFormula) {
+  auto& world = world_comm();
+  const int W = world.size(), r = world.rank();
+  auto members = [&](dist::Communicator& c) {
+    at::Tensor all = at::empty({c.size()}, at::kLong);
+    c.all_gather(at::full({1}, r, at::kLong), all)->wait();
+    return std::vector<int64_t>(all.data_ptr<int64_t>(), all.data_ptr<int64_t>() + c.size());
+  };
+  for (int C = 1; C <= W; ++C) {
+    for (int T = 1; T * C <= W; ++T) {
+      if (W % (T * C) != 0) continue;
+      const int D = W / (T * C);
+      dist::Mesh mesh(world, {{"pp", 1}, {"dp", -1}, {"cp", C}, {"tp", T}});
+      const std::string where = "C " + std::to_string(C) + ", T " + std::to_string(T);
+      const int t = r % T, c = r / T % C, d = r / (T * C);
+      ASSERT_EQ(mesh.rank("cp"), c) << where;
+      ASSERT_EQ(mesh.size("dp"), D) << where;
+      std::vector<int64_t> cp, dp;
+      for (int i = 0; i < C; ++i) cp.push_back((d * C + i) * T + t);
+      for (int i = 0; i < D; ++i) dp.push_back((i * C + c) * T + t);
+      EXPECT_EQ(members(mesh.group("cp")), cp) << where;
+      EXPECT_EQ(members(mesh.dp()), dp) << where;
+      EXPECT_EQ(mesh.tp_rank(), t) << where;
+      EXPECT_EQ(mesh.pp_size(), 1) << where;
+      EXPECT_EQ(mesh.axes()[1].size, D) << where;
+    }
+  }
+  dist::Mesh plain(world, {{"dp", -1}});
+  EXPECT_EQ(plain.tp_size(), 1);
+  EXPECT_EQ(plain.pp_size(), 1);
+  EXPECT_EQ(plain.dp_size(), W);
+  EXPECT_NE(testing_util::error_of([&] { plain.group("ep"); }).find("the mesh has no axis 'ep' (its axes: dp)"),
+            std::string::npos);
+  EXPECT_NE(testing_util::error_of([&] { dist::Mesh::check(4, {{"dp", -1}, {"tp", -1}}); })
+                .find("both take the rest of the world"),
+            std::string::npos);
+  EXPECT_NE(testing_util::error_of([&] { dist::Mesh::check(6, {{"dp", -1}, {"cp", 4}}); })
+                .find("--cp=4 does not divide the world size 6"),
+            std::string::npos);
+}
+
 TEST(Pipeline, StagesTrainAsOneProcessForBothSchedules) {
   auto& pp = world_comm();
   const int stages = pp.size(), s = pp.rank();

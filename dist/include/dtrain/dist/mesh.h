@@ -1,7 +1,11 @@
-// The data x pipeline x tensor-parallel process mesh.
+// The process mesh: the world's ranks laid out along named axes, each axis a group of ranks
+// (a communicator) that differ only in their position along it.
 //
-// With tensor-parallel size T, pipeline size P and data-parallel size D = world / (T P), world
-// rank r = (p D + d) T + t for pipeline stage p, data-parallel rank d and tensor-parallel rank t:
+// Axes are given from the outermost to the innermost; a rank's coordinates are its world rank
+// written in that mixed radix, so the innermost axis holds consecutive ranks. The standard mesh
+// is {pp, dp, tp}: with tensor-parallel size T, pipeline size P and data-parallel size
+// D = world / (T P), world rank r = (p D + d) T + t for pipeline stage p, data-parallel rank d
+// and tensor-parallel rank t:
 //   - a tensor-parallel group is T consecutive ranks, so under the usual block mapping of ranks
 //     to nodes it stays on one node (its collectives run inside every layer, on the fastest link);
 //   - a pipeline stage is the D T consecutive ranks of one block, and the stages are the
@@ -10,24 +14,45 @@
 //     crosses nodes, as in Megatron-LM's tp-dp-pp order;
 //   - a data-parallel group is the ranks of one stage with the same tensor-parallel position
 //     (their gradient reduction happens once per step).
-// With P = 1 this is the data x tensor mesh of before: tensor-parallel group k is ranks
-// [k T, (k + 1) T), a data-parallel group the ranks with the same position in theirs.
+// A new kind of parallelism is a new axis name (context parallelism's "cp" between dp and tp,
+// say), not a new constructor: Mesh(world, {{"pp", P}, {"dp", -1}, {"cp", C}, {"tp", T}}).
 #pragma once
 
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "dtrain/dist/communicator.h"
 
 namespace dtrain::dist {
 
+struct MeshAxis {
+  std::string name;  // also the flag named in messages ("--tp=3 does not divide ...")
+  int size = 1;      // -1: the ranks the other axes leave (one axis at most)
+};
+
 class Mesh {
  public:
-  // Checks T and P against the world first (>= 1, T P <= world size, T P divides it), throwing
-  // dtrain::Error that names the numbers before any collective; then splits world three times
-  // (collective, synchronous). world must outlive the mesh.
+  // Checks the axes against the world first (names unique and non-empty, sizes >= 1 or one -1,
+  // their product dividing the world), throwing dtrain::Error that names the numbers before any
+  // collective; then splits world once per axis of more than one rank, innermost first
+  // (collective, synchronous). An axis of one rank shares one communicator of this rank alone
+  // with every other such axis. world must outlive the mesh.
+  Mesh(Communicator& world, std::vector<MeshAxis> axes);
+  // The standard mesh {{"pp", pipeline_parallel}, {"dp", -1}, {"tp", tensor_parallel}}.
   Mesh(Communicator& world, int tensor_parallel, int pipeline_parallel = 1);
 
   Communicator& world() const { return *world_; }
+  // The group of `axis` (the ranks that differ from this one only along it); dtrain::Error for
+  // a name that is not an axis of this mesh.
+  Communicator& group(const std::string& axis) const;
+  int size(const std::string& axis) const { return group(axis).size(); }
+  int rank(const std::string& axis) const { return group(axis).rank(); }
+  bool has(const std::string& axis) const;
+  // The axes, outermost first, with the -1 resolved.
+  const std::vector<MeshAxis>& axes() const { return axes_; }
+
+  // The standard axes' groups; a mesh without one of them has a group of this rank alone there.
   Communicator& tp() const { return *tp_; }  // this rank's tensor-parallel group
   Communicator& dp() const { return *dp_; }  // this rank's data-parallel group (inside its stage)
   Communicator& pp() const { return *pp_; }  // this rank's pipeline: one rank per stage, in order
@@ -38,15 +63,19 @@ class Mesh {
   int pp_size() const { return pp_->size(); }
   int pp_rank() const { return pp_->rank(); }  // this rank's stage
 
-  // Validation alone (used by programs before anything is created).
+  // Validation alone (used by programs before anything is created): the axes resolved for a
+  // world of world_size ranks.
+  static std::vector<MeshAxis> check(int world_size, std::vector<MeshAxis> axes);
   static void check(int world_size, int tensor_parallel, int pipeline_parallel = 1);
 
  private:
   Communicator* world_;
-  std::unique_ptr<Communicator> tp_;
-  std::unique_ptr<Communicator> dp_;
-  std::unique_ptr<Communicator> pp_owned_;
-  Communicator* pp_;  // pp_owned_, or with one stage tp_ or dp_ when that is this rank alone
+  std::vector<MeshAxis> axes_;
+  std::vector<std::unique_ptr<Communicator>> owned_;
+  std::vector<Communicator*> groups_;  // per axis (into owned_, or the shared group of one)
+  Communicator* tp_ = nullptr;
+  Communicator* dp_ = nullptr;
+  Communicator* pp_ = nullptr;
 };
 
 }  // namespace dtrain::dist
