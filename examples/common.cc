@@ -125,42 +125,33 @@ Run init_run(int argc, char** argv, const std::string& usage,
   engine::cli::describe_flags("Data and evaluation", data, {"data_path"});  // joins --workers etc.
   if (!model_checks) topics &= ~engine::cli::kTensorParallel;
   engine::cli::parse(argc, argv, usage, topics, defaults);
+  // The library's run set-up from the flags (engine/train/run.h); the examples' own checks run
+  // before any communicator exists.
+  engine::RunOptions ro = engine::cli::run_options(engine::cli::flags());
+  ro.checks = [&] {
+    check_flags(topics);
+    check_writable_file(engine::cli::flags().metrics, "metrics");
+    check_writable_file(engine::cli::flags().timeline, "timeline");
+    engine::OffloadChoice offload = engine::parse_offload(engine::cli::flags().offload);
+    DTRAIN_CHECK(!offload.layers || model_checks, "--offload=", engine::cli::flags().offload, ": ", program,
+                 " has no offloadable layers (train_gpt streams its blocks); use --offload=optimizer");
+    DTRAIN_CHECK(!(offload.layers && offload.optimizer) || engine::cli::flags().tp == 1,
+                 "--offload=all needs --tp=1 (use --offload=layers or optimizer with tensor parallelism)");
+    DTRAIN_CHECK(model_checks || engine::cli::flags().tp == 1, "--tp=", engine::cli::flags().tp, ": ", program,
+                 " has no tensor-parallel layers; use train_gpt for tensor parallelism");
+    DTRAIN_CHECK(model_checks || !engine::cli::flags().sequence_parallel, "--sequence_parallel: ", program,
+                 " has no tensor-parallel layers; use train_gpt for sequence parallelism");
+    if (model_checks) model_checks();
+    engine::parse_amp(engine::cli::flags().amp);  // validates
+  };
+  engine::Run started = engine::start_run(ro, argv[0], program);
   Run run;
   run.model_flags = model_flags;
   run.program = program;
-  run.world = dist::detect_world();
-  dist::init_logging(argv[0], run.world);
-  check_flags(topics);
-  check_writable_file(engine::cli::flags().metrics, "metrics");
-  check_writable_file(engine::cli::flags().timeline, "timeline");
-  engine::OffloadChoice offload = engine::parse_offload(engine::cli::flags().offload);
-  DTRAIN_CHECK(!offload.layers || model_checks, "--offload=", engine::cli::flags().offload, ": ", run.program,
-               " has no offloadable layers (train_gpt streams its blocks); use --offload=optimizer");
-  DTRAIN_CHECK(!(offload.layers && offload.optimizer) || engine::cli::flags().tp == 1,
-               "--offload=all needs --tp=1 (use --offload=layers or optimizer with tensor parallelism)");
-  DTRAIN_CHECK(model_checks || engine::cli::flags().tp == 1, "--tp=", engine::cli::flags().tp, ": ", run.program,
-               " has no tensor-parallel layers; use train_gpt for tensor parallelism");
-  DTRAIN_CHECK(model_checks || !engine::cli::flags().sequence_parallel, "--sequence_parallel: ", run.program,
-               " has no tensor-parallel layers; use train_gpt for sequence parallelism");
-  dist::Mesh::check(run.world.size, engine::cli::flags().tp, engine::cli::flags().pp);
-  if (model_checks) model_checks();
-  run.device = dist::select_device(run.world, dist::parse_device_request(engine::cli::flags().device));
-  engine::parse_amp(engine::cli::flags().amp);  // validates
-  dist::CommOptions options;
-  options.timeout = std::chrono::seconds(engine::cli::flags().collective_timeout_s);
-  run.comm = dist::create_communicator(engine::cli::flags().backend, run.world, run.device, options);
-  // Before the mesh splits the world by --tp and before anything depends on the flags.
-  engine::cli::agree_on_flags(*run.comm);
-  run.mesh = std::make_unique<dist::Mesh>(*run.comm, engine::cli::flags().tp, engine::cli::flags().pp);
-  torch::manual_seed(static_cast<uint64_t>(engine::cli::flags().seed));
-  if (run.world.rank == 0) {
-    LOG(INFO) << run.program << ": " << run.world.size << " rank(s) (tp " << run.mesh->tp_size()
-              << " x dp " << run.mesh->dp_size()
-              << (run.mesh->pp_size() > 1 ? " x pp " + std::to_string(run.mesh->pp_size()) : std::string())
-              << "), device " << run.device << ", backend "
-              << run.comm->backend() << ", amp " << engine::cli::flags().amp << ", " << at::get_num_threads()
-              << " intra-op CPU thread(s)";
-  }
+  run.world = started.world;
+  run.device = started.device;
+  run.comm = std::move(started.comm);
+  run.mesh = std::move(started.mesh);
   return run;
 }
 

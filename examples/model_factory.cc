@@ -386,24 +386,6 @@ engine::ActivationProfile probe_example_model(const Run& run, ExampleModel& m,
   return profile;
 }
 
-engine::PlanAgreement plan_agreement(dist::Communicator& comm) {
-  if (comm.size() == 1) return nullptr;  // one rank agrees with itself
-  return [&comm](std::vector<double>& figures) {
-    // The ranks must have enumerated the same candidates (the same flags do): check first.
-    const double n = static_cast<double>(figures.size());
-    at::Tensor count = at::tensor({n, -n}, at::kDouble);
-    comm.all_reduce(count, dist::ReduceOp::kMax)->wait();
-    DTRAIN_CHECK(count[0].item<double>() == -count[1].item<double>(),
-                 "--plan=auto: the ranks considered different numbers of candidate techniques (",
-                 -count[1].item<double>(), " to ", count[0].item<double>(),
-                 "); every rank must be given the same flags");
-    at::Tensor t = at::tensor(figures, at::kDouble);
-    comm.all_reduce(t, dist::ReduceOp::kMax)->wait();
-    const double* p = t.data_ptr<double>();
-    figures.assign(p, p + t.numel());
-  };
-}
-
 std::vector<std::vector<double>> per_stage(const Run& run, const std::vector<double>& mine) {
   const int P = run.mesh->pp_size();
   const int64_t n = static_cast<int64_t>(mine.size());
@@ -466,7 +448,7 @@ void plan_and_apply(const Run& run, ExampleModel& model, engine::TrainerOptions&
     engine::ActivationProfile profile = probe_example_model(run, model, {options.amp}, /*probe_rows=*/2);
     // Every rank applies the plan that fits on every rank (measurements differ slightly
     // between data-parallel ranks, and a pipeline's stages hold different layers).
-    engine::Plan plan = engine::choose_plan(in, profile, plan_agreement(*run.comm));
+    engine::Plan plan = engine::choose_plan(in, profile, engine::agreement_over(*run.comm));
     if (model.set_checkpointing) model.set_checkpointing(plan.technique.checkpoint);
     options.checkpoint_activations = plan.technique.checkpoint;
     options.accum_steps = plan.technique.accum_steps;

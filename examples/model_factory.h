@@ -113,9 +113,6 @@ engine::ActivationProfile probe_example_model(const Run& run, ExampleModel& mode
 // (CUDA) whether or not a plan is made. Then applies --offload=layers. Collective.
 void plan_and_apply(const Run& run, ExampleModel& model, engine::TrainerOptions& options);
 
-// choose_plan's agreement over every rank of `comm` (all-reduces with max; refuses ranks that
-// enumerated different candidates). Collective when called.
-engine::PlanAgreement plan_agreement(dist::Communicator& comm);
 
 // Each pipeline stage's `mine` (the same length on every rank), as its first data-parallel and
 // tensor-parallel rank gives it, stage after stage (one entry without a pipeline). Collective.

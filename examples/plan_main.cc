@@ -188,7 +188,7 @@ int plan_main(int argc, char** argv) {
   }
   // One plan for every rank (with --pp, each stage probed its own layers); dtrain::Error when
   // nothing fits.
-  engine::Plan plan = engine::choose_plan(in, profile, examples::plan_agreement(*run.comm));
+  engine::Plan plan = engine::choose_plan(in, profile, engine::agreement_over(*run.comm));
   const std::string stages = examples::stage_estimates(run, plan.estimate);
   if (rank0) {
     std::printf("plan: %s\n%s", plan.flags().empty() ? "the plain step (no flags to add)"

@@ -3,6 +3,8 @@
 #include "dtrain/engine/memory/planner.h"
 
 #include <algorithm>
+
+#include <ATen/ATen.h>
 #include <cmath>
 #include <cstdio>
 #include <iomanip>
@@ -580,6 +582,24 @@ Plan choose_plan(const PlanInputs& in, const ActivationProfile& profile, const P
                                : std::max<int64_t>(in.gpu_budget_bytes - in.cuda_context_bytes, 1);
   for (const Candidate* c : fitting) plan.fitting.push_back(c->estimate);
   return plan;
+}
+
+PlanAgreement agreement_over(dist::Communicator& comm) {
+  if (comm.size() == 1) return nullptr;  // one rank agrees with itself
+  return [&comm](std::vector<double>& figures) {
+    // The ranks must have enumerated the same candidates (the same flags do): check first.
+    const double n = static_cast<double>(figures.size());
+    at::Tensor count = at::tensor({n, -n}, at::kDouble);
+    comm.all_reduce(count, dist::ReduceOp::kMax)->wait();
+    DTRAIN_CHECK(count[0].item<double>() == -count[1].item<double>(),
+                 "--plan=auto: the ranks considered different numbers of candidate techniques (",
+                 -count[1].item<double>(), " to ", count[0].item<double>(),
+                 "); every rank must be given the same flags");
+    at::Tensor t = at::tensor(figures, at::kDouble);
+    comm.all_reduce(t, dist::ReduceOp::kMax)->wait();
+    const double* p = t.data_ptr<double>();
+    figures.assign(p, p + t.numel());
+  };
 }
 
 }  // namespace dtrain::engine

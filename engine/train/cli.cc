@@ -463,6 +463,7 @@ TrainerOptions trainer_options(const Flags& f, const std::string& default_optimi
 
 RunOptions run_options(const Flags& f) {
   RunOptions o;
+  o.agree = [](dist::Communicator& world) { agree_on_flags(world); };
   o.device = f.device;
   o.backend = f.backend;
   o.collective_timeout_s = f.collective_timeout_s;

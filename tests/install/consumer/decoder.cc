@@ -97,14 +97,12 @@ int main(int argc, char** argv) {
                                      cli::kAllTopics,
                                      {{"steps", "6"}, {"lr", "0.01"}, {"log_every", "1"}, {"progress", "false"},
                                       {"workers", "0"}, {"device", "cpu"}, {"batch_size", "8"}});
-    dtrain::dist::World world = dtrain::dist::detect_world();
-    dtrain::dist::init_logging(argv[0], world);
-    const cli::RunOptions r = cli::run_options(f);
-    c10::Device device = dtrain::dist::select_device(world, dtrain::dist::parse_device_request(r.device));
-    auto comm = dtrain::dist::create_communicator(r.backend, world, device);
-    cli::agree_on_flags(*comm);
-    dtrain::dist::Mesh mesh(*comm, r.tp, r.pp);
-    torch::manual_seed(r.seed);
+    // World, logging, device, communicator, the flags agreed, mesh and seed: the library's run.
+    const dtrain::engine::RunOptions r = cli::run_options(f);
+    dtrain::engine::Run run = dtrain::engine::start_run(r, argv[0], "decoder");
+    const dtrain::dist::World& world = run.world;
+    const c10::Device device = run.device;
+    dtrain::dist::Mesh& mesh = *run.mesh;
     auto data = std::make_shared<Windows>();  // drawn after the seed: the same on every rank
     auto model = std::make_shared<DecoderImpl>(mesh.tp());
     dtrain::engine::ModelSpec spec = spec_of(model);

@@ -29,6 +29,8 @@
 // probe_activations() and apply_memory_limit(). Not thread-safe where it touches a device.
 #pragma once
 
+#include "dtrain/dist/communicator.h"
+
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
@@ -311,6 +313,10 @@ struct Plan {
 using PlanAgreement = std::function<void(std::vector<double>& figures)>;
 Plan choose_plan(const PlanInputs& inputs, const ActivationProfile& profile,
                  const PlanAgreement& agree = nullptr);
+// The agreement of every rank of `comm` (null for one rank): all-reduces the figures with max,
+// after checking that every rank enumerated the same number of candidates (the same flags do;
+// dtrain::Error on every rank otherwise). Collective when called.
+PlanAgreement agreement_over(dist::Communicator& comm);
 // The number of micro-batches whose activations stage `inputs.stage` holds at once under
 // `accum_steps` micro-batches: 1 without a pipeline (see PlanInputs::pp).
 int pipeline_in_flight(const PlanInputs& inputs, int accum_steps);

@@ -29,6 +29,7 @@
 #include <c10/core/Device.h>
 
 #include "dtrain/engine/data/data.h"
+#include "dtrain/engine/train/run.h"
 #include "dtrain/engine/train/trainer.h"
 
 namespace dtrain::dist {
@@ -122,23 +123,8 @@ struct Flags {
 // The values (one set per process).
 const Flags& flags();
 
-// What the run-level flags set: the device, communicator, mesh, batch and memory plan a
-// program builds before its Trainer (the other flags reach TrainerOptions or LoaderOptions).
-struct RunOptions {
-  std::string device = "auto";       // --device: dist::parse_device_request()
-  std::string backend = "auto";      // --backend: dist::create_communicator()
-  int collective_timeout_s = 300;    // --collective_timeout_s: dist::CommOptions::timeout
-  int tp = 1;                        // --tp, --pp: dist::Mesh(world, tp, pp)
-  int pp = 1;
-  std::string pp_blocks;             // --pp_blocks: pipeline_stage_bounds()
-  bool sequence_parallel = false;    // --sequence_parallel: the model's tensor-parallel layers
-  int64_t batch_size = 64;           // --batch_size: per data-parallel rank (loader_options' batch)
-  uint64_t seed = 0;                 // --seed: torch::manual_seed before building the model
-  bool checkpoint_activations = false;  // --checkpoint_activations: the model's blocks
-  bool offload_layers = false;       // --offload=layers|all: the model's blocks streamed
-  std::string plan = "none";         // --plan, --gpu_mem_limit_gb: the memory planner
-  double gpu_mem_limit_gb = 0;
-};
+// The run-level flags as the library's RunOptions (train/run.h: start_run()), whose agree is
+// agree_on_flags.
 RunOptions run_options(const Flags& f);
 
 // Where a standard flag's value goes (a bit set: --offload reaches two).
