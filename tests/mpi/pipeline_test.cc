@@ -59,16 +59,18 @@ at::Tensor run_blocks(Model& m, int begin, int end, at::Tensor x) {
   return x;
 }
 
+// The world ranks of a group's members, in its rank order (collective over the group).
+std::vector<int64_t> members(dist::Communicator& c, int world_rank) {
+  at::Tensor all = at::empty({c.size()}, at::kLong);
+  c.all_gather(at::full({1}, world_rank, at::kLong), all)->wait();
+  return std::vector<int64_t>(all.data_ptr<int64_t>(), all.data_ptr<int64_t>() + c.size());
+}
+
 // The mesh's groups against the closed form r = (p D + d) T + t, for every T x P dividing the
 // world: each group's members (all-gathered world ranks) in rank order.
 TEST(PipelineMesh, GroupsFollowTheRankFormula) {
   auto& world = world_comm();
   const int W = world.size(), r = world.rank();
-  auto members = [&](dist::Communicator& c) {
-    at::Tensor all = at::empty({c.size()}, at::kLong);
-    c.all_gather(at::full({1}, r, at::kLong), all)->wait();
-    return std::vector<int64_t>(all.data_ptr<int64_t>(), all.data_ptr<int64_t>() + c.size());
-  };
   for (int T = 1; T <= W; ++T) {
     for (int P = 1; P <= W; ++P) {
       if (W % (T * P) != 0) continue;
@@ -84,9 +86,9 @@ TEST(PipelineMesh, GroupsFollowTheRankFormula) {
       for (int i = 0; i < T; ++i) tp.push_back((p * D + d) * T + i);
       for (int i = 0; i < D; ++i) dp.push_back((p * D + i) * T + t);
       for (int i = 0; i < P; ++i) pp.push_back((i * D + d) * T + t);
-      EXPECT_EQ(members(mesh.tp()), tp) << where;
-      EXPECT_EQ(members(mesh.dp()), dp) << where;
-      EXPECT_EQ(members(mesh.pp()), pp) << where;
+      EXPECT_EQ(members(mesh.tp(), r), tp) << where;
+      EXPECT_EQ(members(mesh.dp(), r), dp) << where;
+      EXPECT_EQ(members(mesh.pp(), r), pp) << where;
     }
   }
   EXPECT_THROW(dist::Mesh::check(W, 1, W + 1), Error);
@@ -99,11 +101,6 @@ TEST(PipelineMesh, GroupsFollowTheRankFormula) {
 TEST(PipelineMesh, NamedAxesFollowTheMixedRadixFormula) {
   auto& world = world_comm();
   const int W = world.size(), r = world.rank();
-  auto members = [&](dist::Communicator& c) {
-    at::Tensor all = at::empty({c.size()}, at::kLong);
-    c.all_gather(at::full({1}, r, at::kLong), all)->wait();
-    return std::vector<int64_t>(all.data_ptr<int64_t>(), all.data_ptr<int64_t>() + c.size());
-  };
   for (int C = 1; C <= W; ++C) {
     for (int T = 1; T * C <= W; ++T) {
       if (W % (T * C) != 0) continue;
@@ -116,8 +113,8 @@ TEST(PipelineMesh, NamedAxesFollowTheMixedRadixFormula) {
       std::vector<int64_t> cp, dp;
       for (int i = 0; i < C; ++i) cp.push_back((d * C + i) * T + t);
       for (int i = 0; i < D; ++i) dp.push_back((i * C + c) * T + t);
-      EXPECT_EQ(members(mesh.group("cp")), cp) << where;
-      EXPECT_EQ(members(mesh.dp()), dp) << where;
+      EXPECT_EQ(members(mesh.group("cp"), r), cp) << where;
+      EXPECT_EQ(members(mesh.dp(), r), dp) << where;
       EXPECT_EQ(mesh.tp_rank(), t) << where;
       EXPECT_EQ(mesh.pp_size(), 1) << where;
       EXPECT_EQ(mesh.axes()[1].size, D) << where;

@@ -39,6 +39,20 @@ Batch batch_for(int64_t step, int rank, int64_t rows) {
   return b;
 }
 
+// A loader over `rows` random float64 regression rows (x [rows, in], y [rows, out]) drawn from
+// `seed`, `batch` rows per data-parallel rank, in dataset order with no workers.
+std::unique_ptr<DataLoader> regression_loader(int64_t rows, int64_t in, int64_t out, uint64_t seed, int64_t batch,
+                                              bool shuffle = true) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(seed);
+  auto data = std::make_shared<TensorDataset>(
+      std::vector<at::Tensor>{at::randn({rows, in}, g, at::kDouble), at::randn({rows, out}, g, at::kDouble)});
+  LoaderOptions lo;
+  lo.batch_size = batch;
+  lo.shuffle = shuffle;
+  lo.workers = 0;
+  return std::make_unique<DataLoader>(data, lo);
+}
+
 TrainerOptions base_options() {
   TrainerOptions o;
   o.steps = 4;
@@ -393,14 +407,7 @@ struct SavingRun {
     o.save_dir_exists = exists;
     Trainer trainer(*model, [&](const Batch& b) { return torch::mse_loss(model->forward(b.fields[0]), b.fields[1]); },
                     mesh, c10::Device(c10::kCPU), o);
-    auto g = at::make_generator<at::CPUGeneratorImpl>(3);
-    auto data = std::make_shared<TensorDataset>(
-        std::vector<at::Tensor>{at::randn({64, 6}, g, at::kDouble), at::randn({64, 1}, g, at::kDouble)});
-    LoaderOptions lo;
-    lo.batch_size = 4;
-    lo.workers = 0;
-    DataLoader loader(data, lo);
-    StepMetrics last = trainer.fit(loader);
+    StepMetrics last = trainer.fit(*regression_loader(64, 6, 1, 3, 4));
     if (reached) *reached = trainer.current_step();
     return last;
   }
@@ -490,14 +497,7 @@ TEST(Trainer, CommunicatedBytesPerStepMatchTheAllReduceTheory) {
   };
   Trainer trainer(*model, [&](const Batch& b) { return torch::mse_loss(model->forward(b.fields[0]), b.fields[1]); },
                   mesh, c10::Device(c10::kCPU), o);
-  auto g = at::make_generator<at::CPUGeneratorImpl>(6);
-  auto data = std::make_shared<TensorDataset>(
-      std::vector<at::Tensor>{at::randn({256, 64}, g, at::kDouble), at::randn({256, 64}, g, at::kDouble)});
-  LoaderOptions lo;
-  lo.batch_size = 8;
-  lo.workers = 0;
-  DataLoader loader(data, lo);
-  trainer.fit(loader);
+  trainer.fit(*regression_loader(256, 64, 64, 6, 8));
   const int n = comm.size();
   const double theory_mb = 2.0 * (n - 1) / n * numel * 8 / (1024.0 * 1024.0);
   ASSERT_EQ(per_step.size(), 4u);

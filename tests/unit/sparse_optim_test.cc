@@ -30,7 +30,7 @@ constexpr int64_t kD = 3;   // columns
 // gradient (counted as a step, updates nothing).
 const std::vector<std::vector<int64_t>> kRows = {
     {1, 4, 4, 7}, {0, 11, 3}, {4, 1, 1, 9}, {}, {5, 4, 11, 2, 4}, {7, 0}};
-const int kSteps = static_cast<int>(kRows.size());
+const int kSparseSteps = static_cast<int>(kRows.size());
 
 // Gradient values per step, [nnz, kD], float64 holding values exact in `dtype`.
 std::vector<at::Tensor> make_values(at::ScalarType dtype = at::kDouble, uint64_t seed = 7) {
@@ -116,13 +116,13 @@ at::Tensor state_of(const Optimizer& opt, const std::string& name) {
   return at::Tensor();
 }
 
-std::vector<std::string> names_of(const Optimizer& opt) {
+std::vector<std::string> sparse_state_names(const Optimizer& opt) {
   std::vector<std::string> out;
   for (const auto& [k, t] : opt.state()) out.push_back(k);
   return out;
 }
 
-NamedTensors cloned(const NamedTensors& state) {
+NamedTensors cloned_state(const NamedTensors& state) {
   NamedTensors out;
   for (const auto& [k, t] : state) out.emplace_back(k, t.clone());
   return out;
@@ -182,7 +182,7 @@ TEST(SparseOptimRules, MatchFloat64ReferenceAfterEveryStep) {
       at::Tensor p = p0.clone().to(dtype).requires_grad_(true);
       std::unique_ptr<Optimizer> opt = make_sparse_aware_optimizer({p}, {true}, c.options);
       Reference ref = make_reference(c, p0);
-      for (int s = 0; s < kSteps; ++s) {
+      for (int s = 0; s < kSparseSteps; ++s) {
         p.mutable_grad() = sparse_grad(kRows[s], values[s], dtype);
         EXPECT_TRUE(kRows[s].size() < 2 || !p.grad().is_coalesced());
         opt->step();
@@ -209,9 +209,9 @@ TEST(SparseOptimRules, UntouchedRowsAreUnchanged) {
     at::Tensor p = initial_param().requires_grad_(true);
     std::unique_ptr<Optimizer> opt = make_sparse_aware_optimizer({p}, {true}, c.options);
     std::vector<at::Tensor> values = make_values();
-    for (int s = 0; s < kSteps; ++s) {
+    for (int s = 0; s < kSparseSteps; ++s) {
       at::Tensor before = p.detach().clone();
-      NamedTensors state_before = cloned(opt->state());
+      NamedTensors state_before = cloned_state(opt->state());
       p.mutable_grad() = sparse_grad(kRows[s], values[s], at::kDouble);
       opt->step();
       for (int64_t r = 0; r < kV; ++r) {
@@ -265,7 +265,7 @@ TEST(SparseOptimRules, SparseAdagradEqualsDenseAdagradOnTheDensifiedGradient) {
     std::unique_ptr<Optimizer> sparse = make_sparse_aware_optimizer({sp}, {true}, c.options);
     std::unique_ptr<Optimizer> dense = make_optimizer({dp}, c.options);
     std::vector<at::Tensor> values = make_values();
-    for (int s = 0; s < kSteps; ++s) {
+    for (int s = 0; s < kSparseSteps; ++s) {
       at::Tensor before = sp.detach().clone();
       sp.mutable_grad() = sparse_grad(kRows[s], values[s], at::kDouble);
       dp.mutable_grad() = sp.grad().to_dense();
@@ -291,7 +291,7 @@ TEST(SparseOptimRules, DenseGradientOfASparseParameterUpdatesEveryRow) {
     std::vector<int64_t> every(kV);
     for (int64_t r = 0; r < kV; ++r) every[r] = r;
     std::vector<at::Tensor> values = make_values();
-    for (int s = 0; s < kSteps; ++s) {
+    for (int s = 0; s < kSparseSteps; ++s) {
       at::Tensor g = sparse_grad(kRows[s], values[s], at::kDouble).to_dense();
       // A transposed copy: the same values with other strides.
       a.mutable_grad() = g.t().contiguous().t();
@@ -301,7 +301,7 @@ TEST(SparseOptimRules, DenseGradientOfASparseParameterUpdatesEveryRow) {
       sparse_in->step();
       EXPECT_TRUE(at::allclose(a, b, 1e-14, 1e-15)) << "step " << s;
     }
-    EXPECT_EQ(names_of(*dense_in), names_of(*sparse_in));
+    EXPECT_EQ(sparse_state_names(*dense_in), sparse_state_names(*sparse_in));
     for (const auto& [name, t] : dense_in->state()) {
       EXPECT_TRUE(at::allclose(t, state_of(*sparse_in, name), 1e-14, 1e-15)) << name;
     }
@@ -343,7 +343,7 @@ TEST(SparseOptimRules, EmbeddingBackwardWithSparseGradients) {
   std::unique_ptr<Optimizer> opt = make_sparse_aware_optimizer({w}, {true}, o);
   Reference ref("adam", initial_param());
   ref.lr = o.lr;
-  for (int s = 0; s < kSteps; ++s) {
+  for (int s = 0; s < kSparseSteps; ++s) {
     if (kRows[s].empty()) continue;
     at::Tensor ids = at::tensor(kRows[s], at::kLong);
     at::Tensor out = at::embedding(w, ids, -1, false, /*sparse=*/true);
@@ -392,7 +392,7 @@ TEST(SparseOptimMixed, DenseParametersEqualMakeOptimizerAndSparseTheReference) {
     std::unique_ptr<Optimizer> plain = make_optimizer(dense, c.options);
     Reference ref = make_reference(c, initial_param());
     std::vector<at::Tensor> values = make_values();
-    for (int s = 0; s < kSteps; ++s) {
+    for (int s = 0; s < kSparseSteps; ++s) {
       set_mixed_grads(m.params, s, values);
       set_mixed_grads(twin.params, s, values);
       opt->step();
@@ -415,24 +415,24 @@ TEST(SparseOptimMixed, StateNamesOverTheWholeList) {
   Mixed m = make_mixed();
   OptimizerOptions o;
   o.name = "adam";
-  EXPECT_EQ(names_of(*make_sparse_aware_optimizer(m.params, m.flags, o)),
+  EXPECT_EQ(sparse_state_names(*make_sparse_aware_optimizer(m.params, m.flags, o)),
             (std::vector<std::string>{"0.step", "0.exp_avg", "0.exp_avg_sq", "1.step", "1.exp_avg", "1.exp_avg_sq",
                                       "2.step", "2.exp_avg", "2.exp_avg_sq"}));
   o.name = "adagrad";
   o.initial_accumulator_value = 0.25;
   auto opt = make_sparse_aware_optimizer(m.params, m.flags, o);
-  EXPECT_EQ(names_of(*opt), (std::vector<std::string>{"0.step", "0.sum", "1.step", "1.sum", "2.step", "2.sum"}));
+  EXPECT_EQ(sparse_state_names(*opt), (std::vector<std::string>{"0.step", "0.sum", "1.step", "1.sum", "2.step", "2.sum"}));
   EXPECT_TRUE(at::equal(state_of(*opt, "1.sum"), at::full({kV, kD}, 0.25, at::kDouble)));
   at::Tensor step = state_of(*opt, "1.step");
   EXPECT_EQ(step.dim(), 0);
   EXPECT_EQ(step.scalar_type(), at::kFloat);
   o.name = "sgd";
-  EXPECT_EQ(names_of(*make_sparse_aware_optimizer(m.params, m.flags, o)),
+  EXPECT_EQ(sparse_state_names(*make_sparse_aware_optimizer(m.params, m.flags, o)),
             (std::vector<std::string>{"0.step", "1.step", "2.step"}));
   // The sparse parameter listed first.
   std::vector<at::Tensor> first = {m.params[1], m.params[0]};
   o.name = "adamw";
-  EXPECT_EQ(names_of(*make_sparse_aware_optimizer(first, {true, false}, o)),
+  EXPECT_EQ(sparse_state_names(*make_sparse_aware_optimizer(first, {true, false}, o)),
             (std::vector<std::string>{"0.step", "0.exp_avg", "0.exp_avg_sq", "1.step", "1.exp_avg", "1.exp_avg_sq"}));
   // The dense part's (3 per parameter, with the step), the sparse moments (not its step counter).
   EXPECT_EQ(make_sparse_aware_optimizer(m.params, m.flags, o)->device_state().size(), 8u);
@@ -444,7 +444,7 @@ TEST(SparseOptimMixed, SaveLoadAndContinueIsBitForBit) {
     std::vector<at::Tensor> values = make_values();
     Mixed straight = make_mixed();
     std::unique_ptr<Optimizer> a = make_sparse_aware_optimizer(straight.params, straight.flags, c.options);
-    for (int s = 0; s < kSteps; ++s) {
+    for (int s = 0; s < kSparseSteps; ++s) {
       set_mixed_grads(straight.params, s, values);
       a->step();
     }
@@ -454,13 +454,13 @@ TEST(SparseOptimMixed, SaveLoadAndContinueIsBitForBit) {
       set_mixed_grads(first.params, s, values);
       b->step();
     }
-    NamedTensors saved = cloned(b->state());
+    NamedTensors saved = cloned_state(b->state());
     std::vector<at::Tensor> resumed;
     for (const at::Tensor& p : first.params) resumed.push_back(p.detach().clone().requires_grad_(true));
     std::unique_ptr<Optimizer> r = make_sparse_aware_optimizer(resumed, first.flags, c.options);
     r->load_state(saved);
     EXPECT_EQ(state_of(*r, "1.step").item<double>(), 3.0);
-    for (int s = 3; s < kSteps; ++s) {
+    for (int s = 3; s < kSparseSteps; ++s) {
       set_mixed_grads(resumed, s, values);
       r->step();
     }
@@ -479,7 +479,7 @@ TEST(SparseOptimMixed, LoadStateRejectsMismatchesBeforeChangingAnything) {
   OptimizerOptions o;
   o.name = "adam";
   std::unique_ptr<Optimizer> opt = make_sparse_aware_optimizer(m.params, m.flags, o);
-  NamedTensors good = cloned(opt->state());
+  NamedTensors good = cloned_state(opt->state());
   for (auto& [k, t] : good) {
     if (k != "1.step" && k != "0.step" && k != "2.step") t.fill_(0.5);
   }
@@ -497,7 +497,7 @@ TEST(SparseOptimMixed, LoadStateRejectsMismatchesBeforeChangingAnything) {
     }
     return out;
   };
-  NamedTensors before = cloned(opt->state());
+  NamedTensors before = cloned_state(opt->state());
   EXPECT_NE(error_of([&] { opt->load_state(without("1.exp_avg_sq")); }).find("misses '1.exp_avg_sq'"),
             std::string::npos);
   EXPECT_NE(error_of([&] { opt->load_state(without("2.exp_avg")); }).find("misses '2.exp_avg'"), std::string::npos);
@@ -541,7 +541,7 @@ TEST(SparseOptimContract, GradMultiplierScalesEveryGradient) {
       std::unique_ptr<Optimizer> with = make_sparse_aware_optimizer(a.params, a.flags, c.options);
       std::unique_ptr<Optimizer> by_hand = make_sparse_aware_optimizer(b.params, b.flags, c.options);
       Reference ref = make_reference(c, initial_param());
-      for (int s = 0; s < kSteps; ++s) {
+      for (int s = 0; s < kSparseSteps; ++s) {
         set_mixed_grads(a.params, s, values);
         set_mixed_grads(b.params, s, values);
         for (at::Tensor& p : b.params) p.mutable_grad() = p.grad() * mult;
@@ -576,7 +576,7 @@ TEST(SparseOptimContract, SkipStepAndMissingGradientsUpdateNothing) {
     std::vector<at::Tensor> values = make_values();
     set_mixed_grads(m.params, 0, values);
     opt->step();
-    NamedTensors state = cloned(opt->state());
+    NamedTensors state = cloned_state(opt->state());
     std::vector<at::Tensor> before;
     for (const at::Tensor& p : m.params) before.push_back(p.detach().clone());
     set_mixed_grads(m.params, 1, values);
@@ -741,7 +741,7 @@ TEST(SparseOptimFactory, NoFlaggedParameterIsMakeOptimizer) {
   o.name = "adam";
   o.amsgrad = true;
   std::unique_ptr<Optimizer> opt = make_sparse_aware_optimizer(m.params, {false, false, false}, o);
-  EXPECT_EQ(names_of(*opt), names_of(*make_optimizer(m.params, o)));
+  EXPECT_EQ(sparse_state_names(*opt), sparse_state_names(*make_optimizer(m.params, o)));
   // make_optimizer's refusal of sparse gradients.
   m.params[1].mutable_grad() = sparse_grad(kRows[0], make_values()[0], at::kDouble);
   EXPECT_NE(error_of([&] { opt->step(); }).find("sparse gradients are not supported"), std::string::npos);
@@ -760,7 +760,7 @@ TEST(SparseOptimCuda, MatchesTheCpu) {
       std::unique_ptr<Optimizer> a = make_sparse_aware_optimizer({cpu}, {true}, c.options);
       std::unique_ptr<Optimizer> b = make_sparse_aware_optimizer({gpu, dense_gpu}, {true, false}, c.options);
       Reference ref = make_reference(c, initial_param(dtype));
-      for (int s = 0; s < kSteps; ++s) {
+      for (int s = 0; s < kSparseSteps; ++s) {
         cpu.mutable_grad() = sparse_grad(kRows[s], values[s], dtype);
         gpu.mutable_grad() = sparse_grad(kRows[s], values[s], dtype, at::kCUDA);
         dense_gpu.mutable_grad() = at::full_like(dense_gpu, 0.5);
