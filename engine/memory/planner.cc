@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "dtrain/dist/error.h"
+#include "dtrain/offload/update_rule.h"
 
 namespace dtrain::engine {
 namespace {
@@ -38,9 +39,11 @@ std::string size_text(int64_t bytes) {
 int64_t ceil_bytes(double x) { return x <= 0 ? 0 : static_cast<int64_t>(std::ceil(x)); }
 
 int state_tensors(const PlanInputs& in) {
-  if (in.optimizer == "adam" || in.optimizer == "adamw") return in.amsgrad ? 3 : 2;
-  if (in.optimizer == "adagrad") return 1;
-  return in.momentum > 0 ? 1 : 0;  // sgd
+  offload::UpdateRuleOptions rule;
+  rule.name = in.optimizer;
+  rule.amsgrad = in.amsgrad;
+  rule.momentum = in.momentum;
+  return static_cast<int>(offload::moment_names(rule).size());
 }
 
 // Parameters this rank holds: the replicated ones and its share of the sharded ones.
@@ -284,10 +287,7 @@ void validate(const PlanInputs& in) {
                "PlanInputs byte counts (buffer_bytes, input_bytes_per_row, input_batches, "
                "optimizer_transient_bytes, largest_activation_bytes_per_row, cuda_context_bytes) "
                "must be >= 0");
-  DTRAIN_CHECK(in.optimizer == "sgd" || in.optimizer == "adam" || in.optimizer == "adamw" ||
-                   in.optimizer == "adagrad",
-               "unknown optimizer name '", in.optimizer,
-               "'; use one of: sgd, adam, adamw, adagrad");
+  offload::rule_traits(in.optimizer);  // throws for an unknown name, listing the known ones
   DTRAIN_CHECK(in.batch_size >= 1, "PlanInputs.batch_size must be >= 1, got ", in.batch_size);
   for (int a : in.accum_candidates) {
     DTRAIN_CHECK(a >= 1 && in.batch_size % a == 0, "accumulation candidate ", a,

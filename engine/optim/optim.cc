@@ -16,13 +16,6 @@
 
 namespace dtrain::engine {
 
-double effective_eps(const OptimizerOptions& options) {
-  if (options.name == "adagrad" && options.eps == OptimizerOptions{}.eps) {
-    return kAdagradDefaultEps;
-  }
-  return options.eps;
-}
-
 void validate(const OptimizerOptions& options) { offload::validate_rule(options, "optimizer"); }
 
 void check_one_flat_space(const std::vector<at::Tensor>& params, const std::string& who) {
@@ -40,8 +33,15 @@ std::unique_ptr<Optimizer> make_optimizer(std::vector<at::Tensor> params,
   validate(options);
   DTRAIN_CHECK(!params.empty(), "optimizer ", options.name,
                ": the parameter list is empty; pass the model's parameters");
-  if (options.name == "sgd") return optim_detail::make_sgd(std::move(params), options);
-  if (options.name == "adagrad") return optim_detail::make_adagrad(std::move(params), options);
+  switch (rule_traits(options.name).rule) {
+    case Rule::kSgd:
+      return optim_detail::make_sgd(std::move(params), options);
+    case Rule::kAdagrad:
+      return optim_detail::make_adagrad(std::move(params), options);
+    case Rule::kAdam:
+    case Rule::kAdamW:
+      break;
+  }
   return optim_detail::make_adam(std::move(params), options);
 }
 

@@ -71,7 +71,7 @@ class Adam final : public MultiTensorOptimizer {
   Adam(std::vector<at::Tensor> params, const OptimizerOptions& options)
       : MultiTensorOptimizer(std::move(params), options, slot_names(options.amsgrad), 0.0,
                              /*device_steps=*/true, /*split_first_step=*/false),
-        decoupled_(options.name == "adamw") {}
+        decoupled_(rule_traits(options.name).decoupled_weight_decay) {}
 
  protected:
   void update(ParamGroup& group) override {

@@ -57,14 +57,11 @@ class SparseAwareOptimizer final : public Optimizer {
         dense.push_back(all_[i]);
       }
     }
-    if (options_.name == "adagrad") {
-      slot_names_ = {"sum"};
-    } else if (options_.name == "adam" || options_.name == "adamw") {
-      slot_names_ = {"exp_avg", "exp_avg_sq"};
-    }
+    // The rule's moments (make_sparse_aware_optimizer refused momentum and amsgrad here).
+    slot_names_ = offload::moment_names(options_);
     if (!dense.empty()) dense_ = make_optimizer(std::move(dense), options_);
     at::NoGradGuard no_grad;
-    double init = options_.name == "adagrad" ? options_.initial_accumulator_value : 0.0;
+    double init = rule_ == Rule::kAdagrad ? options_.initial_accumulator_value : 0.0;
     for (Row& row : sparse_) {
       const at::Tensor& p = all_[row.index];
       for (size_t s = 0; s < slot_names_.size(); ++s) {
@@ -268,9 +265,9 @@ class SparseAwareOptimizer final : public Optimizer {
       }
     };
     double n = static_cast<double>(row.step);
-    if (o.name == "sgd") {
+    if (rule_ == Rule::kSgd) {
       add(p, values, -o.lr);
-    } else if (o.name == "adagrad") {
+    } else if (rule_ == Rule::kAdagrad) {
       double clr = o.lr / (1.0 + (n - 1.0) * o.lr_decay);
       at::Tensor& sum = row.slots[0];
       add(sum, values.pow(2), 1.0);
@@ -298,6 +295,7 @@ class SparseAwareOptimizer final : public Optimizer {
   std::vector<at::Tensor> all_;
   std::vector<bool> is_sparse_;
   OptimizerOptions options_;
+  Rule rule_ = rule_traits(options_.name).rule;
   std::vector<int64_t> local_;  // index in the dense part, -1 for a sparse parameter
   std::map<size_t, size_t> sparse_of_;  // index in all_ -> index in sparse_
   std::unique_ptr<Optimizer> dense_;  // null when every parameter is sparse
@@ -328,14 +326,15 @@ std::unique_ptr<Optimizer> make_sparse_aware_optimizer(std::vector<at::Tensor> p
   }
   const std::string who = "optimizer " + options.name + ": parameters " + index_list(flagged) +
                           " receive sparse gradients, ";
-  if (options.name == "sgd") {
+  const Rule rule = rule_traits(options.name).rule;
+  if (rule == Rule::kSgd) {
     DTRAIN_CHECK(options.momentum == 0.0, who, "which sgd updates only with momentum 0 (a momentum buffer would "
                  "move every row at every step); got momentum ", options.momentum,
                  ": set momentum to 0, use adam/adamw (SparseAdam) or adagrad, or give them dense gradients");
     DTRAIN_CHECK(options.weight_decay == 0.0, who, "which sgd updates only with weight decay 0 (the L2 term "
                  "would move every row at every step); got --weight_decay ", options.weight_decay,
                  ": set --weight_decay 0, or give them dense gradients");
-  } else if (options.name == "adagrad") {
+  } else if (rule == Rule::kAdagrad) {
     DTRAIN_CHECK(options.weight_decay == 0.0, who, "and adagrad's weight decay is not compatible with sparse "
                  "gradients (as in torch.optim.Adagrad); got --weight_decay ", options.weight_decay,
                  ": set --weight_decay 0, or give them dense gradients");

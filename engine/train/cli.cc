@@ -240,7 +240,7 @@ void validate(const Flags& f) {
       o.name = f.optimizer;
       o.lr = f.lr;
       o.weight_decay = f.weight_decay;
-      if (o.name == "sgd") o.momentum = 0.9;
+      o.momentum = rule_traits(o.name).command_line_momentum;
       engine::validate(o);
     }
     ScheduleOptions sched;
@@ -418,8 +418,8 @@ TrainerOptions trainer_options(const Flags& f, const std::string& default_optimi
   o.optimizer.name = f.optimizer.empty() ? default_optimizer : f.optimizer;
   o.optimizer.lr = f.lr;
   o.optimizer.weight_decay = f.weight_decay;
-  if (o.optimizer.name == "sgd") o.optimizer.momentum = 0.9;
-  if (o.optimizer.name == "adagrad") o.optimizer.eps = kAdagradDefaultEps;
+  o.optimizer.momentum = rule_traits(o.optimizer.name).command_line_momentum;
+  o.optimizer.eps = effective_eps(o.optimizer);
   o.schedule.name = f.schedule;
   o.schedule.warmup_steps = f.warmup_steps;
   o.schedule.total_steps = f.steps;

@@ -73,8 +73,9 @@ UpdateConfig make_update_config(const CpuOptimizerOptions& o, int64_t t, double 
   UpdateConfig c;
   c.grad_multiplier = static_cast<float>(grad_multiplier);
   const double wd = o.weight_decay;
-  if (o.name == "adam" || o.name == "adamw") {
-    const bool decoupled = o.name == "adamw";
+  const RuleTraits& traits = rule_traits(o.name, "CPU optimizer");
+  if (traits.adam_family) {
+    const bool decoupled = traits.decoupled_weight_decay;
     c.kind = OptimKind::kAdam;
     c.l2_weight_decay = decoupled ? 0.0f : static_cast<float>(wd);
     c.param_decay = decoupled ? static_cast<float>(1.0 - o.lr * wd) : 1.0f;
@@ -87,7 +88,7 @@ UpdateConfig make_update_config(const CpuOptimizerOptions& o, int64_t t, double 
     c.inv_bias_correction2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
     c.eps = static_cast<float>(o.eps);
     c.amsgrad = o.amsgrad;
-  } else if (o.name == "adagrad") {
+  } else if (traits.rule == Rule::kAdagrad) {
     c.kind = OptimKind::kAdagrad;
     c.l2_weight_decay = static_cast<float>(wd);
     c.lr = static_cast<float>(o.lr / (1.0 + static_cast<double>(t - 1) * o.lr_decay));
@@ -163,16 +164,8 @@ int64_t CpuOptimizer::Impl::chunk_size(int64_t chunk) const {
 }
 
 void CpuOptimizer::Impl::allocate_arrays() {
-  const std::string& name = options.name;
   array_names = {"master"};
-  if (name == "adam" || name == "adamw") {
-    array_names.insert(array_names.end(), {"exp_avg", "exp_avg_sq"});
-    if (options.amsgrad) array_names.push_back("max_exp_avg_sq");
-  } else if (name == "adagrad") {
-    array_names.push_back("sum");
-  } else if (options.momentum != 0.0) {
-    array_names.push_back("momentum_buffer");
-  }
+  for (std::string& moment : moment_names(options)) array_names.push_back(std::move(moment));
   for (const std::string& array : array_names) {
     std::vector<at::Tensor> chunks;
     std::vector<float*> ptrs;

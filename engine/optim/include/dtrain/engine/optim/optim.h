@@ -26,7 +26,8 @@ class GradReducer;
 // The update rule's fields (name, lr, weight_decay, momentum, betas, eps, ...) with their
 // defaults are offload::UpdateRuleOptions, shared with the CPU optimizer of optimizer offload.
 // Adagrad's eps: the value 1e-8 (the field's default) stands for torch's Adagrad default,
-// kAdagradDefaultEps = 1e-10; any other value is used as given (effective_eps()).
+// 1e-10; any other value is used as given (effective_eps(), from the rule table of
+// dtrain/offload/update_rule.h, which every name lookup goes through: rule_traits()).
 struct OptimizerOptions : offload::UpdateRuleOptions {
   // true: ATen's fused kernels where the device has them (the _foreach_ implementation of
   // the same formulas otherwise, and for fp16/bf16 sgd on the CPU, where torch's fused kernel
@@ -34,9 +35,9 @@ struct OptimizerOptions : offload::UpdateRuleOptions {
   bool fused = true;
 };
 
-inline constexpr double kAdagradDefaultEps = 1e-10;
-// The eps the named optimizer uses (see OptimizerOptions::eps).
-double effective_eps(const OptimizerOptions& options);
+using offload::effective_eps;
+using offload::Rule;
+using offload::rule_traits;
 
 // Throws dtrain::Error for an unknown name (the message lists the known ones), a negative
 // or non-finite lr, and, for the fields the named optimizer uses: betas outside [0, 1),
