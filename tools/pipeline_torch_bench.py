@@ -67,7 +67,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from zero_torch_bench import Gpt, dtrain_parameter_count, free_port  # noqa: E402
+from zero_torch_bench import Gpt, add_model_flags, dtrain_parameter_count, free_port  # noqa: E402
 
 WORLD = 2
 WARMUP_STEPS = 5  # steps 1..5 are excluded from the median
@@ -247,16 +247,7 @@ def main():
     p.add_argument("--micro_batches", type=int, default=4, help="m: micro-batches per step")
     p.add_argument("--steps", type=int, default=17)
     p.add_argument("--batch", type=int, default=16, help="rows per step (the global batch)")
-    p.add_argument("--d_model", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--seq_len", type=int, default=128)
-    p.add_argument("--ff", type=int, default=1024)
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--weight_decay", type=float, default=0.1)
-    p.add_argument("--clip_grad_norm", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=42)
+    add_model_flags(p, d_model=256, heads=8, layers=8, ff=1024, vocab=512, seq_len=128)
     p.add_argument("--print_losses", action="store_true", help="also print every step's loss")
     a = p.parse_args()
     assert a.steps > WARMUP_STEPS, f"--steps must exceed the {WARMUP_STEPS} warm-up steps"

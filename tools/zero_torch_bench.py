@@ -117,6 +117,18 @@ class Gpt(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
+def add_model_flags(p, d_model, heads, layers, ff, vocab, seq_len):
+    """The flags Gpt's shape, AdamW and the data are built from (train_gpt's names), for this
+    benchmark and tools/pipeline_torch_bench.py; the shape's defaults are each benchmark's own."""
+    for name, default in (("d_model", d_model), ("heads", heads), ("layers", layers), ("ff", ff),
+                          ("vocab", vocab), ("seq_len", seq_len)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--weight_decay", type=float, default=0.1)
+    p.add_argument("--clip_grad_norm", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=42)
+
+
 def dtrain_parameter_count(a):
     """GptImpl::parameter_count() from examples/gpt_model.cc."""
     d, f = a.d_model, a.ff
@@ -251,17 +263,8 @@ def main():
     p.add_argument("--mode", default="all", choices=("all",) + MODES)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--d_model", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--ff", type=int, default=512)
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--seq_len", type=int, default=32)
     p.add_argument("--batch_size", type=int, default=8, help="rows per rank")
-    p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--weight_decay", type=float, default=0.1)
-    p.add_argument("--clip_grad_norm", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=42)
+    add_model_flags(p, d_model=128, heads=4, layers=2, ff=512, vocab=2048, seq_len=32)
     a = p.parse_args()
     assert a.steps > WARMUP_STEPS, f"--steps must exceed the {WARMUP_STEPS} warm-up steps"
 

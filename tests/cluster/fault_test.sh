@@ -12,8 +12,8 @@
 # Environment: DTRAIN_RUN (dtrain-run's path; default build/bin/dtrain-run).
 # Whatever happens, every process of the job is continued and killed on exit.
 set -uo pipefail
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-DTRAIN_RUN="${DTRAIN_RUN:-$HERE/../../build/bin/dtrain-run}"
+# shellcheck source=tests/cluster/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # DTRAIN_RUN, wait_for_output
 START_TIMEOUT_S=90  # for the job to start and match --after
 
 signal="" victim="" within="" after=""
@@ -73,12 +73,7 @@ fail() {
 
 "$DTRAIN_RUN" "${launch[@]}" -- "$@" > "$OUT" 2>&1 &
 job_pid=$!  # dtrain-run execs mpirun; the ranks are below it
-deadline=$((SECONDS + START_TIMEOUT_S))
-until grep -Eq -- "$after" "$OUT"; do
-  ((SECONDS < deadline)) || fail "the output never matched /$after/"
-  kill -0 "$job_pid" 2>/dev/null || fail "the job ended before its output matched /$after/"
-  sleep 0.1
-done
+wait_for_output "$after" "$OUT" "$START_TIMEOUT_S" "$job_pid"
 
 targets=()
 for p in $(descendants "$job_pid"); do

@@ -10,10 +10,9 @@
 # Environment: DTRAIN_RUN (dtrain-run's path; default build/bin/dtrain-run).
 # Exit status: 0 passed, 1 failed, 77 skipped (namespaces cannot be made here; reason printed).
 set -uo pipefail
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-ROOT="$(cd "$HERE/../.." && pwd)"
+# shellcheck source=tests/cluster/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # ROOT, DTRAIN_RUN, start_testbed
 TESTBED="$ROOT/cluster/netns/testbed.sh"
-DTRAIN_RUN="${DTRAIN_RUN:-$ROOT/build/bin/dtrain-run}"
 RUN_TIMEOUT_S=60
 
 expects=()
@@ -30,12 +29,7 @@ export DTRAIN_NETNS_ID="t$$"
 DIR="/tmp/dtrain-netns-$DTRAIN_NETNS_ID"
 trap 'bash "$TESTBED" stop >/dev/null 2>&1' EXIT
 started=$SECONDS
-bash "$TESTBED" start
-case $? in
-  0) ;;
-  77) echo "SKIP: no network-namespace test bed on this machine (reason above)"; exit 77 ;;
-  *) echo "FAIL: the test bed did not start"; exit 1 ;;
-esac
+start_testbed "$TESTBED" network-namespace
 
 mpirun_args=()
 while read -r arg; do mpirun_args+=(--mpirun-arg "$arg"); done < "$DIR/mpirun-args"

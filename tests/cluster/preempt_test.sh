@@ -10,8 +10,8 @@
 # a fresh directory per run (the interrupted and resumed runs share one).
 # Environment: DTRAIN_RUN (dtrain-run's path; default build/bin/dtrain-run).
 set -uo pipefail
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-DTRAIN_RUN="${DTRAIN_RUN:-$HERE/../../build/bin/dtrain-run}"
+# shellcheck source=tests/cluster/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # DTRAIN_RUN, wait_for_output
 RUN_TIMEOUT_S=60
 
 preempt_at=""
@@ -55,12 +55,7 @@ timeout "$RUN_TIMEOUT_S" "${cmd[@]}" > "$WORK/reference.out" 2>&1 ||
 command_for job "$@"
 timeout "$RUN_TIMEOUT_S" "${cmd[@]}" > "$WORK/preempted.out" 2>&1 &
 job_pid=$!  # dtrain-run execs mpirun, which forwards SIGUSR1 to every rank
-deadline=$((SECONDS + RUN_TIMEOUT_S))
-until grep -Eq -- "$preempt_at" "$WORK/preempted.out"; do
-  ((SECONDS < deadline)) || fail "the output never matched /$preempt_at/"
-  kill -0 "$job_pid" 2>/dev/null || fail "the run ended before it was preempted"
-  sleep 0.1
-done
+wait_for_output "$preempt_at" "$WORK/preempted.out" "$RUN_TIMEOUT_S" "$job_pid"
 # timeout(1) runs the job as its child: signal the job itself.
 kill -USR1 "$(pgrep -P "$job_pid" | head -n 1)" || fail "cannot signal the job"
 wait "$job_pid"

@@ -16,12 +16,12 @@
 # Environment: DTRAIN_RUN (dtrain-run's path; default build/bin/dtrain-run).
 # Exit status: 0 passed, 1 failed, 77 skipped (no Slurm test bed here; the reason is printed).
 set -uo pipefail
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-ROOT="$(cd "$HERE/../.." && pwd)"
+# shellcheck source=tests/cluster/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # ROOT, DTRAIN_RUN, start_testbed, wait_for_output
 TESTBED="$ROOT/cluster/slurm/testbed.sh"
 TEMPLATE="$ROOT/cluster/slurm/train.sbatch"
 JOB_TIMEOUT_S=90
-export DTRAIN_RUN="${DTRAIN_RUN:-$ROOT/build/bin/dtrain-run}"
+export DTRAIN_RUN  # train.sbatch launches through it
 
 sbatch_args=()
 expects=()
@@ -52,12 +52,7 @@ cleanup() {
 trap cleanup EXIT
 
 started=$SECONDS
-bash "$TESTBED" start
-case $? in
-  0) ;;
-  77) echo "SKIP: no Slurm test bed on this machine (reason above)"; exit 77 ;;
-  *) echo "FAIL: the Slurm test bed did not start"; exit 1 ;;
-esac
+start_testbed "$TESTBED" Slurm
 eval "$(bash "$TESTBED" env)"
 echo "[test] test bed up in $((SECONDS - started)) s"
 
@@ -119,11 +114,7 @@ check_completed() {
 id="$(submit main "$@")" || fail "sbatch refused the job"
 echo "[test] submitted job $id: $TEMPLATE $*"
 if [[ -n $preempt_at ]]; then
-  deadline=$((SECONDS + JOB_TIMEOUT_S))
-  until grep -Eq -- "$preempt_at" "$WORK/main.out" 2>/dev/null; do
-    ((SECONDS < deadline)) || fail "the output never matched /$preempt_at/"
-    sleep 0.2
-  done
+  wait_for_output "$preempt_at" "$WORK/main.out" "$JOB_TIMEOUT_S"
   # What --signal=B:USR1@120 does at the time limit: SIGUSR1 to the batch shell only.
   scancel --signal=USR1 --batch "$id" || fail "scancel --signal=USR1 --batch $id failed"
   echo "[test] sent SIGUSR1 to the batch script of job $id"

@@ -397,16 +397,18 @@ else
   fi
 fi
 
-# A step's hash follows its sources and its own command: in a copy of the script with one of
-# s2s's files, a change to that file moves s2s's hash alone, a change to step_copies copies' alone.
+# A step's hash follows its sources and its own command: in a copy of the script (and of its
+# libraries, cluster/gpu_session/) with one of s2s's files, a change to that file moves s2s's hash
+# alone, a change to step_copies copies' alone.
 mkdir -p "$tmp/tree/cluster" "$tmp/tree/tools"
 cp "$script" "$tmp/tree/cluster/gpu_session.sh"
+cp -r "$(dirname "$script")/gpu_session" "$tmp/tree/cluster/"
 cp "$(dirname "$script")/../tools/techniques.sh" "$tmp/tree/tools/"
 hashes() { GPU_SESSION_RECORD=/nonexistent bash "$tmp/tree/cluster/gpu_session.sh" order | awk 'NR > 1 { printf "%s=%s ", $1, $4 }'; }
 h0=$(hashes)
 echo "# changed" >>"$tmp/tree/tools/techniques.sh"
 h1=$(hashes)
-sed -i 's/for _ in range(reps)/for _ in range(reps + 0)/' "$tmp/tree/cluster/gpu_session.sh"
+sed -i 's/for _ in range(reps)/for _ in range(reps + 0)/' "$tmp/tree/cluster/gpu_session/steps.sh"
 h2=$(hashes)
 changed() { diff <(tr ' ' '\n' <<<"$1") <(tr ' ' '\n' <<<"$2") | sed -nE 's/^> ([a-z0-9_]+)=.*/\1/p' | tr '\n' ' '; }
 if [[ $(changed "$h0" "$h1") != "s2s " || $(changed "$h1" "$h2") != "copies " ]]; then

@@ -1,9 +1,20 @@
-"""What the example tests share: running a program and finding a run's newest checkpoint."""
+"""What the example tests share: their command line, running a program and finding a run's newest
+checkpoint."""
+import argparse
 import glob
 import os
 import shlex
 import subprocess
 import sys
+
+
+def example_parser():
+    """The arguments ctest gives every example test (tests/examples/CMakeLists.txt): --bin BUILD/bin
+    and --mpirun "mpirun ..."; a test adds its own before parse_args()."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bin", required=True)
+    ap.add_argument("--mpirun", required=True)
+    return ap
 
 
 def run(cmd, expect=0, env=None, tail=2000):

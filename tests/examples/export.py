@@ -14,13 +14,12 @@ For mlp, cnn, seq2seq and gpt (and a GPT trained with --tp 2 on two ranks):
 
 usage: export.py --bin BUILD/bin --mpirun "mpirun ..." (run with the Python that has torch and safetensors)
 """
-import argparse
 import os
 import shlex
 import sys
 import tempfile
 
-from example_util import newest_main_file, run
+from example_util import example_parser, newest_main_file, run
 
 SHAPES = {
     "mlp": ("train_mlp", ["--hidden=32", "--depth=2", "--data=synthetic"]),
@@ -80,9 +79,7 @@ def export_and_check(args, work, name, model, shape, ck, ranks_note=""):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--bin", required=True)
-    ap.add_argument("--mpirun", required=True)
+    ap = example_parser()
     ap.add_argument("--python", default=sys.executable)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as work:

@@ -15,7 +15,6 @@
 
 usage: prune.py --bin BUILD/bin --mpirun "mpirun ..." (run with the Python that has torch)
 """
-import argparse
 import json
 import os
 import shlex
@@ -25,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn.utils import prune
 
-from example_util import run
+from example_util import example_parser, run
 
 
 
@@ -162,10 +161,7 @@ def bad_input(args):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--bin", required=True)
-    ap.add_argument("--mpirun", required=True)
-    args = ap.parse_args()
+    args = example_parser().parse_args()
     with tempfile.TemporaryDirectory() as work:
         one_shot(args, work, "layer")
         one_shot(args, work, "global")

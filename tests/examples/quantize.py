@@ -17,7 +17,6 @@
 
 usage: quantize.py --bin BUILD/bin --mpirun "mpirun ..." (run with the Python that has torch and safetensors)
 """
-import argparse
 import os
 import re
 import shlex
@@ -30,7 +29,7 @@ from torch import nn
 from torch.ao.quantization import default_dynamic_qconfig, per_channel_dynamic_qconfig, quantize_dynamic
 from torch.ao.quantization.observer import MinMaxObserver, PerChannelMinMaxObserver
 
-from example_util import newest_main_file, run
+from example_util import example_parser, newest_main_file, run
 
 # Relative change of the eval loss allowed for int8 (measured: docs/BENCHMARKS.md).
 TOLERANCE = 0.03
@@ -126,10 +125,7 @@ def check_eval(args, program, flags, ck):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--bin", required=True)
-    ap.add_argument("--mpirun", required=True)
-    args = ap.parse_args()
+    args = example_parser().parse_args()
     with tempfile.TemporaryDirectory() as work:
         common = ["--device=cpu", "--progress=false"]
         mlp_ck, cnn_ck, gpt_ck = (os.path.join(work, n) for n in ("ck-mlp", "ck-cnn", "ck-gpt"))

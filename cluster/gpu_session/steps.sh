@@ -1,0 +1,323 @@
+# shellcheck shell=bash
+# Part of cluster/gpu_session.sh, which sources it (the settings and tables are there): what each
+# step runs. The text of a step_ function and of its HASH_FUNCS helpers is part of its hash
+# (record.sh): a change here moves that step's hash alone.
+
+# ---- the steps ---------------------------------------------------------------------------------
+# step_NAME (in the session's shell, quick, no side effects) prepares the step: it sets CMD (the
+# one bounded command), TITLE, PATTERN (the lines of its output the summary shows) and SHOWN (the
+# command the summary shows), and returns 0 to run it; or sets WHY and returns 1 (SKIPPED: it
+# cannot run), 2 (n/a: not needed) or 3 (FAIL without running). post_NAME RC, where defined, runs
+# after the command: it may set POST_STATUS and POST_NOTE, and the session's state (HAVE_BUILD...).
+CMD=() TITLE="" PATTERN="" SHOWN="" WHY="" POST_STATUS="" POST_NOTE=""
+bench() {  # bench TITLE PATTERN CMD...: a measuring step's command; SHOW replaces the one shown
+  TITLE=$1 PATTERN=$2
+  shift 2
+  CMD=("$@")
+  SHOWN=${SHOW:-${*#"$BIN/"}}
+}
+need_build() {
+  ((HAVE_BUILD)) && return 0
+  WHY="no build (${BUILD_NOTE:-the build steps did not succeed})"
+  return 1
+}
+
+step_gpuinfo() {
+  # No GPU visible: stop before spending minutes on a build whose tests would all skip.
+  TITLE="GPU" PATTERN='.'
+  # shellcheck disable=SC2054  # the commas are nvidia-smi's
+  CMD=(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader)
+}
+post_gpuinfo() {
+  if (($1 == 0)); then
+    grep -m1 -v -E '^(fake-output|\| fake)' "$STATE/gpuinfo.out" >"$BUILD/gpu-info.txt"
+  else
+    STOP_REASON="no GPU visible (gpuinfo failed)"
+    POST_NOTE="nvidia-smi failed: no GPU visible; nothing else runs"
+  fi
+}
+
+step_unpack() {
+  if [[ -d $DEPS/usr ]]; then WHY="unpacked by an earlier command on this machine"; return 2; fi
+  if ((!FAKE)) && ! compgen -G ".deps/*.deb" >/dev/null; then
+    WHY="no .deps/*.deb: run 'bash cluster/gpu_session.sh fetch' here and carry .deps"
+    STOP_REASON="no Debian packages (.deps) carried"
+    return 3
+  fi
+  # Only a complete unpack counts (the rename at its end).
+  CMD=(bash -c 'rm -rf "$1.tmp" && mkdir -p "$1.tmp" && for f in .deps/*.deb; do dpkg -x "$f" "$1.tmp" || exit 1; done &&
+    mv "$1.tmp" "$1" && echo "unpacked $(ls .deps/*.deb | wc -l) packages into $1"' _ "$DEPS")
+}
+post_unpack() { (($1 == 0)) || STOP_REASON="the Debian packages did not unpack"; }
+
+step_prebuilt() {
+  if [[ ! -r $PREBUILT ]]; then WHY="no ${PREBUILT#"$ROOT/"} carried: configure and build here"; return 2; fi
+  CMD=(bash "$SELF" prebuilt-check "$PREBUILT" "$BUILD/prebuilt")
+  PATTERN='^prebuilt-check: '
+}
+post_prebuilt() {
+  local why
+  if (($1 == 0)); then
+    HAVE_BUILD=1
+    BIN="$BUILD/prebuilt/bin"
+    export LD_LIBRARY_PATH="$BUILD/prebuilt/lib:$LD_LIBRARY_PATH"
+    BUILD_NOTE="prebuilt $(grep -E '^(sources|built)=' "$BUILD/prebuilt/MANIFEST" 2>/dev/null | tr '\n' ' ')"
+    POST_NOTE="used: ldd and --gtest_list_tests ok"
+  else
+    why=$(grep '^prebuilt-check: REFUSED' "$STATE/prebuilt.out" | tail -1)
+    POST_STATUS=refused  # not a failure of the session: configure and build follow
+    POST_NOTE="${why#prebuilt-check: REFUSED: }; configure and build here instead"
+  fi
+}
+
+step_configure() {
+  if ((HAVE_BUILD)); then WHY="prebuilt binaries used"; return 2; fi
+  # Always (re)configure: quick on an existing tree, and it prints the summary line to check.
+  CMD=(cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release
+    -DDTRAIN_WITH_CUDA=ON -DDTRAIN_WITH_NCCL=ON -DDTRAIN_PYTHON="$(command -v python3)"
+    -DCMAKE_PREFIX_PATH="$DEPS/usr" -DCMAKE_MODULE_PATH="$DEPS/usr/share/glog/cmake"
+    -DProtobuf_PROTOC_EXECUTABLE="$DEPS/usr/bin/protoc")
+  PATTERN='dtrain: CUDA code paths|CMake Error'
+}
+post_configure() {
+  (($1 == 0)) || return 0
+  if check_configure "$STATE/configure.out" >>"$LOG" 2>&1; then
+    CONFIGURED=1
+  else
+    POST_STATUS=FAIL
+    POST_NOTE="CUDA or NCCL not ON: see check-configure in session.log"
+  fi
+}
+
+step_build() {
+  if ((HAVE_BUILD)); then WHY="prebuilt binaries used"; return 2; fi
+  if ((!CONFIGURED)); then WHY="configure ${STATUS[configure]:-did not run}"; return 1; fi
+  CMD=(cmake --build "$BUILD" -j "$(nproc)" --target "${BUILD_TARGETS[@]}")
+  PATTERN='error|FAILED'
+}
+post_build() {
+  if (($1 == 0)); then
+    HAVE_BUILD=1 BUILT_HERE=1 BIN="$BUILD/bin"
+    BUILD_NOTE="built here"
+    tail -1 "$STATE/build.out" >"$STATE/build.match"
+  else
+    # The tail of a failed build comes back in the summary too (all of it is in session.log).
+    tail -200 "$STATE/build.out" >"$STATE/build.match"
+    BUILD_NOTE="the build failed"
+    POST_NOTE="first error: $(grep -m1 -E 'error|FAILED' "$STATE/build.out" | cut -c1-160)"
+  fi
+}
+
+step_save_build() {
+  if ((!BUILT_HERE)); then WHY="nothing built here (prebuilt used, or no build)"; return 2; fi
+  # The build, for a second command on a bare machine: fetched from $OUT into .gpu-build/.
+  CMD=(bash "$SELF" save-build "$BUILD" "$OUT/prebuilt.tgz" "$(command -v python3)")
+  PATTERN='^save-build: '
+}
+post_save_build() { POST_NOTE=$(grep '^save-build: ' "$STATE/save_build.out" | tail -1 | cut -d' ' -f2-); }
+
+# The GPU tests, run as ctest registers them (tests/gpu/CMakeLists.txt: gpu.np1 is the binary,
+# gpu.mpi.np2 the binary under mpirun -np 2) but without ctest: a prebuilt archive has no build
+# tree, and each MPI rank needs its own GTEST_OUTPUT file (one shared setting lets the ranks
+# overwrite each other's). gtest-run fails when the binary lists no tests; post_test_np* reads
+# the XMLs.
+step_test_np1() {
+  need_build || return 1
+  CMD=(env "${TEST_ENV[@]}" bash "$SELF" gtest-run 1 "$FILES/gtest" "$BIN")
+  PATTERN='^gtest-run: |^\[  (PASSED|FAILED|  SKIPPED) |tests? ran|FAILED TEST'
+}
+step_test_np2() {
+  need_build || return 1
+  CMD=(env "${TEST_ENV[@]}" bash "$SELF" gtest-run 2 "$FILES/gtest" "$BIN")
+  PATTERN='^gtest-run: |^\[  (PASSED|FAILED|  SKIPPED) |tests? ran|FAILED TEST|^\[rank [0-9]+\] FAILED'
+}
+post_test_np1() { judge_gtest "$1" 1; }
+post_test_np2() { judge_gtest "$1" 2; }
+
+# judge_gtest RC NP: no false pass. FAIL unless every expected XML (np1.xml, or np2-rank0/1.xml)
+# exists and shows cases > 0, not all of them skipped, no failure, and RC is 0.
+judge_gtest() {
+  local rc=$1 np=$2 f r cases skipped failures notes=() bad=0
+  local -a files=()
+  if ((np == 1)); then files=("$FILES/gtest/np1.xml"); else
+    for ((r = 0; r < np; r++)); do files+=("$FILES/gtest/np$np-rank$r.xml"); done
+  fi
+  if ((rc == 5)); then
+    POST_STATUS=FAIL POST_NOTE="dtrain_gpu_tests lists no tests"
+    return
+  fi
+  r=0
+  for f in "${files[@]}"; do
+    local who="np1"
+    ((np > 1)) && who="rank $r"
+    r=$((r + 1))
+    if [[ ! -s $f ]]; then
+      notes+=("$who: no XML (crashed, or ran nothing)")
+      bad=1
+      continue
+    fi
+    cases=$(grep -c '<testcase ' "$f")
+    skipped=$(grep -c 'result="skipped"' "$f")
+    failures=$(grep -c '<failure' "$f")
+    notes+=("$who: $cases cases, $skipped skipped, $failures failures")
+    if ((cases == 0)); then
+      notes+=("$who ran 0 cases")
+      bad=1
+    elif ((skipped == cases)); then
+      notes+=("$who: every case skipped (no CUDA device seen?)")
+      bad=1
+    fi
+    ((failures > 0)) && bad=1
+  done
+  ((rc != 0)) && bad=1  # (finish_step's note names the exit status)
+  POST_NOTE=$(IFS=';'; echo "${notes[*]}" | sed 's/;/; /g')
+  ((bad)) && POST_STATUS=FAIL
+}
+
+step_s2s() {
+  need_build || return 1
+  bench "s2s seed model, rows s2s fp32 .. eval (tools/techniques.sh --device=cuda)" '^\|' \
+    env DTRAIN_BIN="$BIN" bash tools/techniques.sh --device=cuda --steps=20 --log_every=10
+}
+step_gpt124m() {
+  need_build || return 1
+  bench "gpt124m AMP bf16" 'trained|MFU' \
+    "$BIN/train_gpt" --device=cuda --data=synthetic --amp=bf16 --steps=30 --log_every=10 --progress=false
+}
+step_nccl_allreduce() {
+  need_build || return 1
+  bench "NCCL all-reduce, world size 1 (busbw GB/s, 64 to 256 MiB)" '"bench"' \
+    "$BIN/dtrain-bench" allreduce --backend=nccl --device=cuda --min_bytes=67108864
+}
+step_mpi_allreduce() {
+  need_build || return 1
+  bench "MPI all-reduce, 2 ranks sharing the GPU through host staging (64 to 256 MiB)" '"bench"' \
+    "${MPIRUN[@]}" -np 2 "$BIN/dtrain-bench" allreduce --backend=mpi --device=cuda --min_bytes=67108864
+}
+step_cpu_adam() {
+  need_build || return 1
+  bench "CPU Adam, 100M parameters, 16 threads (PyTorch: fused 20 ms, foreach 109 ms)" '"bench"' \
+    "$BIN/dtrain-bench" cpu_adam --threads=16 --impls=dtrain,torch_fused,torch_foreach
+}
+step_copies() {
+  # No dtrain program times bare copies; this is the ceiling the offload paths copy against,
+  # measured with torch on this machine (1 GiB, pinned host memory, non-blocking copy_).
+  SHOW="python3 -c <pinned copy probe of cluster/gpu_session.sh>" \
+    bench "pinned copies (torch probe: the ceiling for the offload rows)" 'GB/s' python3 -c '
+import time, torch
+n = 1 << 30
+h = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+d = torch.empty(n, dtype=torch.uint8, device="cuda")
+def gbs(dst, src, reps=10):
+    dst.copy_(src, non_blocking=True); torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps): dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    return reps * n / (time.perf_counter() - t) / 1e9
+print(f"pinned H2D {gbs(d, h):.1f} GB/s, D2H {gbs(h, d):.1f} GB/s")'
+}
+step_offload_layers() {
+  need_build || return 1
+  bench "layer offload, gpt124m (--offload=layers)" 'trained|MFU|offload' \
+    "$BIN/train_gpt" --device=cuda --data=synthetic --amp=bf16 --offload=layers --steps=10 --log_every=5 \
+    --progress=false
+}
+step_async_save() {
+  need_build || return 1
+  bench "checkpoint save: the step that saves vs an ordinary one, background vs synchronous" '"bench"' \
+    python3 tools/async_save_bench.py "$BIN" --device=cuda
+}
+# ZeRO on the device: gpt124m on 2 ranks sharing the GPU (gradients and ZeRO-3's gathers through
+# MPI with host staging, so the step time is the staging's; the memory per rank is the figure):
+# the memory report after step 4 of each stage, rank 0. zero_runs TITLE STAGE...: one mpirun per
+# stage, in order; a stage may carry more flags ("parameters --offload=optimizer").
+zero_runs() {
+  local title=$1 stages
+  shift
+  stages=$(IFS=';'; echo "$*")
+  SHOW="mpirun -np 2 train_gpt --device=cuda --data=synthetic --amp=bf16 --memory_report_step=4 --shard=${stages//;/|}" \
+    bench "$title" 'shard=|trained|memory on|parameters +|gradients +|optimizer state|peak|other \(' \
+    env ZERO_STAGES="$stages" bash -c '
+IFS=";" read -ra stages <<<"$ZERO_STAGES"
+for s in "${stages[@]}"; do
+  echo "shard=$s"
+  "${@:2}" "$1" --device=cuda --data=synthetic --amp=bf16 --steps=5 --log_every=1 --progress=false \
+    --memory_report_step=4 --shard=$s || exit 1
+done' _ "$BIN/train_gpt" "${MPIRUN[@]}" -np 2
+}
+step_shard() {
+  need_build || return 1
+  zero_runs "ZeRO-1/2 on the device, gpt124m, 2 ranks on the one GPU (memory per rank)" none optimizer gradients
+}
+# ZeRO-3 also with the optimizer offloaded (its device figure against stage 3's, its host figure).
+step_shard3() {
+  need_build || return 1
+  zero_runs "ZeRO-3 on the device, gpt124m, 2 ranks on the one GPU (memory per rank; also offloaded)" \
+    parameters "parameters --offload=optimizer"
+}
+# Issue 5's goal: a GPT whose optimizer state does not fit the GPU (6.3B parameters: 100 GB of
+# fp32 weights, gradients and Adam moments) trains with the optimizer state in host memory.
+step_offload6b() {
+  need_build || return 1
+  bench "optimizer offload, largest GPT: 6.3B parameters (goal: >= 30% of peak)" \
+    'parameters|trained|MFU|step [0-9]+/' \
+    "$BIN/train_gpt" --device=cuda --data=synthetic --amp=bf16 --offload=optimizer --checkpoint_activations \
+    --d_model=4096 --heads=32 --layers=30 --ff=16384 --batch_size=2 --steps=4 --log_every=1 --progress=false \
+    --memory_report_step=2
+}
+gpt13b() {  # gpt13b STEPS: the 1.3B-shape optimizer-offload flags
+  GPT13B=(--device=cuda --data=synthetic --amp=bf16 --offload=optimizer --d_model=2048 --heads=16 --layers=24
+          --ff=8192 --batch_size=4 --steps="$1" --log_every=4 --progress=false)
+}
+step_offload_opt() {
+  need_build || return 1
+  gpt13b 8
+  bench "optimizer offload, GPT 1.3B shape (the baseline of the delayed update)" 'trained|MFU|offload' \
+    "$BIN/train_gpt" "${GPT13B[@]}"
+}
+step_offload_delayed() {
+  need_build || return 1
+  gpt13b 8
+  bench "optimizer offload, delayed update (CPU step hidden behind the next forward/backward)" \
+    'trained|MFU|offload' "$BIN/train_gpt" "${GPT13B[@]}" --offload_delayed_update_after=2
+}
+# Pipeline stages on the device: gpt124m split into 2 stages on 2 ranks sharing the GPU (the
+# activations through MPI with host staging, so the step time is the staging's; the memory per
+# stage and the bubble are the figures), 1F1B with 4 micro-batches, and each stage's idle share
+# of a step from the timeline (dtrain-timeline) against (P-1)/(m+P-1).
+step_pipeline() {
+  need_build || return 1
+  SHOW="mpirun -np 2 train_gpt --device=cuda --data=synthetic --amp=bf16 --pp=2 --accum_steps=4 --timeline=...; dtrain-timeline summary" \
+    bench "pipeline stages on the device, gpt124m, 2 stages on the one GPU (memory per stage, bubble)" \
+    'trained|peak|stage [0-9] \(rank' bash -c '
+"${@:3}" "$1" --device=cuda --data=synthetic --amp=bf16 --pp=2 --accum_steps=4 --steps=6 --log_every=3 \
+  --progress=false --memory_report_step=4 --timeline="$2/pp-timeline.json" || exit 1
+"$(dirname "$1")/dtrain-timeline" summary "$2/pp-timeline.json"' _ "$BIN/train_gpt" "$FILES" "${MPIRUN[@]}" -np 2
+}
+
+# Profiles (--profile_steps: Kineto traces with every kernel and copy) of the rows that miss their
+# goals, each summarized by tools/profile_summary.py; the gzipped traces go into files.tgz.
+profile_run() {  # profile_run NAME TITLE TRAIN_GPT_ARGS...: the run, then its trace's summary
+  local name=$1 title=$2 trace="$FILES/profiles/$1.json"
+  shift 2
+  SHOW="train_gpt $* --profile_out=$name.json; tools/profile_summary.py $name.json" \
+    bench "$title" '.' bash -c 'mkdir -p "$(dirname "$1")" && "${@:2}" && python3 tools/profile_summary.py "$1" &&
+      gzip -f "$1" "${1%.json}-timeline.json"' _ "$trace" \
+    "$BIN/train_gpt" "$@" --profile_out="$trace" --timeline="${trace%.json}-timeline.json"
+}
+step_profile_layers() {
+  need_build || return 1
+  profile_run layers "layer offload, gpt124m, steps 4-5" --device=cuda --data=synthetic --amp=bf16 \
+    --offload=layers --steps=5 --log_every=5 --progress=false --profile_steps=4-5
+}
+step_profile_offload() {
+  need_build || return 1
+  gpt13b 5
+  profile_run offload "optimizer offload, 1.3B shape, steps 4-5" "${GPT13B[@]}" --profile_steps=4-5
+}
+step_profile_delayed() {
+  need_build || return 1
+  gpt13b 5
+  profile_run delayed "optimizer offload, delayed update, steps 4-5" "${GPT13B[@]}" \
+    --offload_delayed_update_after=2 --profile_steps=4-5
+}
