@@ -295,18 +295,18 @@ engine::PlanInputs plan_inputs(const Run& run, const ExampleModel& m,
   engine::PlanInputs in;
   const auto specs = engine::collect_shard_specs(*m.module);
   const int tp = run.mesh->tp_size();
-  for (const auto& item : m.module->named_parameters()) {
-    const at::Tensor& p = item.value();
-    if (!p.requires_grad()) {  // frozen: as static as a buffer
-      in.buffer_bytes += static_cast<int64_t>(p.nbytes());
-      continue;
-    }
-    const bool sharded = specs.count(item.key()) > 0;
+  const engine::TrainedParameters trained = engine::trained_parameters(*m.module);  // tied ones once
+  for (size_t i = 0; i < trained.params.size(); ++i) {
+    const at::Tensor& p = trained.params[i];
+    const bool sharded = specs.count(trained.names[i]) > 0;
     const int64_t full = sharded ? p.numel() * tp : p.numel();
     in.parameters += full;
     if (sharded) in.sharded_parameters += full;
-    if (has_prefix(item.key(), m.block_prefixes)) in.layer_parameters += full;
+    if (has_prefix(trained.names[i], m.block_prefixes)) in.layer_parameters += full;
     in.bytes_per_parameter = static_cast<int64_t>(p.element_size());
+  }
+  for (const at::Tensor& p : m.module->parameters()) {
+    if (!p.requires_grad()) in.buffer_bytes += static_cast<int64_t>(p.nbytes());  // frozen: as static as a buffer
   }
   for (const at::Tensor& b : m.module->buffers())
     in.buffer_bytes += static_cast<int64_t>(b.nbytes());
@@ -325,18 +325,11 @@ engine::PlanInputs plan_inputs(const Run& run, const ExampleModel& m,
   in.cuda_context_bytes = run.device.is_cuda() ? engine::kDefaultCudaContextBytes : 0;
   // ZeRO-3's largest unit (cut as the trainer cuts them), in this rank's elements.
   if (!m.unit_starts.empty()) {
-    std::vector<std::string> names;
-    std::vector<int64_t> numels;
-    for (const auto& item : m.module->named_parameters()) {
-      if (!item.value().requires_grad()) continue;
-      names.push_back(item.key());
-      numels.push_back(item.value().numel());
-    }
-    std::vector<size_t> starts = engine::unit_starts_of(names, m.unit_starts);
-    starts.push_back(names.size());
+    std::vector<size_t> starts = engine::unit_starts_of(trained.names, m.unit_starts);
+    starts.push_back(trained.names.size());
     for (size_t k = 0; k + 1 < starts.size(); ++k) {
       int64_t unit = 0;
-      for (size_t j = starts[k]; j < starts[k + 1]; ++j) unit += numels[j];
+      for (size_t j = starts[k]; j < starts[k + 1]; ++j) unit += trained.params[j].numel();
       in.largest_unit_parameters = std::max(in.largest_unit_parameters, unit);
     }
   }

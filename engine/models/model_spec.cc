@@ -1,6 +1,7 @@
 #include "dtrain/engine/models/model_spec.h"
 
 #include <algorithm>
+#include <map>
 #include <string>
 
 #include "dtrain/dist/error.h"
@@ -106,22 +107,37 @@ void split_pipeline_stage(ModelSpec& spec, int stage, int stages, const std::str
   if (stage < stages - 1) drop(spec.post_modules);
 }
 
+TrainedParameters trained_parameters(torch::nn::Module& module) {
+  TrainedParameters out;
+  std::map<const c10::TensorImpl*, std::string> first_name;
+  for (auto& item : module.named_parameters()) {
+    if (!item.value().requires_grad()) continue;
+    auto [it, added] = first_name.emplace(item.value().unsafeGetTensorImpl(), item.key());
+    if (!added) {
+      out.tied.emplace_back(item.key(), it->second);
+      continue;
+    }
+    out.params.push_back(item.value());
+    out.names.push_back(item.key());
+  }
+  return out;
+}
+
 std::vector<std::string> default_unit_prefixes(const ModelSpec& spec) {
-  // In the order the trainer lists parameters: the first trainable parameter of each piece.
+  // In the trainer's order of parameters: the first trained parameter of each piece.
   std::vector<std::string> prefixes;
   int last = -2;
-  for (const auto& item : spec.module->named_parameters()) {
-    if (!item.value().requires_grad()) continue;
-    const int piece = piece_of(spec, item.key());
+  for (const std::string& name : trained_parameters(*spec.module).names) {
+    const int piece = piece_of(spec, name);
     if (piece == last) continue;
     last = piece;
     const int n = static_cast<int>(spec.blocks->size());
     if (piece == 0 || piece == n + 1) {
-      prefixes.push_back(item.key().substr(0, item.key().find('.') + 1));  // the module's own
+      prefixes.push_back(name.substr(0, name.find('.') + 1));  // the module's own
     } else if (piece > 0) {
       prefixes.push_back(spec.blocks_prefix + std::to_string(spec.blocks->index(static_cast<size_t>(piece - 1))) + ".");
     } else {
-      prefixes.push_back(item.key());  // outside every piece: use_units refuses it
+      prefixes.push_back(name);  // outside every piece: use_units refuses it
     }
   }
   return prefixes;

@@ -18,6 +18,7 @@
 #include "dtrain/engine/train/agreement.h"
 #include "dtrain/engine/train/preemption.h"
 #include "dtrain/engine/parallel/tensor_parallel.h"
+#include "trainer_setup.h"
 
 namespace dtrain::engine {
 
@@ -39,59 +40,7 @@ void validate(const TrainerOptions& o) {
 
 namespace {
 
-template <typename T>
-std::string text(const T& value) {
-  std::ostringstream os;
-  os.precision(17);
-  os << value;
-  return os.str();
-}
 
-// What must be the same on every rank for the ranks to train one model in step.
-Settings settings_of(const TrainerOptions& o) {
-  const OptimizerOptions& opt = o.optimizer;
-  Settings s = {
-      {"steps", text(o.steps)}, {"accum_steps", text(o.accum_steps)}, {"amp", to_string(o.amp)},
-      {"optimizer", opt.name}, {"lr", text(opt.lr)}, {"weight_decay", text(opt.weight_decay)},
-      {"momentum", text(opt.momentum)}, {"dampening", text(opt.dampening)}, {"nesterov", text(opt.nesterov)},
-      {"beta1", text(opt.beta1)}, {"beta2", text(opt.beta2)}, {"eps", text(opt.eps)},
-      {"amsgrad", text(opt.amsgrad)}, {"lr_decay", text(opt.lr_decay)},
-      {"initial_accumulator_value", text(opt.initial_accumulator_value)},
-      {"schedule", o.schedule.name}, {"warmup_steps", text(o.schedule.warmup_steps)},
-      {"total_steps", text(o.schedule.total_steps)}, {"min_lr_ratio", text(o.schedule.min_lr_ratio)},
-      {"clip_grad_norm", text(o.clip_grad_norm)}, {"report_grad_norm", text(o.report_grad_norm)},
-      {"eval_every", text(o.eval_every)}, {"eval_samples", text(o.eval_samples)},
-      {"oom_backoff", text(o.oom_backoff)}, {"offload_optimizer", text(o.offload_optimizer)},
-      {"offload.stream_gradients", o.offload.stream_gradients},
-      {"offload.delayed_update_after", text(o.offload.delayed_update_after)},
-      {"offload.reduce_to_owner", text(o.offload.reduce_to_owner)},
-      {"reducer.bucket_bytes", text(o.reducer.bucket_bytes)},
-      {"reducer.first_bucket_bytes", text(o.reducer.first_bucket_bytes)},
-      {"reducer.compress", o.reducer.compress ? c10::toString(*o.reducer.compress) : "off"},
-      {"reducer.find_unused_parameters", text(o.reducer.find_unused_parameters)},
-      {"save_every", text(o.save_every)}, {"keep_last", text(o.keep_last)}, {"resume", to_string(o.resume)},
-      {"save_dir_exists", to_string(o.save_dir_exists)},
-      {"saves checkpoints", text(!o.save_dir.empty())}, {"handle_preemption", text(o.handle_preemption)},
-      {"on_nonfinite", o.on_nonfinite == NonFinitePolicy::kStop ? "stop" : "skip"},
-      {"max_nonfinite_skips", text(o.max_nonfinite_skips)}, {"pipeline.schedule", to_string(o.pipeline.schedule)}};
-  if (o.amp == AmpMode::kFp16) {
-    s.push_back({"loss_scaler.init_scale", text(o.loss_scaler.init_scale)});
-    s.push_back({"loss_scaler.growth_interval", text(o.loss_scaler.growth_interval)});
-  }
-  return s;
-}
-
-// What --shard=parameters does not combine with yet.
-void check_parameter_sharding(const TrainerOptions& o, bool sparse, int pp_size) {
-  const char* other = o.prune.amount > 0               ? "--prune_amount"
-                      : sparse                         ? "sparse embedding gradients"
-                      : o.oom_backoff && pp_size > 1   ? "--pp and OOM back-off (TrainerOptions::oom_backoff: a "
-                                                         "stage that fails would still owe its data-parallel peers "
-                                                         "its unit gathers)"
-                                                       : nullptr;
-  DTRAIN_CHECK(other == nullptr, "--shard=parameters (ZeRO-3) with ", other ? other : "",
-               " is not supported yet; use --shard=gradients, or drop ", other ? other : "");
-}
 
 // The gradients to check or count: each parameter's (a sparse one's values), and under ZeRO-3
 // the reducer's buffer of this rank's range (the parameters' .grad are undefined then).
@@ -103,20 +52,6 @@ std::vector<at::Tensor> gradient_tensors(const std::vector<at::Tensor>& params, 
   return grads;
 }
 
-// What a pipeline-parallel trainer needs and what it does not (yet) combine with; the same on
-// every rank (options and mesh are), so every rank refuses together.
-void check_pipeline_options(const TrainerOptions& o, const dist::Mesh& mesh) {
-  const int P = mesh.pp_size();
-  DTRAIN_CHECK(o.pipeline.forward && o.pipeline.activation_shape, "a mesh of ", P, " pipeline stages needs ",
-               "TrainerOptions::pipeline.forward and .activation_shape (this stage's computation and what it sends); ",
-               "build the trainer with them, or with one stage");
-  const char* unsupported = o.prune.amount > 0                       ? "--prune_amount"
-                            : o.eval_loss_and_correct                  ? "an evaluation that counts correct predictions"
-                            : o.offload.delayed_update_after >= 0      ? "--offload_delayed_update_after"
-                                                                       : nullptr;
-  DTRAIN_CHECK(unsupported == nullptr, unsupported ? unsupported : "", " with pipeline parallelism (--pp=", P,
-               ") is not supported yet; train with --pp=1, or without ", unsupported ? unsupported : "");
-}
 
 }  // namespace
 
@@ -214,60 +149,30 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
       options_(std::move(options)), accum_steps_(options_.accum_steps) {
   validate(options_);
   // Before the first collective that depends on them (the parameter broadcast, the reducer).
-  agree_on_settings(mesh_.world(), settings_of(options_), "TrainerOptions");
+  agree_on_settings(mesh_.world(), trainer_setup::settings_of(options_), "TrainerOptions");
   // Whoever promises preemption handling installs it: without the handlers SIGUSR1/SIGTERM
   // would kill the ranks before any checkpoint.
   if (options_.handle_preemption) install_preemption_handlers();
-  if (!options_.save_dir.empty() && !options_.evaluation_only) {
-    // One run per checkpoint directory, for this trainer's lifetime (rank 0 holds the lock).
-    std::string refused;
-    if (mesh_.world().rank() == 0) {
-      try {
-        save_dir_lock_ = std::make_unique<DirectoryLock>(options_.save_dir);
-      } catch (const Error& e) {
-        refused = e.what();
-      }
-    }
-    if (!failing_ranks(!refused.empty()).empty()) {
-      throw Error(refused.empty() ? "the checkpoint directory '" + options_.save_dir +
-                                        "' is in use by another run (rank 0 says which)"
-                                  : refused);
-    }
-    if (options_.resume == ResumeMode::kNo) start_fresh_in_save_dir();
-  }
-  if (mesh_.pp_size() > 1) check_pipeline_options(options_, mesh_);
-  std::vector<std::string> names;
-  // A parameter registered under two names (tied weights: nanoGPT's head.weight = wte.weight)
-  // is trained once, under its first name, as PyTorch's parameters() lists it; autograd sums
-  // the gradients of its uses into its one .grad.
-  std::map<const c10::TensorImpl*, std::string> first_name;
-  std::vector<std::pair<std::string, std::string>> tied;  // (second name, first name)
-  for (auto& item : model_.named_parameters()) {
-    if (!item.value().requires_grad()) continue;
-    auto [it, added] = first_name.emplace(item.value().unsafeGetTensorImpl(), item.key());
-    if (!added) {
-      tied.emplace_back(item.key(), it->second);
-      continue;
-    }
-    params_.push_back(item.value());
-    names.push_back(item.key());
-  }
-  DTRAIN_CHECK(!params_.empty(), "the model has no trainable parameters");
-  if (!tied.empty()) check_tied_parameters(tied);
+  if (!options_.save_dir.empty() && !options_.evaluation_only) take_save_dir();
+  if (mesh_.pp_size() > 1) trainer_setup::check_pipeline_options(options_, mesh_);
+  TrainedParameters trained = trained_parameters(model_);
+  DTRAIN_CHECK(!trained.params.empty(), "the model has no trainable parameters");
+  if (!trained.tied.empty()) check_tied_parameters(trained.tied);
+  params_ = trained.params;
+  names_ = trained.names;
   if (mesh_.pp_size() > 1) {  // the whole model numbers its parameters stage after stage
     const std::vector<int64_t> counts = dist::all_gather_counts(mesh_.pp(), static_cast<int64_t>(params_.size()), device_);
     for (int s = 0; s < mesh_.pp_rank(); ++s) pp_param_offset_ += counts[s];
   }
   specs_ = collect_shard_specs(model_);
-  names_ = names;
-  for (const std::string& name : names) sharded_.push_back(specs_.count(name) > 0);
+  for (const std::string& name : names_) sharded_.push_back(specs_.count(name) > 0);
   norm_layout_.sharded = sharded_;
   norm_layout_.tp = &mesh_.tp();
   norm_layout_.pp = &mesh_.pp();  // each stage's squares summed over the stages (a no-op for one)
   // Rank 0's parameters everywhere first: a partitioned optimizer copies them into its
   // master weights when it is built, before the reducer exists.
   ReducerOptions reducer_options = options_.reducer;
-  if (reducer_options.names.empty()) reducer_options.names = names;
+  if (reducer_options.names.empty()) reducer_options.names = names_;
   if (reducer_options.broadcast_parameters) {
     check_same_parameters(params_, mesh_.dp(), reducer_options.names);
     at::NoGradGuard no_grad;
@@ -275,118 +180,21 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
     reducer_options.broadcast_parameters = false;
   }
   if (!options_.evaluation_only) {
-    const ShardMode shard = parse_shard_mode(options_.shard);
-    // Sparse gradients (embeddings built sparse) bypass the buckets and the flat optimizers.
-    const std::vector<bool> sparse = sparse_gradient_flags(model_, params_);
-    std::vector<at::Tensor> dense_params, sparse_params;
-    std::vector<std::string> dense_names;
-    SparseReducerOptions sparse_options = options_.sparse_reducer;
-    for (size_t i = 0; i < params_.size(); ++i) {
-      if (sparse[i]) {
-        sparse_params.push_back(params_[i]);
-        sparse_options.names.push_back(names[i]);
-      } else {
-        dense_params.push_back(params_[i]);
-        dense_names.push_back(names[i]);
-      }
+    trainer_setup::UpdateParts parts =
+        trainer_setup::build_update({model_, trained, specs_, mesh_, device_, options_}, std::move(reducer_options));
+    sparse_reducer_ = std::move(parts.sparse_reducer);
+    optimizer_ = std::move(parts.optimizer);
+    units_ = std::move(parts.units);
+    reducer_ = std::move(parts.reducer);
+    pruner_ = std::move(parts.pruner);
+    if (parts.owned) {
+      norm_layout_.owned = *parts.owned;
+      norm_layout_.dp = &mesh_.dp();
     }
-    if (!sparse_params.empty()) {
-      DTRAIN_CHECK(tied.empty(), "sparse embedding gradients (", sparse_options.names.front(), ") with tied parameters ('",
-                   tied.front().first, "' is '", tied.front().second, "'): a tied embedding's gradient is dense where "
-                   "the other use touches it; drop --sparse_embedding or untie the parameters");
-      DTRAIN_CHECK(!options_.offload_optimizer && shard == ShardMode::kNone, "sparse embedding gradients (",
-                   sparse_options.names.front(), ") with ", options_.offload_optimizer ? "--offload=optimizer" : "--shard",
-                   ": the partitioned optimizers keep one flat dense gradient space; drop --sparse_embedding, or "
-                   "train without partitioning the optimizer");
-      DTRAIN_CHECK(reducer_options.owned.empty() && !reducer_options.bucket_comm && !reducer_options.compress,
-                   "sparse embedding gradients with a custom bucket strategy are not supported");
-      DTRAIN_CHECK(!dense_params.empty(), "every trainable parameter has sparse gradients; the trainer needs at least "
-                   "one dense parameter");
-      reducer_options.names = dense_names;
-      sparse_reducer_ = std::make_unique<SparseGradReducer>(sparse_params, mesh_.dp(), sparse_options);
-      try {
-        optimizer_ = make_sparse_aware_optimizer(params_, sparse, options_.optimizer);
-      } catch (const Error& e) {
-        throw Error(detail::concat("sparse gradients (", sparse_options.names.front(), ", --sparse_embedding): ",
-                                   e.what(), ". Optimizers that take sparse gradients: adagrad with --weight_decay=0, "
-                                   "adam or adamw (SparseAdam's rule on those rows; weight decay only on the others), "
-                                   "sgd without momentum (the command line's sgd has momentum 0.9)"));
-      }
-      LOG_IF(INFO, mesh_.world().rank() == 0)
-          << sparse_params.size() << " parameter(s) with sparse gradients (" << sparse_options.names.front()
-          << (sparse_params.size() > 1 ? ", ..." : "") << "): averaged row-wise after backward, updated "
-          << "only where touched (" << options_.optimizer.name << "'s sparse rule)";
-    } else if (shard == ShardMode::kParameters) {
-      check_parameter_sharding(options_, !sparse_params.empty(), mesh_.pp_size());
-      std::vector<size_t> starts = unit_starts_of(names, options_.shard_unit_starts, sharded_);
-      std::unique_ptr<ShardedOptimizer> sharded;
-      if (options_.offload_optimizer) {  // the ZeRO-Offload layout of stage 3
-        const char* other = options_.offload.delayed_update_after >= 0 ? "--offload_delayed_update_after"
-                            : parse_stream_gradients(options_.offload.stream_gradients) == StreamGradients::kOn
-                                ? "--offload_stream_gradients=on"
-                                : nullptr;
-        DTRAIN_CHECK(other == nullptr, "--shard=parameters --offload=optimizer with ", other ? other : "",
-                     " is not supported yet (each rank copies its gradient range to the host after backward and "
-                     "updates it there); drop ", other ? other : "");
-        sharded = std::make_unique<ShardedOptimizer>(params_, options_.optimizer, mesh_.dp(), std::move(starts),
-                                                     options_.offload);
-      } else {
-        sharded = std::make_unique<ShardedOptimizer>(params_, options_.optimizer, mesh_.dp(), std::move(starts));
-      }
-      units_ = std::make_unique<ParameterUnits>(*sharded);
-      optimizer_ = std::move(sharded);
-      LOG_IF(INFO, mesh_.world().rank() == 0)
-          << "--shard=parameters: " << units_->units() << " units gathered per use; this rank keeps 1/"
-          << mesh_.dp_size() << " of the weights, gradients and optimizer state between steps"
-          << (options_.offload_optimizer ? " (the optimizer state and fp32 master on the host)" : "");
-    } else if (options_.offload_optimizer) {
-      optimizer_ = make_offload_optimizer(params_, options_.optimizer, mesh_.dp(), options_.offload, device_);
-    } else if (shard != ShardMode::kNone) {
-      optimizer_ = std::make_unique<ShardedOptimizer>(params_, options_.optimizer, mesh_.dp());
-    } else {
-      optimizer_ = make_optimizer(params_, options_.optimizer);
-    }
-    // A partitioned optimizer reads only its rank's range: each gradient is reduced to its owner.
-    if (reducer_options.owned.empty()) {
-      for (const FlatRange& r : optimizer_->gradient_owners()) reducer_options.owned.emplace_back(r.begin, r.end);
-      if (!reducer_options.owned.empty()) {
-        const auto& mine = reducer_options.owned[mesh_.dp().rank()];
-        norm_layout_.owned = FlatRange{mine.first, mine.second};
-        norm_layout_.dp = &mesh_.dp();
-        // ZeRO-2: the gradients outside this rank's range are not kept between steps.
-        reducer_options.release_unowned = shard == ShardMode::kGradients || shard == ShardMode::kParameters;
-        // ZeRO-3: only this rank's range of the gradients, in one buffer (a parameter that
-        // straddles a range boundary is not kept whole); the optimizer and the norm read it.
-        reducer_options.owned_gradients_only = shard == ShardMode::kParameters;
-        LOG_IF(INFO, mesh_.world().rank() == 0)
-            << "each gradient is reduced only to the rank whose shard holds it (the optimizer's, "
-            << reducer_options.owned.size() << " shards)"
-            << (reducer_options.release_unowned ? "; the other ranks' gradient buckets are released once reduced"
-                                                : "");
-      }
-    }
-    reducer_ = std::make_unique<GradReducer>(sparse_reducer_ ? dense_params : params_, mesh_.dp(), reducer_options);
     norm_layout_.owned_values = reducer_->owned_gradients();
-    optimizer_->attach(*reducer_);
-    if (options_.prune.amount > 0) {
-      DTRAIN_CHECK(!options_.offload_optimizer || options_.offload.delayed_update_after < 0,
-                   "--prune_amount with --offload_delayed_update_after: the delayed update writes the weights after the "
-                   "masks are applied; prune without the delayed update");
-      pruner_ = std::make_unique<Pruner>(model_, options_.prune, specs_, mesh_.tp());
-    }
   }
   if (mesh_.pp_size() > 1 && optimizer_) {
-    // Each stage's partitioned flat space (per tensor-parallel rank), recorded in checkpoints
-    // so that partitioned state resumes under another split into stages.
-    const std::optional<ShardLayout> layout = optimizer_->shard_layout();
-    int64_t flat = 0;
-    for (const at::Tensor& p : params_) flat += p.numel();
-    if (layout) flat = layout->numel;
-    const std::vector<int64_t> all = dist::all_gather_counts(mesh_.world(), flat, device_);
-    const int T = mesh_.tp_size(), D = mesh_.dp_size();
-    for (int s = 0; s < mesh_.pp_size(); ++s) {
-      for (int t = 0; t < T; ++t) pp_flat_numels_.push_back(all[static_cast<size_t>((s * D) * T + t)]);
-    }
+    pp_flat_numels_ = trainer_setup::stage_flat_numels(mesh_, *optimizer_, params_, device_);
   }
   LossScalerOptions scaler_options = options_.loss_scaler;
   scaler_options.enabled = options_.amp == AmpMode::kFp16;
@@ -394,23 +202,30 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
   DTRAIN_CHECK(options_.resume == ResumeMode::kNo || !options_.save_dir.empty(),
                "--resume needs --save_dir (where the checkpoints are)");
   DTRAIN_CHECK(options_.save_every >= 0, "--save_every must be >= 0");
-  // A resumed run appends to its metrics file.
-  metrics_ = options_.resume != ResumeMode::kNo ? MetricsWriter::open_append(options_.metrics_path, mesh_.world().rank() == 0)
-                             : std::make_unique<MetricsWriter>(options_.metrics_path, mesh_.world().rank() == 0);
-  const bool rank0 = mesh_.world().rank() == 0;
-  tensorboard_ = std::make_unique<EventWriter>(options_.tensorboard_dir,
-                                               rank0 && !options_.tensorboard_dir.empty());
-  TimelineOptions timeline;
-  timeline.enabled = !options_.timeline_path.empty();
-  timeline.rank = mesh_.world().rank();
-  if (timeline.enabled) {
-    timeline.path = timeline_path_for_rank(options_.timeline_path, mesh_.world().rank(), mesh_.world().size());
+  trainer_setup::Observers observers = trainer_setup::make_observers(options_, mesh_, device_);
+  metrics_ = std::move(observers.metrics);
+  tensorboard_ = std::move(observers.tensorboard);
+  timeline_ = std::move(observers.timeline);
+  profiler_ = std::move(observers.profiler);
+  if (units_) units_->record_events(!options_.timeline_path.empty());  // ZeRO-3's gathers and units on the timeline
+}
+
+void Trainer::take_save_dir() {
+  // One run per checkpoint directory, for this trainer's lifetime (rank 0 holds the lock).
+  std::string refused;
+  if (mesh_.world().rank() == 0) {
+    try {
+      save_dir_lock_ = std::make_unique<DirectoryLock>(options_.save_dir);
+    } catch (const Error& e) {
+      refused = e.what();
+    }
   }
-  timeline_ = std::make_unique<Timeline>(timeline);
-  if (units_) units_->record_events(timeline.enabled);  // ZeRO-3's gathers and units on the timeline
-  profiler_ = std::make_unique<StepProfiler>(
-      parse_profile_steps(options_.profile_steps),
-      timeline_path_for_rank(options_.profile_path, mesh_.world().rank(), mesh_.world().size()), device_);
+  if (!failing_ranks(!refused.empty()).empty()) {
+    throw Error(refused.empty() ? "the checkpoint directory '" + options_.save_dir +
+                                      "' is in use by another run (rank 0 says which)"
+                                : refused);
+  }
+  if (options_.resume == ResumeMode::kNo) start_fresh_in_save_dir();
 }
 
 Trainer::~Trainer() {
@@ -1117,9 +932,10 @@ StepMetrics Trainer::fit(DataLoader& train, DataLoader* eval) {
                mesh_.dp_size(), " data-parallel ranks set drop_last = true");
   const LoaderOptions& lo = train.options();
   agree_on_settings(mesh_.world(),
-                    {{"batch_size", text(lo.batch_size)}, {"drop_last", text(lo.drop_last)},
-                     {"shuffle", text(lo.shuffle)}, {"seed", text(lo.seed)}, {"batches per epoch", text(train.batches_per_epoch())},
-                     {"evaluation", text(eval != nullptr)}},
+                    {{"batch_size", setting_text(lo.batch_size)}, {"drop_last", setting_text(lo.drop_last)},
+                     {"shuffle", setting_text(lo.shuffle)}, {"seed", setting_text(lo.seed)},
+                     {"batches per epoch", setting_text(train.batches_per_epoch())},
+                     {"evaluation", setting_text(eval != nullptr)}},
                     "the training loader of Trainer::fit");
   Progress progress(options_.steps, options_.progress && mesh_.world().rank() == 0);
   const int64_t global_batch = train.options().batch_size * mesh_.dp_size();

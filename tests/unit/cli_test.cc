@@ -14,6 +14,7 @@
 #include <gflags/gflags.h>
 
 #include "dtrain/dist/error.h"
+#include "dtrain/engine/train/agreement.h"
 #include "dtrain/engine/train/cli.h"
 
 namespace dtrain::engine::cli {
@@ -33,10 +34,7 @@ Built build() {
 
 template <typename T>
 std::string text(const T& v) {
-  std::ostringstream os;
-  os.precision(17);
-  os << v;
-  return os.str();
+  return setting_text(v);
 }
 
 std::string join(const std::vector<std::string>& v) {

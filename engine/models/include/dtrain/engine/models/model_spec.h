@@ -40,6 +40,18 @@ namespace dtrain::engine {
 
 class ParameterUnits;
 
+// The parameters a trainer trains, in the one order every part of the library numbers them
+// (the optimizer, the reducer's buckets, ZeRO-3's units, checkpoints, the planner): the ones
+// that require grad, as named_parameters() lists them; a tensor registered under two names
+// (tied weights: nanoGPT's head.weight = wte.weight) once, under its first name (autograd
+// sums the gradients of its uses into its one .grad).
+struct TrainedParameters {
+  std::vector<at::Tensor> params;
+  std::vector<std::string> names;
+  std::vector<std::pair<std::string, std::string>> tied;  // (second name, first name)
+};
+TrainedParameters trained_parameters(torch::nn::Module& module);
+
 struct ModelSpec {
   // The whole model; what requires grad in it is trained. Shared: the trainer keeps it alive.
   std::shared_ptr<torch::nn::Module> module;

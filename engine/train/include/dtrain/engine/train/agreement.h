@@ -4,6 +4,7 @@
 // finishes first.
 #pragma once
 
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -14,6 +15,16 @@ namespace dtrain::engine {
 
 // name -> value, as text. Names are unique; the order does not matter.
 using Settings = std::vector<std::pair<std::string, std::string>>;
+
+// A setting's value as text, numbers with 17 significant digits (two doubles that differ
+// compare different).
+template <typename T>
+std::string setting_text(const T& value) {
+  std::ostringstream os;
+  os.precision(17);
+  os << value;
+  return os.str();
+}
 
 // Collective over comm (every rank calls it with its own settings). When they agree it costs
 // one all-reduce of two integers. When any differ, every rank throws dtrain::Error with the

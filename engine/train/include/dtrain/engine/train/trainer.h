@@ -328,6 +328,9 @@ class Trainer {
   // Constructor: refuses tied parameters (one tensor under two names) where a mode cannot
   // train them as one (ZeRO-3, tensor or pipeline parallelism), naming them; logs the others.
   void check_tied_parameters(const std::vector<std::pair<std::string, std::string>>& tied) const;
+  // Constructor, with save_dir: locks the directory for this run (rank 0; collective), then
+  // start_fresh_in_save_dir() unless resuming.
+  void take_save_dir();
   // Constructor, with save_dir and ResumeMode::kNo: applies options.save_dir_exists to a
   // directory that already holds checkpoints (collective over the world).
   void start_fresh_in_save_dir();

@@ -1,0 +1,252 @@
+// The Trainer's construction apart from its loop (trainer_setup.h).
+#include "trainer_setup.h"
+
+#include <sstream>
+
+#include <glog/logging.h>
+
+#include "dtrain/dist/error.h"
+#include "dtrain/engine/optim/sharded.h"
+#include "dtrain/engine/optim/sparse_optim.h"
+
+namespace dtrain::engine::trainer_setup {
+namespace {
+
+template <typename T>
+std::string text(const T& value) {
+  return setting_text(value);
+}
+
+}  // namespace
+
+Settings settings_of(const TrainerOptions& o) {
+  const OptimizerOptions& opt = o.optimizer;
+  Settings s = {
+      {"steps", text(o.steps)}, {"accum_steps", text(o.accum_steps)}, {"amp", to_string(o.amp)},
+      {"optimizer", opt.name}, {"lr", text(opt.lr)}, {"weight_decay", text(opt.weight_decay)},
+      {"momentum", text(opt.momentum)}, {"dampening", text(opt.dampening)}, {"nesterov", text(opt.nesterov)},
+      {"beta1", text(opt.beta1)}, {"beta2", text(opt.beta2)}, {"eps", text(opt.eps)},
+      {"amsgrad", text(opt.amsgrad)}, {"lr_decay", text(opt.lr_decay)},
+      {"initial_accumulator_value", text(opt.initial_accumulator_value)},
+      {"schedule", o.schedule.name}, {"warmup_steps", text(o.schedule.warmup_steps)},
+      {"total_steps", text(o.schedule.total_steps)}, {"min_lr_ratio", text(o.schedule.min_lr_ratio)},
+      {"clip_grad_norm", text(o.clip_grad_norm)}, {"report_grad_norm", text(o.report_grad_norm)},
+      {"eval_every", text(o.eval_every)}, {"eval_samples", text(o.eval_samples)},
+      {"oom_backoff", text(o.oom_backoff)}, {"offload_optimizer", text(o.offload_optimizer)},
+      {"offload.stream_gradients", o.offload.stream_gradients},
+      {"offload.delayed_update_after", text(o.offload.delayed_update_after)},
+      {"offload.reduce_to_owner", text(o.offload.reduce_to_owner)},
+      {"reducer.bucket_bytes", text(o.reducer.bucket_bytes)},
+      {"reducer.first_bucket_bytes", text(o.reducer.first_bucket_bytes)},
+      {"reducer.compress", o.reducer.compress ? c10::toString(*o.reducer.compress) : "off"},
+      {"reducer.find_unused_parameters", text(o.reducer.find_unused_parameters)},
+      {"save_every", text(o.save_every)}, {"keep_last", text(o.keep_last)}, {"resume", to_string(o.resume)},
+      {"save_dir_exists", to_string(o.save_dir_exists)},
+      {"saves checkpoints", text(!o.save_dir.empty())}, {"handle_preemption", text(o.handle_preemption)},
+      {"on_nonfinite", o.on_nonfinite == NonFinitePolicy::kStop ? "stop" : "skip"},
+      {"max_nonfinite_skips", text(o.max_nonfinite_skips)}, {"pipeline.schedule", to_string(o.pipeline.schedule)}};
+  if (o.amp == AmpMode::kFp16) {
+    s.push_back({"loss_scaler.init_scale", text(o.loss_scaler.init_scale)});
+    s.push_back({"loss_scaler.growth_interval", text(o.loss_scaler.growth_interval)});
+  }
+  return s;
+}
+
+namespace {
+
+// What --shard=parameters does not combine with yet.
+void check_parameter_sharding(const TrainerOptions& o, bool sparse, int pp_size) {
+  const char* other = o.prune.amount > 0               ? "--prune_amount"
+                      : sparse                         ? "sparse embedding gradients"
+                      : o.oom_backoff && pp_size > 1   ? "--pp and OOM back-off (TrainerOptions::oom_backoff: a "
+                                                         "stage that fails would still owe its data-parallel peers "
+                                                         "its unit gathers)"
+                                                       : nullptr;
+  DTRAIN_CHECK(other == nullptr, "--shard=parameters (ZeRO-3) with ", other ? other : "",
+               " is not supported yet; use --shard=gradients, or drop ", other ? other : "");
+}
+
+// The trained parameters split into those with sparse gradients (embeddings built sparse: they
+// bypass the buckets and the flat optimizers) and the dense ones the reducer takes.
+struct SparseSplit {
+  std::vector<bool> sparse;  // per trained parameter
+  std::vector<at::Tensor> dense_params, sparse_params;
+  std::vector<std::string> dense_names;
+  SparseReducerOptions sparse_options;
+};
+
+SparseSplit split_sparse(const UpdateInputs& in) {
+  SparseSplit s;
+  const std::vector<at::Tensor>& params = in.trained.params;
+  s.sparse = sparse_gradient_flags(in.model, params);
+  s.sparse_options = in.options.sparse_reducer;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (s.sparse[i]) {
+      s.sparse_params.push_back(params[i]);
+      s.sparse_options.names.push_back(in.trained.names[i]);
+    } else {
+      s.dense_params.push_back(params[i]);
+      s.dense_names.push_back(in.trained.names[i]);
+    }
+  }
+  return s;
+}
+
+// Sparse gradients: their reducer (row-wise averages) and an optimizer with a sparse rule.
+void build_sparse(const UpdateInputs& in, ShardMode shard, SparseSplit& s, ReducerOptions& reducer_options,
+                  UpdateParts& parts) {
+  const TrainerOptions& o = in.options;
+  const auto& tied = in.trained.tied;
+  const std::string& first = s.sparse_options.names.front();
+  DTRAIN_CHECK(tied.empty(), "sparse embedding gradients (", first, ") with tied parameters ('",
+               tied.empty() ? "" : tied.front().first, "' is '", tied.empty() ? "" : tied.front().second,
+               "'): a tied embedding's gradient is dense where the other use touches it; drop --sparse_embedding or "
+               "untie the parameters");
+  DTRAIN_CHECK(!o.offload_optimizer && shard == ShardMode::kNone, "sparse embedding gradients (", first, ") with ",
+               o.offload_optimizer ? "--offload=optimizer" : "--shard",
+               ": the partitioned optimizers keep one flat dense gradient space; drop --sparse_embedding, or "
+               "train without partitioning the optimizer");
+  DTRAIN_CHECK(reducer_options.owned.empty() && !reducer_options.bucket_comm && !reducer_options.compress,
+               "sparse embedding gradients with a custom bucket strategy are not supported");
+  DTRAIN_CHECK(!s.dense_params.empty(), "every trainable parameter has sparse gradients; the trainer needs at least "
+               "one dense parameter");
+  reducer_options.names = s.dense_names;
+  parts.sparse_reducer = std::make_unique<SparseGradReducer>(s.sparse_params, in.mesh.dp(), s.sparse_options);
+  try {
+    parts.optimizer = make_sparse_aware_optimizer(in.trained.params, s.sparse, o.optimizer);
+  } catch (const Error& e) {
+    throw Error(detail::concat("sparse gradients (", first, ", --sparse_embedding): ", e.what(),
+                               ". Optimizers that take sparse gradients: adagrad with --weight_decay=0, "
+                               "adam or adamw (SparseAdam's rule on those rows; weight decay only on the others), "
+                               "sgd without momentum (the command line's sgd has momentum 0.9)"));
+  }
+  LOG_IF(INFO, in.mesh.world().rank() == 0)
+      << s.sparse_params.size() << " parameter(s) with sparse gradients (" << first
+      << (s.sparse_params.size() > 1 ? ", ..." : "") << "): averaged row-wise after backward, updated "
+      << "only where touched (" << o.optimizer.name << "'s sparse rule)";
+}
+
+// ZeRO-3: the sharded optimizer owns the weights' storage; the units gather them per use.
+void build_parameter_sharding(const UpdateInputs& in, UpdateParts& parts) {
+  const TrainerOptions& o = in.options;
+  check_parameter_sharding(o, false, in.mesh.pp_size());
+  std::vector<bool> tp_sharded;
+  for (const std::string& name : in.trained.names) tp_sharded.push_back(in.specs.count(name) > 0);
+  std::vector<size_t> starts = unit_starts_of(in.trained.names, o.shard_unit_starts, tp_sharded);
+  std::unique_ptr<ShardedOptimizer> sharded;
+  if (o.offload_optimizer) {  // the ZeRO-Offload layout of stage 3
+    const char* other = o.offload.delayed_update_after >= 0 ? "--offload_delayed_update_after"
+                        : parse_stream_gradients(o.offload.stream_gradients) == StreamGradients::kOn
+                            ? "--offload_stream_gradients=on"
+                            : nullptr;
+    DTRAIN_CHECK(other == nullptr, "--shard=parameters --offload=optimizer with ", other ? other : "",
+                 " is not supported yet (each rank copies its gradient range to the host after backward and "
+                 "updates it there); drop ", other ? other : "");
+    sharded = std::make_unique<ShardedOptimizer>(in.trained.params, o.optimizer, in.mesh.dp(), std::move(starts),
+                                                 o.offload);
+  } else {
+    sharded = std::make_unique<ShardedOptimizer>(in.trained.params, o.optimizer, in.mesh.dp(), std::move(starts));
+  }
+  parts.units = std::make_unique<ParameterUnits>(*sharded);
+  parts.optimizer = std::move(sharded);
+  LOG_IF(INFO, in.mesh.world().rank() == 0)
+      << "--shard=parameters: " << parts.units->units() << " units gathered per use; this rank keeps 1/"
+      << in.mesh.dp_size() << " of the weights, gradients and optimizer state between steps"
+      << (o.offload_optimizer ? " (the optimizer state and fp32 master on the host)" : "");
+}
+
+// A partitioned optimizer reads only its rank's range: each gradient is reduced to its owner.
+void reduce_to_owners(const UpdateInputs& in, ShardMode shard, ReducerOptions& reducer_options, UpdateParts& parts) {
+  if (!reducer_options.owned.empty()) return;
+  for (const FlatRange& r : parts.optimizer->gradient_owners()) reducer_options.owned.emplace_back(r.begin, r.end);
+  if (reducer_options.owned.empty()) return;
+  const auto& mine = reducer_options.owned[in.mesh.dp().rank()];
+  parts.owned = FlatRange{mine.first, mine.second};
+  // ZeRO-2: the gradients outside this rank's range are not kept between steps.
+  reducer_options.release_unowned = shard == ShardMode::kGradients || shard == ShardMode::kParameters;
+  // ZeRO-3: only this rank's range of the gradients, in one buffer (a parameter that straddles
+  // a range boundary is not kept whole); the optimizer and the norm read it.
+  reducer_options.owned_gradients_only = shard == ShardMode::kParameters;
+  LOG_IF(INFO, in.mesh.world().rank() == 0)
+      << "each gradient is reduced only to the rank whose shard holds it (the optimizer's, "
+      << reducer_options.owned.size() << " shards)"
+      << (reducer_options.release_unowned ? "; the other ranks' gradient buckets are released once reduced" : "");
+}
+
+}  // namespace
+
+void check_pipeline_options(const TrainerOptions& o, const dist::Mesh& mesh) {
+  const int P = mesh.pp_size();
+  DTRAIN_CHECK(o.pipeline.forward && o.pipeline.activation_shape, "a mesh of ", P, " pipeline stages needs ",
+               "TrainerOptions::pipeline.forward and .activation_shape (this stage's computation and what it sends); ",
+               "build the trainer with them, or with one stage");
+  const char* unsupported = o.prune.amount > 0                       ? "--prune_amount"
+                            : o.eval_loss_and_correct                  ? "an evaluation that counts correct predictions"
+                            : o.offload.delayed_update_after >= 0      ? "--offload_delayed_update_after"
+                                                                       : nullptr;
+  DTRAIN_CHECK(unsupported == nullptr, unsupported ? unsupported : "", " with pipeline parallelism (--pp=", P,
+               ") is not supported yet; train with --pp=1, or without ", unsupported ? unsupported : "");
+}
+
+UpdateParts build_update(const UpdateInputs& in, ReducerOptions reducer_options) {
+  const TrainerOptions& o = in.options;
+  const ShardMode shard = parse_shard_mode(o.shard);
+  const std::vector<at::Tensor>& params = in.trained.params;
+  SparseSplit split = split_sparse(in);
+  UpdateParts parts;
+  if (!split.sparse_params.empty()) {
+    build_sparse(in, shard, split, reducer_options, parts);
+  } else if (shard == ShardMode::kParameters) {
+    build_parameter_sharding(in, parts);
+  } else if (o.offload_optimizer) {
+    parts.optimizer = make_offload_optimizer(params, o.optimizer, in.mesh.dp(), o.offload, in.device);
+  } else if (shard != ShardMode::kNone) {
+    parts.optimizer = std::make_unique<ShardedOptimizer>(params, o.optimizer, in.mesh.dp());
+  } else {
+    parts.optimizer = make_optimizer(params, o.optimizer);
+  }
+  reduce_to_owners(in, shard, reducer_options, parts);
+  parts.reducer = std::make_unique<GradReducer>(parts.sparse_reducer ? split.dense_params : params, in.mesh.dp(),
+                                                reducer_options);
+  parts.optimizer->attach(*parts.reducer);
+  if (o.prune.amount > 0) {
+    DTRAIN_CHECK(!o.offload_optimizer || o.offload.delayed_update_after < 0,
+                 "--prune_amount with --offload_delayed_update_after: the delayed update writes the weights after the "
+                 "masks are applied; prune without the delayed update");
+    parts.pruner = std::make_unique<Pruner>(in.model, o.prune, in.specs, in.mesh.tp());
+  }
+  return parts;
+}
+
+std::vector<int64_t> stage_flat_numels(const dist::Mesh& mesh, const Optimizer& optimizer,
+                                       const std::vector<at::Tensor>& params, c10::Device device) {
+  const std::optional<ShardLayout> layout = optimizer.shard_layout();
+  int64_t flat = 0;
+  for (const at::Tensor& p : params) flat += p.numel();
+  if (layout) flat = layout->numel;
+  const std::vector<int64_t> all = dist::all_gather_counts(mesh.world(), flat, device);
+  const int T = mesh.tp_size(), D = mesh.dp_size();
+  std::vector<int64_t> out;
+  for (int s = 0; s < mesh.pp_size(); ++s) {
+    for (int t = 0; t < T; ++t) out.push_back(all[static_cast<size_t>((s * D) * T + t)]);
+  }
+  return out;
+}
+
+Observers make_observers(const TrainerOptions& o, const dist::Mesh& mesh, c10::Device device) {
+  Observers obs;
+  const int rank = mesh.world().rank(), size = mesh.world().size();
+  obs.metrics = o.resume != ResumeMode::kNo ? MetricsWriter::open_append(o.metrics_path, rank == 0)
+                                            : std::make_unique<MetricsWriter>(o.metrics_path, rank == 0);
+  obs.tensorboard = std::make_unique<EventWriter>(o.tensorboard_dir, rank == 0 && !o.tensorboard_dir.empty());
+  TimelineOptions timeline;
+  timeline.enabled = !o.timeline_path.empty();
+  timeline.rank = rank;
+  if (timeline.enabled) timeline.path = timeline_path_for_rank(o.timeline_path, rank, size);
+  obs.timeline = std::make_unique<Timeline>(timeline);
+  obs.profiler = std::make_unique<StepProfiler>(parse_profile_steps(o.profile_steps),
+                                                timeline_path_for_rank(o.profile_path, rank, size), device);
+  return obs;
+}
+
+}  // namespace dtrain::engine::trainer_setup
