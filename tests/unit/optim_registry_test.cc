@@ -1,20 +1,25 @@
 // The update-rule table (dtrain/offload/update_rule.h), the one place that maps an optimizer's
 // name to what differs between rules: every name known, an unknown one refused with the list,
 // and the state arrays it declares per rule equal to what each optimizer family (device,
-// CPU/offload, sparse) actually keeps and checkpoints.
+// CPU/offload, sparse) actually keeps and checkpoints. The options' checks, and ZeRO-3's units
+// from name prefixes.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <limits>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/optim/optim.h"
+#include "dtrain/engine/optim/sharded.h"
 #include "dtrain/engine/optim/sparse_optim.h"
 #include "dtrain/offload/cpu_optimizer.h"
 #include "dtrain/offload/pinned_pool.h"
 #include "dtrain/offload/update_rule.h"
+#include "test_util.h"
 
 namespace dtrain::engine {
 namespace {
@@ -112,16 +117,99 @@ TEST(OptimizerRegistry, MomentNamesAreWhatTheSparseRuleKeeps) {
   }
 }
 
-TEST(OptimizerRegistry, EffectiveEpsComesFromTheTable) {
-  OptimizerOptions o;
-  for (const char* name : {"sgd", "adam", "adamw"}) {
-    o.name = name;
-    EXPECT_EQ(effective_eps(o), 1e-8) << name;
+// ---- options -----------------------------------------------------------------------------------
+
+void expect_invalid(const OptimizerOptions& o, const std::string& needle) {
+  try {
+    validate(o);
+    ADD_FAILURE() << "validate accepted options expected to fail with '" << needle << "'";
+  } catch (const dtrain::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
   }
+}
+
+TEST(OptimValidate, RejectsBadOptions) {
+  OptimizerOptions o;
+  o.name = "lamb";
+  expect_invalid(o, "sgd, adam, adamw, adagrad");
+  o = {};
+  o.lr = std::nan("");
+  expect_invalid(o, "lr");
+  o.lr = -0.1;
+  expect_invalid(o, "lr = -0.1");
+  o = {};
+  o.name = "adam";
+  o.beta1 = 1.0;
+  expect_invalid(o, "beta1");
+  o.beta1 = 0.9;
+  o.beta2 = -0.5;
+  expect_invalid(o, "beta2");
+  o = {};
+  o.name = "sgd";
+  o.nesterov = true;
+  expect_invalid(o, "nesterov");
+  o.momentum = 0.9;
+  o.dampening = 0.1;
+  expect_invalid(o, "nesterov");
+  o = {};
   o.name = "adagrad";
-  EXPECT_EQ(effective_eps(o), rule_traits("adagrad").default_eps);
+  o.lr_decay = -1.0;
+  expect_invalid(o, "lr_decay");
+  o = {};
+  o.weight_decay = std::numeric_limits<double>::infinity();
+  expect_invalid(o, "weight_decay");
+  EXPECT_NO_THROW(validate(OptimizerOptions{}));
+}
+
+TEST(OptimValidate, MakeOptimizerRejectsBadParameterLists) {
+  EXPECT_THROW(make_optimizer({}, OptimizerOptions{}), dtrain::Error);
+  at::Tensor p = at::zeros({2}).requires_grad_(true);
+  EXPECT_THROW(make_optimizer({p, p}, OptimizerOptions{}), dtrain::Error);
+  EXPECT_THROW(make_optimizer({at::zeros({2}, at::kLong)}, OptimizerOptions{}), dtrain::Error);
+  EXPECT_THROW(make_optimizer({p * 2.0}, OptimizerOptions{}), dtrain::Error);  // not a leaf
+  OptimizerOptions o;
+  o.name = "rmsprop";
+  EXPECT_THROW(make_optimizer({p}, o), dtrain::Error);
+}
+
+TEST(OptimOptions, EffectiveEpsFollowsTorchDefaults) {
+  OptimizerOptions o;
+  o.name = "adam";
+  EXPECT_EQ(effective_eps(o), 1e-8);
+  o.name = "adagrad";
   EXPECT_EQ(effective_eps(o), 1e-10);
+  EXPECT_EQ(effective_eps(o), rule_traits("adagrad").default_eps);  // the table's
+  o.eps = 1e-6;
+  EXPECT_EQ(effective_eps(o), 1e-6);
 }
 
 }  // namespace
+
+// ZeRO-3's units from name prefixes (the trainer's and the planner's one rule): the first
+// parameter under each prefix begins a unit; a unit never begins inside a layer.
+TEST(UnitStarts, PrefixesCutWholeLayers) {
+  const std::vector<std::string> names = {"wte.weight", "wpe.weight", "blocks.0.attn.qkv.weight",
+                                          "blocks.0.attn.qkv.bias", "blocks.0.mlp.fc1.weight",
+                                          "blocks.1.attn.qkv.weight", "ln_f.weight", "head.weight"};
+  EXPECT_EQ(unit_starts_of(names, {"wte.", "blocks.0.", "blocks.1.", "ln_f."}), (std::vector<size_t>{0, 2, 5, 6}));
+  // Coarser: several blocks in one unit; a prefix inside another's range starts its own.
+  EXPECT_EQ(unit_starts_of(names, {"w", "blocks.0.mlp.", "head."}), (std::vector<size_t>{0, 4, 7}));
+  using testing_util::error_of;
+  std::vector<bool> tp(names.size(), false);
+  tp[2] = tp[3] = true;
+  EXPECT_NE(error_of([&] { unit_starts_of(names, {"wte.", "blocks.0.attn.qkv.bias"}, tp); })
+                .find("unit 1 would begin at 'blocks.0.attn.qkv.bias', inside the tensor-parallel layer "
+                      "'blocks.0.attn.qkv' (its 'blocks.0.attn.qkv.weight' falls in the unit before)"),
+            std::string::npos);
+  // wte and wpe are layers of their own: a unit may begin at either.
+  EXPECT_EQ(unit_starts_of(names, {"wte.", "wpe.weight"}), (std::vector<size_t>{0, 1}));
+  EXPECT_NE(error_of([&] { unit_starts_of(names, {"wte.", "blocks.9."}); })
+                .find("no parameter's name begins with the unit prefix 'blocks.9.'"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { unit_starts_of(names, {"blocks.0."}); })
+                .find("the first parameter, 'wte.weight', begins no unit"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { unit_starts_of(names, {}); }).find("needs the model's units"), std::string::npos);
+}
+
 }  // namespace dtrain::engine
