@@ -1,5 +1,6 @@
 #include "async.h"
 
+#include <iterator>
 #include <unistd.h>
 
 #include <cstdio>
@@ -224,6 +225,67 @@ std::string Watchdog::timeout_message(const Watched& w, double not_running_s) {
   return msg.str();
 }
 
+bool Watchdog::settled(Watched& w, std::chrono::steady_clock::time_point now, double not_running_s,
+                       std::vector<Fatal>& fatal) {
+  bool done = false;
+  try {
+    done = w.entry.done && w.entry.done();
+  } catch (const std::exception& e) {
+    // E.g. a sticky CUDA error from an event query: the operation cannot complete normally;
+    // its timeout ends the process with the usual message.
+    if (!w.query_failed) {
+      LOG(ERROR) << "cannot tell whether " << w.entry.what << " completed: " << e.what() << "; waiting for its timeout";
+    }
+    w.query_failed = true;
+  }
+  if (done) return true;
+  std::string failed;
+  if (w.entry.failure) {
+    try {
+      failed = w.entry.failure();
+    } catch (const std::exception& e) {
+      failed = e.what();
+    }
+  }
+  if (!failed.empty()) {
+    fatal.push_back({"collective failure: " + w.entry.what + " failed: " + failed + " (" + process_identity() +
+                         "); a peer rank or the network failed: see that rank's log",
+                     w.entry.abort, kExitFailure});
+    return true;
+  }
+  auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - w.start);
+  if (waited >= w.entry.timeout) {
+    fatal.push_back({timeout_message(w, not_running_s), w.entry.abort, kExitCollectiveTimeout});
+    return true;
+  }
+  if (!w.warned && waited >= w.entry.timeout / 2) {
+    w.warned = true;
+    if (w.entry.arrivals) {
+      w.report = std::make_shared<StallReport>();
+      w.report->waited_s = waited.count() / 1000.0;
+    }
+    warn(w, waited.count() / 1000.0);
+  }
+  return false;
+}
+
+void Watchdog::end_process(const Fatal& f, const std::function<void(const std::string&)>& handler) {
+  if (handler) {
+    handler(f.message);
+    return;
+  }
+  LOG(ERROR) << f.message;
+  std::fprintf(stderr, "%s\n", f.message.c_str());
+  std::fflush(stderr);
+  // If aborting the communicator hangs, leave anyway.
+  std::thread([code = f.code] {
+    std::this_thread::sleep_for(std::chrono::seconds(10));
+    std::_Exit(code);
+  }).detach();
+  if (f.abort) f.abort();
+  std::_Exit(f.code);
+}
+
 void Watchdog::loop() {
   // A tick much later than planned means this process was stopped (SIGSTOP) or starved.
   constexpr auto kTick = std::chrono::milliseconds(100);
@@ -231,12 +293,6 @@ void Watchdog::loop() {
   auto last_tick = std::chrono::steady_clock::now();
   for (;;) {
     std::this_thread::sleep_for(kTick);
-    // Operations to end the process for: (message, abort, exit code).
-    struct Fatal {
-      std::string message;
-      std::function<void()> abort;
-      int code;
-    };
     std::vector<Fatal> fatal;
     std::function<void(const std::string&)> handler;
     {
@@ -247,73 +303,11 @@ void Watchdog::loop() {
       double not_running_s = gap >= kNotRunning ? gap.count() / 1000.0 : 0.0;
       last_tick = now;
       for (auto it = watched_.begin(); it != watched_.end();) {
-        Watched& w = it->second;
-        bool done = false;
-        try {
-          done = w.entry.done && w.entry.done();
-        } catch (const std::exception& e) {
-          // E.g. a sticky CUDA error from an event query: the operation cannot complete
-          // normally; its timeout ends the process with the usual message.
-          if (!w.query_failed) {
-            LOG(ERROR) << "cannot tell whether " << w.entry.what << " completed: " << e.what()
-                       << "; waiting for its timeout";
-          }
-          w.query_failed = true;
-        }
-        if (done) {
-          it = watched_.erase(it);
-          continue;
-        }
-        std::string failed;
-        if (w.entry.failure) {
-          try {
-            failed = w.entry.failure();
-          } catch (const std::exception& e) {
-            failed = e.what();
-          }
-        }
-        if (!failed.empty()) {
-          fatal.push_back({"collective failure: " + w.entry.what + " failed: " + failed + " (" +
-                               process_identity() +
-                               "); a peer rank or the network failed: see that rank's log",
-                           w.entry.abort, kExitFailure});
-          it = watched_.erase(it);
-          continue;
-        }
-        auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - w.start);
-        if (waited >= w.entry.timeout) {
-          fatal.push_back({timeout_message(w, not_running_s), w.entry.abort, kExitCollectiveTimeout});
-          it = watched_.erase(it);
-          continue;
-        }
-        if (!w.warned && waited >= w.entry.timeout / 2) {
-          w.warned = true;
-          if (w.entry.arrivals) {
-            w.report = std::make_shared<StallReport>();
-            w.report->waited_s = waited.count() / 1000.0;
-          }
-          warn(w, waited.count() / 1000.0);
-        }
-        ++it;
+        it = settled(it->second, now, not_running_s, fatal) ? watched_.erase(it) : std::next(it);
       }
       handler = on_timeout_;
     }
-    for (Fatal& f : fatal) {
-      if (handler) {
-        handler(f.message);
-        continue;
-      }
-      LOG(ERROR) << f.message;
-      std::fprintf(stderr, "%s\n", f.message.c_str());
-      std::fflush(stderr);
-      // If aborting the communicator hangs, leave anyway.
-      std::thread([code = f.code] {
-        std::this_thread::sleep_for(std::chrono::seconds(10));
-        std::_Exit(code);
-      }).detach();
-      if (f.abort) f.abort();
-      std::_Exit(f.code);
-    }
+    for (const Fatal& f : fatal) end_process(f, handler);
   }
 }
 

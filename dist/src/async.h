@@ -13,6 +13,7 @@
 #include <string>
 #include <thread>
 #include <vector>
+#include <vector>
 
 #include "dtrain/dist/communicator.h"
 
@@ -130,6 +131,18 @@ class Watchdog {
     bool query_failed = false;  // done() threw (logged once)
     std::shared_ptr<StallReport> report;  // set at the warning when entry.arrivals is
   };
+  // An operation to end the process for: (message, abort, exit code).
+  struct Fatal {
+    std::string message;
+    std::function<void()> abort;
+    int code;
+  };
+  // One tick's look at a watched operation (mutex_ held): true when it is no longer watched
+  // (completed, or failed / timed out: then `fatal` has it); warns at half its timeout.
+  bool settled(Watched& w, std::chrono::steady_clock::time_point now, double not_running_s,
+               std::vector<Fatal>& fatal);
+  // Ends the process for f (the test handler instead, when set).
+  static void end_process(const Fatal& f, const std::function<void(const std::string&)>& handler);
   void warn(const Watched& w, double waited_s);
   // not_running_s > 0: this process itself did not run for that long just before the check.
   static std::string timeout_message(const Watched& w, double not_running_s);

@@ -99,7 +99,65 @@ struct ShardedOptimizer::Impl {
   std::vector<size_t> unit_first;
   std::vector<at::Tensor> unit_buf;
   std::vector<bool> gathered;
+
+  // init()'s parts. The storage: the parameters become views of flat (stages 1 and 2), or
+  // (ZeRO-3) this rank's range is copied into own and each unit's parameters become views of a
+  // buffer that holds bytes only while the unit is gathered.
+  void flat_storage(std::vector<at::Tensor>& params, int rank, int64_t padded);
+  void unit_storage(std::vector<at::Tensor>& params, const std::vector<size_t>& unit_starts);
+  // The range's fp32 master and state on the host, updated by the CPU optimizer there.
+  void offloaded_state(const OptimizerOptions& options, const OffloadOptions& offload, const at::Tensor& first);
 };
+
+void ShardedOptimizer::Impl::flat_storage(std::vector<at::Tensor>& params, int rank, int64_t padded) {
+  const int64_t per_rank = padded / dp->size();
+  flat = at::zeros({padded}, params.front().options().requires_grad(false));
+  for (size_t j = 0; j < params.size(); ++j) {
+    at::Tensor view = flat.narrow(0, offsets[j], params[j].numel()).view(params[j].sizes());
+    view.copy_(params[j].detach());
+    params[j].set_data(view);
+  }
+  own_padded = flat.narrow(0, rank * per_rank, per_rank);
+  own = flat.narrow(0, lo, hi - lo);
+}
+
+void ShardedOptimizer::Impl::unit_storage(std::vector<at::Tensor>& params, const std::vector<size_t>& unit_starts) {
+  zero3 = true;
+  unit_first = unit_starts;
+  unit_first.push_back(params.size());
+  const at::TensorOptions options = params.front().options().requires_grad(false);
+  own = at::empty({hi - lo}, options);
+  for (size_t j = 0; j < params.size(); ++j) {
+    const int64_t a = std::max(offsets[j], lo), b = std::min(offsets[j + 1], hi);
+    if (a < b) own.narrow(0, a - lo, b - a).copy_(params[j].detach().reshape({-1}).narrow(0, a - offsets[j], b - a));
+  }
+  for (size_t k = 0; k + 1 < unit_first.size(); ++k) {
+    const int64_t base = offsets[unit_first[k]];
+    at::Tensor buf = at::empty({offsets[unit_first[k + 1]] - base}, options);
+    for (size_t j = unit_first[k]; j < unit_first[k + 1]; ++j) {
+      params[j].set_data(buf.narrow(0, offsets[j] - base, params[j].numel()).view(params[j].sizes()));
+    }
+    release_unit_storage(buf);
+    unit_buf.push_back(buf);
+    gathered.push_back(false);
+  }
+}
+
+void ShardedOptimizer::Impl::offloaded_state(const OptimizerOptions& options, const OffloadOptions& offload,
+                                             const at::Tensor& first) {
+  offload::PinnedPoolOptions po;
+  po.pin = !first.device().is_cpu();  // page-locked only when there is a device to copy to
+  po.limit_bytes = offload.host_mem_limit_gb > 0 ? offload::host_limit_bytes_from_gb(offload.host_mem_limit_gb) : 0;
+  pool = std::make_unique<offload::PinnedPool>(po);
+  offload::CpuOptimizerOptions c = offload_detail::cpu_options(options, 0, 1, offload.threads);
+  c.write_back = !empty;  // an empty range updates a stand-in whose result goes nowhere
+  const int64_t n = empty ? 1 : hi - lo;
+  cpu = std::make_unique<offload::CpuOptimizer>(std::vector<at::Tensor>{empty ? at::zeros({1}, own.options()) : own}, c,
+                                                *pool);
+  host_grad = pool->allocate(n, at::kFloat);
+  host_grad.zero_();
+  grad_shard = at::zeros({n}, own.options().dtype(at::kFloat));
+}
 
 // Both on the tensor's device, whatever the calling thread's current device is: the CUDA
 // caching allocator allocates on the current device (a thread that set none: GPU 0), and a
@@ -170,52 +228,15 @@ void ShardedOptimizer::init(std::vector<size_t> unit_starts, const OffloadOption
   at::NoGradGuard no_grad;
   const int64_t per_rank = padded / ranks;
   if (unit_starts.empty()) {
-    s.flat = at::zeros({padded}, first.options().requires_grad(false));
-    for (size_t j = 0; j < params_.size(); ++j) {
-      at::Tensor view = s.flat.narrow(0, s.offsets[j], params_[j].numel()).view(params_[j].sizes());
-      view.copy_(params_[j].detach());
-      params_[j].set_data(view);
-    }
-    s.own_padded = s.flat.narrow(0, dp.rank() * per_rank, per_rank);
-    s.own = s.flat.narrow(0, s.lo, s.hi - s.lo);
+    s.flat_storage(params_, dp.rank(), padded);
   } else {
-    // This rank's range of the weights, kept; each unit's parameters views of a buffer that
-    // holds bytes only while the unit is gathered.
-    s.zero3 = true;
-    s.unit_first = unit_starts;
-    s.unit_first.push_back(params_.size());
-    s.own = at::empty({s.hi - s.lo}, first.options().requires_grad(false));
-    for (size_t j = 0; j < params_.size(); ++j) {
-      const int64_t a = std::max(s.offsets[j], s.lo), b = std::min(s.offsets[j + 1], s.hi);
-      if (a < b) s.own.narrow(0, a - s.lo, b - a).copy_(params_[j].detach().reshape({-1}).narrow(0, a - s.offsets[j], b - a));
-    }
-    for (size_t k = 0; k + 1 < s.unit_first.size(); ++k) {
-      const int64_t base = s.offsets[s.unit_first[k]];
-      at::Tensor buf = at::empty({s.offsets[s.unit_first[k + 1]] - base}, first.options().requires_grad(false));
-      for (size_t j = s.unit_first[k]; j < s.unit_first[k + 1]; ++j) {
-        params_[j].set_data(buf.narrow(0, s.offsets[j] - base, params_[j].numel()).view(params_[j].sizes()));
-      }
-      release_unit_storage(buf);
-      s.unit_buf.push_back(buf);
-      s.gathered.push_back(false);
-    }
+    s.unit_storage(params_, unit_starts);
   }
   s.empty = s.hi == s.lo;
   if (offload) {
     // The ZeRO-Offload layout: the range's fp32 master and state on the host, updated there by
     // the CPU optimizer, which writes the new weights back into own.
-    offload::PinnedPoolOptions po;
-    po.pin = !first.device().is_cpu();  // page-locked only when there is a device to copy to
-    po.limit_bytes = offload->host_mem_limit_gb > 0 ? offload::host_limit_bytes_from_gb(offload->host_mem_limit_gb) : 0;
-    s.pool = std::make_unique<offload::PinnedPool>(po);
-    offload::CpuOptimizerOptions c = offload_detail::cpu_options(options_, 0, 1, offload->threads);
-    c.write_back = !s.empty;  // an empty range updates a stand-in whose result goes nowhere
-    const int64_t n = s.empty ? 1 : s.hi - s.lo;
-    s.cpu = std::make_unique<offload::CpuOptimizer>(
-        std::vector<at::Tensor>{s.empty ? at::zeros({1}, s.own.options()) : s.own}, c, *s.pool);
-    s.host_grad = s.pool->allocate(n, at::kFloat);
-    s.host_grad.zero_();
-    s.grad_shard = at::zeros({n}, s.own.options().dtype(at::kFloat));
+    s.offloaded_state(options_, *offload, first);
   } else {
     // fp32 master weights for fp16/bf16 parameters; fp32 and fp64 ones are their own master.
     const at::ScalarType dtype = first.scalar_type();

@@ -254,101 +254,125 @@ struct StageContext {
 
 }  // namespace
 
-PipelineStepResult run_pipeline_step(dist::Communicator& pp, const PipelineStep& step) {
-  StageContext ctx(pp, step);
-  const int stages = ctx.stages, stage = ctx.stage, m = step.micro_batches;
-  const bool first = ctx.first, last = ctx.last;
+namespace {
+
+// One stage's training step: the schedule's actions on the micro-batches it holds in flight.
+class TrainingStage {
+ public:
+  TrainingStage(dist::Communicator& pp, const PipelineStep& step)
+      : ctx_(pp, step), step_(step), next_(ctx_.last ? -1 : ctx_.stage + 1),
+        previous_(ctx_.first ? -1 : ctx_.stage - 1), start_mb_(step.allocated_mb ? step.allocated_mb() : 0) {}
+
+  PipelineStepResult run() {
+    const Clock::time_point step_start = Clock::now();
+    for (const PipelineAction& action : pipeline_actions(step_.schedule, ctx_.stages, ctx_.stage, step_.micro_batches)) {
+      const bool forward = action.kind == PipelineAction::kForward;
+      if (result_.out_of_memory) {
+        keep_exchanges(action.micro, forward);
+      } else if (forward) {
+        forward_micro(action.micro);
+      } else {
+        backward_micro(action.micro);
+      }
+      result_.ran.push_back(action);
+      // A completed send's buffer (an activation or its gradient) is no longer needed: drop it
+      // now rather than at the end of the step, or 1F1B's memory would grow with m.
+      sends_.erase(std::remove_if(sends_.begin(), sends_.end(), [](const dist::WorkPtr& w) { return w->is_completed(); }),
+                   sends_.end());
+    }
+    ctx_.exchange(out_, -1, step_.micro_batches, sends_);  // the last action's send
+    for (auto& w : sends_) w->wait();
+    ctx_.finish(result_, loss_sum_, step_start);
+    return result_;
+  }
+
+ private:
   struct InFlight {
     at::Tensor input;   // what the stage received (requires grad), or the first stage's input
     at::Tensor output;  // the activation sent on, or the last stage's scaled loss
   };
-  const Clock::time_point step_start = Clock::now();
-  const double start_mb = step.allocated_mb ? step.allocated_mb() : 0;
-  std::map<int, InFlight> held;
-  std::vector<dist::WorkPtr> sends;  // in flight (a Work keeps its buffer until it completes)
-  PipelineStepResult result;
-  at::Tensor loss_sum;  // on the device: read once, after the last micro-batch (no sync per micro-batch)
+
   // After an out-of-memory error (finish_after_oom) the stage only keeps its side of the
-  // exchanges: it receives what it is sent and sends zeros of the right shape.
-  auto failed = [&](const c10::OutOfMemoryError&) {
-    if (!step.finish_after_oom) throw;
-    if (!result.out_of_memory) result.out_of_memory = std::current_exception();
-    held.clear();  // the graphs of the micro-batches in flight go at once
-  };
-  StageContext::Outbox out;  // the last action's send, issued with the next receive
-  const int next_stage = last ? -1 : stage + 1, previous_stage = first ? -1 : stage - 1;
-  for (const PipelineAction& action : pipeline_actions(step.schedule, stages, stage, m)) {
-    const int i = action.micro;
-    const bool forward = action.kind == PipelineAction::kForward;
-    if (result.out_of_memory) {
-      ctx.exchange(out, forward ? previous_stage : next_stage, i, sends);
-      const int to = forward ? next_stage : previous_stage;
-      if (to >= 0) out = {ctx.activation().zero_(), to};
-      result.ran.push_back(action);
-      continue;
-    }
-    if (forward) {
-      at::Tensor x = ctx.exchange(out, previous_stage, i, sends);
-      x = first ? step.input(i) : x.requires_grad_(true);
-      at::Tensor y;
-      try {
-        y = ctx.forward(x, i);
-      } catch (const c10::OutOfMemoryError& e) {
-        failed(e);
-        if (!last) out = {ctx.activation().zero_(), next_stage};
-        result.ran.push_back(action);
-        continue;
-      }
-      if (last) {
-        StageContext::add_loss(loss_sum, y);
-        y = y.reshape({}) / m;
-        if (step.scale_loss) y = step.scale_loss(y);
-      } else {
-        out = {y.detach().contiguous(), next_stage};
-      }
-      held[i] = {x, y};
-      result.peak_in_flight = std::max(result.peak_in_flight, static_cast<int>(held.size()));
-      if (step.allocated_mb) {
-        result.peak_activation_mb = std::max(result.peak_activation_mb, step.allocated_mb() - start_mb);
-      }
-    } else {
-      auto it = held.find(i);
-      DTRAIN_CHECK(it != held.end(), "pipeline step: backward of micro-batch ", i, " before its forward");
-      InFlight f = std::move(it->second);
-      held.erase(it);
-      const at::Tensor grad = ctx.exchange(out, next_stage, i, sends);
-      if (step.before_backward) step.before_backward(i);
-      const SpanTimer::Mark a = ctx.timer.mark();
-      try {
-        if (last) {
-          f.output.backward();
-        } else {
-          f.output.backward(grad);
-        }
-      } catch (const c10::OutOfMemoryError& e) {
-        failed(e);
-        if (!first) out = {ctx.activation().zero_(), previous_stage};
-        result.ran.push_back(action);
-        continue;
-      }
-      ctx.timer.span("backward", i, a, ctx.timer.mark(), /*busy=*/true);
-      if (!first) {
-        at::Tensor g = f.input.grad();
-        DTRAIN_CHECK(g.defined(), "pipeline step: stage ", stage, "'s forward does not depend on its input; ",
-                     "the stage before would get no gradient");
-        out = {g.contiguous(), previous_stage};
-      }
-    }
-    result.ran.push_back(action);
-    // A completed send's buffer (an activation or its gradient) is no longer needed: drop it
-    // now rather than at the end of the step, or 1F1B's memory would grow with m.
-    sends.erase(std::remove_if(sends.begin(), sends.end(), [](const dist::WorkPtr& w) { return w->is_completed(); }),
-                sends.end());
+  // exchanges: it receives what it is sent and sends zeros of the right shape to `to`.
+  void failed(int to) {
+    if (!step_.finish_after_oom) throw;
+    if (!result_.out_of_memory) result_.out_of_memory = std::current_exception();
+    held_.clear();  // the graphs of the micro-batches in flight go at once
+    if (to >= 0) out_ = {ctx_.activation().zero_(), to};
   }
-  ctx.exchange(out, -1, m, sends);  // the last action's send
-  for (auto& w : sends) w->wait();
-  ctx.finish(result, loss_sum, step_start);
-  return result;
+
+  void keep_exchanges(int i, bool forward) {
+    ctx_.exchange(out_, forward ? previous_ : next_, i, sends_);
+    const int to = forward ? next_ : previous_;
+    if (to >= 0) out_ = {ctx_.activation().zero_(), to};
+  }
+
+  void forward_micro(int i) {
+    at::Tensor x = ctx_.exchange(out_, previous_, i, sends_);
+    x = ctx_.first ? step_.input(i) : x.requires_grad_(true);
+    at::Tensor y;
+    try {
+      y = ctx_.forward(x, i);
+    } catch (const c10::OutOfMemoryError&) {
+      failed(next_);
+      return;
+    }
+    if (ctx_.last) {
+      StageContext::add_loss(loss_sum_, y);
+      y = y.reshape({}) / step_.micro_batches;
+      if (step_.scale_loss) y = step_.scale_loss(y);
+    } else {
+      out_ = {y.detach().contiguous(), next_};
+    }
+    held_[i] = {x, y};
+    result_.peak_in_flight = std::max(result_.peak_in_flight, static_cast<int>(held_.size()));
+    if (step_.allocated_mb) {
+      result_.peak_activation_mb = std::max(result_.peak_activation_mb, step_.allocated_mb() - start_mb_);
+    }
+  }
+
+  void backward_micro(int i) {
+    auto it = held_.find(i);
+    DTRAIN_CHECK(it != held_.end(), "pipeline step: backward of micro-batch ", i, " before its forward");
+    InFlight f = std::move(it->second);
+    held_.erase(it);
+    const at::Tensor grad = ctx_.exchange(out_, next_, i, sends_);
+    if (step_.before_backward) step_.before_backward(i);
+    const SpanTimer::Mark a = ctx_.timer.mark();
+    try {
+      if (ctx_.last) {
+        f.output.backward();
+      } else {
+        f.output.backward(grad);
+      }
+    } catch (const c10::OutOfMemoryError&) {
+      failed(previous_);
+      return;
+    }
+    ctx_.timer.span("backward", i, a, ctx_.timer.mark(), /*busy=*/true);
+    if (!ctx_.first) {
+      at::Tensor g = f.input.grad();
+      DTRAIN_CHECK(g.defined(), "pipeline step: stage ", ctx_.stage, "'s forward does not depend on its input; ",
+                   "the stage before would get no gradient");
+      out_ = {g.contiguous(), previous_};
+    }
+  }
+
+  StageContext ctx_;
+  const PipelineStep& step_;
+  const int next_, previous_;
+  const double start_mb_;
+  std::map<int, InFlight> held_;
+  std::vector<dist::WorkPtr> sends_;  // in flight (a Work keeps its buffer until it completes)
+  PipelineStepResult result_;
+  at::Tensor loss_sum_;  // on the device: read once, after the last micro-batch (no sync per micro-batch)
+  StageContext::Outbox out_;  // the last action's send, issued with the next receive
+};
+
+}  // namespace
+
+PipelineStepResult run_pipeline_step(dist::Communicator& pp, const PipelineStep& step) {
+  return TrainingStage(pp, step).run();
 }
 
 PipelineStepResult run_pipeline_forward(dist::Communicator& pp, const PipelineStep& step) {

@@ -920,8 +920,7 @@ bool Trainer::stop_for_preemption(const DataLoader& train) {
   return true;
 }
 
-StepMetrics Trainer::fit(DataLoader& train, DataLoader* eval) {
-  check_can_train();
+void Trainer::prepare_loaders(DataLoader& train, DataLoader* eval) {
   // Never two ranks on the same batches: an unsharded loader is sharded here.
   shard_loader(mesh_, train, "the training loader");
   if (eval) shard_loader(mesh_, *eval, "the evaluation loader");
@@ -937,6 +936,25 @@ StepMetrics Trainer::fit(DataLoader& train, DataLoader* eval) {
                      {"batches per epoch", setting_text(train.batches_per_epoch())},
                      {"evaluation", setting_text(eval != nullptr)}},
                     "the training loader of Trainer::fit");
+}
+
+void Trainer::save_periodic(const DataLoader& train) {
+  if (options_.async_save) {
+    {  // Saves more frequent than a write lasts wait here: the timeline shows it apart.
+      Timeline::Span span(*timeline_, "checkpoint (wait for the previous write)", category::kCopy, lane::kMain);
+      wait_for_save();
+    }
+    Timeline::Span span(*timeline_, "checkpoint (copy to host)", category::kCopy, lane::kMain);
+    save_checkpoint_async(&train);
+  } else {
+    Timeline::Span span(*timeline_, "checkpoint (write)", category::kCopy, lane::kMain);
+    save_checkpoint(&train);
+  }
+}
+
+StepMetrics Trainer::fit(DataLoader& train, DataLoader* eval) {
+  check_can_train();
+  prepare_loaders(train, eval);
   Progress progress(options_.steps, options_.progress && mesh_.world().rank() == 0);
   const int64_t global_batch = train.options().batch_size * mesh_.dp_size();
   StepMetrics logged;
@@ -988,17 +1006,7 @@ StepMetrics Trainer::fit(DataLoader& train, DataLoader* eval) {
       window_steps = 0;
     }
     if (!options_.save_dir.empty() && options_.save_every > 0 && r.step % options_.save_every == 0) {
-      if (options_.async_save) {
-        {  // Saves more frequent than a write lasts wait here: the timeline shows it apart.
-          Timeline::Span span(*timeline_, "checkpoint (wait for the previous write)", category::kCopy, lane::kMain);
-          wait_for_save();
-        }
-        Timeline::Span span(*timeline_, "checkpoint (copy to host)", category::kCopy, lane::kMain);
-        save_checkpoint_async(&train);
-      } else {
-        Timeline::Span span(*timeline_, "checkpoint (write)", category::kCopy, lane::kMain);
-        save_checkpoint(&train);
-      }
+      save_periodic(train);
     }
     profiler_->end_step(r.step);
     if (stop_for_preemption(train)) break;

@@ -186,6 +186,48 @@ void Trainer::pipeline_stage_part(CheckpointData& data, RankState& rank) const {
   }
 }
 
+void Trainer::record_layout(std::map<std::string, std::string>& meta, bool weights_partitioned) const {
+  dist::Communicator& world = mesh_.world();
+  int64_t flat_numel = 0;
+  for (const at::Tensor& p : params_) flat_numel += p.numel();
+  const std::optional<ShardLayout> optimizer_layout = optimizer_->shard_layout();
+  if (weights_partitioned || (optimizer_layout && optimizer_layout->numel == flat_numel)) {
+    // The flat space's parameters (name:elements, in order; a resume checks its model against
+    // them) and each tensor-parallel split (name=dim:parts:full:padded), with which a resume
+    // under another --tp puts the tensor-parallel ranks' ranges together into whole tensors.
+    // Under --pp the stages' lists end to end (each from its data- and tensor-parallel rank 0).
+    std::string layout, splits;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      layout += (i ? "," : "") + names_[i] + ":" + std::to_string(params_[i].numel());
+      auto spec = specs_.find(names_[i]);
+      if (spec != specs_.end()) splits += (splits.empty() ? "" : ";") + names_[i] + "=" + to_text(spec->second);
+    }
+    if (mesh_.pp_size() > 1) {
+      const std::vector<std::string> all = gather_texts(world, layout + "|" + splits);  // collective over the world
+      const int per_stage = world.size() / mesh_.pp_size();
+      layout.clear();
+      splits.clear();
+      for (int s = 0; s < mesh_.pp_size(); ++s) {
+        const std::string& stage = all[static_cast<size_t>(s * per_stage)];
+        const size_t bar = stage.find('|');
+        layout += (s ? "," : "") + stage.substr(0, bar);
+        const std::string stage_splits = stage.substr(bar + 1);
+        if (!stage_splits.empty()) splits += (splits.empty() ? "" : ";") + stage_splits;
+      }
+    }
+    if (weights_partitioned) meta["model.partitioned"] = layout;
+    meta["flat.params"] = layout;
+    meta["tp.splits"] = splits;
+  }
+  meta["tp"] = std::to_string(mesh_.tp_size());
+  meta["pp"] = std::to_string(mesh_.pp_size());
+  if (!pp_flat_numels_.empty()) {  // where each stage's partitioned state lies in the whole model's
+    std::string counts;
+    for (int64_t n : pp_flat_numels_) counts += (counts.empty() ? "" : ",") + std::to_string(n);
+    meta["pp.flat_numel"] = counts;
+  }
+}
+
 Trainer::PreparedSave Trainer::prepare_save(const DataLoader* loader, bool own_copies) {
   DTRAIN_CHECK(!options_.evaluation_only, "this trainer was built for evaluation only (--eval_only): it saves "
                "no checkpoints");
@@ -224,44 +266,7 @@ Trainer::PreparedSave Trainer::prepare_save(const DataLoader* loader, bool own_c
   data.rng = capture_rng_state();
   data.meta = options_.checkpoint_meta;
   data.meta["accum_steps"] = std::to_string(accum_steps_);
-  int64_t flat_numel = 0;
-  for (const at::Tensor& p : params_) flat_numel += p.numel();
-  const std::optional<ShardLayout> optimizer_layout = optimizer_->shard_layout();
-  if (weights_partitioned || (optimizer_layout && optimizer_layout->numel == flat_numel)) {
-    // The flat space's parameters (name:elements, in order; a resume checks its model against
-    // them) and each tensor-parallel split (name=dim:parts:full:padded), with which a resume
-    // under another --tp puts the tensor-parallel ranks' ranges together into whole tensors.
-    // Under --pp the stages' lists end to end (each from its data- and tensor-parallel rank 0).
-    std::string layout, splits;
-    for (size_t i = 0; i < params_.size(); ++i) {
-      layout += (i ? "," : "") + names_[i] + ":" + std::to_string(params_[i].numel());
-      auto spec = specs_.find(names_[i]);
-      if (spec != specs_.end()) splits += (splits.empty() ? "" : ";") + names_[i] + "=" + to_text(spec->second);
-    }
-    if (mesh_.pp_size() > 1) {
-      const std::vector<std::string> all = gather_texts(world, layout + "|" + splits);  // collective over the world
-      const int per_stage = world.size() / mesh_.pp_size();
-      layout.clear();
-      splits.clear();
-      for (int s = 0; s < mesh_.pp_size(); ++s) {
-        const std::string& stage = all[static_cast<size_t>(s * per_stage)];
-        const size_t bar = stage.find('|');
-        layout += (s ? "," : "") + stage.substr(0, bar);
-        const std::string stage_splits = stage.substr(bar + 1);
-        if (!stage_splits.empty()) splits += (splits.empty() ? "" : ";") + stage_splits;
-      }
-    }
-    if (weights_partitioned) data.meta["model.partitioned"] = layout;
-    data.meta["flat.params"] = layout;
-    data.meta["tp.splits"] = splits;
-  }
-  data.meta["tp"] = std::to_string(mesh_.tp_size());
-  data.meta["pp"] = std::to_string(mesh_.pp_size());
-  if (!pp_flat_numels_.empty()) {  // where each stage's partitioned state lies in the whole model's
-    std::string counts;
-    for (int64_t n : pp_flat_numels_) counts += (counts.empty() ? "" : ",") + std::to_string(n);
-    data.meta["pp.flat_numel"] = counts;
-  }
+  record_layout(data.meta, weights_partitioned);  // collective over the world under --pp
   if (loader) {
     auto [epoch, index] = loader->position();
     data.meta["loader.train"] = std::to_string(epoch) + "," + std::to_string(index);
@@ -288,21 +293,23 @@ Trainer::PreparedSave Trainer::prepare_save(const DataLoader* loader, bool own_c
       if (name == "master") save.nonfinite.push_back(any_nonfinite({t}));
     }
   }
-  if (own_copies) {
-    // A background write must not see the training change what it writes: every tensor that
-    // may alias live state is copied (the model and replicated optimizer state are staged).
-    for (auto& [name, t] : rank.optimizer_shard.tensors) {
-      t = staging_.stage("shard." + name, t, HostStaging::kUntilNextUpdate);
-    }
-    staging_.seal();
-    auto copy_rng = [](RngState& r) {
-      if (r.cpu.defined()) r.cpu = r.cpu.clone();
-      for (at::Tensor& t : r.cuda) t = t.clone();
-    };
-    copy_rng(data.rng);
-    copy_rng(rank.rng);
-  }
+  if (own_copies) own_the_rest(save);
   return save;
+}
+
+void Trainer::own_the_rest(PreparedSave& save) {
+  // A background write must not see the training change what it writes: every tensor that
+  // may alias live state is copied (the model and replicated optimizer state are staged).
+  for (auto& [name, t] : save.rank.optimizer_shard.tensors) {
+    t = staging_.stage("shard." + name, t, HostStaging::kUntilNextUpdate);
+  }
+  staging_.seal();
+  auto copy_rng = [](RngState& r) {
+    if (r.cpu.defined()) r.cpu = r.cpu.clone();
+    for (at::Tensor& t : r.cuda) t = t.clone();
+  };
+  copy_rng(save.data.rng);
+  copy_rng(save.rank.rng);
 }
 
 std::string Trainer::write_save(const PreparedSave& save, dist::Communicator& comm) {

@@ -350,6 +350,10 @@ class Trainer {
   StepMetrics log_step(bool eval_now, DataLoader* eval, int64_t global_batch,
                        std::chrono::steady_clock::time_point window_start, int64_t window_steps,
                        Progress& progress);
+  // fit(): shards the loaders over the data-parallel ranks and checks every rank's agree.
+  void prepare_loaders(DataLoader& train, DataLoader* eval);
+  // fit(): the checkpoint of a --save_every step (in the background with async_save).
+  void save_periodic(const DataLoader& train);
   // Agrees on preemption; when preempted saves (with save_dir), asks to requeue, returns true.
   bool stop_for_preemption(const DataLoader& train);
   // A checkpoint's contents, copied to host memory (collective over the world and tp).
@@ -359,6 +363,13 @@ class Trainer {
     std::vector<at::Tensor> nonfinite;  // per device: 1 if a weight is inf/NaN (host, once staged)
   };
   PreparedSave prepare_save(const DataLoader* loader, bool own_copies);
+  // prepare_save() for a background write: the partitioned state staged, the RNG states copied.
+  void own_the_rest(PreparedSave& save);
+  // The layout a resume under another --tp, --pp or --shard needs, into a checkpoint's meta:
+  // the flat space's parameters (flat.params; model.partitioned under ZeRO-3), each
+  // tensor-parallel split (tp.splits), tp, pp and each stage's flat size (collective over the
+  // world under --pp).
+  void record_layout(std::map<std::string, std::string>& meta, bool weights_partitioned) const;
   // Pipeline: this stage's optimizer state renumbered to the whole model's parameter indices,
   // and (data- and tensor-parallel rank 0 of a stage after the first) the stage's part of the
   // model and optimizer moved into its rank file (RankState::stage_model, stage_optimizer).
