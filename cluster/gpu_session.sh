@@ -117,11 +117,11 @@ unset _t _s _v
 # its step_ function (and of the helpers named in HASH_FUNCS) plus the files of these globs
 # (relative to the root). The files whose change most likely moves the figure, not everything it
 # links: with the whole engine every row would count as changed after any commit.
-_gpt="examples/train_gpt.cc examples/gpt_model.*"
+_gpt="examples/train_gpt.cc engine/models/gpt.cc engine/models/include/dtrain/engine/models/gpt.h engine/models/model_spec.cc engine/models/blocks.cc"
 _cpu_opt="offload/src/cpu_*.cc offload/src/cpu_optimizer_impl.h offload/src/kernel*.cc offload/src/kernel*.h offload/src/update_rule.cc offload/src/thread_pool.cc"
 _opt_offload="engine/optim/offload*.cc engine/optim/offload*.h offload/src/pinned_pool.cc $_cpu_opt $_gpt"
 declare -A HASH_DEPS=(
-  [s2s]="tools/techniques.sh examples/train_seq2seq.cc examples/seq2seq_model.* engine/optim/amp.cc engine/memory/activation_checkpoint.cc"
+  [s2s]="tools/techniques.sh examples/train_seq2seq.cc engine/models/seq2seq.cc engine/models/include/dtrain/engine/models/seq2seq.h engine/optim/amp.cc engine/memory/activation_checkpoint.cc"
   [gpt124m]="$_gpt engine/optim/amp.cc"
   [nccl_allreduce]="dist/src/nccl_backend.cc dist/src/async.* tools/bench_allreduce.cc"
   [mpi_allreduce]="dist/src/mpi_backend.cc dist/src/mpi_runtime.* dist/src/async.* tools/bench_allreduce.cc"

@@ -2,6 +2,7 @@
 
 #include "datasets.h"
 #include "distill.h"
+#include "model_factory.h"
 
 #include <sys/stat.h>
 
@@ -297,6 +298,24 @@ std::unique_ptr<engine::DataLoader> held_out_loader(const Run& run, std::shared_
 
 std::unique_ptr<engine::DataLoader> eval_loader(const Run& run, const ClassificationData& data) {
   return held_out_loader(run, data.eval);
+}
+
+int train_digits_classifier(int argc, char** argv, const char* program, const std::string& model,
+                            const std::string& usage) {
+  return guarded_main(program, [&] {
+    Run run = init_run(argc, argv, usage, model_flag_defaults(model), nullptr, model_flag_names(model));
+    ClassificationData data = classification_data();
+    ExampleModel m = build_example_model(model, run);
+    attach_teacher(run, m);  // --teacher: distillation
+    engine::TrainerOptions options = trainer_options(run, m.default_optimizer);
+    options.eval_loss_and_correct = m.eval_loss_and_correct;  // eval_accuracy
+    plan_and_apply(run, m, options);
+    engine::Trainer trainer(*m.module, m.loss, *run.mesh, run.device, options);
+    engine::DataLoader train_loader(data.train, loader_options(run, engine::cli::flags().batch_size, true, engine::cli::flags().seed));
+    auto eval = eval_loader(run, data);
+    fit_and_report(run, trainer, *m.module, train_loader, eval.get());
+    return 0;
+  });
 }
 
 std::unique_ptr<engine::DataLoader> eval_loader(const Run& run, const TokenData& data) {

@@ -98,6 +98,11 @@ struct ClassificationData {
 ClassificationData classification_data();
 // An evaluation loader whose per-rank batch fits the held-out rows.
 std::unique_ptr<engine::DataLoader> eval_loader(const Run& run, const ClassificationData& data);
+// The whole program of train_mlp and train_cnn: the digits classifier `model` ("mlp", "cnn";
+// build_example_model) trained on classification_data(), its accuracy evaluated on the held-out
+// rows. `usage` heads --help.
+int train_digits_classifier(int argc, char** argv, const char* program, const std::string& model,
+                            const std::string& usage);
 
 // Token windows from the flags: Debian's license texts as bytes (or --data_path), or random
 // tokens with --data=synthetic. Each sample has window_len + 1 tokens. Byte tokens need a

@@ -2,9 +2,6 @@
 
 #include <ATen/ATen.h>
 #include <torch/nn/functional/loss.h>
-#include <torch/nn/modules/activation.h>
-#include <torch/nn/modules/container/sequential.h>
-#include "dtrain/engine/parallel/quantize.h"
 #include <torch/utils.h>
 
 #include "dtrain/dist/error.h"
@@ -17,9 +14,9 @@
 #include <cstring>
 #include <sstream>
 #include "dtrain/engine/parallel/tensor_parallel.h"
-#include "cnn_model.h"
+#include "dtrain/engine/models/classifiers.h"
 #include "dtrain/engine/models/gpt.h"
-#include "seq2seq_model.h"
+#include "dtrain/engine/models/seq2seq.h"
 
 DECLARE_string(teacher);  // distill.cc
 
@@ -32,21 +29,28 @@ at::Tensor random_tokens(int64_t rows, int64_t len, c10::Device device) {
   return at::randint(FLAGS_vocab, {rows, len}, at::TensorOptions().dtype(at::kLong).device(device));
 }
 
+// The shape flags both transformers read (seq2seq's and gpt's options name them alike).
+template <class Options>
+Options transformer_options() {
+  Options o;
+  o.vocab = FLAGS_vocab;
+  o.d_model = FLAGS_d_model;
+  o.heads = FLAGS_heads;
+  o.ff = FLAGS_ff;
+  o.layers = FLAGS_layers;
+  o.dropout = FLAGS_dropout;
+  o.sparse_embedding = FLAGS_sparse_embedding;
+  return o;
+}
+
 ExampleModel seq2seq(const Run& run) {
   const int64_t S = FLAGS_seq_len;
-  Seq2SeqOptions mo;
-  mo.vocab = FLAGS_vocab;
-  mo.d_model = FLAGS_d_model;
-  mo.heads = FLAGS_heads;
-  mo.ff = FLAGS_ff;
-  mo.layers = FLAGS_layers;
+  auto mo = transformer_options<engine::Seq2SeqOptions>();
   mo.max_len = S;
-  mo.dropout = FLAGS_dropout;
   mo.inplace = FLAGS_inplace;
   mo.checkpoint_activations = engine::cli::flags().checkpoint_activations;
-  mo.sparse_embedding = FLAGS_sparse_embedding;
   torch::manual_seed(engine::cli::flags().seed);
-  auto model = Seq2Seq(mo).ptr();
+  auto model = engine::Seq2Seq(mo).ptr();
   model->to(run.device);
   ExampleModel m;
   m.name = "seq2seq";
@@ -83,16 +87,9 @@ ExampleModel seq2seq(const Run& run) {
 
 ExampleModel gpt(const Run& run) {
   const int64_t S = FLAGS_seq_len;
-  engine::GptOptions mo;
-  mo.vocab = FLAGS_vocab;
-  mo.d_model = FLAGS_d_model;
-  mo.heads = FLAGS_heads;
-  mo.ff = FLAGS_ff;
-  mo.layers = FLAGS_layers;
+  auto mo = transformer_options<engine::GptOptions>();
   mo.seq_len = S;
-  mo.dropout = FLAGS_dropout;
   mo.sequence_parallel = engine::cli::flags().sequence_parallel;
-  mo.sparse_embedding = FLAGS_sparse_embedding;
   torch::manual_seed(engine::cli::flags().seed);
   auto model = engine::Gpt(mo, run.mesh->tp()).ptr();
   ExampleModel m;
@@ -178,14 +175,13 @@ ExampleModel digits_classifier(const std::string& name, std::shared_ptr<Net> mod
 
 ExampleModel mlp(const Run& run) {
   torch::manual_seed(engine::cli::flags().seed);
-  auto model = torch::nn::Sequential().ptr();
-  int64_t in = kMlpFeatures;
-  for (int d = 0; d < FLAGS_depth; ++d) {
-    model->push_back(engine::Linear(in, FLAGS_hidden));
-    model->push_back(torch::nn::ReLU(torch::nn::ReLUOptions().inplace(FLAGS_inplace)));
-    in = FLAGS_hidden;
-  }
-  model->push_back(engine::Linear(in, kMlpClasses));
+  engine::MlpOptions mo;
+  mo.in_features = kMlpFeatures;
+  mo.hidden = FLAGS_hidden;
+  mo.depth = FLAGS_depth;
+  mo.classes = kMlpClasses;
+  mo.inplace = FLAGS_inplace;
+  auto model = engine::make_mlp(mo).ptr();
   model->to(run.device);
   ExampleModel m = digits_classifier("mlp", model, run.device);
   m.largest_activation_bytes_per_row = std::max<int64_t>(FLAGS_hidden, kMlpClasses) * 4;
@@ -194,7 +190,7 @@ ExampleModel mlp(const Run& run) {
 
 ExampleModel cnn(const Run& run) {
   torch::manual_seed(engine::cli::flags().seed);
-  auto model = std::make_shared<ConvNet>(FLAGS_hidden, FLAGS_inplace, engine::cli::flags().checkpoint_activations);
+  auto model = std::make_shared<engine::ConvNet>(FLAGS_hidden, FLAGS_inplace, engine::cli::flags().checkpoint_activations);
   model->to(run.device);
   ExampleModel m = digits_classifier("cnn", model, run.device);
   m.largest_activation_bytes_per_row = 64 * kMlpFeatures * 4;  // the second convolution's output

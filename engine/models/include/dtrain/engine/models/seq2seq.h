@@ -1,15 +1,24 @@
-// The seed benchmark model: a post-norm encoder-decoder transformer (as torch.nn.Transformer
-// with its default norm_first=false), token embeddings with sinusoidal positions, output
-// projection over the vocabulary. Attention runs through ATen's scaled_dot_product_attention.
+// An encoder-decoder transformer (the seed benchmark model of train_seq2seq): post-norm
+// encoder and decoder layers (as torch.nn.Transformer with its default norm_first=false), token
+// embeddings with sinusoidal positions, output projection over the vocabulary. Attention runs
+// through ATen's scaled_dot_product_attention.
+//
+// The techniques that apply: data parallelism, ZeRO-1/2 (--shard=optimizer/gradients), optimizer
+// offload, and activation checkpointing through Seq2SeqOptions::checkpoint_activations (each
+// encoder and decoder layer recomputed in backward). Not yet pipeline stages, ZeRO-3 or layer
+// offload: they act on a BlockStack (model_spec.h), whose blocks map one tensor to one tensor,
+// and a decoder layer also takes the encoder's output (memory).
 #pragma once
 
 #include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/embedding.h>
-#include "dtrain/engine/parallel/quantize.h"
 #include <torch/nn/modules/normalization.h>
 
-namespace dtrain::examples {
+#include "dtrain/engine/parallel/quantize.h"
+
+namespace dtrain::engine {
 
 struct AttentionImpl : torch::nn::Module {
   AttentionImpl(int64_t d_model, int64_t heads, double dropout, bool self_attention);
@@ -18,14 +27,14 @@ struct AttentionImpl : torch::nn::Module {
   int64_t heads;
   double dropout;
   bool self_attention;
-  engine::Linear qkv{nullptr}, q{nullptr}, kv{nullptr}, out{nullptr};
+  Linear qkv{nullptr}, q{nullptr}, kv{nullptr}, out{nullptr};
 };
 TORCH_MODULE(Attention);
 
 struct FeedForwardImpl : torch::nn::Module {
   FeedForwardImpl(int64_t d_model, int64_t ff, double dropout, bool inplace);
   at::Tensor forward(const at::Tensor& x);
-  engine::Linear fc1{nullptr}, fc2{nullptr};
+  Linear fc1{nullptr}, fc2{nullptr};
   torch::nn::Dropout drop{nullptr};
   bool inplace;
 };
@@ -56,7 +65,7 @@ struct Seq2SeqOptions {
   int layers = 4;  // encoder layers and decoder layers each
   double dropout = 0.1;
   bool inplace = true;
-  bool checkpoint_activations = false;
+  bool checkpoint_activations = false;  // each layer recomputed in backward (training only)
   bool sparse_embedding = false;  // the token embeddings' gradients sparse (the rows a batch touched)
 };
 
@@ -69,10 +78,10 @@ struct Seq2SeqImpl : torch::nn::Module {
   Seq2SeqOptions options;
   torch::nn::Embedding src_embed{nullptr}, tgt_embed{nullptr};
   torch::nn::ModuleList encoder, decoder;
-  engine::Linear head{nullptr};
+  Linear head{nullptr};
   torch::nn::Dropout drop{nullptr};
   at::Tensor positions;  // [max_len, d] sinusoidal, a buffer
 };
 TORCH_MODULE(Seq2Seq);
 
-}  // namespace dtrain::examples
+}  // namespace dtrain::engine

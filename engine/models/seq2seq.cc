@@ -1,4 +1,4 @@
-#include "seq2seq_model.h"
+#include "dtrain/engine/models/seq2seq.h"
 
 #include <cmath>
 
@@ -7,17 +7,17 @@
 
 #include "dtrain/engine/memory/activation_checkpoint.h"
 
-namespace dtrain::examples {
+namespace dtrain::engine {
 
 AttentionImpl::AttentionImpl(int64_t d_model, int64_t h, double p, bool self)
     : heads(h), dropout(p), self_attention(self) {
   if (self) {
-    qkv = register_module("qkv", engine::Linear(d_model, 3 * d_model));
+    qkv = register_module("qkv", Linear(d_model, 3 * d_model));
   } else {
-    q = register_module("q", engine::Linear(d_model, d_model));
-    kv = register_module("kv", engine::Linear(d_model, 2 * d_model));
+    q = register_module("q", Linear(d_model, d_model));
+    kv = register_module("kv", Linear(d_model, 2 * d_model));
   }
-  out = register_module("out", engine::Linear(d_model, d_model));
+  out = register_module("out", Linear(d_model, d_model));
 }
 
 at::Tensor AttentionImpl::forward(const at::Tensor& x_q, const at::Tensor& x_kv, bool causal) {
@@ -46,8 +46,8 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x_q, const at::Tensor& x_kv,
 
 FeedForwardImpl::FeedForwardImpl(int64_t d_model, int64_t ff, double p, bool in)
     : inplace(in) {
-  fc1 = register_module("fc1", engine::Linear(d_model, ff));
-  fc2 = register_module("fc2", engine::Linear(ff, d_model));
+  fc1 = register_module("fc1", Linear(d_model, ff));
+  fc2 = register_module("fc2", Linear(ff, d_model));
   drop = register_module("drop", torch::nn::Dropout(p));
 }
 
@@ -100,7 +100,7 @@ Seq2SeqImpl::Seq2SeqImpl(const Seq2SeqOptions& o) : options(o) {
     encoder->push_back(EncoderLayer(o.d_model, o.heads, o.ff, o.dropout, o.inplace));
     decoder->push_back(DecoderLayer(o.d_model, o.heads, o.ff, o.dropout, o.inplace));
   }
-  head = register_module("head", engine::Linear(o.d_model, o.vocab));
+  head = register_module("head", Linear(o.d_model, o.vocab));
   drop = register_module("drop", torch::nn::Dropout(o.dropout));
   at::Tensor pos = at::arange(o.max_len, at::kFloat).unsqueeze(1);
   at::Tensor div = at::exp(at::arange(0, o.d_model, 2, at::kFloat) * (-std::log(10000.0) / o.d_model));
@@ -117,7 +117,7 @@ at::Tensor Seq2SeqImpl::forward(const at::Tensor& src, const at::Tensor& tgt_in)
   for (auto& m : *encoder) {
     auto* layer = m->as<EncoderLayerImpl>();
     if (ckpt) {
-      x = engine::checkpoint([layer](const at::Tensor& in) { return layer->forward(in); }, x,
+      x = checkpoint([layer](const at::Tensor& in) { return layer->forward(in); }, x,
                              layer->parameters());
     } else {
       x = layer->forward(x);
@@ -128,7 +128,7 @@ at::Tensor Seq2SeqImpl::forward(const at::Tensor& src, const at::Tensor& tgt_in)
   for (auto& m : *decoder) {
     auto* layer = m->as<DecoderLayerImpl>();
     if (ckpt) {
-      y = engine::checkpoint(
+      y = checkpoint(
           [layer](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{layer->forward(in[0], in[1])}; },
           {y, memory}, layer->parameters())[0];
     } else {
@@ -144,4 +144,4 @@ at::Tensor Seq2SeqImpl::loss(const at::Tensor& src, const at::Tensor& tgt_in, co
                                               tgt_out.reshape({-1}));
 }
 
-}  // namespace dtrain::examples
+}  // namespace dtrain::engine
