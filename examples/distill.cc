@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <map>
 
 #include <ATen/ATen.h>
 #include <ATen/core/Generator.h>
@@ -62,67 +63,84 @@ void check_distill_flags(bool evaluating) {
                "--save_dir; point --teacher at the teacher's run directory");
 }
 
-void attach_teacher(const Run& run, ExampleModel& student) {
-  if (FLAGS_teacher.empty()) return;
-  DTRAIN_CHECK(student.logits_and_targets, run.program, " cannot distil: the model has no logits to compare");
+namespace {
+
+// The teacher directory's newest good checkpoint's meta (its recorded shape flags).
+std::map<std::string, std::string> teacher_meta() {
   std::vector<std::string> skipped;
   engine::CheckpointStore store(FLAGS_teacher);
   const auto newest = store.latest_good(&skipped);
   DTRAIN_CHECK(newest.has_value(), "--teacher=", FLAGS_teacher, " holds no good checkpoint",
                skipped.empty() ? "" : " (" + std::to_string(skipped.size()) + " damaged or incomplete one(s) skipped)",
                "; train the teacher first with --save_dir=", FLAGS_teacher);
-  const std::map<std::string, std::string> meta = store.load(newest->path).meta;
+  return store.load(newest->path).meta;
+}
 
-  auto teacher = std::make_shared<TeacherState>();
+// Builds the teacher with its shape flags (--teacher_<flag>, else the checkpoint's record, else
+// the student's), then gives the student's flags back (and the random stream: the teacher's
+// initialization is overwritten by its checkpoint anyway). Returns the flags it set.
+std::string build_teacher(const Run& run, const ExampleModel& student, const std::map<std::string, std::string>& meta,
+                          TeacherState& teacher) {
   std::string shape;
-  {
-    // Build with the teacher's shape flags, then give the student's back (and the random
-    // stream: the teacher's initialization is overwritten by its checkpoint anyway).
-    gflags::FlagSaver saver;
-    at::CPUGeneratorImpl* gen = at::check_generator<at::CPUGeneratorImpl>(at::detail::getDefaultCPUGenerator());
-    const c10::intrusive_ptr<c10::TensorImpl> rng = gen->get_state();
-    for (const std::string& name : model_flag_names(student.name)) {
-      std::string value = teacher_flag(name);
-      const char* from = "--teacher_";
-      auto recorded = meta.find("shape." + name);
-      if (value.empty() && recorded != meta.end()) {
-        value = recorded->second;
-        from = "the checkpoint's ";
-      }
-      if (value.empty()) continue;  // the student's
-      DTRAIN_CHECK(!gflags::SetCommandLineOption(name.c_str(), value.c_str()).empty(), "the teacher's ", name, "=",
-                   value, " (", from, name, ") is not a valid value");
-      shape += " --" + name + "=" + value;
+  gflags::FlagSaver saver;
+  at::CPUGeneratorImpl* gen = at::check_generator<at::CPUGeneratorImpl>(at::detail::getDefaultCPUGenerator());
+  const c10::intrusive_ptr<c10::TensorImpl> rng = gen->get_state();
+  for (const std::string& name : model_flag_names(student.name)) {
+    std::string value = teacher_flag(name);
+    const char* from = "--teacher_";
+    auto recorded = meta.find("shape." + name);
+    if (value.empty() && recorded != meta.end()) {
+      value = recorded->second;
+      from = "the checkpoint's ";
     }
-    if (auto checks = model_checks(student.name)) checks();
-    teacher->model = build_example_model(student.name, run);
-    gen->set_state(*rng);
+    if (value.empty()) continue;  // the student's
+    DTRAIN_CHECK(!gflags::SetCommandLineOption(name.c_str(), value.c_str()).empty(), "the teacher's ", name, "=",
+                 value, " (", from, name, ") is not a valid value");
+    shape += " --" + name + "=" + value;
   }
-  DTRAIN_CHECK(teacher->model.classes == student.classes, "the teacher's vocabulary has ", teacher->model.classes,
-               " entries (", teacher_flag("vocab").empty() ? "its checkpoint's record" : "--teacher_vocab", "), the "
-               "student's ", student.classes, ": a teacher must share the student's vocabulary (its logits are the "
-               "soft targets, entry by entry)");
+  if (auto checks = model_checks(student.name)) checks();
+  teacher.model = build_example_model(student.name, run);
+  gen->set_state(*rng);
+  return shape;
+}
+
+// The teacher's weights from its checkpoint, cast and streamed as asked.
+void load_teacher(const Run& run, TeacherState& teacher, const std::string& shape) {
   engine::TrainerOptions o;
   o.evaluation_only = true;  // weights only: no optimizer state, no lock on the teacher's directory
   o.save_dir = FLAGS_teacher;
   o.resume = engine::ResumeMode::kYes;
   o.progress = false;
-  teacher->loader = make_trainer(run, teacher->model, o);
+  teacher.loader = make_trainer(run, teacher.model, o);
   try {
-    teacher->loader->resume_checkpoint(nullptr, /*required=*/true);
+    teacher.loader->resume_checkpoint(nullptr, /*required=*/true);
   } catch (const Error& e) {
     throw Error(detail::concat("--teacher=", FLAGS_teacher, ": ", e.what(), ". The teacher was built with",
                                shape.empty() ? " the student's shape" : shape, "; give its shape with --teacher_<flag> "
                                "(--teacher_d_model, --teacher_layers, ...) or leave those out to use the checkpoint's "
                                "record"));
   }
-  teacher->model.module->eval();
-  if (FLAGS_teacher_bf16) teacher->model.module->to(at::kBFloat16);
+  teacher.model.module->eval();
+  if (FLAGS_teacher_bf16) teacher.model.module->to(at::kBFloat16);
   if (FLAGS_teacher_offload) {
-    DTRAIN_CHECK(teacher->model.offload_layers, "--teacher_offload: ", run.program, "'s model has no blocks to stream "
+    DTRAIN_CHECK(teacher.model.offload_layers, "--teacher_offload: ", run.program, "'s model has no blocks to stream "
                  "from host memory (train_gpt's has); drop --teacher_offload");
-    teacher->model.offload_layers();  // after the load and the cast: the host copies are final
+    teacher.model.offload_layers();  // after the load and the cast: the host copies are final
   }
+}
+
+}  // namespace
+
+void attach_teacher(const Run& run, ExampleModel& student) {
+  if (FLAGS_teacher.empty()) return;
+  DTRAIN_CHECK(student.logits_and_targets, run.program, " cannot distil: the model has no logits to compare");
+  auto teacher = std::make_shared<TeacherState>();
+  const std::string shape = build_teacher(run, student, teacher_meta(), *teacher);
+  DTRAIN_CHECK(teacher->model.classes == student.classes, "the teacher's vocabulary has ", teacher->model.classes,
+               " entries (", teacher_flag("vocab").empty() ? "its checkpoint's record" : "--teacher_vocab", "), the "
+               "student's ", student.classes, ": a teacher must share the student's vocabulary (its logits are the "
+               "soft targets, entry by entry)");
+  load_teacher(run, *teacher, shape);
   int64_t teacher_params = 0, student_params = 0;
   for (const auto& p : teacher->model.module->parameters()) teacher_params += p.numel();
   for (const auto& p : student.module->parameters()) student_params += p.numel();

@@ -57,6 +57,98 @@ void write_example(const std::vector<at::Tensor>& inputs, const at::Tensor& outp
                            {{"dtrain_model", model_name}, {"dtrain_quantize", FLAGS_quantize}});
 }
 
+// The flags' checks, all before the checkpoint is read (outputs included).
+void check_export_flags(const examples::Run& run) {
+  DTRAIN_CHECK(run.world.size == 1, "dtrain-export runs as one process (it builds the unsplit model and gathers a "
+               "tensor-parallel checkpoint itself); run it without mpirun/srun");
+  DTRAIN_CHECK(FLAGS_format == "torchscript" || FLAGS_format == "safetensors", "--format=", FLAGS_format,
+               " is not one of: torchscript, safetensors");
+  DTRAIN_CHECK(!FLAGS_checkpoint.empty(), "--checkpoint is required: the run's --save_dir");
+  DTRAIN_CHECK(FLAGS_quantize.empty() || FLAGS_format == "safetensors", "--quantize=int8 --format=", FLAGS_format,
+               ": the int8 model is exported as safetensors (int8 weights and their scales); libtorch's tracer cannot "
+               "record the packed int8 weights into a TorchScript archive. Use --format=safetensors");
+  DTRAIN_CHECK(FLAGS_example_rows >= 1, "--example_rows=", FLAGS_example_rows, " must be >= 1");
+  engine::check_output_path(FLAGS_output, "--output");
+  if (!FLAGS_write_example.empty()) engine::check_output_path(FLAGS_write_example, "--write_example");
+  std::vector<std::string> skipped;
+  const auto newest = engine::CheckpointStore(FLAGS_checkpoint).latest_good(&skipped);
+  DTRAIN_CHECK(newest.has_value(), "--checkpoint=", FLAGS_checkpoint, " holds no good checkpoint",
+               skipped.empty() ? "" : " (" + std::to_string(skipped.size()) + " damaged or incomplete one(s) skipped)",
+               "; point it at a training run's --save_dir");
+}
+
+// The checkpoint's weights in the unsplit model, as an evaluation-only resume loads them; the
+// checkpoint's step.
+int64_t load_weights(const examples::Run& run, examples::ExampleModel& m) {
+  engine::TrainerOptions o = examples::trainer_options(run, m.default_optimizer);
+  o.evaluation_only = true;  // weights only: no optimizer state, no lock on the directory
+  o.save_dir = FLAGS_checkpoint;
+  o.resume = engine::ResumeMode::kYes;
+  o.metrics_path.clear();
+  o.tensorboard_dir.clear();
+  o.timeline_path.clear();
+  o.progress = false;
+  std::unique_ptr<engine::Trainer> trainer = examples::make_trainer(run, m, o);
+  trainer->resume_checkpoint(nullptr, /*required=*/true);
+  m.module->eval();
+  return trainer->current_step();
+}
+
+// --format=safetensors (int8 with --quantize); returns what was written, for the summary.
+std::string export_safetensors(examples::ExampleModel& m, const std::string& model_name, int64_t step) {
+  std::map<std::string, std::string> metadata = {{"format", "pt"}, {"dtrain_model", model_name},
+                                                 {"dtrain_step", std::to_string(step)},
+                                                 {"dtrain_checkpoint", FLAGS_checkpoint}};
+  std::string quantized;
+  if (!FLAGS_quantize.empty()) {
+    engine::QuantizeOptions q;
+    q.granularity = engine::parse_quant_granularity(FLAGS_quantize_scales);
+    const engine::QuantizeReport report = engine::quantize_dynamic_int8(*m.module, q);
+    metadata["dtrain_quantize"] = "int8 symmetric, " + FLAGS_quantize_scales + " scales: weight = int8 * weight_scale";
+    std::string layers;
+    for (const std::string& name : report.layers) layers += (layers.empty() ? "" : ",") + name;
+    metadata["dtrain_quantized_layers"] = layers;
+    quantized = "; " + report.summary();
+  }
+  const engine::NamedTensorList tensors = FLAGS_quantize.empty() ? engine::module_tensors(*m.module)
+                                                                 : engine::int8_state(*m.module);
+  engine::save_safetensors(FLAGS_output, tensors, metadata);
+  if (!FLAGS_write_example.empty()) {  // the (quantized) model's output on example inputs
+    torch::NoGradGuard no_grad;
+    const std::vector<at::Tensor> inputs = m.inputs(m.synthetic_batch(FLAGS_example_rows));
+    write_example(inputs, m.forward(inputs), model_name);
+  }
+  return std::to_string(tensors.size()) + " tensors" + quantized;
+}
+
+// --format=torchscript: traced, loaded back and checked against the module on example inputs.
+std::string export_torchscript(examples::ExampleModel& m, const std::string& model_name) {
+  torch::NoGradGuard no_grad;
+  const std::vector<at::Tensor> inputs = m.inputs(m.synthetic_batch(FLAGS_example_rows));
+  const at::Tensor want = m.forward(inputs);
+  std::string type = model_name;
+  type[0] = static_cast<char>(std::toupper(type[0]));
+  const int64_t nodes = engine::trace_to_torchscript(*m.module, m.forward, inputs, type, FLAGS_output);
+  const at::Tensor got = engine::run_torchscript(FLAGS_output, inputs);
+  DTRAIN_CHECK(got.sizes() == want.sizes(), "the archive's output has shape ", got.sizes(), ", the module's ",
+               want.sizes());
+  const double diff = max_abs_difference(got, want);
+  DTRAIN_CHECK(std::isfinite(diff) && diff <= 1e-5 * std::max(1.0, want.abs().max().item<double>()),
+               "the archive written to ", FLAGS_output, " does not reproduce the module (max difference ", diff,
+               "); please report this with the model flags");
+  if (!FLAGS_write_example.empty()) write_example(inputs, want, model_name);
+  char text[160];
+  std::snprintf(text, sizeof text, "a traced graph of %lld nodes for inputs of shape", static_cast<long long>(nodes));
+  std::string detail = text;
+  for (const at::Tensor& t : inputs) {
+    std::ostringstream shape;
+    shape << t.sizes();
+    detail += " " + shape.str();
+  }
+  std::snprintf(text, sizeof text, "; torch::jit::load reproduces the module within %.1e", diff);
+  return detail + text;
+}
+
 int export_main(int argc, char** argv) {
   const std::string model_name = examples::model_from_argv(argc, argv, "gpt");
   engine::cli::describe_flags("Export", {"model", "checkpoint", "format", "output", "example_rows", "write_example",
@@ -73,93 +165,13 @@ int export_main(int argc, char** argv) {
                                          "--format=torchscript|safetensors --output=FILE [--quantize=int8]",
                                          defaults, examples::model_checks(model_name),
                                          examples::model_flag_names(model_name), engine::cli::kRanks);
-  DTRAIN_CHECK(run.world.size == 1, "dtrain-export runs as one process (it builds the unsplit model and gathers a "
-               "tensor-parallel checkpoint itself); run it without mpirun/srun");
-  DTRAIN_CHECK(FLAGS_format == "torchscript" || FLAGS_format == "safetensors", "--format=", FLAGS_format,
-               " is not one of: torchscript, safetensors");
-  DTRAIN_CHECK(!FLAGS_checkpoint.empty(), "--checkpoint is required: the run's --save_dir");
-  DTRAIN_CHECK(FLAGS_quantize.empty() || FLAGS_format == "safetensors", "--quantize=int8 --format=", FLAGS_format,
-               ": the int8 model is exported as safetensors (int8 weights and their scales); libtorch's tracer cannot "
-               "record the packed int8 weights into a TorchScript archive. Use --format=safetensors");
-  DTRAIN_CHECK(FLAGS_example_rows >= 1, "--example_rows=", FLAGS_example_rows, " must be >= 1");
-  // Every output is checked before the checkpoint is read.
-  engine::check_output_path(FLAGS_output, "--output");
-  if (!FLAGS_write_example.empty()) engine::check_output_path(FLAGS_write_example, "--write_example");
-
-  {
-    std::vector<std::string> skipped;
-    const auto newest = engine::CheckpointStore(FLAGS_checkpoint).latest_good(&skipped);
-    DTRAIN_CHECK(newest.has_value(), "--checkpoint=", FLAGS_checkpoint, " holds no good checkpoint",
-                 skipped.empty() ? "" : " (" + std::to_string(skipped.size()) + " damaged or incomplete one(s) skipped)",
-                 "; point it at a training run's --save_dir");
-  }
+  check_export_flags(run);
   examples::ExampleModel m = examples::build_example_model(model_name, run);
-  engine::TrainerOptions o = examples::trainer_options(run, m.default_optimizer);
-  o.evaluation_only = true;  // weights only: no optimizer state, no lock on the directory
-  o.save_dir = FLAGS_checkpoint;
-  o.resume = engine::ResumeMode::kYes;
-  o.metrics_path.clear();
-  o.tensorboard_dir.clear();
-  o.timeline_path.clear();
-  o.progress = false;
-  std::unique_ptr<engine::Trainer> trainer = examples::make_trainer(run, m, o);
-  trainer->resume_checkpoint(nullptr, /*required=*/true);
-  const int64_t step = trainer->current_step();
-  m.module->eval();
-
+  const int64_t step = load_weights(run, m);
   int64_t parameters = 0;
   for (const auto& p : m.module->parameters()) parameters += p.numel();
-  std::string detail;
-  if (FLAGS_format == "safetensors") {
-    std::map<std::string, std::string> metadata = {{"format", "pt"}, {"dtrain_model", model_name},
-                                                   {"dtrain_step", std::to_string(step)},
-                                                   {"dtrain_checkpoint", FLAGS_checkpoint}};
-    std::string quantized;
-    if (!FLAGS_quantize.empty()) {
-      engine::QuantizeOptions q;
-      q.granularity = engine::parse_quant_granularity(FLAGS_quantize_scales);
-      const engine::QuantizeReport report = engine::quantize_dynamic_int8(*m.module, q);
-      metadata["dtrain_quantize"] = "int8 symmetric, " + FLAGS_quantize_scales + " scales: weight = int8 * weight_scale";
-      std::string layers;
-      for (const std::string& name : report.layers) layers += (layers.empty() ? "" : ",") + name;
-      metadata["dtrain_quantized_layers"] = layers;
-      quantized = "; " + report.summary();
-    }
-    const engine::NamedTensorList tensors = FLAGS_quantize.empty() ? engine::module_tensors(*m.module)
-                                                                   : engine::int8_state(*m.module);
-    engine::save_safetensors(FLAGS_output, tensors, metadata);
-    detail = std::to_string(tensors.size()) + " tensors" + quantized;
-    if (!FLAGS_write_example.empty()) {  // the (quantized) model's output on example inputs
-      torch::NoGradGuard no_grad;
-      const std::vector<at::Tensor> inputs = m.inputs(m.synthetic_batch(FLAGS_example_rows));
-      write_example(inputs, m.forward(inputs), model_name);
-    }
-  } else {
-    torch::NoGradGuard no_grad;
-    const std::vector<at::Tensor> inputs = m.inputs(m.synthetic_batch(FLAGS_example_rows));
-    const at::Tensor want = m.forward(inputs);
-    std::string type = model_name;
-    type[0] = static_cast<char>(std::toupper(type[0]));
-    const int64_t nodes = engine::trace_to_torchscript(*m.module, m.forward, inputs, type, FLAGS_output);
-    const at::Tensor got = engine::run_torchscript(FLAGS_output, inputs);
-    DTRAIN_CHECK(got.sizes() == want.sizes(), "the archive's output has shape ", got.sizes(), ", the module's ",
-                 want.sizes());
-    const double diff = max_abs_difference(got, want);
-    DTRAIN_CHECK(std::isfinite(diff) && diff <= 1e-5 * std::max(1.0, want.abs().max().item<double>()),
-                 "the archive written to ", FLAGS_output, " does not reproduce the module (max difference ", diff,
-                 "); please report this with the model flags");
-    if (!FLAGS_write_example.empty()) write_example(inputs, want, model_name);
-    char text[160];
-    std::snprintf(text, sizeof text, "a traced graph of %lld nodes for inputs of shape", static_cast<long long>(nodes));
-    detail = text;
-    for (const at::Tensor& t : inputs) {
-      std::ostringstream shape;
-      shape << t.sizes();
-      detail += " " + shape.str();
-    }
-    std::snprintf(text, sizeof text, "; torch::jit::load reproduces the module within %.1e", diff);
-    detail += text;
-  }
+  const std::string detail =
+      FLAGS_format == "safetensors" ? export_safetensors(m, model_name, step) : export_torchscript(m, model_name);
   std::printf("dtrain-export: wrote %s (%s, %s, %.3fM parameters) from the checkpoint of step %lld in %s\n",
               FLAGS_output.c_str(), FLAGS_format.c_str(), detail.c_str(), parameters / 1e6,
               static_cast<long long>(step), FLAGS_checkpoint.c_str());

@@ -63,20 +63,11 @@ std::vector<std::vector<double>> gather(dist::Communicator& comm, const std::vec
   return all;
 }
 
-}  // namespace
-
-int run_pipeline(BenchContext& ctx) {
+// One row per schedule and micro-batch count: each stage's idle fraction, activation memory
+// and micro-batches in flight against the bubble's theory.
+void pipeline_rows(BenchContext& ctx, std::vector<Block>& blocks, const std::vector<int>& micro) {
   dist::Communicator& comm = *ctx.comm;
   const int stages = comm.size(), s = comm.rank();
-  DTRAIN_CHECK(FLAGS_pp_layers >= stages && FLAGS_pp_layers % stages == 0, "--pp_layers=", FLAGS_pp_layers,
-               " must be a multiple of the ranks (", stages, "): each stage gets as many blocks");
-  DTRAIN_CHECK(ctx.device.is_cpu(), "dtrain-bench pipeline runs on the CPU (--device=cpu)");
-  DTRAIN_CHECK(FLAGS_pp_iters >= 1 && FLAGS_pp_rows >= 1 && FLAGS_pp_width >= 1, "--pp_iters, --pp_rows, --pp_width >= 1");
-  std::vector<int> micro;
-  std::stringstream list(FLAGS_pp_micro);
-  for (std::string item; std::getline(list, item, ',');) micro.push_back(std::stoi(item));
-  const int per = FLAGS_pp_layers / stages;
-  std::vector<Block> blocks = make_blocks(s * per, (s + 1) * per);
   const bool last = s == stages - 1;
   for (engine::PipelineSchedule schedule : {engine::PipelineSchedule::kGPipe, engine::PipelineSchedule::k1F1B}) {
     for (int m : micro) {
@@ -119,7 +110,13 @@ int run_pipeline(BenchContext& ctx) {
       }
     }
   }
-  // Data parallelism at the same global batch: the whole stack on every rank.
+}
+
+// Data parallelism at the same global batch: the whole stack on every rank, m / P micro-batches
+// each, the gradients all-reduced.
+void data_parallel_rows(BenchContext& ctx, const std::vector<int>& micro) {
+  dist::Communicator& comm = *ctx.comm;
+  const int stages = comm.size(), s = comm.rank();
   std::vector<Block> whole = make_blocks(0, FLAGS_pp_layers);
   std::vector<at::Tensor> params;
   for (Block& b : whole) {
@@ -157,6 +154,24 @@ int run_pipeline(BenchContext& ctx) {
       std::fflush(stdout);
     }
   }
+}
+
+}  // namespace
+
+int run_pipeline(BenchContext& ctx) {
+  dist::Communicator& comm = *ctx.comm;
+  const int stages = comm.size(), s = comm.rank();
+  DTRAIN_CHECK(FLAGS_pp_layers >= stages && FLAGS_pp_layers % stages == 0, "--pp_layers=", FLAGS_pp_layers,
+               " must be a multiple of the ranks (", stages, "): each stage gets as many blocks");
+  DTRAIN_CHECK(ctx.device.is_cpu(), "dtrain-bench pipeline runs on the CPU (--device=cpu)");
+  DTRAIN_CHECK(FLAGS_pp_iters >= 1 && FLAGS_pp_rows >= 1 && FLAGS_pp_width >= 1, "--pp_iters, --pp_rows, --pp_width >= 1");
+  std::vector<int> micro;
+  std::stringstream list(FLAGS_pp_micro);
+  for (std::string item; std::getline(list, item, ',');) micro.push_back(std::stoi(item));
+  const int per = FLAGS_pp_layers / stages;
+  std::vector<Block> blocks = make_blocks(s * per, (s + 1) * per);
+  pipeline_rows(ctx, blocks, micro);
+  data_parallel_rows(ctx, micro);
   return 0;
 }
 

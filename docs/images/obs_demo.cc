@@ -19,12 +19,77 @@
 #include "dtrain/engine/memory/memory.h"
 #include "dtrain/engine/memory/memory_report.h"
 #include "dtrain/engine/optim/optim.h"
+#include "dtrain/engine/parallel/grad_norm.h"
 #include "dtrain/engine/parallel/reducer.h"
 #include "dtrain/engine/observe/tensorboard.h"
 #include "dtrain/engine/observe/timeline.h"
 
 using namespace dtrain;
 using namespace dtrain::engine;
+
+// The backward pass and the reducer's bucket all-reduces of one step on the timeline.
+void record_backward(Timeline& tl, const ReducerStepStats& stats, Timeline::Clock::time_point t_backward,
+                     Timeline::Clock::time_point t_returned) {
+  tl.add_complete("backward", category::kCompute, lane::kBackward, t_backward, stats.backward_end);
+  for (size_t b = 0; b < stats.bucket_launch.size(); ++b) {
+    tl.add_instant("launch bucket " + std::to_string(b), category::kComm, lane::kComm, stats.bucket_launch[b],
+                   {{"bucket", double(b)}});
+  }
+  tl.add_complete("all-reduce buckets", category::kComm, lane::kComm, stats.bucket_launch.front(), stats.reduced,
+                  {{"bytes", double(stats.bytes)}, {"buckets", double(stats.bucket_launch.size())}});
+  tl.add_complete("wait for all-reduce", category::kComm, lane::kMain, stats.backward_end, t_returned);
+}
+
+void print_memory_report(const c10::Device& device, const std::vector<at::Tensor>& params, const Optimizer& optimizer,
+                         const ActivationProbe& probe, int step, int rank) {
+  std::vector<at::Tensor> grads, state;
+  for (const auto& p : params) grads.push_back(p.grad());
+  for (const auto& [name, t] : optimizer.state()) state.push_back(t);
+  MemoryReport r = build_memory_report(device, params, grads, state, probe.start_allocated_mb(), probe.peak_mb());
+  r.step = step;
+  if (rank == 0) std::printf("%s", r.to_string().c_str());
+}
+
+// Each rank's trace, then (rank 0) the merged trace and its overlap summary.
+void write_traces(Timeline& traced, dist::Communicator& comm, const dist::World& world, const std::string& out) {
+  traced.write(timeline_path_for_rank(out + "/trace.json", world.rank, world.size));
+  comm.barrier()->wait();
+  if (world.rank != 0) return;
+  std::vector<std::string> files;
+  for (int r = 0; r < world.size; ++r) files.push_back(timeline_path_for_rank(out + "/trace.json", r, world.size));
+  merge_timelines(files, out + "/trace.merged.json");
+  std::printf("%s\n", summarize_overlap(read_timeline(out + "/trace.merged.json")).to_string().c_str());
+}
+
+torch::nn::Sequential make_model() {
+  return torch::nn::Sequential(torch::nn::Linear(256, 1024), torch::nn::ReLU(), torch::nn::Linear(1024, 1024),
+                               torch::nn::ReLU(), torch::nn::Linear(1024, 1024), torch::nn::ReLU(),
+                               torch::nn::Linear(1024, 1));
+}
+
+ScheduleOptions cosine_schedule(int steps) {
+  ScheduleOptions schedule;
+  schedule.name = "cosine";
+  schedule.warmup_steps = 10;
+  schedule.total_steps = steps;
+  schedule.min_lr_ratio = 0.1;
+  return schedule;
+}
+
+void update(Timeline& tl, Optimizer& optimizer, GradReducer& reducer, double lr) {
+  Timeline::Span opt(tl, "optimizer step", category::kOptimizer, lane::kOptimizer);
+  optimizer.set_lr(lr);
+  optimizer.step();
+  reducer.zero_grad();
+}
+
+// The held-out loss, averaged over the ranks.
+double eval_loss(torch::nn::Sequential& model, const at::Tensor& x, const at::Tensor& y, dist::Communicator& comm) {
+  torch::NoGradGuard no_grad;
+  at::Tensor e = torch::mse_loss(model->forward(x), y);
+  comm.all_reduce(e, dist::ReduceOp::kAvg)->wait();
+  return e.item<double>();
+}
 
 int main(int argc, char** argv) {
   const std::string out = argc > 1 ? argv[1] : "/tmp/obs_run";
@@ -35,10 +100,7 @@ int main(int argc, char** argv) {
   auto comm = dist::create_communicator(world.has_mpi_launcher() ? "mpi" : "local", world, cpu);
 
   torch::manual_seed(0);
-  torch::nn::Sequential model(torch::nn::Linear(256, 1024), torch::nn::ReLU(),
-                              torch::nn::Linear(1024, 1024), torch::nn::ReLU(),
-                              torch::nn::Linear(1024, 1024), torch::nn::ReLU(),
-                              torch::nn::Linear(1024, 1));
+  torch::nn::Sequential model = make_model();
   auto params = model->parameters();
   ReducerOptions ro;
   ro.bucket_bytes = 2 << 20;
@@ -46,11 +108,7 @@ int main(int argc, char** argv) {
   OptimizerOptions oo;
   oo.lr = 1e-3;
   auto optimizer = make_optimizer(params, oo);
-  ScheduleOptions schedule;
-  schedule.name = "cosine";
-  schedule.warmup_steps = 10;
-  schedule.total_steps = steps;
-  schedule.min_lr_ratio = 0.1;
+  const ScheduleOptions schedule = cosine_schedule(steps);
   // y = tanh(mean of the first 8 features, scaled) + noise: learnable, with a noise floor.
   auto make_batch = [](int rows) {
     at::Tensor x = torch::randn({rows, 256});
@@ -82,38 +140,15 @@ int main(int argc, char** argv) {
     const auto t_backward = Timeline::Clock::now();
     loss.backward();
     const auto t_returned = Timeline::Clock::now();
-    const ReducerStepStats stats = reducer.last_step_stats();
-    tl.add_complete("backward", category::kCompute, lane::kBackward, t_backward,
-                    stats.backward_end);
-    for (size_t b = 0; b < stats.bucket_launch.size(); ++b) {
-      tl.add_instant("launch bucket " + std::to_string(b), category::kComm, lane::kComm,
-                     stats.bucket_launch[b], {{"bucket", double(b)}});
-    }
-    tl.add_complete(
-        "all-reduce buckets", category::kComm, lane::kComm, stats.bucket_launch.front(),
-        stats.reduced,
-        {{"bytes", double(stats.bytes)}, {"buckets", double(stats.bucket_launch.size())}});
-    tl.add_complete("wait for all-reduce", category::kComm, lane::kMain, stats.backward_end,
-                    t_returned);
+    record_backward(tl, reducer.last_step_stats(), t_backward, t_returned);
     if (step == 3) {
       probe.mark("backward");
-      std::vector<at::Tensor> grads, state;
-      for (const auto& p : params) grads.push_back(p.grad());
-      for (const auto& [name, t] : optimizer->state()) state.push_back(t);
-      MemoryReport r = build_memory_report(cpu, params, grads, state, probe.start_allocated_mb(),
-                                           probe.peak_mb());
-      r.step = step;
-      if (world.rank == 0) std::printf("%s", r.to_string().c_str());
+      print_memory_report(cpu, params, *optimizer, probe, step, world.rank);
     }
     std::vector<at::Tensor> grads;
     for (const auto& p : params) grads.push_back(p.grad());
     const double norm = grad_norm(grads).item<double>();
-    {
-      Timeline::Span opt(tl, "optimizer step", category::kOptimizer, lane::kOptimizer);
-      optimizer->set_lr(oo.lr * schedule_factor(schedule, step - 1));
-      optimizer->step();
-      reducer.zero_grad();
-    }
+    update(tl, *optimizer, reducer, oo.lr * schedule_factor(schedule, step - 1));
     at::Tensor global = loss.detach().clone();
     comm->all_reduce(global, dist::ReduceOp::kAvg)->wait();
     const auto t_end = Timeline::Clock::now();
@@ -123,12 +158,7 @@ int main(int argc, char** argv) {
     m.loss = global.item<double>();
     m.lr = optimizer->lr();
     m.grad_norm = norm;
-    if (step % 25 == 0) {
-      torch::NoGradGuard no_grad;
-      at::Tensor e = torch::mse_loss(model->forward(eval_x), eval_y);
-      comm->all_reduce(e, dist::ReduceOp::kAvg)->wait();
-      m.eval_loss = e.item<double>();
-    }
+    if (step % 25 == 0) m.eval_loss = eval_loss(model, eval_x, eval_y, *comm);
     m.step_ms = std::chrono::duration<double, std::milli>(t_end - t_step).count();
     m.samples_per_s = batch * world.size * 1000.0 / m.step_ms;
     const MemoryStats mem = memory_stats(cpu);
@@ -136,17 +166,6 @@ int main(int argc, char** argv) {
     m.mem_peak_mb = mem.peak_mb;
     tb.add_metrics(m);
   }
-  const std::string mine = timeline_path_for_rank(out + "/trace.json", world.rank, world.size);
-  traced.write(mine);
-  comm->barrier()->wait();
-  if (world.rank == 0) {
-    std::vector<std::string> files;
-    for (int r = 0; r < world.size; ++r) {
-      files.push_back(timeline_path_for_rank(out + "/trace.json", r, world.size));
-    }
-    merge_timelines(files, out + "/trace.merged.json");
-    std::printf("%s\n",
-                summarize_overlap(read_timeline(out + "/trace.merged.json")).to_string().c_str());
-  }
+  write_traces(traced, *comm, world, out);
   return 0;
 }

@@ -52,86 +52,100 @@ struct Probe {
   std::function<std::string(const Built&)> read;
 };
 
-const std::map<std::string, Probe>& probes() {
-  static const std::map<std::string, Probe> p = {
-      // kTraining
-      {"steps", {"7", {}, kToTrainer, [](const Built& b) { return text(b.trainer.steps); }}},
-      {"batch_size", {"8", {}, kToRun, [](const Built& b) { return text(b.run.batch_size); }}},
-      {"lr", {"0.25", {}, kToTrainer, [](const Built& b) { return text(b.trainer.optimizer.lr); }}},
-      {"seed", {"9", {}, kToLoader | kToRun, [](const Built& b) { return text(b.loader.seed) + text(b.run.seed); }}},
-      {"optimizer", {"sgd", {}, kToTrainer, [](const Built& b) { return b.trainer.optimizer.name; }}},
-      {"weight_decay", {"0.1", {}, kToTrainer, [](const Built& b) { return text(b.trainer.optimizer.weight_decay); }}},
-      {"clip_grad_norm", {"1.5", {}, kToTrainer, [](const Built& b) { return text(b.trainer.clip_grad_norm); }}},
-      {"schedule", {"cosine", {}, kToTrainer, [](const Built& b) { return b.trainer.schedule.name; }}},
-      {"warmup_steps", {"3", {}, kToTrainer, [](const Built& b) { return text(b.trainer.schedule.warmup_steps); }}},
-      {"accum_steps", {"2", {}, kToTrainer, [](const Built& b) { return text(b.trainer.accum_steps); }}},
-      {"amp", {"bf16", {}, kToTrainer, [](const Built& b) { return to_string(b.trainer.amp); }}},
-      {"on_nonfinite",
-       {"skip", {}, kToTrainer, [](const Built& b) { return text(static_cast<int>(b.trainer.on_nonfinite)); }}},
-      {"max_nonfinite_skips",
-       {"3", {}, kToTrainer, [](const Built& b) { return text(b.trainer.max_nonfinite_skips); }}},
-      {"prune_amount", {"0.5", {{"prune_at_step", "2"}}, kToTrainer,
-                        [](const Built& b) { return text(b.trainer.prune.amount); }}},
-      {"prune_scope", {"global", {}, kToTrainer, [](const Built& b) { return b.trainer.prune.scope; }}},
-      {"prune_at_step", {"4", {}, kToTrainer, [](const Built& b) { return text(b.trainer.prune.at_step); }}},
-      {"prune_steps", {"2-6", {}, kToTrainer,
-                       [](const Built& b) { return text(b.trainer.prune.from_step) + "-" + text(b.trainer.prune.to_step); }}},
-      // kRanks
-      {"device", {"cpu", {}, kToRun, [](const Built& b) { return b.run.device; }}},
-      {"backend", {"mpi", {}, kToRun, [](const Built& b) { return b.run.backend; }}},
-      {"collective_timeout_s", {"17", {}, kToRun, [](const Built& b) { return text(b.run.collective_timeout_s); }}},
-      // kTensorParallel
-      {"tp", {"2", {}, kToRun, [](const Built& b) { return text(b.run.tp); }}},
-      {"sequence_parallel", {"true", {}, kToRun, [](const Built& b) { return text(b.run.sequence_parallel); }}},
-      {"pp", {"2", {}, kToRun, [](const Built& b) { return text(b.run.pp); }}},
-      {"pp_schedule", {"gpipe", {}, kToTrainer,
-                       [](const Built& b) { return text(static_cast<int>(b.trainer.pipeline.schedule)); }}},
-      {"pp_blocks", {"1,2", {{"pp", "2"}}, kToTrainer | kToRun,
-                     [](const Built& b) { return b.trainer.pp_blocks + "|" + b.run.pp_blocks; }}},
-      // kData
-      {"workers", {"5", {}, kToLoader, [](const Built& b) { return text(b.loader.workers); }}},
-      {"prefetch", {"6", {}, kToLoader, [](const Built& b) { return text(b.loader.prefetch); }}},
-      {"eval_every", {"11", {}, kToTrainer, [](const Built& b) { return text(b.trainer.eval_every); }}},
-      {"eval_samples", {"123", {}, kToTrainer, [](const Built& b) { return text(b.trainer.eval_samples); }}},
-      // kMemory
-      {"offload", {"all", {}, kToTrainer | kToRun,
-                   [](const Built& b) {
-                     return text(b.trainer.offload_optimizer) + text(b.trainer.offload_layers) + text(b.run.offload_layers);
-                   }}},
-      {"shard", {"gradients", {}, kToTrainer, [](const Built& b) { return b.trainer.shard; }}},
-      {"shard_units", {"wte.,blocks.0.", {{"shard", "parameters"}}, kToTrainer,
-                       [](const Built& b) { return join(b.trainer.shard_unit_starts); }}},
-      {"offload_threads", {"3", {}, kToTrainer, [](const Built& b) { return text(b.trainer.offload.threads); }}},
-      {"offload_stream_gradients",
-       {"on", {{"offload", "optimizer"}}, kToTrainer, [](const Built& b) { return b.trainer.offload.stream_gradients; }}},
-      {"offload_reduce_to_owner", {"false", {{"offload", "optimizer"}}, kToTrainer,
-                                   [](const Built& b) { return text(b.trainer.offload.reduce_to_owner); }}},
-      {"offload_delayed_update_after", {"2", {{"offload", "optimizer"}}, kToTrainer,
-                                        [](const Built& b) { return text(b.trainer.offload.delayed_update_after); }}},
-      {"host_mem_limit_gb", {"3", {}, kToTrainer, [](const Built& b) { return text(b.trainer.offload.host_mem_limit_gb); }}},
-      {"plan", {"auto", {{"gpu_mem_limit_gb", "4"}}, kToRun, [](const Built& b) { return b.run.plan; }}},
-      {"gpu_mem_limit_gb", {"4", {}, kToRun, [](const Built& b) { return text(b.run.gpu_mem_limit_gb); }}},
-      {"memory_report_step", {"3", {}, kToTrainer, [](const Built& b) { return text(b.trainer.memory_report_step); }}},
-      {"checkpoint_activations",
-       {"true", {}, kToTrainer | kToRun,
-        [](const Built& b) { return text(b.trainer.checkpoint_activations) + text(b.run.checkpoint_activations); }}},
-      // kCheckpoints
-      {"save_dir", {"/tmp/x", {}, kToTrainer, [](const Built& b) { return b.trainer.save_dir; }}},
-      {"save_every", {"5", {}, kToTrainer, [](const Built& b) { return text(b.trainer.save_every); }}},
-      {"keep_last", {"9", {}, kToTrainer, [](const Built& b) { return text(b.trainer.keep_last); }}},
-      {"resume", {"auto", {}, kToTrainer, [](const Built& b) { return to_string(b.trainer.resume); }}},
-      {"save_dir_exists", {"overwrite", {}, kToTrainer,
-                           [](const Built& b) { return to_string(b.trainer.save_dir_exists); }}},
-      {"async_save", {"false", {}, kToTrainer, [](const Built& b) { return text(b.trainer.async_save); }}},
-      // kObservability
-      {"log_every", {"4", {}, kToTrainer, [](const Built& b) { return text(b.trainer.log_every); }}},
-      {"metrics", {"m.jsonl", {}, kToTrainer, [](const Built& b) { return b.trainer.metrics_path; }}},
-      {"tensorboard_dir", {"tb", {}, kToTrainer, [](const Built& b) { return b.trainer.tensorboard_dir; }}},
-      {"timeline", {"t.json", {}, kToTrainer, [](const Built& b) { return b.trainer.timeline_path; }}},
-      {"profile_steps", {"2-3", {}, kToTrainer, [](const Built& b) { return b.trainer.profile_steps; }}},
-      {"profile_out", {"p.json", {}, kToTrainer, [](const Built& b) { return b.trainer.profile_path; }}},
-      {"progress", {"false", {}, kToTrainer, [](const Built& b) { return text(b.trainer.progress); }}},
+// Each flag: a value, the flags it needs, and where it must arrive (by topic, as --help).
+std::map<std::string, Probe> training_and_layout_probes() {
+  return {
+    // kTraining
+    {"steps", {"7", {}, kToTrainer, [](const Built& b) { return text(b.trainer.steps); }}},
+    {"batch_size", {"8", {}, kToRun, [](const Built& b) { return text(b.run.batch_size); }}},
+    {"lr", {"0.25", {}, kToTrainer, [](const Built& b) { return text(b.trainer.optimizer.lr); }}},
+    {"seed", {"9", {}, kToLoader | kToRun, [](const Built& b) { return text(b.loader.seed) + text(b.run.seed); }}},
+    {"optimizer", {"sgd", {}, kToTrainer, [](const Built& b) { return b.trainer.optimizer.name; }}},
+    {"weight_decay", {"0.1", {}, kToTrainer, [](const Built& b) { return text(b.trainer.optimizer.weight_decay); }}},
+    {"clip_grad_norm", {"1.5", {}, kToTrainer, [](const Built& b) { return text(b.trainer.clip_grad_norm); }}},
+    {"schedule", {"cosine", {}, kToTrainer, [](const Built& b) { return b.trainer.schedule.name; }}},
+    {"warmup_steps", {"3", {}, kToTrainer, [](const Built& b) { return text(b.trainer.schedule.warmup_steps); }}},
+    {"accum_steps", {"2", {}, kToTrainer, [](const Built& b) { return text(b.trainer.accum_steps); }}},
+    {"amp", {"bf16", {}, kToTrainer, [](const Built& b) { return to_string(b.trainer.amp); }}},
+    {"on_nonfinite",
+     {"skip", {}, kToTrainer, [](const Built& b) { return text(static_cast<int>(b.trainer.on_nonfinite)); }}},
+    {"max_nonfinite_skips",
+     {"3", {}, kToTrainer, [](const Built& b) { return text(b.trainer.max_nonfinite_skips); }}},
+    {"prune_amount", {"0.5", {{"prune_at_step", "2"}}, kToTrainer,
+                      [](const Built& b) { return text(b.trainer.prune.amount); }}},
+    {"prune_scope", {"global", {}, kToTrainer, [](const Built& b) { return b.trainer.prune.scope; }}},
+    {"prune_at_step", {"4", {}, kToTrainer, [](const Built& b) { return text(b.trainer.prune.at_step); }}},
+    {"prune_steps", {"2-6", {}, kToTrainer,
+                     [](const Built& b) { return text(b.trainer.prune.from_step) + "-" + text(b.trainer.prune.to_step); }}},
+    // kRanks
+    {"device", {"cpu", {}, kToRun, [](const Built& b) { return b.run.device; }}},
+    {"backend", {"mpi", {}, kToRun, [](const Built& b) { return b.run.backend; }}},
+    {"collective_timeout_s", {"17", {}, kToRun, [](const Built& b) { return text(b.run.collective_timeout_s); }}},
+    // kTensorParallel
+    {"tp", {"2", {}, kToRun, [](const Built& b) { return text(b.run.tp); }}},
+    {"sequence_parallel", {"true", {}, kToRun, [](const Built& b) { return text(b.run.sequence_parallel); }}},
+    {"pp", {"2", {}, kToRun, [](const Built& b) { return text(b.run.pp); }}},
+    {"pp_schedule", {"gpipe", {}, kToTrainer,
+                     [](const Built& b) { return text(static_cast<int>(b.trainer.pipeline.schedule)); }}},
+    {"pp_blocks", {"1,2", {{"pp", "2"}}, kToTrainer | kToRun,
+                   [](const Built& b) { return b.trainer.pp_blocks + "|" + b.run.pp_blocks; }}},
+    // kData
+    {"workers", {"5", {}, kToLoader, [](const Built& b) { return text(b.loader.workers); }}},
+    {"prefetch", {"6", {}, kToLoader, [](const Built& b) { return text(b.loader.prefetch); }}},
+    {"eval_every", {"11", {}, kToTrainer, [](const Built& b) { return text(b.trainer.eval_every); }}},
+    {"eval_samples", {"123", {}, kToTrainer, [](const Built& b) { return text(b.trainer.eval_samples); }}},
   };
+}
+
+std::map<std::string, Probe> memory_checkpoint_and_observability_probes() {
+  return {
+    // kMemory
+    {"offload", {"all", {}, kToTrainer | kToRun,
+                 [](const Built& b) {
+                   return text(b.trainer.offload_optimizer) + text(b.trainer.offload_layers) + text(b.run.offload_layers);
+                 }}},
+    {"shard", {"gradients", {}, kToTrainer, [](const Built& b) { return b.trainer.shard; }}},
+    {"shard_units", {"wte.,blocks.0.", {{"shard", "parameters"}}, kToTrainer,
+                     [](const Built& b) { return join(b.trainer.shard_unit_starts); }}},
+    {"offload_threads", {"3", {}, kToTrainer, [](const Built& b) { return text(b.trainer.offload.threads); }}},
+    {"offload_stream_gradients",
+     {"on", {{"offload", "optimizer"}}, kToTrainer, [](const Built& b) { return b.trainer.offload.stream_gradients; }}},
+    {"offload_reduce_to_owner", {"false", {{"offload", "optimizer"}}, kToTrainer,
+                                 [](const Built& b) { return text(b.trainer.offload.reduce_to_owner); }}},
+    {"offload_delayed_update_after", {"2", {{"offload", "optimizer"}}, kToTrainer,
+                                      [](const Built& b) { return text(b.trainer.offload.delayed_update_after); }}},
+    {"host_mem_limit_gb", {"3", {}, kToTrainer, [](const Built& b) { return text(b.trainer.offload.host_mem_limit_gb); }}},
+    {"plan", {"auto", {{"gpu_mem_limit_gb", "4"}}, kToRun, [](const Built& b) { return b.run.plan; }}},
+    {"gpu_mem_limit_gb", {"4", {}, kToRun, [](const Built& b) { return text(b.run.gpu_mem_limit_gb); }}},
+    {"memory_report_step", {"3", {}, kToTrainer, [](const Built& b) { return text(b.trainer.memory_report_step); }}},
+    {"checkpoint_activations",
+     {"true", {}, kToTrainer | kToRun,
+      [](const Built& b) { return text(b.trainer.checkpoint_activations) + text(b.run.checkpoint_activations); }}},
+    // kCheckpoints
+    {"save_dir", {"/tmp/x", {}, kToTrainer, [](const Built& b) { return b.trainer.save_dir; }}},
+    {"save_every", {"5", {}, kToTrainer, [](const Built& b) { return text(b.trainer.save_every); }}},
+    {"keep_last", {"9", {}, kToTrainer, [](const Built& b) { return text(b.trainer.keep_last); }}},
+    {"resume", {"auto", {}, kToTrainer, [](const Built& b) { return to_string(b.trainer.resume); }}},
+    {"save_dir_exists", {"overwrite", {}, kToTrainer,
+                         [](const Built& b) { return to_string(b.trainer.save_dir_exists); }}},
+    {"async_save", {"false", {}, kToTrainer, [](const Built& b) { return text(b.trainer.async_save); }}},
+    // kObservability
+    {"log_every", {"4", {}, kToTrainer, [](const Built& b) { return text(b.trainer.log_every); }}},
+    {"metrics", {"m.jsonl", {}, kToTrainer, [](const Built& b) { return b.trainer.metrics_path; }}},
+    {"tensorboard_dir", {"tb", {}, kToTrainer, [](const Built& b) { return b.trainer.tensorboard_dir; }}},
+    {"timeline", {"t.json", {}, kToTrainer, [](const Built& b) { return b.trainer.timeline_path; }}},
+    {"profile_steps", {"2-3", {}, kToTrainer, [](const Built& b) { return b.trainer.profile_steps; }}},
+    {"profile_out", {"p.json", {}, kToTrainer, [](const Built& b) { return b.trainer.profile_path; }}},
+    {"progress", {"false", {}, kToTrainer, [](const Built& b) { return text(b.trainer.progress); }}},
+  };
+}
+
+const std::map<std::string, Probe>& probes() {
+  static const std::map<std::string, Probe> p = [] {
+    std::map<std::string, Probe> all = training_and_layout_probes();
+    all.merge(memory_checkpoint_and_observability_probes());
+    return all;
+  }();
   return p;
 }
 
