@@ -250,3 +250,139 @@ Observers make_observers(const TrainerOptions& o, const dist::Mesh& mesh, c10::D
 }
 
 }  // namespace dtrain::engine::trainer_setup
+
+namespace dtrain::engine {
+
+void validate(const TrainerOptions& o) {
+  DTRAIN_CHECK(o.steps >= 0, "steps must be >= 0, got ", o.steps);
+  DTRAIN_CHECK(o.accum_steps >= 1, "--accum_steps must be >= 1, got ", o.accum_steps);
+  DTRAIN_CHECK(o.log_every >= 1, "--log_every must be >= 1, got ", o.log_every);
+  DTRAIN_CHECK(o.eval_every >= 0, "--eval_every must be >= 0 (0 = never), got ", o.eval_every);
+  DTRAIN_CHECK(o.resume == ResumeMode::kNo || !o.save_dir.empty(), "--resume=", to_string(o.resume),
+               " needs the checkpoint directory to resume from: pass --save_dir=DIR");
+  DTRAIN_CHECK(o.eval_samples >= 0, "eval_samples must be >= 0 (0: the whole held-out split), got ", o.eval_samples);
+  DTRAIN_CHECK(std::isfinite(o.clip_grad_norm) && o.clip_grad_norm >= 0,
+               "clip_grad_norm must be a finite number >= 0 (0 = off), got ", o.clip_grad_norm);
+  DTRAIN_CHECK(o.tokens_per_sample >= 0, "tokens_per_sample must be >= 0");
+  DTRAIN_CHECK(o.max_nonfinite_skips >= 1, "max_nonfinite_skips must be >= 1, got ", o.max_nonfinite_skips);
+  validate(o.optimizer);
+  validate(o.schedule);
+}
+
+NonFinitePolicy parse_on_nonfinite(const std::string& text) {
+  if (text == "stop") return NonFinitePolicy::kStop;
+  if (text == "skip") return NonFinitePolicy::kSkip;
+  throw Error("--on_nonfinite=" + text + " is not one of: stop, skip");
+}
+
+ResumeMode parse_resume(const std::string& text) {
+  if (text == "no" || text == "false" || text == "0") return ResumeMode::kNo;
+  if (text == "yes" || text == "true" || text == "1") return ResumeMode::kYes;
+  if (text == "auto") return ResumeMode::kAuto;
+  throw Error("--resume=" + text + " is not one of: no, yes, auto (resume if a checkpoint exists, else start)");
+}
+
+const char* to_string(ResumeMode mode) {
+  switch (mode) {
+    case ResumeMode::kNo: return "no";
+    case ResumeMode::kYes: return "yes";
+    case ResumeMode::kAuto: return "auto";
+  }
+  return "?";
+}
+
+SaveDirExists parse_save_dir_exists(const std::string& text) {
+  if (text == "error") return SaveDirExists::kError;
+  if (text == "overwrite") return SaveDirExists::kOverwrite;
+  if (text == "resume") return SaveDirExists::kResume;
+  throw Error("--save_dir_exists=" + text + " is not one of: error, overwrite (remove the earlier checkpoints), "
+              "resume (continue from them)");
+}
+
+const char* to_string(SaveDirExists mode) {
+  switch (mode) {
+    case SaveDirExists::kError: return "error";
+    case SaveDirExists::kOverwrite: return "overwrite";
+    case SaveDirExists::kResume: return "resume";
+  }
+  return "?";
+}
+
+void Trainer::check_tied_parameters(const std::vector<std::pair<std::string, std::string>>& tied) const {
+  const std::string pair = "'" + tied.front().first + "' is '" + tied.front().second + "'";
+  const char* mode = mesh_.pp_size() > 1                       ? "--pp > 1 (the two names may live on different stages)"
+                     : mesh_.tp_size() > 1                     ? "--tp > 1 (each rank holds its own slice of each layer)"
+                     : parse_shard_mode(options_.shard) == ShardMode::kParameters ? "--shard=parameters (ZeRO-3's units "
+                                                                                   "own each weight once)"
+                                                                                 : nullptr;
+  DTRAIN_CHECK(mode == nullptr, "tied parameters (", pair, (tied.size() > 1 ? ", and more" : ""), ") with ", mode,
+               " are not supported yet; untie them (give each its own parameter) or train without that option");
+  if (mesh_.world().rank() == 0) {
+    for (const auto& [second, first] : tied) {
+      LOG(INFO) << "tied parameters: '" << second << "' is '" << first << "'; trained once, its gradient the sum "
+                << "over both uses (checkpoints keep both names)";
+    }
+  }
+}
+
+void Trainer::start_fresh_in_save_dir() {
+  // Rank 0 holds the directory's lock and decides; every rank learns the outcome (collective).
+  std::string refused;
+  bool resume = false;
+  if (mesh_.world().rank() == 0) {
+    try {
+      CheckpointStore store(options_.save_dir, CheckpointStoreOptions{0, options_.checkpoint_fs});
+      const std::vector<CheckpointInfo> found = store.list();
+      if (!found.empty()) {
+        const std::string what = std::to_string(found.size()) + " checkpoint(s) of an earlier run (newest: " +
+                                 found.front().path + ")";
+        switch (options_.save_dir_exists) {
+          case SaveDirExists::kError:
+            refused = "--save_dir=" + options_.save_dir + " already holds " + what +
+                      ", and this run starts fresh (--resume=no): its checkpoints would sit beside them, and a "
+                      "later --resume would continue whichever is newest. Continue that run with --resume=auto, "
+                      "start over with --save_dir_exists=overwrite (removes them), or give another --save_dir";
+            break;
+          case SaveDirExists::kOverwrite:
+            LOG(WARNING) << "--save_dir_exists=overwrite: removing " << what << " from " << options_.save_dir;
+            store.remove_all();
+            break;
+          case SaveDirExists::kResume:
+            LOG(INFO) << "--save_dir_exists=resume: " << options_.save_dir << " holds " << what
+                      << "; continuing from the newest good one";
+            resume = true;
+            break;
+        }
+      }
+    } catch (const std::exception& e) {
+      refused = e.what();
+    }
+  }
+  // Every rank throws rank 0's message, or none does.
+  const std::string rank0_refused = gather_texts(mesh_.world(), refused).front();
+  if (!rank0_refused.empty()) throw Error(rank0_refused);
+  // Every rank resumes or none: rank 0's finding, broadcast.
+  at::Tensor flag = at::full({1}, resume ? 1 : 0, at::kLong);
+  mesh_.world().broadcast(flag, 0)->wait();
+  if (flag.item<int64_t>() != 0) options_.resume = ResumeMode::kAuto;
+}
+
+void Trainer::take_save_dir() {
+  // One run per checkpoint directory, for this trainer's lifetime (rank 0 holds the lock).
+  std::string refused;
+  if (mesh_.world().rank() == 0) {
+    try {
+      save_dir_lock_ = std::make_unique<DirectoryLock>(options_.save_dir);
+    } catch (const Error& e) {
+      refused = e.what();
+    }
+  }
+  if (!failing_ranks(!refused.empty()).empty()) {
+    throw Error(refused.empty() ? "the checkpoint directory '" + options_.save_dir +
+                                      "' is in use by another run (rank 0 says which)"
+                                : refused);
+  }
+  if (options_.resume == ResumeMode::kNo) start_fresh_in_save_dir();
+}
+
+}  // namespace dtrain::engine
