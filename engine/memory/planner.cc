@@ -349,6 +349,41 @@ int64_t MemoryComponents::allocated_peak() const {
 
 int64_t MemoryComponents::total() const { return allocated_peak() + workspace + cuda_context; }
 
+namespace {
+
+// Where the optimizer's state (and, with offload, the weights' host copies) lives: on the
+// host for optimizer offload (the range's fp32 master, state and gradient copy) and for the
+// streamed blocks; this rank's range under --shard; everything else on the device.
+void add_optimizer_and_host(const Technique& t, int64_t bpp, int64_t nstate, int64_t local, int64_t range,
+                            int64_t offloaded_layers, MemoryEstimate& e) {
+  if (t.offload_optimizer) {
+    // The CPU optimizer's shard: fp32 master weights, fp32 state, an fp32 gradient copy.
+    e.host.optimizer_state = range * 4 * (1 + nstate);
+    e.host.gradients = range * 4;
+    e.host.other = kOffloadStagingBytes;
+    // ZeRO-3's offloaded layout keeps the range's gradients in fp32 on the device for the copy
+    // (fp32 weights read the reducer's buckets in place).
+    if (t.shard == 3 && bpp == 2) e.gpu.optimizer_state = range * 4;
+  } else if (t.shard > 0) {
+    // ShardedOptimizer: the state of the range in the master dtype; bf16/fp16 weights add an
+    // fp32 master copy and an fp32 gradient shard (fp32/fp64 ones read the range of the
+    // reducer's buckets in place).
+    const int64_t master_bytes = bpp == 2 ? 4 : bpp;
+    e.gpu.optimizer_state = range * master_bytes * nstate + (bpp == 2 ? range * 4 * 2 : 0);
+  } else {
+    e.gpu.optimizer_state = (local - offloaded_layers) * bpp * nstate;
+    // The streamed blocks' update runs on the host: master weights + state there.
+    e.host.optimizer_state = offloaded_layers * 4 * (1 + nstate);
+  }
+  if (offloaded_layers > 0) {
+    e.host.parameters = offloaded_layers * bpp;
+    e.host.gradients += offloaded_layers * bpp;
+    e.host.other = kOffloadStagingBytes;
+  }
+}
+
+}  // namespace
+
 MemoryEstimate estimate(const PlanInputs& in, const ActivationProfile& profile,
                         const Technique& t) {
   validate(in);
@@ -399,31 +434,7 @@ MemoryEstimate estimate(const PlanInputs& in, const ActivationProfile& profile,
     e.gpu.parameters = range * bpp;
     gathered_units = 2 * std::min(in.largest_unit_parameters, local) * bpp;
   }
-  if (t.offload_optimizer) {
-    // The CPU optimizer's shard: fp32 master weights, fp32 state, an fp32 gradient copy.
-    const int64_t shard = range;
-    e.host.optimizer_state = shard * 4 * (1 + nstate);
-    e.host.gradients = shard * 4;
-    e.host.other = kOffloadStagingBytes;
-    // ZeRO-3's offloaded layout keeps the range's gradients in fp32 on the device for the copy
-    // (fp32 weights read the reducer's buckets in place).
-    if (t.shard == 3 && bpp == 2) e.gpu.optimizer_state = range * 4;
-  } else if (t.shard > 0) {
-    // ShardedOptimizer: the state of the range in the master dtype; bf16/fp16 weights add an
-    // fp32 master copy and an fp32 gradient shard (fp32/fp64 ones read the range of the
-    // reducer's buckets in place).
-    const int64_t master_bytes = bpp == 2 ? 4 : bpp;
-    e.gpu.optimizer_state = range * master_bytes * nstate + (bpp == 2 ? range * 4 * 2 : 0);
-  } else {
-    e.gpu.optimizer_state = (local - offloaded_layers) * bpp * nstate;
-    // The streamed blocks' update runs on the host: master weights + state there.
-    e.host.optimizer_state = offloaded_layers * 4 * (1 + nstate);
-  }
-  if (offloaded_layers > 0) {
-    e.host.parameters = offloaded_layers * bpp;
-    e.host.gradients += offloaded_layers * bpp;
-    e.host.other = kOffloadStagingBytes;
-  }
+  add_optimizer_and_host(t, bpp, nstate, local, range, offloaded_layers, e);
   // A pipeline stage: the micro-batch in backward at its peak, the others in flight holding
   // what their forward left for their backward.
   e.in_flight = pipeline_in_flight(in, t.accum_steps);

@@ -459,18 +459,18 @@ void GradReducer::State::rebuild() {
   build(assign_buckets(params, order, options.first_bucket_bytes, options.bucket_bytes));
 }
 
-GradReducer::GradReducer(std::vector<at::Tensor> params, dist::Communicator& comm,
-                         ReducerOptions options)
-    : params_(std::move(params)) {
-  DTRAIN_CHECK(!params_.empty(), "GradReducer needs at least one parameter");
-  DTRAIN_CHECK(options.names.empty() || options.names.size() == params_.size(),
-               "ReducerOptions.names has ", options.names.size(), " names for ", params_.size(),
+namespace {
+
+void check_reducer_inputs(const std::vector<at::Tensor>& params, const ReducerOptions& options) {
+  DTRAIN_CHECK(!params.empty(), "GradReducer needs at least one parameter");
+  DTRAIN_CHECK(options.names.empty() || options.names.size() == params.size(),
+               "ReducerOptions.names has ", options.names.size(), " names for ", params.size(),
                " parameters");
   DTRAIN_CHECK(options.bucket_bytes > 0 && options.first_bucket_bytes > 0,
                "bucket sizes must be positive (got first ", options.first_bucket_bytes, ", then ",
                options.bucket_bytes, " bytes)");
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const at::Tensor& p = params_[i];
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
     DTRAIN_CHECK(p.defined() && p.requires_grad() && p.is_leaf(), "parameter ",
                  param_label(options.names, i), " must be a leaf tensor that requires grad");
     DTRAIN_CHECK(p.is_contiguous(), "parameter ", param_label(options.names, i),
@@ -482,6 +482,46 @@ GradReducer::GradReducer(std::vector<at::Tensor> params, dist::Communicator& com
                "ReducerOptions.release_unowned needs ReducerOptions.owned (which rank owns which gradients)");
   DTRAIN_CHECK(!options.owned_gradients_only || options.release_unowned,
                "ReducerOptions.owned_gradients_only needs ReducerOptions.release_unowned");
+}
+
+// The options' bucket strategy when none is given: all-reduce, or reduce to each gradient's
+// owner, either compressed.
+std::shared_ptr<BucketComm> default_bucket_comm(const ReducerOptions& options, int ranks, int64_t total) {
+  std::unique_ptr<BucketComm> made;
+  if (options.owned.empty()) {
+    made = std::make_unique<AllReduceBuckets>();
+  } else {
+    made = std::make_unique<ReduceToOwnerBuckets>(options.owned, ranks, total);
+  }
+  if (options.compress) made = std::make_unique<CompressedBuckets>(std::move(made), *options.compress);
+  return made;
+}
+
+// For each parameter, the first and last rank whose owned range it overlaps.
+std::vector<std::pair<int, int>> owner_spans_of(const std::vector<at::Tensor>& params,
+                                                const std::vector<int64_t>& flat_offsets,
+                                                const std::vector<std::pair<int64_t, int64_t>>& owned) {
+  std::vector<std::pair<int, int>> spans;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const int64_t a = flat_offsets[i], e = a + params[i].numel();
+    std::pair<int, int> span{-1, -1};
+    for (int r = 0; r < static_cast<int>(owned.size()); ++r) {
+      if (std::max(a, owned[r].first) < std::min(e, owned[r].second)) {
+        if (span.first < 0) span.first = r;
+        span.second = r;
+      }
+    }
+    spans.push_back(span);
+  }
+  return spans;
+}
+
+}  // namespace
+
+GradReducer::GradReducer(std::vector<at::Tensor> params, dist::Communicator& comm,
+                         ReducerOptions options)
+    : params_(std::move(params)) {
+  check_reducer_inputs(params_, options);
   // The bucket strategy first: its bad options throw before any collective.
   std::shared_ptr<BucketComm> bucket_comm = options.bucket_comm;
   std::vector<int64_t> flat_offsets;
@@ -490,16 +530,7 @@ GradReducer::GradReducer(std::vector<at::Tensor> params, dist::Communicator& com
     flat_offsets.push_back(total);
     total += p.numel();
   }
-  if (!bucket_comm) {
-    std::unique_ptr<BucketComm> made;
-    if (options.owned.empty()) {
-      made = std::make_unique<AllReduceBuckets>();
-    } else {
-      made = std::make_unique<ReduceToOwnerBuckets>(options.owned, comm.size(), total);
-    }
-    if (options.compress) made = std::make_unique<CompressedBuckets>(std::move(made), *options.compress);
-    bucket_comm = std::move(made);
-  }
+  if (!bucket_comm) bucket_comm = default_bucket_comm(options, comm.size(), total);
   DTRAIN_CHECK(!options.release_unowned || bucket_comm->consecutive_buckets(), "ReducerOptions.release_unowned needs a ",
                "bucket strategy over consecutive buckets (", bucket_comm->name(), " is not)");
   check_same_parameters(params_, comm, options.names);
@@ -526,17 +557,7 @@ GradReducer::GradReducer(std::vector<at::Tensor> params, dist::Communicator& com
       if (state_->options.owned_gradients_only && one_kind) {
         state_->owned = at::zeros({state_->mine.end - state_->mine.begin}, params_.front().options());
       }
-      for (size_t i = 0; i < params_.size(); ++i) {
-        const int64_t a = flat_offsets[i], e = a + params_[i].numel();
-        std::pair<int, int> span{-1, -1};
-        for (int r = 0; r < comm.size(); ++r) {
-          if (std::max(a, owned[r].first) < std::min(e, owned[r].second)) {
-            if (span.first < 0) span.first = r;
-            span.second = r;
-          }
-        }
-        owner_spans.push_back(span);
-      }
+      owner_spans = owner_spans_of(params_, flat_offsets, owned);
     }
     state_->flat_offsets = std::move(flat_offsets);
     state_->rebuilt = true;  // the buckets stay consecutive ranges of the flat space

@@ -63,6 +63,39 @@ std::pair<int64_t, int64_t> parse_position(const std::string& text, const std::s
   return {epoch, index};
 }
 
+// Meta "flat.params": name:elements, comma-separated, in the flat space's order.
+std::vector<std::pair<std::string, int64_t>> parse_flat_params(const std::string& text, const std::string& source) {
+  std::vector<std::pair<std::string, int64_t>> out;
+  std::istringstream in(text);
+  for (std::string item; std::getline(in, item, ',');) {
+    const auto colon = item.rfind(':');
+    DTRAIN_CHECK(colon != std::string::npos, source, ": malformed meta 'flat.params' entry '", item, "'");
+    out.emplace_back(item.substr(0, colon), std::stoll(item.substr(colon + 1)));
+  }
+  return out;
+}
+
+// Meta "tp.splits": name=dim:parts:full:padded, semicolon-separated.
+std::map<std::string, ShardSpec> parse_tp_splits(const std::string& text, const std::string& source) {
+  std::map<std::string, ShardSpec> out;
+  std::istringstream in(text);
+  for (std::string item; std::getline(in, item, ';');) {
+    const auto eq = item.find('=');
+    DTRAIN_CHECK(eq != std::string::npos, source, ": malformed meta 'tp.splits' entry '", item, "'");
+    out[item.substr(0, eq)] = shard_spec_from_text(item.substr(eq + 1), source);
+  }
+  return out;
+}
+
+// A tensor-parallel rank's partitioned state entry `slot`.
+at::Tensor slot_of(const ShardState& state, const std::string& slot, const std::string& source) {
+  for (const auto& [name, t] : state.tensors) {
+    if (name == slot) return t;
+  }
+  throw Error(detail::concat("checkpoint ", source, ": a tensor-parallel rank's partitioned state has no '", slot,
+                             "' (the ranks' files disagree)"));
+}
+
 }  // namespace
 
 at::Tensor Trainer::host_copy(const std::string& key, const at::Tensor& t, HostStaging::Source source,
@@ -451,26 +484,10 @@ ShardState Trainer::whole_from_other_tp(const CheckpointStore& store, const Chec
                "tensor-parallel splits; resume it with --tp=", saved_tp);
   // The saved flat space: every parameter (whole model, stage after stage) with its elements
   // on each tensor-parallel rank, and the splits of those that are split.
-  std::vector<std::pair<std::string, int64_t>> saved;
+  const std::vector<std::pair<std::string, int64_t>> saved = parse_flat_params(data.meta.at("flat.params"), source);
   int64_t saved_numel = 0;
-  {
-    std::istringstream in(data.meta.at("flat.params"));
-    for (std::string item; std::getline(in, item, ',');) {
-      const auto colon = item.rfind(':');
-      DTRAIN_CHECK(colon != std::string::npos, source, ": malformed meta 'flat.params' entry '", item, "'");
-      saved.emplace_back(item.substr(0, colon), std::stoll(item.substr(colon + 1)));
-      saved_numel += saved.back().second;
-    }
-  }
-  std::map<std::string, ShardSpec> splits;
-  {
-    std::istringstream in(data.meta.at("tp.splits"));
-    for (std::string item; std::getline(in, item, ';');) {
-      const auto eq = item.find('=');
-      DTRAIN_CHECK(eq != std::string::npos, source, ": malformed meta 'tp.splits' entry '", item, "'");
-      splits[item.substr(0, eq)] = shard_spec_from_text(item.substr(eq + 1), source);
-    }
-  }
+  for (const auto& [name, n] : saved) saved_numel += n;
+  const std::map<std::string, ShardSpec> splits = parse_tp_splits(data.meta.at("tp.splits"), source);
   // Each saved tensor-parallel rank's whole flat space (every stage, every data-parallel range).
   std::vector<ShardState> per_rank;
   for (int t = 0; t < saved_tp; ++t) {
@@ -483,13 +500,7 @@ ShardState Trainer::whole_from_other_tp(const CheckpointStore& store, const Chec
     where[name] = {offset, n};
     offset += n;
   }
-  auto entry = [&](const ShardState& state, const std::string& slot) {
-    for (const auto& [name, t] : state.tensors) {
-      if (name == slot) return t;
-    }
-    throw Error(detail::concat("checkpoint ", source, ": a tensor-parallel rank's partitioned state has no '", slot,
-                               "' (the ranks' files disagree)"));
-  };
+  auto entry = [&](const ShardState& state, const std::string& slot) { return slot_of(state, slot, source); };
   // This rank's flat space: its parameters' whole tensors, cut for this --tp, end to end.
   ShardState out;
   int64_t numel = 0;
@@ -542,9 +553,30 @@ ShardState Trainer::whole_from_other_tp(const CheckpointStore& store, const Chec
   return out;
 }
 
+void Trainer::take_stage_part(CheckpointData& data, NamedTensors& local) const {
+  std::unordered_set<std::string> mine;
+  for (const auto& item : model_.named_parameters()) mine.insert(item.key());
+  for (const auto& item : model_.named_buffers()) mine.insert(item.key());
+  NamedTensors part;
+  for (auto& [name, t] : local) {
+    if (mine.count(name)) part.emplace_back(name, t);
+  }
+  local = std::move(part);
+  NamedTensors state;
+  const int64_t begin = pp_param_offset_, end = begin + static_cast<int64_t>(params_.size());
+  for (auto& [name, t] : data.optimizer) {
+    const int64_t i = param_index_of(name);
+    if (i < 0) {
+      state.emplace_back(name, t);
+    } else if (i >= begin && i < end) {
+      state.emplace_back(shift_param_index(name, -begin), t);
+    }
+  }
+  data.optimizer = std::move(state);
+}
+
 void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& info,
                            DataLoader* loader) {
-  dist::Communicator& world = mesh_.world();
   CheckpointData data = store.load(info.path);
   // A ZeRO-3 checkpoint keeps the weights in the ranks' partitioned state only.
   const auto partitioned_weights = data.meta.find("model.partitioned");
@@ -555,29 +587,9 @@ void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& i
   GatheredUnits gathered(weights_partitioned ? nullptr : units_.get());
   // The model: every tensor-parallel layout resumes from the unsplit tensors.
   NamedTensors local = data.model;
-  if (mesh_.pp_size() > 1) {
-    // A pipeline stage takes its part of the whole model, and its parameters' optimizer state
-    // (renumbered from the whole model's indices to the stage's).
-    std::unordered_set<std::string> mine;
-    for (const auto& item : model_.named_parameters()) mine.insert(item.key());
-    for (const auto& item : model_.named_buffers()) mine.insert(item.key());
-    NamedTensors part;
-    for (auto& [name, t] : local) {
-      if (mine.count(name)) part.emplace_back(name, t);
-    }
-    local = std::move(part);
-    NamedTensors state;
-    const int64_t begin = pp_param_offset_, end = begin + static_cast<int64_t>(params_.size());
-    for (auto& [name, t] : data.optimizer) {
-      const int64_t i = param_index_of(name);
-      if (i < 0) {
-        state.emplace_back(name, t);
-      } else if (i >= begin && i < end) {
-        state.emplace_back(shift_param_index(name, -begin), t);
-      }
-    }
-    data.optimizer = std::move(state);
-  }
+  // A pipeline stage takes its part of the whole model, and its parameters' optimizer state
+  // (renumbered from the whole model's indices to the stage's).
+  if (mesh_.pp_size() > 1) take_stage_part(data, local);
   for (auto& [name, t] : local) {
     auto spec = specs_.find(name);
     if (spec != specs_.end()) t = shard_of(t, spec->second, mesh_.tp_rank(), mesh_.tp_size());
@@ -606,6 +618,12 @@ void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& i
     step_ = data.step;
     return;
   }
+  restore_optimizer(store, data, info, saved_partitioned, whole);
+  restore_progress(store, data, info, loader);
+}
+
+void Trainer::restore_optimizer(const CheckpointStore& store, const CheckpointData& data, const CheckpointInfo& info,
+                                bool saved_partitioned, const std::optional<ShardState>& whole) {
   // The replicated optimizer state, sharded over tp the way the parameters are.
   NamedTensors replicated = data.optimizer;
   for (auto& [name, t] : replicated) {
@@ -644,6 +662,11 @@ void Trainer::restore_from(const CheckpointStore& store, const CheckpointInfo& i
     throw Error(detail::concat(info.path, ": the optimizer state does not fit this run (",
                                e.what(), "); resume with the same --optimizer and model"));
   }
+}
+
+void Trainer::restore_progress(const CheckpointStore& store, const CheckpointData& data, const CheckpointInfo& info,
+                               DataLoader* loader) {
+  dist::Communicator& world = mesh_.world();
   if (!data.scaler.empty() && scaler_->enabled()) scaler_->load_state(data.scaler);
   if (pruner_ && !data.masks.empty()) {
     pruner_->load_masks(data.masks);  // collective over tp

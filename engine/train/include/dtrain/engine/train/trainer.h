@@ -338,6 +338,14 @@ class Trainer {
   std::string failing_ranks(bool failed);
   // resume_checkpoint()'s loads and restores on this rank (no collectives; may throw).
   void restore_from(const CheckpointStore& store, const CheckpointInfo& info, DataLoader* loader);
+  // restore_from()'s parts: a pipeline stage's part of the whole model (and its parameters'
+  // optimizer state renumbered to the stage's); the optimizer's state from any layout; the
+  // scaler, masks, random streams, step and loader positions.
+  void take_stage_part(CheckpointData& data, NamedTensors& local) const;
+  void restore_optimizer(const CheckpointStore& store, const CheckpointData& data, const CheckpointInfo& info,
+                         bool saved_partitioned, const std::optional<ShardState>& whole);
+  void restore_progress(const CheckpointStore& store, const CheckpointData& data, const CheckpointInfo& info,
+                        DataLoader* loader);
   void back_off(int64_t batch_rows);
   void apply_update(StepMetrics& m, bool& skipped, const at::Tensor& loss_sum);
   // fp32/bf16: whether this step's loss or gradient norm is non-finite on any rank (collective).
