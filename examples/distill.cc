@@ -14,6 +14,7 @@
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/parallel/distill.h"
 #include "dtrain/engine/state/checkpoint.h"
+#include "dtrain/engine/train/load.h"
 
 DEFINE_string(teacher, "", "distil from this trained run's checkpoint directory (its shape from the checkpoint or --teacher_<shape flag>)");
 DEFINE_double(distill_temperature, 2.0, "with --teacher: softmax temperature T of the soft targets");
@@ -42,7 +43,7 @@ std::string teacher_flag(const std::string& name) {
 
 struct TeacherState {
   ExampleModel model;
-  std::unique_ptr<engine::Trainer> loader;  // evaluation-only: what loaded the weights
+  int64_t step = 0;  // of the checkpoint its weights came from
 };
 
 }  // namespace
@@ -106,14 +107,8 @@ std::string build_teacher(const Run& run, const ExampleModel& student, const std
 
 // The teacher's weights from its checkpoint, cast and streamed as asked.
 void load_teacher(const Run& run, TeacherState& teacher, const std::string& shape) {
-  engine::TrainerOptions o;
-  o.evaluation_only = true;  // weights only: no optimizer state, no lock on the teacher's directory
-  o.save_dir = FLAGS_teacher;
-  o.resume = engine::ResumeMode::kYes;
-  o.progress = false;
-  teacher.loader = make_trainer(run, teacher.model, o);
   try {
-    teacher.loader->resume_checkpoint(nullptr, /*required=*/true);
+    teacher.step = engine::load_weights(FLAGS_teacher, *teacher.model.module, *run.mesh, run.device);
   } catch (const Error& e) {
     throw Error(detail::concat("--teacher=", FLAGS_teacher, ": ", e.what(), ". The teacher was built with",
                                shape.empty() ? " the student's shape" : shape, "; give its shape with --teacher_<flag> "
@@ -145,7 +140,7 @@ void attach_teacher(const Run& run, ExampleModel& student) {
   for (const auto& p : teacher->model.module->parameters()) teacher_params += p.numel();
   for (const auto& p : student.module->parameters()) student_params += p.numel();
   if (run.world.rank == 0) {
-    LOG(INFO) << "distilling from the teacher of step " << teacher->loader->current_step() << " in " << FLAGS_teacher
+    LOG(INFO) << "distilling from the teacher of step " << teacher->step << " in " << FLAGS_teacher
               << " (" << (shape.empty() ? std::string("the student's shape") : shape.substr(1)) << "; " << teacher_params
               << " parameters on this rank, the student " << student_params << "), T=" << FLAGS_distill_temperature
               << ", alpha=" << FLAGS_distill_alpha << (FLAGS_teacher_bf16 ? ", teacher in bf16" : "")

@@ -31,6 +31,7 @@
 #include "dtrain/engine/state/checkpoint.h"
 #include "dtrain/engine/state/export.h"
 #include "dtrain/engine/train/cli.h"
+#include "dtrain/engine/train/load.h"
 #include "dtrain/engine/train/trainer.h"
 #include "model_factory.h"
 
@@ -79,19 +80,10 @@ void check_export_flags(const examples::Run& run) {
 
 // The checkpoint's weights in the unsplit model, as an evaluation-only resume loads them; the
 // checkpoint's step.
-int64_t load_weights(const examples::Run& run, examples::ExampleModel& m) {
-  engine::TrainerOptions o = examples::trainer_options(run, m.default_optimizer);
-  o.evaluation_only = true;  // weights only: no optimizer state, no lock on the directory
-  o.save_dir = FLAGS_checkpoint;
-  o.resume = engine::ResumeMode::kYes;
-  o.metrics_path.clear();
-  o.tensorboard_dir.clear();
-  o.timeline_path.clear();
-  o.progress = false;
-  std::unique_ptr<engine::Trainer> trainer = examples::make_trainer(run, m, o);
-  trainer->resume_checkpoint(nullptr, /*required=*/true);
+int64_t load_checkpoint(const examples::Run& run, examples::ExampleModel& m) {
+  const int64_t step = engine::load_weights(FLAGS_checkpoint, *m.module, *run.mesh, run.device);
   m.module->eval();
-  return trainer->current_step();
+  return step;
 }
 
 // --format=safetensors (int8 with --quantize); returns what was written, for the summary.
@@ -167,7 +159,7 @@ int export_main(int argc, char** argv) {
                                          examples::model_flag_names(model_name), engine::cli::kRanks);
   check_export_flags(run);
   examples::ExampleModel m = examples::build_example_model(model_name, run);
-  const int64_t step = load_weights(run, m);
+  const int64_t step = load_checkpoint(run, m);
   int64_t parameters = 0;
   for (const auto& p : m.module->parameters()) parameters += p.numel();
   const std::string detail =

@@ -548,6 +548,20 @@ TEST(EvaluationOnly, NoOptimizerStateNorGradientsAndTheSameEvaluationOfACheckpoi
            [&] { lean.step(a.next()); }, [&] { lean.fit(a); }, [&] { lean.save_checkpoint(nullptr); }}) {
     EXPECT_NE(testing_util::error_of(attempt).find("built for evaluation only"), std::string::npos);
   }
+  // The same weights through load_weights(), no Trainer of the caller's (the directory stays
+  // the training run's: nothing is locked or written).
+  torch::nn::Linear loaded(512, 512);
+  EXPECT_EQ(load_weights(dir.path(), *loaded, mesh, c10::Device(c10::kCPU)), 3);
+  EXPECT_TRUE(at::equal(loaded->weight, trained->weight));
+  EXPECT_TRUE(at::equal(loaded->bias, trained->bias));
+  TempDir empty;
+  EXPECT_NE(testing_util::error_of([&] { load_weights(empty.path(), *loaded, mesh, c10::Device(c10::kCPU)); })
+                .find("'" + empty.path() + "' holds no good checkpoint"),
+            std::string::npos);
+  torch::nn::Linear other(512, 256);
+  EXPECT_NE(testing_util::error_of([&] { load_weights(dir.path(), *other, mesh, c10::Device(c10::kCPU)); })
+                .find("weight"),
+            std::string::npos);
 }
 
 // The process killed while the background thread writes step 4: the checkpoint of step 2 is

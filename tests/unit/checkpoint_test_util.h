@@ -26,6 +26,7 @@
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/train/preemption.h"
 #include "dtrain/engine/memory/memory.h"
+#include "dtrain/engine/train/load.h"
 #include "dtrain/engine/train/trainer.h"
 #include "dtrain/dist/mesh.h"
 #include "test_fs.h"
