@@ -71,11 +71,6 @@ void check_export_flags(const examples::Run& run) {
   DTRAIN_CHECK(FLAGS_example_rows >= 1, "--example_rows=", FLAGS_example_rows, " must be >= 1");
   engine::check_output_path(FLAGS_output, "--output");
   if (!FLAGS_write_example.empty()) engine::check_output_path(FLAGS_write_example, "--write_example");
-  std::vector<std::string> skipped;
-  const auto newest = engine::CheckpointStore(FLAGS_checkpoint).latest_good(&skipped);
-  DTRAIN_CHECK(newest.has_value(), "--checkpoint=", FLAGS_checkpoint, " holds no good checkpoint",
-               skipped.empty() ? "" : " (" + std::to_string(skipped.size()) + " damaged or incomplete one(s) skipped)",
-               "; point it at a training run's --save_dir");
 }
 
 // The checkpoint's weights in the unsplit model, as an evaluation-only resume loads them; the

@@ -1,21 +1,12 @@
 #include "dtrain/engine/train/load.h"
 
-#include <string>
-#include <vector>
-
 #include "dtrain/dist/error.h"
-#include "dtrain/engine/state/checkpoint.h"
 #include "dtrain/engine/train/trainer.h"
 
 namespace dtrain::engine {
 
 int64_t load_weights(const std::string& save_dir, torch::nn::Module& model, dist::Mesh& mesh, c10::Device device) {
   DTRAIN_CHECK(!save_dir.empty(), "load_weights: the checkpoint directory is empty; pass the run's --save_dir");
-  std::vector<std::string> skipped;
-  DTRAIN_CHECK(CheckpointStore(save_dir).latest_good(&skipped).has_value(), "load_weights: '", save_dir,
-               "' holds no good checkpoint",
-               skipped.empty() ? "" : " (" + std::to_string(skipped.size()) + " damaged or incomplete one(s) skipped)",
-               "; point it at a training run's --save_dir");
   TrainerOptions o;
   o.evaluation_only = true;  // weights only: no optimizer state, no lock on the directory
   o.save_dir = save_dir;
@@ -25,7 +16,9 @@ int64_t load_weights(const std::string& save_dir, torch::nn::Module& model, dist
   // The restore path every layout's resume takes; the loss is never called.
   LossFn no_loss = [](const Batch&) -> at::Tensor { throw Error("load_weights: the model is not trained here"); };
   Trainer loader(model, no_loss, mesh, device, o);
-  loader.resume_checkpoint(nullptr, /*required=*/true);
+  // The resume's own search verifies the files once (a damaged checkpoint is logged and skipped).
+  DTRAIN_CHECK(loader.resume_checkpoint(nullptr, /*required=*/false), "load_weights: '", save_dir,
+               "' holds no good checkpoint; point it at a training run's --save_dir");
   return loader.current_step();
 }
 

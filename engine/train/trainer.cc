@@ -123,7 +123,7 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
   }
   if (!options_.evaluation_only) {
     trainer_setup::UpdateParts parts =
-        trainer_setup::build_update({model_, trained, specs_, mesh_, device_, options_}, std::move(reducer_options));
+        trainer_setup::build_update({model_, trained, specs_, sharded_, mesh_, device_, options_}, std::move(reducer_options));
     sparse_reducer_ = std::move(parts.sparse_reducer);
     optimizer_ = std::move(parts.optimizer);
     units_ = std::move(parts.units);

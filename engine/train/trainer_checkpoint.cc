@@ -396,7 +396,7 @@ bool Trainer::resume_checkpoint(DataLoader* loader, bool required) {
   dist::Communicator& world = mesh_.world();
   std::optional<CheckpointInfo> info = agree_latest_good(store, world);
   if (!info && !required) {
-    if (world.rank() == 0) {
+    if (world.rank() == 0 && !options_.evaluation_only) {
       LOG(INFO) << "--resume=auto: no checkpoint in " << options_.save_dir << " yet; starting at step 1";
     }
     return false;

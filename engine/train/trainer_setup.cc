@@ -10,44 +10,36 @@
 #include "dtrain/engine/optim/sparse_optim.h"
 
 namespace dtrain::engine::trainer_setup {
-namespace {
-
-template <typename T>
-std::string text(const T& value) {
-  return setting_text(value);
-}
-
-}  // namespace
 
 Settings settings_of(const TrainerOptions& o) {
   const OptimizerOptions& opt = o.optimizer;
   Settings s = {
-      {"steps", text(o.steps)}, {"accum_steps", text(o.accum_steps)}, {"amp", to_string(o.amp)},
-      {"optimizer", opt.name}, {"lr", text(opt.lr)}, {"weight_decay", text(opt.weight_decay)},
-      {"momentum", text(opt.momentum)}, {"dampening", text(opt.dampening)}, {"nesterov", text(opt.nesterov)},
-      {"beta1", text(opt.beta1)}, {"beta2", text(opt.beta2)}, {"eps", text(opt.eps)},
-      {"amsgrad", text(opt.amsgrad)}, {"lr_decay", text(opt.lr_decay)},
-      {"initial_accumulator_value", text(opt.initial_accumulator_value)},
-      {"schedule", o.schedule.name}, {"warmup_steps", text(o.schedule.warmup_steps)},
-      {"total_steps", text(o.schedule.total_steps)}, {"min_lr_ratio", text(o.schedule.min_lr_ratio)},
-      {"clip_grad_norm", text(o.clip_grad_norm)}, {"report_grad_norm", text(o.report_grad_norm)},
-      {"eval_every", text(o.eval_every)}, {"eval_samples", text(o.eval_samples)},
-      {"oom_backoff", text(o.oom_backoff)}, {"offload_optimizer", text(o.offload_optimizer)},
+      {"steps", setting_text(o.steps)}, {"accum_steps", setting_text(o.accum_steps)}, {"amp", to_string(o.amp)},
+      {"optimizer", opt.name}, {"lr", setting_text(opt.lr)}, {"weight_decay", setting_text(opt.weight_decay)},
+      {"momentum", setting_text(opt.momentum)}, {"dampening", setting_text(opt.dampening)}, {"nesterov", setting_text(opt.nesterov)},
+      {"beta1", setting_text(opt.beta1)}, {"beta2", setting_text(opt.beta2)}, {"eps", setting_text(opt.eps)},
+      {"amsgrad", setting_text(opt.amsgrad)}, {"lr_decay", setting_text(opt.lr_decay)},
+      {"initial_accumulator_value", setting_text(opt.initial_accumulator_value)},
+      {"schedule", o.schedule.name}, {"warmup_steps", setting_text(o.schedule.warmup_steps)},
+      {"total_steps", setting_text(o.schedule.total_steps)}, {"min_lr_ratio", setting_text(o.schedule.min_lr_ratio)},
+      {"clip_grad_norm", setting_text(o.clip_grad_norm)}, {"report_grad_norm", setting_text(o.report_grad_norm)},
+      {"eval_every", setting_text(o.eval_every)}, {"eval_samples", setting_text(o.eval_samples)},
+      {"oom_backoff", setting_text(o.oom_backoff)}, {"offload_optimizer", setting_text(o.offload_optimizer)},
       {"offload.stream_gradients", o.offload.stream_gradients},
-      {"offload.delayed_update_after", text(o.offload.delayed_update_after)},
-      {"offload.reduce_to_owner", text(o.offload.reduce_to_owner)},
-      {"reducer.bucket_bytes", text(o.reducer.bucket_bytes)},
-      {"reducer.first_bucket_bytes", text(o.reducer.first_bucket_bytes)},
+      {"offload.delayed_update_after", setting_text(o.offload.delayed_update_after)},
+      {"offload.reduce_to_owner", setting_text(o.offload.reduce_to_owner)},
+      {"reducer.bucket_bytes", setting_text(o.reducer.bucket_bytes)},
+      {"reducer.first_bucket_bytes", setting_text(o.reducer.first_bucket_bytes)},
       {"reducer.compress", o.reducer.compress ? c10::toString(*o.reducer.compress) : "off"},
-      {"reducer.find_unused_parameters", text(o.reducer.find_unused_parameters)},
-      {"save_every", text(o.save_every)}, {"keep_last", text(o.keep_last)}, {"resume", to_string(o.resume)},
+      {"reducer.find_unused_parameters", setting_text(o.reducer.find_unused_parameters)},
+      {"save_every", setting_text(o.save_every)}, {"keep_last", setting_text(o.keep_last)}, {"resume", to_string(o.resume)},
       {"save_dir_exists", to_string(o.save_dir_exists)},
-      {"saves checkpoints", text(!o.save_dir.empty())}, {"handle_preemption", text(o.handle_preemption)},
+      {"saves checkpoints", setting_text(!o.save_dir.empty())}, {"handle_preemption", setting_text(o.handle_preemption)},
       {"on_nonfinite", o.on_nonfinite == NonFinitePolicy::kStop ? "stop" : "skip"},
-      {"max_nonfinite_skips", text(o.max_nonfinite_skips)}, {"pipeline.schedule", to_string(o.pipeline.schedule)}};
+      {"max_nonfinite_skips", setting_text(o.max_nonfinite_skips)}, {"pipeline.schedule", to_string(o.pipeline.schedule)}};
   if (o.amp == AmpMode::kFp16) {
-    s.push_back({"loss_scaler.init_scale", text(o.loss_scaler.init_scale)});
-    s.push_back({"loss_scaler.growth_interval", text(o.loss_scaler.growth_interval)});
+    s.push_back({"loss_scaler.init_scale", setting_text(o.loss_scaler.init_scale)});
+    s.push_back({"loss_scaler.growth_interval", setting_text(o.loss_scaler.growth_interval)});
   }
   return s;
 }
@@ -130,9 +122,7 @@ void build_sparse(const UpdateInputs& in, ShardMode shard, SparseSplit& s, Reduc
 void build_parameter_sharding(const UpdateInputs& in, UpdateParts& parts) {
   const TrainerOptions& o = in.options;
   check_parameter_sharding(o, false, in.mesh.pp_size());
-  std::vector<bool> tp_sharded;
-  for (const std::string& name : in.trained.names) tp_sharded.push_back(in.specs.count(name) > 0);
-  std::vector<size_t> starts = unit_starts_of(in.trained.names, o.shard_unit_starts, tp_sharded);
+  std::vector<size_t> starts = unit_starts_of(in.trained.names, o.shard_unit_starts, in.tp_sharded);
   std::unique_ptr<ShardedOptimizer> sharded;
   if (o.offload_optimizer) {  // the ZeRO-Offload layout of stage 3
     const char* other = o.offload.delayed_update_after >= 0 ? "--offload_delayed_update_after"

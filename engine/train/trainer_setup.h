@@ -30,6 +30,7 @@ struct UpdateInputs {
   torch::nn::Module& model;
   const TrainedParameters& trained;
   const std::map<std::string, ShardSpec>& specs;
+  const std::vector<bool>& tp_sharded;  // per trained parameter: in specs
   dist::Mesh& mesh;
   c10::Device device;
   const TrainerOptions& options;
