@@ -93,8 +93,8 @@ SETUP_STEPS=(gpuinfo unpack prebuilt configure build save_build)
 TEST_STEPS=(test_np1 test_np2)
 # Declaration order = the tie-break of the priority order (bench_order).
 BENCH_STEPS=(s2s gpt124m nccl_allreduce mpi_allreduce cpu_adam copies offload_layers async_save shard shard3
-             offload6b offload_opt offload_delayed pipeline)
-PROFILE_STEPS=(profile_layers profile_offload profile_delayed)
+             offload6b offload_opt offload_delayed pipeline gpt_anchor)
+PROFILE_STEPS=(profile_gpt profile_s2s profile_layers profile_offload profile_delayed)
 # STEP=LIMIT/MIN in seconds. LIMIT: the most a step may take; MIN: below this it is not worth
 # starting (SKIPPED). GPU_LIMIT_<step>=S and GPU_MIN_<step>=S override them (the plan sees the
 # overrides too). Measured on 2026-11-24 (16 cores): build 91-114 s, gpu.np1 19 s, gpu.mpi.np2 21 s,
@@ -104,8 +104,8 @@ for _t in gpuinfo=10/5 unpack=20/10 prebuilt=30/15 configure=60/30 build=240/120
           test_np1=60/30 test_np2=75/35 \
           s2s=100/60 gpt124m=45/25 nccl_allreduce=30/15 mpi_allreduce=45/25 cpu_adam=60/30 copies=25/15 \
           offload_layers=45/25 async_save=40/25 shard=75/50 shard3=70/45 \
-          offload6b=280/220 offload_opt=70/40 offload_delayed=70/40 pipeline=50/35 \
-          profile_layers=45/30 profile_offload=70/45 profile_delayed=70/45; do
+          offload6b=280/220 offload_opt=70/40 offload_delayed=70/40 pipeline=50/35 gpt_anchor=150/90 \
+          profile_gpt=45/25 profile_s2s=45/25 profile_layers=45/30 profile_offload=70/45 profile_delayed=70/45; do
   _s=${_t%%=*} _t=${_t#*=}
   LIMIT[$_s]=${_t%/*} MIN[$_s]=${_t#*/}
   _v="GPU_LIMIT_$_s"; [[ -n ${!_v:-} ]] && LIMIT[$_s]=${!_v}
@@ -134,6 +134,7 @@ declare -A HASH_DEPS=(
   [offload6b]="$_opt_offload"
   [offload_opt]="$_opt_offload"
   [offload_delayed]="$_opt_offload"
+  [gpt_anchor]="tools/gpt_torch_bench.py tools/zero_torch_bench.py"
   [pipeline]="engine/parallel/pipeline.cc engine/observe/timeline.cc tools/timeline_main.cc $_gpt"
 )
 declare -A HASH_FUNCS=([shard]=zero_runs [shard3]=zero_runs [offload_opt]=gpt13b [offload_delayed]=gpt13b)

@@ -184,6 +184,12 @@ step_gpt124m() {
   bench "gpt124m AMP bf16" 'trained|MFU' \
     "$BIN/train_gpt" --device=cuda --data=synthetic --amp=bf16 --steps=30 --log_every=10 --progress=false
 }
+# PyTorch's own step for the same GPT, eager and torch.compile, in the same command as gpt124m:
+# the anchors of its ratios (tools/gpt_torch_bench.py; compilation is most of the time).
+step_gpt_anchor() {
+  bench "gpt124m AMP bf16, PyTorch eager and torch.compile (tools/gpt_torch_bench.py)" '"bench"' \
+    env PYTHONUNBUFFERED=1 python3 tools/gpt_torch_bench.py --modes=eager,compile --steps=30 --warmup=10
+}
 step_nccl_allreduce() {
   need_build || return 1
   bench "NCCL all-reduce, world size 1 (busbw GB/s, 64 to 256 MiB)" '"bench"' \
@@ -301,9 +307,23 @@ profile_run() {  # profile_run NAME TITLE TRAIN_GPT_ARGS...: the run, then its t
   local name=$1 title=$2 trace="$FILES/profiles/$1.json"
   shift 2
   SHOW="train_gpt $* --profile_out=$name.json; tools/profile_summary.py $name.json" \
-    bench "$title" '.' bash -c 'mkdir -p "$(dirname "$1")" && "${@:2}" && python3 tools/profile_summary.py "$1" &&
+    bench "$title" '.' bash -c 'mkdir -p "$(dirname "$1")" && "${@:2}" && python3 tools/profile_summary.py "$1" --top=25 &&
       gzip -f "$1" "${1%.json}-timeline.json"' _ "$trace" \
     "$BIN/train_gpt" "$@" --profile_out="$trace" --timeline="${trace%.json}-timeline.json"
+}
+step_profile_gpt() {
+  need_build || return 1
+  profile_run gpt "gpt124m AMP bf16, steps 4-5" --device=cuda --data=synthetic --amp=bf16 \
+    --steps=5 --log_every=5 --progress=false --profile_steps=4-5
+}
+step_profile_s2s() {
+  need_build || return 1
+  SHOW="train_seq2seq --amp=bf16 (seed shape) --profile_out=s2s.json; tools/profile_summary.py s2s.json" \
+    bench "s2s AMP bf16, steps 4-5" '.' bash -c 'mkdir -p "$(dirname "$1")" && "${@:2}" &&
+      python3 tools/profile_summary.py "$1" --top=25 && gzip -f "$1" "${1%.json}-timeline.json"' _ "$FILES/profiles/s2s.json" \
+    "$BIN/train_seq2seq" --device=cuda --data=synthetic --amp=bf16 --steps=5 --log_every=5 --workers=2 \
+    --progress=false --profile_steps=4-5 --profile_out="$FILES/profiles/s2s.json" \
+    --timeline="$FILES/profiles/s2s-timeline.json"
 }
 step_profile_layers() {
   need_build || return 1
