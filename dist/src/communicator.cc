@@ -169,10 +169,9 @@ Communicator::~Communicator() {
 
 namespace {
 
-// A collective skipped by skip_collectives(): complete from the start.
-class SkippedWork final : public Work {
+class CompletedWork final : public Work {
  public:
-  explicit SkippedWork(uint64_t seq) : seq_(seq) {}
+  explicit CompletedWork(uint64_t seq) : seq_(seq) {}
   void wait() override {}
   void synchronize() override {}
   bool is_completed() override { return true; }
@@ -183,6 +182,8 @@ class SkippedWork final : public Work {
 };
 
 }  // namespace
+
+WorkPtr completed_work(uint64_t seq) { return std::make_shared<CompletedWork>(seq); }
 
 void Communicator::skip_collectives(uint64_t n) {
   std::lock_guard<std::mutex> lock(*submit_mutex_);
@@ -227,7 +228,7 @@ WorkPtr Communicator::submit(Op op) {
   GroupTurn turn(group_->mutex, group_->mine());
   std::lock_guard<std::mutex> lock(*submit_mutex_);
   if (skip_ > 0) {  // issued before: it keeps the number it had then
-    return std::make_shared<SkippedWork>(seq_ - --skip_);
+    return completed_work(seq_ - --skip_);
   }
   op.seq = ++seq_;
   if (size_ > 1 && op.type != OpType::kBarrier) {

@@ -185,6 +185,12 @@ struct GradReducer::State {
   FlatRange mine;                // this rank's owned range (release_unowned)
   at::Tensor owned;              // owned_gradients_only: the gradients of `mine`
   std::vector<int64_t> flat_offsets;  // consecutive buckets: each parameter's flat-space offset
+  // One rank, plain averaging, no bucket observer: the gradients stay autograd's own (not added
+  // into zeroed bucket views: 1.7 ms of a GPT-124M step on the H100); zero_buckets() drops them.
+  bool local() const {
+    return comm.size() == 1 && !options.compress && options.owned.empty() && !observer && !owned.defined() &&
+           !release_unowned && dynamic_cast<const AllReduceBuckets*>(bucket_comm.get()) != nullptr;
+  }
   void start_step();
   void mark_ready(size_t i);
   void launch_in_order();
@@ -243,6 +249,13 @@ void GradReducer::State::build(const std::vector<std::vector<size_t>>& assignmen
 }
 
 void GradReducer::State::zero_buckets() {
+  if (local()) {
+    for (at::Tensor& p : params) p.mutable_grad().reset();
+    for (Bucket& b : buckets) b.flat = b.wire = at::Tensor();
+    for (at::Tensor& v : views) v.reset();
+    kept.reset();
+    return;
+  }
   if (kept.defined()) kept.zero_();  // every kept bucket, one launch
   if (owned.defined()) owned.zero_();
   for (Bucket& b : buckets) {
@@ -307,6 +320,11 @@ void GradReducer::State::launch_in_order() {
 }
 
 void GradReducer::State::launch(size_t b) {
+  if (local()) {  // nothing to reduce: the gradients are final
+    stats.bucket_launch.push_back(Clock::now());
+    stats.hooks_before_launch.push_back(hooks_fired), stats.bucket_bytes.push_back(0);
+    return;
+  }
   allocate(b);  // a released bucket none of whose parameters got a gradient: zeros
   Bucket& bucket = buckets[b];
   if (!bucket.wire.is_same(bucket.flat)) bucket.wire.copy_(bucket.flat);
@@ -382,12 +400,14 @@ std::exception_ptr GradReducer::State::complete_until(size_t end) {
 
 void GradReducer::State::on_hook(size_t i) {
   std::lock_guard<std::mutex> lock(mutex);
-  // The gradient must live in its bucket; if someone replaced .grad, copy it back.
-  allocate(where[i].first);  // the first gradient of a released bucket
-  at::Tensor& grad = params[i].mutable_grad();
-  if (!grad.defined() || grad.data_ptr() != views[i].data_ptr()) {
-    if (grad.defined()) views[i].copy_(grad);
-    grad = views[i];
+  if (!local()) {
+    // The gradient must live in its bucket; if someone replaced .grad, copy it back.
+    allocate(where[i].first);  // the first gradient of a released bucket
+    at::Tensor& grad = params[i].mutable_grad();
+    if (!grad.defined() || grad.data_ptr() != views[i].data_ptr()) {
+      if (grad.defined()) views[i].copy_(grad);
+      grad = views[i];
+    }
   }
   if (!sync) return;
   if (!in_step) start_step();
@@ -414,7 +434,10 @@ void GradReducer::State::finish_step(bool abandoned) {
   for (size_t i = 0; i < params.size(); ++i) {
     if (!param_ready[i]) missing.push_back(i);
   }
-  for (size_t i : missing) mark_ready(i);
+  for (size_t i : missing) {
+    mark_ready(i);  // and, local(), zeros as the gradient (what its zeroed bucket view held)
+    if (local() && !params[i].grad().defined()) params[i].mutable_grad() = at::zeros_like(params[i]);
+  }
   launch_in_order();
   stats.unused_parameters += static_cast<int>(missing.size());
   if (!missing.empty() && !abandoned && !options.find_unused_parameters && !warned_unused) {

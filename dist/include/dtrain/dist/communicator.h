@@ -81,6 +81,10 @@ class Work {
 };
 using WorkPtr = std::shared_ptr<Work>;
 
+// A Work complete from the start, numbered seq: what an operation that moves nothing returns
+// (a skipped collective, the average over one rank).
+WorkPtr completed_work(uint64_t seq);
+
 // What a communicator's collectives moved (this rank, since it was created). payload: the bytes
 // of the tensors the operations were issued on (all_gather: the gathered output); bus: what
 // each rank sends on a ring, the NCCL-tests convention that the ZeRO paper's counts use:
