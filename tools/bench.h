@@ -28,5 +28,6 @@ int run_engine(BenchContext& ctx);
 int run_cpu_adam(BenchContext& ctx);
 int run_sparse(BenchContext& ctx);
 int run_pipeline(BenchContext& ctx);
+int run_fused_ce(BenchContext& ctx);
 
 }  // namespace dtrain::bench

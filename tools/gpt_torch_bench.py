@@ -27,10 +27,44 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F  # noqa: F401  (the model's)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from zero_torch_bench import Gpt, add_model_flags, dtrain_parameter_count  # noqa: E402
+
+
+def timed_steps(step, a, cuda):
+    """Runs step(i) for i < a.steps: the warm-up's wall time, then each later step's (the device
+    synchronized after it), and the last loss."""
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for i in range(a.warmup):
+        step(i)
+    sync()
+    first = time.perf_counter() - t0
+    times, loss = [], None
+    for i in range(a.warmup, a.steps):
+        t = time.perf_counter()
+        loss = step(i)
+        sync()
+        times.append(time.perf_counter() - t)
+    return first, times, loss
+
+
+def run_modes(p, a, run_mode, who):
+    """Checks the flags both benchmarks share, then runs each of --modes."""
+    if a.steps <= a.warmup:
+        p.error(f"--steps ({a.steps}) must exceed --warmup ({a.warmup})")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print(f"{who}: no CUDA device; this benchmark runs on the GPU machine", file=sys.stderr)
+        sys.exit(1)
+    for mode in a.modes.split(","):
+        if mode not in ("eager", "compile"):
+            p.error(f"--modes: '{mode}' is not one of eager, compile")
+        run_mode(a, mode)
+        if a.device == "cuda":
+            torch.cuda.empty_cache()
 
 
 def run_mode(a, mode):
@@ -57,21 +91,7 @@ def run_mode(a, mode):
         return loss
 
     cuda = dev.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for i in range(a.warmup):
-        step(i)
-    sync()
-    first = time.perf_counter() - t0
-    times = []
-    loss = None
-    for i in range(a.warmup, a.steps):
-        t = time.perf_counter()
-        loss = step(i)
-        sync()
-        times.append(time.perf_counter() - t)
+    first, times, loss = timed_steps(step, a, cuda)
     ms = 1e3 * statistics.median(times)
     flops_per_token = 6.0 * n + 12.0 * a.layers * a.d_model * a.seq_len
     tokens_per_s = a.batch_size * a.seq_len / (ms / 1e3)
@@ -92,18 +112,8 @@ def main():
     p.add_argument("--device", default="cuda", help="cuda; cpu only to check the script")
     add_model_flags(p, d_model=768, heads=12, layers=12, ff=3072, vocab=32000, seq_len=1024)
     a = p.parse_args()
-    if a.steps <= a.warmup:
-        p.error(f"--steps ({a.steps}) must exceed --warmup ({a.warmup})")
-    if a.device == "cuda" and not torch.cuda.is_available():
-        print("gpt_torch_bench: no CUDA device; this benchmark runs on the GPU machine", file=sys.stderr)
-        return 1
     torch.backends.cuda.matmul.allow_tf32 = True
-    for mode in a.modes.split(","):
-        if mode not in ("eager", "compile"):
-            p.error(f"--modes: '{mode}' is not one of eager, compile")
-        run_mode(a, mode)
-        if a.device == "cuda":
-            torch.cuda.empty_cache()
+    run_modes(p, a, run_mode, "gpt_torch_bench")
     return 0
 
 

@@ -190,6 +190,31 @@ step_gpt_anchor() {
   bench "gpt124m AMP bf16, PyTorch eager and torch.compile (tools/gpt_torch_bench.py)" '"bench"' \
     env PYTHONUNBUFFERED=1 python3 tools/gpt_torch_bench.py --modes=eager,compile --steps=30 --warmup=10
 }
+# The step without host launches (--cuda_graph) beside the eager one, each counting the host's
+# synchronizations with the device (--count_host_syncs).
+step_gpt_graph() {
+  need_build || return 1
+  SHOW="train_gpt --amp=bf16 --count_host_syncs, then with --cuda_graph" \
+    bench "gpt124m AMP bf16, eager then --cuda_graph (host syncs counted)" 'trained|MFU|host synchron|cuda_graph' \
+    bash -c '"$1" "${@:2}" && "$1" "${@:2}" --cuda_graph' _ "$BIN/train_gpt" --device=cuda --data=synthetic \
+    --amp=bf16 --steps=30 --log_every=10 --progress=false --count_host_syncs
+}
+step_s2s_graph() {
+  need_build || return 1
+  SHOW="train_seq2seq --amp=bf16 (seed shape), then with --cuda_graph" \
+    bench "s2s AMP bf16, eager then --cuda_graph (host syncs counted)" 'trained|host synchron|cuda_graph' \
+    bash -c '"$1" "${@:2}" && "$1" "${@:2}" --cuda_graph' _ "$BIN/train_seq2seq" --device=cuda --data=synthetic \
+    --amp=bf16 --steps=30 --log_every=10 --workers=2 --progress=false --count_host_syncs --eval_every=0
+}
+step_kernels() {
+  need_build || return 1
+  bench "fused kernels against the ATen ops they replace (dtrain-bench fused_ce)" '"bench"' \
+    "$BIN/dtrain-bench" fused_ce
+}
+step_s2s_anchor() {
+  bench "s2s AMP bf16, PyTorch eager and torch.compile (tools/s2s_torch_bench.py)" '"bench"' \
+    env PYTHONUNBUFFERED=1 python3 tools/s2s_torch_bench.py --modes=eager,compile --steps=30 --warmup=10
+}
 step_nccl_allreduce() {
   need_build || return 1
   bench "NCCL all-reduce, world size 1 (busbw GB/s, 64 to 256 MiB)" '"bench"' \

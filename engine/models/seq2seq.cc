@@ -6,6 +6,7 @@
 #include <torch/nn/functional/loss.h>
 
 #include "dtrain/engine/memory/activation_checkpoint.h"
+#include "dtrain/engine/parallel/cross_entropy.h"
 
 namespace dtrain::engine {
 
@@ -140,6 +141,9 @@ at::Tensor Seq2SeqImpl::forward(const at::Tensor& src, const at::Tensor& tgt_in)
 
 at::Tensor Seq2SeqImpl::loss(const at::Tensor& src, const at::Tensor& tgt_in, const at::Tensor& tgt_out) {
   at::Tensor logits = forward(src, tgt_in);
+  // On CUDA dtrain's fused kernels (the same mean; the token ids are in [0, vocab)).
+  at::Tensor flat = logits.reshape({-1, options.vocab});
+  if (fused_cross_entropy_available(flat)) return fused_cross_entropy(flat, tgt_out.reshape({-1}));
   return torch::nn::functional::cross_entropy(logits.reshape({-1, options.vocab}),
                                               tgt_out.reshape({-1}));
 }

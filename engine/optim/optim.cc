@@ -57,6 +57,11 @@ void Optimizer::load_shard_state(const ShardState& state) {
                "with the --offload setting of the run that saved");
 }
 
+void Optimizer::step_unless(const at::Tensor&, const at::Tensor&) {
+  DTRAIN_CHECK(false, "optimizer ", options().name, ": this optimizer cannot drop an update on the device "
+               "(skips_on_device() is false); read the flag and call step() or skip_step()");
+}
+
 namespace optim_detail {
 
 void check_param(const at::Tensor& p, size_t index, std::unordered_set<const void*>& seen) {
@@ -196,7 +201,15 @@ void MultiTensorOptimizer::step(const at::Tensor& grad_multiplier) {
       group.host_steps[k] = ++host_steps_[group.indices[k]];
       group.grads.push_back(params_[group.indices[k]].grad());
     }
-    if (device_steps_) at::_foreach_add_(group.slots[0], at::Scalar(1.0));
+    if (skip_.defined()) group.skip = skip_.reshape({}).to(group.device, at::kFloat, /*non_blocking=*/true);
+    if (device_steps_) {
+      // A dropped update does not count: + (1 - skip).
+      if (group.skip.defined()) {
+        at::_foreach_add_(group.slots[0], at::rsub(group.skip, 1.0));
+      } else {
+        at::_foreach_add_(group.slots[0], at::Scalar(1.0));
+      }
+    }
     if (grad_multiplier.defined()) {
       // Asynchronous unless it lands on the host (the CPU kernels after it would race a device
       // copy into pinned memory).
@@ -208,9 +221,31 @@ void MultiTensorOptimizer::step(const at::Tensor& grad_multiplier) {
     group.grads.clear();
     group.multiplier.reset();
     group.grad_scale.reset();
+    group.skip.reset();
     // Those parameters' next update is not a first one: regroup.
     if (group.first_step) groups_stale_ = true;
   }
+}
+
+bool MultiTensorOptimizer::skips_on_device() const {
+  return device_steps_ && options_.fused && fused_kernels_skip();
+}
+
+void MultiTensorOptimizer::step_unless(const at::Tensor& grad_multiplier, const at::Tensor& skip) {
+  DTRAIN_CHECK(skips_on_device(), "optimizer ", options_.name, ": step_unless() needs the fused Adam/AdamW kernels "
+               "(skips_on_device())");
+  DTRAIN_CHECK(skip.defined() && skip.numel() == 1 && at::isFloatingType(skip.scalar_type()), "optimizer ",
+               options_.name, ": step_unless() takes a one-element floating flag");
+  struct Reset {
+    at::Tensor& t;
+    ~Reset() { t.reset(); }
+  } reset{skip_};
+  skip_ = skip;
+  step(grad_multiplier);
+}
+
+bool MultiTensorOptimizer::dropped(const ParamGroup& group) {
+  return group.skip.defined() && group.skip.item<float>() != 0.0f;
 }
 
 void MultiTensorOptimizer::zero_grad() {

@@ -38,6 +38,9 @@ struct ParamGroup {
   // and its reciprocal, the grad_scale ATen's fused kernels divide by; undefined: 1.
   at::Tensor multiplier;
   at::Tensor grad_scale;
+  // step_unless(): nonzero drops the update (float32 0-dim on the group's device); undefined:
+  // update. The fused kernels' found_inf.
+  at::Tensor skip;
   // The gradients times the multiplier (a new list when there is one): for the _foreach_ path.
   std::vector<at::Tensor> multiplied_grads() const;
   std::optional<at::Tensor> fused_grad_scale() const {
@@ -51,6 +54,8 @@ class MultiTensorOptimizer : public Optimizer {
  public:
   using Optimizer::step;
   void step(const at::Tensor& grad_multiplier) override;
+  bool skips_on_device() const override;
+  void step_unless(const at::Tensor& grad_multiplier, const at::Tensor& skip) override;
   void zero_grad() override;
   void set_lr(double lr) override;
   double lr() const override { return options_.lr; }
@@ -76,6 +81,11 @@ class MultiTensorOptimizer : public Optimizer {
   // that one was not implemented for the group's device type and dtype.
   bool try_fused(const ParamGroup& group) const;
   void remember_no_fused(const ParamGroup& group);
+  // Whether update()'s fused kernels honour ParamGroup::skip (subclasses that pass it on).
+  virtual bool fused_kernels_skip() const { return false; }
+  // For update()'s paths other than a fused kernel: whether this step's update is dropped
+  // (reads group.skip on the host: a synchronization, on the rare groups without a fused kernel).
+  static bool dropped(const ParamGroup& group);
 
   OptimizerOptions options_;
 
@@ -93,6 +103,7 @@ class MultiTensorOptimizer : public Optimizer {
   std::vector<ParamGroup> groups_;
   bool groups_stale_ = true;
   std::vector<std::pair<c10::DeviceType, at::ScalarType>> no_fused_;
+  at::Tensor skip_;  // inside step_unless()
 };
 
 std::unique_ptr<Optimizer> make_sgd(std::vector<at::Tensor> params,

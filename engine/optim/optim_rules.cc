@@ -82,14 +82,17 @@ class Adam final : public MultiTensorOptimizer {
       try {
         auto fused = decoupled_ ? &fused_adamw : &fused_adam;
         fused(group.params, group.grads, group.slots[1], group.slots[2], max_sqs, group.slots[0],
-              o.lr, o.beta1, o.beta2, o.weight_decay, o.eps, o.amsgrad, group.fused_grad_scale());
+              o.lr, o.beta1, o.beta2, o.weight_decay, o.eps, o.amsgrad, group.fused_grad_scale(),
+              group.skip.defined() ? std::optional<at::Tensor>(group.skip) : std::nullopt);
         return;
       } catch (const c10::NotImplementedError&) {
         remember_no_fused(group);
       }
     }
+    if (dropped(group)) return;
     update_foreach(group);
   }
+  bool fused_kernels_skip() const override { return true; }
 
  private:
   static std::vector<std::string> slot_names(bool amsgrad) {
@@ -101,14 +104,14 @@ class Adam final : public MultiTensorOptimizer {
   static void fused_adam(at::TensorList p, at::TensorList g, at::TensorList m, at::TensorList v,
                          at::TensorList vmax, at::TensorList steps, double lr, double beta1,
                          double beta2, double wd, double eps, bool amsgrad,
-                         const std::optional<at::Tensor>& grad_scale) {
-    at::_fused_adam_(p, g, m, v, vmax, steps, lr, beta1, beta2, wd, eps, amsgrad, false, grad_scale);
+                         const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+    at::_fused_adam_(p, g, m, v, vmax, steps, lr, beta1, beta2, wd, eps, amsgrad, false, grad_scale, found_inf);
   }
   static void fused_adamw(at::TensorList p, at::TensorList g, at::TensorList m, at::TensorList v,
                           at::TensorList vmax, at::TensorList steps, double lr, double beta1,
                           double beta2, double wd, double eps, bool amsgrad,
-                          const std::optional<at::Tensor>& grad_scale) {
-    at::_fused_adamw_(p, g, m, v, vmax, steps, lr, beta1, beta2, wd, eps, amsgrad, false, grad_scale);
+                          const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+    at::_fused_adamw_(p, g, m, v, vmax, steps, lr, beta1, beta2, wd, eps, amsgrad, false, grad_scale, found_inf);
   }
 
   void update_foreach(ParamGroup& group) {

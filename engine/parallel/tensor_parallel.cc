@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "dtrain/dist/error.h"
+#include "dtrain/engine/parallel/cross_entropy.h"
 #include "parallel_comm_internal.h"
 
 namespace dtrain::engine {
@@ -120,6 +121,12 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     return {grad.to(dtype), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
+
+void check_cross_entropy_shapes(const at::Tensor& logits, const at::Tensor& targets) {
+  DTRAIN_CHECK(logits.dim() == 2 && targets.dim() == 1 && logits.size(0) == targets.size(0),
+               "vocab_parallel_cross_entropy takes logits [N, V/T] and targets [N], got ",
+               logits.sizes(), " and ", targets.sizes());
+}
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -289,12 +296,22 @@ at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& ids) {
   return sequence_parallel ? reduce_scatter_to_sequence_parallel(out, *tp, 1) : reduce_from_tensor_parallel(out, *tp);
 }
 
+at::Tensor composed_vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,
+                                                 int64_t vocab_start, int64_t real_vocab,
+                                                 dist::Communicator& tp) {
+  check_cross_entropy_shapes(logits, targets);
+  return VocabParallelCrossEntropy::apply(logits, targets, vocab_start, real_vocab, comm_handle(&tp));
+}
+
+// CUDA logits of bfloat16, float16 or float32 take the fused kernels (cross_entropy.h); the
+// CPU, float64 and other layouts ATen's composition.
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,
                                         int64_t vocab_start, int64_t real_vocab,
                                         dist::Communicator& tp) {
-  DTRAIN_CHECK(logits.dim() == 2 && targets.dim() == 1 && logits.size(0) == targets.size(0),
-               "vocab_parallel_cross_entropy takes logits [N, V/T] and targets [N], got ",
-               logits.sizes(), " and ", targets.sizes());
+  check_cross_entropy_shapes(logits, targets);
+  if (fused_cross_entropy_available(logits)) {
+    return fused_vocab_parallel_cross_entropy(logits, targets, vocab_start, real_vocab, tp);
+  }
   return VocabParallelCrossEntropy::apply(logits, targets, vocab_start, real_vocab, comm_handle(&tp));
 }
 

@@ -89,6 +89,10 @@ std::vector<Spec> training_specs() {
     spec(kTraining, "accum_steps", "micro-batches accumulated per step (must divide --batch_size)",
          &Flags::accum_steps),
     spec(kTraining, "amp", "mixed precision: off, bf16 or fp16 (with dynamic loss scaling)", &Flags::amp),
+    spec(kTraining, "cuda_graph",
+         "on CUDA, replay the model's forward and backward from CUDA graphs captured at step 3 (the host no "
+         "longer launches each kernel); refused with a logged reason where the capture cannot hold",
+         &Flags::cuda_graph),
     spec(kTraining, "on_nonfinite",
          "a non-finite loss or gradient norm: stop (before the update, naming the newest checkpoint) "
          "or skip the step",
@@ -183,6 +187,9 @@ std::vector<Spec> memory_checkpoint_and_observability_specs() {
          &Flags::profile_steps),
     spec(kObservability, "profile_out", "the profile's Chrome trace (.rankR added per rank when world > 1)",
          &Flags::profile_out),
+    spec(kObservability, "count_host_syncs",
+         "count the host's synchronizations with the CUDA device per step (c10's sync debug mode) and log them",
+         &Flags::count_host_syncs),
     spec(kObservability, "progress", "progress bar / periodic lines on rank 0", &Flags::progress),
   };
 }
@@ -210,7 +217,7 @@ const std::vector<std::pair<Topic, const char*>>& headings() {
 const std::set<std::string>& per_rank_flags() {
   static const std::set<std::string> s = {"workers", "prefetch", "progress", "log_every", "metrics",
                                           "tensorboard_dir", "timeline", "profile_steps", "profile_out", "memory_report_step",
-                                          "collective_timeout_s", "host_mem_limit_gb", "offload_threads"};
+                                          "collective_timeout_s", "host_mem_limit_gb", "offload_threads", "count_host_syncs"};
   return s;
 }
 
@@ -436,6 +443,8 @@ TrainerOptions trainer_options(const Flags& f, const std::string& default_optimi
   o.steps = f.steps;
   o.accum_steps = f.accum_steps;
   o.amp = parse_amp(f.amp);
+  o.cuda_graph = f.cuda_graph;
+  o.count_host_syncs = f.count_host_syncs;
   o.optimizer.name = f.optimizer.empty() ? default_optimizer : f.optimizer;
   o.optimizer.lr = f.lr;
   o.optimizer.weight_decay = f.weight_decay;

@@ -206,8 +206,7 @@ void Trainer::forward_backward(const std::vector<Batch>& micro, at::Tensor& loss
     at::Tensor loss;
     {
       Timeline::Span span(*timeline_, "forward", category::kCompute, lane::kMain);
-      AutocastGuard autocast(device_.type(), options_.amp);
-      loss = loss_(micro[i]);
+      loss = micro_batch_loss(micro[i]);
     }
     DTRAIN_CHECK(loss.defined() && loss.numel() == 1, "the loss function must return a scalar, got ",
                  loss.defined() ? loss.sizes() : at::IntArrayRef{});
@@ -231,6 +230,47 @@ void Trainer::forward_backward(const std::vector<Batch>& micro, at::Tensor& loss
     }
     if (i + 1 == n) synced_backward_done = true;
   }
+}
+
+std::string Trainer::cuda_graph_refusal() const {
+  if (!cuda_graphs_compiled()) return "this build has no CUDA code paths";
+  if (!device_.is_cuda()) return "the device is not CUDA";
+  if (mesh_.tp_size() > 1) return "tensor parallelism (the forward's collectives)";
+  if (mesh_.pp_size() > 1) return "pipeline stages (the stages' exchanges)";
+  if (units_) return "ZeRO-3's parameter units (the gathers in forward)";
+  if (options_.offload_layers) return "layer offload (the host copies in forward)";
+  if (options_.checkpoint_activations) return "activation checkpointing (the recomputation's random state)";
+  if (sparse_reducer_) return "sparse gradients";
+  return "";
+}
+
+at::Tensor Trainer::micro_batch_loss(const Batch& micro) {
+  if (options_.cuda_graph && !graph_ && !graph_given_up_ && step_ >= options_.cuda_graph_after_steps) {
+    const std::string refusal = cuda_graph_refusal();
+    if (!refusal.empty()) {
+      LOG_IF(WARNING, mesh_.world().rank() == 0) << "--cuda_graph is not used: " << refusal << "; the steps run eagerly";
+      graph_given_up_ = true;
+    } else {
+      try {
+        graph_ = GraphedLoss::capture(loss_, micro, params_, options_.amp, /*warmup=*/3);
+        LOG_IF(INFO, mesh_.world().rank() == 0) << "--cuda_graph: the loss function's forward and backward captured "
+                                                   "in step " << step_ + 1 << "; replayed from now on";
+      } catch (const std::exception& e) {
+        LOG(WARNING) << "--cuda_graph: the capture failed on rank " << mesh_.world().rank() << " (" << e.what()
+                     << "); the steps run eagerly";
+        graph_given_up_ = true;
+        graph_.reset();
+      }
+    }
+  }
+  if (graph_) {
+    if (graph_->matches(micro)) return graph_->run(micro);
+    LOG_IF(INFO, !graph_shape_noted_) << "--cuda_graph: a micro-batch of other shapes than the captured one runs "
+                                         "eagerly (logged once)";
+    graph_shape_noted_ = true;
+  }
+  AutocastGuard autocast(device_.type(), options_.amp);
+  return loss_(micro);
 }
 
 std::vector<std::pair<dist::Communicator*, uint64_t>> Trainer::issued_so_far() const {
@@ -384,12 +424,15 @@ void Trainer::apply_update(StepMetrics& m, bool& skipped, const at::Tensor& loss
   const std::vector<at::Tensor> grads = gradient_tensors(params_, reducer_.get());
   bool finite = scaler_->check_finite(grads, &mesh_.world());
   at::Tensor multiplier;  // undefined: 1
+  at::Tensor drop;        // deferred watch: nonzero on the device drops this step's update
   if (scaler_->enabled()) multiplier = scaler_->inverse_scale();
   // Without a loss scaler the trainer itself watches for a non-finite loss or gradient norm.
   const bool watch = !scaler_->enabled();
   if (finite && (options_.clip_grad_norm > 0 || options_.report_grad_norm || watch)) {
     at::Tensor norm = global_grad_norm(params_, norm_layout_);  // of the scaled gradients
-    if (watch && nonfinite_on_any_rank(loss_sum, norm)) {
+    if (watch && defer_nonfinite()) {
+      drop = record_nonfinite(loss_sum, norm);  // read at the next log step (settle_nonfinite)
+    } else if (watch && nonfinite_on_any_rank(loss_sum, norm)) {
       handle_nonfinite(loss_sum, norm);  // throws, or counts the skip
       finite = false;
     } else if (watch) {
@@ -408,7 +451,11 @@ void Trainer::apply_update(StepMetrics& m, bool& skipped, const at::Tensor& loss
   skipped = !finite;
   if (finite) {
     Timeline::Span span(*timeline_, "optimizer", category::kOptimizer, lane::kOptimizer);
-    optimizer_->step(multiplier);
+    if (drop.defined()) {
+      optimizer_->step_unless(multiplier, drop);
+    } else {
+      optimizer_->step(multiplier);
+    }
     if (pruner_) pruner_->mask_weights();  // pruned weights stay exactly zero
   } else {
     optimizer_->skip_step();
@@ -427,6 +474,58 @@ bool Trainer::nonfinite_on_any_rank(const at::Tensor& loss_sum, const at::Tensor
   return flag.item<int64_t>() != 0;
 }
 
+bool Trainer::defer_nonfinite() const {
+  return options_.defer_nonfinite_check.value_or(device_.is_cuda()) && optimizer_->skips_on_device();
+}
+
+at::Tensor Trainer::record_nonfinite(const at::Tensor& loss_sum, const at::Tensor& norm) {
+  at::Tensor bad = at::logical_or(at::isfinite(loss_sum).logical_not(), at::isfinite(norm).logical_not())
+                       .to(at::kFloat)
+                       .reshape({1});
+  // On the device with NCCL: wait() only orders this stream after the reduction.
+  if (mesh_.world().size() > 1) mesh_.world().all_reduce(bad, dist::ReduceOp::kMax)->wait();
+  const auto dev = at::TensorOptions().dtype(at::kDouble).device(loss_sum.device());
+  if (!deferred_nonfinite_.defined()) deferred_nonfinite_ = at::zeros({6}, dev);
+  // [0] dropped steps, [1] the first one, [2] its loss, [3] its gradient norm (this rank's),
+  // [4] the longest run of dropped steps in a row, [5] the current run.
+  at::Tensor& d = deferred_nonfinite_;
+  const at::Tensor b = bad.to(at::kDouble).reshape({});
+  const at::Tensor first = (d[0] == 0).to(at::kDouble) * b;
+  d[5].mul_(b).add_(b);
+  d[4].copy_(at::maximum(d[4], d[5]));
+  d[1].add_(first * static_cast<double>(step_ + 1));
+  d[2].copy_(at::where(first > 0, loss_sum.reshape({}).to(at::kDouble) / accum_steps_, d[2]));
+  d[3].copy_(at::where(first > 0, norm.reshape({}).to(dev), d[3]));
+  d[0].add_(b);
+  deferred_pending_ = true;
+  return bad;
+}
+
+void Trainer::settle_nonfinite() {
+  if (!deferred_pending_) return;
+  deferred_pending_ = false;
+  const at::Tensor host = deferred_nonfinite_.cpu();  // the one host read of the window
+  const auto a = host.accessor<double, 1>();
+  const auto dropped = static_cast<int64_t>(a[0]), first = static_cast<int64_t>(a[1]);
+  const auto longest = static_cast<int>(a[4]);
+  consecutive_nonfinite_ = static_cast<int>(a[5]);
+  deferred_nonfinite_.narrow(0, 0, 4).zero_();  // a new window; the current run goes on
+  deferred_nonfinite_[4].copy_(deferred_nonfinite_[5]);
+  if (dropped == 0) return;
+  const bool skip = options_.on_nonfinite == NonFinitePolicy::kSkip;
+  if (skip && longest <= options_.max_nonfinite_skips) {
+    nonfinite_skips_ += dropped;
+    LOG_IF(WARNING, mesh_.world().rank() == 0)
+        << dropped << " step(s) up to step " << step_ << " had a non-finite loss or gradient norm (the first: step "
+        << first << "); their updates were dropped on the device on every rank (" << nonfinite_skips_
+        << " skipped so far, at most " << longest << " in a row, --on_nonfinite=skip)";
+    return;
+  }
+  stop_for_nonfinite(first, a[2], a[3], longest,
+                     " (found at the log of step " + std::to_string(step_) +
+                         "; that step's and every later non-finite step's update was dropped on the device)");
+}
+
 void Trainer::handle_nonfinite(const at::Tensor& loss_sum, const at::Tensor& norm) {
   const int64_t step = step_ + 1;
   const bool skip = options_.on_nonfinite == NonFinitePolicy::kSkip;
@@ -438,6 +537,11 @@ void Trainer::handle_nonfinite(const at::Tensor& loss_sum, const at::Tensor& nor
         << nonfinite_skips_ << " skipped so far, " << consecutive_nonfinite_ << " in a row, --on_nonfinite=skip)";
     return;
   }
+  stop_for_nonfinite(step, loss_sum.item<double>() / accum_steps_, norm.item<double>(), consecutive_nonfinite_, "");
+}
+
+void Trainer::stop_for_nonfinite(int64_t step, double loss, double norm, int run, const std::string& found) {
+  const bool skip = options_.on_nonfinite == NonFinitePolicy::kSkip;
   std::string newest = "no checkpoint was saved";
   if (!options_.save_dir.empty()) {
     wait_for_save();  // a background save in flight is the newest checkpoint once published
@@ -447,10 +551,10 @@ void Trainer::handle_nonfinite(const at::Tensor& loss_sum, const at::Tensor& nor
     if (!saved.empty()) newest = "the newest checkpoint is " + saved.front().path + " (resume from it, e.g. with a lower --lr)";
   }
   std::ostringstream os;
-  os << "step " << step << ": the loss is " << loss_sum.item<double>() / accum_steps_ << " and the gradient norm "
-     << norm.item<double>() << " on rank " << mesh_.world().rank() << " (a non-finite value on some rank)";
+  os << "step " << step << ": the loss is " << loss << " and the gradient norm " << norm << " on rank "
+     << mesh_.world().rank() << " (a non-finite value on some rank)" << found;
   if (skip) {
-    os << "; " << consecutive_nonfinite_ << " steps in a row were not finite (--on_nonfinite=skip allows "
+    os << "; " << run << " steps in a row were not finite (--on_nonfinite=skip allows "
        << options_.max_nonfinite_skips << "), so training stops";
   } else {
     os << "; training stops before the optimizer step (--on_nonfinite=stop), so the weights stay finite";

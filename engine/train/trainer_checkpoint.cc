@@ -264,7 +264,8 @@ void Trainer::record_layout(std::map<std::string, std::string>& meta, bool weigh
 Trainer::PreparedSave Trainer::prepare_save(const DataLoader* loader, bool own_copies) {
   DTRAIN_CHECK(!options_.evaluation_only, "this trainer was built for evaluation only (--eval_only): it saves "
                "no checkpoints");
-  flush_updates();  // a delayed update in flight goes into the saved weights
+  settle_nonfinite();  // the deferred watch's policy before a checkpoint of these steps
+  flush_updates();     // a delayed update in flight goes into the saved weights
   dist::Communicator& world = mesh_.world();
   // ZeRO-3: no unit is gathered. Each rank's range of the weights goes into its rank file (the
   // partitioned "master"); the main file holds the rest of the model (buffers, frozen weights).

@@ -19,6 +19,7 @@
 namespace dtrain::engine {
 
 double Trainer::read_loss() {
+  settle_nonfinite();  // the deferred watch's policy, before anyone sees the loss
   if (!pending_loss_) return std::numeric_limits<double>::quiet_NaN();
   pending_loss_->wait();
   pending_loss_.reset();
@@ -299,17 +300,28 @@ StepMetrics Trainer::fit(DataLoader& train, DataLoader* eval) {
   reset_peak_memory(device_);
   auto window_start = std::chrono::steady_clock::now();
   int64_t window_steps = 0;
+  int64_t window_syncs = 0;
   while (step_ < options_.steps) {
     profiler_->begin_step(step_ + 1);
     Batch batch;
+    StepResult r;
     {
-      Timeline::Span span(*timeline_, "data", category::kData, lane::kLoader);
-      batch = train.next();
+      std::optional<SyncCounter> syncs;  // --count_host_syncs: the batch's and the step's
+      if (options_.count_host_syncs) syncs.emplace();
+      {
+        Timeline::Span span(*timeline_, "data", category::kData, lane::kLoader);
+        batch = train.next();
+      }
+      r = step(batch);
+      if (syncs) window_syncs += syncs->count();
     }
-    StepResult r = step(batch);
     ++window_steps;
     const bool eval_now = eval && options_.eval_every > 0 && r.step % options_.eval_every == 0;
     if (r.step == first_step || r.step % options_.log_every == 0 || r.step == options_.steps || eval_now) {
+      LOG_IF(INFO, options_.count_host_syncs && mesh_.world().rank() == 0)
+          << "host synchronizations with the device: " << window_syncs << " in the " << window_steps
+          << " step(s) up to step " << r.step << " (loading and step; the log's own reads not counted)";
+      window_syncs = 0;
       // No host sync between log steps: the loss is read here only.
       logged = log_step(eval_now, eval, global_batch, window_start, window_steps, progress);
       if (first_logged_.step == 0) first_logged_ = logged;
@@ -323,6 +335,7 @@ StepMetrics Trainer::fit(DataLoader& train, DataLoader* eval) {
     if (stop_for_preemption(train)) break;
   }
   progress.finish();
+  settle_nonfinite();
   flush_updates();  // the model holds every step's update when fit() returns
   if (!preempted_ && !options_.save_dir.empty() && last_saved_step_ != step_) save_checkpoint(&train);
   wait_for_save();  // every checkpoint of fit() is published when it returns

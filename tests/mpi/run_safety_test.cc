@@ -9,6 +9,7 @@
 
 #include <cstdlib>
 #include <limits>
+#include <optional>
 
 #include "dtrain/dist/error.h"
 #include "dtrain/dist/mesh.h"
@@ -89,7 +90,10 @@ struct PoisonedRun {
   torch::nn::Linear model{4, 1};
   std::unique_ptr<DataLoader> loader;
   std::unique_ptr<Trainer> trainer;
-  explicit PoisonedRun(dist::Mesh& mesh, NonFinitePolicy policy, int max_skips = 10) {
+  // defer: TrainerOptions::defer_nonfinite_check (with AdamW, whose fused kernels drop an
+  // update on the device); unset: the default (the host check on the CPU, with SGD).
+  explicit PoisonedRun(dist::Mesh& mesh, NonFinitePolicy policy, int max_skips = 10,
+                       std::optional<bool> defer = std::nullopt) {
     torch::manual_seed(0);
     model = torch::nn::Linear(4, 1);
     auto g = at::make_generator<at::CPUGeneratorImpl>(9);
@@ -109,6 +113,11 @@ struct PoisonedRun {
     o.on_nonfinite = policy;
     o.max_nonfinite_skips = max_skips;
     o.optimizer.lr = 0.01;
+    o.log_every = 4;
+    if (defer) {
+      o.optimizer.name = "adamw";
+      o.defer_nonfinite_check = *defer;
+    }
     LossFn loss = [this](const Batch& b) { return torch::mse_loss(model->forward(b.fields[0]), b.fields[1]); };
     trainer = std::make_unique<Trainer>(*model, loss, mesh, c10::Device(c10::kCPU), o);
   }
@@ -159,6 +168,67 @@ TEST(NonFinite, TooManySkipsInARowStop) {
     EXPECT_NE(std::string(e.what()).find("2 steps in a row were not finite (--on_nonfinite=skip allows 1)"),
               std::string::npos)
         << e.what();
+  }
+}
+
+// The deferred watch (no host read per step): the poisoned step's update is dropped on the
+// device by the fused AdamW kernel, and the policy applies at the next read of the loss.
+TEST(NonFinite, DeferredStopDropsTheUpdateAndStopsAtTheNextLogNamingTheStep) {
+  dist::Mesh mesh(world_comm(), 1);
+  PoisonedRun deferred(mesh, NonFinitePolicy::kStop, 10, true);
+  try {
+    deferred.trainer->fit(*deferred.loader);
+    ADD_FAILURE() << "a NaN sample trained on";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("step 3: the loss is "), std::string::npos) << m;
+    EXPECT_NE(m.find("found at the log of step 4"), std::string::npos) << m;
+    EXPECT_NE(m.find("--on_nonfinite=stop"), std::string::npos) << m;
+  }
+  EXPECT_EQ(deferred.trainer->current_step(), 4);
+  // Steps 1, 2 and 4 updated the weights, step 3 did not: as the host-checked skip does.
+  PoisonedRun checked(mesh, NonFinitePolicy::kSkip, 10, false);
+  for (int s = 0; s < 4; ++s) checked.trainer->step(checked.loader->next());
+  EXPECT_TRUE(at::isfinite(deferred.model->weight).all().item<bool>());
+  EXPECT_TRUE(at::equal(deferred.model->weight, checked.model->weight));
+  EXPECT_TRUE(at::equal(deferred.model->bias, checked.model->bias));
+  EXPECT_FALSE(at::equal(deferred.model->weight, PoisonedRun(mesh, NonFinitePolicy::kSkip).model->weight));
+}
+
+TEST(NonFinite, DeferredSkipTrainsAsTheHostCheckedSkip) {
+  dist::Mesh mesh(world_comm(), 1);
+  PoisonedRun deferred(mesh, NonFinitePolicy::kSkip, 10, true);
+  PoisonedRun checked(mesh, NonFinitePolicy::kSkip, 10, false);
+  StepMetrics a = deferred.trainer->fit(*deferred.loader);
+  StepMetrics b = checked.trainer->fit(*checked.loader);
+  EXPECT_EQ(a.extra.at("nonfinite_skips"), 1.0);
+  EXPECT_EQ(b.extra.at("nonfinite_skips"), 1.0);
+  EXPECT_EQ(a.loss, b.loss);
+  EXPECT_TRUE(at::equal(deferred.model->weight, checked.model->weight));
+  // The optimizer's step counts leave the dropped update out, as skip_step() does.
+  for (const auto& [name, t] : deferred.trainer->optimizer().state()) {
+    if (name.size() > 5 && name.substr(name.size() - 5) == ".step") EXPECT_EQ(t.item<double>(), 5.0) << name;
+  }
+}
+
+TEST(NonFinite, DeferredTooManySkipsInARowStopAtTheNextRead) {
+  dist::Mesh mesh(world_comm(), 1);
+  PoisonedRun run(mesh, NonFinitePolicy::kSkip, /*max_skips=*/1, true);
+  run.trainer->step(run.loader->next());
+  {
+    torch::NoGradGuard no_grad;
+    run.model->bias.fill_(std::numeric_limits<float>::infinity());
+  }
+  EXPECT_NO_THROW(run.trainer->step(run.loader->next()));
+  EXPECT_NO_THROW(run.trainer->step(run.loader->next()));  // no host read: nothing is known yet
+  try {
+    (void)run.trainer->last_loss();
+    ADD_FAILURE() << "two non-finite steps in a row were accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("2 steps in a row were not finite (--on_nonfinite=skip allows 1)"),
+              std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("step 2: the loss is "), std::string::npos) << e.what();
   }
 }
 

@@ -67,6 +67,7 @@ std::map<std::string, Probe> training_and_layout_probes() {
     {"warmup_steps", {"3", {}, kToTrainer, [](const Built& b) { return text(b.trainer.schedule.warmup_steps); }}},
     {"accum_steps", {"2", {}, kToTrainer, [](const Built& b) { return text(b.trainer.accum_steps); }}},
     {"amp", {"bf16", {}, kToTrainer, [](const Built& b) { return to_string(b.trainer.amp); }}},
+    {"cuda_graph", {"true", {}, kToTrainer, [](const Built& b) { return text(b.trainer.cuda_graph); }}},
     {"on_nonfinite",
      {"skip", {}, kToTrainer, [](const Built& b) { return text(static_cast<int>(b.trainer.on_nonfinite)); }}},
     {"max_nonfinite_skips",
@@ -137,6 +138,7 @@ std::map<std::string, Probe> memory_checkpoint_and_observability_probes() {
     {"profile_steps", {"2-3", {}, kToTrainer, [](const Built& b) { return b.trainer.profile_steps; }}},
     {"profile_out", {"p.json", {}, kToTrainer, [](const Built& b) { return b.trainer.profile_path; }}},
     {"progress", {"false", {}, kToTrainer, [](const Built& b) { return text(b.trainer.progress); }}},
+    {"count_host_syncs", {"true", {}, kToTrainer, [](const Built& b) { return text(b.trainer.count_host_syncs); }}},
   };
 }
 

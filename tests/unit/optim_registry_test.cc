@@ -2,12 +2,14 @@
 // name to what differs between rules: every name known, an unknown one refused with the list,
 // and the state arrays it declares per rule equal to what each optimizer family (device,
 // CPU/offload, sparse) actually keeps and checkpoints. The options' checks, and ZeRO-3's units
-// from name prefixes.
+// from name prefixes. Dropping an update on the device (step_unless).
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <set>
 #include <string>
 #include <vector>
@@ -210,6 +212,60 @@ TEST(UnitStarts, PrefixesCutWholeLayers) {
                 .find("the first parameter, 'wte.weight', begins no unit"),
             std::string::npos);
   EXPECT_NE(error_of([&] { unit_starts_of(names, {}); }).find("needs the model's units"), std::string::npos);
+}
+
+// step_unless(): a set flag leaves parameters and state (step counts included) as they were,
+// an unset one is step(); the sequence equals step() on the kept steps and skip_step() on the
+// dropped ones. Only the fused Adam/AdamW kernels drop an update without a host read.
+TEST(OptimSkipOnDevice, AFlaggedUpdateIsDroppedAndTheOthersAreStep) {
+  for (const std::string name : {"adam", "adamw"}) {
+    SCOPED_TRACE(name);
+    OptimizerOptions o;
+    o.name = name;
+    o.lr = 0.01;
+    o.weight_decay = 0.1;
+    auto make = [] {
+      auto g = at::make_generator<at::CPUGeneratorImpl>(5);
+      return std::vector<at::Tensor>{at::randn({33}, g).requires_grad_(true), at::randn({4, 6}, g).requires_grad_(true)};
+    };
+    std::vector<at::Tensor> a = make(), b = make();
+    std::unique_ptr<Optimizer> flagged = make_optimizer(a, o), reference = make_optimizer(b, o);
+    ASSERT_TRUE(flagged->skips_on_device());
+    const std::vector<bool> drop = {false, true, false, true, true, false};
+    for (size_t step = 0; step < drop.size(); ++step) {
+      auto g = at::make_generator<at::CPUGeneratorImpl>(200 + step);
+      for (size_t i = 0; i < a.size(); ++i) {
+        at::Tensor grad = at::randn(a[i].sizes(), g);
+        a[i].mutable_grad() = grad.clone();
+        b[i].mutable_grad() = grad.clone();
+      }
+      const at::Tensor multiplier = at::scalar_tensor(0.5, at::kFloat);
+      flagged->step_unless(multiplier, at::full({1}, drop[step] ? 1.0 : 0.0));
+      if (drop[step]) {
+        reference->skip_step();
+      } else {
+        reference->step(multiplier);
+      }
+      for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i], b[i])) << "step " << step << " param " << i;
+    }
+    const auto sa = flagged->state(), sb = reference->state();
+    ASSERT_EQ(sa.size(), sb.size());
+    for (size_t k = 0; k < sa.size(); ++k) {
+      EXPECT_TRUE(at::equal(sa[k].second, sb[k].second)) << sa[k].first;
+      if (sa[k].first == "0.step") EXPECT_EQ(sa[k].second.item<double>(), 3.0);
+    }
+  }
+  OptimizerOptions sgd;
+  sgd.name = "sgd";
+  std::vector<at::Tensor> p = {at::zeros({3}).requires_grad_(true)};
+  p[0].mutable_grad() = at::ones({3});
+  std::unique_ptr<Optimizer> opt = make_optimizer(p, sgd);
+  EXPECT_FALSE(opt->skips_on_device());
+  EXPECT_THROW(opt->step_unless(at::Tensor(), at::ones({1})), dtrain::Error);
+  OptimizerOptions unfused;
+  unfused.name = "adamw";
+  unfused.fused = false;
+  EXPECT_FALSE(make_optimizer(p, unfused)->skips_on_device());
 }
 
 }  // namespace dtrain::engine

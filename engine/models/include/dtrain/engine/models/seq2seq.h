@@ -73,7 +73,8 @@ struct Seq2SeqImpl : torch::nn::Module {
   explicit Seq2SeqImpl(const Seq2SeqOptions& o);
   // src [B, S], tgt_in [B, T] token ids -> logits [B, T, vocab].
   at::Tensor forward(const at::Tensor& src, const at::Tensor& tgt_in);
-  // Mean cross-entropy of predicting tgt_out from (src, tgt_in).
+  // Mean cross-entropy of predicting tgt_out (ids in [0, vocab)) from (src, tgt_in): ATen's
+  // cross_entropy on the CPU, the fused kernels of parallel/cross_entropy.h on CUDA.
   at::Tensor loss(const at::Tensor& src, const at::Tensor& tgt_in, const at::Tensor& tgt_out);
   Seq2SeqOptions options;
   torch::nn::Embedding src_embed{nullptr}, tgt_embed{nullptr};

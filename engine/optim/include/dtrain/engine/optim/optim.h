@@ -73,6 +73,14 @@ class Optimizer {
   // gradient tensor) changes.
   virtual void step(const at::Tensor& grad_multiplier) = 0;
   void step() { step(at::Tensor()); }
+  // Whether step_unless() can drop an update on the device, without the host reading the
+  // flag: the fused Adam/AdamW kernels (their found_inf; on the CPU too, where it saves
+  // nothing). Default: false.
+  virtual bool skips_on_device() const { return false; }
+  // step(grad_multiplier), dropped on the device where `skip` (one element, any floating
+  // dtype, on the parameters' device) is nonzero: then no parameter or state changes, as with
+  // skip_step(). Only where skips_on_device(); otherwise throws dtrain::Error.
+  virtual void step_unless(const at::Tensor& grad_multiplier, const at::Tensor& skip);
   // This step's update is dropped (e.g. its fp16 gradients overflowed): nothing is updated,
   // and the optimizer has stopped reading this step's gradients when it returns, so the caller
   // may zero them. Default: nothing to do.

@@ -171,7 +171,8 @@ TORCH_MODULE(VocabParallelEmbedding);
 // holding vocabulary [vocab_start, vocab_start + local)) against targets [N], without ever
 // gathering the full logits: the max, the target logit and the sum of exponentials are
 // all-reduced. Columns at or beyond real_vocab (padding) are ignored. Gradient: softmax minus
-// one-hot on the local slice.
+// one-hot on the local slice. CUDA logits of bfloat16, float16 or float32 (2-D, adjacent
+// columns) take dtrain's fused kernels, other logits ATen's composition (cross_entropy.h).
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,
                                         int64_t vocab_start, int64_t real_vocab,
                                         dist::Communicator& tp);

@@ -69,6 +69,8 @@ struct Flags {
   int64_t warmup_steps = ScheduleOptions().warmup_steps;
   int32_t accum_steps = TrainerOptions().accum_steps;
   std::string amp = "off";
+  bool cuda_graph = false;
+  bool count_host_syncs = false;
   std::string on_nonfinite = "stop";
   int32_t max_nonfinite_skips = TrainerOptions().max_nonfinite_skips;
   double prune_amount = PruneOptions().amount;

@@ -48,6 +48,7 @@
 #include "dtrain/engine/observe/tensorboard.h"
 #include "dtrain/engine/observe/profiler.h"
 #include "dtrain/engine/observe/timeline.h"
+#include "dtrain/engine/train/graphed_loss.h"
 
 namespace dtrain::engine {
 
@@ -115,6 +116,15 @@ struct TrainerOptions {
   // weights are never updated from it, so no checkpoint holds non-finite weights.
   NonFinitePolicy on_nonfinite = NonFinitePolicy::kStop;
   int max_nonfinite_skips = 10;   // kSkip: stop after this many consecutive skipped steps
+  // Watch without a host read per step: each step's non-finite flag is agreed and recorded on
+  // the device and its update dropped there (the fused Adam/AdamW kernels' found_inf,
+  // Optimizer::skips_on_device()), and on_nonfinite is applied when the host next reads the
+  // loss (a log step, the end of fit(), a save, last_loss()): kStop then throws naming the
+  // first such step (the weights hold no update of it or of any later non-finite step); kSkip
+  // counts them and throws past max_nonfinite_skips in a row. Unset: on CUDA (where a host
+  // read stalls the device's queue); false, or an optimizer that cannot drop an update on
+  // the device: the step is checked on the host before its update.
+  std::optional<bool> defer_nonfinite_check;
   int64_t log_every = 10;         // metrics line at step 1, every this many steps, and the last
   int64_t eval_every = 0;         // 0: never; else evaluate every this many steps
   // The held-out set every evaluation of fit() scores: the first eval_samples samples of the
@@ -137,6 +147,19 @@ struct TrainerOptions {
   // in the unit gathers and gradient reductions it still owes the others (one pipeline stage
   // only: with --pp the trainer refuses it).
   bool oom_backoff = true;
+  // CUDA graphs (train/graphed_loss.h): from step cuda_graph_after_steps + 1 on, the loss
+  // function's forward and backward are replayed from two captured graphs instead of launched
+  // kernel by kernel. Refused with a logged reason (the step then runs eagerly) where the
+  // capture cannot hold: not CUDA, tensor or pipeline parallelism, ZeRO-3's units, layer
+  // offload, activation checkpointing, sparse gradients, or a failed capture. The reducer,
+  // accumulation and the optimizer run as without graphs (the gradients are reduced after the
+  // backward replay, not overlapped with it).
+  bool cuda_graph = false;
+  int64_t cuda_graph_after_steps = 2;
+  // fit() counts the host's synchronizations with the CUDA device in each step (the batch's
+  // loading included, the log steps' own reads not) and logs them with each logged step:
+  // c10's sync debug mode (torch.cuda.set_sync_debug_mode("warn")). For finding host waits.
+  bool count_host_syncs = false;
   int64_t tokens_per_sample = 0;  // > 0: report tokens_per_s
   ReducerOptions reducer;
   PipelineOptions pipeline;  // with a mesh of more than one pipeline stage (above)
@@ -271,6 +294,10 @@ class Trainer {
   std::optional<double> last_eval_accuracy() const { return last_eval_accuracy_; }
 
   int64_t current_step() const { return step_; }
+  // The last step's global-batch mean loss: a host read that waits for the step (step()
+  // itself reads nothing; fit() reads it at log steps). NaN before the first step and when
+  // this step's loss was read already (by fit()'s log or an earlier call).
+  double last_loss() { return read_loss(); }
   // Saves a checkpoint of this step to options.save_dir (collective); loader gives the data
   // position. Returns the path of the main file.
   std::string save_checkpoint(const DataLoader* loader);
@@ -309,6 +336,11 @@ class Trainer {
   // The micro-batches' forwards and backwards (gradient reduction in the last one's);
   // synced_backward_done turns true once that completed.
   void forward_backward(const std::vector<Batch>& micro, at::Tensor& loss_sum, bool& synced_backward_done);
+  // A micro-batch's loss: replayed from the CUDA graphs (--cuda_graph, captured here at the
+  // step after cuda_graph_after_steps), else the loss function under autocast.
+  at::Tensor micro_batch_loss(const Batch& micro);
+  // Why --cuda_graph cannot be used with this trainer ("" when it can).
+  std::string cuda_graph_refusal() const;
   // ZeRO-3's OOM back-off: the collectives issued so far on the communicators a step uses, and
   // the replay of a failed step on one row per micro-batch that takes part in the rest of them.
   std::vector<std::pair<dist::Communicator*, uint64_t>> issued_so_far() const;
@@ -352,6 +384,13 @@ class Trainer {
   bool nonfinite_on_any_rank(const at::Tensor& loss_sum, const at::Tensor& norm);
   // --on_nonfinite: throws for kStop (and for too many skips in a row), else counts the skip.
   void handle_nonfinite(const at::Tensor& loss_sum, const at::Tensor& norm);
+  [[noreturn]] void stop_for_nonfinite(int64_t step, double loss, double norm, int run, const std::string& found);
+  // The deferred watch (TrainerOptions::defer_nonfinite_check): whether it applies; a step's
+  // agreed flag (1: drop its update), recorded on the device; the policy applied to the
+  // steps recorded since the last call (one host read; throws as handle_nonfinite does).
+  bool defer_nonfinite() const;
+  at::Tensor record_nonfinite(const at::Tensor& loss_sum, const at::Tensor& norm);
+  void settle_nonfinite();
   // The last step's global-batch loss (waits for its reduction), NaN if none is pending.
   double read_loss();
   // Builds, writes and shows the metrics of the step just taken.
@@ -456,6 +495,9 @@ class Trainer {
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<ParameterUnits> units_;  // --shard=parameters (after optimizer_: it refers to it)
   std::unique_ptr<Pruner> pruner_;  // with prune.amount > 0
+  std::unique_ptr<GraphedLoss> graph_;  // --cuda_graph, once captured
+  bool graph_given_up_ = false;         // refused or failed: eager from then on
+  bool graph_shape_noted_ = false;      // a batch of other shapes ran eagerly (logged once)
   std::unique_ptr<LossScaler> scaler_;
   std::unique_ptr<MetricsWriter> metrics_;
   int64_t step_ = 0;
@@ -468,6 +510,8 @@ class Trainer {
   double comm_bus_bytes() const;
   int64_t nonfinite_skips_ = 0;     // steps dropped for a non-finite loss or gradient norm
   int consecutive_nonfinite_ = 0;   // of them, in a row up to the last step
+  at::Tensor deferred_nonfinite_;   // the deferred watch's record (record_nonfinite)
+  bool deferred_pending_ = false;   // steps recorded since the last settle_nonfinite()
   std::unique_ptr<EventWriter> tensorboard_;
   std::unique_ptr<Timeline> timeline_;
   std::unique_ptr<StepProfiler> profiler_;
