@@ -133,7 +133,10 @@ prebuilt_check() {
   fi
   py=$(sed -n 's/^python=//p' "$dest/MANIFEST")
   if [[ -n $py && ! -e $py ]] && command -v python3 >/dev/null; then
-    mkdir -p "$(dirname "$py")" && ln -s "$(command -v python3)" "$py" && echo "prebuilt-check: linked $py -> python3"
+    # A wrapper, not a symbolic link: a virtual environment's python reached through a link
+    # elsewhere loses its environment (its packages, torch among them).
+    mkdir -p "$(dirname "$py")" && printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" >"$py" &&
+      chmod +x "$py" && echo "prebuilt-check: $py runs $(command -v python3)"
   fi
   export LD_LIBRARY_PATH="$dest/lib:${LD_LIBRARY_PATH:-}"
   for f in "$dest"/bin/* "$dest"/lib/*.so*; do

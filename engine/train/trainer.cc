@@ -599,7 +599,8 @@ StepResult Trainer::step(const Batch& batch) {
   at::Tensor loss = loss_sum.div(accum_steps_).reshape({1});
   // Pipeline: the loss is the last stage's (the others hold 0), to every stage.
   if (mesh_.pp_size() > 1) mesh_.pp().all_reduce(loss, dist::ReduceOp::kSum)->wait();
-  pending_loss_ = mesh_.dp().all_reduce(loss, dist::ReduceOp::kAvg);
+  pending_loss_ = mesh_.dp().size() > 1 ? mesh_.dp().all_reduce(loss, dist::ReduceOp::kAvg)
+                                        : dist::completed_work(mesh_.dp().issued());
   pending_loss_tensor_ = loss;
   result.step = step_;
   result.skipped = skipped;

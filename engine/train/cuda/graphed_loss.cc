@@ -127,7 +127,9 @@ void capture_into(CudaGraphedLoss& g, const GraphedLoss::Fn& fn, AmpMode amp) {
   const at::cuda::MempoolId_t pool = at::cuda::graph_pool_handle();
   g.grad_out = at::ones({}, at::TensorOptions().dtype(at::kFloat).device(g.inputs.front().device()));
   at::Tensor loss;
-  g.forward_graph.capture_begin(pool);
+  // Thread-local capture: another thread's CUDA calls (a communicator's watchdog querying the
+  // events of a collective in flight) stay legal, and cannot invalidate this capture.
+  g.forward_graph.capture_begin(pool, cudaStreamCaptureModeThreadLocal);
   try {
     {
       CapturingAutocast autocast(amp);
@@ -143,7 +145,9 @@ void capture_into(CudaGraphedLoss& g, const GraphedLoss::Fn& fn, AmpMode amp) {
   }
   DTRAIN_CHECK(loss.requires_grad(), "--cuda_graph: the loss does not depend on any trained parameter");
   g.grad_out = g.grad_out.to(loss.scalar_type());
-  g.backward_graph.capture_begin(pool);  // the same pool: replayed in the order captured
+  // The same pool: replayed in the order captured. Autograd's device thread launches into the
+  // capturing stream, so its kernels are captured too.
+  g.backward_graph.capture_begin(pool, cudaStreamCaptureModeThreadLocal);
   try {
     g.grads = torch::autograd::grad({loss}, g.params, {g.grad_out}, /*retain_graph=*/false,
                                     /*create_graph=*/false, /*allow_unused=*/true);
