@@ -111,7 +111,8 @@ inline Zero3Run zero3(dist::Communicator& comm, c10::Device device = c10::Device
     at::Tensor a = at::ones({8, 8}, at::TensorOptions().dtype(at::kDouble).device(device)).requires_grad_(true);
     at::mm(a, a).sum().backward();
   }
-  out.start_bytes = memory_stats(cpu).allocated_mb * 1024 * 1024;
+  // The tensors' own bytes (on CUDA without the caching allocator's block rounding).
+  out.start_bytes = memory_stats(cpu).requested_mb * 1024 * 1024;
   Stack m(device);
   std::vector<at::Tensor> params = m.params();
   for (const at::Tensor& p : params) out.numel += p.numel();
@@ -139,7 +140,7 @@ inline Zero3Run zero3(dist::Communicator& comm, c10::Device device = c10::Device
     x = x.narrow(0, comm.rank() * kRows, kRows).to(device);
     y = y.narrow(0, comm.rank() * kRows, kRows).to(device);
     if (s == kSteps - 1) {
-      out.resident_bytes = memory_stats(cpu).allocated_mb * 1024 * 1024;
+      out.resident_bytes = memory_stats(cpu).requested_mb * 1024 * 1024;
       reset_peak_memory(cpu);
       bus_before = comm.traffic().bus_bytes;
     }

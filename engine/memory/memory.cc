@@ -126,6 +126,7 @@ MemoryStats memory_stats(c10::Device device) {
     s.allocated_mb = stats.allocated_bytes[all].current / kMiB;
     s.peak_mb = stats.allocated_bytes[all].peak / kMiB;
     s.reserved_mb = stats.reserved_bytes[all].current / kMiB;
+    s.requested_mb = stats.requested_bytes[all].current / kMiB;
     s.counter = "cuda allocator";
   } else if (auto* counting = CountingCpuAllocator::instance) {
     s.allocated_mb = counting->current_.load() / kMiB;
@@ -141,6 +142,7 @@ MemoryStats memory_stats(c10::Device device) {
   // The two are read one after the other while other threads allocate (and the RSS and its peak
   // come from different sources): a peak below the current figure is never right.
   s.peak_mb = std::max(s.peak_mb, s.allocated_mb);
+  if (!device.is_cuda()) s.requested_mb = s.allocated_mb;
   return s;
 }
 

@@ -9,6 +9,9 @@ struct MemoryStats {
   double allocated_mb = 0;  // bytes in live tensors (CPU: with tracking on; else the RSS)
   double peak_mb = 0;       // peak of allocated since the last reset (>= allocated_mb)
   double reserved_mb = 0;   // CUDA: held by the caching allocator; CPU: the resident set size
+  // The live tensors' own bytes: on CUDA without the caching allocator's rounding (a cached
+  // block reused whole counts whole in allocated_mb); elsewhere allocated_mb.
+  double requested_mb = 0;
   // Which counter allocated/peak show: "cuda allocator", "cpu tensors" (the counting CPU
   // allocator) or "process rss" (CPU tracking off). The metrics carry it as mem_counter.
   const char* counter = "";
