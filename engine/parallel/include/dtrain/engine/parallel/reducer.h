@@ -148,7 +148,11 @@ class GradReducer {
   void prepare_for_backward(const std::vector<at::Tensor>& outputs);
 
   // Zeroes every gradient (the flat buckets) in place. Call once per step, after the
-  // optimizer: it also marks the start of the next step for abandon_step().
+  // optimizer: it also marks the start of the next step for abandon_step(). On a one-rank
+  // communicator with plain averaging and no bucket observer (nothing to reduce) it drops the
+  // gradients instead (undefined, as torch's zero_grad(set_to_none=True)): the next backward's
+  // gradients are then autograd's own tensors, not added into zeroed buckets, and a parameter
+  // that gets none in a synchronized backward gets zeros.
   void zero_grad();
 
   // After a failure on this rank (e.g. CUDA out of memory) during a step: unless this step's
