@@ -1,6 +1,9 @@
 #include "dtrain/engine/models/gpt.h"
 
+#include <cmath>
+
 #include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
 
 #include "dtrain/dist/error.h"
 
@@ -9,7 +12,67 @@ namespace {
 SequenceParallel sp_of(const GptOptions& o) {
   return o.sequence_parallel ? SequenceParallel::kOn : SequenceParallel::kOff;
 }
+// config.json's integer `name` (> 0), or `fallback` when absent or null (none: required).
+int64_t positive_field(const nlohmann::json& j, const char* name, int64_t fallback = 0) {
+  auto it = j.find(name);
+  if (it == j.end() || it->is_null()) {
+    DTRAIN_CHECK(fallback > 0, "config.json: '", name, "' is missing");
+    return fallback;
+  }
+  DTRAIN_CHECK(it->is_number_integer() && it->get<int64_t>() > 0, "config.json: '", name,
+               "' must be a positive integer, got ", it->dump());
+  return it->get<int64_t>();
+}
+
+// config.json's `name` when present and not null, else `fallback`; a value of another JSON
+// type than fallback's is an error naming the field.
+template <class T>
+T value_or(const nlohmann::json& j, const char* name, T fallback) {
+  auto it = j.find(name);
+  if (it == j.end() || it->is_null()) return fallback;
+  try {
+    return it->get<T>();
+  } catch (const nlohmann::json::exception&) {
+    throw Error(detail::concat("config.json: '", name, "' has the wrong type: ", it->dump()));
+  }
+}
+
 }  // namespace
+
+GptOptions gpt_options_from_hf_config(const std::string& json_text) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(json_text);
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(detail::concat("config.json is not valid JSON: ", e.what()));
+  }
+  DTRAIN_CHECK(j.is_object(), "config.json must hold a JSON object");
+  const std::string type = value_or<std::string>(j, "model_type", "gpt2");
+  DTRAIN_CHECK(type == "gpt2", "config.json: 'model_type' is \"", type, "\"; the GPT model reads gpt2 configs");
+  const std::string act = value_or<std::string>(j, "activation_function", "gelu_new");
+  DTRAIN_CHECK(act == "gelu_new" || act == "gelu_pytorch_tanh", "config.json: 'activation_function' is \"", act,
+               "\"; the GPT model's MLP uses GELU's tanh approximation (gelu_new)");
+  const double eps = value_or<double>(j, "layer_norm_epsilon", 1e-5);
+  DTRAIN_CHECK(std::abs(eps - 1e-5) <= 1e-12, "config.json: 'layer_norm_epsilon' is ", eps,
+               "; the GPT model's layer norms use 1e-5");
+  for (const char* flag : {"scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"}) {
+    DTRAIN_CHECK(!value_or<bool>(j, flag, false), "config.json: '", flag, "' is true; the GPT model does not have it");
+  }
+  DTRAIN_CHECK(value_or<bool>(j, "scale_attn_weights", true), "config.json: 'scale_attn_weights' is false; the GPT "
+               "model scales attention scores by 1/sqrt(head size)");
+  GptOptions o;
+  o.vocab = positive_field(j, "vocab_size");
+  o.d_model = positive_field(j, "n_embd");
+  o.heads = positive_field(j, "n_head");
+  o.layers = static_cast<int>(positive_field(j, "n_layer"));
+  o.ff = positive_field(j, "n_inner", 4 * o.d_model);
+  o.seq_len = positive_field(j, "n_positions", 1024);
+  o.tie_embeddings = value_or<bool>(j, "tie_word_embeddings", true);
+  o.dropout = 0;
+  DTRAIN_CHECK(o.d_model % o.heads == 0, "config.json: 'n_embd' (", o.d_model, ") is not divisible by 'n_head' (",
+               o.heads, ")");
+  return o;
+}
 
 GptBlockImpl::GptBlockImpl(const GptOptions& o, dist::Communicator& comm)
     : sequence_parallel(o.sequence_parallel), tp(&comm) {
@@ -36,13 +99,17 @@ GptImpl::GptImpl(const GptOptions& o, dist::Communicator& comm) : options(o), tp
   blocks = register_module("blocks", BlockStack());
   for (int i = 0; i < o.layers; ++i) blocks->push_back(GptBlock(o, comm));
   ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.d_model})));
-  ParallelLinearOptions head_options;
-  head_options.in = o.d_model;
-  head_options.out = o.vocab;
-  head_options.bias = false;
-  head_options.pad_output = true;
-  head_options.sequence_parallel = o.sequence_parallel;  // gathers the sequence first
-  head = register_module("head", ColumnParallelLinear(head_options, comm));
+  if (o.tie_embeddings) {
+    tied_head = register_module("head", TiedVocabHead(wte, comm, o.sequence_parallel));
+  } else {
+    ParallelLinearOptions head_options;
+    head_options.in = o.d_model;
+    head_options.out = o.vocab;
+    head_options.bias = false;
+    head_options.pad_output = true;
+    head_options.sequence_parallel = o.sequence_parallel;  // gathers the sequence first
+    head = register_module("head", ColumnParallelLinear(head_options, comm));
+  }
   drop = register_module("drop", torch::nn::Dropout(o.dropout));
 }
 
@@ -60,7 +127,7 @@ at::Tensor GptImpl::embed(const at::Tensor& tokens) {
 
 at::Tensor GptImpl::logits(const at::Tensor& x) {
   at::Tensor h = options.sequence_parallel ? sequence_parallel_layer_norm(ln_f, x, *tp) : ln_f->forward(x);
-  return head->forward(h);
+  return tied_head.is_empty() ? head->forward(h) : tied_head->forward(h);
 }
 
 at::Tensor GptImpl::head_loss(const at::Tensor& x, const at::Tensor& targets) {
@@ -79,7 +146,8 @@ at::Tensor GptImpl::loss(const at::Tensor& inputs, const at::Tensor& targets) {
 int64_t GptImpl::parameter_count() const {
   const int64_t d = options.d_model, f = options.ff;
   const int64_t per_block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d);
-  return options.vocab * d + options.seq_len * d + options.layers * per_block + 2 * d + options.vocab * d;
+  return options.vocab * d + options.seq_len * d + options.layers * per_block + 2 * d +
+         (options.tie_embeddings ? 0 : options.vocab * d);
 }
 
 ModelSpec gpt_spec(const std::shared_ptr<GptImpl>& model) {

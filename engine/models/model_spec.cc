@@ -90,6 +90,13 @@ void split_pipeline_stage(ModelSpec& spec, int stage, int stages, const std::str
                  "split_pipeline_stage: the model was split for another stage already");
     return;
   }
+  // A tensor registered under the names of two pieces (a head tied to the embedding) would be
+  // emptied with the piece a stage drops and trained apart on the stage that keeps the other.
+  for (const auto& [second, first] : trained_parameters(*spec.module).tied) {
+    DTRAIN_CHECK(second.substr(0, second.find('.')) == first.substr(0, first.find('.')), "tied parameters ('", second,
+                 "' is '", first, "') with --pp > 1: the two names may live on different stages, which is not "
+                 "supported yet; untie them (e.g. tie_embeddings = false) or train without pipeline stages");
+  }
   spec.blocks->keep_range(t.first_block, t.end_block);
   // The parts this stage does not run leave the module, and their memory goes at once (the
   // model may still hold them as members).

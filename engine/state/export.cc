@@ -109,6 +109,11 @@ void check_output_path(const std::string& path, const std::string& flag) {
                "' is not writable by this user; choose another ", flag, " or change its permissions");
 }
 
+void write_text_atomically(const std::string& path, const std::string& text) {
+  check_output_path(path);
+  write_atomically(path, [&](WritableFile& f) { f.append(text.data(), text.size()); });
+}
+
 NamedTensorList module_tensors(const torch::nn::Module& module) {
   NamedTensorList out;
   for (const auto& p : module.named_parameters()) out.emplace_back(p.key(), p.value());

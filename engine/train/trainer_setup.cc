@@ -300,8 +300,20 @@ const char* to_string(SaveDirExists mode) {
 
 void Trainer::check_tied_parameters(const std::vector<std::pair<std::string, std::string>>& tied) const {
   const std::string pair = "'" + tied.front().first + "' is '" + tied.front().second + "'";
-  const char* mode = mesh_.pp_size() > 1                       ? "--pp > 1 (the two names may live on different stages)"
-                     : mesh_.tp_size() > 1                     ? "--tp > 1 (each rank holds its own slice of each layer)"
+  // Under tensor parallelism a tie holds when both names split the tensor alike (a
+  // vocabulary-parallel embedding and the padded column-parallel head of the same vocabulary):
+  // each rank's slice serves both uses, and its gradient is the sum of both.
+  bool split_alike = true;
+  if (mesh_.tp_size() > 1) {
+    const std::map<std::string, ShardSpec> specs = collect_shard_specs(model_);
+    for (const auto& [second, first] : tied) {
+      auto a = specs.find(second), b = specs.find(first);
+      split_alike = split_alike && (a == specs.end()) == (b == specs.end()) &&
+                    (a == specs.end() || to_text(a->second) == to_text(b->second));
+    }
+  }
+  const char* mode = mesh_.pp_size() > 1 ? "--pp > 1 (the two names may live on different stages)"
+                     : !split_alike      ? "--tp > 1 (the two names split the tensor differently over the ranks)"
                      : parse_shard_mode(options_.shard) == ShardMode::kParameters ? "--shard=parameters (ZeRO-3's units "
                                                                                    "own each weight once)"
                                                                                  : nullptr;

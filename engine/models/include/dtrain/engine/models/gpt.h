@@ -1,5 +1,6 @@
 // A GPT-style decoder language model (GPT-2 layout: pre-norm blocks, causal self-attention
-// through scaled_dot_product_attention, GELU MLP, learned positions, untied output head) built
+// through scaled_dot_product_attention, GELU MLP (tanh approximation), learned positions, an
+// output head of its own or tied to the token embedding) built
 // from dtrain's tensor-parallel layers, so a tensor-parallel group splits heads, MLP and
 // vocabulary. With a group of one rank it is the plain model; any group size draws the same
 // initial full weights. sequence_parallel additionally splits the residual stream and the layer
@@ -20,6 +21,7 @@
 
 #include "dtrain/engine/models/blocks.h"
 #include "dtrain/engine/models/model_spec.h"
+#include "dtrain/engine/models/tied_head.h"
 #include "dtrain/engine/parallel/tensor_parallel.h"
 
 namespace dtrain::engine {
@@ -32,7 +34,21 @@ struct GptOptions {
   // Split activations between the tensor-parallel regions along the sequence (seq_len must
   // divide by the group size). No effect with a group of one rank.
   bool sequence_parallel = false;
+  // The head is the token embedding's weight (GPT-2's layout; tied_head.h), else a weight of
+  // its own (the default).
+  bool tie_embeddings = false;
 };
+
+// From a Hugging Face GPT-2 config.json's text (model_type "gpt2"): vocab_size, n_embd,
+// n_head, n_layer are required; n_inner (default 4 n_embd), n_positions (1024) -> seq_len (the
+// caller may set a shorter one), tie_word_embeddings (true) take transformers' defaults.
+// dtrain::Error naming the field for a missing or invalid one and for what this model does not
+// have: an activation_function other than gelu_new (the tanh approximation of the MLP), a
+// layer_norm_epsilon other than 1e-5 (torch's LayerNorm default the model uses),
+// scale_attn_by_inverse_layer_idx, reorder_and_upcast_attn, add_cross_attention,
+// scale_attn_weights false, another model_type. Dropout fields are ignored (dropout is a
+// training choice: GptOptions::dropout).
+GptOptions gpt_options_from_hf_config(const std::string& json_text);
 
 struct GptBlockImpl : torch::nn::Module {
   GptBlockImpl(const GptOptions& o, dist::Communicator& tp);
@@ -65,7 +81,8 @@ struct GptImpl : torch::nn::Module {
   torch::nn::Embedding wpe{nullptr};
   BlockStack blocks{nullptr};
   torch::nn::LayerNorm ln_f{nullptr};
-  ColumnParallelLinear head{nullptr};
+  ColumnParallelLinear head{nullptr};  // untied
+  TiedVocabHead tied_head{nullptr};    // tie_embeddings; registered as "head" as well
   torch::nn::Dropout drop{nullptr};
 };
 TORCH_MODULE(Gpt);

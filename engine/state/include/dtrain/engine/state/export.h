@@ -40,6 +40,10 @@ using NamedTensorList = std::vector<std::pair<std::string, at::Tensor>>;
 // option in messages ("--output").
 void check_output_path(const std::string& path, const std::string& flag = "--output");
 
+// Writes `text` to path through a temporary file beside it, synced and renamed over path (a
+// reader never sees a half-written file). Throws dtrain::Error as check_output_path().
+void write_text_atomically(const std::string& path, const std::string& text);
+
 // The module's parameters and buffers by their full names ("blocks.0.attn.qkv.weight"),
 // parameters first, as named_parameters() and named_buffers() list them.
 NamedTensorList module_tensors(const torch::nn::Module& module);

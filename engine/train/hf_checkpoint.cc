@@ -1,0 +1,238 @@
+#include "dtrain/engine/train/hf_checkpoint.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <unordered_map>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include "dtrain/dist/error.h"
+#include "dtrain/engine/parallel/tensor_parallel.h"
+#include "dtrain/engine/state/export.h"
+
+namespace dtrain::engine {
+namespace {
+
+bool is_file(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+bool is_dir(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+std::string join(const std::string& dir, const std::string& name) {
+  return !dir.empty() && dir.back() == '/' ? dir + name : dir + "/" + name;
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  DTRAIN_CHECK(in.good(), "cannot open '", path, "' to read");
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// The files an index's weight_map names, each once, in the order they first appear.
+std::vector<std::string> files_of_index(const std::string& dir, const std::string& index_path) {
+  nlohmann::json index;
+  try {
+    index = nlohmann::json::parse(read_text(index_path));
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(detail::concat("'", index_path, "' is not valid JSON (", e.what(),
+                               "); it should be save_pretrained's model.safetensors.index.json"));
+  }
+  DTRAIN_CHECK(index.is_object() && index.contains("weight_map") && index["weight_map"].is_object(), "'",
+               index_path, "' has no \"weight_map\" object; it should map each tensor name to its file");
+  std::vector<std::string> files;
+  std::set<std::string> seen;
+  for (const auto& [tensor, file] : index["weight_map"].items()) {
+    DTRAIN_CHECK(file.is_string(), "'", index_path, "': the file of tensor '", tensor, "' is not a string");
+    const std::string name = file.get<std::string>();
+    if (!seen.insert(name).second) continue;
+    const std::string path = join(dir, name);
+    DTRAIN_CHECK(is_file(path), "'", index_path, "' names the file '", name, "' (tensor '", tensor,
+                 "'), which is not in '", dir, "'; the checkpoint is incomplete: download or copy every shard");
+    files.push_back(path);
+  }
+  DTRAIN_CHECK(!files.empty(), "'", index_path, "' names no files");
+  return files;
+}
+
+// Parameters by name, a tensor registered under two names (tied weights) under its first only;
+// `aliases` gets the others.
+std::vector<std::pair<std::string, at::Tensor>> distinct_parameters(torch::nn::Module& model,
+                                                                    std::set<std::string>* aliases) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  std::set<const void*> seen;
+  for (const auto& item : model.named_parameters()) {
+    if (!seen.insert(item.value().unsafeGetTensorImpl()).second) {
+      if (aliases != nullptr) aliases->insert(item.key());
+      continue;
+    }
+    out.emplace_back(item.key(), item.value());
+  }
+  return out;
+}
+
+std::string hf_name_or_throw(const HfNames& names, const std::string& name) {
+  DTRAIN_CHECK(static_cast<bool>(names.to_hf), "HfNames::to_hf is not set");
+  return names.to_hf(name);
+}
+
+// One file's tensors into the model's parameters; `loaded` collects their dtrain names.
+int64_t load_file(const std::string& file, const std::unordered_map<std::string, at::Tensor>& params,
+                  const std::set<std::string>& aliases, const std::map<std::string, ShardSpec>& specs,
+                  dist::Communicator& tp, const HfNames& names, bool partial, std::set<std::string>& loaded) {
+  int64_t count = 0;
+  at::NoGradGuard no_grad;
+  for (const auto& [hf, tensor] : load_safetensors(file)) {
+    if (names.ignored && names.ignored(hf)) continue;
+    std::string name;
+    try {
+      name = names.to_dtrain(hf);
+    } catch (const Error& e) {
+      throw Error(detail::concat("'", file, "': tensor '", hf, "' is not a weight of this model (", e.what(),
+                                 "); the checkpoint is of another architecture or configuration"));
+    }
+    if (aliases.count(name) > 0) continue;  // a tied copy (the head of a tied embedding)
+    auto it = params.find(name);
+    if (it == params.end()) {
+      DTRAIN_CHECK(partial, "'", file, "': tensor '", hf, "' (dtrain's '", name,
+                   "') has no parameter in this model; was it built with the checkpoint's config.json?");
+      continue;  // another pipeline stage's
+    }
+    DTRAIN_CHECK(loaded.insert(name).second, "'", file, "': tensor '", hf, "' is given twice in the checkpoint");
+    auto spec = specs.find(name);
+    const at::Tensor whole = names.from_hf_tensor ? names.from_hf_tensor(name, tensor) : tensor;
+    const at::Tensor src = spec == specs.end() ? whole : shard_of(whole, spec->second, tp.rank(), tp.size());
+    at::Tensor param = it->second;
+    DTRAIN_CHECK(src.sizes() == param.sizes(), "'", file, "': tensor '", hf, "' has shape ", whole.sizes(),
+                 (spec == specs.end() || tp.size() == 1 ? "" : " (this rank's shard " + detail::concat(src.sizes()) + ")"),
+                 " but the model's '", name, "' has ", param.sizes(),
+                 "; build the model with the checkpoint's config.json (its sizes differ from the shape flags)");
+    param.copy_(src);
+    ++count;
+  }
+  return count;
+}
+
+std::string shard_file_name(size_t k, size_t n) {
+  char name[64];
+  std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", k + 1, n);
+  return name;
+}
+
+}  // namespace
+
+std::vector<std::string> hf_weight_files(const std::string& path) {
+  DTRAIN_CHECK(!path.empty(), "no Hugging Face checkpoint given: pass its directory (with config.json and "
+               "model.safetensors) or a .safetensors file");
+  if (is_file(path)) return {path};
+  DTRAIN_CHECK(is_dir(path), "'", path, "' does not exist; pass a Hugging Face checkpoint's directory or a "
+               ".safetensors file");
+  const std::string single = join(path, "model.safetensors");
+  if (is_file(single)) return {single};
+  const std::string index = join(path, "model.safetensors.index.json");
+  if (is_file(index)) return files_of_index(path, index);
+  const bool pickle = is_file(join(path, "pytorch_model.bin")) || is_file(join(path, "pytorch_model.bin.index.json"));
+  DTRAIN_CHECK(!pickle, "'", path, "' holds a PyTorch pickle checkpoint (pytorch_model.bin); dtrain reads "
+               "safetensors: convert it once with transformers (from_pretrained, then save_pretrained with "
+               "safe_serialization=True)");
+  throw Error(detail::concat("'", path, "' holds neither model.safetensors nor model.safetensors.index.json; ",
+                             "pass the directory save_pretrained wrote (or a .safetensors file)"));
+}
+
+int64_t load_hf_weights(const std::string& path, torch::nn::Module& model, dist::Communicator& tp,
+                        const HfNames& names, bool pipeline_stage) {
+  DTRAIN_CHECK(static_cast<bool>(names.to_dtrain), "HfNames::to_dtrain is not set");
+  const std::vector<std::string> files = hf_weight_files(path);
+  std::set<std::string> aliases;
+  std::unordered_map<std::string, at::Tensor> params;
+  std::vector<std::string> order;
+  for (auto& [name, p] : distinct_parameters(model, &aliases)) {
+    params.emplace(name, p);
+    order.push_back(name);
+  }
+  const std::map<std::string, ShardSpec> specs = collect_shard_specs(model);
+  std::set<std::string> loaded;
+  int64_t count = 0;
+  for (const std::string& file : files) count += load_file(file, params, aliases, specs, tp, names, pipeline_stage, loaded);
+  std::vector<std::string> missing;
+  for (const std::string& name : order) {
+    if (loaded.count(name) == 0) missing.push_back(name);
+  }
+  if (!missing.empty()) {
+    std::string list;
+    for (size_t i = 0; i < missing.size() && i < 5; ++i) {
+      list += (i ? ", '" : "'") + hf_name_or_throw(names, missing[i]) + "'";
+    }
+    throw Error(detail::concat("'", path, "' lacks ", missing.size(), " of the model's ", order.size(),
+                               " weights (", list, missing.size() > 5 ? ", ..." : "",
+                               "); the checkpoint is of a smaller or another model (check config.json's "
+                               "num_hidden_layers and tie_word_embeddings)"));
+  }
+  return count;
+}
+
+int64_t save_hf_weights(const std::string& dir, torch::nn::Module& model, dist::Communicator& tp,
+                        const HfNames& names, const HfSaveOptions& options) {
+  DTRAIN_CHECK(options.max_shard_bytes > 0, "HfSaveOptions::max_shard_bytes must be positive");
+  if (tp.rank() == 0) {  // fail before any collective work on a directory that cannot be written
+    DTRAIN_CHECK(is_dir(dir), "'", dir, "' is not a directory; create it (mkdir -p ", dir, ") first");
+    check_output_path(join(dir, "model.safetensors"), "the output directory");
+  }
+  const std::map<std::string, ShardSpec> specs = collect_shard_specs(model);
+  NamedTensorList tensors;
+  for (auto& [name, p] : distinct_parameters(model, nullptr)) {
+    auto spec = specs.find(name);
+    at::Tensor full = spec == specs.end() ? p.detach().cpu() : gather_full_tensor(p.detach(), spec->second, tp).cpu();
+    if (names.to_hf_tensor) full = names.to_hf_tensor(name, full);
+    if (options.dtype != at::ScalarType::Undefined) full = full.to(options.dtype);
+    tensors.emplace_back(hf_name_or_throw(names, name), full.contiguous());
+  }
+  if (tp.rank() != 0) return static_cast<int64_t>(tensors.size());
+  // Cut into files of at most max_shard_bytes (a tensor larger than that is a file of its own).
+  std::vector<NamedTensorList> files(1);
+  int64_t in_file = 0, total = 0;
+  for (auto& item : tensors) {
+    const int64_t bytes = static_cast<int64_t>(item.second.nbytes());
+    if (in_file > 0 && in_file + bytes > options.max_shard_bytes) {
+      files.emplace_back();
+      in_file = 0;
+    }
+    files.back().push_back(std::move(item));
+    in_file += bytes;
+    total += bytes;
+  }
+  const std::map<std::string, std::string> metadata = {{"format", "pt"}};
+  const std::string single = join(dir, "model.safetensors"), index = join(dir, "model.safetensors.index.json");
+  if (files.size() == 1) {
+    save_safetensors(single, files[0], metadata);
+    ::unlink(index.c_str());  // a stale index would name files of another save
+  } else {
+    nlohmann::ordered_json map = nlohmann::ordered_json::object();
+    for (size_t k = 0; k < files.size(); ++k) {
+      save_safetensors(join(dir, shard_file_name(k, files.size())), files[k], metadata);
+      for (const auto& item : files[k]) map[item.first] = shard_file_name(k, files.size());
+    }
+    nlohmann::ordered_json doc = {{"metadata", {{"total_size", total}}}, {"weight_map", map}};
+    write_text_atomically(index, doc.dump(2) + "\n");
+    ::unlink(single.c_str());  // from_pretrained would read a stale single file first
+  }
+  if (!options.config_json.empty()) write_text_atomically(join(dir, "config.json"), options.config_json);
+  int64_t count = 0;
+  for (const auto& f : files) count += static_cast<int64_t>(f.size());
+  return count;
+}
+
+}  // namespace dtrain::engine

@@ -1,0 +1,115 @@
+// Incremental decoding of the Llama model (LlamaImpl::forward_cached) split over tensor-parallel
+// groups of 2 and 4 ranks: each rank caches its own key/value heads, and the vocabulary slices
+// of its logits, gathered, equal the one-rank model's cached logits and its plain forward on
+// the whole sequence (float64), for grouped-query attention with and without tied embeddings.
+// A sequence-parallel model is refused by name. Runs at 2 and 4 ranks.
+#include <gtest/gtest.h>
+
+#include <iostream>
+
+#include <torch/torch.h>
+
+#include "dtrain/dist/error.h"
+#include "dtrain/dist/mesh.h"
+#include "dtrain/engine/models/llama.h"
+#include "dtrain/engine/parallel/tensor_parallel.h"
+#include "test_util.h"
+
+namespace dtrain::engine::llama_generate_mpi_cases {
+namespace {
+
+using testing_util::rel_error;
+using testing_util::world_comm;
+
+constexpr int64_t kVocab = 51, kLen = 10;
+
+LlamaOptions options(bool tied) {
+  LlamaOptions o;
+  o.vocab = kVocab;  // padded at both group sizes
+  o.d_model = 64;
+  o.heads = 8;
+  o.kv_heads = 4;
+  o.ff = 96;
+  o.seq_len = kLen;
+  o.layers = 2;
+  o.rope_factor = 8;
+  o.rope_original_positions = 64;
+  o.init_std = 0.3;
+  o.tie_embeddings = tied;
+  return o;
+}
+
+// Prefill of 4, four single tokens, a chunk of 2: [B, kLen, local vocabulary].
+at::Tensor cached(LlamaImpl& model, const at::Tensor& tokens) {
+  LlamaKvCache cache = model.make_kv_cache(tokens.size(0), kLen);
+  std::vector<at::Tensor> parts;
+  int64_t at = 0;
+  for (int64_t n : {4, 1, 1, 1, 1, 2}) {
+    parts.push_back(model.forward_cached(tokens.narrow(1, at, n), cache));
+    at += n;
+  }
+  return at::cat(parts, 1);
+}
+
+void check_split(int T, bool tied) {
+  SCOPED_TRACE("tp " + std::to_string(T) + (tied ? " tied" : ""));
+  auto& comm = world_comm();
+  std::unique_ptr<dist::Communicator> alone = comm.split(comm.rank(), 0, "alone");
+  dist::Mesh mesh(comm, T);
+  auto& tp = mesh.tp();
+  torch::manual_seed(5);
+  LlamaImpl ref(options(tied), *alone);
+  LlamaImpl model(options(tied), tp);
+  ref.to(at::kDouble);
+  model.to(at::kDouble);
+  {  // norm weights other than 1, the same on every rank; then the reference's weights in the split model
+    at::NoGradGuard no_grad;
+    auto g = at::make_generator<at::CPUGeneratorImpl>(6);
+    for (auto& item : ref.named_parameters()) {
+      if (item.key().find("norm") != std::string::npos) item.value().normal_(1.0, 0.2, g);
+    }
+  }
+  std::map<std::string, at::Tensor> full;
+  for (auto& item : ref.named_parameters()) full[item.key()] = item.value().detach();
+  load_full_state(model, full, tp);
+  auto g = at::make_generator<at::CPUGeneratorImpl>(7);
+  at::Tensor tokens = at::randint(kVocab, {2, kLen}, g, at::kLong);
+  at::Tensor whole;
+  {
+    at::NoGradGuard no_grad;
+    whole = ref.forward(tokens);
+  }
+  at::Tensor want = cached(ref, tokens);
+  at::Tensor local = cached(model, tokens);
+  EXPECT_EQ(model.make_kv_cache(2, kLen).k[0].size(1), 4 / T) << "each rank caches its own key/value heads";
+  const int64_t padded = local.size(-1) * T;
+  at::Tensor got = gather_full_tensor(local, ShardSpec{2, 1, kVocab, padded}, tp);
+  EXPECT_LT(rel_error(got, want), 1e-12) << "against the one-rank model's cached logits";
+  EXPECT_LT(rel_error(got, whole), 1e-12) << "against the one-rank model's whole-sequence forward";
+  if (comm.rank() == 0) {
+    std::cout << "[ generate ] tp " << T << (tied ? " tied" : "") << ": cached logits rel " << rel_error(got, want)
+              << " vs one rank's cached, " << rel_error(got, whole) << " vs its whole-sequence forward\n";
+  }
+}
+
+TEST(LlamaGenerateMpi, TensorParallelCachedLogitsEqualOneRank) {
+  if (world_comm().size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  for (int T : testing_util::tp_group_sizes()) {
+    for (bool tied : {false, true}) check_split(T, tied);
+  }
+}
+
+TEST(LlamaGenerateMpi, SequenceParallelIsRefused) {
+  if (world_comm().size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  dist::Mesh mesh(world_comm(), 2);
+  LlamaOptions o = options(false);
+  o.sequence_parallel = true;
+  LlamaImpl model(o, mesh.tp());
+  LlamaKvCache cache = model.make_kv_cache(1, kLen);
+  const std::string e = testing_util::error_of([&] { model.forward_cached(at::zeros({1, 2}, at::kLong), cache); });
+  EXPECT_NE(e.find("the model is sequence-parallel"), std::string::npos) << e;
+  EXPECT_NE(e.find("build the model without sequence_parallel"), std::string::npos) << e;
+}
+
+}  // namespace
+}  // namespace dtrain::engine::llama_generate_mpi_cases
