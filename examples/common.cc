@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <sstream>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -21,11 +22,14 @@
 #include "dtrain/engine/memory/memory.h"
 #include "dtrain/engine/optim/offload.h"
 #include "dtrain/engine/parallel/quantize.h"
+#include "dtrain/engine/data/token_shards.h"
 #include "dtrain/engine/train/cli.h"
 
 // The examples' own flags; the standard ones are dtrain's (dtrain/engine/train/cli.h).
-DEFINE_string(data, "real", "real (files that installed packages ship) or synthetic");
-DEFINE_string(data_path, "", "data file or directory (default: the example's)");
+DEFINE_string(data, "real", "real (files that installed packages ship), synthetic, or tokens (language models: pre-tokenized shards at --data_path)");
+DEFINE_string(data_path, "", "data file or directory (default: the example's); --data=tokens: shard files, directories, glob patterns or Megatron prefixes, separated by commas");
+DEFINE_string(data_format, "auto", "--data=tokens: auto (llm.c shards by their magic, Megatron .idx/.bin pairs), llmc, megatron, raw (nanoGPT's headerless uint16) or raw32 (uint32)");
+DEFINE_string(eval_data_path, "", "--data=tokens: held-out shards to evaluate on (as --data_path); none: no evaluation");
 DEFINE_bool(inplace, true, "in-place activations where safe");
 DEFINE_bool(eval_only, false, "only evaluate the --eval_samples held-out set under no_grad (memory/speed of inference)");
 DEFINE_string(quantize, "", "int8: dynamic int8 Linear layers (CPU): --eval_only evaluates them beside float32, dtrain-export writes them");
@@ -41,6 +45,11 @@ DEFINE_int64(seq_len, 256, "transformers: sequence length");
 DEFINE_int64(vocab, 32000, "transformers: vocabulary size");
 DEFINE_double(dropout, 0.1, "transformers: dropout probability");
 DEFINE_bool(sparse_embedding, false, "transformers: sparse token-embedding gradients (only the rows a batch touched travel and update)");
+DEFINE_int64(kv_heads, 0, "llama: key/value heads (grouped-query attention when fewer than --heads; 0: --heads)");
+DEFINE_double(rope_theta, 10000, "llama: the rotary position embedding's base");
+DEFINE_bool(tie_embeddings, false, "gpt, llama: the output head shares the token embedding's weight (GPT-2's layout)");
+DEFINE_string(hf_config, "", "gpt, llama: a Hugging Face config.json (GPT-2 or Llama) that gives the model's shape (--vocab, --d_model, --heads, --kv_heads, --ff, --layers, --rope_theta, --tie_embeddings follow it)");
+DEFINE_string(init_from_hf, "", "gpt, llama: start from the weights of a Hugging Face checkpoint (a directory with model.safetensors or model.safetensors.index.json; give its config.json as --hf_config)");
 
 namespace dtrain::examples {
 
@@ -65,8 +74,8 @@ namespace {
 
 // The examples' own flags (the standard ones are checked by cli::parse).
 void check_flags(unsigned topics) {
-  DTRAIN_CHECK(FLAGS_data == "real" || FLAGS_data == "synthetic", "--data=", FLAGS_data,
-               " is not one of: real, synthetic");
+  DTRAIN_CHECK(FLAGS_data == "real" || FLAGS_data == "synthetic" || FLAGS_data == "tokens", "--data=", FLAGS_data,
+               " is not one of: real, synthetic, tokens");
   DTRAIN_CHECK(FLAGS_hidden >= 1 && FLAGS_depth >= 0 && FLAGS_d_model >= 1 && FLAGS_heads >= 1 &&
                    FLAGS_layers >= 1 && FLAGS_ff >= 1 && FLAGS_seq_len >= 1 && FLAGS_vocab >= 2,
                "model sizes must be positive (--hidden, --depth, --d_model, --heads, --layers, "
@@ -121,8 +130,8 @@ Run init_run(int argc, char** argv, const std::string& usage,
     model_listed.push_back("sparse_embedding");  // the transformers' token embeddings
   }
   engine::cli::describe_flags("Model", model_listed);
-  std::vector<std::string> data = {"data", "data_path", "eval_only", "inplace"};
-  if (trainer) data.insert(data.begin() + 3, {"quantize", "quantize_scales"});
+  std::vector<std::string> data = {"data", "data_path", "data_format", "eval_data_path", "eval_only", "inplace"};
+  if (trainer) data.insert(data.begin() + 5, {"quantize", "quantize_scales"});
   engine::cli::describe_flags("Data and evaluation", data, {"data_path"});  // joins --workers etc.
   if (!model_checks) topics &= ~engine::cli::kTensorParallel;
   engine::cli::parse(argc, argv, usage, topics, defaults);
@@ -130,6 +139,14 @@ Run init_run(int argc, char** argv, const std::string& usage,
   // before any communicator exists.
   engine::RunOptions ro = engine::cli::run_options(engine::cli::flags());
   ro.checks = [&] {
+    for (const char* flag : {"kv_heads", "rope_theta", "tie_embeddings", "hf_config", "init_from_hf"}) {
+      gflags::CommandLineFlagInfo info;
+      gflags::GetCommandLineFlagInfo(flag, &info);
+      DTRAIN_CHECK(info.is_default || std::find(model_flags.begin(), model_flags.end(), flag) != model_flags.end(),
+                   "--", flag, " is a flag of train_gpt's language models (--model=gpt or llama); drop --", flag,
+                   " here");
+    }
+    apply_hf_config();  // the shape flags from a Hugging Face config.json, before they are checked
     check_flags(topics);
     check_writable_file(engine::cli::flags().metrics, "metrics");
     check_writable_file(engine::cli::flags().timeline, "timeline");
@@ -167,6 +184,7 @@ engine::TrainerOptions trainer_options(const Run& run, const std::string& defaul
   o.checkpoint_meta["program"] = run.program;
   // The model's shape, so that a later run can rebuild it (a distillation teacher's defaults).
   for (const std::string& flag : run.model_flags) {
+    if (flag == "hf_config" || flag == "init_from_hf") continue;  // where the shape came from, not the shape
     o.checkpoint_meta["shape." + flag] = gflags::GetCommandLineFlagInfoOrDie(flag.c_str()).current_value;
   }
   o.evaluation_only = FLAGS_eval_only;  // no optimizer state or gradient buffers to evaluate
@@ -270,6 +288,8 @@ engine::StepMetrics fit_and_report(const Run& run, engine::Trainer& trainer, tor
 }
 
 ClassificationData classification_data() {
+  DTRAIN_CHECK(FLAGS_data != "tokens", "--data=tokens is for the language models (train_gpt, train_seq2seq); use "
+               "--data=real or synthetic");
   at::Tensor x, y;
   if (FLAGS_data == "synthetic") {
     std::tie(x, y) = synthetic_classification(4096, 64, 10, 1234);
@@ -319,10 +339,39 @@ int train_digits_classifier(int argc, char** argv, const char* program, const st
 }
 
 std::unique_ptr<engine::DataLoader> eval_loader(const Run& run, const TokenData& data) {
-  return held_out_loader(run, data.eval);
+  return data.eval ? held_out_loader(run, data.eval) : nullptr;
 }
 
+namespace {
+
+std::shared_ptr<engine::TokenShardDataset> token_shards(const Run& run, const std::string& paths, const char* flag,
+                                                        int64_t window_len) {
+  engine::TokenShardOptions o;
+  std::stringstream list(paths);
+  for (std::string item; std::getline(list, item, ',');) {
+    if (!item.empty()) o.paths.push_back(item);
+  }
+  DTRAIN_CHECK(!o.paths.empty(), "--data=tokens needs ", flag, ": the token shards (files, directories, globs)");
+  o.format = FLAGS_data_format == "raw32" ? engine::TokenFormat::kRaw : engine::parse_token_format(FLAGS_data_format);
+  o.raw_token_bytes = FLAGS_data_format == "raw32" ? 4 : 2;
+  o.seq_len = window_len;  // windows of window_len + 1 tokens, as TokenWindows'
+  o.vocab = FLAGS_vocab;
+  auto data = std::make_shared<engine::TokenShardDataset>(o);
+  if (run.world.rank == 0) LOG(INFO) << flag << ": " << data->describe();
+  return data;
+}
+
+}  // namespace
+
 TokenData token_data(const Run& run, int64_t window_len, bool fold_bytes) {
+  if (FLAGS_data == "tokens") {
+    TokenData d;
+    d.train = token_shards(run, FLAGS_data_path, "--data_path", window_len);
+    if (!FLAGS_eval_data_path.empty()) d.eval = token_shards(run, FLAGS_eval_data_path, "--eval_data_path", window_len);
+    return d;
+  }
+  DTRAIN_CHECK(FLAGS_eval_data_path.empty() && FLAGS_data_format == "auto", "--eval_data_path and --data_format are "
+               "for --data=tokens");
   if (FLAGS_data == "synthetic") {
     const int64_t count = std::max<int64_t>(1024, 4 * engine::cli::flags().batch_size * run.world.size);
     return {synthetic_tokens(count, window_len, FLAGS_vocab, 4321),

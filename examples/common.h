@@ -35,6 +35,11 @@ DECLARE_int64(seq_len);
 DECLARE_int64(vocab);
 DECLARE_double(dropout);
 DECLARE_bool(sparse_embedding);
+DECLARE_int64(kv_heads);
+DECLARE_double(rope_theta);
+DECLARE_bool(tie_embeddings);
+DECLARE_string(hf_config);
+DECLARE_string(init_from_hf);
 
 namespace dtrain::examples {
 

@@ -16,6 +16,8 @@
 // scales ("<layer>.weight" int8 [out, in], "<layer>.weight_scale" float32 [out] or [1]; the
 // float weight is int8 x scale), as engine::quantize_dynamic_int8 quantizes them; the other
 // tensors stay float32. --write_example then holds the int8 model's output.
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -31,14 +33,16 @@
 #include "dtrain/engine/state/checkpoint.h"
 #include "dtrain/engine/state/export.h"
 #include "dtrain/engine/train/cli.h"
+#include "dtrain/engine/train/hf_gpt2.h"
+#include "dtrain/engine/train/hf_llama.h"
 #include "dtrain/engine/train/load.h"
 #include "dtrain/engine/train/trainer.h"
 #include "model_factory.h"
 
-DEFINE_string(model, "gpt", "the example model to export: mlp, cnn, seq2seq or gpt");
+DEFINE_string(model, "gpt", "the example model to export: mlp, cnn, seq2seq, gpt or llama");
 DEFINE_string(checkpoint, "", "the run's checkpoint directory (its --save_dir): the newest good checkpoint is exported");
-DEFINE_string(format, "torchscript", "torchscript (an archive torch.jit.load runs) or safetensors (the weights)");
-DEFINE_string(output, "", "the file to write (written atomically; its directory must exist)");
+DEFINE_string(format, "torchscript", "torchscript (an archive torch.jit.load runs), safetensors (the weights) or hf (gpt, llama: a Hugging Face checkpoint directory, config.json and model.safetensors, that transformers' from_pretrained loads as GPT2LMHeadModel or LlamaForCausalLM)");
+DEFINE_string(output, "", "the file to write (written atomically; its directory must exist); --format=hf: the directory to write into (it must exist)");
 DEFINE_int64(example_rows, 2, "rows of the example input (TorchScript: the model is traced on it)");
 DEFINE_string(write_example, "", "also write the example inputs and the model's output on them (safetensors)");
 
@@ -62,14 +66,26 @@ void write_example(const std::vector<at::Tensor>& inputs, const at::Tensor& outp
 void check_export_flags(const examples::Run& run) {
   DTRAIN_CHECK(run.world.size == 1, "dtrain-export runs as one process (it builds the unsplit model and gathers a "
                "tensor-parallel checkpoint itself); run it without mpirun/srun");
-  DTRAIN_CHECK(FLAGS_format == "torchscript" || FLAGS_format == "safetensors", "--format=", FLAGS_format,
-               " is not one of: torchscript, safetensors");
+  DTRAIN_CHECK(FLAGS_format == "torchscript" || FLAGS_format == "safetensors" || FLAGS_format == "hf", "--format=",
+               FLAGS_format, " is not one of: torchscript, safetensors, hf");
+  DTRAIN_CHECK(FLAGS_format != "hf" || FLAGS_model == "llama" || FLAGS_model == "gpt", "--format=hf --model=",
+               FLAGS_model, ": Hugging Face checkpoints are written for --model=gpt (GPT2LMHeadModel) and llama "
+               "(LlamaForCausalLM); use --format=safetensors");
+  DTRAIN_CHECK(FLAGS_format != "hf" || FLAGS_quantize.empty(), "--format=hf with --quantize: transformers reads "
+               "the float weights; drop --quantize");
   DTRAIN_CHECK(!FLAGS_checkpoint.empty(), "--checkpoint is required: the run's --save_dir");
   DTRAIN_CHECK(FLAGS_quantize.empty() || FLAGS_format == "safetensors", "--quantize=int8 --format=", FLAGS_format,
                ": the int8 model is exported as safetensors (int8 weights and their scales); libtorch's tracer cannot "
                "record the packed int8 weights into a TorchScript archive. Use --format=safetensors");
   DTRAIN_CHECK(FLAGS_example_rows >= 1, "--example_rows=", FLAGS_example_rows, " must be >= 1");
-  engine::check_output_path(FLAGS_output, "--output");
+  if (FLAGS_format == "hf") {
+    struct stat st {};
+    DTRAIN_CHECK(::stat(FLAGS_output.c_str(), &st) == 0 && S_ISDIR(st.st_mode), "--output=", FLAGS_output,
+                 ": --format=hf writes a checkpoint directory; create it first (mkdir -p ", FLAGS_output, ")");
+    engine::check_output_path(FLAGS_output + "/model.safetensors", "--output");
+  } else {
+    engine::check_output_path(FLAGS_output, "--output");
+  }
   if (!FLAGS_write_example.empty()) engine::check_output_path(FLAGS_write_example, "--write_example");
 }
 
@@ -106,6 +122,24 @@ std::string export_safetensors(examples::ExampleModel& m, const std::string& mod
     write_example(inputs, m.forward(inputs), model_name);
   }
   return std::to_string(tensors.size()) + " tensors" + quantized;
+}
+
+// --format=hf: the directory from_pretrained loads (config.json from the shape flags).
+std::string export_hf(const examples::Run& run, examples::ExampleModel& m) {
+  engine::HfSaveOptions o;
+  engine::HfNames names;
+  if (FLAGS_model == "gpt") {  // GPT2LMHeadModel: n_positions is the trained length (the table's rows)
+    const engine::GptOptions& shape = dynamic_cast<engine::GptImpl&>(*m.module).options;
+    o.config_json = engine::gpt2_hf_config_json(shape);
+    names = engine::gpt2_hf_names(shape);
+  } else {
+    engine::LlamaOptions shape = examples::llama_flag_options();
+    shape.seq_len = examples::llama_max_positions();
+    o.config_json = engine::llama_hf_config_json(shape);
+    names = engine::llama_hf_names();
+  }
+  const int64_t n = engine::save_hf_weights(FLAGS_output, *m.module, run.mesh->tp(), names, o);
+  return std::to_string(n) + " tensors and config.json";
 }
 
 // --format=torchscript: traced, loaded back and checked against the module on example inputs.
@@ -148,8 +182,8 @@ int export_main(int argc, char** argv) {
   defaults["device"] = "cpu";  // the traced graph holds its device; export for the CPU unless asked
   // Only the device flags of the standard ones: export neither trains nor splits the model.
   examples::Run run = examples::init_run(argc, argv,
-                                         "dtrain-export --model=mlp|cnn|seq2seq|gpt [shape flags] --checkpoint=DIR "
-                                         "--format=torchscript|safetensors --output=FILE [--quantize=int8]",
+                                         "dtrain-export --model=mlp|cnn|seq2seq|gpt|llama [shape flags] --checkpoint=DIR "
+                                         "--format=torchscript|safetensors|hf --output=FILE|DIR [--quantize=int8]",
                                          defaults, examples::model_checks(model_name),
                                          examples::model_flag_names(model_name), engine::cli::kRanks);
   check_export_flags(run);
@@ -157,8 +191,9 @@ int export_main(int argc, char** argv) {
   const int64_t step = load_checkpoint(run, m);
   int64_t parameters = 0;
   for (const auto& p : m.module->parameters()) parameters += p.numel();
-  const std::string detail =
-      FLAGS_format == "safetensors" ? export_safetensors(m, model_name, step) : export_torchscript(m, model_name);
+  const std::string detail = FLAGS_format == "safetensors" ? export_safetensors(m, model_name, step)
+                             : FLAGS_format == "hf"        ? export_hf(run, m)
+                                                           : export_torchscript(m, model_name);
   std::printf("dtrain-export: wrote %s (%s, %s, %.3fM parameters) from the checkpoint of step %lld in %s\n",
               FLAGS_output.c_str(), FLAGS_format.c_str(), detail.c_str(), parameters / 1e6,
               static_cast<long long>(step), FLAGS_checkpoint.c_str());

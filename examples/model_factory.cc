@@ -12,10 +12,15 @@
 #include <glog/logging.h>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <sstream>
 #include "dtrain/engine/parallel/tensor_parallel.h"
 #include "dtrain/engine/models/classifiers.h"
 #include "dtrain/engine/models/gpt.h"
+#include "dtrain/engine/models/llama.h"
+#include "dtrain/engine/train/hf_gpt2.h"
+#include "dtrain/engine/train/hf_llama.h"
+#include <nlohmann/json.hpp>
 #include "dtrain/engine/models/seq2seq.h"
 
 DECLARE_string(teacher);  // distill.cc
@@ -85,19 +90,115 @@ ExampleModel seq2seq(const Run& run) {
   return m;
 }
 
-ExampleModel gpt(const Run& run) {
+std::string read_text_file(const std::string& path, const char* flag) {
+  std::ifstream in(path, std::ios::binary);
+  DTRAIN_CHECK(in.good(), flag, "=", path, ": cannot open the file to read");
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+bool hf_config_is_gpt2() {
+  static const bool gpt2 = [] {
+    const std::string text = read_text_file(FLAGS_hf_config, "--hf_config");
+    try {
+      return nlohmann::json::parse(text).value("model_type", std::string()) == "gpt2";
+    } catch (const nlohmann::json::exception&) {
+      return false;  // the model's own reader names what is wrong with the file
+    }
+  }();
+  return gpt2;
+}
+
+// --hf_config's shape, read once (every rank reads the same file): a Llama config, or a GPT-2
+// config in the Llama options' common fields (vocab, sizes, layers, positions, tie).
+const engine::LlamaOptions& hf_config_options() {
+  static const engine::LlamaOptions o = [] {
+    const std::string text = read_text_file(FLAGS_hf_config, "--hf_config");
+    if (!hf_config_is_gpt2()) return engine::llama_options_from_hf_config(text);
+    const engine::GptOptions g = engine::gpt_options_from_hf_config(text);
+    engine::LlamaOptions l;
+    l.vocab = g.vocab;
+    l.d_model = g.d_model;
+    l.heads = g.heads;
+    l.kv_heads = g.heads;
+    l.ff = g.ff;
+    l.layers = g.layers;
+    l.seq_len = g.seq_len;
+    l.tie_embeddings = g.tie_embeddings;
+    return l;
+  }();
+  return o;
+}
+
+}  // namespace
+
+void apply_hf_config() {
+  if (FLAGS_hf_config.empty()) return;
+  const engine::LlamaOptions& o = hf_config_options();
+  std::vector<std::pair<std::string, std::string>> shape = {
+      {"vocab", std::to_string(o.vocab)}, {"d_model", std::to_string(o.d_model)}, {"heads", std::to_string(o.heads)},
+      {"ff", std::to_string(o.ff)},       {"layers", std::to_string(o.layers)},
+      {"tie_embeddings", o.tie_embeddings ? "true" : "false"}};
+  if (!hf_config_is_gpt2()) {
+    shape.emplace_back("kv_heads", std::to_string(o.kv_heads > 0 ? o.kv_heads : o.heads));
+    shape.emplace_back("rope_theta", std::to_string(o.rope_theta));
+  }
+  for (const auto& [flag, value] : shape) {
+    gflags::CommandLineFlagInfo info;
+    gflags::GetCommandLineFlagInfo(flag.c_str(), &info);
+    const bool same = flag == "rope_theta" ? std::stod(info.current_value) == o.rope_theta : info.current_value == value;
+    DTRAIN_CHECK(info.is_default || same, "--", flag, "=", info.current_value, " disagrees with --hf_config=",
+                 FLAGS_hf_config, " (", value, "); drop --", flag, ": the config gives the model's shape");
+    gflags::SetCommandLineOption(flag.c_str(), value.c_str());
+  }
+  DTRAIN_CHECK(FLAGS_seq_len <= o.seq_len, "--seq_len=", FLAGS_seq_len, " is longer than --hf_config=", FLAGS_hf_config,
+               "'s positions (", o.seq_len, "); use a --seq_len of at most that");
+}
+
+int64_t llama_max_positions() {
+  return FLAGS_hf_config.empty() ? FLAGS_seq_len : std::max(FLAGS_seq_len, hf_config_options().seq_len);
+}
+
+namespace {
+
+// The Llama's options from the shape flags (and --hf_config's rope scaling and norm epsilon).
+engine::LlamaOptions llama_options_of_flags() {
+  engine::LlamaOptions o = FLAGS_hf_config.empty() ? engine::LlamaOptions{} : hf_config_options();
+  o.vocab = FLAGS_vocab;
+  o.d_model = FLAGS_d_model;
+  o.heads = FLAGS_heads;
+  o.kv_heads = FLAGS_kv_heads;
+  o.ff = FLAGS_ff;
+  o.layers = FLAGS_layers;
+  o.seq_len = FLAGS_seq_len;
+  o.rope_theta = FLAGS_rope_theta;
+  o.tie_embeddings = FLAGS_tie_embeddings;
+  return o;
+}
+
+// --init_from_hf: the loader of this rank's stage (null without the flag).
+std::function<void(torch::nn::Module&)> hf_loader(const Run& run, engine::HfNames names) {
+  if (FLAGS_init_from_hf.empty()) return nullptr;
+  return [&run, names](torch::nn::Module& stage) {
+    const int64_t n = engine::load_hf_weights(FLAGS_init_from_hf, stage, run.mesh->tp(), names, run.mesh->pp_size() > 1);
+    if (run.world.rank == 0) LOG(INFO) << "loaded " << n << " tensors from " << FLAGS_init_from_hf;
+  };
+}
+
+// A decoder language model of the library (GPT, Llama: the same method names) given by its
+// spec; `load` (may be null) fills this stage's weights after the pipeline split and before the
+// move to the device.
+template <class Impl>
+ExampleModel decoder_lm(const Run& run, const std::string& name, std::shared_ptr<Impl> model, engine::ModelSpec spec,
+                        const std::function<void(torch::nn::Module&)>& load) {
   const int64_t S = FLAGS_seq_len;
-  auto mo = transformer_options<engine::GptOptions>();
-  mo.seq_len = S;
-  mo.sequence_parallel = engine::cli::flags().sequence_parallel;
-  torch::manual_seed(engine::cli::flags().seed);
-  auto model = engine::Gpt(mo, run.mesh->tp()).ptr();
   ExampleModel m;
   // The library's model: its spec, split for this pipeline stage before anything goes to the
   // device (every stage drew the whole model from the seed and keeps its part).
-  engine::ModelSpec spec = engine::gpt_spec(model);
   engine::ModelTechniques t;
   engine::split_pipeline_stage(spec, run.mesh->pp_rank(), run.mesh->pp_size(), engine::cli::flags().pp_blocks, t);
+  if (load) load(*model);
   model->to(run.device);
   t.checkpoint_activations = engine::cli::flags().checkpoint_activations;
   t.device = run.device;
@@ -111,7 +212,7 @@ ExampleModel gpt(const Run& run) {
     m.stage_forward = [a = m.applied](const at::Tensor& x, const engine::Batch& b) { return a->stage_forward(x, b); };
     m.stage_activation_shape = spec.activation_shape;
   }
-  m.name = "gpt";
+  m.name = name;
   m.module = model;
   m.loss = [a = m.applied](const engine::Batch& b) { return a->loss(b); };
   const c10::Device device = run.device;
@@ -131,7 +232,7 @@ ExampleModel gpt(const Run& run) {
   const int64_t tp = run.mesh->tp_size();
   // The logits (the last stage's; an earlier stage's largest is the activation it sends).
   m.largest_activation_bytes_per_row =
-      m.last_stage ? S * ((FLAGS_vocab + tp - 1) / tp) * 4 : S * mo.d_model * 4;
+      m.last_stage ? S * ((FLAGS_vocab + tp - 1) / tp) * 4 : S * model->options.d_model * 4;
   m.default_optimizer = "adamw";
   m.offload_layers = [a = m.applied] { a->stream_blocks(); };
   m.inputs = [S](const engine::Batch& b) { return std::vector<at::Tensor>{b.fields[0].narrow(1, 0, S)}; };
@@ -145,6 +246,24 @@ ExampleModel gpt(const Run& run) {
   m.vocab_parallel = true;
   m.parameter_count = model->parameter_count();
   return m;
+}
+
+ExampleModel gpt(const Run& run) {
+  auto mo = transformer_options<engine::GptOptions>();
+  mo.seq_len = FLAGS_seq_len;
+  mo.sequence_parallel = engine::cli::flags().sequence_parallel;
+  mo.tie_embeddings = FLAGS_tie_embeddings;
+  torch::manual_seed(engine::cli::flags().seed);
+  auto model = engine::Gpt(mo, run.mesh->tp()).ptr();
+  return decoder_lm(run, "gpt", model, engine::gpt_spec(model), hf_loader(run, engine::gpt2_hf_names(mo)));
+}
+
+ExampleModel llama(const Run& run) {
+  engine::LlamaOptions mo = llama_options_of_flags();
+  mo.sequence_parallel = engine::cli::flags().sequence_parallel;
+  torch::manual_seed(engine::cli::flags().seed);
+  auto model = engine::Llama(mo, run.mesh->tp()).ptr();
+  return decoder_lm(run, "llama", model, engine::llama_spec(model), hf_loader(run, engine::llama_hf_names()));
 }
 
 // A classifier of the digits images (64 pixels per row, 10 classes) as train_mlp and
@@ -206,6 +325,8 @@ bool has_prefix(const std::string& name, const std::vector<std::string>& prefixe
 
 }  // namespace
 
+engine::LlamaOptions llama_flag_options() { return llama_options_of_flags(); }
+
 std::string model_from_argv(int argc, char** argv, const std::string& fallback) {
   std::string model = fallback;
   for (int i = 1; i < argc; ++i) {
@@ -219,6 +340,14 @@ std::string model_from_argv(int argc, char** argv, const std::string& fallback) 
 std::vector<std::string> model_flag_names(const std::string& model) {
   if (model == "mlp") return {"hidden", "depth"};
   if (model == "cnn") return {"hidden"};
+  if (model == "llama") {
+    return {"d_model", "heads", "kv_heads", "layers", "ff", "seq_len", "vocab", "rope_theta", "tie_embeddings",
+            "hf_config", "init_from_hf"};
+  }
+  if (model == "gpt") {
+    return {"d_model", "heads", "layers", "ff", "seq_len", "vocab", "dropout", "tie_embeddings", "hf_config",
+            "init_from_hf"};
+  }
   return {"d_model", "heads", "layers", "ff", "seq_len", "vocab", "dropout"};
 }
 
@@ -232,18 +361,33 @@ std::map<std::string, std::string> model_flag_defaults(const std::string& model)
             {"ff", "3072"},          {"seq_len", "1024"},      {"dropout", "0"},
             {"weight_decay", "0.1"}, {"clip_grad_norm", "1.0"}};
   }
+  if (model == "llama") {  // a small Llama (GPT-2 small's width, grouped-query attention)
+    return {{"lr", "0.0003"},        {"batch_size", "8"},      {"steps", "100"},
+            {"d_model", "768"},      {"heads", "12"},          {"kv_heads", "4"},
+            {"layers", "12"},        {"ff", "2048"},           {"seq_len", "1024"},
+            {"dropout", "0"},        {"weight_decay", "0.1"},  {"clip_grad_norm", "1.0"}};
+  }
   if (model == "mlp") return {{"lr", "0.001"}, {"batch_size", "64"}, {"steps", "200"}};
   if (model == "cnn") return {{"lr", "0.001"}, {"batch_size", "64"}, {"steps", "200"}, {"hidden", "128"}};
-  DTRAIN_CHECK(false, "--model=", model, " is not one of: seq2seq, gpt, mlp, cnn");
+  DTRAIN_CHECK(false, "--model=", model, " is not one of: seq2seq, gpt, llama, mlp, cnn");
   return {};
 }
 
 std::function<void()> model_checks(const std::string& model) {
-  if (model != "gpt") return nullptr;
-  return [] {
+  if (model != "gpt" && model != "llama") return nullptr;
+  return [llama = model == "llama"] {
     const int64_t T = engine::cli::flags().tp;
     DTRAIN_CHECK(FLAGS_heads % T == 0, "--heads=", FLAGS_heads, " does not divide over --tp=", T,
                  "; the number of heads must be a multiple of the tensor-parallel size");
+    DTRAIN_CHECK(!llama || (FLAGS_kv_heads > 0 ? FLAGS_kv_heads : FLAGS_heads) % T == 0, "--kv_heads=", FLAGS_kv_heads,
+                 " key/value heads do not divide over --tp=", T, "; choose a --tp that divides the key/value heads");
+    DTRAIN_CHECK(FLAGS_hf_config.empty() || hf_config_is_gpt2() == !llama, "--hf_config=", FLAGS_hf_config, " is a ",
+                 llama ? "GPT-2" : "Llama", " config; use --model=", llama ? "gpt" : "llama");
+    gflags::CommandLineFlagInfo dropout;
+    gflags::GetCommandLineFlagInfo("dropout", &dropout);
+    DTRAIN_CHECK(!llama || dropout.is_default || FLAGS_dropout == 0, "--dropout=", FLAGS_dropout,
+                 ": the Llama model has no dropout; drop --dropout");
+    DTRAIN_CHECK(!llama || !FLAGS_sparse_embedding, "--sparse_embedding is for --model=gpt; drop it");
     DTRAIN_CHECK(FLAGS_ff % T == 0, "--ff=", FLAGS_ff, " does not divide over --tp=", T,
                  "; the feed-forward width must be a multiple of the tensor-parallel size");
     DTRAIN_CHECK(!engine::cli::flags().sequence_parallel || FLAGS_seq_len % T == 0, "--sequence_parallel: --seq_len=",
@@ -281,7 +425,11 @@ std::function<void()> model_checks(const std::string& model) {
 
 ExampleModel build_example_model(const std::string& model, const Run& run) {
   model_flag_defaults(model);  // validates the name
-  ExampleModel m = model == "seq2seq" ? seq2seq(run) : model == "gpt" ? gpt(run) : model == "cnn" ? cnn(run) : mlp(run);
+  ExampleModel m = model == "seq2seq" ? seq2seq(run)
+                   : model == "gpt"   ? gpt(run)
+                   : model == "llama" ? llama(run)
+                   : model == "cnn"   ? cnn(run)
+                                      : mlp(run);
   m.module->train();
   return m;
 }

@@ -16,6 +16,7 @@
 #include "common.h"
 #include "dtrain/engine/data/data.h"
 #include "dtrain/engine/memory/planner.h"
+#include "dtrain/engine/models/llama.h"
 #include "dtrain/engine/train/trainer.h"
 
 namespace dtrain::examples {
@@ -88,6 +89,16 @@ std::function<void()> model_checks(const std::string& model);
 // trainer), else from its module and loss.
 std::unique_ptr<engine::Trainer> make_trainer(const Run& run, const ExampleModel& model,
                                               const engine::TrainerOptions& options);
+// The Llama's options as the shape flags (and --hf_config) give them.
+engine::LlamaOptions llama_flag_options();
+// Sets the shape flags from --hf_config (so every part of the program, the checks, the planner
+// and the MFU line, sees the config's shape); a shape flag given on the command line with
+// another value is an error naming both. Nothing without --hf_config. Called by init_run
+// before the flags' checks.
+void apply_hf_config();
+// The positions a written config.json declares: --hf_config's max_position_embeddings when
+// given (and not below --seq_len), else --seq_len.
+int64_t llama_max_positions();
 // Builds `model` from the flags (seeded with --seed as the example is) on run.device.
 ExampleModel build_example_model(const std::string& model, const Run& run);
 

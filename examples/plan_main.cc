@@ -26,7 +26,7 @@
 #include "dtrain/offload/pinned_pool.h"
 #include "model_factory.h"
 
-DEFINE_string(model, "seq2seq", "the example model to plan for: seq2seq, gpt, mlp or cnn");
+DEFINE_string(model, "seq2seq", "the example model to plan for: seq2seq, gpt, llama, mlp or cnn");
 DEFINE_bool(allow_amp_change, false, "the plan may switch --amp to bf16 (changes the numerics)");
 DEFINE_string(allow_offload, "none", "offload the plan may use: none, optimizer, layers or all");
 DEFINE_bool(allow_shard, false, "the plan may add --shard=optimizer or --shard=gradients (ZeRO-1/2; dp > 1)");

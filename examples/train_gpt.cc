@@ -1,5 +1,9 @@
-// train_gpt: a GPT-style decoder language model, GPT-2 small shape by default (12 pre-norm
-// blocks, d 768, 12 heads, sequence 1024, vocabulary 32000, untied head, AdamW, no dropout).
+// train_gpt: a decoder language model. --model=gpt (the default): GPT-2 small's shape (12
+// pre-norm blocks, d 768, 12 heads, sequence 1024, vocabulary 32000, untied head, AdamW, no
+// dropout). --model=llama: the Llama layout (RMSNorm, rotary positions, SwiGLU, grouped-query
+// attention; --kv_heads, --rope_theta, --tie_embeddings), its shape from a Hugging Face
+// config.json with --hf_config and its weights from a Hugging Face checkpoint with
+// --init_from_hf.
 // --tp=T splits attention heads, the MLP and the vocabulary over T consecutive ranks
 // (Megatron-style); the remaining factor of the world is data-parallel. --sequence_parallel
 // also splits the residual stream and layer norms along the sequence over each tensor-parallel
@@ -9,23 +13,33 @@
 //   dtrain-run -np 4 -- train_gpt --tp=2 --d_model=64 --heads=4 --layers=2 --seq_len=32 --vocab=96
 #include <cstdio>
 
+#include <gflags/gflags.h>
 #include <glog/logging.h>
+
+#include "dtrain/dist/error.h"
 
 #include "common.h"
 #include "distill.h"
 #include "model_factory.h"
 
+DEFINE_string(model, "gpt", "gpt (GPT-2's layout) or llama (Llama's: RMSNorm, rotary positions, SwiGLU, grouped-query attention)");
+
 using namespace dtrain;
 
 int main(int argc, char** argv) {
   return examples::guarded_main("train_gpt", [&] {
-    examples::Run run = examples::init_run(argc, argv, "train_gpt [flags]: GPT language model with tensor parallelism",
-                                           examples::model_flag_defaults("gpt"), examples::model_checks("gpt"),
-                                           examples::model_flag_names("gpt"));
+    const std::string name = examples::model_from_argv(argc, argv, "gpt");  // selects the defaults
+    engine::cli::describe_flags("Model", {"model"});
+    DTRAIN_CHECK(name == "gpt" || name == "llama", "--model=", name, ": train_gpt trains --model=gpt or --model=llama");
+    examples::Run run = examples::init_run(argc, argv,
+                                           "train_gpt [--model=gpt|llama] [flags]: a decoder language model (GPT-2 or "
+                                           "Llama layout) with tensor parallelism",
+                                           examples::model_flag_defaults(name), examples::model_checks(name),
+                                           examples::model_flag_names(name));
     const int64_t S = FLAGS_seq_len;
-    examples::ExampleModel model = examples::build_example_model("gpt", run);
+    examples::ExampleModel model = examples::build_example_model(name, run);
     if (run.world.rank == 0) {
-      LOG(INFO) << "GPT with " << model.parameter_count / 1e6 << "M parameters, tp " << run.mesh->tp_size()
+      LOG(INFO) << (name == "gpt" ? "GPT" : "Llama") << " with " << model.parameter_count / 1e6 << "M parameters, tp " << run.mesh->tp_size()
                 << ", dp " << run.mesh->dp_size() << ", pp " << run.mesh->pp_size();
     }
     if (run.mesh->pp_size() > 1 && run.mesh->dp_rank() == 0 && run.mesh->tp_rank() == 0) {

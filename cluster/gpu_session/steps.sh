@@ -74,7 +74,7 @@ step_configure() {
   if ((HAVE_BUILD)); then WHY="prebuilt binaries used"; return 2; fi
   # Always (re)configure: quick on an existing tree, and it prints the summary line to check.
   CMD=(cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release
-    -DDTRAIN_WITH_CUDA=ON -DDTRAIN_WITH_NCCL=ON -DDTRAIN_PYTHON="$(command -v python3)"
+    -DDTRAIN_WITH_CUDA=ON -DDTRAIN_WITH_NCCL=ON -DDTRAIN_WITH_SENTENCEPIECE=OFF -DDTRAIN_PYTHON="$(command -v python3)"
     -DCMAKE_PREFIX_PATH="$DEPS/usr" -DCMAKE_MODULE_PATH="$DEPS/usr/share/glog/cmake"
     -DProtobuf_PROTOC_EXECUTABLE="$DEPS/usr/bin/protoc")
   PATTERN='dtrain: CUDA code paths|CMake Error'

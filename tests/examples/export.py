@@ -106,11 +106,11 @@ def main():
             (gpt + [f"--output={work}/missing/gpt.pt"], "does not exist; create it"),
             (gpt + [f"--output={work}/gpt.pt/inside.pt"], "is not a directory"),
             (gpt + [f"--output={work}"], "is a directory"),
-            (gpt + ["--format=onnx", f"--output={work}/x.onnx"], "--format=onnx is not one of: torchscript, safetensors"),
+            (gpt + ["--format=onnx", f"--output={work}/x.onnx"], "--format=onnx is not one of: torchscript, safetensors, hf"),
             (gpt + ["--quantize=int8", f"--output={work}/q.pt"], "the int8 model is exported as safetensors"),
             (gpt + ["--steps=5", f"--output={work}/s.pt"], "steps"),  # export takes no training flags
             ([exe, "--model=gpt", *shape, f"--checkpoint={work}/empty", f"--output={work}/y.pt"], "holds no good checkpoint; point it at a training run's --save_dir"),
-            ([exe, "--model=resnet", f"--checkpoint={ck}", f"--output={work}/z.pt"], "is not one of: seq2seq, gpt, mlp, cnn"),
+            ([exe, "--model=resnet", f"--checkpoint={ck}", f"--output={work}/z.pt"], "is not one of: seq2seq, gpt, llama, mlp, cnn"),
         ]
         os.makedirs(os.path.join(work, "empty"))
         before.add("empty")

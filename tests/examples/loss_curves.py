@@ -16,7 +16,7 @@ import tempfile
 # The scenarios' package lies beside this file (not installed): importable wherever ctest runs it.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from curves import parallel, state, techniques  # noqa: E402
+from curves import language, parallel, state, techniques  # noqa: E402
 
 # The name on the command line (tests/examples/CMakeLists.txt registers each) -> its scenario.
 SCENARIOS = {
@@ -37,6 +37,7 @@ SCENARIOS = {
     "zero3": parallel.scenario_zero3,
     "traps": state.scenario_traps,
     "reshard": state.scenario_reshard,
+    "tokens": language.scenario_tokens,
 }
 
 

@@ -82,7 +82,7 @@ def main():
     check(rc == 2 and "no combination of techniques fits" in err and "smallest GPU estimate is" in err
           and "raise --gpu_mem_limit_gb to at least" in err, "a budget nothing fits is a clear error", out + err)
     rc, out, err = run(bin_dir, "--model=resnet")
-    check(rc == 2 and "--model=resnet is not one of: seq2seq, gpt, mlp, cnn" in err, "unknown model refused", err)
+    check(rc == 2 and "--model=resnet is not one of: seq2seq, gpt, llama, mlp, cnn" in err, "unknown model refused", err)
     rc, out, err = run(bin_dir, "--allow_offload=disk")
     check(rc == 2 and "--allow_offload=disk is not one of" in err, "unknown offload refused", err)
     print("dtrain-plan: plans, estimates within 10% and errors as expected")

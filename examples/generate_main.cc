@@ -1,0 +1,336 @@
+// dtrain-generate: continues prompts with the Llama model, a token at a time with a key/value
+// cache (LlamaImpl::forward_cached), from a training run's checkpoint (--checkpoint, whatever
+// its layout) or a Hugging Face checkpoint (--init_from_hf, with its config.json as
+// --hf_config), greedy or sampled (models/sampling.h).
+//
+//   dtrain-generate --init_from_hf=Llama-3.2-1B --hf_config=Llama-3.2-1B/config.json
+//       --prompt_tokens=128000,791,6864 --max_new_tokens=32 --temperature=0
+//   mpirun -np 2 dtrain-generate --tp=2 --model=llama [shape flags] --checkpoint=runs/llama --prompt_file=ids.txt
+//
+// Token ids in, token ids out: stdout holds one line per sequence, its new ids separated by
+// commas; the summary (tokens/s) goes to stderr. No tokenizer is linked in (SentencePiece's
+// bundled protobuf clashes with the engine's, see tools/CMakeLists.txt): tokenize and detokenize
+// outside, e.g. with the tokenizer dtrain-prepare uses.
+//
+// Under mpirun with --tp, every rank runs the same steps on its shard of the model; the full
+// logits are gathered, tensor-parallel rank 0 draws the next tokens and broadcasts them, so the
+// ranks never diverge; only rank 0 prints.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <gflags/gflags.h>
+#include <glog/logging.h>
+#include <torch/utils.h>
+
+#include "common.h"
+#include "dtrain/dist/error.h"
+#include "dtrain/engine/models/llama.h"
+#include "dtrain/engine/models/sampling.h"
+#include "dtrain/engine/parallel/tensor_parallel.h"
+#include "dtrain/engine/train/cli.h"
+#include "dtrain/engine/train/load.h"
+#include "model_factory.h"
+
+DEFINE_string(model, "llama", "the model: llama (the only one with a key/value cache for now)");
+DEFINE_string(checkpoint, "", "the weights of a training run: its --save_dir (the newest good checkpoint, any layout)");
+DEFINE_string(prompt_tokens, "", "the prompt as token ids, comma-separated (e.g. 1,15043,3186)");
+DEFINE_string(prompt_file, "", "a file of prompts as token ids (separated by commas or spaces), one prompt per line, all of one length");
+DEFINE_int64(max_new_tokens, 32, "tokens to generate per sequence (the prompt and these must fit --seq_len / max_position_embeddings)");
+DEFINE_double(temperature, 1.0, "sampling temperature; 0: greedy (the most likely token)");
+DEFINE_int64(top_k, 0, "sample among the k most likely tokens (0: all)");
+DEFINE_double(top_p, 1.0, "sample from the nucleus: the most likely tokens whose probability reaches p (1: all)");
+DEFINE_int64(seed, 0, "the sampler's seed: the same seed, prompt and weights give the same tokens");
+DEFINE_int64(batch, 1, "sequences per prompt (a lone prompt is repeated; with several prompts: 1 or their number)");
+DEFINE_int64(eos, -1, "a token id that ends a sequence (it is printed; the run ends when every sequence has ended); -1: none");
+DEFINE_string(dtype, "float32", "the weights' and activations' dtype: float32, bfloat16, float16 or float64");
+DEFINE_bool(use_cache, true, "decode with the key/value cache; false: run the whole sequence again for every token (for comparison)");
+
+using namespace dtrain;
+
+namespace {
+
+constexpr const char* kProgram = "dtrain-generate";
+
+// The value of --name on the command line before the flags are parsed ("" when absent).
+std::string flag_from_argv(int argc, char** argv, const std::string& name) {
+  const std::string eq = "--" + name + "=", bare = "--" + name;
+  std::string value;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a.rfind(eq, 0) == 0) value = a.substr(eq.size());
+    if (a == bare && i + 1 < argc) value = argv[i + 1];
+  }
+  return value;
+}
+
+std::string read_text(const std::string& path, const char* flag) {
+  std::ifstream in(path, std::ios::binary);
+  DTRAIN_CHECK(in.good(), flag, "=", path, ": cannot open the file to read");
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// The ids of one prompt: integers separated by commas and/or white space.
+std::vector<int64_t> parse_ids(const std::string& text, const std::string& where) {
+  std::string spaced = text;
+  for (char& c : spaced) c = c == ',' ? ' ' : c;
+  std::istringstream in(spaced);
+  std::vector<int64_t> ids;
+  for (std::string word; in >> word;) {
+    size_t used = 0;
+    int64_t id = -1;
+    try {
+      id = std::stoll(word, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    DTRAIN_CHECK(used == word.size() && id >= 0, where, ": '", word, "' is not a token id (ids are non-negative "
+                 "integers; ", kProgram, " reads token ids only, no text)");
+    ids.push_back(id);
+  }
+  return ids;
+}
+
+// The prompts of --prompt_tokens or --prompt_file, each row one sequence (--batch applied),
+// checked against the vocabulary.
+std::vector<std::vector<int64_t>> read_prompts() {
+  DTRAIN_CHECK(FLAGS_prompt_tokens.empty() != FLAGS_prompt_file.empty(),
+               FLAGS_prompt_tokens.empty() ? "no prompt: give --prompt_tokens=ID,ID,... or --prompt_file=FILE"
+                                           : "--prompt_tokens and --prompt_file both given: give one of them");
+  std::vector<std::vector<int64_t>> prompts;
+  if (!FLAGS_prompt_tokens.empty()) {
+    prompts.push_back(parse_ids(FLAGS_prompt_tokens, "--prompt_tokens"));
+  } else {
+    std::istringstream lines(read_text(FLAGS_prompt_file, "--prompt_file"));
+    int line_no = 0;
+    for (std::string line; std::getline(lines, line);) {
+      ++line_no;
+      auto ids = parse_ids(line, "--prompt_file=" + FLAGS_prompt_file + " line " + std::to_string(line_no));
+      if (!ids.empty()) prompts.push_back(ids);
+    }
+  }
+  const std::string source = FLAGS_prompt_tokens.empty() ? "--prompt_file=" + FLAGS_prompt_file : "--prompt_tokens";
+  DTRAIN_CHECK(!prompts.empty() && !prompts[0].empty(), source, " holds no token ids");
+  for (size_t r = 0; r < prompts.size(); ++r) {
+    DTRAIN_CHECK(prompts[r].size() == prompts[0].size(), source, ": prompt ", r + 1, " has ", prompts[r].size(),
+                 " tokens, prompt 1 has ", prompts[0].size(), "; the prompts of one run must be of one length "
+                 "(no padding): run the others separately");
+    for (int64_t id : prompts[r]) {
+      DTRAIN_CHECK(id < FLAGS_vocab, source, ": token ", id, " is not below the vocabulary size ", FLAGS_vocab,
+                   " (--vocab / --hf_config's vocab_size)");
+    }
+  }
+  DTRAIN_CHECK(FLAGS_batch >= 1, "--batch=", FLAGS_batch, " must be >= 1");
+  DTRAIN_CHECK(prompts.size() == 1 || FLAGS_batch == 1 || FLAGS_batch == static_cast<int64_t>(prompts.size()),
+               "--batch=", FLAGS_batch, " with ", prompts.size(), " prompts: each prompt is one sequence; drop --batch");
+  if (prompts.size() == 1) prompts.assign(FLAGS_batch, prompts[0]);
+  return prompts;
+}
+
+at::ScalarType parse_dtype(const std::string& name) {
+  if (name == "float32") return at::kFloat;
+  if (name == "bfloat16") return at::kBFloat16;
+  if (name == "float16") return at::kHalf;
+  if (name == "float64") return at::kDouble;
+  DTRAIN_CHECK(false, "--dtype=", name, " is not one of: float32, bfloat16, float16, float64");
+  return at::kFloat;
+}
+
+engine::SamplingOptions sampling_of_flags() {
+  engine::SamplingOptions s;
+  s.temperature = FLAGS_temperature;
+  s.top_k = FLAGS_top_k;
+  s.top_p = FLAGS_top_p;
+  try {
+    engine::check_sampling_options(s);
+  } catch (const Error& e) {
+    std::string m = e.what();
+    const std::string prefix = "sampling: ";
+    if (m.rfind(prefix, 0) == 0) m = "--" + m.substr(prefix.size());  // "--temperature must be >= 0 ..."
+    throw Error(m);
+  }
+  DTRAIN_CHECK(s.temperature > 0 || (s.top_k == 0 && s.top_p == 1), "--top_k and --top_p choose among tokens to "
+               "sample; --temperature=0 is greedy (the most likely token): drop them or give a temperature above 0");
+  return s;
+}
+
+// Every check of the flags, before any communicator exists (the same on every rank).
+void check_generate_flags() {
+  const auto& f = engine::cli::flags();
+  DTRAIN_CHECK(FLAGS_checkpoint.empty() || FLAGS_init_from_hf.empty(), "--checkpoint and --init_from_hf both "
+               "given: choose one source of weights");
+  DTRAIN_CHECK(!FLAGS_checkpoint.empty() || !FLAGS_init_from_hf.empty(), "no weights: give --checkpoint=DIR (a "
+               "training run's --save_dir) or --init_from_hf=DIR (a Hugging Face checkpoint, with its config.json as "
+               "--hf_config)");
+  DTRAIN_CHECK(f.pp == 1, "--pp=", f.pp, ": ", kProgram, " runs the whole model on every rank of a tensor-parallel "
+               "group; use --tp (the checkpoint loads at any layout)");
+  DTRAIN_CHECK(!f.sequence_parallel, "--sequence_parallel: generation feeds a token at a time, which does not split "
+               "along the sequence; drop it (the weights are the same)");
+  parse_dtype(FLAGS_dtype);
+  sampling_of_flags();
+  DTRAIN_CHECK(FLAGS_eos >= -1 && FLAGS_eos < FLAGS_vocab, "--eos=", FLAGS_eos, " is not a token id below the "
+               "vocabulary size ", FLAGS_vocab, " (or -1: none)");
+  const auto prompts = read_prompts();
+  const int64_t P = static_cast<int64_t>(prompts[0].size()), positions = examples::llama_max_positions();
+  DTRAIN_CHECK(FLAGS_max_new_tokens >= 1, "--max_new_tokens=", FLAGS_max_new_tokens, " must be >= 1");
+  DTRAIN_CHECK(P + FLAGS_max_new_tokens <= positions, "--max_new_tokens=", FLAGS_max_new_tokens, ": the prompt's ", P,
+               " tokens and ", FLAGS_max_new_tokens, " new ones need ", P + FLAGS_max_new_tokens,
+               " positions, the model has ", positions, " (--seq_len, or --hf_config's max_position_embeddings); "
+               "ask for at most ", positions - P, " new tokens");
+}
+
+// The model with its weights, converted to --dtype, in eval mode.
+std::shared_ptr<engine::LlamaImpl> load_model(const examples::Run& run, std::string& source) {
+  examples::ExampleModel m = examples::build_example_model("llama", run);  // --init_from_hf: loaded here
+  auto model = std::dynamic_pointer_cast<engine::LlamaImpl>(m.module);
+  DTRAIN_CHECK(model != nullptr, "the example factory did not build a Llama model");
+  if (!FLAGS_checkpoint.empty()) {
+    const int64_t step = engine::load_weights(FLAGS_checkpoint, *model, *run.mesh, run.device);
+    source = FLAGS_checkpoint + " (step " + std::to_string(step) + ")";
+  } else {
+    source = FLAGS_init_from_hf;
+  }
+  model->to(parse_dtype(FLAGS_dtype));
+  model->eval();
+  return model;
+}
+
+// The next token of each row from this rank's logits of the last position [B, local vocab]:
+// the full vocabulary gathered, tensor-parallel rank 0's draw broadcast. [B] int64 on the CPU.
+at::Tensor next_tokens(const examples::Run& run, const at::Tensor& local, const engine::SamplingOptions& s,
+                       at::Generator& gen) {
+  dist::Communicator& tp = run.mesh->tp();
+  at::Tensor full = tp.size() > 1 ? engine::gather_from_tensor_parallel(local.contiguous(), tp) : local;
+  full = full.narrow(1, 0, FLAGS_vocab);
+  if (tp.size() == 1) return engine::sample_next_tokens(full, s, gen);
+  at::Tensor t = tp.rank() == 0 ? engine::sample_next_tokens(full, s, gen).to(run.device)
+                                : at::empty({full.size(0)}, at::TensorOptions().dtype(at::kLong).device(run.device));
+  tp.broadcast(t, 0)->wait();
+  return t.cpu();
+}
+
+struct Generated {
+  std::vector<std::vector<int64_t>> rows;  // the new tokens (up to and with --eos)
+  int64_t steps = 0;                       // forward passes after the prompt's
+  double prefill_s = 0, total_s = 0;
+};
+
+Generated generate(const examples::Run& run, engine::LlamaImpl& model, const std::vector<std::vector<int64_t>>& prompts) {
+  torch::NoGradGuard no_grad;
+  const int64_t B = static_cast<int64_t>(prompts.size()), P = static_cast<int64_t>(prompts[0].size());
+  at::Tensor sequence = at::empty({B, P}, at::kLong);
+  for (int64_t r = 0; r < B; ++r) std::copy(prompts[r].begin(), prompts[r].end(), sequence[r].data_ptr<int64_t>());
+  sequence = sequence.to(run.device);
+  const engine::SamplingOptions s = sampling_of_flags();
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(FLAGS_seed));
+  engine::LlamaKvCache cache;
+  if (FLAGS_use_cache) cache = model.make_kv_cache(B, P + FLAGS_max_new_tokens);
+  Generated g;
+  g.rows.resize(B);
+  std::vector<bool> ended(B, false);
+  const auto start = std::chrono::steady_clock::now();
+  at::Tensor logits = FLAGS_use_cache ? model.forward_cached(sequence, cache) : model.forward(sequence);
+  for (int64_t i = 0; i < FLAGS_max_new_tokens; ++i) {
+    const at::Tensor next = next_tokens(run, logits.select(1, -1), s, gen);
+    if (i == 0) g.prefill_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    bool all_ended = true;
+    for (int64_t r = 0; r < B; ++r) {
+      const int64_t t = next[r].item<int64_t>();
+      if (!ended[r]) g.rows[r].push_back(t);
+      ended[r] = ended[r] || t == FLAGS_eos;
+      all_ended = all_ended && ended[r];
+    }
+    if (all_ended || i + 1 == FLAGS_max_new_tokens) break;  // every rank sees the same tokens: the same choice
+    const at::Tensor column = next.unsqueeze(1).to(run.device);
+    ++g.steps;
+    if (FLAGS_use_cache) {
+      logits = model.forward_cached(column, cache);
+    } else {
+      sequence = at::cat({sequence, column}, 1);
+      logits = model.forward(sequence);
+    }
+  }
+  g.total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return g;
+}
+
+void print(const examples::Run& run, const Generated& g, const std::string& source, int64_t prompt_len) {
+  if (run.world.rank != 0) return;
+  int64_t tokens = 0;
+  for (const auto& row : g.rows) {
+    std::string line;
+    for (size_t i = 0; i < row.size(); ++i) line += (i ? "," : "") + std::to_string(row[i]);
+    std::printf("%s\n", line.c_str());
+    tokens += static_cast<int64_t>(row.size());
+  }
+  std::fflush(stdout);
+  const double decode_s = g.total_s - g.prefill_s;
+  const int64_t B = static_cast<int64_t>(g.rows.size());
+  std::fprintf(stderr,
+               "%s: %lld new tokens in %lld sequences (prompt %lld tokens) in %.3f s: %.1f tokens/s; prefill %.4f s, "
+               "then %lld steps at %.1f tokens/s (%s, %s, tp %d, %s on %s) from %s\n",
+               kProgram, static_cast<long long>(tokens), static_cast<long long>(B), static_cast<long long>(prompt_len),
+               g.total_s, tokens / std::max(g.total_s, 1e-9), g.prefill_s, static_cast<long long>(g.steps),
+               g.steps * B / std::max(decode_s, 1e-9), FLAGS_use_cache ? "key/value cache" : "recomputing the sequence",
+               FLAGS_temperature == 0 ? "greedy" : "sampled", run.mesh->tp_size(), FLAGS_dtype.c_str(),
+               run.device.str().c_str(), source.c_str());
+  std::fflush(stderr);
+}
+
+int generate_main(int argc, char** argv) {
+  const std::string model_name = examples::model_from_argv(argc, argv, "llama");
+  DTRAIN_CHECK(model_name == "llama", "--model=", model_name, ": the program generates with --model=llama only "
+               "for now (the Llama model has the key/value cache; the GPT has none yet)");
+  engine::cli::describe_flags("Generation", {"model", "checkpoint", "prompt_tokens", "prompt_file", "max_new_tokens",
+                                             "temperature", "top_k", "top_p", "seed", "batch", "eos", "dtype",
+                                             "use_cache"});
+  std::map<std::string, std::string> defaults;  // the Llama's shape defaults (not its training ones)
+  const std::vector<std::string> shape = examples::model_flag_names("llama");
+  for (const auto& [flag, value] : examples::model_flag_defaults("llama")) {
+    if (std::find(shape.begin(), shape.end(), flag) != shape.end()) defaults[flag] = value;
+  }
+  defaults["dropout"] = "0";  // the Llama has none (model_checks refuses --dropout with --tp otherwise)
+  // With --hf_config, the positions default to its max_position_embeddings.
+  const std::string hf_config = flag_from_argv(argc, argv, "hf_config");
+  if (!hf_config.empty()) {
+    defaults["seq_len"] = std::to_string(engine::llama_options_from_hf_config(read_text(hf_config, "--hf_config")).seq_len);
+  }
+  const auto base_checks = examples::model_checks("llama");
+  examples::Run run = examples::init_run(
+      argc, argv,
+      "dtrain-generate --model=llama [shape flags | --hf_config=config.json] --checkpoint=DIR | --init_from_hf=DIR\n"
+      "    --prompt_tokens=ID,ID,... | --prompt_file=FILE [--max_new_tokens=N] [--temperature=T --top_k=K --top_p=P "
+      "--seed=S]\n"
+      "Continues the prompt with the Llama model and prints the new token ids, one line per sequence (the summary "
+      "goes to stderr).\nToken ids only: no tokenizer is linked in (its bundled protobuf clashes with the engine's); "
+      "tokenize outside, e.g. with dtrain-prepare's SentencePiece model.\nUnder mpirun with --tp=N (N ranks) the "
+      "model is split; every rank runs the same steps and rank 0 prints.",
+      defaults,
+      [&] {
+        base_checks();
+        check_generate_flags();
+      },
+      shape,
+      engine::cli::kRanks | engine::cli::kTensorParallel);
+  DTRAIN_CHECK(run.world.size == run.mesh->tp_size(), "the ranks form one tensor-parallel group: start it with as "
+               "many ranks as --tp (", run.mesh->tp_size(), "), not ", run.world.size);
+  const auto prompts = read_prompts();
+  std::string source;
+  auto model = load_model(run, source);
+  const Generated g = generate(run, *model, prompts);
+  print(run, g, source, static_cast<int64_t>(prompts[0].size()));
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return examples::guarded_main(kProgram, [&] { return generate_main(argc, argv); });
+}

@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""dtrain-generate against Hugging Face transformers' generate.
+
+  * A tiny LlamaForCausalLM (grouped-query attention, Llama 3.1 rope scaling) made by transformers
+    and saved with save_pretrained: dtrain-generate --init_from_hf --temperature=0 prints exactly
+    the tokens of transformers' greedy generate (float32; the model's seed is chosen so that no
+    step's two most likely tokens are within 1e-3 of each other), for two prompts, at 1 rank and
+    at --tp 2 under mpirun, with the key/value cache and recomputing the sequence.
+  * Sampling: the same --seed gives the same tokens, another seed others; --top_k=1 is greedy.
+  * A train_gpt --model=llama checkpoint (--checkpoint): greedy tokens at 1 rank and --tp 2 equal
+    transformers' on the same weights (exported with dtrain-export --format=hf; float64).
+  * Bad input exits non-zero naming the problem: no weights, both sources, a prompt token beyond
+    the vocabulary, --max_new_tokens beyond the positions, --model=gpt, ranks other than --tp.
+
+usage: generate.py --bin BUILD/bin --mpirun "mpirun ..." --python PYTHON
+"""
+import json
+import os
+import shlex
+import tempfile
+
+from example_util import example_parser, run
+
+VOCAB, NEW = 96, 8
+PROMPTS = [[5, 17, 33, 2, 90, 41], [60, 3, 3, 71, 12, 8]]
+
+# Runs with the .venv's Python (torch, transformers); no dtrain code. argv: the directory to save
+# into, the prompts (JSON), the new tokens. Prints {"seed", "tokens": new tokens per prompt,
+# "margin": the smallest gap between a step's two largest logits}.
+MAKE = r"""
+import json, os, sys, torch
+os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+from transformers import LlamaConfig, LlamaForCausalLM
+hf_dir, prompts, new = sys.argv[1], torch.tensor(json.loads(sys.argv[2])), int(sys.argv[3])
+for seed in range(20):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=500000.0,
+                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+                      initializer_range=0.2, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+    model = LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        out = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=new,
+                             min_new_tokens=new, eos_token_id=None, pad_token_id=0, output_scores=True,
+                             return_dict_in_generate=True)
+    margin = min((s.topk(2, dim=-1).values[:, 0] - s.topk(2, dim=-1).values[:, 1]).min().item() for s in out.scores)
+    if margin > 1e-3:
+        break
+model.save_pretrained(hf_dir, safe_serialization=True)
+print(json.dumps({"seed": seed, "margin": margin, "tokens": out.sequences[:, prompts.shape[1]:].tolist()}))
+"""
+
+# Transformers' greedy tokens of a from_pretrained directory, in float64.
+GREEDY = r"""
+import json, os, sys, torch
+os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+from transformers import LlamaForCausalLM
+model = LlamaForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float64).eval()
+prompts, new = torch.tensor(json.loads(sys.argv[2])), int(sys.argv[3])
+with torch.no_grad():
+    out = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=new,
+                         min_new_tokens=new, eos_token_id=None, pad_token_id=0)
+print(json.dumps({"tokens": out[:, prompts.shape[1]:].tolist()}))
+"""
+
+
+def last_json(out):
+    return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+
+
+def token_lines(out):
+    """The token-id lines of dtrain-generate's output."""
+    return [[int(t) for t in line.split(",")] for line in out.splitlines()
+            if line and all(c.isdigit() or c == "," for c in line)]
+
+
+def generate(mpirun, ranks, binary, args, expect=0):
+    cmd = mpirun + ["-np", str(ranks), binary] if ranks > 1 else [binary]
+    return run(cmd + ["--device=cpu"] + args, expect=expect)
+
+
+def check_hf(args, mpirun, tmp, gen):
+    hf = os.path.join(tmp, "hf")
+    made = last_json(run([args.python, "-c", MAKE, hf, json.dumps(PROMPTS), str(NEW)]))
+    print(f"transformers' greedy tokens (model seed {made['seed']}, smallest top-2 gap {made['margin']:.2e}): "
+          f"{made['tokens']}")
+    prompt_file = os.path.join(tmp, "prompts.txt")
+    with open(prompt_file, "w") as f:
+        f.write("\n".join(",".join(map(str, p)) for p in PROMPTS) + "\n")
+    source = [f"--init_from_hf={hf}", f"--hf_config={hf}/config.json", f"--max_new_tokens={NEW}", "--temperature=0"]
+    for ranks, extra in ((1, []), (2, ["--tp=2"]), (1, ["--use_cache=false"]), (2, ["--tp=2", "--use_cache=false"])):
+        out = generate(mpirun, ranks, gen, source + [f"--prompt_file={prompt_file}"] + extra)
+        assert token_lines(out) == made["tokens"], f"np {ranks} {extra}: {token_lines(out)} != {made['tokens']}"
+        assert "tokens/s" in out
+    out = generate(mpirun, 1, gen, source + ["--prompt_tokens=" + ",".join(map(str, PROMPTS[1]))])
+    assert token_lines(out) == [made["tokens"][1]], "--prompt_tokens"
+    return hf, source
+
+
+def check_sampling(mpirun, gen, hf):
+    sampled = [f"--init_from_hf={hf}", f"--hf_config={hf}/config.json", "--prompt_tokens=5,17,33", "--batch=3",
+               "--max_new_tokens=12", "--temperature=1.5", "--top_p=0.95"]
+    a = token_lines(generate(mpirun, 1, gen, sampled + ["--seed=3"]))
+    assert len(a) == 3 and all(len(r) == 12 for r in a), a
+    assert token_lines(generate(mpirun, 1, gen, sampled + ["--seed=3"])) == a, "the same seed, other tokens"
+    assert token_lines(generate(mpirun, 1, gen, sampled + ["--seed=4"])) != a, "another seed, the same tokens"
+    assert len({tuple(r) for r in a}) > 1, "the rows of a batch drew alike"
+    t2 = token_lines(generate(mpirun, 2, gen, sampled + ["--seed=3", "--tp=2"]))
+    assert len(t2) == 3 and t2 == token_lines(generate(mpirun, 2, gen, sampled + ["--seed=3", "--tp=2"]))
+    greedy = token_lines(generate(mpirun, 1, gen, sampled[:4] + ["--max_new_tokens=12", "--temperature=0"]))
+    top1 = token_lines(generate(mpirun, 1, gen, sampled[:4] + ["--max_new_tokens=12", "--top_k=1", "--seed=9"]))
+    assert top1 == greedy, "top_k=1 is not greedy"
+
+
+def check_checkpoint(args, mpirun, tmp, gen):
+    shape = ["--model=llama", f"--vocab={VOCAB}", "--d_model=32", "--heads=4", "--kv_heads=2", "--layers=2",
+             "--ff=48", "--seq_len=16"]
+    ck, out_dir = os.path.join(tmp, "ck"), os.path.join(tmp, "export")
+    os.makedirs(out_dir)
+    run([os.path.join(args.bin, "train_gpt")] + shape + ["--device=cpu", "--data=synthetic", "--batch_size=4",
+                                                         "--steps=4", "--lr=0.02", f"--save_dir={ck}",
+                                                         "--progress=false"])
+    run([os.path.join(args.bin, "dtrain-export")] + shape + [f"--checkpoint={ck}", "--format=hf", f"--output={out_dir}"])
+    prompts = [p[:4] for p in PROMPTS]
+    want = last_json(run([args.python, "-c", GREEDY, out_dir, json.dumps(prompts), str(NEW)]))["tokens"]
+    for ranks, extra in ((1, []), (2, ["--tp=2"])):
+        got = [token_lines(generate(mpirun, ranks, gen, shape + extra + [
+            f"--checkpoint={ck}", "--prompt_tokens=" + ",".join(map(str, p)), f"--max_new_tokens={NEW}",
+            "--temperature=0", "--dtype=float64"]))[0] for p in prompts]
+        assert got == want, f"from the checkpoint, np {ranks}: {got} != transformers' {want}"
+    return shape, ck
+
+
+def check_bad_input(mpirun, gen, hf, source, shape, ck):
+    prompt = ["--prompt_tokens=1,2,3,4"]
+    cases = [
+        (shape + prompt, "no weights: give --checkpoint=DIR"),
+        (shape + prompt + [f"--checkpoint={ck}", f"--init_from_hf={hf}"], "--checkpoint and --init_from_hf both given"),
+        (source + [f"--prompt_tokens=1,{VOCAB},3"], f"token {VOCAB} is not below the vocabulary size {VOCAB}"),
+        (source + ["--prompt_tokens=1,x,3"], "'x' is not a token id"),
+        (shape + prompt + [f"--checkpoint={ck}", "--max_new_tokens=13"],
+         "--max_new_tokens=13: the prompt's 4 tokens and 13 new ones need 17 positions, the model has 16"),
+        (["--model=gpt", f"--checkpoint={ck}"] + prompt, "generates with --model=llama only"),
+        (source + prompt + ["--top_k=5"], "--temperature=0 is greedy"),
+    ]
+    for flags, want in cases:
+        out = generate(mpirun, 1, gen, flags, expect=2)
+        assert want in out, f"wanted {want!r} in the output"
+    out = generate(mpirun, 2, gen, source + prompt, expect=2)
+    assert "start it with as many ranks as --tp (1), not 2" in out
+
+
+def main():
+    ap = example_parser()
+    ap.add_argument("--python", required=True)
+    args = ap.parse_args()
+    mpirun = shlex.split(args.mpirun)
+    tmp = tempfile.mkdtemp(prefix="dtrain_generate_")
+    gen = os.path.join(args.bin, "dtrain-generate")
+    hf, source = check_hf(args, mpirun, tmp, gen)
+    check_sampling(mpirun, gen, hf)
+    shape, ck = check_checkpoint(args, mpirun, tmp, gen)
+    check_bad_input(mpirun, gen, hf, source, shape, ck)
+    print("OK")
+
+
+if __name__ == "__main__":
+    main()
