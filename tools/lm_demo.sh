@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# A small Llama trained from text on this machine, end to end with dtrain's own tools:
+#   1. a corpus: the licence texts every Debian machine has plus Python's own standard library
+#      sources (each file one document);
+#   2. a SentencePiece BPE tokenizer trained on it (Python's sentencepiece, in .venv);
+#   3. dtrain-prepare: the text into llm.c token shards (a validation shard and training shards);
+#   4. train_gpt --model=llama on the shards for MINUTES minutes of steps, evaluating on the
+#      validation shard;
+#   5. dtrain-generate: a sample from the trained checkpoint, decoded back to text.
+# usage: tools/lm_demo.sh WORK_DIR [BUILD_DIR] [STEPS]      (prints the losses and the sample)
+set -euo pipefail
+WORK="${1:?usage: lm_demo.sh WORK_DIR [BUILD_DIR] [STEPS]}"
+BIN="$(cd "${2:-build}" && pwd)/bin"
+STEPS="${3:-600}"
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+PY="$ROOT/.venv/bin/python"
+mkdir -p "$WORK/corpus" "$WORK/shards"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" GLOG_minloglevel=1
+
+# 1. The corpus (a fixed, sorted file list: the same text on every Debian machine of a release).
+if [[ ! -s $WORK/corpus.list ]]; then
+  { find /usr/share/common-licenses -type f; find /usr/lib/python3*/ -maxdepth 1 -name '*.py' -type f; } \
+    | sort >"$WORK/corpus.list"
+  while read -r f; do cp "$f" "$WORK/corpus/$(echo "$f" | tr '/' '_')"; done <"$WORK/corpus.list"
+fi
+echo "corpus: $(wc -l <"$WORK/corpus.list") files, $(du -sh "$WORK/corpus" | cut -f1)"
+
+# 2. The tokenizer.
+if [[ ! -s $WORK/tok.model ]]; then
+  "$PY" - "$WORK" <<'PY'
+import glob, sys
+import sentencepiece as spm
+w = sys.argv[1]
+spm.SentencePieceTrainer.train(input=sorted(glob.glob(w + "/corpus/*")), model_prefix=w + "/tok", vocab_size=8000,
+                               model_type="bpe", unk_id=0, bos_id=1, eos_id=2, pad_id=-1, byte_fallback=True,
+                               input_sentence_size=2000000, shuffle_input_sentence=True, minloglevel=2)
+PY
+fi
+
+# 3. The shards.
+if ! ls "$WORK"/shards/lm_train_*.bin >/dev/null 2>&1; then
+  "$BIN/dtrain-prepare" --tokenizer="$WORK/tok.model" --input="$WORK/corpus" --output_dir="$WORK/shards" \
+    --prefix=lm --val_tokens=65536 --shard_tokens=4000000 --bos --eos
+fi
+
+# 4. Training: a 4-layer Llama (d 256, 8 query and 4 key/value heads), sequence 256.
+SHAPE=(--model=llama --vocab=8000 --d_model=256 --heads=8 --kv_heads=4 --layers=4 --ff=688 --seq_len=256)
+"$BIN/train_gpt" "${SHAPE[@]}" --device=cpu --data=tokens --data_path="$WORK/shards/lm_train_*.bin" \
+  --eval_data_path="$WORK/shards/lm_val_000000.bin" --eval_every=$((STEPS / 4)) --eval_samples=64 \
+  --batch_size=16 --steps="$STEPS" --lr=1e-3 --schedule=cosine --warmup_steps=$((STEPS / 10)) --log_every=50 \
+  --save_dir="$WORK/run" --resume=auto --progress=false --metrics="$WORK/metrics.jsonl" 2>&1 | tail -25
+
+# 5. A sample: the prompt encoded and the output decoded by the same tokenizer.
+PROMPT=$("$PY" -c "import sentencepiece as s,sys;p=s.SentencePieceProcessor(model_file=sys.argv[1]);print(','.join(map(str,[1]+p.encode(sys.argv[2]))))" "$WORK/tok.model" "def main(")
+OUT=$("$BIN/dtrain-generate" "${SHAPE[@]}" --device=cpu --checkpoint="$WORK/run" --prompt_tokens="$PROMPT" \
+  --max_new_tokens=120 --temperature=0.8 --top_k=40 --seed=1 2>/dev/null)
+"$PY" -c "import sentencepiece as s,sys;p=s.SentencePieceProcessor(model_file=sys.argv[1]);print('--- sample (prompt \"def main(\"):');print('def main(' + p.decode([int(t) for t in sys.argv[2].split(',') if t]))" \
+  "$WORK/tok.model" "$OUT"
