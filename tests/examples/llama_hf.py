@@ -5,7 +5,7 @@
     and saved with save_pretrained is loaded by train_gpt --init_from_hf with its config.json as
     --hf_config, at --tp 1 and --tp 2: dtrain's held-out loss on an llm.c shard equals the loss
     transformers computes on the same windows (float32).
-  * train_gpt trains it for a few steps on 2 ranks (data-parallel, then tensor-parallel) and
+  * train_gpt trains it for a few steps at tp 2 x dp 2 (4 ranks), resumes at dp 2, and
     dtrain-export --format=hf writes the checkpoint as a Hugging Face directory: from_pretrained
     loads it, its tensors equal the checkpoint's weights, and transformers' loss on the held-out
     windows equals dtrain's evaluation of that checkpoint.
@@ -169,10 +169,10 @@ def main():
         n, got = eval_loss(out)
         assert n == 8, f"evaluated {n} windows, the shard has 8"
         assert abs(got - want) <= 2e-4, f"np {ranks} {extra}: dtrain's loss {got} != transformers' {want}"
-    # Trained (tp 2, then dp 2 resuming it), exported, read back by transformers.
+    # Trained (tp 2 x dp 2 on 4 ranks, then dp 2 resuming it), exported, read back by transformers.
     ck, out_dir = os.path.join(tmp, "ck"), os.path.join(tmp, "out")
     os.makedirs(out_dir)
-    run(mpirun + ["-np", "2"] + common + [f"--init_from_hf={hf}", "--tp=2", "--steps=3", f"--save_dir={ck}",
+    run(mpirun + ["-np", "4"] + common + [f"--init_from_hf={hf}", "--tp=2", "--steps=3", f"--save_dir={ck}",
                                           "--lr=0.01"])
     run(mpirun + ["-np", "2"] + common + ["--steps=5", f"--save_dir={ck}", "--resume=yes", "--lr=0.01"])
     out = run(mpirun + ["-np", "1"] + common + ["--eval_only", f"--save_dir={ck}", "--resume=yes"])
