@@ -3,8 +3,9 @@
 
   * A LlamaForCausalLM (grouped-query attention, Llama 3.1 rope scaling) made by transformers
     and saved with save_pretrained is loaded by train_gpt --init_from_hf with its config.json as
-    --hf_config, at --tp 1 and --tp 2: dtrain's held-out loss on an llm.c shard equals the loss
-    transformers computes on the same windows (float32).
+    --hf_config, at --tp 1 and --tp 2, on 2 pipeline stages, under ZeRO-3 and with layer offload:
+    dtrain's held-out loss on an llm.c shard equals the loss transformers computes on the same
+    windows (float32).
   * train_gpt trains it for a few steps at tp 2 x dp 2 (4 ranks), resumes at dp 2, and
     dtrain-export --format=hf writes the checkpoint as a Hugging Face directory: from_pretrained
     loads it, its tensors equal the checkpoint's weights, and transformers' loss on the held-out
@@ -163,8 +164,10 @@ def main():
               "--eval_samples=0"]
     want = hf_loss(args.python, hf, val)
     print(f"transformers' held-out loss of the initial model: {want:.6f}")
-    # From Hugging Face: the same loss at tp 1 and tp 2.
-    for ranks, extra in ((1, []), (2, ["--tp=2"])):
+    # From Hugging Face: the same loss at tp 1, tp 2, on 2 pipeline stages, under ZeRO-3 and with
+    # the blocks streamed from host memory.
+    for ranks, extra in ((1, []), (2, ["--tp=2"]), (2, ["--pp=2"]), (2, ["--shard=parameters"]),
+                         (1, ["--offload=layers", "--checkpoint_activations"])):
         out = run(mpirun + ["-np", str(ranks)] + common + [f"--init_from_hf={hf}", "--eval_only"] + extra)
         n, got = eval_loss(out)
         assert n == 8, f"evaluated {n} windows, the shard has 8"
