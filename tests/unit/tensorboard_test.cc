@@ -27,10 +27,9 @@ namespace {
 
 using nlohmann::json;
 using testing_util::error_of;
-using testing_util::remove_tree;
 using testing_util::ScratchDir;
 
-bool exists(const std::string& path) {
+bool event_dir_exists(const std::string& path) {
   struct stat st {};
   return ::stat(path.c_str(), &st) == 0;
 }
@@ -208,7 +207,7 @@ TEST(TensorBoard, DisabledWriterTouchesNothing) {
   w.flush();
   EXPECT_FALSE(w.enabled());
   EXPECT_EQ(w.path(), "");
-  EXPECT_FALSE(exists(dir.str()));
+  EXPECT_FALSE(event_dir_exists(dir.str()));
 }
 
 TEST(TensorBoard, CreatesMissingDirectoriesAndWritesTheVersionRecordAtOnce) {

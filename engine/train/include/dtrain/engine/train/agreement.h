@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "dtrain/dist/communicator.h"
+#include "dtrain/engine/core/gather_texts.h"  // gather_texts(), which agree_on_settings uses
 
 namespace dtrain::engine {
 
@@ -32,10 +33,6 @@ std::string setting_text(const T& value) {
 // rank 0 has 8, rank 1 has 16"); a setting some ranks lack shows as "(not set)" there. A
 // single-process communicator returns at once.
 void agree_on_settings(dist::Communicator& comm, const Settings& settings, const std::string& what);
-
-// Collective over comm: every rank's text, in rank order, on every rank (e.g. each rank's
-// error, so that every rank can fail with the same message).
-std::vector<std::string> gather_texts(dist::Communicator& comm, const std::string& mine);
 
 }  // namespace dtrain::engine
 

@@ -22,6 +22,8 @@ namespace dtrain::engine {
 // no optimizer state is read or allocated, the directory is not locked) and returns its step.
 // Collective over the mesh's world. Throws dtrain::Error naming the directory when it holds no
 // good checkpoint, and naming the first weight that does not fit (another model or shape).
+// Goes through resume_training_state() (state/training_state.h) with a weights-only
+// TrainingState; `device` is the model's (the tensors are copied where the model's are).
 int64_t load_weights(const std::string& save_dir, torch::nn::Module& model, dist::Mesh& mesh, c10::Device device);
 
 }  // namespace dtrain::engine

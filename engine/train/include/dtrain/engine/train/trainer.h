@@ -33,6 +33,7 @@
 #include "dtrain/engine/state/checkpoint.h"
 #include "dtrain/engine/state/dir_lock.h"
 #include "dtrain/engine/state/host_staging.h"
+#include "dtrain/engine/state/training_state.h"
 #include "dtrain/engine/parallel/tensor_parallel.h"
 #include "dtrain/engine/data/data.h"
 #include "dtrain/engine/parallel/grad_norm.h"
@@ -368,16 +369,6 @@ class Trainer {
   void start_fresh_in_save_dir();
   // Collective over the world: the ranks where `failed` is true ("1,3"), "" when none.
   std::string failing_ranks(bool failed);
-  // resume_checkpoint()'s loads and restores on this rank (no collectives; may throw).
-  void restore_from(const CheckpointStore& store, const CheckpointInfo& info, DataLoader* loader);
-  // restore_from()'s parts: a pipeline stage's part of the whole model (and its parameters'
-  // optimizer state renumbered to the stage's); the optimizer's state from any layout; the
-  // scaler, masks, random streams, step and loader positions.
-  void take_stage_part(CheckpointData& data, NamedTensors& local) const;
-  void restore_optimizer(const CheckpointStore& store, const CheckpointData& data, const CheckpointInfo& info,
-                         bool saved_partitioned, const std::optional<ShardState>& whole);
-  void restore_progress(const CheckpointStore& store, const CheckpointData& data, const CheckpointInfo& info,
-                        DataLoader* loader);
   void back_off(int64_t batch_rows);
   void apply_update(StepMetrics& m, bool& skipped, const at::Tensor& loss_sum);
   // fp32/bf16: whether this step's loss or gradient norm is non-finite on any rank (collective).
@@ -403,32 +394,20 @@ class Trainer {
   void save_periodic(const DataLoader& train);
   // Agrees on preemption; when preempted saves (with save_dir), asks to requeue, returns true.
   bool stop_for_preemption(const DataLoader& train);
-  // A checkpoint's contents, copied to host memory (collective over the world and tp).
-  struct PreparedSave {
-    CheckpointData data;
-    RankState rank;
-    std::vector<at::Tensor> nonfinite;  // per device: 1 if a weight is inf/NaN (host, once staged)
-  };
-  PreparedSave prepare_save(const DataLoader* loader, bool own_copies);
-  // prepare_save() for a background write: the partitioned state staged, the RNG states copied.
-  void own_the_rest(PreparedSave& save);
-  // The layout a resume under another --tp, --pp or --shard needs, into a checkpoint's meta:
-  // the flat space's parameters (flat.params; model.partitioned under ZeRO-3), each
-  // tensor-parallel split (tp.splits), tp, pp and each stage's flat size (collective over the
-  // world under --pp).
-  void record_layout(std::map<std::string, std::string>& meta, bool weights_partitioned) const;
-  // Pipeline: this stage's optimizer state renumbered to the whole model's parameter indices,
-  // and (data- and tensor-parallel rank 0 of a stage after the first) the stage's part of the
-  // model and optimizer moved into its rank file (RankState::stage_model, stage_optimizer).
-  void pipeline_stage_part(CheckpointData& data, RankState& rank) const;
+  // The view of this trainer's state that checkpoints save and restore (state/training_state.h):
+  // references to its model, parameters, optimizer, units, pruner, scaler and evaluation loader,
+  // and its step, accumulation and pipeline facts. Valid while the trainer lives.
+  TrainingState training_state();
+  // A checkpoint's contents, copied to host memory (collective over the world and tp); staged
+  // (own_copies) for a background write. Throws for an evaluation-only trainer.
+  PreparedCheckpoint prepare_save(const DataLoader* loader, bool own_copies);
+  // The store of options.save_dir (keep_last, checkpoint_fs).
+  CheckpointStore checkpoint_store() const;
   int64_t pp_param_offset_ = 0;  // the parameters of the stages before this one
   // Pipeline: each stage's partitioned flat optimizer space, stages x tp (stage-major); where
   // this rank's lies in the whole model's (StageSpace) when resuming partitioned state.
   std::vector<int64_t> pp_flat_numels_;
-  StageSpace stage_space(int64_t numel) const;
   void check_can_train() const;  // throws for an evaluation-only trainer
-  // Writes and publishes a prepared checkpoint over `comm` (collective); returns the path.
-  std::string write_save(const PreparedSave& save, dist::Communicator& comm);
   // Starts a background save of this step (after waiting for the one in flight).
   void save_checkpoint_async(const DataLoader* loader);
   // Waits for the background save in flight, if any; rethrows its failure.
@@ -462,32 +441,6 @@ class Trainer {
   std::future<std::string> save_in_flight_;            // the background save, if any
   std::unique_ptr<dist::Communicator> save_comm_;      // its communicator (a split of the world)
   DataLoader* eval_ = nullptr;  // fit()'s evaluation loader while it runs (checkpointed position)
-  // A host copy of t for a checkpoint: staged (pinned, asynchronous, see HostStaging) for a
-  // background save, else a plain copy that is written before training goes on.
-  at::Tensor host_copy(const std::string& key, const at::Tensor& t, HostStaging::Source source, bool staged);
-  // Optimizer state between layouts on resume: a replicated state's range of the flat
-  // parameter space (its arrays end to end, the weights as "master"), and a whole flat
-  // space's arrays split back into "<param>.<slot>" per parameter.
-  ShardState shard_of_replicated(const NamedTensors& replicated, const ShardLayout& layout) const;
-  NamedTensors replicated_of_shard(const ShardState& whole) const;
-  NamedTensors full_model_state(bool staged);
-  // A ZeRO-3 checkpoint's model (meta "model.partitioned": the flat space's names and sizes):
-  // `rest` (the main file's tensors) into the buffers and untrained weights, and, unless this
-  // trainer shards the weights too, the weights from the ranks' partitioned ranges. Returns the
-  // whole flat space's partitioned state it read for them (none under ZeRO-3), so the
-  // optimizer's part is cut from it rather than read again.
-  std::optional<ShardState> restore_partitioned_weights(const CheckpointStore& store, const CheckpointData& data,
-                                                        const std::string& layout, NamedTensors& rest,
-                                                        const std::string& source,
-                                                        const std::optional<ShardState>& other_tp);
-  // Partitioned state (ZeRO-3's weights, a partitioned optimizer's) saved under another
-  // tensor-parallel size (saved_tp): every saved tensor-parallel rank's flat space read whole,
-  // each parameter's tensor put together from them (meta flat.params, tp.splits) and cut for
-  // this rank; returns this rank's (this stage's) whole flat space, every state entry. Reads
-  // the whole model's partitioned state on every rank (a layout change, not the common path).
-  ShardState whole_from_other_tp(const CheckpointStore& store, const CheckpointData& data, int saved_tp,
-                                 const std::string& source) const;
-  NamedTensors full_optimizer_state(bool staged);
   HostStaging staging_;  // the background save's host copies (pinned buffers reused across saves)
   std::unique_ptr<DirectoryLock> save_dir_lock_;  // rank 0, with a save_dir: one run per directory
   std::unique_ptr<GradReducer> reducer_;
