@@ -171,7 +171,7 @@ std::string export_torchscript(examples::ExampleModel& m, const std::string& mod
 }
 
 int export_main(int argc, char** argv) {
-  const std::string model_name = examples::model_from_argv(argc, argv, "gpt");
+  const std::string model_name = examples::flag_from_argv(argc, argv, "model", "gpt");
   engine::cli::describe_flags("Export", {"model", "checkpoint", "format", "output", "example_rows", "write_example",
                                          "quantize", "quantize_scales"});
   std::map<std::string, std::string> defaults;  // the model's shape defaults (not its training ones)

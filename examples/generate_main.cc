@@ -18,7 +18,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <fstream>
 #include <map>
 #include <sstream>
 #include <string>
@@ -57,26 +56,6 @@ namespace {
 
 constexpr const char* kProgram = "dtrain-generate";
 
-// The value of --name on the command line before the flags are parsed ("" when absent).
-std::string flag_from_argv(int argc, char** argv, const std::string& name) {
-  const std::string eq = "--" + name + "=", bare = "--" + name;
-  std::string value;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a.rfind(eq, 0) == 0) value = a.substr(eq.size());
-    if (a == bare && i + 1 < argc) value = argv[i + 1];
-  }
-  return value;
-}
-
-std::string read_text(const std::string& path, const char* flag) {
-  std::ifstream in(path, std::ios::binary);
-  DTRAIN_CHECK(in.good(), flag, "=", path, ": cannot open the file to read");
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
 // The ids of one prompt: integers separated by commas and/or white space.
 std::vector<int64_t> parse_ids(const std::string& text, const std::string& where) {
   std::string spaced = text;
@@ -108,7 +87,7 @@ std::vector<std::vector<int64_t>> read_prompts() {
   if (!FLAGS_prompt_tokens.empty()) {
     prompts.push_back(parse_ids(FLAGS_prompt_tokens, "--prompt_tokens"));
   } else {
-    std::istringstream lines(read_text(FLAGS_prompt_file, "--prompt_file"));
+    std::istringstream lines(examples::read_text_file(FLAGS_prompt_file, "--prompt_file"));
     int line_no = 0;
     for (std::string line; std::getline(lines, line);) {
       ++line_no;
@@ -285,7 +264,7 @@ void print(const examples::Run& run, const Generated& g, const std::string& sour
 }
 
 int generate_main(int argc, char** argv) {
-  const std::string model_name = examples::model_from_argv(argc, argv, "llama");
+  const std::string model_name = examples::flag_from_argv(argc, argv, "model", "llama");
   DTRAIN_CHECK(model_name == "llama", "--model=", model_name, ": the program generates with --model=llama only "
                "for now (the Llama model has the key/value cache; the GPT has none yet)");
   engine::cli::describe_flags("Generation", {"model", "checkpoint", "prompt_tokens", "prompt_file", "max_new_tokens",
@@ -298,9 +277,10 @@ int generate_main(int argc, char** argv) {
   }
   defaults["dropout"] = "0";  // the Llama has none (model_checks refuses --dropout with --tp otherwise)
   // With --hf_config, the positions default to its max_position_embeddings.
-  const std::string hf_config = flag_from_argv(argc, argv, "hf_config");
+  const std::string hf_config = examples::flag_from_argv(argc, argv, "hf_config");
   if (!hf_config.empty()) {
-    defaults["seq_len"] = std::to_string(engine::llama_options_from_hf_config(read_text(hf_config, "--hf_config")).seq_len);
+    const std::string text = examples::read_text_file(hf_config, "--hf_config");
+    defaults["seq_len"] = std::to_string(engine::llama_options_from_hf_config(text).seq_len);
   }
   const auto base_checks = examples::model_checks("llama");
   examples::Run run = examples::init_run(

@@ -11,7 +11,6 @@
 #include <gflags/gflags.h>
 #include <glog/logging.h>
 #include <cstdio>
-#include <cstring>
 #include <fstream>
 #include <sstream>
 #include "dtrain/engine/parallel/tensor_parallel.h"
@@ -34,15 +33,21 @@ at::Tensor random_tokens(int64_t rows, int64_t len, c10::Device device) {
   return at::randint(FLAGS_vocab, {rows, len}, at::TensorOptions().dtype(at::kLong).device(device));
 }
 
-// The shape flags both transformers read (seq2seq's and gpt's options name them alike).
+// The shape flags every transformer reads (seq2seq's, gpt's and llama's options name them alike).
 template <class Options>
-Options transformer_options() {
-  Options o;
+void set_shape_of_flags(Options& o) {
   o.vocab = FLAGS_vocab;
   o.d_model = FLAGS_d_model;
   o.heads = FLAGS_heads;
   o.ff = FLAGS_ff;
   o.layers = FLAGS_layers;
+}
+
+// The shape flags and the dropout flags seq2seq and gpt read.
+template <class Options>
+Options transformer_options() {
+  Options o;
+  set_shape_of_flags(o);
   o.dropout = FLAGS_dropout;
   o.sparse_embedding = FLAGS_sparse_embedding;
   return o;
@@ -90,6 +95,43 @@ ExampleModel seq2seq(const Run& run) {
   return m;
 }
 
+// --hf_config, read once (every rank reads the same file): whether it is a GPT-2 config, and its
+// shape: a Llama config, or a GPT-2 config in the Llama options' common fields (vocab, sizes,
+// layers, positions, tie).
+struct HfConfig {
+  bool gpt2 = false;
+  engine::LlamaOptions options;
+};
+
+const HfConfig& hf_config() {
+  static const HfConfig c = [] {
+    const std::string text = read_text_file(FLAGS_hf_config, "--hf_config");
+    HfConfig c;
+    try {
+      c.gpt2 = nlohmann::json::parse(text).value("model_type", std::string()) == "gpt2";
+    } catch (const nlohmann::json::exception&) {
+      c.gpt2 = false;  // the model's own reader names what is wrong with the file
+    }
+    if (!c.gpt2) {
+      c.options = engine::llama_options_from_hf_config(text);
+      return c;
+    }
+    const engine::GptOptions g = engine::gpt_options_from_hf_config(text);
+    c.options.vocab = g.vocab;
+    c.options.d_model = g.d_model;
+    c.options.heads = g.heads;
+    c.options.kv_heads = g.heads;
+    c.options.ff = g.ff;
+    c.options.layers = g.layers;
+    c.options.seq_len = g.seq_len;
+    c.options.tie_embeddings = g.tie_embeddings;
+    return c;
+  }();
+  return c;
+}
+
+}  // namespace
+
 std::string read_text_file(const std::string& path, const char* flag) {
   std::ifstream in(path, std::ios::binary);
   DTRAIN_CHECK(in.good(), flag, "=", path, ": cannot open the file to read");
@@ -98,49 +140,14 @@ std::string read_text_file(const std::string& path, const char* flag) {
   return text.str();
 }
 
-bool hf_config_is_gpt2() {
-  static const bool gpt2 = [] {
-    const std::string text = read_text_file(FLAGS_hf_config, "--hf_config");
-    try {
-      return nlohmann::json::parse(text).value("model_type", std::string()) == "gpt2";
-    } catch (const nlohmann::json::exception&) {
-      return false;  // the model's own reader names what is wrong with the file
-    }
-  }();
-  return gpt2;
-}
-
-// --hf_config's shape, read once (every rank reads the same file): a Llama config, or a GPT-2
-// config in the Llama options' common fields (vocab, sizes, layers, positions, tie).
-const engine::LlamaOptions& hf_config_options() {
-  static const engine::LlamaOptions o = [] {
-    const std::string text = read_text_file(FLAGS_hf_config, "--hf_config");
-    if (!hf_config_is_gpt2()) return engine::llama_options_from_hf_config(text);
-    const engine::GptOptions g = engine::gpt_options_from_hf_config(text);
-    engine::LlamaOptions l;
-    l.vocab = g.vocab;
-    l.d_model = g.d_model;
-    l.heads = g.heads;
-    l.kv_heads = g.heads;
-    l.ff = g.ff;
-    l.layers = g.layers;
-    l.seq_len = g.seq_len;
-    l.tie_embeddings = g.tie_embeddings;
-    return l;
-  }();
-  return o;
-}
-
-}  // namespace
-
 void apply_hf_config() {
   if (FLAGS_hf_config.empty()) return;
-  const engine::LlamaOptions& o = hf_config_options();
+  const engine::LlamaOptions& o = hf_config().options;
   std::vector<std::pair<std::string, std::string>> shape = {
       {"vocab", std::to_string(o.vocab)}, {"d_model", std::to_string(o.d_model)}, {"heads", std::to_string(o.heads)},
       {"ff", std::to_string(o.ff)},       {"layers", std::to_string(o.layers)},
       {"tie_embeddings", o.tie_embeddings ? "true" : "false"}};
-  if (!hf_config_is_gpt2()) {
+  if (!hf_config().gpt2) {
     shape.emplace_back("kv_heads", std::to_string(o.kv_heads > 0 ? o.kv_heads : o.heads));
     shape.emplace_back("rope_theta", std::to_string(o.rope_theta));
   }
@@ -157,25 +164,20 @@ void apply_hf_config() {
 }
 
 int64_t llama_max_positions() {
-  return FLAGS_hf_config.empty() ? FLAGS_seq_len : std::max(FLAGS_seq_len, hf_config_options().seq_len);
+  return FLAGS_hf_config.empty() ? FLAGS_seq_len : std::max(FLAGS_seq_len, hf_config().options.seq_len);
 }
 
-namespace {
-
-// The Llama's options from the shape flags (and --hf_config's rope scaling and norm epsilon).
-engine::LlamaOptions llama_options_of_flags() {
-  engine::LlamaOptions o = FLAGS_hf_config.empty() ? engine::LlamaOptions{} : hf_config_options();
-  o.vocab = FLAGS_vocab;
-  o.d_model = FLAGS_d_model;
-  o.heads = FLAGS_heads;
+engine::LlamaOptions llama_flag_options() {
+  engine::LlamaOptions o = FLAGS_hf_config.empty() ? engine::LlamaOptions{} : hf_config().options;
+  set_shape_of_flags(o);
   o.kv_heads = FLAGS_kv_heads;
-  o.ff = FLAGS_ff;
-  o.layers = FLAGS_layers;
   o.seq_len = FLAGS_seq_len;
   o.rope_theta = FLAGS_rope_theta;
   o.tie_embeddings = FLAGS_tie_embeddings;
   return o;
 }
+
+namespace {
 
 // --init_from_hf: the loader of this rank's stage (null without the flag).
 std::function<void(torch::nn::Module&)> hf_loader(const Run& run, engine::HfNames names) {
@@ -259,7 +261,7 @@ ExampleModel gpt(const Run& run) {
 }
 
 ExampleModel llama(const Run& run) {
-  engine::LlamaOptions mo = llama_options_of_flags();
+  engine::LlamaOptions mo = llama_flag_options();
   mo.sequence_parallel = engine::cli::flags().sequence_parallel;
   torch::manual_seed(engine::cli::flags().seed);
   auto model = engine::Llama(mo, run.mesh->tp()).ptr();
@@ -325,16 +327,15 @@ bool has_prefix(const std::string& name, const std::vector<std::string>& prefixe
 
 }  // namespace
 
-engine::LlamaOptions llama_flag_options() { return llama_options_of_flags(); }
-
-std::string model_from_argv(int argc, char** argv, const std::string& fallback) {
-  std::string model = fallback;
+std::string flag_from_argv(int argc, char** argv, const std::string& name, const std::string& fallback) {
+  const std::string eq = "--" + name + "=", bare = "--" + name;
+  std::string value = fallback;
   for (int i = 1; i < argc; ++i) {
-    const char* a = argv[i];
-    if (std::strncmp(a, "--model=", 8) == 0) model = a + 8;
-    if (std::strcmp(a, "--model") == 0 && i + 1 < argc) model = argv[i + 1];
+    const std::string a = argv[i];
+    if (a.rfind(eq, 0) == 0) value = a.substr(eq.size());
+    if (a == bare && i + 1 < argc) value = argv[i + 1];
   }
-  return model;
+  return value;
 }
 
 std::vector<std::string> model_flag_names(const std::string& model) {
@@ -381,7 +382,7 @@ std::function<void()> model_checks(const std::string& model) {
                  "; the number of heads must be a multiple of the tensor-parallel size");
     DTRAIN_CHECK(!llama || (FLAGS_kv_heads > 0 ? FLAGS_kv_heads : FLAGS_heads) % T == 0, "--kv_heads=", FLAGS_kv_heads,
                  " key/value heads do not divide over --tp=", T, "; choose a --tp that divides the key/value heads");
-    DTRAIN_CHECK(FLAGS_hf_config.empty() || hf_config_is_gpt2() == !llama, "--hf_config=", FLAGS_hf_config, " is a ",
+    DTRAIN_CHECK(FLAGS_hf_config.empty() || hf_config().gpt2 == !llama, "--hf_config=", FLAGS_hf_config, " is a ",
                  llama ? "GPT-2" : "Llama", " config; use --model=", llama ? "gpt" : "llama");
     gflags::CommandLineFlagInfo dropout;
     gflags::GetCommandLineFlagInfo("dropout", &dropout);

@@ -72,9 +72,12 @@ struct ExampleModel {
   bool last_stage = true;   // the stage owns the head and returns the loss
 };
 
-// The value of --model on the command line (before the flags are parsed: it selects the
-// defaults), or fallback when it is not given.
-std::string model_from_argv(int argc, char** argv, const std::string& fallback);
+// The value of --name on the command line (before the flags are parsed, e.g. --model: it
+// selects the defaults), or fallback when it is not given.
+std::string flag_from_argv(int argc, char** argv, const std::string& name, const std::string& fallback = "");
+// The text of the file at `path`; dtrain::Error naming `flag` (e.g. "--hf_config") and the path
+// when it cannot be opened.
+std::string read_text_file(const std::string& path, const char* flag);
 
 // The flag defaults the example program sets for `model` (as given to init_run), e.g.
 // {"lr", "0.01"}, {"batch_size", "16"} for seq2seq. Throws dtrain::Error for an unknown model,

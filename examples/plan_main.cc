@@ -129,7 +129,7 @@ void verify(const examples::Run& run, examples::ExampleModel& m, const engine::P
 }
 
 int plan_main(int argc, char** argv) {
-  const std::string model_name = examples::model_from_argv(argc, argv, "seq2seq");
+  const std::string model_name = examples::flag_from_argv(argc, argv, "model", "seq2seq");
   engine::cli::describe_flags("Plan", {"model", "allow_amp_change", "allow_offload", "allow_shard", "probe_rows",
                                       "cuda_context_mb", "verify_steps"});
   examples::Run run = examples::init_run(argc, argv,

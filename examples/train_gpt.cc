@@ -28,7 +28,7 @@ using namespace dtrain;
 
 int main(int argc, char** argv) {
   return examples::guarded_main("train_gpt", [&] {
-    const std::string name = examples::model_from_argv(argc, argv, "gpt");  // selects the defaults
+    const std::string name = examples::flag_from_argv(argc, argv, "model", "gpt");  // selects the defaults
     engine::cli::describe_flags("Model", {"model"});
     DTRAIN_CHECK(name == "gpt" || name == "llama", "--model=", name, ": train_gpt trains --model=gpt or --model=llama");
     examples::Run run = examples::init_run(argc, argv,

@@ -47,6 +47,15 @@ inline ReducerOptions small_buckets() {
   return o;
 }
 
+// The AdamW the streaming cases update with (on the CPU and on the GPU): lr 0.01, weight decay 0.1.
+inline OptimizerOptions streaming_adamw() {
+  OptimizerOptions oo;
+  oo.name = "adamw";
+  oo.lr = 0.01;
+  oo.weight_decay = 0.1;
+  return oo;
+}
+
 inline std::vector<at::Tensor> flat_params(torch::nn::Module& m) { return m.parameters(); }
 
 inline double max_rel_error(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {

@@ -33,6 +33,15 @@ dist::Communicator& world_comm() {
   return *comm;
 }
 
+std::unique_ptr<dist::Communicator> local_comm() {
+  return dist::create_communicator("local", dist::World{}, c10::Device(c10::kCPU));
+}
+
+std::unique_ptr<dist::Communicator> alone_comm() {
+  dist::Communicator& world = world_comm();
+  return world.split(world.rank(), 0, "alone");
+}
+
 void shutdown() { comm.reset(); }
 
 bool has_cuda() { return at::hasCUDA(); }

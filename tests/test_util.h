@@ -21,6 +21,14 @@ dist::Communicator& world_comm();
 const dist::World& world();
 void shutdown();
 
+// This rank alone: a communicator of one, split from the world's (collective: every rank of the
+// world calls it at the same point). The reference of tests that compare a layout with one rank.
+std::unique_ptr<dist::Communicator> alone_comm();
+
+// A communicator of this process alone ("local", one rank, CPU), apart from the world's: the
+// tensor-parallel group of one of the single-process tests.
+std::unique_ptr<dist::Communicator> local_comm();
+
 // Whether a CUDA GPU is usable here.
 bool has_cuda();
 

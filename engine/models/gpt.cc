@@ -7,6 +7,8 @@
 
 #include "dtrain/dist/error.h"
 
+#include "decoder_lm.h"
+
 namespace dtrain::engine {
 namespace {
 SequenceParallel sp_of(const GptOptions& o) {
@@ -127,14 +129,11 @@ at::Tensor GptImpl::embed(const at::Tensor& tokens) {
 
 at::Tensor GptImpl::logits(const at::Tensor& x) {
   at::Tensor h = options.sequence_parallel ? sequence_parallel_layer_norm(ln_f, x, *tp) : ln_f->forward(x);
-  return tied_head.is_empty() ? head->forward(h) : tied_head->forward(h);
+  return decoder_lm::head_logits(head, tied_head, h);
 }
 
 at::Tensor GptImpl::head_loss(const at::Tensor& x, const at::Tensor& targets) {
-  at::Tensor out = logits(x);
-  const int64_t local = out.size(-1);
-  return vocab_parallel_cross_entropy(out.reshape({-1, local}), targets.reshape({-1}), local * tp->rank(),
-                                      options.vocab, *tp);
+  return decoder_lm::next_token_loss(logits(x), targets, options.vocab, *tp);
 }
 
 at::Tensor GptImpl::forward(const at::Tensor& tokens) { return logits(blocks->forward(embed(tokens))); }
@@ -151,22 +150,7 @@ int64_t GptImpl::parameter_count() const {
 }
 
 ModelSpec gpt_spec(const std::shared_ptr<GptImpl>& model) {
-  ModelSpec s;
-  s.module = model;
-  s.blocks = model->blocks;
-  s.blocks_prefix = "blocks.";
-  GptImpl* m = model.get();  // the spec's users hold `module` alive
-  const int64_t S = model->options.seq_len;
-  s.pre = [m, S](const Batch& b) { return m->embed(b.fields.at(0).narrow(1, 0, S)); };
-  s.post = [m, S](const at::Tensor& h, const Batch& b) { return m->head_loss(h, b.fields.at(0).narrow(1, 1, S)); };
-  s.pre_modules = {"wte", "wpe"};
-  s.post_modules = {"ln_f", "head"};
-  const int64_t rows_per_rank = model->options.sequence_parallel ? S / model->tp->size() : S;
-  s.activation_shape = [rows_per_rank, d = model->options.d_model](int64_t rows) {
-    return std::vector<int64_t>{rows, rows_per_rank, d};
-  };
-  s.activation_dtype = at::kFloat;
-  return s;
+  return decoder_lm::token_window_spec(model, {"wte", "wpe"}, {"ln_f", "head"}, at::kFloat);
 }
 
 }  // namespace dtrain::engine

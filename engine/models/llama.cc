@@ -9,6 +9,8 @@
 
 #include "dtrain/dist/error.h"
 
+#include "decoder_lm.h"
+
 namespace dtrain::engine {
 namespace {
 
@@ -395,15 +397,11 @@ void LlamaImpl::reset_parameters() {
 at::Tensor LlamaImpl::embed(const at::Tensor& tokens) { return embed_tokens->forward(tokens); }
 
 at::Tensor LlamaImpl::logits(const at::Tensor& x) {
-  at::Tensor h = norm->forward(x);
-  return tied_head.is_empty() ? head->forward(h) : tied_head->forward(h);
+  return decoder_lm::head_logits(head, tied_head, norm->forward(x));
 }
 
 at::Tensor LlamaImpl::head_loss(const at::Tensor& x, const at::Tensor& targets) {
-  at::Tensor out = logits(x);
-  const int64_t local = out.size(-1);
-  return vocab_parallel_cross_entropy(out.reshape({-1, local}), targets.reshape({-1}), local * tp->rank(),
-                                      options.vocab, *tp);
+  return decoder_lm::next_token_loss(logits(x), targets, options.vocab, *tp);
 }
 
 at::Tensor LlamaImpl::forward(const at::Tensor& tokens) { return logits(blocks->forward(embed(tokens))); }
@@ -478,86 +476,7 @@ int64_t LlamaImpl::parameter_count() const {
 }
 
 ModelSpec llama_spec(const std::shared_ptr<LlamaImpl>& model) {
-  ModelSpec s;
-  s.module = model;
-  s.blocks = model->blocks;
-  s.blocks_prefix = "blocks.";
-  LlamaImpl* m = model.get();  // the spec's users hold `module` alive
-  const int64_t S = model->options.seq_len;
-  s.pre = [m, S](const Batch& b) { return m->embed(b.fields.at(0).narrow(1, 0, S)); };
-  s.post = [m, S](const at::Tensor& h, const Batch& b) { return m->head_loss(h, b.fields.at(0).narrow(1, 1, S)); };
-  s.pre_modules = {"embed"};
-  s.post_modules = {"norm", "head"};
-  const int64_t rows_per_rank = model->options.sequence_parallel ? S / model->tp->size() : S;
-  s.activation_shape = [rows_per_rank, d = model->options.d_model](int64_t rows) {
-    return std::vector<int64_t>{rows, rows_per_rank, d};
-  };
-  s.activation_dtype = model->embed_tokens->weight.scalar_type();
-  return s;
-}
-
-// ---- names -------------------------------------------------------------------------------
-
-namespace {
-
-// Within a block: dtrain's name, transformers' name.
-const std::vector<std::pair<std::string, std::string>>& block_names() {
-  static const std::vector<std::pair<std::string, std::string>> names = {
-      {"attn_norm.weight", "input_layernorm.weight"},    {"attn.q.weight", "self_attn.q_proj.weight"},
-      {"attn.k.weight", "self_attn.k_proj.weight"},      {"attn.v.weight", "self_attn.v_proj.weight"},
-      {"attn.o.weight", "self_attn.o_proj.weight"},      {"mlp_norm.weight", "post_attention_layernorm.weight"},
-      {"mlp.gate.weight", "mlp.gate_proj.weight"},       {"mlp.up.weight", "mlp.up_proj.weight"},
-      {"mlp.down.weight", "mlp.down_proj.weight"}};
-  return names;
-}
-
-const std::vector<std::pair<std::string, std::string>>& model_names() {
-  static const std::vector<std::pair<std::string, std::string>> names = {
-      {"embed.weight", "model.embed_tokens.weight"}, {"norm.weight", "model.norm.weight"}, {"head.weight", "lm_head.weight"}};
-  return names;
-}
-
-// Splits "<prefix><index>.<rest>" (index: digits without a leading zero); false otherwise.
-bool split_block(const std::string& name, const std::string& prefix, std::string& index, std::string& rest) {
-  if (name.compare(0, prefix.size(), prefix) != 0) return false;
-  const size_t dot = name.find('.', prefix.size());
-  if (dot == std::string::npos || dot == prefix.size()) return false;
-  index = name.substr(prefix.size(), dot - prefix.size());
-  if (index.find_first_not_of("0123456789") != std::string::npos || (index.size() > 1 && index[0] == '0')) return false;
-  rest = name.substr(dot + 1);
-  return true;
-}
-
-// The name mapped from column `from` to column `to` of the tables; "" when unknown.
-std::string map_name(const std::string& name, bool to_hf) {
-  for (const auto& [dtrain_name, hf_name] : model_names()) {
-    if (name == (to_hf ? dtrain_name : hf_name)) return to_hf ? hf_name : dtrain_name;
-  }
-  const std::string from_prefix = to_hf ? "blocks." : "model.layers.", to_prefix = to_hf ? "model.layers." : "blocks.";
-  std::string index, rest;
-  if (!split_block(name, from_prefix, index, rest)) return "";
-  for (const auto& [dtrain_name, hf_name] : block_names()) {
-    if (rest == (to_hf ? dtrain_name : hf_name)) return to_prefix + index + "." + (to_hf ? hf_name : dtrain_name);
-  }
-  return "";
-}
-
-}  // namespace
-
-std::string llama_hf_name(const std::string& dtrain_name) {
-  std::string out = map_name(dtrain_name, true);
-  DTRAIN_CHECK(!out.empty(), "'", dtrain_name, "' is not a parameter of the Llama model (its names are embed.weight, "
-               "blocks.<i>.{attn_norm,attn.q,attn.k,attn.v,attn.o,mlp_norm,mlp.gate,mlp.up,mlp.down}.weight, "
-               "norm.weight, head.weight)");
-  return out;
-}
-
-std::string llama_dtrain_name(const std::string& hf_name) {
-  std::string out = map_name(hf_name, false);
-  DTRAIN_CHECK(!out.empty(), "'", hf_name, "' is not a tensor of a Hugging Face Llama checkpoint this model reads "
-               "(model.embed_tokens.weight, model.layers.<i>.{input_layernorm,self_attn.{q,k,v,o}_proj,"
-               "post_attention_layernorm,mlp.{gate,up,down}_proj}.weight, model.norm.weight, lm_head.weight)");
-  return out;
+  return decoder_lm::token_window_spec(model, {"embed"}, {"norm", "head"}, model->embed_tokens->weight.scalar_type());
 }
 
 }  // namespace dtrain::engine

@@ -17,6 +17,8 @@
 #include "dtrain/engine/parallel/tensor_parallel.h"
 #include "dtrain/engine/state/export.h"
 
+#include "hf_names.h"
+
 namespace dtrain::engine {
 namespace {
 
@@ -233,6 +235,43 @@ int64_t save_hf_weights(const std::string& dir, torch::nn::Module& model, dist::
   int64_t count = 0;
   for (const auto& f : files) count += static_cast<int64_t>(f.size());
   return count;
+}
+
+// ---- the adapters' name tables (hf_names.h) ----------------------------------------------
+
+bool split_block_name(const std::string& name, const std::string& prefix, std::string& index, std::string& rest) {
+  if (name.compare(0, prefix.size(), prefix) != 0) return false;
+  const size_t dot = name.find('.', prefix.size());
+  if (dot == std::string::npos || dot == prefix.size()) return false;
+  index = name.substr(prefix.size(), dot - prefix.size());
+  if (index.find_first_not_of("0123456789") != std::string::npos || (index.size() > 1 && index[0] == '0')) return false;
+  rest = name.substr(dot + 1);
+  return true;
+}
+
+std::string map_hf_name(const HfNameTable& table, const std::string& name, bool to_hf, const std::string& shown) {
+  for (const auto& [dtrain_name, hf_name] : table.model) {
+    if (name == (to_hf ? dtrain_name : hf_name)) return to_hf ? hf_name : dtrain_name;
+  }
+  const std::string from_prefix = to_hf ? "blocks." : table.hf_block_prefix;
+  const std::string to_prefix = to_hf ? table.hf_block_prefix : "blocks.";
+  std::string index, rest;
+  if (split_block_name(name, from_prefix, index, rest)) {
+    for (const auto& [dtrain_name, hf_name] : table.block) {
+      if (rest == (to_hf ? dtrain_name : hf_name)) return to_prefix + index + "." + (to_hf ? hf_name : dtrain_name);
+    }
+  }
+  throw Error("'" + (shown.empty() ? name : shown) + "' " + (to_hf ? table.unknown_dtrain : table.unknown_hf));
+}
+
+bool name_ends_with(const std::string& name, const std::string& tail) {
+  return name.size() >= tail.size() && name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+const char* hf_torch_dtype(at::ScalarType dtype, const char* caller) {
+  DTRAIN_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, caller,
+               ": torch_dtype must be float32, bfloat16 or float16, not ", dtype);
+  return dtype == at::kFloat ? "float32" : dtype == at::kBFloat16 ? "bfloat16" : "float16";
 }
 
 }  // namespace dtrain::engine

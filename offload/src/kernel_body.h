@@ -36,19 +36,44 @@ inline int elem_bytes(ElemType t) {
   return t == ElemType::kNone ? 0 : (t == ElemType::kFloat32 ? 4 : 2);
 }
 
+// What every rule does first, with its constants: vector i's gradient scaled by
+// grad_multiplier (plus L2 weight decay times the parameter), and the parameter's decoupled
+// weight decay. Constants are broadcast once per call.
+struct DecayConsts {
+  using R = typename V::Reg;
+  bool has_l2, has_decay;
+  R gm, l2, decay;
+  explicit DecayConsts(const UpdateConfig& c)
+      : has_l2(c.l2_weight_decay != 0.0f),
+        has_decay(c.param_decay != 1.0f),
+        gm(V::set1(c.grad_multiplier)),
+        l2(V::set1(c.l2_weight_decay)),
+        decay(V::set1(c.param_decay)) {}
+  // Vector i's parameter p (decayed) and gradient g (scaled, L2 added).
+  template <ElemType G>
+  inline void load(const UpdateArrays& a, int64_t i, R& p, R& g) const {
+    p = V::load_f32(a.param + i);
+    g = V::mul(load_as_float<G>(a.grad, i), gm);
+    if (has_l2) g = V::fma(l2, p, g);
+    if (has_decay) p = V::mul(p, decay);
+  }
+};
+
+// Vector i's updated parameter p, into the master and the model copy (when O is not kNone).
+template <ElemType O>
+inline void store_param(const UpdateArrays& a, int64_t i, typename V::Reg p) {
+  V::store_f32(a.param + i, p);
+  store_from_float<O>(a.out, i, p);
+}
+
 // The update of one vector at index i, per rule. Constants are broadcast once per call.
 template <ElemType G, ElemType O, bool kAmsgrad>
 struct AdamOp {
   using R = typename V::Reg;
-  struct Consts {
-    bool has_l2, has_decay;
-    R gm, l2, decay, b1c, b2, b2c, step, inv_bc2, eps;
+  struct Consts : DecayConsts {
+    R b1c, b2, b2c, step, inv_bc2, eps;
     explicit Consts(const UpdateConfig& c)
-        : has_l2(c.l2_weight_decay != 0.0f),
-          has_decay(c.param_decay != 1.0f),
-          gm(V::set1(c.grad_multiplier)),
-          l2(V::set1(c.l2_weight_decay)),
-          decay(V::set1(c.param_decay)),
+        : DecayConsts(c),
           b1c(V::set1(c.one_minus_beta1)),
           b2(V::set1(c.beta2)),
           b2c(V::set1(c.one_minus_beta2)),
@@ -57,10 +82,8 @@ struct AdamOp {
           eps(V::set1(c.eps)) {}
   };
   static inline void at(const Consts& c, const UpdateArrays& a, int64_t i) {
-    R p = V::load_f32(a.param + i);
-    R g = V::mul(load_as_float<G>(a.grad, i), c.gm);
-    if (c.has_l2) g = V::fma(c.l2, p, g);
-    if (c.has_decay) p = V::mul(p, c.decay);
+    R p, g;
+    c.template load<G>(a, i, p, g);
     R m = V::load_f32(a.state0 + i);
     m = V::fma(c.b1c, V::sub(g, m), m);
     R v = V::fma(c.b2c, V::mul(g, g), V::mul(c.b2, V::load_f32(a.state1 + i)));
@@ -73,62 +96,44 @@ struct AdamOp {
     p = V::fnma(c.step, V::div(m, denom), p);
     V::store_f32(a.state0 + i, m);
     V::store_f32(a.state1 + i, v);
-    V::store_f32(a.param + i, p);
-    store_from_float<O>(a.out, i, p);
+    store_param<O>(a, i, p);
   }
 };
 
 template <ElemType G, ElemType O>
 struct AdagradOp {
   using R = typename V::Reg;
-  struct Consts {
-    bool has_l2, has_decay;
-    R gm, l2, decay, lr, eps;
-    explicit Consts(const UpdateConfig& c)
-        : has_l2(c.l2_weight_decay != 0.0f),
-          has_decay(c.param_decay != 1.0f),
-          gm(V::set1(c.grad_multiplier)),
-          l2(V::set1(c.l2_weight_decay)),
-          decay(V::set1(c.param_decay)),
-          lr(V::set1(c.lr)),
-          eps(V::set1(c.eps)) {}
+  struct Consts : DecayConsts {
+    R lr, eps;
+    explicit Consts(const UpdateConfig& c) : DecayConsts(c), lr(V::set1(c.lr)), eps(V::set1(c.eps)) {}
   };
   static inline void at(const Consts& c, const UpdateArrays& a, int64_t i) {
-    R p = V::load_f32(a.param + i);
-    R g = V::mul(load_as_float<G>(a.grad, i), c.gm);
-    if (c.has_l2) g = V::fma(c.l2, p, g);
-    if (c.has_decay) p = V::mul(p, c.decay);
+    R p, g;
+    c.template load<G>(a, i, p, g);
     R s = V::fma(g, g, V::load_f32(a.state0 + i));
     p = V::fnma(c.lr, V::div(g, V::add(V::sqrt(s), c.eps)), p);
     V::store_f32(a.state0 + i, s);
-    V::store_f32(a.param + i, p);
-    store_from_float<O>(a.out, i, p);
+    store_param<O>(a, i, p);
   }
 };
 
 template <ElemType G, ElemType O, bool kMomentum>
 struct SgdOp {
   using R = typename V::Reg;
-  struct Consts {
-    bool has_l2, has_decay, first, nesterov;
-    R gm, l2, decay, lr, momentum, dampening_keep;
+  struct Consts : DecayConsts {
+    bool first, nesterov;
+    R lr, momentum, dampening_keep;
     explicit Consts(const UpdateConfig& c)
-        : has_l2(c.l2_weight_decay != 0.0f),
-          has_decay(c.param_decay != 1.0f),
+        : DecayConsts(c),
           first(c.first_step),
           nesterov(c.nesterov),
-          gm(V::set1(c.grad_multiplier)),
-          l2(V::set1(c.l2_weight_decay)),
-          decay(V::set1(c.param_decay)),
           lr(V::set1(c.lr)),
           momentum(V::set1(c.momentum_factor)),
           dampening_keep(V::set1(c.dampening_keep)) {}
   };
   static inline void at(const Consts& c, const UpdateArrays& a, int64_t i) {
-    R p = V::load_f32(a.param + i);
-    R g = V::mul(load_as_float<G>(a.grad, i), c.gm);
-    if (c.has_l2) g = V::fma(c.l2, p, g);
-    if (c.has_decay) p = V::mul(p, c.decay);
+    R p, g;
+    c.template load<G>(a, i, p, g);
     if constexpr (kMomentum) {
       R buf =
           c.first ? g : V::fma(c.momentum, V::load_f32(a.state0 + i), V::mul(c.dampening_keep, g));
@@ -136,8 +141,7 @@ struct SgdOp {
       g = c.nesterov ? V::fma(c.momentum, buf, g) : buf;
     }
     p = V::fnma(c.lr, g, p);
-    V::store_f32(a.param + i, p);
-    store_from_float<O>(a.out, i, p);
+    store_param<O>(a, i, p);
   }
 };
 

@@ -6,6 +6,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 
 
 def example_parser():
@@ -15,6 +16,16 @@ def example_parser():
     ap.add_argument("--bin", required=True)
     ap.add_argument("--mpirun", required=True)
     return ap
+
+
+def python_example_args(name):
+    """The arguments of an example test that also runs Python (example_parser's and --python,
+    the build's interpreter with torch), the mpirun command split into a list, and a new scratch
+    directory dtrain_<name>_* under $TMPDIR."""
+    ap = example_parser()
+    ap.add_argument("--python", required=True)
+    args = ap.parse_args()
+    return args, shlex.split(args.mpirun), tempfile.mkdtemp(prefix=f"dtrain_{name}_")
 
 
 def run(cmd, expect=0, env=None, tail=2000):

@@ -16,10 +16,8 @@ usage: generate.py --bin BUILD/bin --mpirun "mpirun ..." --python PYTHON
 """
 import json
 import os
-import shlex
-import tempfile
 
-from example_util import example_parser, run
+from example_util import python_example_args, run
 
 VOCAB, NEW = 96, 8
 PROMPTS = [[5, 17, 33, 2, 90, 41], [60, 3, 3, 71, 12, 8]]
@@ -152,11 +150,7 @@ def check_bad_input(mpirun, gen, hf, source, shape, ck):
 
 
 def main():
-    ap = example_parser()
-    ap.add_argument("--python", required=True)
-    args = ap.parse_args()
-    mpirun = shlex.split(args.mpirun)
-    tmp = tempfile.mkdtemp(prefix="dtrain_generate_")
+    args, mpirun, tmp = python_example_args("generate")
     gen = os.path.join(args.bin, "dtrain-generate")
     hf, source = check_hf(args, mpirun, tmp, gen)
     check_sampling(mpirun, gen, hf)

@@ -20,12 +20,10 @@ usage: llama_hf.py --bin BUILD/bin --mpirun "mpirun ..." --python PYTHON
 import json
 import os
 import re
-import shlex
 import subprocess
 import sys
-import tempfile
 
-from example_util import example_parser, newest_main_file, run
+from example_util import newest_main_file, python_example_args, run
 
 S = 16  # --seq_len
 VOCAB = 96
@@ -149,11 +147,7 @@ def hf_loss(python, hf_dir, val, ckpt=None):
 
 
 def main():
-    ap = example_parser()
-    ap.add_argument("--python", required=True)
-    args = ap.parse_args()
-    mpirun = shlex.split(args.mpirun)
-    tmp = tempfile.mkdtemp(prefix="dtrain_llama_hf_")
+    args, mpirun, tmp = python_example_args("llama_hf")
     hf, train, val = os.path.join(tmp, "hf"), os.path.join(tmp, "train.bin"), os.path.join(tmp, "val.bin")
     bad_shard = os.path.join(tmp, "bad.bin")
     run([args.python, "-c", MAKE, hf, train, val, str(S), str(VOCAB), bad_shard])

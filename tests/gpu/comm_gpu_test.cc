@@ -115,32 +115,54 @@ TEST(GpuCollectives, LocalWorkOrdersTheWaitingStreamAfterTheIssuingStream) {
   }
 }
 
-TEST(GpuCollectives, MpiStagesCudaTensorsThroughPinnedMemory) {
-  DTRAIN_SKIP_WITHOUT_CUDA();
+// This rank's GPU for `backend` ("mpi" or "nccl"), or nullopt (with the reason in *why) where
+// that backend cannot run here: every backend needs a CUDA GPU; MPI needs mpirun (gpu.mpi.np2)
+// and lets the ranks share the single GPU; NCCL needs a build with it and one GPU per rank.
+std::optional<c10::Device> backend_device(const std::string& backend, std::string* why) {
   const World& w = testing_util::world();
-  c10::Device dev(c10::kCUDA, 0);  // ranks may share the single GPU
-  if (!w.has_mpi_launcher() && w.size == 1) GTEST_SKIP() << "run under mpirun for the MPI backend";
-  auto c = create_communicator("mpi", w, dev);
-  check_all_collectives(*c, dev);
+  auto names = available_backends();
+  const int gpus = testing_util::has_cuda()
+                       ? static_cast<int>(c10::impl::getDeviceGuardImpl(c10::kCUDA)->deviceCount())
+                       : 0;
+  if (gpus == 0) {
+    *why = "no CUDA GPU here";
+  } else if (backend == "mpi") {
+    if (w.has_mpi_launcher() || w.size > 1) return c10::Device(c10::kCUDA, 0);
+    *why = "run under mpirun for the MPI backend";
+  } else if (std::find(names.begin(), names.end(), "nccl") == names.end()) {
+    *why = "built without NCCL";
+  } else if (w.size > gpus) {
+    *why = "NCCL needs one GPU per rank (" + std::to_string(w.size) + " ranks, " + std::to_string(gpus) + " GPUs)";
+  } else {
+    return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(w.local_rank % gpus));
+  }
+  return std::nullopt;
 }
 
+// check(communicator, device) on `backend`'s communicator of the world on this rank's GPU; the
+// calling test skips (visibly) where the backend cannot run here.
+void check_on_backend(const std::string& backend, void (*check)(Communicator&, c10::Device)) {
+  std::string why;
+  const std::optional<c10::Device> dev = backend_device(backend, &why);
+  if (!dev) GTEST_SKIP() << why;
+  check(*create_communicator(backend, testing_util::world(), *dev), *dev);
+}
+
+TEST(GpuCollectives, MpiStagesCudaTensorsThroughPinnedMemory) { check_on_backend("mpi", check_all_collectives); }
+
 TEST(GpuCollectives, NcclBackendAtThisWorldSize) {
-  DTRAIN_SKIP_WITHOUT_CUDA();
-  auto names = available_backends();
-  if (std::find(names.begin(), names.end(), "nccl") == names.end()) GTEST_SKIP() << "built without NCCL";
-  const World& w = testing_util::world();
-  int gpus = static_cast<int>(c10::impl::getDeviceGuardImpl(c10::kCUDA)->deviceCount());
-  if (w.size > gpus) GTEST_SKIP() << "NCCL needs one GPU per rank (" << w.size << " ranks, " << gpus << " GPUs)";
-  c10::Device dev(c10::kCUDA, static_cast<c10::DeviceIndex>(w.local_rank % gpus));
-  auto c = create_communicator("nccl", w, dev);
-  check_all_collectives(*c, dev);
+  std::string why;
+  const std::optional<c10::Device> dev = backend_device("nccl", &why);
+  if (!dev) GTEST_SKIP() << why;
+  auto c = create_communicator("nccl", testing_util::world(), *dev);
+  check_all_collectives(*c, *dev);
   // CPU tensors travel over the partner communicator.
   at::Tensor cpu = at::full({3}, 1.0);
   c->all_reduce(cpu)->wait();
-  EXPECT_EQ(cpu[0].item<double>(), w.size);
-  auto sub = c->split(0, w.rank, "all");
+  EXPECT_EQ(cpu[0].item<double>(), testing_util::world().size);
+  auto sub = c->split(0, testing_util::world().rank, "all");
   ASSERT_NE(sub, nullptr);
-  check_all_collectives(*sub, dev);
+  check_all_collectives(*sub, *dev);
 }
 
 // Send and receive of CUDA tensors: each rank sends to the next (itself at one rank) inside
@@ -169,42 +191,9 @@ void check_point_to_point(Communicator& c, c10::Device dev) {
 // One test per backend, each skipping visibly (not passing) where its backend cannot run here:
 // MPI needs mpirun (gpu.mpi.np2); NCCL needs one GPU per rank, so on a one-GPU machine it runs
 // at one rank only.
-TEST(GpuPointToPoint, MpiSendsAndReceivesCudaTensors) {
-  DTRAIN_SKIP_WITHOUT_CUDA();
-  const World& w = testing_util::world();
-  if (!w.has_mpi_launcher() && w.size == 1) GTEST_SKIP() << "run under mpirun for the MPI backend";
-  c10::Device dev(c10::kCUDA, 0);  // ranks may share the single GPU
-  auto mpi = create_communicator("mpi", w, dev);
-  check_point_to_point(*mpi, dev);
-}
+TEST(GpuPointToPoint, MpiSendsAndReceivesCudaTensors) { check_on_backend("mpi", check_point_to_point); }
 
-TEST(GpuPointToPoint, NcclSendsAndReceivesCudaTensors) {
-  DTRAIN_SKIP_WITHOUT_CUDA();
-  auto names = available_backends();
-  if (std::find(names.begin(), names.end(), "nccl") == names.end()) GTEST_SKIP() << "built without NCCL";
-  const World& w = testing_util::world();
-  int gpus = static_cast<int>(c10::impl::getDeviceGuardImpl(c10::kCUDA)->deviceCount());
-  if (w.size > gpus) GTEST_SKIP() << "NCCL needs one GPU per rank (" << w.size << " ranks, " << gpus << " GPUs)";
-  c10::Device mine(c10::kCUDA, static_cast<c10::DeviceIndex>(w.local_rank % gpus));
-  auto nccl = create_communicator("nccl", w, mine);
-  check_point_to_point(*nccl, mine);
-}
-
-// This rank's GPU for NCCL, or nullopt (with the reason in *why) where NCCL cannot run here.
-std::optional<c10::Device> nccl_device(std::string* why) {
-  auto names = available_backends();
-  if (std::find(names.begin(), names.end(), "nccl") == names.end()) {
-    *why = "built without NCCL";
-    return std::nullopt;
-  }
-  const World& w = testing_util::world();
-  const int gpus = static_cast<int>(c10::impl::getDeviceGuardImpl(c10::kCUDA)->deviceCount());
-  if (w.size > gpus) {
-    *why = "NCCL needs one GPU per rank (" + std::to_string(w.size) + " ranks, " + std::to_string(gpus) + " GPUs)";
-    return std::nullopt;
-  }
-  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(w.local_rank % gpus));
-}
+TEST(GpuPointToPoint, NcclSendsAndReceivesCudaTensors) { check_on_backend("nccl", check_point_to_point); }
 
 // Regression (NCCL's Works held no tensors, and the pipeline dropped a send's tensor before its
 // group was launched at end_group(): the caching allocator could hand the freed block to the
@@ -214,9 +203,8 @@ std::optional<c10::Device> nccl_device(std::string* why) {
 // receive is allocated after the drop with the same size (comm_contract_cases.h). The local
 // backend with CUDA tensors keeps the same contract.
 TEST(GpuCommContract, NcclHoldsTensorsTheCallerDroppedUntilTheyComplete) {
-  DTRAIN_SKIP_WITHOUT_CUDA();
   std::string why;
-  const std::optional<c10::Device> mine = nccl_device(&why);
+  const std::optional<c10::Device> mine = backend_device("nccl", &why);
   if (!mine) GTEST_SKIP() << why;
   auto nccl = create_communicator("nccl", testing_util::world(), *mine);
   contract_cases::Hooks hooks;
@@ -235,9 +223,8 @@ TEST(GpuCommContract, NcclHoldsTensorsTheCallerDroppedUntilTheyComplete) {
 // NCCL launches a group's operations at end_group(): waiting on one before is a dtrain::Error
 // that says so, not a wait on an event never recorded (which returned at once, before any data).
 TEST(GpuCommContract, NcclWaitOnAnOperationOfAnOpenGroupIsAnError) {
-  DTRAIN_SKIP_WITHOUT_CUDA();
   std::string why;
-  const std::optional<c10::Device> mine = nccl_device(&why);
+  const std::optional<c10::Device> mine = backend_device("nccl", &why);
   if (!mine) GTEST_SKIP() << why;
   auto c = create_communicator("nccl", testing_util::world(), *mine);
   const int n = c->size(), r = c->rank(), next = (r + 1) % n, prev = (r + n - 1) % n;
@@ -262,9 +249,8 @@ TEST(GpuCommContract, NcclWaitOnAnOperationOfAnOpenGroupIsAnError) {
 // a collective still queued (behind a long kernel) is aborted, and its destructor returns; an
 // idle one is destroyed. The path taken is counted (teardown_counts()) and an abort is logged.
 TEST(GpuCommTeardown, NcclAbortsWithWorkQueuedAndDestroysWhenIdle) {
-  DTRAIN_SKIP_WITHOUT_CUDA();
   std::string why;
-  const std::optional<c10::Device> mine = nccl_device(&why);
+  const std::optional<c10::Device> mine = backend_device("nccl", &why);
   if (!mine) GTEST_SKIP() << why;
   if (testing_util::world().size > 1) GTEST_SKIP() << "one rank (every rank would abort its side of a collective)";
   const TeardownCounts start = teardown_counts();

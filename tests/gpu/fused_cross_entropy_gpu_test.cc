@@ -25,6 +25,7 @@
 #include "dtrain/engine/models/seq2seq.h"
 #include "dtrain/engine/parallel/cross_entropy.h"
 #include "dtrain/engine/parallel/tensor_parallel.h"
+#include "model_cases.h"
 #include "test_util.h"
 
 namespace dtrain::engine::fused_ce_cases {
@@ -241,14 +242,7 @@ TEST(FusedCrossEntropyGpu, Seq2SeqCudaLossIsTheFusedMeanCrossEntropy) {
   auto [ref_loss, ref_grad] = float64_reference(in, 1.0);
   expect_matches(c, loss, in.view.grad(), ref_loss, ref_grad);
 
-  Seq2SeqOptions o;
-  o.vocab = 101;
-  o.d_model = 32;
-  o.heads = 2;
-  o.ff = 64;
-  o.max_len = 16;
-  o.layers = 1;
-  o.dropout = 0.0;
+  const Seq2SeqOptions o = model_cases::one_layer_seq2seq(101, 32, 16);
   torch::manual_seed(3);
   Seq2Seq model(o);
   model->to(kCuda);

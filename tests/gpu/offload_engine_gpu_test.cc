@@ -14,11 +14,8 @@ using testing_util::world_comm;
 c10::Device gpu() { return c10::Device(c10::kCUDA, 0); }
 
 TEST(OffloadEngineGpu, StreamedGradientsUpdateAsGradientsReadAfterBackward) {
-  if (!testing_util::has_cuda()) GTEST_SKIP() << "no CUDA GPU";
-  OptimizerOptions oo;
-  oo.name = "adamw";
-  oo.lr = 0.01;
-  oo.weight_decay = 0.1;
+  DTRAIN_SKIP_WITHOUT_CUDA();
+  OptimizerOptions oo = streaming_adamw();
   expect_streaming_matches_reading_grad(world_comm(), gpu(), oo, small_buckets(), 1.0);
   oo.name = "sgd";
   oo.momentum = 0.9;
@@ -26,12 +23,12 @@ TEST(OffloadEngineGpu, StreamedGradientsUpdateAsGradientsReadAfterBackward) {
 }
 
 TEST(OffloadEngineGpu, GradientsReducedToTheirOwnersUpdateAsAllReduced) {
-  if (!testing_util::has_cuda()) GTEST_SKIP() << "no CUDA GPU";
+  DTRAIN_SKIP_WITHOUT_CUDA();
   expect_owner_reduce_matches_all_reduce(world_comm(), gpu(), "auto");
 }
 
 TEST(OffloadEngineGpu, DelayedUpdateWithStreamedGradientsMatchesTheReference) {
-  if (!testing_util::has_cuda()) GTEST_SKIP() << "no CUDA GPU";
+  DTRAIN_SKIP_WITHOUT_CUDA();
   expect_delayed_update_matches_reference(world_comm(), gpu(), "auto");
   expect_delayed_update_matches_reference(world_comm(), gpu(), "off");
 }

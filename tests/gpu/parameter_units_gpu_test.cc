@@ -17,7 +17,7 @@ using testing_util::rel_error;
 using testing_util::world_comm;
 
 TEST(ParameterUnitsGpu, TrainsAsOneCpuProcessOnTheGlobalBatch) {
-  if (!testing_util::has_cuda()) GTEST_SKIP() << "no CUDA GPU";
+  DTRAIN_SKIP_WITHOUT_CUDA();
   auto& comm = world_comm();
   const std::vector<at::Tensor> want = reference(comm.size());
   const Zero3Run got = zero3(comm, c10::Device(c10::kCUDA, 0));
@@ -38,7 +38,7 @@ TEST(ParameterUnitsGpu, TrainsAsOneCpuProcessOnTheGlobalBatch) {
 // before the next forward by end_step). The update runs in fp32 on the host: fp32's rounding.
 // The device holds the weights' and gradients' ranges and the fp32 gradient range, no moments.
 TEST(ParameterUnitsGpu, OffloadedOptimizerTrainsAsOneCpuProcess) {
-  if (!testing_util::has_cuda()) GTEST_SKIP() << "no CUDA GPU";
+  DTRAIN_SKIP_WITHOUT_CUDA();
   auto& comm = world_comm();
   const std::vector<at::Tensor> want = reference(comm.size());
   OffloadOptions offload;
@@ -57,7 +57,7 @@ TEST(ParameterUnitsGpu, OffloadedOptimizerTrainsAsOneCpuProcess) {
 // The failing rank's replay with CUDA tensors: the units materialized by the caching allocator,
 // the skipped broadcasts' buffers left as allocated, the other ranks' staged through the host.
 TEST(ParameterUnitsGpu, OutOfMemoryBackOffReplaysTheStepAndMatchesTheSmallerMicroBatches) {
-  if (!testing_util::has_cuda()) GTEST_SKIP() << "no CUDA GPU";
+  DTRAIN_SKIP_WITHOUT_CUDA();
   zero3_oom_cases::expect_back_off_matches_the_smaller_micro_batches(c10::Device(c10::kCUDA, 0));
 }
 
@@ -67,7 +67,7 @@ TEST(ParameterUnitsGpu, OutOfMemoryBackOffReplaysTheStepAndMatchesTheSmallerMicr
 // thread's device is left as it was. Needs two GPUs; the unit test
 // DeviceThreads.UnitStorageIsMaterializedOnTheTensorsDevice checks the same on the CPU.
 TEST(ParameterUnitsGpu, UnitsOnAnotherGpuAreGatheredThereWhateverTheCurrentDevice) {
-  if (!testing_util::has_cuda()) GTEST_SKIP() << "no CUDA GPU";
+  DTRAIN_SKIP_WITHOUT_CUDA();
   const auto* cuda = c10::impl::getDeviceGuardImpl(c10::kCUDA);
   if (cuda->deviceCount() < 2) GTEST_SKIP() << "needs two GPUs (" << cuda->deviceCount() << " here)";
   const c10::Device second(c10::kCUDA, 1);

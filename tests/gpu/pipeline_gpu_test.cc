@@ -14,7 +14,7 @@ namespace dtrain::engine::pipeline_cases {
 namespace {
 
 TEST(PipelineGpu, StagesOnTheDeviceTrainAsOnTheCpu) {
-  if (!testing_util::has_cuda()) GTEST_SKIP() << "no CUDA GPU";
+  DTRAIN_SKIP_WITHOUT_CUDA();
   auto& comm = testing_util::world_comm();
   if (comm.size() < 2) GTEST_SKIP() << "a pipeline needs 2 ranks (gpu.mpi.np2 runs this)";
   const c10::Device gpu(c10::kCUDA, 0), cpu(c10::kCPU);
@@ -34,7 +34,7 @@ TEST(PipelineGpu, StagesOnTheDeviceTrainAsOnTheCpu) {
 // (on_span), the device's time for them; the spans of one step follow each other, and busy_s
 // adds them up. Forward-only (evaluation) and a training step with its backward.
 TEST(PipelineGpu, SpansOnTheDeviceLastAsLongAsTheDeviceWork) {
-  if (!testing_util::has_cuda()) GTEST_SKIP() << "no CUDA GPU";
+  DTRAIN_SKIP_WITHOUT_CUDA();
   using Clock = PipelineStep::Clock;
   const c10::Device gpu(c10::kCUDA, 0);
   constexpr int kMatmuls = 40;

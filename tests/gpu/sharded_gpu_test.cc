@@ -16,7 +16,7 @@ using testing_util::world_comm;
 c10::Device gpu() { return c10::Device(c10::kCUDA, 0); }
 
 TEST(ShardedGpu, StagesOneAndTwoOnTheDeviceTrainAsOneCpuProcess) {
-  if (!testing_util::has_cuda()) GTEST_SKIP() << "no CUDA GPU";
+  DTRAIN_SKIP_WITHOUT_CUDA();
   auto& comm = world_comm();
   dist::Mesh mesh(comm, 1);
   auto one = lone();
@@ -38,7 +38,7 @@ TEST(ShardedGpu, StagesOneAndTwoOnTheDeviceTrainAsOneCpuProcess) {
 }
 
 TEST(ShardedGpu, Fp16OverflowSkipsTheSameStepsOnTheDevice) {
-  if (!testing_util::has_cuda()) GTEST_SKIP() << "no CUDA GPU";
+  DTRAIN_SKIP_WITHOUT_CUDA();
   auto& comm = world_comm();
   dist::Mesh mesh(comm, 1);
   auto run = [&](const std::string& shard, std::vector<double>& scales) { return fit_fp16(mesh, shard, gpu(), scales); };

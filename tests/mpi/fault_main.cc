@@ -23,6 +23,19 @@
 DEFINE_string(mode, "timeout", "timeout, mismatch, lone_failure, p2p_stall or drain");
 DEFINE_double(timeout_s, 2.0, "collective timeout");
 
+namespace {
+
+// An all-reduce of n ones that must not return (a rank is stalled, or failed); says so if it
+// does, `because` naming what should have stopped it.
+int all_reduce_that_must_not_return(dtrain::dist::Communicator& comm, int64_t n, const char* because) {
+  at::Tensor x = at::ones({n});
+  comm.all_reduce(x)->wait();
+  std::printf("all_reduce returned although %s\n", because);
+  return 0;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   using namespace dtrain;
@@ -39,20 +52,14 @@ int main(int argc, char** argv) {
         std::this_thread::sleep_for(std::chrono::seconds(120));  // a stalled rank
         return 0;
       }
-      at::Tensor x = at::ones({1024});
-      comm->all_reduce(x)->wait();
-      std::printf("all_reduce returned although rank 1 never joined\n");
-      return 0;
+      return all_reduce_that_must_not_return(*comm, 1024, "rank 1 never joined");
     }
     if (FLAGS_mode == "lone_failure") {
       // Rank 1 fails on its own (a file only it cannot read, say) while rank 0 waits in a
       // collective: the communicator goes away during the exception's unwinding.
       comm->barrier()->wait();
       if (comm->rank() == 1) throw Error("rank 1 cannot read its shard of the data set");
-      at::Tensor x = at::ones({16});
-      comm->all_reduce(x)->wait();
-      std::printf("all_reduce returned although rank 1 had failed\n");
-      return 0;
+      return all_reduce_that_must_not_return(*comm, 16, "rank 1 had failed");
     }
     if (FLAGS_mode == "p2p_stall") {
       comm->barrier()->wait();

@@ -13,6 +13,7 @@
 #include "dtrain/dist/mesh.h"
 #include "dtrain/engine/models/llama.h"
 #include "dtrain/engine/parallel/tensor_parallel.h"
+#include "model_cases.h"
 #include "test_util.h"
 
 namespace dtrain::engine::llama_generate_mpi_cases {
@@ -23,21 +24,8 @@ using testing_util::world_comm;
 
 constexpr int64_t kVocab = 51, kLen = 10;
 
-LlamaOptions options(bool tied) {
-  LlamaOptions o;
-  o.vocab = kVocab;  // padded at both group sizes
-  o.d_model = 64;
-  o.heads = 8;
-  o.kv_heads = 4;
-  o.ff = 96;
-  o.seq_len = kLen;
-  o.layers = 2;
-  o.rope_factor = 8;
-  o.rope_original_positions = 64;
-  o.init_std = 0.3;
-  o.tie_embeddings = tied;
-  return o;
-}
+// The split tests' model (model_cases.h: vocabulary kVocab, grouped-query) with kLen positions.
+LlamaOptions options(bool tied) { return model_cases::split_llama_options(kLen, false, tied); }
 
 // Prefill of 4, four single tokens, a chunk of 2: [B, kLen, local vocabulary].
 at::Tensor cached(LlamaImpl& model, const at::Tensor& tokens) {
@@ -54,7 +42,7 @@ at::Tensor cached(LlamaImpl& model, const at::Tensor& tokens) {
 void check_split(int T, bool tied) {
   SCOPED_TRACE("tp " + std::to_string(T) + (tied ? " tied" : ""));
   auto& comm = world_comm();
-  std::unique_ptr<dist::Communicator> alone = comm.split(comm.rank(), 0, "alone");
+  std::unique_ptr<dist::Communicator> alone = testing_util::alone_comm();
   dist::Mesh mesh(comm, T);
   auto& tp = mesh.tp();
   torch::manual_seed(5);
@@ -62,16 +50,9 @@ void check_split(int T, bool tied) {
   LlamaImpl model(options(tied), tp);
   ref.to(at::kDouble);
   model.to(at::kDouble);
-  {  // norm weights other than 1, the same on every rank; then the reference's weights in the split model
-    at::NoGradGuard no_grad;
-    auto g = at::make_generator<at::CPUGeneratorImpl>(6);
-    for (auto& item : ref.named_parameters()) {
-      if (item.key().find("norm") != std::string::npos) item.value().normal_(1.0, 0.2, g);
-    }
-  }
-  std::map<std::string, at::Tensor> full;
-  for (auto& item : ref.named_parameters()) full[item.key()] = item.value().detach();
-  load_full_state(model, full, tp);
+  // Norm weights other than 1, the same on every rank; then the reference's weights in the split model.
+  model_cases::draw_norm_weights(ref, 6);
+  model_cases::load_reference_weights(ref, model, tp);
   auto g = at::make_generator<at::CPUGeneratorImpl>(7);
   at::Tensor tokens = at::randint(kVocab, {2, kLen}, g, at::kLong);
   at::Tensor whole;
@@ -82,8 +63,7 @@ void check_split(int T, bool tied) {
   at::Tensor want = cached(ref, tokens);
   at::Tensor local = cached(model, tokens);
   EXPECT_EQ(model.make_kv_cache(2, kLen).k[0].size(1), 4 / T) << "each rank caches its own key/value heads";
-  const int64_t padded = local.size(-1) * T;
-  at::Tensor got = gather_full_tensor(local, ShardSpec{2, 1, kVocab, padded}, tp);
+  at::Tensor got = model_cases::gather_logits(local, kVocab, tp);
   EXPECT_LT(rel_error(got, want), 1e-12) << "against the one-rank model's cached logits";
   EXPECT_LT(rel_error(got, whole), 1e-12) << "against the one-rank model's whole-sequence forward";
   if (comm.rank() == 0) {

@@ -17,33 +17,22 @@
 #include "dtrain/engine/models/llama.h"
 #include "dtrain/engine/parallel/tensor_parallel.h"
 #include "dtrain/engine/train/trainer.h"
+#include "model_cases.h"
+#include "spec_curve_cases.h"
 #include "test_util.h"
 
 namespace dtrain::engine::llama_mpi_cases {
 namespace {
 
+using spec_curve_cases::expect_same_curve;
 using testing_util::rel_error;
 using testing_util::world_comm;
 
 constexpr double kTol = 1e-10;
 
-// Heads 8 and key/value heads 4 (grouped-query) split over 2 and 4 ranks; a vocabulary of 51
-// (padded at both group sizes); llama3 rope scaling with a band of each kind.
+// The split tests' model (model_cases.h) with 8 positions.
 LlamaOptions split_options(bool sequence_parallel, bool tied) {
-  LlamaOptions o;
-  o.vocab = 51;
-  o.d_model = 64;
-  o.heads = 8;
-  o.kv_heads = 4;
-  o.ff = 96;
-  o.seq_len = 8;
-  o.layers = 2;
-  o.rope_factor = 8;
-  o.rope_original_positions = 64;
-  o.init_std = 0.3;
-  o.tie_embeddings = tied;
-  o.sequence_parallel = sequence_parallel;
-  return o;
+  return model_cases::split_llama_options(8, sequence_parallel, tied);
 }
 
 // The full (unsplit) value of a parameter or its gradient on this rank's group.
@@ -56,7 +45,7 @@ at::Tensor full_of(const std::string& name, const at::Tensor& local, const std::
 void check_split_model(int T, bool sp, bool tied) {
   SCOPED_TRACE("tp " + std::to_string(T) + (sp ? " sequence-parallel" : "") + (tied ? " tied" : ""));
   auto& comm = world_comm();
-  std::unique_ptr<dist::Communicator> alone = comm.split(comm.rank(), 0, "alone");
+  std::unique_ptr<dist::Communicator> alone = testing_util::alone_comm();
   dist::Mesh mesh(comm, T);
   auto& tp = mesh.tp();
   torch::manual_seed(21);
@@ -71,23 +60,15 @@ void check_split_model(int T, bool sp, bool tied) {
     EXPECT_TRUE(at::equal(full_of(item.key(), item.value(), specs, tp), ref.named_parameters()[item.key()]))
         << item.key();
   }
-  {  // Norm weights other than 1, the same on every rank; then the reference's weights everywhere.
-    at::NoGradGuard no_grad;
-    auto g = at::make_generator<at::CPUGeneratorImpl>(4);
-    for (auto& item : ref.named_parameters()) {
-      if (item.key().find("norm") != std::string::npos) item.value().normal_(1.0, 0.2, g);
-    }
-  }
-  std::map<std::string, at::Tensor> full;
-  for (auto& item : ref.named_parameters()) full[item.key()] = item.value().detach();
-  load_full_state(model, full, tp);
+  // Norm weights other than 1, the same on every rank; then the reference's weights everywhere.
+  model_cases::draw_norm_weights(ref, 4);
+  model_cases::load_reference_weights(ref, model, tp);
   auto g = at::make_generator<at::CPUGeneratorImpl>(8);
   at::Tensor windows = at::randint(51, {3, 9}, g, at::kLong);
   at::Tensor inputs = windows.narrow(1, 0, 8), targets = windows.narrow(1, 1, 8);
   at::Tensor want_logits = ref.forward(inputs);
   at::Tensor logits = model.forward(inputs);
-  const int64_t padded = logits.size(-1) * T;
-  at::Tensor got_logits = gather_full_tensor(logits.detach(), ShardSpec{2, 1, 51, padded}, tp);
+  at::Tensor got_logits = model_cases::gather_logits(logits, 51, tp);
   EXPECT_LT(rel_error(got_logits, want_logits), kTol) << "logits";
   at::Tensor want_loss = ref.loss(inputs, targets), loss = model.loss(inputs, targets);
   EXPECT_NEAR(loss.item<double>(), want_loss.item<double>(), kTol * want_loss.item<double>());
@@ -162,34 +143,13 @@ std::vector<double> curve(dist::Communicator& comm, const Layout& layout) {
   EXPECT_EQ(spec.activation_dtype, at::kDouble);
   ModelTechniques split;
   split_pipeline_stage(spec, mesh.pp_rank(), mesh.pp_size(), "", split);
-  TrainerOptions o;
-  o.steps = 4;
-  o.optimizer.name = "adam";
-  o.optimizer.lr = 0.02;
-  o.progress = false;
-  o.log_every = 1;
-  o.oom_backoff = false;
-  o.shard = layout.shard;
-  o.checkpoint_activations = layout.checkpoint;
-  o.accum_steps = layout.pp > 1 ? 2 : 1;
-  std::vector<double> losses;
-  o.on_log = [&](const StepMetrics& m) { losses.push_back(m.loss); };
-  Trainer trainer(spec, mesh, c10::Device(c10::kCPU), o);
-  auto g = at::make_generator<at::CPUGeneratorImpl>(5);
-  auto data = std::make_shared<TensorDataset>(std::vector<at::Tensor>{at::randint(kVocab, {64, kSeq + 1}, g, at::kLong)});
-  LoaderOptions loader_options;
-  loader_options.batch_size = kRows / mesh.dp_size();
-  loader_options.shuffle = false;
-  loader_options.workers = 0;
-  DataLoader loader(data, loader_options);
-  trainer.fit(loader);
-  return losses;
+  const TrainerOptions o = spec_curve_cases::curve_options(layout.shard, layout.checkpoint, layout.pp);
+  return spec_curve_cases::fit_token_windows(spec, mesh, o, kVocab, kSeq, kRows);
 }
 
 TEST(LlamaMpi, TrainsThroughTheTrainerLikeItsOneRankRun) {
   auto& comm = world_comm();
-  std::unique_ptr<dist::Communicator> alone = comm.split(comm.rank(), 0, "alone");
-  const std::vector<double> want = curve(*alone, Layout{});
+  const std::vector<double> want = spec_curve_cases::one_rank_curve(curve, Layout{});
   ASSERT_EQ(want.size(), 4u);
   EXPECT_LT(want.back(), want.front()) << "the loss does not fall";
   std::vector<Layout> layouts;
@@ -208,13 +168,7 @@ TEST(LlamaMpi, TrainsThroughTheTrainerLikeItsOneRankRun) {
   }
   for (const Layout& layout : layouts) {
     SCOPED_TRACE(layout.name() + " on " + std::to_string(W) + " rank(s)");
-    const std::vector<double> got = curve(comm, layout);
-    ASSERT_EQ(got.size(), want.size());
-    double worst = 0;
-    for (size_t s = 0; s < want.size(); ++s) {
-      EXPECT_NEAR(got[s], want[s], 1e-10 * std::abs(want[s])) << "step " << s + 1;
-      worst = std::max(worst, std::abs(got[s] - want[s]) / std::abs(want[s]));
-    }
+    const double worst = expect_same_curve(curve(comm, layout), want);
     if (comm.rank() == 0) std::cout << "[ llama    ] " << layout.name() << ": worst step loss rel " << worst << "\n";
   }
 }
@@ -225,10 +179,9 @@ TEST(LlamaMpi, TrainsThroughTheTrainerLikeItsOneRankRun) {
 TEST(LlamaMpi, TiedEmbeddingsTrainWithTensorParallelismLikeOneRank) {
   auto& comm = world_comm();
   if (comm.size() % 2 != 0) GTEST_SKIP() << "needs an even world";
-  std::unique_ptr<dist::Communicator> alone = comm.split(comm.rank(), 0, "alone");
   Layout one;
   one.tied = true;
-  const std::vector<double> want = curve(*alone, one);
+  const std::vector<double> want = spec_curve_cases::one_rank_curve(curve, one);
   ASSERT_EQ(want.size(), 4u);
   std::vector<Layout> layouts(3, one);
   layouts[0].tp = 2;
@@ -238,9 +191,7 @@ TEST(LlamaMpi, TiedEmbeddingsTrainWithTensorParallelismLikeOneRank) {
   layouts[2].shard = "optimizer";  // ZeRO-1 over dp W
   for (const Layout& layout : layouts) {
     SCOPED_TRACE(layout.name() + " on " + std::to_string(comm.size()) + " rank(s)");
-    const std::vector<double> got = curve(comm, layout);
-    ASSERT_EQ(got.size(), want.size());
-    for (size_t s = 0; s < want.size(); ++s) EXPECT_NEAR(got[s], want[s], 1e-10 * std::abs(want[s])) << "step " << s + 1;
+    expect_same_curve(curve(comm, layout), want);
   }
   Layout pp = one, zero3 = one;
   pp.pp = 2;

@@ -12,6 +12,7 @@
 #include "dtrain/engine/models/model_spec.h"
 #include "dtrain/engine/parallel/tensor_parallel.h"
 #include "dtrain/engine/train/trainer.h"
+#include "spec_curve_cases.h"
 #include "test_util.h"
 
 namespace dtrain::engine {
@@ -105,28 +106,9 @@ std::vector<double> curve(dist::Communicator& comm, const Layout& layout) {
   ModelTechniques split;
   split_pipeline_stage(spec, mesh.pp_rank(), mesh.pp_size(), "", split);  // before the weights move anywhere
   model->to(at::kDouble);
-  TrainerOptions o;
-  o.steps = 4;
-  o.optimizer.name = "adam";
-  o.optimizer.lr = 0.02;
-  o.progress = false;
-  o.log_every = 1;
-  o.oom_backoff = false;
-  o.shard = layout.shard;
-  o.checkpoint_activations = layout.checkpoint;
+  TrainerOptions o = spec_curve_cases::curve_options(layout.shard, layout.checkpoint, layout.pp);
   o.offload_layers = layout.layers;
-  o.accum_steps = layout.pp > 1 ? 2 : 1;
-  std::vector<double> losses;
-  o.on_log = [&](const StepMetrics& m) { losses.push_back(m.loss); };
-  Trainer trainer(spec, mesh, c10::Device(c10::kCPU), o);
-  auto g = at::make_generator<at::CPUGeneratorImpl>(5);
-  auto data = std::make_shared<TensorDataset>(std::vector<at::Tensor>{at::randint(kVocab, {64, kSeq + 1}, g, at::kLong)});
-  LoaderOptions lo;
-  lo.batch_size = kRows / mesh.dp_size();
-  lo.shuffle = false;
-  lo.workers = 0;
-  DataLoader loader(data, lo);
-  trainer.fit(loader);
+  const std::vector<double> losses = spec_curve_cases::fit_token_windows(spec, mesh, o, kVocab, kSeq, kRows);
   // The techniques ran: checkpointing recomputes each block in backward (one more forward per
   // micro-batch; layer offload recomputes too), ZeRO-3 keeps no unit's weights between steps.
   auto* first = spec.blocks->block(0)->as<TinyBlockImpl>();
@@ -141,8 +123,7 @@ std::vector<double> curve(dist::Communicator& comm, const Layout& layout) {
 TEST(ModelSpec, APlainModelGetsEveryTechniqueAndFollowsItsOneRankRun) {
   auto& comm = world_comm();
   // The reference: one rank alone (this rank's own communicator of one).
-  std::unique_ptr<dist::Communicator> alone = comm.split(comm.rank(), 0, "alone");
-  const std::vector<double> want = curve(*alone, Layout{});
+  const std::vector<double> want = spec_curve_cases::one_rank_curve(curve, Layout{});
   ASSERT_EQ(want.size(), 4u);
   EXPECT_LT(want.back(), want.front()) << "the loss does not fall";
   std::vector<Layout> layouts = {
@@ -166,17 +147,12 @@ TEST(ModelSpec, APlainModelGetsEveryTechniqueAndFollowsItsOneRankRun) {
   }
   for (const Layout& layout : layouts) {
     SCOPED_TRACE(layout.name() + " on " + std::to_string(W) + " rank(s)");
-    const std::vector<double> got = curve(comm, layout);
-    ASSERT_EQ(got.size(), want.size());
-    for (size_t s = 0; s < want.size(); ++s) {
-      EXPECT_NEAR(got[s], want[s], 1e-10 * std::abs(want[s])) << "step " << s + 1;
-    }
+    spec_curve_cases::expect_same_curve(curve(comm, layout), want);
   }
 }
 
 TEST(ModelSpec, AnInconsistentSpecIsNamed) {
-  auto& comm = world_comm();
-  std::unique_ptr<dist::Communicator> alone = comm.split(comm.rank(), 0, "alone");
+  std::unique_ptr<dist::Communicator> alone = testing_util::alone_comm();
   dist::Mesh mesh(*alone, 1);
   auto model = std::make_shared<TinyDecoderImpl>(mesh.tp());
   ModelSpec s = spec_of(model);

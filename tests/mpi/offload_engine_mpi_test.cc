@@ -12,11 +12,7 @@ using testing_util::world_comm;
 const c10::Device kCpu(c10::kCPU);
 
 TEST(OffloadEngineMpi, StreamedGradientsUpdateAsGradientsReadAfterBackward) {
-  OptimizerOptions oo;
-  oo.name = "adamw";
-  oo.lr = 0.01;
-  oo.weight_decay = 0.1;
-  expect_streaming_matches_reading_grad(world_comm(), kCpu, oo, small_buckets(), 1.0);
+  expect_streaming_matches_reading_grad(world_comm(), kCpu, streaming_adamw(), small_buckets(), 1.0);
 }
 
 TEST(OffloadEngineMpi, StreamedGradientsTakeTheFactorAppliedInPlaceAfterTheCopies) {

@@ -55,19 +55,67 @@ std::vector<at::Tensor> reference_grads(int64_t step, int64_t rows) {
   return grads_of(*ref);
 }
 
+// Small buckets (the first of 256 bytes, then 1024), so the MLP spans several; bfloat16 on the
+// wire when `compress`.
+ReducerOptions small_reducer_buckets(bool compress) {
+  ReducerOptions options;
+  options.first_bucket_bytes = 256;
+  options.bucket_bytes = 1024;
+  if (compress) options.compress = at::kBFloat16;
+  return options;
+}
+
+int64_t total_numel(const std::vector<at::Tensor>& ps) {
+  int64_t total = 0;
+  for (auto& p : ps) total += p.numel();
+  return total;
+}
+
+// The reference `ref` on the whole global batch (its gradients set anew), all its gradients
+// flattened into one vector in parameter order: the flat space owner ranges cut.
+at::Tensor flat_reference_grads(torch::nn::SequentialImpl& ref, const at::Tensor& x, const at::Tensor& y) {
+  for (auto& p : ref.parameters()) p.mutable_grad() = at::Tensor();
+  torch::mse_loss(ref.forward(x), y).backward();
+  std::vector<at::Tensor> parts;
+  for (auto& g : grads_of(ref)) parts.push_back(g.reshape({-1}));
+  return at::cat(parts);
+}
+
+// This rank's 8 rows as two micro-batches of 4: the first under no_sync (then `between`, when
+// given), the second the synchronized backward; each loss halved, so the sum is the mean's.
+void backward_two_micro_batches(GradReducer& reducer, torch::nn::Sequential& model, const at::Tensor& xs,
+                                const at::Tensor& ys, const std::function<void()>& between = nullptr) {
+  {
+    auto guard = reducer.no_sync();
+    (torch::mse_loss(model->forward(xs.narrow(0, 0, 4)), ys.narrow(0, 0, 4)) / 2).backward();
+  }
+  if (between) between();
+  (torch::mse_loss(model->forward(xs.narrow(0, 4, 4)), ys.narrow(0, 4, 4)) / 2).backward();
+}
+
+// The model's gradients equal the reference's on the whole global batch of `step` (float64).
+void expect_reference_grads(torch::nn::Module& model, int64_t step, int64_t rows) {
+  auto got = grads_of(model);
+  auto want = reference_grads(step, rows);
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_LT(rel_error(got[i], want[i]), 1e-12) << "param " << i;
+}
+
 void sgd_step(torch::nn::Module& m, double lr) {
   torch::NoGradGuard no_grad;
   for (auto& p : m.parameters()) p.sub_(p.grad() * lr);
 }
 
-TEST(Reducer, GradientsEqualASingleProcessOnTheGlobalBatch) {
-  auto& comm = world_comm();
+// The communicator the tests run on: the world's, N ranks.
+struct WorldRanks {
+  dist::Communicator& comm = world_comm();
   const int N = comm.size();
+};
+
+class Reducer : public ::testing::Test, protected WorldRanks {};
+
+TEST_F(Reducer, GradientsEqualASingleProcessOnTheGlobalBatch) {
   auto model = make_mlp(comm.rank() == 0 ? 0 : 17 + comm.rank());  // rank 0's weights must win
-  ReducerOptions options;
-  options.first_bucket_bytes = 256;
-  options.bucket_bytes = 1024;
-  GradReducer reducer(model->parameters(), comm, options);
+  GradReducer reducer(model->parameters(), comm, small_reducer_buckets(false));
   auto ref = make_mlp(0);
   for (int64_t step = 0; step < 4; ++step) {  // several steps: across the bucket rebuild
     auto [x, y] = global_batch(step, 8 * N);
@@ -104,9 +152,7 @@ class DivideThenSumBuckets : public BucketComm {
   int launches = 0;
 };
 
-TEST(Reducer, ACustomBucketStrategyCarriesEveryBucket) {
-  auto& comm = world_comm();
-  const int N = comm.size();
+TEST_F(Reducer, ACustomBucketStrategyCarriesEveryBucket) {
   auto model = make_mlp(0);
   auto strategy = std::make_shared<DivideThenSumBuckets>();
   ReducerOptions options;
@@ -117,206 +163,159 @@ TEST(Reducer, ACustomBucketStrategyCarriesEveryBucket) {
   EXPECT_EQ(reducer.bucket_comm().name(), "divide then sum");
   auto [x, y] = global_batch(0, 8 * N);
   torch::mse_loss(model->forward(shard(x, comm.rank(), N)), shard(y, comm.rank(), N)).backward();
-  auto got = grads_of(*model);
-  auto want = reference_grads(0, 8 * N);
-  for (size_t i = 0; i < got.size(); ++i) EXPECT_LT(rel_error(got[i], want[i]), 1e-12) << "param " << i;
+  expect_reference_grads(*model, 0, 8 * N);
   EXPECT_EQ(strategy->launches, reducer.num_buckets());
   // The default strategies' names, as the timeline shows them.
   GradReducer plain(make_mlp(0)->parameters(), comm);
   EXPECT_EQ(plain.bucket_comm().name(), "all_reduce");
 }
 
+// The owner-range tests (ZeRO's reduce-scatter through the reducer), each run with float64 and
+// with bfloat16 on the wire (the parameter: compress), on rank 0's MLP.
+class ReducerOwnerRanges : public ::testing::TestWithParam<bool>, protected WorldRanks {
+ protected:
+  const bool compress = GetParam();
+  torch::nn::Sequential model = make_mlp(0);
+  std::vector<at::Tensor> ps = model->parameters();
+};
+
+INSTANTIATE_TEST_SUITE_P(Wire, ReducerOwnerRanges, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) { return info.param ? "bfloat16" : "float64"; });
+
 // Owner mode: rank r's range of the flat space equals the single process on the global
 // batch (float64, 1e-12); elsewhere the values are not averages. Odd cuts through parameters,
 // an empty range, accumulation, and bf16-compressed buckets.
-TEST(Reducer, OwnerModeAveragesEachRanksOwnRangeOnly) {
-  auto& comm = world_comm();
-  const int N = comm.size();
-  for (bool compress : {false, true}) {
-    auto model = make_mlp(0);
-    std::vector<at::Tensor> ps = model->parameters();
-    int64_t total = 0;
-    for (auto& p : ps) total += p.numel();
-    // Uneven ranges: rank 0 owns nothing, the rest split the space at odd points.
-    ReducerOptions options;
-    options.first_bucket_bytes = 256;
-    options.bucket_bytes = 1024;
-    if (compress) options.compress = at::kBFloat16;
-    options.owned.assign(N, {0, 0});
-    int64_t begin = 0;
-    for (int r = 1; r < N; ++r) {
-      int64_t end = r == N - 1 ? total : begin + total / (N - 1) + 7;
-      options.owned[r] = {begin, end};
-      begin = end;
-    }
-    if (N == 1) options.owned[0] = {0, total};
-    GradReducer reducer(ps, comm, options);
-    // Buckets are consecutive parameters, launched from the last.
-    auto buckets = reducer.bucket_params();
-    ASSERT_GT(buckets.size(), 1u);
-    EXPECT_EQ(buckets.front().back(), ps.size() - 1);
-    for (auto& b : buckets) {
-      for (size_t k = 1; k < b.size(); ++k) EXPECT_EQ(b[k], b[k - 1] + 1);
-    }
-    auto ref = make_mlp(0);
-    for (int64_t step = 0; step < 3; ++step) {
-      auto [x, y] = global_batch(step, 8 * N);
-      reducer.zero_grad();
-      at::Tensor xs = shard(x, comm.rank(), N), ys = shard(y, comm.rank(), N);
-      {
-        auto guard = reducer.no_sync();
-        (torch::mse_loss(model->forward(xs.narrow(0, 0, 4)), ys.narrow(0, 0, 4)) / 2).backward();
-      }
-      (torch::mse_loss(model->forward(xs.narrow(0, 4, 4)), ys.narrow(0, 4, 4)) / 2).backward();
-      for (auto& p : ref->parameters()) p.mutable_grad() = at::Tensor();
-      torch::mse_loss(ref->forward(x), y).backward();
-      std::vector<at::Tensor> got, want;
-      for (auto& g : grads_of(*model)) got.push_back(g.reshape({-1}));
-      for (auto& g : grads_of(*ref)) want.push_back(g.reshape({-1}));
-      at::Tensor g = at::cat(got), w = at::cat(want);
-      auto [lo, hi] = options.owned[comm.rank()];
-      if (hi > lo) {
-        // bf16 on the wire rounds each rank's contribution: within bf16's precision.
-        EXPECT_LT(rel_error(g.narrow(0, lo, hi - lo), w.narrow(0, lo, hi - lo)), compress ? 2e-2 : 1e-12)
-            << "step " << step;
-      }
-      if (N > 1 && hi - lo < total) {
-        // Not everything is averaged on this rank (its own batch's gradient is not the mean).
-        EXPECT_GT(rel_error(g, w), 1e-6) << "step " << step;
-      }
-    }
-    EXPECT_EQ(reducer.synchronized_backwards(), 3);
+TEST_P(ReducerOwnerRanges, OwnerModeAveragesEachRanksOwnRangeOnly) {
+  const int64_t total = total_numel(ps);
+  // Uneven ranges: rank 0 owns nothing, the rest split the space at odd points.
+  ReducerOptions options = small_reducer_buckets(compress);
+  options.owned.assign(N, {0, 0});
+  int64_t begin = 0;
+  for (int r = 1; r < N; ++r) {
+    int64_t end = r == N - 1 ? total : begin + total / (N - 1) + 7;
+    options.owned[r] = {begin, end};
+    begin = end;
   }
+  if (N == 1) options.owned[0] = {0, total};
+  GradReducer reducer(ps, comm, options);
+  // Buckets are consecutive parameters, launched from the last.
+  auto buckets = reducer.bucket_params();
+  ASSERT_GT(buckets.size(), 1u);
+  EXPECT_EQ(buckets.front().back(), ps.size() - 1);
+  for (auto& b : buckets) {
+    for (size_t k = 1; k < b.size(); ++k) EXPECT_EQ(b[k], b[k - 1] + 1);
+  }
+  auto ref = make_mlp(0);
+  for (int64_t step = 0; step < 3; ++step) {
+    auto [x, y] = global_batch(step, 8 * N);
+    reducer.zero_grad();
+    backward_two_micro_batches(reducer, model, shard(x, comm.rank(), N), shard(y, comm.rank(), N));
+    std::vector<at::Tensor> got;
+    for (auto& g : grads_of(*model)) got.push_back(g.reshape({-1}));
+    at::Tensor g = at::cat(got), w = flat_reference_grads(*ref, x, y);
+    auto [lo, hi] = options.owned[comm.rank()];
+    if (hi > lo) {
+      // bf16 on the wire rounds each rank's contribution: within bf16's precision.
+      EXPECT_LT(rel_error(g.narrow(0, lo, hi - lo), w.narrow(0, lo, hi - lo)), compress ? 2e-2 : 1e-12)
+          << "step " << step;
+    }
+    if (N > 1 && hi - lo < total) {
+      // Not everything is averaged on this rank (its own batch's gradient is not the mean).
+      EXPECT_GT(rel_error(g, w), 1e-6) << "step " << step;
+    }
+  }
+  EXPECT_EQ(reducer.synchronized_backwards(), 3);
 }
 
 // ZeRO-2: between steps a rank keeps only the buckets holding part of its range. Kept bytes in
 // closed form: buckets close where the owner changes, so the kept parameters are exactly those
 // that intersect the rank's range (a parameter straddling a boundary is kept by both ranks).
-TEST(Reducer, ReleaseUnownedKeepsOnlyTheBucketsOfThisRanksRange) {
-  auto& comm = world_comm();
-  const int N = comm.size();
-  for (bool compress : {false, true}) {
-    SCOPED_TRACE(compress ? "bfloat16 on the wire" : "float64 on the wire");
-    auto model = make_mlp(0);
-    std::vector<at::Tensor> ps = model->parameters();
-    std::vector<int64_t> offset{0};
-    for (auto& p : ps) offset.push_back(offset.back() + p.numel());
-    const int64_t total = offset.back();
-    ReducerOptions options;
-    options.first_bucket_bytes = 256;
-    options.bucket_bytes = 1024;
-    options.release_unowned = true;
-    if (compress) options.compress = at::kBFloat16;
-    for (int r = 0; r < N; ++r) options.owned.emplace_back(total * r / N, total * (r + 1) / N);
-    const auto [lo, hi] = options.owned[comm.rank()];
-    GradReducer reducer(ps, comm, options);
-    // Each bucket's parameters share one set of owners.
-    auto owners = [&](size_t i) {
-      std::vector<int> out;
-      for (int r = 0; r < N; ++r) {
-        if (std::max(offset[i], options.owned[r].first) < std::min(offset[i + 1], options.owned[r].second)) out.push_back(r);
-      }
-      return out;
-    };
-    for (const auto& bucket : reducer.bucket_params()) {
-      for (size_t i : bucket) EXPECT_EQ(owners(i), owners(bucket.front())) << "parameter " << i;
+TEST_P(ReducerOwnerRanges, ReleaseUnownedKeepsOnlyTheBucketsOfThisRanksRange) {
+  std::vector<int64_t> offset{0};
+  for (auto& p : ps) offset.push_back(offset.back() + p.numel());
+  const int64_t total = offset.back();
+  ReducerOptions options = small_reducer_buckets(compress);
+  options.release_unowned = true;
+  for (int r = 0; r < N; ++r) options.owned.emplace_back(total * r / N, total * (r + 1) / N);
+  const auto [lo, hi] = options.owned[comm.rank()];
+  GradReducer reducer(ps, comm, options);
+  // Each bucket's parameters share one set of owners.
+  auto owners = [&](size_t i) {
+    std::vector<int> out;
+    for (int r = 0; r < N; ++r) {
+      if (std::max(offset[i], options.owned[r].first) < std::min(offset[i + 1], options.owned[r].second)) out.push_back(r);
     }
-    int64_t kept = 0;
-    std::vector<bool> mine(ps.size());
-    for (size_t i = 0; i < ps.size(); ++i) {
-      mine[i] = std::max(offset[i], lo) < std::min(offset[i + 1], hi);
-      if (mine[i]) kept += ps[i].numel();
-    }
-    const int64_t bytes_per_element = 8 + (compress ? 2 : 0);
-    EXPECT_EQ(reducer.gradient_bytes(), kept * bytes_per_element) << "before the first backward";
-    if (N > 1) EXPECT_LT(kept, total);
-    auto ref = make_mlp(0);
-    for (int64_t step = 0; step < 3; ++step) {
-      auto [x, y] = global_batch(step, 8 * N);
-      reducer.zero_grad();
-      EXPECT_EQ(reducer.gradient_bytes(), kept * bytes_per_element) << "between steps, step " << step;
-      at::Tensor xs = shard(x, comm.rank(), N), ys = shard(y, comm.rank(), N);
-      {
-        auto guard = reducer.no_sync();
-        (torch::mse_loss(model->forward(xs.narrow(0, 0, 4)), ys.narrow(0, 0, 4)) / 2).backward();
-      }
+    return out;
+  };
+  for (const auto& bucket : reducer.bucket_params()) {
+    for (size_t i : bucket) EXPECT_EQ(owners(i), owners(bucket.front())) << "parameter " << i;
+  }
+  int64_t kept = 0;
+  std::vector<bool> mine(ps.size());
+  for (size_t i = 0; i < ps.size(); ++i) {
+    mine[i] = std::max(offset[i], lo) < std::min(offset[i + 1], hi);
+    if (mine[i]) kept += ps[i].numel();
+  }
+  const int64_t bytes_per_element = 8 + (compress ? 2 : 0);
+  EXPECT_EQ(reducer.gradient_bytes(), kept * bytes_per_element) << "before the first backward";
+  if (N > 1) EXPECT_LT(kept, total);
+  auto ref = make_mlp(0);
+  for (int64_t step = 0; step < 3; ++step) {
+    auto [x, y] = global_batch(step, 8 * N);
+    reducer.zero_grad();
+    EXPECT_EQ(reducer.gradient_bytes(), kept * bytes_per_element) << "between steps, step " << step;
+    backward_two_micro_batches(reducer, model, shard(x, comm.rank(), N), shard(y, comm.rank(), N), [&] {
       // Accumulation keeps every gradient until the synchronized backward.
       EXPECT_EQ(reducer.gradient_bytes(), total * bytes_per_element) << "step " << step;
-      (torch::mse_loss(model->forward(xs.narrow(0, 4, 4)), ys.narrow(0, 4, 4)) / 2).backward();
-      EXPECT_EQ(reducer.gradient_bytes(), kept * bytes_per_element) << "after backward, step " << step;
-      for (auto& p : ref->parameters()) p.mutable_grad() = at::Tensor();
-      torch::mse_loss(ref->forward(x), y).backward();
-      std::vector<at::Tensor> want_parts;
-      for (auto& g : grads_of(*ref)) want_parts.push_back(g.reshape({-1}));
-      const at::Tensor want = at::cat(want_parts);
-      for (size_t i = 0; i < ps.size(); ++i) {
-        ASSERT_EQ(ps[i].grad().defined(), static_cast<bool>(mine[i])) << "parameter " << i << ", step " << step;
-        const int64_t a = std::max(offset[i], lo), b = std::min(offset[i + 1], hi);
-        if (a >= b) continue;
-        EXPECT_LT(rel_error(ps[i].grad().reshape({-1}).narrow(0, a - offset[i], b - a), want.narrow(0, a, b - a)),
-                  compress ? 2e-2 : 1e-12)
-            << "parameter " << i << ", step " << step;
-      }
+    });
+    EXPECT_EQ(reducer.gradient_bytes(), kept * bytes_per_element) << "after backward, step " << step;
+    const at::Tensor want = flat_reference_grads(*ref, x, y);
+    for (size_t i = 0; i < ps.size(); ++i) {
+      ASSERT_EQ(ps[i].grad().defined(), static_cast<bool>(mine[i])) << "parameter " << i << ", step " << step;
+      const int64_t a = std::max(offset[i], lo), b = std::min(offset[i + 1], hi);
+      if (a >= b) continue;
+      EXPECT_LT(rel_error(ps[i].grad().reshape({-1}).narrow(0, a - offset[i], b - a), want.narrow(0, a, b - a)),
+                compress ? 2e-2 : 1e-12)
+          << "parameter " << i << ", step " << step;
     }
-    EXPECT_EQ(reducer.synchronized_backwards(), 3);
   }
+  EXPECT_EQ(reducer.synchronized_backwards(), 3);
 }
 
 // ZeRO-3's gradients (owned_gradients_only): every bucket is released once reduced, this rank's
 // part copied into one buffer of its range first, so between steps a rank holds exactly its
 // range (not the whole of a parameter that straddles a boundary) and no .grad is defined.
-TEST(Reducer, OwnedGradientsOnlyKeepsExactlyThisRanksRange) {
-  auto& comm = world_comm();
-  const int N = comm.size();
-  for (bool compress : {false, true}) {
-    SCOPED_TRACE(compress ? "bfloat16 on the wire" : "float64 on the wire");
-    auto model = make_mlp(0);
-    std::vector<at::Tensor> ps = model->parameters();
-    int64_t total = 0;
-    for (auto& p : ps) total += p.numel();
-    ReducerOptions options;
-    options.first_bucket_bytes = 256;
-    options.bucket_bytes = 1024;
-    options.release_unowned = true;
-    options.owned_gradients_only = true;
-    if (compress) options.compress = at::kBFloat16;
-    // Boundaries inside parameters: every range boundary splits one.
-    for (int r = 0; r < N; ++r) options.owned.emplace_back(total * r / N + (r ? 3 : 0), total * (r + 1) / N + (r + 1 < N ? 3 : 0));
-    const auto [lo, hi] = options.owned[comm.rank()];
-    GradReducer reducer(ps, comm, options);
-    if (N == 1) {
-      EXPECT_FALSE(reducer.owned_gradients().defined()) << "one rank owns everything: nothing to release";
-      continue;
-    }
-    ASSERT_TRUE(reducer.owned_gradients().defined());
-    EXPECT_EQ(reducer.owned_gradients().numel(), hi - lo);
-    EXPECT_TRUE(reducer.flat_gradients(lo, hi).is_same(reducer.owned_gradients()) ||
-                reducer.flat_gradients(lo, hi).data_ptr() == reducer.owned_gradients().data_ptr());
-    auto ref = make_mlp(0);
-    for (int64_t step = 0; step < 3; ++step) {
-      auto [x, y] = global_batch(step, 8 * N);
-      reducer.zero_grad();
-      EXPECT_EQ(reducer.gradient_bytes(), (hi - lo) * 8) << "between steps, step " << step;
-      at::Tensor xs = shard(x, comm.rank(), N), ys = shard(y, comm.rank(), N);
-      {
-        auto guard = reducer.no_sync();
-        (torch::mse_loss(model->forward(xs.narrow(0, 0, 4)), ys.narrow(0, 0, 4)) / 2).backward();
-      }
-      (torch::mse_loss(model->forward(xs.narrow(0, 4, 4)), ys.narrow(0, 4, 4)) / 2).backward();
-      EXPECT_EQ(reducer.gradient_bytes(), (hi - lo) * 8) << "after backward, step " << step;
-      for (size_t i = 0; i < ps.size(); ++i) EXPECT_FALSE(ps[i].grad().defined()) << "parameter " << i;
-      for (auto& p : ref->parameters()) p.mutable_grad() = at::Tensor();
-      torch::mse_loss(ref->forward(x), y).backward();
-      std::vector<at::Tensor> want_parts;
-      for (auto& g : grads_of(*ref)) want_parts.push_back(g.reshape({-1}));
-      const at::Tensor want = at::cat(want_parts).narrow(0, lo, hi - lo);
-      EXPECT_LT(rel_error(reducer.owned_gradients(), want), compress ? 2e-2 : 1e-12) << "step " << step;
-    }
+TEST_P(ReducerOwnerRanges, OwnedGradientsOnlyKeepsExactlyThisRanksRange) {
+  const int64_t total = total_numel(ps);
+  ReducerOptions options = small_reducer_buckets(compress);
+  options.release_unowned = true;
+  options.owned_gradients_only = true;
+  // Boundaries inside parameters: every range boundary splits one.
+  for (int r = 0; r < N; ++r) options.owned.emplace_back(total * r / N + (r ? 3 : 0), total * (r + 1) / N + (r + 1 < N ? 3 : 0));
+  const auto [lo, hi] = options.owned[comm.rank()];
+  GradReducer reducer(ps, comm, options);
+  if (N == 1) {
+    EXPECT_FALSE(reducer.owned_gradients().defined()) << "one rank owns everything: nothing to release";
+    return;
+  }
+  ASSERT_TRUE(reducer.owned_gradients().defined());
+  EXPECT_EQ(reducer.owned_gradients().numel(), hi - lo);
+  EXPECT_TRUE(reducer.flat_gradients(lo, hi).is_same(reducer.owned_gradients()) ||
+              reducer.flat_gradients(lo, hi).data_ptr() == reducer.owned_gradients().data_ptr());
+  auto ref = make_mlp(0);
+  for (int64_t step = 0; step < 3; ++step) {
+    auto [x, y] = global_batch(step, 8 * N);
+    reducer.zero_grad();
+    EXPECT_EQ(reducer.gradient_bytes(), (hi - lo) * 8) << "between steps, step " << step;
+    backward_two_micro_batches(reducer, model, shard(x, comm.rank(), N), shard(y, comm.rank(), N));
+    EXPECT_EQ(reducer.gradient_bytes(), (hi - lo) * 8) << "after backward, step " << step;
+    for (size_t i = 0; i < ps.size(); ++i) EXPECT_FALSE(ps[i].grad().defined()) << "parameter " << i;
+    const at::Tensor want = flat_reference_grads(*ref, x, y).narrow(0, lo, hi - lo);
+    EXPECT_LT(rel_error(reducer.owned_gradients(), want), compress ? 2e-2 : 1e-12) << "step " << step;
   }
 }
 
-TEST(Reducer, ReleaseUnownedWithoutOwnedRangesIsRefused) {
-  auto& comm = world_comm();
+TEST_F(Reducer, ReleaseUnownedWithoutOwnedRangesIsRefused) {
   auto model = make_mlp(0);
   ReducerOptions options;
   options.release_unowned = true;
@@ -325,8 +324,7 @@ TEST(Reducer, ReleaseUnownedWithoutOwnedRangesIsRefused) {
             std::string::npos);
 }
 
-TEST(Reducer, OwnerRangesThatDoNotCoverTheParametersAreNamed) {
-  auto& comm = world_comm();
+TEST_F(Reducer, OwnerRangesThatDoNotCoverTheParametersAreNamed) {
   auto model = make_mlp(0);
   ReducerOptions options;
   options.owned.assign(comm.size(), {0, 0});
@@ -339,9 +337,7 @@ TEST(Reducer, OwnerRangesThatDoNotCoverTheParametersAreNamed) {
   }
 }
 
-TEST(Reducer, NoSyncIssuesNoCollectiveAndAveragesTheAccumulatedSum) {
-  auto& comm = world_comm();
-  const int N = comm.size();
+TEST_F(Reducer, NoSyncIssuesNoCollectiveAndAveragesTheAccumulatedSum) {
   auto model = make_mlp(0);
   GradReducer reducer(model->parameters(), comm);
   auto [x, y] = global_batch(7, 16 * N);
@@ -356,13 +352,10 @@ TEST(Reducer, NoSyncIssuesNoCollectiveAndAveragesTheAccumulatedSum) {
   EXPECT_EQ(comm.issued(), before) << "a collective was issued inside no_sync";
   (torch::mse_loss(model->forward(xs.narrow(0, 8, 8)), ys.narrow(0, 8, 8)) / 2).backward();
   EXPECT_GT(comm.issued(), before);
-  auto got = grads_of(*model);
-  auto want = reference_grads(7, 16 * N);
-  for (size_t i = 0; i < got.size(); ++i) EXPECT_LT(rel_error(got[i], want[i]), 1e-12) << i;
+  expect_reference_grads(*model, 7, 16 * N);
 }
 
-TEST(Reducer, BucketsStartInReverseOrderAndOverlapBackward) {
-  auto& comm = world_comm();
+TEST_F(Reducer, BucketsStartInReverseOrderAndOverlapBackward) {
   auto model = make_mlp(0, /*width=*/64, /*depth=*/6, torch::kFloat32);
   ReducerOptions options;
   options.first_bucket_bytes = 64 * 64 * 4;  // one hidden weight
@@ -407,9 +400,7 @@ struct TwoBranch : torch::nn::Module {
   torch::nn::Linear a{nullptr}, b{nullptr};
 };
 
-TEST(Reducer, UnusedParametersDoNotHangAndCountAsZero) {
-  auto& comm = world_comm();
-  const int N = comm.size();
+TEST_F(Reducer, UnusedParametersDoNotHangAndCountAsZero) {
   for (bool find_unused : {false, true}) {
     TwoBranch model;
     ReducerOptions options;
@@ -448,9 +439,7 @@ TEST(Reducer, UnusedParametersDoNotHangAndCountAsZero) {
 // each a new AccumulateGrad node; the reducer must still see every gradient as it is
 // accumulated (none counted as unused, buckets launched during backward) and reduce it
 // correctly. A dtype round trip replaces the node the same way on the CPU.
-TEST(Reducer, SeesGradientsAfterSetDataReplacedTheAccumulator) {
-  auto& comm = world_comm();
-  const int N = comm.size();
+TEST_F(Reducer, SeesGradientsAfterSetDataReplacedTheAccumulator) {
   auto model = make_mlp(0);
   ReducerOptions options;
   options.first_bucket_bytes = 64;
@@ -482,8 +471,7 @@ TEST(Reducer, SeesGradientsAfterSetDataReplacedTheAccumulator) {
   }
 }
 
-TEST(Reducer, MismatchedModelsNameTheFirstDifferingParameter) {
-  auto& comm = world_comm();
+TEST_F(Reducer, MismatchedModelsNameTheFirstDifferingParameter) {
   if (comm.size() == 1) GTEST_SKIP();
   auto model = make_mlp(0, comm.rank() == 1 ? 12 : 16);
   ReducerOptions options;
@@ -502,9 +490,7 @@ TEST(Reducer, MismatchedModelsNameTheFirstDifferingParameter) {
   EXPECT_THROW({ GradReducer r(fewer->parameters(), comm); }, Error);
 }
 
-TEST(Reducer, Bfloat16CompressionStaysCloseToFullPrecision) {
-  auto& comm = world_comm();
-  const int N = comm.size();
+TEST_F(Reducer, Bfloat16CompressionStaysCloseToFullPrecision) {
   auto model = make_mlp(0);
   ReducerOptions options;
   options.compress = at::kBFloat16;
@@ -521,9 +507,7 @@ TEST(Reducer, Bfloat16CompressionStaysCloseToFullPrecision) {
   }
 }
 
-TEST(Reducer, AbandonedStepOnOneRankKeepsRanksInStep) {
-  auto& comm = world_comm();
-  const int N = comm.size();
+TEST_F(Reducer, AbandonedStepOnOneRankKeepsRanksInStep) {
   auto model = make_mlp(0);
   GradReducer reducer(model->parameters(), comm);
   // Step 1: the last rank "fails" before its backward; the others run normally.
@@ -537,26 +521,19 @@ TEST(Reducer, AbandonedStepOnOneRankKeepsRanksInStep) {
   // Step 2 on every rank is exact again.
   reducer.zero_grad();
   torch::mse_loss(model->forward(shard(x, comm.rank(), N)), shard(y, comm.rank(), N)).backward();
-  auto got = grads_of(*model);
-  auto want = reference_grads(11, 8 * N);
-  for (size_t i = 0; i < got.size(); ++i) EXPECT_LT(rel_error(got[i], want[i]), 1e-12) << i;
+  expect_reference_grads(*model, 11, 8 * N);
 }
 
-TEST(Reducer, ReplacedGradientIsCopiedBackIntoItsBucket) {
-  auto& comm = world_comm();
-  const int N = comm.size();
+TEST_F(Reducer, ReplacedGradientIsCopiedBackIntoItsBucket) {
   auto model = make_mlp(0);
   GradReducer reducer(model->parameters(), comm);
   for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();  // like zero_grad(set_to_none)
   auto [x, y] = global_batch(2, 8 * N);
   torch::mse_loss(model->forward(shard(x, comm.rank(), N)), shard(y, comm.rank(), N)).backward();
-  auto got = grads_of(*model);
-  auto want = reference_grads(2, 8 * N);
-  for (size_t i = 0; i < got.size(); ++i) EXPECT_LT(rel_error(got[i], want[i]), 1e-12) << i;
+  expect_reference_grads(*model, 2, 8 * N);
 }
 
-TEST(Reducer, BroadcastTensorsCopiesRootValues) {
-  auto& comm = world_comm();
+TEST_F(Reducer, BroadcastTensorsCopiesRootValues) {
   std::vector<at::Tensor> ts = {at::full({3}, comm.rank() + 1.0), at::full({2, 2}, comm.rank() * 2, at::kLong),
                                 at::full({5}, comm.rank() + 7.0)};
   broadcast_tensors(comm, ts, comm.size() - 1);

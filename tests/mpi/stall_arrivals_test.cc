@@ -7,9 +7,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
-#include <condition_variable>
 #include <cstring>
-#include <mutex>
 #include <regex>
 #include <thread>
 
@@ -17,12 +15,14 @@
 #include "../../dist/src/health.h"
 #include "dtrain/dist/communicator.h"
 #include "test_util.h"
+#include "watchdog_messages.h"
 
 namespace dtrain::dist {
 namespace {
 
 using namespace std::chrono_literals;
 using testing_util::world_comm;
+using testing_watchdog::WatchdogMessages;
 
 constexpr auto kTimeout = 4000ms;  // stall check at 2 s, arrival window 1 s
 
@@ -44,39 +44,6 @@ std::vector<std::string> hosts() {
 std::string escape(const std::string& s) {
   return std::regex_replace(s, std::regex(R"([.^$|()\[\]{}*+?\\])"), R"(\$&)");
 }
-
-// Collects this rank's stall warnings, and fails on a timeout instead of exiting. (The state
-// is shared with the handlers: a warning thread may still hold one after the test.)
-class StallMessages {
- public:
-  StallMessages() : state_(std::make_shared<State>()) {
-    Watchdog::instance().set_warning_handler_for_testing([state = state_](const std::string& m) {
-      std::lock_guard<std::mutex> lock(state->mutex);
-      state->warnings.push_back(m);
-      state->cv.notify_all();
-    });
-    Watchdog::instance().set_timeout_handler_for_testing(
-        [](const std::string& m) { ADD_FAILURE() << "unexpected timeout: " << m; });
-  }
-  ~StallMessages() {
-    Watchdog::instance().set_warning_handler_for_testing(nullptr);
-    Watchdog::instance().set_timeout_handler_for_testing(nullptr);
-  }
-  // The warnings so far, after waiting up to `patience` for at least `count` of them.
-  std::vector<std::string> wait_for(size_t count, std::chrono::milliseconds patience) {
-    std::unique_lock<std::mutex> lock(state_->mutex);
-    state_->cv.wait_for(lock, patience, [&] { return state_->warnings.size() >= count; });
-    return state_->warnings;
-  }
-
- private:
-  struct State {
-    std::mutex mutex;
-    std::condition_variable cv;
-    std::vector<std::string> warnings;  // guarded by mutex
-  };
-  std::shared_ptr<State> state_;
-};
 
 std::unique_ptr<Communicator> comm_with_timeout(const std::string& name) {
   CommOptions options;
@@ -156,44 +123,50 @@ void check_collectives_still_work(Communicator& comm) {
   comm.barrier()->wait();
 }
 
-TEST(StallArrivals, LateRankIsNamedAndTheOperationCompletes) {
-  const int n = world_comm().size();
+// Member `late` of `comm` (world ranks `members`, by local rank) enters all-reduce #2 `delay`
+// late, after `before_delay` on that rank: every other member logs one stall warning naming it
+// (`late_detail`: where it is), the late rank none; `settle` later, collectives on the world and
+// on `comm` still work. Returns the time from the barrier until the warnings were in.
+std::chrono::steady_clock::duration expect_late_rank_named(Communicator& comm, const std::vector<int>& members,
+                                                           int late, const std::string& late_detail,
+                                                           std::chrono::milliseconds delay,
+                                                           const std::function<void()>& before_delay = {},
+                                                           std::chrono::milliseconds settle = 0ms) {
   const int me = world_comm().rank();
-  const int late = n - 1;
-  auto comm = comm_with_timeout("stall");
-  std::vector<int> members(n);
-  for (int r = 0; r < n; ++r) members[r] = r;
-  std::regex want =
-      expected_warning("stall", members, me, late, "done with #1, not in any collective");
-  StallMessages messages;
-  late_all_reduce(*comm, members, late, 3000ms);
+  std::regex want = expected_warning(comm.name(), members, me, late, late_detail);
+  WatchdogMessages messages(/*fail_on_timeout=*/true);
+  const auto start = std::chrono::steady_clock::now();
+  late_all_reduce(comm, members, late, delay, before_delay);
   auto warnings = messages.wait_for(me == late ? 0 : 1, 2000ms);
+  const auto elapsed = std::chrono::steady_clock::now() - start;
   expect_warnings(warnings, me == late, want);
-  check_collectives_still_work(*comm);
+  std::this_thread::sleep_for(settle);
+  check_collectives_still_work(comm);
+  return elapsed;
+}
+
+// The world's ranks in order: the members of a communicator of all of them.
+std::vector<int> world_ranks() {
+  std::vector<int> members(world_comm().size());
+  for (int r = 0; r < world_comm().size(); ++r) members[r] = r;
+  return members;
+}
+
+TEST(StallArrivals, LateRankIsNamedAndTheOperationCompletes) {
+  auto comm = comm_with_timeout("stall");
+  expect_late_rank_named(*comm, world_ranks(), world_comm().size() - 1, "done with #1, not in any collective",
+                         3000ms);
 }
 
 TEST(StallArrivals, RankThatDoesNotAnswerIsReportedAfterTheWindow) {
-  const int n = world_comm().size();
-  const int me = world_comm().rank();
-  const int late = n - 1;
   auto comm = comm_with_timeout("silent");
-  std::vector<int> members(n);
-  for (int r = 0; r < n; ++r) members[r] = r;
-  std::regex want =
-      expected_warning("silent", members, me, late, "no reply - stopped, dead or unreachable");
-  StallMessages messages;
-  auto start = std::chrono::steady_clock::now();
   // The late rank's health service is paused past the window, as if the process were stopped;
-  // it enters after the stall check has given up on it (at about 2 s + 1 s).
-  late_all_reduce(*comm, members, late, 3600ms,
-                  [] { ASSERT_TRUE(pause_health_service_for_testing(4000ms)); });
-  auto warnings = messages.wait_for(me == late ? 0 : 1, 2000ms);
-  auto elapsed = std::chrono::steady_clock::now() - start;
-  expect_warnings(warnings, me == late, want);
+  // it enters after the stall check has given up on it (at about 2 s + 1 s). Its late replies
+  // reach the others after they gave up: dropped, and nothing breaks (checked 500 ms later).
+  const auto elapsed = expect_late_rank_named(
+      *comm, world_ranks(), world_comm().size() - 1, "no reply - stopped, dead or unreachable", 3600ms,
+      [] { ASSERT_TRUE(pause_health_service_for_testing(4000ms)); }, /*settle=*/500ms);
   EXPECT_LT(elapsed, 6000ms);
-  // Its late replies reach the others after they gave up: dropped, and nothing breaks.
-  std::this_thread::sleep_for(500ms);
-  check_collectives_still_work(*comm);
 }
 
 TEST(StallArrivals, SubgroupsNameWorldRanks) {
@@ -211,13 +184,7 @@ TEST(StallArrivals, SubgroupsNameWorldRanks) {
   ASSERT_EQ(group->rank(),
             static_cast<int>(std::find(members.begin(), members.end(), me) - members.begin()));
   const int late = members.front();  // the group's highest world rank
-  std::regex want =
-      expected_warning(group->name(), members, me, late, "done with #1, not in any collective");
-  StallMessages messages;
-  late_all_reduce(*group, members, late, 3000ms);
-  auto warnings = messages.wait_for(me == late ? 0 : 1, 2000ms);
-  expect_warnings(warnings, me == late, want);
-  check_collectives_still_work(*group);
+  expect_late_rank_named(*group, members, late, "done with #1, not in any collective", 3000ms);
 }
 
 }  // namespace

@@ -14,16 +14,13 @@
 #include "dtrain/engine/models/seq2seq.h"
 #include "dtrain/engine/parallel/cross_entropy.h"
 #include "dtrain/engine/parallel/tensor_parallel.h"
+#include "model_cases.h"
 #include "test_util.h"
 
 namespace dtrain::engine::cross_entropy_cases {
 namespace {
 
 using testing_util::error_of;
-
-std::unique_ptr<dist::Communicator> lone_group() {
-  return dist::create_communicator("local", dist::World{}, c10::Device(c10::kCPU));
-}
 
 std::string node_name(const at::Tensor& loss) {
   return loss.grad_fn() ? loss.grad_fn()->name() : std::string("(none)");
@@ -58,7 +55,7 @@ std::pair<double, at::Tensor> float64_reference(const at::Tensor& logits, const 
 }
 
 TEST(VocabParallelCrossEntropyCpu, MatchesFloat64CrossEntropyOverTheRealVocabulary) {
-  auto tp = lone_group();
+  auto tp = testing_util::local_comm();
   struct Shape {
     int64_t rows, local, valid, vocab_start;
   };
@@ -89,7 +86,7 @@ TEST(VocabParallelCrossEntropyCpu, MatchesFloat64CrossEntropyOverTheRealVocabula
 // The dispatch never takes the fused kernels for CPU logits: the result and the gradient are
 // those of the composition, bit for bit, in every dtype (bfloat16 included).
 TEST(VocabParallelCrossEntropyCpu, CpuLogitsTakeTheCompositionBitForBit) {
-  auto tp = lone_group();
+  auto tp = testing_util::local_comm();
   for (at::ScalarType dtype : {at::kDouble, at::kFloat, at::kBFloat16, at::kHalf}) {
     SCOPED_TRACE(c10::toString(dtype));
     CpuCase c = make_cpu_case(11, 24, 21, 0, dtype);
@@ -106,7 +103,7 @@ TEST(VocabParallelCrossEntropyCpu, CpuLogitsTakeTheCompositionBitForBit) {
 }
 
 TEST(VocabParallelCrossEntropyCpu, TheFusedEntryPointsRefuseCpuLogits) {
-  auto tp = lone_group();
+  auto tp = testing_util::local_comm();
   CpuCase c = make_cpu_case(4, 8, 8, 0, at::kFloat);
   EXPECT_NE(error_of([&] { fused_cross_entropy(c.logits, c.targets); }).find("CUDA logits"), std::string::npos);
   EXPECT_NE(error_of([&] { fused_vocab_parallel_cross_entropy(c.logits, c.targets, 0, 8, *tp); }).find("CUDA"),
@@ -118,14 +115,7 @@ TEST(VocabParallelCrossEntropyCpu, TheFusedEntryPointsRefuseCpuLogits) {
 
 // The seq2seq model's loss on the CPU is still torch's cross_entropy of its logits, exactly.
 TEST(VocabParallelCrossEntropyCpu, Seq2SeqCpuLossIsTorchCrossEntropy) {
-  Seq2SeqOptions o;
-  o.vocab = 37;
-  o.d_model = 16;
-  o.heads = 2;
-  o.ff = 32;
-  o.max_len = 8;
-  o.layers = 1;
-  o.dropout = 0.0;
+  const Seq2SeqOptions o = model_cases::one_layer_seq2seq(37, 16, 8);
   torch::manual_seed(5);
   Seq2Seq model(o);
   at::Tensor src = at::randint(o.vocab, {2, 6}, at::kLong);

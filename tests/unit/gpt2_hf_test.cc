@@ -22,10 +22,6 @@ namespace {
 using testing_util::error_of;
 using testing_util::ScratchDir;
 
-std::unique_ptr<dist::Communicator> gpt2_tp() {
-  return dist::create_communicator("local", dist::World{}, c10::Device(c10::kCPU));
-}
-
 at::Tensor logits_in(const std::string& path) {
   for (auto& [name, t] : load_safetensors(path)) {
     if (name == "logits") return t;
@@ -35,7 +31,7 @@ at::Tensor logits_in(const std::string& path) {
 }
 
 TEST(Gpt2Hf, CheckpointsGoBothWaysWithTransformersLogits) {
-  auto tp = gpt2_tp();
+  auto tp = testing_util::local_comm();
   ScratchDir dir("gpt2_hf", true);
   // GPT-2's layout at a small size: tied head, n_inner 3 d, a vocabulary that is not a multiple
   // of anything, n_positions above the trained length.

@@ -3,18 +3,18 @@
 // and timeout message. (The protocol between ranks is tested in tests/mpi/stall_arrivals_test.cc.)
 #include <gtest/gtest.h>
 
-#include <condition_variable>
-#include <mutex>
 #include <regex>
 #include <thread>
 
 #include "../../dist/src/async.h"
 #include "../../dist/src/health.h"
+#include "watchdog_messages.h"
 
 namespace dtrain::dist {
 namespace {
 
 using State = PeerArrival::State;
+using testing_watchdog::WatchdogMessages;
 
 PeerArrival peer(int rank, const std::string& host, State state, uint64_t reached = 0,
                  uint64_t completed = 0, const std::string& doing = "") {
@@ -76,44 +76,6 @@ TEST(HealthReport, CompletedOnlyMovesForward) {
   p.complete(6);
   EXPECT_EQ(p.completed.load(), 6u);
 }
-
-// Collects the watchdog's stall warnings and timeout messages until the test ends. (The state
-// is shared with the handlers: a warning thread may still hold one after the test.)
-class WatchdogMessages {
- public:
-  WatchdogMessages() : state_(std::make_shared<State>()) {
-    Watchdog::instance().set_warning_handler_for_testing([state = state_](const std::string& m) {
-      std::lock_guard<std::mutex> lock(state->mutex);
-      state->warnings.push_back(m);
-      state->cv.notify_all();
-    });
-    Watchdog::instance().set_timeout_handler_for_testing([state = state_](const std::string& m) {
-      std::lock_guard<std::mutex> lock(state->mutex);
-      state->timeouts.push_back(m);
-      state->cv.notify_all();
-    });
-  }
-  ~WatchdogMessages() {
-    Watchdog::instance().set_warning_handler_for_testing(nullptr);
-    Watchdog::instance().set_timeout_handler_for_testing(nullptr);
-  }
-  // Waits (at most 10 s) for one warning and one timeout message.
-  std::pair<std::string, std::string> wait() {
-    std::unique_lock<std::mutex> lock(state_->mutex);
-    state_->cv.wait_for(lock, std::chrono::seconds(10),
-                        [&] { return !state_->warnings.empty() && !state_->timeouts.empty(); });
-    return {state_->warnings.empty() ? "" : state_->warnings[0],
-            state_->timeouts.empty() ? "" : state_->timeouts[0]};
-  }
-
- private:
-  struct State {
-    std::mutex mutex;
-    std::condition_variable cv;
-    std::vector<std::string> warnings, timeouts;  // guarded by mutex
-  };
-  std::shared_ptr<State> state_;
-};
 
 TEST(HealthReport, StallWarningAndTimeoutNameWhoHasNotArrived) {
   WatchdogMessages messages;

@@ -22,10 +22,6 @@ namespace {
 using testing_util::error_of;
 using testing_util::ScratchDir;
 
-std::unique_ptr<dist::Communicator> hf_tp() {
-  return dist::create_communicator("local", dist::World{}, c10::Device(c10::kCPU));
-}
-
 // A head whose weight is another module's tensor (a language-model head tied to the embedding).
 struct TiedHead : torch::nn::Module {
   explicit TiedHead(const at::Tensor& w) { weight = register_parameter("weight", w); }
@@ -93,7 +89,7 @@ void expect_tensor(const nlohmann::json& got, const at::Tensor& want, const std:
 }
 
 TEST(HfCheckpoint, OneFileReadByTheSafetensorsPackageAndLoadedBackExactly) {
-  auto tp = hf_tp();
+  auto tp = testing_util::local_comm();
   auto a = toy(*tp, 1);
   ScratchDir dir("hf_one", true);
   HfSaveOptions o;
@@ -117,7 +113,7 @@ TEST(HfCheckpoint, OneFileReadByTheSafetensorsPackageAndLoadedBackExactly) {
 }
 
 TEST(HfCheckpoint, ShardsWithAnIndexInBfloat16ReplaceAnOlderSingleFile) {
-  auto tp = hf_tp();
+  auto tp = testing_util::local_comm();
   auto a = toy(*tp, 3);
   ScratchDir dir("hf_shards", true);
   save_hf_weights(dir.str(), *a, *tp, toy_names());
@@ -148,7 +144,7 @@ NamedTensorList toy_file(const Toy& t) {
 }
 
 TEST(HfCheckpoint, BadCheckpointsAreRefusedNamingTheFileTheTensorAndTheFix) {
-  auto tp = hf_tp();
+  auto tp = testing_util::local_comm();
   auto a = toy(*tp, 5);
   ScratchDir dir("hf_bad", true);
   const std::string file = dir / "w.safetensors";

@@ -22,6 +22,7 @@
 #include "dtrain/engine/models/llama.h"
 #include "dtrain/engine/models/sampling.h"
 #include "dtrain/engine/train/hf_llama.h"
+#include "model_cases.h"
 #include "test_util.h"
 
 namespace dtrain::engine::llama_generate_cases {
@@ -29,10 +30,6 @@ namespace {
 
 using testing_util::error_of;
 using testing_util::ScratchDir;
-
-std::unique_ptr<dist::Communicator> one_rank() {
-  return dist::create_communicator("local", dist::World{}, c10::Device(c10::kCPU));
-}
 
 double max_abs(const at::Tensor& a, const at::Tensor& b) {
   return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
@@ -62,11 +59,7 @@ std::shared_ptr<LlamaImpl> float64_model(const LlamaOptions& o, dist::Communicat
   torch::manual_seed(seed);
   auto model = std::make_shared<LlamaImpl>(o, tp);
   model->to(at::kDouble);
-  at::NoGradGuard no_grad;
-  auto g = at::make_generator<at::CPUGeneratorImpl>(seed + 1);
-  for (auto& item : model->named_parameters()) {
-    if (item.key().find("norm.weight") != std::string::npos) item.value().normal_(1.0, 0.2, g);
-  }
+  model_cases::draw_norm_weights(*model, seed + 1);
   return model;
 }
 
@@ -84,7 +77,7 @@ at::Tensor cached_logits(LlamaImpl& model, LlamaKvCache& cache, const at::Tensor
 }
 
 TEST(LlamaGenerate, CachedLogitsEqualTheWholeSequenceForward) {
-  auto tp = one_rank();
+  auto tp = testing_util::local_comm();
   struct Case {
     std::string name;
     int64_t kv_heads;
@@ -118,7 +111,7 @@ TEST(LlamaGenerate, CachedLogitsEqualTheWholeSequenceForward) {
 }
 
 TEST(LlamaGenerate, ErrorsNameTheProblem) {
-  auto tp = one_rank();
+  auto tp = testing_util::local_comm();
   const LlamaOptions o = small_options(2, false, false);
   auto model = float64_model(o, *tp, 4);
   at::Tensor tokens = at::randint(o.vocab, {2, 4}, at::kLong);
@@ -174,7 +167,7 @@ TEST(LlamaGenerate, GreedyTokensEqualTransformersGenerate) {
   args.insert(args.end(), cases.begin(), cases.end());
   const std::string out = testing_util::run_python("tests/reference/llama_generate_reference.py", args);
   ASSERT_FALSE(out.empty());
-  auto tp = one_rank();
+  auto tp = testing_util::local_comm();
   for (const std::string& name : cases) {
     SCOPED_TRACE(name);
     const std::string dir = scratch / name;

@@ -23,6 +23,7 @@
 #include "dtrain/engine/models/llama.h"
 #include "dtrain/engine/optim/amp.h"
 #include "dtrain/engine/state/export.h"
+#include "dtrain/engine/train/hf_llama.h"
 #include "test_util.h"
 
 namespace dtrain::engine::llama_cases {
@@ -30,10 +31,6 @@ namespace {
 
 using testing_util::error_of;
 using testing_util::ScratchDir;
-
-std::unique_ptr<dist::Communicator> one_rank() {
-  return dist::create_communicator("local", dist::World{}, c10::Device(c10::kCPU));
-}
 
 // Llama 3.1 8B's config.json as published.
 const char* kLlama31_8B = R"({
@@ -137,7 +134,7 @@ void compare(LlamaImpl& model, const std::string& dir, const std::string& impl, 
 }
 
 TEST(Llama, MatchesTransformersLlamaForCausalLMInFloat64) {
-  auto tp = one_rank();
+  auto tp = testing_util::local_comm();
   ScratchDir scratch("llama_reference", true);
   const std::vector<Case> cases = {{"gqa", 2, false, false},
                                    {"mqa_llama3", 1, true, false},
@@ -196,7 +193,7 @@ TEST(Llama, ReadsALlama31ConfigAndCountsItsParameters) {
   small.heads = 8;
   small.kv_heads = 2;
   small.ff = 512;
-  auto tp = one_rank();
+  auto tp = testing_util::local_comm();
   LlamaImpl one(small, *tp);
   int64_t numel = 0;
   for (const at::Tensor& p : one.parameters()) numel += p.numel();
@@ -266,7 +263,7 @@ TEST(Llama, ConfigErrorsNameTheField) {
 }
 
 TEST(Llama, NamesMapToTransformersAndBack) {
-  auto tp = one_rank();
+  auto tp = testing_util::local_comm();
   LlamaOptions o{50, 16, 4, 2, 24, 8, 3};
   for (bool tied : {false, true}) {
     o.tie_embeddings = tied;
@@ -292,7 +289,7 @@ TEST(Llama, NamesMapToTransformersAndBack) {
 }
 
 TEST(Llama, TiedHeadIsTheEmbeddingsTensor) {
-  auto tp = one_rank();
+  auto tp = testing_util::local_comm();
   LlamaOptions o{30, 16, 4, 1, 24, 6, 1};
   o.tie_embeddings = true;
   torch::manual_seed(3);
@@ -311,7 +308,7 @@ TEST(Llama, TiedHeadIsTheEmbeddingsTensor) {
 // and its gradients are finite and near the float32 ones (the rotary tables follow the residual
 // stream's dtype, as in transformers).
 TEST(Llama, RunsUnderAutocastAndInBfloat16) {
-  auto tp = one_rank();
+  auto tp = testing_util::local_comm();
   LlamaOptions o{64, 32, 4, 2, 48, 16, 2};
   o.init_std = 0.2;
   torch::manual_seed(5);

@@ -26,7 +26,6 @@ namespace {
 
 using nlohmann::json;
 using testing_util::error_of;
-using testing_util::remove_tree;
 using testing_util::ScratchDir;
 using Clock = Timeline::Clock;
 using std::chrono::microseconds;

@@ -28,8 +28,8 @@
 // Parameter names: embed.weight, blocks.<i>.attn_norm.weight, blocks.<i>.attn.{q,k,v,o}.weight,
 // blocks.<i>.mlp_norm.weight, blocks.<i>.mlp.{gate,up,down}.weight, norm.weight, head.weight
 // (with tie_embeddings, head.weight is embed.weight: one tensor under two names, which
-// trained_parameters() trains once). llama_hf_name() / llama_dtrain_name() translate them to
-// and from transformers' names.
+// trained_parameters() trains once). llama_hf_name() / llama_dtrain_name() (train/hf_llama.h)
+// translate them to and from transformers' names.
 #pragma once
 
 #include <memory>
@@ -208,13 +208,6 @@ TORCH_MODULE(Llama);
 // when llama_spec is called (float32 unless the model was converted first; set
 // activation_dtype otherwise).
 ModelSpec llama_spec(const std::shared_ptr<LlamaImpl>& model);
-
-// The Hugging Face name of a dtrain parameter name of this model (whole, unsplit weights), and
-// back: "blocks.3.attn.q.weight" <-> "model.layers.3.self_attn.q_proj.weight", "embed.weight"
-// <-> "model.embed_tokens.weight", "head.weight" <-> "lm_head.weight", ... dtrain::Error for a
-// name of neither model (e.g. the rotary "inv_freq" buffers older checkpoints carry).
-std::string llama_hf_name(const std::string& dtrain_name);
-std::string llama_dtrain_name(const std::string& hf_name);
 
 }  // namespace dtrain::engine
 

@@ -1,5 +1,5 @@
 // The Llama model's adapter to Hugging Face checkpoints (hf_checkpoint.h): its tensor names
-// (models/llama.h: llama_hf_name, llama_dtrain_name; older checkpoints' rotary tables skipped)
+// (llama_hf_name, llama_dtrain_name; older checkpoints' rotary tables skipped)
 // and its config.json, as transformers' LlamaConfig writes it.
 #pragma once
 
@@ -11,6 +11,13 @@
 #include "dtrain/engine/train/hf_checkpoint.h"
 
 namespace dtrain::engine {
+
+// The Hugging Face name of a dtrain parameter name of this model (whole, unsplit weights), and
+// back: "blocks.3.attn.q.weight" <-> "model.layers.3.self_attn.q_proj.weight", "embed.weight"
+// <-> "model.embed_tokens.weight", "head.weight" <-> "lm_head.weight", ... dtrain::Error for a
+// name of neither model (e.g. the rotary "inv_freq" buffers older checkpoints carry).
+std::string llama_hf_name(const std::string& dtrain_name);
+std::string llama_dtrain_name(const std::string& hf_name);
 
 HfNames llama_hf_names();
 

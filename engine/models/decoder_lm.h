@@ -1,0 +1,59 @@
+// Internal to engine/models: what the decoder language models (gpt.cc, llama.cc) share, the
+// pieces after their blocks and their ModelSpec. Not installed.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "dtrain/engine/models/model_spec.h"
+#include "dtrain/engine/models/tied_head.h"
+#include "dtrain/engine/parallel/tensor_parallel.h"
+
+namespace dtrain::engine::decoder_lm {
+
+// The normed residual stream h -> this rank's logits [B, T, padded_vocab / tp]: through the head
+// tied to the embedding when the model has one, else through its own head.
+inline at::Tensor head_logits(ColumnParallelLinear& head, TiedVocabHead& tied_head, const at::Tensor& h) {
+  return tied_head.is_empty() ? head->forward(h) : tied_head->forward(h);
+}
+
+// Mean next-token cross-entropy of this rank's vocabulary slice of the logits ([..., local])
+// against targets (the same shape but the last dimension); collective over tp.
+inline at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& targets, int64_t vocab,
+                                  dist::Communicator& tp) {
+  const int64_t local = logits.size(-1);
+  return vocab_parallel_cross_entropy(logits.reshape({-1, local}), targets.reshape({-1}), local * tp.rank(), vocab,
+                                      tp);
+}
+
+// The ModelSpec of a decoder model (GptImpl, LlamaImpl: options.seq_len, .sequence_parallel,
+// .d_model, tp, blocks, embed(), head_loss()) for batches whose field 0 holds [B, seq_len + 1]
+// token windows (inputs w[:, :S], targets w[:, 1:]): pre = embed, post = head_loss, blocks
+// "blocks.", the stage activation [rows, S (or S/tp sequence-parallel), d] of activation_dtype.
+template <class Model>
+ModelSpec token_window_spec(const std::shared_ptr<Model>& model, std::vector<std::string> pre_modules,
+                            std::vector<std::string> post_modules, at::ScalarType activation_dtype) {
+  ModelSpec s;
+  s.module = model;
+  s.blocks = model->blocks;
+  s.blocks_prefix = "blocks.";
+  Model* m = model.get();  // the spec's users hold `module` alive
+  const int64_t S = model->options.seq_len;
+  s.pre = [m, S](const Batch& b) { return m->embed(b.fields.at(0).narrow(1, 0, S)); };
+  s.post = [m, S](const at::Tensor& h, const Batch& b) { return m->head_loss(h, b.fields.at(0).narrow(1, 1, S)); };
+  s.pre_modules = std::move(pre_modules);
+  s.post_modules = std::move(post_modules);
+  const int64_t rows_per_rank = model->options.sequence_parallel ? S / model->tp->size() : S;
+  s.activation_shape = [rows_per_rank, d = model->options.d_model](int64_t rows) {
+    return std::vector<int64_t>{rows, rows_per_rank, d};
+  };
+  s.activation_dtype = activation_dtype;
+  return s;
+}
+
+}  // namespace dtrain::engine::decoder_lm
+
+#include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order
