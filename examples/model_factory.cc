@@ -437,6 +437,9 @@ ExampleModel build_example_model(const std::string& model, const Run& run) {
 
 engine::PlanInputs plan_inputs(const Run& run, const ExampleModel& m,
                                const engine::TrainerOptions& options) {
+  DTRAIN_CHECK(options.param_dtype == at::kFloat, "the memory planner (--plan=auto, dtrain-plan) models float32 "
+               "weights; --param_dtype=", c10::toString(options.param_dtype), " is not planned yet: choose "
+               "--shard/--offload by hand, or plan without --param_dtype");
   engine::PlanInputs in;
   const auto specs = engine::collect_shard_specs(*m.module);
   const int tp = run.mesh->tp_size();

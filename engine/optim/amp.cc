@@ -33,6 +33,15 @@ const char* to_string(AmpMode mode) {
   return "?";
 }
 
+at::ScalarType parse_param_dtype(const std::string& text) {
+  if (text == "float32" || text == "fp32") return at::kFloat;
+  if (text == "bfloat16" || text == "bf16") return at::kBFloat16;
+  throw Error("--param_dtype=" + text + " is not one of: float32 (fp32), bfloat16 (bf16)" +
+              (text == "float16" || text == "fp16" ? "; float16 weights need loss scaling of float16 gradients: "
+                                                     "train float32 weights with --amp=fp16"
+                                                   : ""));
+}
+
 // ---------------------------------------------------------------------------------------
 // AutocastGuard
 

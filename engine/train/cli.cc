@@ -89,6 +89,10 @@ std::vector<Spec> training_specs() {
     spec(kTraining, "accum_steps", "micro-batches accumulated per step (must divide --batch_size)",
          &Flags::accum_steps),
     spec(kTraining, "amp", "mixed precision: off, bf16 or fp16 (with dynamic loss scaling)", &Flags::amp),
+    spec(kTraining, "param_dtype",
+         "the trained weights' dtype: float32, or bfloat16 (gradients in bfloat16 too; needs --offload=optimizer "
+         "or --shard, which keep the float32 master weights)",
+         &Flags::param_dtype),
     spec(kTraining, "cuda_graph",
          "on CUDA, replay the model's forward and backward from CUDA graphs captured at step 3 (the host no "
          "longer launches each kernel); refused with a logged reason where the capture cannot hold",
@@ -277,6 +281,7 @@ void validate(const Flags& f) {
     sched.total_steps = f.steps;
     engine::validate(sched);
     parse_amp(f.amp);
+    parse_param_dtype(f.param_dtype);
     parse_on_nonfinite(f.on_nonfinite);
     DTRAIN_CHECK(f.max_nonfinite_skips >= 1, "--max_nonfinite_skips=", f.max_nonfinite_skips, " must be >= 1");
   }
@@ -443,6 +448,7 @@ TrainerOptions trainer_options(const Flags& f, const std::string& default_optimi
   o.steps = f.steps;
   o.accum_steps = f.accum_steps;
   o.amp = parse_amp(f.amp);
+  o.param_dtype = parse_param_dtype(f.param_dtype);
   o.cuda_graph = f.cuda_graph;
   o.count_host_syncs = f.count_host_syncs;
   o.optimizer.name = f.optimizer.empty() ? default_optimizer : f.optimizer;

@@ -34,6 +34,17 @@ std::vector<at::Tensor> gradient_tensors(const std::vector<at::Tensor>& params, 
   return grads;
 }
 
+// --param_dtype: the module's floating-point parameters in `dtype` (buffers keep theirs, e.g.
+// rotary tables). set_data keeps each parameter's identity (tied names, references held by
+// layers); a parameter in the dtype already is left alone.
+void cast_parameters(torch::nn::Module& model, at::ScalarType dtype) {
+  if (dtype == at::kFloat) return;
+  at::NoGradGuard no_grad;
+  for (at::Tensor& p : model.parameters()) {
+    if (at::isFloatingType(p.scalar_type()) && p.scalar_type() != dtype) p.set_data(p.detach().to(dtype));
+  }
+}
+
 }  // namespace
 
 std::vector<Batch> split_batch(const Batch& batch, int n) {
@@ -58,6 +69,10 @@ Trainer::Applied Trainer::apply_to_spec(ModelSpec spec, dist::Mesh& mesh, c10::D
   t.offload_layers = options.offload_layers;
   t.device = device;
   split_pipeline_stage(spec, mesh.pp_rank(), mesh.pp_size(), options.pp_blocks, t);
+  cast_parameters(*spec.module, options.param_dtype);  // before streaming takes the blocks' host copies
+  if (options.param_dtype != at::kFloat && spec.activation_dtype == at::kFloat) {
+    spec.activation_dtype = options.param_dtype;  // what a stage computes and sends
+  }
   if (options.shard == "parameters" && options.shard_unit_starts.empty()) {
     options.shard_unit_starts = default_unit_prefixes(spec);
   }
@@ -97,6 +112,7 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
   if (options_.handle_preemption) install_preemption_handlers();
   if (!options_.save_dir.empty() && !options_.evaluation_only) take_save_dir();
   if (mesh_.pp_size() > 1) trainer_setup::check_pipeline_options(options_, mesh_);
+  cast_parameters(model_, options_.param_dtype);
   TrainedParameters trained = trained_parameters(model_);
   DTRAIN_CHECK(!trained.params.empty(), "the model has no trainable parameters");
   if (!trained.tied.empty()) check_tied_parameters(trained.tied);

@@ -15,6 +15,7 @@ Settings settings_of(const TrainerOptions& o) {
   const OptimizerOptions& opt = o.optimizer;
   Settings s = {
       {"steps", setting_text(o.steps)}, {"accum_steps", setting_text(o.accum_steps)}, {"amp", to_string(o.amp)},
+      {"param_dtype", c10::toString(o.param_dtype)},
       {"optimizer", opt.name}, {"lr", setting_text(opt.lr)}, {"weight_decay", setting_text(opt.weight_decay)},
       {"momentum", setting_text(opt.momentum)}, {"dampening", setting_text(opt.dampening)}, {"nesterov", setting_text(opt.nesterov)},
       {"beta1", setting_text(opt.beta1)}, {"beta2", setting_text(opt.beta2)}, {"eps", setting_text(opt.eps)},
@@ -165,6 +166,19 @@ void reduce_to_owners(const UpdateInputs& in, ShardMode shard, ReducerOptions& r
 
 }  // namespace
 
+void check_param_dtype(const TrainerOptions& o) {
+  if (o.param_dtype == at::kFloat) return;
+  const std::string name = c10::toString(o.param_dtype);
+  DTRAIN_CHECK(o.param_dtype == at::kBFloat16, "--param_dtype=", name, ": the trained weights are float32 or bfloat16");
+  DTRAIN_CHECK(o.offload_optimizer || parse_shard_mode(o.shard) != ShardMode::kNone, "--param_dtype=bfloat16 with ",
+               "a replicated optimizer would update the bfloat16 weights themselves (no float32 master): add "
+               "--offload=optimizer (the master and state on the host, ZeRO-Offload) or --shard=optimizer (the "
+               "master on the device, partitioned over the data-parallel ranks; all of it at one rank)");
+  DTRAIN_CHECK(o.amp != AmpMode::kFp16, "--param_dtype=bfloat16 with --amp=fp16: float16 autocast over bfloat16 "
+               "weights; use --amp=bf16 or --amp=off");
+  DTRAIN_CHECK(o.prune.amount <= 0, "--param_dtype=bfloat16 with --prune_amount is not supported yet; drop one");
+}
+
 void check_pipeline_options(const TrainerOptions& o, const dist::Mesh& mesh) {
   const int P = mesh.pp_size();
   DTRAIN_CHECK(o.pipeline.forward && o.pipeline.activation_shape, "a mesh of ", P, " pipeline stages needs ",
@@ -193,6 +207,12 @@ UpdateParts build_update(const UpdateInputs& in, ReducerOptions reducer_options)
   } else if (shard != ShardMode::kNone) {
     parts.optimizer = std::make_unique<ShardedOptimizer>(params, o.optimizer, in.mesh.dp());
   } else {
+    const at::ScalarType dtype = params.front().scalar_type();
+    LOG_IF(WARNING, in.mesh.world().rank() == 0 && (dtype == at::kBFloat16 || dtype == at::kHalf))
+        << "the model's weights are " << c10::toString(dtype) << " and the replicated optimizer updates them in "
+        << "place with no float32 master (as torch.optim does): an update smaller than half a " << c10::toString(dtype)
+        << " step of a weight is lost. For a float32 master build the model in float32 and pass --param_dtype=bf16 "
+        << "(TrainerOptions::param_dtype) with --shard=optimizer or --offload=optimizer";
     parts.optimizer = make_optimizer(params, o.optimizer);
   }
   reduce_to_owners(in, shard, reducer_options, parts);
@@ -257,6 +277,7 @@ void validate(const TrainerOptions& o) {
   DTRAIN_CHECK(o.max_nonfinite_skips >= 1, "max_nonfinite_skips must be >= 1, got ", o.max_nonfinite_skips);
   validate(o.optimizer);
   validate(o.schedule);
+  trainer_setup::check_param_dtype(o);
 }
 
 NonFinitePolicy parse_on_nonfinite(const std::string& text) {

@@ -20,6 +20,10 @@ namespace dtrain::engine::trainer_setup {
 // What must be the same on every rank for the ranks to train one model in step.
 Settings settings_of(const TrainerOptions& o);
 
+// What --param_dtype (TrainerOptions::param_dtype) needs: an optimizer with float32 master
+// weights, and the techniques that keep bfloat16 weights as they are.
+void check_param_dtype(const TrainerOptions& o);
+
 // What a pipeline-parallel trainer needs and what it does not (yet) combine with; the same on
 // every rank (options and mesh are), so every rank refuses together.
 void check_pipeline_options(const TrainerOptions& o, const dist::Mesh& mesh);

@@ -29,6 +29,7 @@ SCENARIOS = {
     "checkpoint_tp": state.scenario_checkpoint_tp,
     "offload": techniques.scenario_offload,
     "offload_stream": techniques.scenario_offload_stream,
+    "bf16_master": techniques.scenario_bf16_master,
     "plan": techniques.scenario_plan,
     "sequence_parallel": parallel.scenario_sequence_parallel,
     "distill": techniques.scenario_distill,

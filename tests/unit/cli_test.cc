@@ -67,6 +67,8 @@ std::map<std::string, Probe> training_and_layout_probes() {
     {"warmup_steps", {"3", {}, kToTrainer, [](const Built& b) { return text(b.trainer.schedule.warmup_steps); }}},
     {"accum_steps", {"2", {}, kToTrainer, [](const Built& b) { return text(b.trainer.accum_steps); }}},
     {"amp", {"bf16", {}, kToTrainer, [](const Built& b) { return to_string(b.trainer.amp); }}},
+    {"param_dtype", {"bf16", {{"shard", "optimizer"}}, kToTrainer,
+                     [](const Built& b) { return std::string(c10::toString(b.trainer.param_dtype)); }}},
     {"cuda_graph", {"true", {}, kToTrainer, [](const Built& b) { return text(b.trainer.cuda_graph); }}},
     {"on_nonfinite",
      {"skip", {}, kToTrainer, [](const Built& b) { return text(static_cast<int>(b.trainer.on_nonfinite)); }}},

@@ -19,6 +19,12 @@ enum class AmpMode { kOff, kBf16, kFp16 };
 AmpMode parse_amp(const std::string& text);
 const char* to_string(AmpMode mode);
 
+// The dtype the trained weights are kept in (--param_dtype): "float32" (or "fp32") or
+// "bfloat16" (or "bf16"); throws dtrain::Error naming the accepted values otherwise. With
+// bfloat16 weights the gradients are bfloat16 too (half the bytes to reduce and to copy to the
+// host) and a partitioned or offloaded optimizer keeps the float32 master weights.
+at::ScalarType parse_param_dtype(const std::string& text);
+
 // While alive, ops on `device` run under autocast to the mode's dtype (kBf16: bfloat16,
 // kFp16: float16; CPU and CUDA support both). kOff does nothing at all: it neither enables
 // nor disables autocast. Restores the previous autocast state (enabled, dtype) of that

@@ -41,7 +41,7 @@ namespace dtrain::engine::cli {
 // Topics of the standard flags (a bit set: parse() registers those a program asks for).
 enum Topic : unsigned {
   kTraining = 1u << 0,        // --steps --batch_size --lr --seed --optimizer --weight_decay --prune_*
-                              // --clip_grad_norm --schedule --warmup_steps --accum_steps --amp
+                              // --clip_grad_norm --schedule --warmup_steps --accum_steps --amp --param_dtype
                               // --on_nonfinite --max_nonfinite_skips
   kRanks = 1u << 1,           // --device --backend --collective_timeout_s
   kTensorParallel = 1u << 2,  // model parallelism: --tp --sequence_parallel --pp --pp_schedule --pp_blocks
@@ -69,6 +69,7 @@ struct Flags {
   int64_t warmup_steps = ScheduleOptions().warmup_steps;
   int32_t accum_steps = TrainerOptions().accum_steps;
   std::string amp = "off";
+  std::string param_dtype = "float32";
   bool cuda_graph = false;
   bool count_host_syncs = false;
   std::string on_nonfinite = "stop";

@@ -108,6 +108,15 @@ struct TrainerOptions {
   int64_t steps = 100;            // optimizer steps fit() runs to
   int accum_steps = 1;            // micro-batches per step (must divide the batch)
   AmpMode amp = AmpMode::kOff;
+  // The dtype of the trained weights (--param_dtype, parse_param_dtype()): the trainer casts
+  // the model's floating-point parameters to it before anything else reads them (buffers keep
+  // theirs). bfloat16 is ZeRO-Offload's layout with offload_optimizer: bfloat16 weights and
+  // gradients on the device, the float32 master weights and the state on the host, gradients
+  // copied to the host in bfloat16. It needs an optimizer that keeps float32 master weights:
+  // offload_optimizer or a partitioned one (shard "optimizer", "gradients", "parameters"; at
+  // one rank that is the whole master on the device); the replicated optimizer would update
+  // the bfloat16 weights themselves, so the trainer refuses it (and --amp=fp16, pruning).
+  at::ScalarType param_dtype = at::kFloat;
   LossScalerOptions loss_scaler;  // used with fp16 (enabled is forced on then, off otherwise)
   OptimizerOptions optimizer;
   ScheduleOptions schedule;
