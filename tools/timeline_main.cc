@@ -16,7 +16,7 @@ constexpr char kUsage[] =
     "usage:\n"
     "  dtrain-timeline merge OUT.json IN.json [IN.json ...]   one file, one process per rank\n"
     "  dtrain-timeline summary FILE.json [FILE.json ...]      communication hidden behind "
-    "backward\n";
+    "backward; with optimizer offload, the host work after backward and the CPU updates' overlap\n";
 
 int summary(const std::vector<std::string>& files) {
   std::vector<dtrain::engine::TraceEvent> events;
@@ -25,6 +25,8 @@ int summary(const std::vector<std::string>& files) {
     events.insert(events.end(), more.begin(), more.end());
   }
   std::printf("%s\n", dtrain::engine::summarize_overlap(events).to_string().c_str());
+  const std::string offload = dtrain::engine::summarize_offload(events).to_string();
+  if (!offload.empty()) std::printf("%s\n", offload.c_str());
   const std::string stages = dtrain::engine::to_string(dtrain::engine::summarize_pipeline(events));
   if (!stages.empty()) std::printf("%s\n", stages.c_str());
   return 0;

@@ -370,6 +370,60 @@ OverlapSummary summarize_overlap(const std::vector<TraceEvent>& events,
   return s;
 }
 
+OffloadSummary summarize_offload(const std::vector<TraceEvent>& events) {
+  struct PerRank {
+    std::vector<Interval> steps, backward, compute, cpu;
+  };
+  std::map<int, PerRank> ranks;
+  for (const auto& e : events) {
+    if (e.phase != 'X') continue;
+    PerRank& r = ranks[e.rank];
+    const Interval iv{e.ts_us, e.ts_us + e.dur_us};
+    if (e.name == "step") r.steps.push_back(iv);
+    if (e.name == "backward") r.backward.push_back(iv);
+    if (e.name == "forward" || e.name == "backward") r.compute.push_back(iv);
+    if (e.name.rfind("cpu update", 0) == 0) r.cpu.push_back(iv);
+  }
+  OffloadSummary s;
+  for (auto& [rank, r] : ranks) {
+    if (r.cpu.empty() || r.steps.empty()) continue;
+    double after = 0, total = 0;
+    for (const Interval& step : r.steps) {
+      double last_backward = -1;
+      for (const Interval& b : r.backward) {
+        if (b.second >= step.first && b.second <= step.second) last_backward = std::max(last_backward, b.second);
+      }
+      total += step.second - step.first;
+      if (last_backward >= 0) after += step.second - last_backward;
+    }
+    const auto cpu = interval_union(std::move(r.cpu));
+    const auto compute = interval_union(std::move(r.compute));
+    const double n = static_cast<double>(r.steps.size());
+    s.steps += n;
+    s.step_ms += total / n / 1000.0;
+    s.after_backward_ms += after / n / 1000.0;
+    s.cpu_update_ms += total_length(cpu) / n / 1000.0;
+    s.cpu_update_beside_ms += intersection_length(cpu, compute) / n / 1000.0;
+    ++s.ranks;
+  }
+  if (s.ranks > 0) {
+    for (double* v : {&s.steps, &s.step_ms, &s.after_backward_ms, &s.cpu_update_ms, &s.cpu_update_beside_ms}) {
+      *v /= s.ranks;
+    }
+  }
+  return s;
+}
+
+std::string OffloadSummary::to_string() const {
+  if (ranks == 0) return "";
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(1) << "optimizer offload: host work after backward " << after_backward_ms
+     << " ms/step (" << 100.0 * after_backward_fraction() << "% of " << step_ms << " ms); CPU updates "
+     << cpu_update_ms << " ms/step, " << std::setprecision(0) << 100.0 * beside_fraction()
+     << "% beside forward and backward (" << ranks << (ranks == 1 ? " rank, " : " ranks, ") << steps << " steps)";
+  return os.str();
+}
+
 std::vector<PipelineStageSummary> summarize_pipeline(const std::vector<TraceEvent>& events) {
   struct PerRank {
     PipelineStageSummary s;

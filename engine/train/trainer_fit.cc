@@ -391,6 +391,8 @@ void Trainer::finish_timeline() {
   const std::vector<TraceEvent> events = read_timeline(options_.timeline_path);
   LOG(INFO) << "timeline written to " << options_.timeline_path << ": " << summarize_overlap(events).to_string();
   if (mesh_.pp_size() > 1) LOG(INFO) << "pipeline stages:\n" << to_string(summarize_pipeline(events));
+  const std::string offload = summarize_offload(events).to_string();
+  if (!offload.empty()) LOG(INFO) << offload;
 }
 
 }  // namespace dtrain::engine
