@@ -44,6 +44,35 @@ std::string quoted(const std::string& s) { return "'" + s + "'"; }
 
 // ---- option parsing -------------------------------------------------------------------
 
+// The names of --backend-launcher's and --bind's choices (the same names launcher_name() and
+// bind_name() give), in the order a usage error lists them.
+constexpr std::pair<LauncherKind, const char*> kLauncherNames[] = {
+    {LauncherKind::kAuto, "auto"}, {LauncherKind::kMpirun, "mpirun"},
+    {LauncherKind::kSrun, "srun"}, {LauncherKind::kDirect, "direct"}};
+constexpr std::pair<BindPolicy, const char*> kBindNames[] = {
+    {BindPolicy::kAuto, "auto"}, {BindPolicy::kNone, "none"},
+    {BindPolicy::kCore, "core"}, {BindPolicy::kNuma, "numa"}};
+
+template <typename E, size_t N>
+const char* name_in(const std::pair<E, const char*> (&names)[N], E value) {
+  for (const auto& [choice, name] : names) {
+    if (choice == value) return name;
+  }
+  return "?";
+}
+
+// The choice `value` names; a usage error listing the names otherwise.
+template <typename E, size_t N>
+E parse_choice(const std::string& option, const std::string& value,
+               const std::pair<E, const char*> (&names)[N]) {
+  std::string list;
+  for (const auto& [choice, name] : names) {
+    if (value == name) return choice;
+    list += (list.empty() ? "" : ", ") + std::string(name);
+  }
+  usage_error(option + " " + shell_quote(value) + " is not one of " + list);
+}
+
 bool is_value_option(const std::string& name) {
   static const std::set<std::string> kValueOptions = {
       "-np",   "--np",   "-n",       "--hostfile",         "--gpus-per-node",
@@ -105,26 +134,9 @@ void apply_value(const std::string& name, const std::string& value, Options* opt
     if (value.empty()) usage_error("--mpirun-arg needs a value, e.g. --mpirun-arg --mca");
     options->mpirun_args.push_back(value);
   } else if (name == "--backend-launcher") {
-    static const std::map<std::string, LauncherKind> kKinds = {{"auto", LauncherKind::kAuto},
-                                                               {"mpirun", LauncherKind::kMpirun},
-                                                               {"srun", LauncherKind::kSrun},
-                                                               {"direct", LauncherKind::kDirect}};
-    auto it = kKinds.find(value);
-    if (it == kKinds.end()) {
-      usage_error("--backend-launcher " + shell_quote(value) +
-                  " is not one of auto, mpirun, srun, direct");
-    }
-    options->launcher = it->second;
+    options->launcher = parse_choice(name, value, kLauncherNames);
   } else if (name == "--bind") {
-    static const std::map<std::string, BindPolicy> kPolicies = {{"auto", BindPolicy::kAuto},
-                                                                {"none", BindPolicy::kNone},
-                                                                {"core", BindPolicy::kCore},
-                                                                {"numa", BindPolicy::kNuma}};
-    auto it = kPolicies.find(value);
-    if (it == kPolicies.end()) {
-      usage_error("--bind " + shell_quote(value) + " is not one of auto, none, core, numa");
-    }
-    options->bind = it->second;
+    options->bind = parse_choice(name, value, kBindNames);
   }
 }
 
@@ -370,24 +382,22 @@ void build_srun(const Options& options, const std::string& srun_path, const Prob
   std::optional<std::string> mpi_types = probes.run_capture({srun_path, "--mpi=list"});
   if (mpi_types && mpi_types->find("pmix") != std::string::npos) argv.push_back("--mpi=pmix");
   if (options.oversubscribe) argv.push_back("--overcommit");
-  switch (options.bind) {
-    case BindPolicy::kAuto:
-      plan->binding = "left to Slurm (its default --cpu-bind)";
-      break;
-    case BindPolicy::kNone:
-      plan->binding = "none (--cpu-bind=none)";
-      break;
-    case BindPolicy::kCore:
-      plan->binding = "cores (--cpu-bind=cores)";
-      break;
-    case BindPolicy::kNuma:
-      plan->binding = "NUMA nodes (--cpu-bind=ldoms)";
-      break;
+  // Each policy's srun --cpu-bind (none: Slurm's default) and the plan's words for it.
+  struct SrunBinding {
+    BindPolicy policy;
+    const char* cpu_bind;
+    const char* text;
+  };
+  static constexpr SrunBinding kSrunBindings[] = {
+      {BindPolicy::kAuto, nullptr, "left to Slurm (its default --cpu-bind)"},
+      {BindPolicy::kNone, "none", "none (--cpu-bind=none)"},
+      {BindPolicy::kCore, "cores", "cores (--cpu-bind=cores)"},
+      {BindPolicy::kNuma, "ldoms", "NUMA nodes (--cpu-bind=ldoms)"}};
+  for (const SrunBinding& b : kSrunBindings) {
+    if (b.policy != options.bind) continue;
+    plan->binding = b.text;
+    if (b.cpu_bind) argv.push_back(std::string("--cpu-bind=") + b.cpu_bind);
   }
-  static const std::map<BindPolicy, std::string> kCpuBind = {
-      {BindPolicy::kNone, "none"}, {BindPolicy::kCore, "cores"}, {BindPolicy::kNuma, "ldoms"}};
-  auto bind = kCpuBind.find(options.bind);
-  if (bind != kCpuBind.end()) argv.push_back("--cpu-bind=" + bind->second);
   if (!options.env.empty()) {
     std::string exports = "--export=ALL";
     for (const EnvOption& e : options.env) {
@@ -419,33 +429,9 @@ void check_program(const Options& options, const Plan& plan, Environment env,
 
 }  // namespace
 
-const char* launcher_name(LauncherKind kind) {
-  switch (kind) {
-    case LauncherKind::kAuto:
-      return "auto";
-    case LauncherKind::kMpirun:
-      return "mpirun";
-    case LauncherKind::kSrun:
-      return "srun";
-    case LauncherKind::kDirect:
-      return "direct";
-  }
-  return "?";
-}
+const char* launcher_name(LauncherKind kind) { return name_in(kLauncherNames, kind); }
 
-const char* bind_name(BindPolicy policy) {
-  switch (policy) {
-    case BindPolicy::kAuto:
-      return "auto";
-    case BindPolicy::kNone:
-      return "none";
-    case BindPolicy::kCore:
-      return "core";
-    case BindPolicy::kNuma:
-      return "numa";
-  }
-  return "?";
-}
+const char* bind_name(BindPolicy policy) { return name_in(kBindNames, policy); }
 
 Options parse_options(const std::vector<std::string>& args) {
   Options options;

@@ -8,6 +8,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
@@ -96,14 +97,38 @@ ScratchDir::ScratchDir(const std::string& name, bool create) {
 
 ScratchDir::~ScratchDir() { remove_tree(path_); }
 
-std::string error_of(const std::function<void()>& fn) {
+namespace {
+
+// The message of the dtrain::Error that fn throws, none when it throws none.
+std::optional<std::string> thrown_error(const std::function<void()>& fn) {
   try {
     fn();
   } catch (const dtrain::Error& e) {
     return e.what();
   }
-  ADD_FAILURE() << "no dtrain::Error thrown";
-  return "";
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::string error_of(const std::function<void()>& fn) {
+  const std::optional<std::string> message = thrown_error(fn);
+  if (!message) ADD_FAILURE() << "no dtrain::Error thrown";
+  return message.value_or("");
+}
+
+::testing::AssertionResult throws_error_with(const std::function<void()>& fn,
+                                             const std::string& needle) {
+  const std::optional<std::string> message = thrown_error(fn);
+  if (!message) {
+    return ::testing::AssertionFailure() << "no dtrain::Error thrown (expected one saying '" << needle
+                                         << "')";
+  }
+  if (message->find(needle) == std::string::npos) {
+    return ::testing::AssertionFailure() << "the dtrain::Error '" << *message << "' does not say '"
+                                         << needle << "'";
+  }
+  return ::testing::AssertionSuccess();
 }
 
 std::vector<int> tp_group_sizes() {

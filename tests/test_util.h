@@ -71,6 +71,11 @@ class ScratchDir {
 // returns "" when it throws none.
 std::string error_of(const std::function<void()>& fn);
 
+// Whether fn throws a dtrain::Error whose message contains `needle`, for EXPECT_TRUE (the
+// failure says what was thrown).
+::testing::AssertionResult throws_error_with(const std::function<void()>& fn,
+                                             const std::string& needle);
+
 }  // namespace dtrain::testing_util
 
 #define DTRAIN_SKIP_WITHOUT_CUDA()                                              \

@@ -123,51 +123,55 @@ struct Result {
   at::Tensor weights;  // flat fp32 after all steps
 };
 
-Result run_torch_fused(const Problem& p, int warmup, int iters) {
-  std::vector<at::Tensor> params = clone_all(p.init, at::kFloat);
-  std::vector<at::Tensor> m = zeros_like_all(params), v = zeros_like_all(params);
-  std::vector<at::Tensor> steps;
-  for (size_t i = 0; i < params.size(); ++i) steps.push_back(at::zeros({}, at::kFloat));
+// torch.optim's AdamW state: fp32 copies of the start values, zero moments and the per-tensor
+// step counts (0-dim float tensors).
+struct TorchAdam {
+  std::vector<at::Tensor> params, m, v, steps;
+  explicit TorchAdam(const Problem& p)
+      : params(clone_all(p.init, at::kFloat)),
+        m(zeros_like_all(params)),
+        v(zeros_like_all(params)) {
+    for (size_t i = 0; i < params.size(); ++i) steps.push_back(at::zeros({}, at::kFloat));
+  }
+};
+
+// Times `step` on a fresh TorchAdam (warm-up, then iters steps).
+Result run_torch(const Problem& p, int warmup, int iters,
+                 const std::function<void(TorchAdam&)>& step) {
+  TorchAdam adam(p);
   Result r;
-  r.ms = time_steps(
-      [&] {
-        at::_foreach_add_(steps, 1);  // torch.optim's _fused_adam does this before the kernel
-        at::_fused_adamw_(params, p.grads, m, v, {}, steps, kLr, kBeta1, kBeta2, kWeightDecay, kEps,
-                          /*amsgrad=*/false, /*maximize=*/false);
-      },
-      warmup, iters);
-  r.weights = flat(params);
+  r.ms = time_steps([&] { step(adam); }, warmup, iters);
+  r.weights = flat(adam.params);
   return r;
+}
+
+Result run_torch_fused(const Problem& p, int warmup, int iters) {
+  return run_torch(p, warmup, iters, [&](TorchAdam& a) {
+    at::_foreach_add_(a.steps, 1);  // torch.optim's _fused_adam does this before the kernel
+    at::_fused_adamw_(a.params, p.grads, a.m, a.v, {}, a.steps, kLr, kBeta1, kBeta2, kWeightDecay,
+                      kEps, /*amsgrad=*/false, /*maximize=*/false);
+  });
 }
 
 // torch.optim.adam._multi_tensor_adam with decoupled weight decay (AdamW), capturable=False.
 Result run_torch_foreach(const Problem& p, int warmup, int iters) {
-  std::vector<at::Tensor> params = clone_all(p.init, at::kFloat);
-  std::vector<at::Tensor> m = zeros_like_all(params), v = zeros_like_all(params);
-  std::vector<at::Tensor> steps;
-  for (size_t i = 0; i < params.size(); ++i) steps.push_back(at::zeros({}, at::kFloat));
-  Result r;
-  r.ms = time_steps(
-      [&] {
-        at::_foreach_add_(steps, 1);
-        at::_foreach_mul_(params, 1.0 - kLr * kWeightDecay);
-        at::_foreach_lerp_(m, p.grads, 1.0 - kBeta1);
-        at::_foreach_mul_(v, kBeta2);
-        at::_foreach_addcmul_(v, p.grads, p.grads, 1.0 - kBeta2);
-        std::vector<at::Scalar> step_size, bc2_sqrt;
-        for (const at::Tensor& s : steps) {
-          const double t = s.item<double>();
-          step_size.emplace_back(-kLr / (1.0 - std::pow(kBeta1, t)));
-          bc2_sqrt.emplace_back(std::sqrt(1.0 - std::pow(kBeta2, t)));
-        }
-        std::vector<at::Tensor> denom = at::_foreach_sqrt(v);
-        at::_foreach_div_(denom, bc2_sqrt);
-        at::_foreach_add_(denom, kEps);
-        at::_foreach_addcdiv_(params, m, denom, step_size);
-      },
-      warmup, iters);
-  r.weights = flat(params);
-  return r;
+  return run_torch(p, warmup, iters, [&](TorchAdam& a) {
+    at::_foreach_add_(a.steps, 1);
+    at::_foreach_mul_(a.params, 1.0 - kLr * kWeightDecay);
+    at::_foreach_lerp_(a.m, p.grads, 1.0 - kBeta1);
+    at::_foreach_mul_(a.v, kBeta2);
+    at::_foreach_addcmul_(a.v, p.grads, p.grads, 1.0 - kBeta2);
+    std::vector<at::Scalar> step_size, bc2_sqrt;
+    for (const at::Tensor& s : a.steps) {
+      const double t = s.item<double>();
+      step_size.emplace_back(-kLr / (1.0 - std::pow(kBeta1, t)));
+      bc2_sqrt.emplace_back(std::sqrt(1.0 - std::pow(kBeta2, t)));
+    }
+    std::vector<at::Tensor> denom = at::_foreach_sqrt(a.v);
+    at::_foreach_div_(denom, bc2_sqrt);
+    at::_foreach_add_(denom, kEps);
+    at::_foreach_addcdiv_(a.params, a.m, denom, step_size);
+  });
 }
 
 offload::CpuOptimizerOptions dtrain_options(int threads) {

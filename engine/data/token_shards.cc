@@ -15,6 +15,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <set>
 #include <sstream>
@@ -38,49 +39,40 @@ constexpr int64_t kLlmcHeaderBytes = 1024;  // 256 int32
 constexpr char kMegatronMagic[9] = {'M', 'M', 'I', 'D', 'I', 'D', 'X', '\0', '\0'};
 constexpr int64_t kMegatronHeaderBytes = 34;  // magic, version, dtype code, two counts
 
-// Token types on disk.
-enum class Dtype { kUint8, kInt16, kInt32, kInt64, kUint16, kUint32 };
-
-int64_t dtype_bytes(Dtype t) {
-  switch (t) {
-    case Dtype::kUint8:
-      return 1;
-    case Dtype::kInt16:
-    case Dtype::kUint16:
-      return 2;
-    case Dtype::kInt32:
-    case Dtype::kUint32:
-      return 4;
-    case Dtype::kInt64:
-      return 8;
-  }
-  return 1;
-}
-
-const char* dtype_name(Dtype t) {
-  switch (t) {
-    case Dtype::kUint8:
-      return "uint8";
-    case Dtype::kInt16:
-      return "int16";
-    case Dtype::kInt32:
-      return "int32";
-    case Dtype::kInt64:
-      return "int64";
-    case Dtype::kUint16:
-      return "uint16";
-    case Dtype::kUint32:
-      return "uint32";
-  }
-  return "?";
-}
-
 template <typename T>
 T read_le(const unsigned char* p) {
   T v;
   std::memcpy(&v, p, sizeof(T));
   return v;
 }
+
+// Copies n tokens of type T from src into dst (int64).
+template <typename T>
+void widen(const unsigned char* src, int64_t n, int64_t* dst) {
+  for (int64_t i = 0; i < n; ++i)
+    dst[i] = static_cast<int64_t>(read_le<T>(src + i * int64_t{sizeof(T)}));
+}
+
+// Token types on disk: each one's name, width and reader (kDtypes in Dtype's order).
+enum class Dtype { kUint8, kInt16, kInt32, kInt64, kUint16, kUint32 };
+struct DtypeInfo {
+  const char* name;
+  int64_t bytes;
+  void (*copy)(const unsigned char* src, int64_t n, int64_t* dst);  // widen<T>
+};
+template <typename T>
+constexpr DtypeInfo make_dtype_info(const char* name) {
+  return {name, int64_t{sizeof(T)}, widen<T>};
+}
+constexpr DtypeInfo kDtypes[] = {
+    make_dtype_info<uint8_t>("uint8"),   make_dtype_info<int16_t>("int16"),
+    make_dtype_info<int32_t>("int32"),   make_dtype_info<int64_t>("int64"),
+    make_dtype_info<uint16_t>("uint16"), make_dtype_info<uint32_t>("uint32")};
+static_assert(std::size(kDtypes) == static_cast<size_t>(Dtype::kUint32) + 1, "one entry per Dtype");
+
+const DtypeInfo& dtype_info(Dtype t) { return kDtypes[static_cast<int>(t)]; }
+int64_t dtype_bytes(Dtype t) { return dtype_info(t).bytes; }
+const char* dtype_name(Dtype t) { return dtype_info(t).name; }
 
 bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() &&
@@ -477,35 +469,16 @@ Shard open_candidate(const Candidate& c, const TokenShardOptions& o) {
   return open_llmc(std::move(file));
 }
 
-// Copies n tokens of type T from src into dst (int64).
-template <typename T>
-void widen(const unsigned char* src, int64_t n, int64_t* dst) {
-  for (int64_t i = 0; i < n; ++i)
-    dst[i] = static_cast<int64_t>(read_le<T>(src + i * int64_t{sizeof(T)}));
+void copy_tokens(Dtype t, const unsigned char* src, int64_t n, int64_t* dst) {
+  dtype_info(t).copy(src, n, dst);
 }
 
-void copy_tokens(Dtype t, const unsigned char* src, int64_t n, int64_t* dst) {
-  switch (t) {
-    case Dtype::kUint8:
-      widen<uint8_t>(src, n, dst);
-      break;
-    case Dtype::kInt16:
-      widen<int16_t>(src, n, dst);
-      break;
-    case Dtype::kInt32:
-      widen<int32_t>(src, n, dst);
-      break;
-    case Dtype::kInt64:
-      widen<int64_t>(src, n, dst);
-      break;
-    case Dtype::kUint16:
-      widen<uint16_t>(src, n, dst);
-      break;
-    case Dtype::kUint32:
-      widen<uint32_t>(src, n, dst);
-      break;
-  }
-}
+// The formats' names (token_format_name, parse_token_format).
+constexpr std::pair<TokenFormat, const char*> kTokenFormatNames[] = {
+    {TokenFormat::kAuto, "auto"},
+    {TokenFormat::kLlmc, "llmc"},
+    {TokenFormat::kRaw, "raw"},
+    {TokenFormat::kMegatron, "megatron"}};
 
 std::string format_label(const TokenShardInfo& s) {
   return std::string(token_format_name(s.format)) + " " + s.dtype;
@@ -516,23 +489,15 @@ std::string format_label(const TokenShardInfo& s) {
 // ---- Public ---------------------------------------------------------------------------------
 
 const char* token_format_name(TokenFormat format) {
-  switch (format) {
-    case TokenFormat::kAuto:
-      return "auto";
-    case TokenFormat::kLlmc:
-      return "llmc";
-    case TokenFormat::kRaw:
-      return "raw";
-    case TokenFormat::kMegatron:
-      return "megatron";
+  for (const auto& [f, name] : kTokenFormatNames) {
+    if (f == format) return name;
   }
   return "?";
 }
 
 TokenFormat parse_token_format(const std::string& name) {
-  for (TokenFormat f :
-       {TokenFormat::kAuto, TokenFormat::kLlmc, TokenFormat::kRaw, TokenFormat::kMegatron}) {
-    if (name == token_format_name(f)) return f;
+  for (const auto& [f, f_name] : kTokenFormatNames) {
+    if (name == f_name) return f;
   }
   DTRAIN_CHECK(false, "token-shard format '", name,
                "' does not exist; use auto (detect llm.c and Megatron), "

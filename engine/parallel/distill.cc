@@ -13,12 +13,6 @@
 namespace dtrain::engine {
 namespace {
 
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-using detail::comm_from;
-using detail::comm_handle;
-
 // Reduced-precision logits are computed in float32; float64 stays float64.
 at::ScalarType compute_dtype(const at::Tensor& logits) {
   return logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;

@@ -19,9 +19,6 @@
 namespace dtrain::engine {
 namespace {
 
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
 using detail::CeDtype;
 using detail::CeRows;
 

@@ -1,6 +1,7 @@
-// Private to the tensor- and sequence-parallel autograd functions (tensor_parallel.cc,
-// sequence_parallel.cc): passing the group's communicator through an autograd context, and
-// the all-gather along one dimension both kinds of layer use.
+// Private to the parallel area's autograd functions (tensor_parallel.cc, sequence_parallel.cc,
+// context_parallel.cc, distill.cc, fused_cross_entropy.cc): passing the group's communicator
+// through an autograd context, checking a dimension, the all-gather along one dimension the
+// layers use, and the names all of them use unqualified.
 #pragma once
 
 #include <cstdint>
@@ -9,6 +10,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "dtrain/dist/communicator.h"
+#include "dtrain/dist/error.h"
 
 namespace dtrain::engine::detail {
 
@@ -22,6 +24,15 @@ inline dist::Communicator& comm_from(int64_t handle) {
 }
 inline dist::Communicator& comm_of(torch::autograd::AutogradContext* ctx) {
   return comm_from(ctx->saved_data["tp"].toInt());
+}
+
+// dim of x as a non-negative index (negative counts from the end); throws dtrain::Error naming
+// `what` for a scalar or a dimension out of range.
+inline int64_t checked_dim(const at::Tensor& x, int64_t dim, const char* what) {
+  DTRAIN_CHECK(x.dim() >= 1, what, ": a tensor of at least one dimension is needed, got a scalar");
+  DTRAIN_CHECK(dim >= -x.dim() && dim < x.dim(), what, ": dimension ", dim,
+               " is out of range for a tensor of shape ", x.sizes());
+  return dim < 0 ? dim + x.dim() : dim;
 }
 
 // Concatenation along dim (0 <= dim < x.dim()) of every rank's x, in rank order (a copy
@@ -40,3 +51,15 @@ inline at::Tensor all_gather_along(const at::Tensor& x, int64_t dim, dist::Commu
 }
 
 }  // namespace dtrain::engine::detail
+
+// The names the autograd functions use unqualified, in dtrain::engine of the files that
+// include this header (no other file does).
+namespace dtrain::engine {
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using detail::all_gather_along;
+using detail::checked_dim;
+using detail::comm_from;
+using detail::comm_handle;
+using detail::comm_of;
+}  // namespace dtrain::engine

@@ -9,20 +9,6 @@
 namespace dtrain::engine {
 namespace {
 
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-using detail::all_gather_along;
-using detail::comm_of;
-using detail::comm_handle;
-
-int64_t checked_dim(const at::Tensor& x, int64_t dim, const char* what) {
-  DTRAIN_CHECK(x.dim() >= 1, what, ": a tensor of at least one dimension is needed, got a scalar");
-  DTRAIN_CHECK(dim >= -x.dim() && dim < x.dim(), what, ": dimension ", dim,
-               " is out of range for a tensor of shape ", x.sizes());
-  return dim < 0 ? dim + x.dim() : dim;
-}
-
 void check_divides(const at::Tensor& x, int64_t dim, dist::Communicator& tp, const char* what) {
   DTRAIN_CHECK(x.size(dim) % tp.size() == 0, what, ": cannot split a sequence of ", x.size(dim),
                " (dimension ", dim, " of ", x.sizes(), ") over ", tp.size(),

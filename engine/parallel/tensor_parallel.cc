@@ -15,13 +15,6 @@
 namespace dtrain::engine {
 namespace {
 
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-using detail::comm_from;
-using detail::comm_of;
-using detail::comm_handle;
-
 at::Tensor all_reduce_copy(const at::Tensor& x, dist::Communicator& tp) {
   at::Tensor y = x.contiguous().clone();
   if (tp.size() > 1) tp.all_reduce(y)->wait();

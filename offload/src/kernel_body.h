@@ -59,16 +59,25 @@ struct DecayConsts {
   }
 };
 
-// Vector i's updated parameter p, into the master and the model copy (when O is not kNone).
-template <ElemType O>
-inline void store_param(const UpdateArrays& a, int64_t i, typename V::Reg p) {
-  V::store_f32(a.param + i, p);
-  store_from_float<O>(a.out, i, p);
-}
+// The update of one vector at index i, per rule: Op::update takes the vector's parameter
+// (decayed) and gradient (scaled, L2 added), updates the rule's state and returns the new
+// parameter, which goes into the master and the model copy (when O is not kNone). Constants
+// are broadcast once per call (Op::Consts, a template parameter here: Op is incomplete when
+// this base is).
+template <class Op, ElemType G, ElemType O>
+struct RuleAt {
+  template <class Consts>
+  static inline void at(const Consts& c, const UpdateArrays& a, int64_t i) {
+    typename V::Reg p, g;
+    c.template load<G>(a, i, p, g);
+    p = Op::update(c, a, i, p, g);
+    V::store_f32(a.param + i, p);
+    store_from_float<O>(a.out, i, p);
+  }
+};
 
-// The update of one vector at index i, per rule. Constants are broadcast once per call.
 template <ElemType G, ElemType O, bool kAmsgrad>
-struct AdamOp {
+struct AdamOp : RuleAt<AdamOp<G, O, kAmsgrad>, G, O> {
   using R = typename V::Reg;
   struct Consts : DecayConsts {
     R b1c, b2, b2c, step, inv_bc2, eps;
@@ -81,9 +90,7 @@ struct AdamOp {
           inv_bc2(V::set1(c.inv_bias_correction2_sqrt)),
           eps(V::set1(c.eps)) {}
   };
-  static inline void at(const Consts& c, const UpdateArrays& a, int64_t i) {
-    R p, g;
-    c.template load<G>(a, i, p, g);
+  static inline R update(const Consts& c, const UpdateArrays& a, int64_t i, R p, R g) {
     R m = V::load_f32(a.state0 + i);
     m = V::fma(c.b1c, V::sub(g, m), m);
     R v = V::fma(c.b2c, V::mul(g, g), V::mul(c.b2, V::load_f32(a.state1 + i)));
@@ -96,29 +103,27 @@ struct AdamOp {
     p = V::fnma(c.step, V::div(m, denom), p);
     V::store_f32(a.state0 + i, m);
     V::store_f32(a.state1 + i, v);
-    store_param<O>(a, i, p);
+    return p;
   }
 };
 
 template <ElemType G, ElemType O>
-struct AdagradOp {
+struct AdagradOp : RuleAt<AdagradOp<G, O>, G, O> {
   using R = typename V::Reg;
   struct Consts : DecayConsts {
     R lr, eps;
     explicit Consts(const UpdateConfig& c) : DecayConsts(c), lr(V::set1(c.lr)), eps(V::set1(c.eps)) {}
   };
-  static inline void at(const Consts& c, const UpdateArrays& a, int64_t i) {
-    R p, g;
-    c.template load<G>(a, i, p, g);
+  static inline R update(const Consts& c, const UpdateArrays& a, int64_t i, R p, R g) {
     R s = V::fma(g, g, V::load_f32(a.state0 + i));
     p = V::fnma(c.lr, V::div(g, V::add(V::sqrt(s), c.eps)), p);
     V::store_f32(a.state0 + i, s);
-    store_param<O>(a, i, p);
+    return p;
   }
 };
 
 template <ElemType G, ElemType O, bool kMomentum>
-struct SgdOp {
+struct SgdOp : RuleAt<SgdOp<G, O, kMomentum>, G, O> {
   using R = typename V::Reg;
   struct Consts : DecayConsts {
     bool first, nesterov;
@@ -131,17 +136,14 @@ struct SgdOp {
           momentum(V::set1(c.momentum_factor)),
           dampening_keep(V::set1(c.dampening_keep)) {}
   };
-  static inline void at(const Consts& c, const UpdateArrays& a, int64_t i) {
-    R p, g;
-    c.template load<G>(a, i, p, g);
+  static inline R update(const Consts& c, const UpdateArrays& a, int64_t i, R p, R g) {
     if constexpr (kMomentum) {
       R buf =
           c.first ? g : V::fma(c.momentum, V::load_f32(a.state0 + i), V::mul(c.dampening_keep, g));
       V::store_f32(a.state0 + i, buf);
       g = c.nesterov ? V::fma(c.momentum, buf, g) : buf;
     }
-    p = V::fnma(c.lr, g, p);
-    store_param<O>(a, i, p);
+    return V::fnma(c.lr, g, p);
   }
 };
 

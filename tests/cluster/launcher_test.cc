@@ -66,6 +66,12 @@ class LauncherTest : public ::testing::Test {
     return "";
   }
 
+  // The LaunchError for `args` ends with `exit_code` and its message says `needle`.
+  void expect_error(const Argv& args, const std::string& needle, int exit_code = kExitUsage) {
+    const std::string message = error_for(args, exit_code);
+    EXPECT_NE(message.find(needle), std::string::npos) << message;
+  }
+
   void enter_slurm(int ntasks) {
     env_["SLURM_JOB_ID"] = "4242";
     env_["SLURM_NTASKS"] = std::to_string(ntasks);
@@ -156,9 +162,8 @@ TEST_F(LauncherTest, NoMpirunSaysToInstallOpenMpi) {
 }
 
 TEST_F(LauncherTest, MissingMpirunOverrideIsNotFound) {
-  std::string message =
-      error_for({"--mpirun", "/nope/mpirun", "-np", "2", "--", "train"}, kExitNotFound);
-  EXPECT_NE(message.find("'/nope/mpirun'"), std::string::npos) << message;
+  expect_error({"--mpirun", "/nope/mpirun", "-np", "2", "--", "train"}, "'/nope/mpirun'",
+               kExitNotFound);
 }
 
 TEST_F(LauncherTest, MpirunArgsGoVerbatimBeforeTheProgram) {
@@ -182,12 +187,10 @@ TEST_F(LauncherTest, MpirunArgsChooseMpirun) {
                              "--report-bindings", "train"}));
   enter_slurm(2);
   EXPECT_EQ(plan_for({"--mpirun-arg", "-v", "--", "train"}).launcher, LauncherKind::kMpirun);
-  EXPECT_NE(error_for({"--backend-launcher", "srun", "--mpirun-arg", "-v", "--", "train"})
-                .find("--mpirun-arg needs mpirun, but --backend-launcher is srun"),
-            std::string::npos);
-  EXPECT_NE(error_for({"--backend-launcher", "direct", "--mpirun-arg", "-v", "--", "train"})
-                .find("--mpirun-arg needs mpirun, but --backend-launcher is direct"),
-            std::string::npos);
+  for (const std::string launcher : {"srun", "direct"}) {
+    expect_error({"--backend-launcher", launcher, "--mpirun-arg", "-v", "--", "train"},
+                 "--mpirun-arg needs mpirun, but --backend-launcher is " + launcher);
+  }
 }
 
 // ---- Slurm ------------------------------------------------------------------------------
@@ -219,8 +222,7 @@ TEST_F(LauncherTest, SrunEnvOversubscribeAndBinding) {
                         "BAR=1", "--", "train"});
   EXPECT_EQ(plan.argv, (Argv{"srun", "--ntasks=16", "--kill-on-bad-exit=1", "--overcommit",
                              "--cpu-bind=cores", "--export=ALL,FOO,BAR=1", "train"}));
-  std::string message = error_for({"--env", "L=a,b", "--", "train"});
-  EXPECT_NE(message.find("','"), std::string::npos) << message;
+  expect_error({"--env", "L=a,b", "--", "train"}, "','");
 }
 
 TEST_F(LauncherTest, SlurmTaskCountFallbacks) {
@@ -245,20 +247,15 @@ TEST_F(LauncherTest, HostfileInsideSlurmUsesMpirun) {
   enter_slurm(4);
   world_.files["hosts"] = "a slots=2\nb slots=2\n";
   EXPECT_EQ(plan_for({"--hostfile", "hosts", "--", "train"}).launcher, LauncherKind::kMpirun);
-  EXPECT_NE(error_for({"--backend-launcher", "srun", "--hostfile", "hosts", "--", "train"})
-                .find("--hostfile is for mpirun"),
-            std::string::npos);
+  expect_error({"--backend-launcher", "srun", "--hostfile", "hosts", "--", "train"},
+               "--hostfile is for mpirun");
 }
 
 TEST_F(LauncherTest, ExplicitLaunchers) {
   EXPECT_EQ(plan_for({"--backend-launcher", "mpirun", "--", "train"}).argv,
             (Argv{"mpirun", "-np", "1", "--map-by", "core", "--bind-to", "core", "train"}));
-  EXPECT_NE(error_for({"--backend-launcher", "srun", "--", "train"}, kExitNotFound)
-                .find("srun is not on PATH"),
-            std::string::npos);
-  EXPECT_NE(error_for({"--backend-launcher", "direct", "-np", "2", "--", "train"})
-                .find("starts one process"),
-            std::string::npos);
+  expect_error({"--backend-launcher", "srun", "--", "train"}, "srun is not on PATH", kExitNotFound);
+  expect_error({"--backend-launcher", "direct", "-np", "2", "--", "train"}, "starts one process");
 }
 
 // ---- binding ------------------------------------------------------------------------------
@@ -358,9 +355,8 @@ TEST_F(LauncherTest, MoreProcessesThanSlotsFails) {
 
 TEST_F(LauncherTest, HostsWithoutSlotsCountAsOne) {
   world_.files["hosts"] = "node1\nnode2\n";
-  std::string message = error_for({"-np", "3", "--hostfile", "hosts", "--", "train"});
-  EXPECT_NE(message.find("has 2 (a host without slots= counts as 1)"), std::string::npos)
-      << message;
+  expect_error({"-np", "3", "--hostfile", "hosts", "--", "train"},
+               "has 2 (a host without slots= counts as 1)");
 }
 
 TEST_F(LauncherTest, MaxSlotsCapsEvenWhenOversubscribing) {
@@ -368,9 +364,8 @@ TEST_F(LauncherTest, MaxSlotsCapsEvenWhenOversubscribing) {
   EXPECT_EQ(
       plan_for({"-np", "6", "--hostfile", "hosts", "--oversubscribe", "--", "train"}).num_processes,
       6);
-  std::string message =
-      error_for({"-np", "7", "--hostfile", "hosts", "--oversubscribe", "--", "train"});
-  EXPECT_NE(message.find("max_slots total 6"), std::string::npos) << message;
+  expect_error({"-np", "7", "--hostfile", "hosts", "--oversubscribe", "--", "train"},
+               "max_slots total 6");
 }
 
 // ---- bad input ----------------------------------------------------------------------------
@@ -420,10 +415,9 @@ TEST_F(LauncherTest, BadInputIsAUsageError) {
 }
 
 TEST_F(LauncherTest, MissingProgramIsNotFound) {
-  std::string message = error_for({"--", "no-such-trainer"}, kExitNotFound);
-  EXPECT_NE(message.find("'no-such-trainer' not found on PATH"), std::string::npos) << message;
-  message = error_for({"-np", "2", "--", "./build/bin/nothing"}, kExitNotFound);
-  EXPECT_NE(message.find("does not exist or is not executable"), std::string::npos) << message;
+  expect_error({"--", "no-such-trainer"}, "'no-such-trainer' not found on PATH", kExitNotFound);
+  expect_error({"-np", "2", "--", "./build/bin/nothing"}, "does not exist or is not executable",
+               kExitNotFound);
   // Found through PATH in any of its directories.
   EXPECT_EQ(plan_for({"--", "true"}).argv, (Argv{"true"}));
 }

@@ -16,12 +16,15 @@
 #include "dtrain/dist/communicator.h"
 #include "dtrain/engine/memory/activation_checkpoint.h"
 #include "dtrain/engine/optim/amp.h"
+#include "gradscaler_cases.h"
 #include "test_util.h"
 
 namespace dtrain::engine {
 namespace {
 
 using nlohmann::json;
+using gradscaler_cases::from_json;
+using gradscaler_cases::planted_grads;
 
 const c10::Device kCuda(c10::kCUDA, 0);
 
@@ -41,27 +44,6 @@ TEST(AmpGpu, CudaAutocastMatmulDtypes) {
   }
   EXPECT_FALSE(at::autocast::is_autocast_enabled(c10::kCUDA));
   EXPECT_EQ(at::mm(a, b).scalar_type(), at::kFloat);
-}
-
-// The planted gradients of tests/reference/gradscaler_reference.py (see its docstring) on
-// `device`, times `scale`; index 2 undefined.
-std::vector<at::Tensor> planted_grads(int k, double scale, bool inf, bool nan, c10::Device device) {
-  at::Tensor g0 = (at::arange(5, at::kFloat) - 2) * 0.25 + k * 0.125;
-  at::Tensor g1 = at::arange(6, at::kDouble).reshape({2, 3}) * 0.5 - 1 + k * 0.0625;
-  at::Tensor g3 = (at::arange(4, at::kFloat) * 0.5 - 0.75 + k * 0.125).to(at::kBFloat16);
-  g0 = (g0 * scale).to(device);
-  g1 = (g1 * scale).to(device);
-  g3 = (g3 * scale).to(device);
-  if (inf) {
-    g0[1] = std::numeric_limits<float>::infinity();
-    g3[2] = -std::numeric_limits<float>::infinity();
-  }
-  if (nan) g1[0][2] = std::numeric_limits<double>::quiet_NaN();
-  return {g0, g1, at::Tensor(), g3};
-}
-
-at::Tensor from_json(const json& values, at::ScalarType dtype) {
-  return at::tensor(values.get<std::vector<double>>(), at::kDouble).to(dtype);
 }
 
 TEST(AmpGpu, ScalerOnCudaMatchesGradScaler) {

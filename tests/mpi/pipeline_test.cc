@@ -20,7 +20,7 @@ using testing_util::rel_error;
 using testing_util::world_comm;
 
 constexpr int kBlocks = 8;
-constexpr int64_t kWidth = 6, kRows = 4;
+constexpr int64_t kWidth = 6, kPipeRows = 4;
 
 struct Model {
   std::vector<torch::nn::Linear> blocks;
@@ -51,7 +51,7 @@ Model make_model() {
 
 std::pair<at::Tensor, at::Tensor> micro_batch(int i) {
   auto g = at::make_generator<at::CPUGeneratorImpl>(100 + i);
-  return {at::randn({kRows, kWidth}, g, at::kDouble), at::randn({kRows, 1}, g, at::kDouble)};
+  return {at::randn({kPipeRows, kWidth}, g, at::kDouble), at::randn({kPipeRows, 1}, g, at::kDouble)};
 }
 
 at::Tensor run_blocks(Model& m, int begin, int end, at::Tensor x) {
@@ -157,7 +157,7 @@ TEST(Pipeline, StagesTrainAsOneProcessForBothSchedules) {
       PipelineStep step;
       step.micro_batches = m;
       step.schedule = schedule;
-      step.activation_shape = {kRows, kWidth};
+      step.activation_shape = {kPipeRows, kWidth};
       step.activation_options = at::TensorOptions().dtype(at::kDouble);
       step.input = [](int i) { return micro_batch(i).first; };
       step.forward = [&](const at::Tensor& x, int i) {
@@ -235,9 +235,9 @@ TEST(Pipeline, ActivationOfAnotherShapeIsRefusedNamingIt) {
   auto& pp = world_comm();
   if (pp.size() < 2) GTEST_SKIP() << "one stage sends nothing";
   PipelineStep step;
-  step.activation_shape = {kRows, kWidth};
+  step.activation_shape = {kPipeRows, kWidth};
   step.activation_options = at::TensorOptions().dtype(at::kDouble);
-  step.input = [](int) { return at::zeros({kRows, kWidth + 1}, at::kDouble); };
+  step.input = [](int) { return at::zeros({kPipeRows, kWidth + 1}, at::kDouble); };
   step.forward = [](const at::Tensor& x, int) { return x * 2; };
   if (pp.rank() == 0) {
     try {

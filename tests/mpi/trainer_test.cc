@@ -39,6 +39,21 @@ Batch batch_for(int64_t step, int rank, int64_t rows) {
   return b;
 }
 
+// `batch` rows per rank, in dataset order unless shuffled, assembled on the caller's thread;
+// this rank's share of `comm` when given, else one rank's (fit() and evaluate() shard it).
+LoaderOptions trainer_loader_options(int64_t batch, bool shuffle = true,
+                                     dist::Communicator* comm = nullptr) {
+  LoaderOptions lo;
+  lo.batch_size = batch;
+  lo.shuffle = shuffle;
+  lo.workers = 0;
+  if (comm) {
+    lo.dp_rank = comm->rank();
+    lo.dp_size = comm->size();
+  }
+  return lo;
+}
+
 // A loader over `rows` random float64 regression rows (x [rows, in], y [rows, out]) drawn from
 // `seed`, `batch` rows per data-parallel rank, in dataset order with no workers.
 std::unique_ptr<DataLoader> regression_loader(int64_t rows, int64_t in, int64_t out, uint64_t seed, int64_t batch,
@@ -46,11 +61,7 @@ std::unique_ptr<DataLoader> regression_loader(int64_t rows, int64_t in, int64_t 
   auto g = at::make_generator<at::CPUGeneratorImpl>(seed);
   auto data = std::make_shared<TensorDataset>(
       std::vector<at::Tensor>{at::randn({rows, in}, g, at::kDouble), at::randn({rows, out}, g, at::kDouble)});
-  LoaderOptions lo;
-  lo.batch_size = batch;
-  lo.shuffle = shuffle;
-  lo.workers = 0;
-  return std::make_unique<DataLoader>(data, lo);
+  return std::make_unique<DataLoader>(data, trainer_loader_options(batch, shuffle));
 }
 
 TrainerOptions base_options() {
@@ -160,11 +171,7 @@ TEST(Trainer, MetricsFileHasTheArchitectureFieldsAndTheGlobalLoss) {
   auto g = at::make_generator<at::CPUGeneratorImpl>(77);
   at::Tensor x = at::randn({64, 6}, g, at::kDouble), y = at::randn({64, 1}, g, at::kDouble);
   auto data = std::make_shared<TensorDataset>(std::vector<at::Tensor>{x, y});
-  LoaderOptions lo;
-  lo.batch_size = 4;
-  lo.dp_rank = comm.rank();
-  lo.dp_size = comm.size();
-  lo.workers = 0;
+  const LoaderOptions lo = trainer_loader_options(4, /*shuffle=*/true, &comm);
   DataLoader loader(data, lo);
   std::vector<double> seen_loss;
   o.on_log = [&](const StepMetrics& m) { seen_loss.push_back(m.loss); };
@@ -211,13 +218,7 @@ TEST(Trainer, EvaluateAveragesOverTheDataParallelGroupInEvalModeWithoutGrad) {
   auto g = at::make_generator<at::CPUGeneratorImpl>(5);
   at::Tensor x = at::randn({32, 6}, g, at::kDouble), y = at::randn({32, 1}, g, at::kDouble);
   auto data = std::make_shared<TensorDataset>(std::vector<at::Tensor>{x, y});
-  LoaderOptions lo;
-  lo.batch_size = 4;
-  lo.dp_rank = comm.rank();
-  lo.dp_size = comm.size();
-  lo.shuffle = false;
-  lo.workers = 0;
-  DataLoader loader(data, lo);
+  DataLoader loader(data, trainer_loader_options(4, /*shuffle=*/false, &comm));
   double got = trainer.evaluate(loader, 1);
   EXPECT_FALSE(saw_grad_mode);
   EXPECT_FALSE(saw_training);
@@ -246,11 +247,7 @@ TEST(Trainer, EvaluateCountsAccuracyOverTheDataParallelGroup) {
   auto g = at::make_generator<at::CPUGeneratorImpl>(9);
   at::Tensor x = at::randn({48, 6}, g, at::kDouble), y = at::randint(3, {48}, g, at::kLong);
   auto data = std::make_shared<TensorDataset>(std::vector<at::Tensor>{x, y});
-  LoaderOptions lo;
-  lo.batch_size = 4;
-  lo.shuffle = false;
-  lo.workers = 0;
-  DataLoader loader(data, lo);  // sharded by evaluate()
+  DataLoader loader(data, trainer_loader_options(4, /*shuffle=*/false));  // sharded by evaluate()
   const int64_t batches = 2;
   const double loss = trainer.evaluate(loader, batches);
   ASSERT_TRUE(trainer.last_eval_accuracy().has_value());
@@ -288,11 +285,8 @@ TEST(Trainer, EvaluationScoresTheSameHeldOutSetForEveryLayoutAndEveryCall) {
         o.eval_samples = samples;
         Trainer trainer(*model, [&](const Batch& b) { return torch::mse_loss(model->forward(b.fields[0]), b.fields[1]); },
                         mesh, c10::Device(c10::kCPU), o);
-        LoaderOptions lo;
-        lo.batch_size = rows;
-        lo.shuffle = shuffle;
+        LoaderOptions lo = trainer_loader_options(rows, shuffle);
         lo.seed = 77;
-        lo.workers = 0;
         DataLoader loader(data, lo);
         const std::vector<int64_t> order = loader.evaluation_order(samples);
         ASSERT_EQ(static_cast<int64_t>(order.size()), samples == 0 ? 37 : samples);
@@ -520,11 +514,7 @@ TEST(Trainer, ALoaderWithoutDropLastIsRefusedOnEveryDataParallelRank) {
   Trainer trainer(*model, loss, mesh, c10::Device(c10::kCPU), o);
   auto data = std::make_shared<TensorDataset>(
       std::vector<at::Tensor>{at::randn({9, 6}, at::kDouble), at::randn({9, 1}, at::kDouble)});
-  LoaderOptions lo;
-  lo.batch_size = 4;
-  lo.dp_rank = comm.rank();
-  lo.dp_size = comm.size();
-  lo.workers = 0;
+  LoaderOptions lo = trainer_loader_options(4, /*shuffle=*/true, &comm);
   lo.drop_last = false;
   DataLoader loader(data, lo);
   const std::string what = testing_util::error_of([&] { trainer.fit(loader); });
@@ -536,8 +526,7 @@ std::vector<at::Tensor> fit_on(dist::Mesh& mesh, int64_t batch_size, int dp_rank
   auto g = at::make_generator<at::CPUGeneratorImpl>(11);
   auto data = std::make_shared<TensorDataset>(
       std::vector<at::Tensor>{at::randn({96, 6}, g, at::kDouble), at::randn({96, 1}, g, at::kDouble)});
-  LoaderOptions lo;
-  lo.batch_size = batch_size;
+  LoaderOptions lo = trainer_loader_options(batch_size);
   lo.dp_rank = dp_rank;
   lo.dp_size = dp_size;
   lo.seed = 5;

@@ -13,12 +13,15 @@
 
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/optim/amp.h"
+#include "gradscaler_cases.h"
 #include "test_util.h"
 
 namespace dtrain::engine {
 namespace {
 
 using nlohmann::json;
+using gradscaler_cases::from_json;
+using gradscaler_cases::planted_grads;
 
 // ---------------------------------------------------------------------------------------
 // Parsing
@@ -155,27 +158,6 @@ const json& reference() {
     return out.empty() ? json() : json::parse(out);
   }();
   return kReference;
-}
-
-// The gradients the reference plants (see its docstring), times `scale`; index 2 undefined.
-std::vector<at::Tensor> planted_grads(int k, double scale, bool inf, bool nan) {
-  at::Tensor g0 = (at::arange(5, at::kFloat) - 2) * 0.25 + k * 0.125;
-  at::Tensor g1 = at::arange(6, at::kDouble).reshape({2, 3}) * 0.5 - 1 + k * 0.0625;
-  at::Tensor g3 = (at::arange(4, at::kFloat) * 0.5 - 0.75 + k * 0.125).to(at::kBFloat16);
-  g0 = g0 * scale;
-  g1 = g1 * scale;
-  g3 = g3 * scale;
-  if (inf) {
-    g0[1] = std::numeric_limits<float>::infinity();
-    g3[2] = -std::numeric_limits<float>::infinity();
-  }
-  if (nan) g1[0][2] = std::numeric_limits<double>::quiet_NaN();
-  return {g0, g1, at::Tensor(), g3};
-}
-
-at::Tensor from_json(const json& values, at::ScalarType dtype) {
-  std::vector<double> v = values.get<std::vector<double>>();
-  return at::tensor(v, at::kDouble).to(dtype);
 }
 
 // Runs `run` through a LossScaler and compares every step with GradScaler's record.

@@ -47,6 +47,14 @@ at::Tensor initial_param(at::ScalarType dtype = at::kDouble) {
   return at::randn({kV, kD}, gen, at::kDouble).to(dtype).to(at::kDouble);
 }
 
+// Adam (SparseAdam for sparse-gradient parameters) at learning rate lr, otherwise the defaults.
+OptimizerOptions adam_with_lr(double lr) {
+  OptimizerOptions o;
+  o.name = "adam";
+  o.lr = lr;
+  return o;
+}
+
 // An uncoalesced sparse COO gradient of a [kV, kD] parameter.
 at::Tensor sparse_grad(const std::vector<int64_t>& rows, const at::Tensor& values, at::ScalarType dtype,
                        c10::Device device = at::kCPU) {
@@ -225,23 +233,28 @@ TEST(SparseOptimRules, UntouchedRowsAreUnchanged) {
   }
 }
 
+// The first `steps` steps of kRows' gradients (make_values()): sparse_param, updated by `sparse`,
+// gets them as sparse gradients, dense_param, updated by `dense`, the same gradients densified.
+void step_sparse_and_densified(at::Tensor& sparse_param, Optimizer& sparse, at::Tensor& dense_param,
+                               Optimizer& dense, int steps) {
+  std::vector<at::Tensor> values = make_values();
+  for (int s = 0; s < steps; ++s) {
+    sparse_param.mutable_grad() = sparse_grad(kRows[s], values[s], at::kDouble);
+    dense_param.mutable_grad() = sparse_param.grad().to_dense();
+    sparse.step();
+    dense.step();
+  }
+}
+
 // SparseAdam is lazy: dense Adam on the densified gradients decays the moments of untouched
 // rows and keeps moving those rows, SparseAdam does neither.
 TEST(SparseOptimRules, SparseAdamIsLazyUnlikeDenseAdamOnTheDensifiedGradient) {
-  OptimizerOptions o;
-  o.name = "adam";
-  o.lr = 0.1;
+  const OptimizerOptions o = adam_with_lr(0.1);
   at::Tensor sp = initial_param().requires_grad_(true);
   at::Tensor dp = initial_param().requires_grad_(true);
   std::unique_ptr<Optimizer> sparse = make_sparse_aware_optimizer({sp}, {true}, o);
   std::unique_ptr<Optimizer> dense = make_optimizer({dp}, o);
-  std::vector<at::Tensor> values = make_values();
-  for (int s = 0; s < 3; ++s) {
-    sp.mutable_grad() = sparse_grad(kRows[s], values[s], at::kDouble);
-    dp.mutable_grad() = sp.grad().to_dense();
-    sparse->step();
-    dense->step();
-  }
+  step_sparse_and_densified(sp, *sparse, dp, *dense, 3);
   // Row 7 was touched at step 0 only, row 0 at step 1 only.
   for (int64_t r : {0, 7}) {
     EXPECT_GT((state_of(*sparse, "0.exp_avg")[r] - state_of(*dense, "0.exp_avg")[r]).abs().max().item<double>(),
@@ -311,20 +324,12 @@ TEST(SparseOptimRules, DenseGradientOfASparseParameterUpdatesEveryRow) {
 // With a dense gradient every row is touched: SparseAdam's moments then decay on the rows
 // whose gradient is zero, and those rows keep moving (not lazy, by design of the fallback).
 TEST(SparseOptimRules, DenseGradientOfASparseAdamParameterDecaysEveryRow) {
-  OptimizerOptions o;
-  o.name = "adam";
-  o.lr = 0.1;
+  const OptimizerOptions o = adam_with_lr(0.1);
   at::Tensor a = initial_param().requires_grad_(true);
   at::Tensor lazy = initial_param().requires_grad_(true);
   std::unique_ptr<Optimizer> dense_in = make_sparse_aware_optimizer({a}, {true}, o);
   std::unique_ptr<Optimizer> sparse_in = make_sparse_aware_optimizer({lazy}, {true}, o);
-  std::vector<at::Tensor> values = make_values();
-  for (int s = 0; s < 2; ++s) {
-    lazy.mutable_grad() = sparse_grad(kRows[s], values[s], at::kDouble);
-    a.mutable_grad() = lazy.grad().to_dense();
-    dense_in->step();
-    sparse_in->step();
-  }
+  step_sparse_and_densified(lazy, *sparse_in, a, *dense_in, 2);
   // Row 7: touched at step 0 only.
   at::Tensor m_dense = state_of(*dense_in, "0.exp_avg")[7], m_lazy = state_of(*sparse_in, "0.exp_avg")[7];
   EXPECT_TRUE(at::allclose(m_dense, m_lazy * o.beta1, 1e-14, 0));
@@ -336,9 +341,7 @@ TEST(SparseOptimRules, DenseGradientOfASparseAdamParameterDecaysEveryRow) {
 
 // A real embedding with sparse gradients from autograd (uncoalesced, duplicates).
 TEST(SparseOptimRules, EmbeddingBackwardWithSparseGradients) {
-  OptimizerOptions o;
-  o.name = "adam";
-  o.lr = 0.05;
+  const OptimizerOptions o = adam_with_lr(0.05);
   at::Tensor w = initial_param().requires_grad_(true);
   std::unique_ptr<Optimizer> opt = make_sparse_aware_optimizer({w}, {true}, o);
   Reference ref("adam", initial_param());

@@ -1,9 +1,5 @@
 // state/training_state.h: a run's training state saved and restored without a Trainer, against
 // the checkpoints a Trainer writes and reads.
-#include <ftw.h>
-#include <unistd.h>
-
-#include <cstdlib>
 #include <torch/torch.h>
 
 #include "dtrain/dist/mesh.h"
@@ -14,23 +10,7 @@
 namespace dtrain::engine {
 namespace {
 
-int ts_remove_entry(const char* path, const struct stat*, int, struct FTW*) { return ::remove(path); }
-
-// A fresh directory under $TMPDIR (or /tmp), removed with the object (no std::filesystem in
-// binaries linking libtorch).
-class TsTempDir {
- public:
-  TsTempDir() {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string pattern = std::string(tmp && *tmp ? tmp : "/tmp") + "/dtrain_ts_XXXXXX";
-    path_ = ::mkdtemp(pattern.data());
-  }
-  ~TsTempDir() { ::nftw(path_.c_str(), ts_remove_entry, 16, FTW_DEPTH | FTW_PHYS); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using testing_util::ScratchDir;
 
 // One process; an 8 -> 4 double Linear and its data (64 rows), Adam.
 struct TsRun {
@@ -84,12 +64,12 @@ void ts_expect_same(const NamedTensors& a, const NamedTensors& b, const std::str
 // that copy trains on exactly as one resuming from the original.
 TEST(TrainingState, RestoresAndSavesATrainersCheckpointWithoutATrainer) {
   TsRun run;
-  TsTempDir trainer_dir, library_dir;
+  ScratchDir trainer_dir("ts_trainer", /*create=*/true), library_dir("ts_library", /*create=*/true);
   torch::nn::Linear trained = ts_model(1);
   NamedTensors trainer_optimizer;
   std::pair<int64_t, int64_t> trainer_position;
   {
-    Trainer trainer(*trained, ts_loss(trained), run.mesh, c10::Device(c10::kCPU), ts_options(trainer_dir.path(), 3, false));
+    Trainer trainer(*trained, ts_loss(trained), run.mesh, c10::Device(c10::kCPU), ts_options(trainer_dir.str(), 3, false));
     DataLoader loader(run.data, run.loader_options);
     trainer.fit(loader);  // saves step 3 at its end
     trainer_optimizer = trainer.optimizer().state();
@@ -106,7 +86,7 @@ TEST(TrainingState, RestoresAndSavesATrainersCheckpointWithoutATrainer) {
   TrainingState state(*model, run.mesh, trained_params.params, trained_params.names, splits);
   state.optimizer = optimizer.get();
   DataLoader loader(run.data, run.loader_options);
-  CheckpointStore trainer_store(trainer_dir.path());
+  CheckpointStore trainer_store(trainer_dir.str());
   std::optional<CheckpointInfo> info = resume_training_state(state, trainer_store, &loader);
   ASSERT_TRUE(info.has_value());
   EXPECT_EQ(info->step, 3);
@@ -116,7 +96,7 @@ TEST(TrainingState, RestoresAndSavesATrainersCheckpointWithoutATrainer) {
   EXPECT_TRUE(at::equal(model->bias, trained->bias));
   ts_expect_same(optimizer->state(), trainer_optimizer, "optimizer");
 
-  CheckpointStore library_store(library_dir.path());
+  CheckpointStore library_store(library_dir.str());
   save_training_state(state, library_store, &loader);
   const CheckpointData by_trainer = trainer_store.load(trainer_store.path_for(3));
   const CheckpointData by_library = library_store.load(library_store.path_for(3));
@@ -136,7 +116,7 @@ TEST(TrainingState, RestoresAndSavesATrainersCheckpointWithoutATrainer) {
     EXPECT_EQ(trainer.current_step(), 5);
     return m;
   };
-  torch::nn::Linear from_trainer = resume_to_5(trainer_dir.path()), from_library = resume_to_5(library_dir.path());
+  torch::nn::Linear from_trainer = resume_to_5(trainer_dir.str()), from_library = resume_to_5(library_dir.str());
   EXPECT_TRUE(at::equal(from_trainer->weight, from_library->weight));
   EXPECT_TRUE(at::equal(from_trainer->bias, from_library->bias));
 }
@@ -145,10 +125,10 @@ TEST(TrainingState, RestoresAndSavesATrainersCheckpointWithoutATrainer) {
 // without an optimizer is not saved; a model of another shape is refused naming the weight.
 TEST(TrainingState, WeightsOnlyRestoreAndItsRefusals) {
   TsRun run;
-  TsTempDir dir, other_dir;
+  ScratchDir dir("ts_run", /*create=*/true), other_dir("ts_other", /*create=*/true);
   torch::nn::Linear trained = ts_model(1);
   {
-    Trainer trainer(*trained, ts_loss(trained), run.mesh, c10::Device(c10::kCPU), ts_options(dir.path(), 2, false));
+    Trainer trainer(*trained, ts_loss(trained), run.mesh, c10::Device(c10::kCPU), ts_options(dir.str(), 2, false));
     DataLoader loader(run.data, run.loader_options);
     trainer.fit(loader);
   }
@@ -157,12 +137,12 @@ TEST(TrainingState, WeightsOnlyRestoreAndItsRefusals) {
   const std::map<std::string, ShardSpec> splits;
   TrainingState state(*model, run.mesh, p.params, p.names, splits);
   DataLoader loader(run.data, run.loader_options);
-  CheckpointStore store(dir.path());
+  CheckpointStore store(dir.str());
   ASSERT_TRUE(resume_training_state(state, store, &loader).has_value());
   EXPECT_EQ(state.step, 2);
   EXPECT_EQ(loader.position(), (std::pair<int64_t, int64_t>{0, 0})) << "weights only: the loader stays";
   EXPECT_TRUE(at::equal(model->weight, trained->weight));
-  CheckpointStore other(other_dir.path());
+  CheckpointStore other(other_dir.str());
   EXPECT_NE(testing_util::error_of([&] { save_training_state(state, other, nullptr); }).find("no optimizer"),
             std::string::npos);
   EXPECT_FALSE(resume_training_state(state, other, nullptr).has_value()) << "an empty directory";
