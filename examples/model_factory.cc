@@ -8,6 +8,7 @@
 #include "dtrain/engine/memory/memory.h"
 #include "dtrain/engine/optim/offload.h"
 #include "dtrain/engine/optim/sharded.h"
+#include "dtrain/engine/zero3/parameter_units.h"
 #include <gflags/gflags.h>
 #include <glog/logging.h>
 #include <cstdio>

@@ -1,7 +1,8 @@
 // ZeRO-3's engine pieces on a small float64 stack, shared by the MPI tests (CPU) and the GPU
 // tests (CUDA): one process trained on the global batch with the replicated AdamW on the CPU
-// (the reference), and the same steps with ShardedOptimizer's units, ParameterUnits and the
-// reducer's release_unowned on every rank, recording the memory and the bytes of the last step.
+// (the reference), and the same steps with Zero3Optimizer, ParameterUnits and the reducer over
+// the optimizer's reduce-scatter on every rank, recording the memory and the bytes of the last
+// step.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -17,7 +18,7 @@
 #include "dtrain/dist/communicator.h"
 #include "dtrain/engine/memory/memory.h"
 #include "dtrain/engine/optim/optim.h"
-#include "dtrain/engine/optim/sharded.h"
+#include "dtrain/engine/zero3/parameter_units.h"
 #include "dtrain/engine/parallel/reducer.h"
 
 namespace dtrain::engine::zero3_cases {
@@ -93,8 +94,9 @@ struct Zero3Run {
   double bus_bytes_per_step = 0;
   int64_t numel = 0;
   int64_t host_bytes = 0;  // the optimizer's host memory (offloaded)
-  int64_t gradient_bytes = 0;  // the reducer's gradient storage after the last step
-  int64_t range = 0;           // this rank's elements of the flat space
+  int64_t gradient_bytes = 0;  // the reducer's gradient storage and the optimizer's gradient shard after the last step
+  int64_t range = 0;           // this rank's real elements of the flat space
+  int64_t shard = 0;           // its shard: a piece of every unit, padding included
 };
 
 // Trains kSteps steps with the model, the optimizer and the reducer on `device` (the batch drawn
@@ -119,17 +121,10 @@ inline Zero3Run zero3(dist::Communicator& comm, c10::Device device = c10::Device
   // A unit per block (weight, bias) and one for the head.
   std::vector<size_t> starts;
   for (size_t j = 0; j < params.size(); j += 2) starts.push_back(j);
-  std::unique_ptr<ShardedOptimizer> owned =
-      offload ? std::make_unique<ShardedOptimizer>(params, adamw(), comm, starts, *offload)
-              : std::make_unique<ShardedOptimizer>(params, adamw(), comm, starts);
-  ShardedOptimizer& opt = *owned;
+  Zero3Optimizer opt(params, adamw(), comm, starts, offload);
   ReducerOptions ro;
   ro.broadcast_parameters = false;  // the weights are released already; every rank drew the same
-  ro.release_unowned = comm.size() > 1;
-  ro.owned_gradients_only = comm.size() > 1;  // as the trainer's --shard=parameters
-  ro.bucket_bytes = kBucketBytes;  // several buckets, launched during backward
-  ro.first_bucket_bytes = kBucketBytes / 4;
-  for (const FlatRange& r : opt.gradient_owners()) ro.owned.emplace_back(r.begin, r.end);
+  ro.bucket_comm = opt.bucket_comm();  // a bucket per unit, reduce-scattered into the optimizer's shard
   GradReducer reducer(params, comm, ro);
   opt.attach(reducer);
   ParameterUnits units(opt);
@@ -159,8 +154,9 @@ inline Zero3Run zero3(dist::Communicator& comm, c10::Device device = c10::Device
     }
   }
   out.host_bytes = opt.host_bytes();
-  out.gradient_bytes = reducer.gradient_bytes();
-  out.range = opt.shard_layout()->range.size();
+  out.gradient_bytes = reducer.gradient_bytes() + opt.gradient_shard().nbytes();
+  out.range = opt.shard_layout()->size();
+  out.shard = opt.gradient_shard().numel();
   for (int k = 0; k < units.units(); ++k) EXPECT_FALSE(opt.unit_gathered(k)) << "unit " << k << " left gathered";
   units.gather_all();
   for (const at::Tensor& p : params) out.weights.push_back(p.detach().cpu().clone());

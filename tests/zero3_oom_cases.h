@@ -13,7 +13,7 @@
 #include "dtrain/dist/error.h"
 #include "dtrain/dist/mesh.h"
 #include "dtrain/engine/memory/activation_checkpoint.h"
-#include "dtrain/engine/optim/sharded.h"
+#include "dtrain/engine/zero3/parameter_units.h"
 #include "dtrain/engine/train/trainer.h"
 #include "test_util.h"
 

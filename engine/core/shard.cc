@@ -1,4 +1,5 @@
-// The one layout of partitioned state and the one assembler of ranges from saved pieces.
+// The layouts of partitioned state (one range or one piece of every unit per rank) and the one
+// assembler of ranges from saved pieces.
 #include "dtrain/engine/core/shard.h"
 
 #include <ATen/ATen.h>
@@ -18,16 +19,53 @@ FlatRange shard_range(int64_t numel, int ranks, int rank) {
   return {std::min(s.begin, numel), std::min(s.end, numel)};
 }
 
-std::vector<int> overlapping_shards(int64_t numel, int old_ranks, FlatRange range) {
-  std::vector<int> out;
-  for (int r = 0; r < old_ranks; ++r) {
-    FlatRange s = shard_range(numel, old_ranks, r);
-    if (s.begin < range.end && range.begin < s.end) out.push_back(r);
+std::vector<FlatRange> shard_ranges(int64_t numel, int ranks, int rank, const std::vector<int64_t>& unit_bounds) {
+  DTRAIN_CHECK(numel >= 0, "flat space of ", numel, " elements: must be >= 0");
+  const std::vector<int64_t> bounds = unit_bounds.empty() ? std::vector<int64_t>{0} : unit_bounds;
+  DTRAIN_CHECK(bounds.front() == 0, "units of a flat space begin at ", bounds.front(), "; the first must begin at 0");
+  for (size_t k = 1; k < bounds.size(); ++k) {
+    DTRAIN_CHECK(bounds[k] > bounds[k - 1], "unit bounds must ascend strictly; ", bounds[k], " follows ",
+                 bounds[k - 1]);
+    DTRAIN_CHECK(bounds[k] < numel, "unit bound ", bounds[k], " is not inside the flat space of ", numel,
+                 " elements (every unit holds at least one element)");
+  }
+  std::vector<FlatRange> out;
+  for (size_t k = 0; k < bounds.size(); ++k) {
+    const int64_t begin = bounds[k], end = k + 1 < bounds.size() ? bounds[k + 1] : numel;
+    const FlatRange piece = shard_range(end - begin, ranks, rank);
+    if (piece.begin < piece.end) out.push_back({begin + piece.begin, begin + piece.end});
   }
   return out;
 }
 
+int64_t ShardLayout::size() const {
+  int64_t n = 0;
+  for (const FlatRange& r : ranges) n += r.size();
+  return n;
+}
+
+ShardLayout shard_layout_of(int64_t numel, int ranks, int rank, const std::vector<int64_t>& unit_bounds) {
+  return ShardLayout{numel, shard_ranges(numel, ranks, rank, unit_bounds), unit_bounds};
+}
+
 namespace {
+
+// Calls fn(lo, hi, a_offset, b_offset) for every overlap [lo, hi) of a range of `a` with one of
+// `b` (both ascending and disjoint), with the overlap's place in each list's ranges end to end.
+template <typename Fn>
+void for_each_overlap(const std::vector<FlatRange>& a, const std::vector<FlatRange>& b, Fn&& fn) {
+  size_t i = 0, j = 0;
+  int64_t a_offset = 0, b_offset = 0;
+  while (i < a.size() && j < b.size()) {
+    const int64_t lo = std::max(a[i].begin, b[j].begin), hi = std::min(a[i].end, b[j].end);
+    if (lo < hi) fn(lo, hi, a_offset + lo - a[i].begin, b_offset + lo - b[j].begin);
+    if (a[i].end <= b[j].end) {
+      a_offset += a[i++].size();
+    } else {
+      b_offset += b[j++].size();
+    }
+  }
+}
 
 std::string range_text(FlatRange r) {
   std::ostringstream os;
@@ -35,36 +73,77 @@ std::string range_text(FlatRange r) {
   return os.str();
 }
 
-}  // namespace
+void check_ranges(const ShardLayout& layout, const char* whose) {
+  int64_t end = 0;
+  for (const FlatRange& r : layout.ranges) {
+    DTRAIN_CHECK(r.begin >= end && r.begin <= r.end && r.end <= layout.numel, whose, " ranges ",
+                 ranges_text(layout.ranges), " are not ascending, disjoint ranges of a flat space of ", layout.numel,
+                 " elements");
+    end = r.end;
+  }
+}
 
-ShardState assemble_shard(const std::vector<ShardState>& pieces, const ShardLayout& target) {
-  DTRAIN_CHECK(!pieces.empty(), "assembling the partitioned state of ", range_text(target.range),
-               " needs at least one saved piece");
-  const FlatRange want = target.range;
-  const NamedTensors& first = pieces.front().tensors;
-  ShardState out;
-  out.layout = target;
+// Throws unless the pieces together hold every element of target.ranges.
+void check_covered(const std::vector<ShardState>& pieces, const ShardLayout& target) {
   std::vector<FlatRange> covered;
   for (const ShardState& piece : pieces) {
-    const FlatRange have = piece.layout.range;
-    DTRAIN_CHECK(piece.layout.numel == target.numel, "a saved optimizer shard holds partitioned state of ",
-                 piece.layout.numel, " elements, but this model needs ", target.numel,
-                 "; it is of a different model");
-    DTRAIN_CHECK(piece.tensors.size() == first.size(), "the saved optimizer shards hold different entries (",
-                 piece.tensors.size(), " in the one of ", range_text(have), ", ", first.size(), " in the first)");
-    const FlatRange overlap{std::max(have.begin, want.begin), std::min(have.end, want.end)};
-    if (overlap.begin < overlap.end) covered.push_back(overlap);
+    for_each_overlap(piece.layout.ranges, target.ranges,
+                     [&](int64_t lo, int64_t hi, int64_t, int64_t) { covered.push_back({lo, hi}); });
   }
   std::sort(covered.begin(), covered.end(),
             [](const FlatRange& a, const FlatRange& b) { return a.begin < b.begin; });
-  int64_t next = want.begin;
-  for (const FlatRange& c : covered) {
-    DTRAIN_CHECK(c.begin <= next, "no saved optimizer shard holds elements ", range_text({next, c.begin}),
-                 " of this rank's ", range_text(want), "; the checkpoint is incomplete");
-    next = std::max(next, c.end);
+  size_t c = 0;
+  for (const FlatRange& want : target.ranges) {
+    int64_t next = want.begin;
+    for (; c < covered.size() && covered[c].begin < want.end; ++c) {
+      DTRAIN_CHECK(covered[c].begin <= next, "no saved optimizer shard holds elements ",
+                   range_text({next, covered[c].begin}), " of this rank's ", ranges_text(target.ranges),
+                   "; the checkpoint is incomplete");
+      next = std::max(next, covered[c].end);
+    }
+    DTRAIN_CHECK(next >= want.end, "no saved optimizer shard holds elements ", range_text({next, want.end}),
+                 " of this rank's ", ranges_text(target.ranges), "; the checkpoint is incomplete");
   }
-  DTRAIN_CHECK(next >= want.end, "no saved optimizer shard holds elements ", range_text({next, want.end}),
-               " of this rank's ", range_text(want), "; the checkpoint is incomplete");
+}
+
+}  // namespace
+
+std::string ranges_text(const std::vector<FlatRange>& ranges) {
+  if (ranges.empty()) return "no elements";
+  std::string out;
+  for (const FlatRange& r : ranges) out += (out.empty() ? "" : ", ") + range_text(r);
+  return out;
+}
+
+std::vector<int> overlapping_shards(int64_t numel, int old_ranks, const std::vector<FlatRange>& ranges,
+                                    const std::vector<int64_t>& old_unit_bounds) {
+  std::vector<int> out;
+  for (int r = 0; r < old_ranks; ++r) {
+    bool overlaps = false;
+    for_each_overlap(shard_ranges(numel, old_ranks, r, old_unit_bounds), ranges,
+                     [&](int64_t, int64_t, int64_t, int64_t) { overlaps = true; });
+    if (overlaps) out.push_back(r);
+  }
+  return out;
+}
+
+ShardState assemble_shard(const std::vector<ShardState>& pieces, const ShardLayout& target) {
+  DTRAIN_CHECK(!pieces.empty(), "assembling the partitioned state of ", ranges_text(target.ranges),
+               " needs at least one saved piece");
+  check_ranges(target, "this rank's");
+  const NamedTensors& first = pieces.front().tensors;
+  for (const ShardState& piece : pieces) {
+    DTRAIN_CHECK(piece.layout.numel == target.numel, "a saved optimizer shard holds partitioned state of ",
+                 piece.layout.numel, " elements, but this model needs ", target.numel,
+                 "; it is of a different model");
+    check_ranges(piece.layout, "a saved optimizer shard's");
+    DTRAIN_CHECK(piece.tensors.size() == first.size(), "the saved optimizer shards hold different entries (",
+                 piece.tensors.size(), " in the one of ", ranges_text(piece.layout.ranges), ", ", first.size(),
+                 " in the first)");
+  }
+  check_covered(pieces, target);
+  ShardState out;
+  out.layout = target;
   for (size_t k = 0; k < first.size(); ++k) {
     const std::string& name = first[k].first;
     const at::Tensor& sample = first[k].second;
@@ -74,25 +153,24 @@ ShardState assemble_shard(const std::vector<ShardState>& pieces, const ShardLayo
     } else {
       DTRAIN_CHECK(sample.dim() == 1, "optimizer shard entry '", name, "' is ", sample.dim(),
                    "-D; a partitioned state holds 1-D and 0-dim entries only");
-      assembled = at::zeros({want.size()}, sample.options().device(at::kCPU));  // the saved dtype
+      assembled = at::zeros({target.size()}, sample.options().device(at::kCPU));  // the saved dtype
     }
     for (const ShardState& piece : pieces) {
-      const FlatRange have = piece.layout.range;
+      const std::vector<FlatRange>& have = piece.layout.ranges;
       const NamedTensors& entries = piece.tensors;
       DTRAIN_CHECK(entries[k].first == name, "the saved optimizer shards hold different entries (the one of ",
-                   range_text(have), " has '", entries[k].first, "' where the first has '", name, "')");
+                   ranges_text(have), " has '", entries[k].first, "' where the first has '", name, "')");
       const at::Tensor& t = entries[k].second;
       if (sample.dim() == 0) {
         DTRAIN_CHECK(t.dim() == 0 && at::equal(t.to(at::kCPU), assembled.to(t.scalar_type())),
                      "the replicated entry '", name, "' differs between the saved optimizer shards");
         continue;
       }
-      DTRAIN_CHECK(t.dim() == 1 && t.numel() == have.size(), "optimizer shard entry '", name, "' of ",
-                   range_text(have), " has ", t.numel(), " elements; ", have.size(), " were expected");
-      const int64_t lo = std::max(have.begin, want.begin), hi = std::min(have.end, want.end);
-      if (lo < hi) {
-        assembled.narrow(0, lo - want.begin, hi - lo).copy_(t.narrow(0, lo - have.begin, hi - lo));
-      }
+      DTRAIN_CHECK(t.dim() == 1 && t.numel() == piece.layout.size(), "optimizer shard entry '", name, "' of ",
+                   ranges_text(have), " has ", t.numel(), " elements; ", piece.layout.size(), " were expected");
+      for_each_overlap(have, target.ranges, [&](int64_t lo, int64_t hi, int64_t from, int64_t to) {
+        assembled.narrow(0, to, hi - lo).copy_(t.narrow(0, from, hi - lo));
+      });
     }
     out.tensors.emplace_back(name, assembled);
   }

@@ -115,11 +115,12 @@ double cost_seconds(const PlanInputs& in, const ActivationProfile& profile, cons
     seconds += local * in.bytes_per_parameter / in.dp / in.network_bytes_per_second;
   }
   if (t.shard == 3 && in.dp > 1) {
-    // ZeRO-3: every micro-batch gathers the weights twice (forward, backward) and the step
-    // reduces to owners once, against the all-reduce's 2 (dp - 1) / dp: counted whole (the
-    // prefetch hides part of it behind compute).
+    // ZeRO-3: every micro-batch all-gathers the weights twice (forward, backward) and the step
+    // reduce-scatters them once, (dp - 1) / dp of the bytes each, against the all-reduce's
+    // 2 (dp - 1) / dp: counted whole (the prefetch hides part of it behind compute).
     const double weights = local * in.bytes_per_parameter;
-    seconds += (2.0 * t.accum_steps + 1 - 2.0 * (in.dp - 1) / in.dp) * weights / in.network_bytes_per_second;
+    const double share = static_cast<double>(in.dp - 1) / in.dp;
+    seconds += (2.0 * t.accum_steps - 1) * share * weights / in.network_bytes_per_second;
   }
   if (t.offload_layers) {
     const double layer_bytes =

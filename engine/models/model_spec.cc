@@ -6,7 +6,7 @@
 
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/memory/activation_checkpoint.h"
-#include "dtrain/engine/optim/sharded.h"
+#include "dtrain/engine/zero3/parameter_units.h"
 #include "dtrain/engine/parallel/pipeline.h"
 #include "dtrain/offload/layer_offload.h"
 

@@ -20,24 +20,13 @@
 #include <vector>
 
 #include "dtrain/dist/communicator.h"
+#include "dtrain/engine/optim/cpu_shard.h"
 #include "dtrain/engine/optim/offload.h"
 #include "dtrain/engine/parallel/reducer.h"
 #include "dtrain/offload/cpu_optimizer.h"
 #include "dtrain/offload/pinned_pool.h"
 
 namespace dtrain::engine::offload_detail {
-
-// The CPU optimizer's options for an engine optimizer's rule (the same rule; eps as
-// effective_eps() says), keeping shard `rank` of `count` with `threads` threads.
-offload::CpuOptimizerOptions cpu_options(const OptimizerOptions& o, int rank, int count, int threads);
-
-// A partitioned checkpoint's arrays of the CPU optimizer's shard: "step", then "master" and each
-// state array with its chunks joined into the first `real` elements (host copies).
-std::vector<std::pair<std::string, at::Tensor>> cpu_shard_arrays(const offload::CpuOptimizer& cpu, int64_t real);
-// The reverse: "step" and arrays of `real` elements into the CPU optimizer's chunked state
-// (CpuOptimizer::load_state's input). Throws dtrain::Error naming a missing or mis-sized array.
-std::vector<std::pair<std::string, at::Tensor>> cpu_state_of_arrays(
-    const offload::CpuOptimizer& cpu, const std::vector<std::pair<std::string, at::Tensor>>& arrays, int64_t real);
 
 // Gradients of the shard's real elements in pinned host memory, in chunks of the CPU
 // optimizer's chunk_elems (pinned blocks are rounded up to a power of two, so one 12 GB

@@ -172,7 +172,9 @@ std::vector<FlatRange> OffloadedOptimizer::gradient_owners() const {
 }
 
 std::optional<ShardLayout> OffloadedOptimizer::shard_layout() const {
-  return ShardLayout{impl_->shard.numel(), {impl_->shard.lo(), impl_->shard.hi()}};
+  // One unit: the range [lo, hi) (none when this rank holds only padding).
+  const int64_t lo = impl_->shard.lo(), hi = impl_->shard.hi();
+  return lo < hi ? ShardLayout{impl_->shard.numel(), {{lo, hi}}} : ShardLayout{impl_->shard.numel(), {}};
 }
 
 std::vector<std::pair<std::string, at::Tensor>> OffloadedOptimizer::state() const { return {}; }
@@ -186,19 +188,19 @@ ShardState OffloadedOptimizer::shard_state() const {
   if (impl_->updater) impl_->updater->wait();  // the state of every step taken (weights not published)
   ShardState out;
   out.layout = *shard_layout();
-  out.tensors = offload_detail::cpu_shard_arrays(impl_->shard.cpu(), out.layout.range.size());
+  out.tensors = offload_detail::cpu_shard_arrays(impl_->shard.cpu(), out.layout.size());
   return out;
 }
 
 void OffloadedOptimizer::load_shard_state(const ShardState& state) {
   const ShardLayout mine = *shard_layout();
-  DTRAIN_CHECK(state.layout.numel == mine.numel && state.layout.range == mine.range,
-               "optimizer offload: the partitioned state holds elements [", state.layout.range.begin, ", ",
-               state.layout.range.end, ") of ", state.layout.numel, "; this rank holds [", mine.range.begin, ", ",
-               mine.range.end, ") of ", mine.numel, " (assemble it with assemble_shard)");
+  DTRAIN_CHECK(state.layout.numel == mine.numel && state.layout.ranges == mine.ranges,
+               "optimizer offload: the partitioned state holds elements ", ranges_text(state.layout.ranges), " of ",
+               state.layout.numel, "; this rank holds ", ranges_text(mine.ranges), " of ", mine.numel,
+               " (assemble it with assemble_shard)");
   // The CPU optimizer's chunked state, checked before anything changes.
   std::vector<std::pair<std::string, at::Tensor>> target =
-      offload_detail::cpu_state_of_arrays(impl_->shard.cpu(), state.tensors, mine.range.size());
+      offload_detail::cpu_state_of_arrays(impl_->shard.cpu(), state.tensors, mine.size());
   if (impl_->updater) impl_->updater->drop();  // its result is replaced by what is loaded
   impl_->shard.cpu().load_state(target);
   impl_->steps = impl_->shard.cpu().step_count();

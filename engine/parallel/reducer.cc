@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <functional>
-#include <map>
 #include <mutex>
 #include <set>
 #include <sstream>
@@ -17,21 +16,27 @@
 
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/core/shard.h"
+#include "reducer_buckets.h"
 
 namespace dtrain::engine {
 namespace {
+
+using reducer_detail::assign_buckets;
+using reducer_detail::assign_consecutive_buckets;
+using reducer_detail::fixed_buckets;
 
 using Clock = std::chrono::steady_clock;
 
 struct Bucket {
   std::vector<size_t> params;   // indices into the parameter list
   std::vector<int64_t> offsets;  // element offsets in flat
-  at::Tensor flat;               // the gradients' storage
-  at::Tensor wire;               // what is reduced (flat, or its compressed copy)
+  at::Tensor flat;               // the gradients' storage (the first numel elements of a padded one)
+  at::Tensor wire;               // what is reduced (flat or its padded storage, or their compressed copy)
   int64_t flat_begin = 0;        // owner mode: the flat-space offset of element 0
   int64_t numel = 0;
-  // With ReducerOptions::release_unowned, false for a bucket with no element this rank owns:
-  // its storage is allocated at its first gradient of a step and released once it is reduced.
+  // With ReducerOptions::release_unowned, false for a bucket with no element this rank owns,
+  // and false for every bucket of a strategy that keeps no gradients (ZeRO-3's): its storage is
+  // allocated at its first gradient of a step and released once it is reduced.
   bool keep = true;
   int pending = 0;
   bool ready = false;
@@ -39,76 +44,11 @@ struct Bucket {
   dist::WorkPtr mine;                // the work after which this rank's values are final
 };
 
-// Owner mode: consecutive parameters (from the last to the first, the order backward
-// produces them) closed into a bucket at the byte limit or where dtype or device changes;
-// each bucket lists its parameters in increasing order, so its storage is one flat range.
-// With owner_spans (per parameter, the first and last rank owning part of it; {-1, -1} for an
-// empty one), a bucket also closes where the owner changes, so each bucket is owned by one
-// rank unless a single parameter straddles two ranges.
-std::vector<std::vector<size_t>> assign_consecutive_buckets(const std::vector<at::Tensor>& params,
-                                                            int64_t first_bytes, int64_t bytes,
-                                                            const std::vector<std::pair<int, int>>& owner_spans = {}) {
-  std::vector<std::vector<size_t>> buckets;
-  std::vector<size_t> open;
-  int64_t open_bytes = 0;
-  auto close = [&] {
-    if (open.empty()) return;
-    std::reverse(open.begin(), open.end());
-    buckets.push_back(std::move(open));
-    open.clear();
-    open_bytes = 0;
-  };
-  for (size_t k = params.size(); k-- > 0;) {
-    const at::Tensor& p = params[k];
-    if (!open.empty()) {
-      const at::Tensor& q = params[open.back()];
-      if (q.scalar_type() != p.scalar_type() || q.device() != p.device()) {
-        close();
-      } else if (!owner_spans.empty() && owner_spans[k].first >= 0 && owner_spans[open.back()].first >= 0 &&
-                 owner_spans[k] != owner_spans[open.back()]) {
-        close();
-      }
-    }
-    open.push_back(k);
-    open_bytes += p.numel() * p.element_size();
-    if (open_bytes >= (buckets.empty() ? first_bytes : bytes)) close();
-  }
-  close();
-  return buckets;
-}
-
-// Groups parameter indices (taken in `order`) into buckets of one dtype and device, the
-// first at most first_bytes, the rest at most bytes (a parameter larger than the limit gets
-// a bucket of its own). Buckets are ordered by their first parameter's position in order.
-std::vector<std::vector<size_t>> assign_buckets(const std::vector<at::Tensor>& params,
-                                                const std::vector<size_t>& order,
-                                                int64_t first_bytes, int64_t bytes) {
-  std::vector<std::vector<size_t>> closed;
-  std::map<std::pair<int, std::string>, std::vector<size_t>> open;
-  std::map<std::pair<int, std::string>, int64_t> open_bytes;
-  auto limit = [&] { return closed.empty() ? first_bytes : bytes; };
-  for (size_t i : order) {
-    const at::Tensor& p = params[i];
-    auto key = std::make_pair(static_cast<int>(p.scalar_type()), p.device().str());
-    open[key].push_back(i);
-    open_bytes[key] += p.numel() * p.element_size();
-    if (open_bytes[key] >= limit()) {
-      closed.push_back(std::move(open[key]));
-      open.erase(key);
-      open_bytes.erase(key);
-    }
-  }
-  for (auto& [key, idx] : open) closed.push_back(std::move(idx));
-  std::vector<size_t> position(params.size());
-  for (size_t k = 0; k < order.size(); ++k) position[order[k]] = k;
-  auto first_pos = [&](const std::vector<size_t>& b) {
-    size_t m = SIZE_MAX;
-    for (size_t i : b) m = std::min(m, position[i]);
-    return m;
-  };
-  std::sort(closed.begin(), closed.end(),
-            [&](const auto& a, const auto& b) { return first_pos(a) < first_pos(b); });
-  return closed;
+// Whether a (the wire) is b itself or b's padded storage, or neither is defined (a one-rank
+// reducer's dropped buckets): nothing to copy between them.
+bool shares_storage(const at::Tensor& a, const at::Tensor& b) {
+  if (a.is_same(b)) return true;
+  return a.defined() && b.defined() && a.data_ptr() == b.data_ptr() && a.scalar_type() == b.scalar_type();
 }
 
 std::string param_label(const std::vector<std::string>& names, size_t i) {
@@ -180,15 +120,15 @@ struct GradReducer::State {
   // first failure is returned.
   std::exception_ptr complete_until(size_t end);
   bool release_unowned = false;  // options.release_unowned on more than one rank
+  bool release_reduced = false;  // the strategy keeps no gradients: every bucket goes once reduced
   at::Tensor kept;               // consecutive buckets: the kept buckets' storage, in flat order
   int64_t kept_begin = 0;        // its first element's flat-space offset
   FlatRange mine;                // this rank's owned range (release_unowned)
-  at::Tensor owned;              // owned_gradients_only: the gradients of `mine`
   std::vector<int64_t> flat_offsets;  // consecutive buckets: each parameter's flat-space offset
   // One rank, plain averaging, no bucket observer: the gradients stay autograd's own (not added
   // into zeroed bucket views: 1.7 ms of a GPT-124M step on the H100); zero_buckets() drops them.
   bool local() const {
-    return comm.size() == 1 && !options.compress && options.owned.empty() && !observer && !owned.defined() &&
+    return comm.size() == 1 && !options.compress && options.owned.empty() && !observer && !release_reduced &&
            !release_unowned && dynamic_cast<const AllReduceBuckets*>(bucket_comm.get()) != nullptr;
   }
   void start_step();
@@ -217,8 +157,9 @@ void GradReducer::State::build(const std::vector<std::vector<size_t>>& assignmen
     if (release_unowned) {
       const int64_t lo = std::max(bucket.flat_begin, mine.begin);
       const int64_t hi = std::min(bucket.flat_begin + bucket.numel, mine.end);
-      bucket.keep = lo < hi && !owned.defined();  // owned_gradients_only: `owned` keeps our part
+      bucket.keep = lo < hi;
     }
+    if (release_reduced) bucket.keep = false;
   }
   // Consecutive buckets: the kept ones (all, unless release_unowned) are one run of the flat
   // space; one allocation holds them end to end in flat order, so a range of it is one view
@@ -257,7 +198,6 @@ void GradReducer::State::zero_buckets() {
     return;
   }
   if (kept.defined()) kept.zero_();  // every kept bucket, one launch
-  if (owned.defined()) owned.zero_();
   for (Bucket& b : buckets) {
     if (b.flat.defined() && !(b.keep && kept.defined())) b.flat.zero_();
   }
@@ -267,9 +207,15 @@ void GradReducer::State::allocate(size_t b) {
   Bucket& bucket = buckets[b];
   if (bucket.flat.defined()) return;
   const at::Tensor& first = params[bucket.params.front()];
-  bucket.flat = bucket.keep && kept.defined() ? kept.narrow(0, bucket.flat_begin - kept_begin, bucket.numel)
-                                              : at::zeros({bucket.numel}, first.options());
-  bucket.wire = bucket_comm->wire(bucket.flat);
+  if (bucket.keep && kept.defined()) {
+    bucket.flat = kept.narrow(0, bucket.flat_begin - kept_begin, bucket.numel);
+    bucket.wire = bucket_comm->wire(bucket.flat);
+  } else {
+    // The strategy may want the bucket padded: the gradients are the storage's first elements.
+    const at::Tensor storage = at::zeros({bucket_comm->storage_numel(bucket.numel)}, first.options());
+    bucket.flat = storage.narrow(0, 0, bucket.numel);
+    bucket.wire = bucket_comm->wire(storage);
+  }
   for (size_t k = 0; k < bucket.params.size(); ++k) {
     const size_t i = bucket.params[k];
     at::Tensor& grad = params[i].mutable_grad();
@@ -327,7 +273,7 @@ void GradReducer::State::launch(size_t b) {
   }
   allocate(b);  // a released bucket none of whose parameters got a gradient: zeros
   Bucket& bucket = buckets[b];
-  if (!bucket.wire.is_same(bucket.flat)) bucket.wire.copy_(bucket.flat);
+  if (!shares_storage(bucket.wire, bucket.flat)) bucket.wire.narrow(0, 0, bucket.numel).copy_(bucket.flat);
   stats.bucket_launch.push_back(Clock::now());
   stats.hooks_before_launch.push_back(hooks_fired);
   stats.bucket_bytes.push_back(bucket.wire.numel() * bucket.wire.element_size());
@@ -349,7 +295,7 @@ void GradReducer::State::launch(size_t b) {
   // ZeRO-2/3: a bucket none of which is ours is released once its reduction completes, so at
   // most this bucket and the gradients still to come are whole during backward: wait for the
   // ones launched before it (the reduction of this one overlaps the rest of backward).
-  if (release_unowned) {
+  if (release_unowned || release_reduced) {
     while (next_complete < b) complete(next_complete++);
   }
 }
@@ -376,14 +322,7 @@ void GradReducer::State::complete(size_t k) {
     stats.bucket_start.push_back(start);
     stats.bucket_end.push_back(end);
   }
-  if (b.keep && !b.wire.is_same(b.flat)) b.flat.copy_(b.wire);
-  if (owned.defined()) {  // our part of the bucket into `owned`, then the bucket goes
-    const int64_t lo = std::max(b.flat_begin, mine.begin), hi = std::min(b.flat_begin + b.numel, mine.end);
-    if (lo < hi) {
-      const at::Tensor& values = b.wire.scalar_type() == b.flat.scalar_type() ? b.wire : b.flat.copy_(b.wire);
-      owned.narrow(0, lo - mine.begin, hi - lo).copy_(values.narrow(0, lo - b.flat_begin, hi - lo));
-    }
-  }
+  if (b.keep && !shares_storage(b.wire, b.flat)) b.flat.copy_(b.wire.narrow(0, 0, b.numel));
 }
 
 std::exception_ptr GradReducer::State::complete_until(size_t end) {
@@ -500,10 +439,11 @@ void check_reducer_inputs(const std::vector<at::Tensor>& params, const ReducerOp
     DTRAIN_CHECK(at::isFloatingType(p.scalar_type()), "parameter ", param_label(options.names, i),
                  " has dtype ", p.scalar_type(), "; gradients must be floating point");
   }
+  DTRAIN_CHECK(!options.bucket_comm || !options.compress, "ReducerOptions.compress applies to the reducer's own "
+               "strategies; a given ReducerOptions.bucket_comm (", options.bucket_comm->name(), ") is used as it is: "
+               "wrap it in CompressedBuckets, or drop compress");
   DTRAIN_CHECK(!options.release_unowned || !options.owned.empty(),
                "ReducerOptions.release_unowned needs ReducerOptions.owned (which rank owns which gradients)");
-  DTRAIN_CHECK(!options.owned_gradients_only || options.release_unowned,
-               "ReducerOptions.owned_gradients_only needs ReducerOptions.release_unowned");
 }
 
 // The options' bucket strategy when none is given: all-reduce, or reduce to each gradient's
@@ -572,19 +512,15 @@ GradReducer::GradReducer(std::vector<at::Tensor> params, dist::Communicator& com
       const auto& owned = state_->options.owned;
       state_->release_unowned = true;
       state_->mine = FlatRange{owned[comm.rank()].first, owned[comm.rank()].second};
-      bool one_kind = true;
-      for (const at::Tensor& p : params_) {
-        one_kind = one_kind && p.scalar_type() == params_.front().scalar_type() && p.device() == params_.front().device();
-      }
-      if (state_->options.owned_gradients_only && one_kind) {
-        state_->owned = at::zeros({state_->mine.end - state_->mine.begin}, params_.front().options());
-      }
       owner_spans = owner_spans_of(params_, flat_offsets, owned);
     }
     state_->flat_offsets = std::move(flat_offsets);
     state_->rebuilt = true;  // the buckets stay consecutive ranges of the flat space
-    state_->build(assign_consecutive_buckets(params_, state_->options.first_bucket_bytes,
-                                             state_->options.bucket_bytes, owner_spans));
+    state_->release_reduced = !state_->bucket_comm->keeps_gradients();
+    const std::vector<size_t> starts = state_->bucket_comm->bucket_starts();
+    state_->build(starts.empty() ? assign_consecutive_buckets(params_, state_->options.first_bucket_bytes,
+                                                              state_->options.bucket_bytes, owner_spans)
+                                 : fixed_buckets(params_, starts, state_->bucket_comm->name()));
   } else {
     std::vector<size_t> order(params_.size());
     for (size_t k = 0; k < order.size(); ++k) order[k] = params_.size() - 1 - k;  // reverse
@@ -768,10 +704,11 @@ ReducerStepStats GradReducer::last_step_stats() const {
 
 int64_t GradReducer::gradient_bytes() const {
   std::lock_guard<std::mutex> lock(state_->mutex);
-  int64_t bytes = state_->owned.defined() ? state_->owned.nbytes() : 0;
-  for (const Bucket& b : state_->buckets) {
-    if (b.flat.defined()) bytes += b.flat.nbytes();
-    if (b.wire.defined() && !b.wire.is_same(b.flat)) bytes += b.wire.nbytes();
+  const State& s = *state_;
+  int64_t bytes = s.kept.defined() ? s.kept.nbytes() : 0;
+  for (const Bucket& b : s.buckets) {
+    if (b.flat.defined() && !(b.keep && s.kept.defined())) bytes += b.flat.storage().nbytes();  // padding included
+    if (b.wire.defined() && !shares_storage(b.wire, b.flat)) bytes += b.wire.nbytes();
   }
   return bytes;
 }
@@ -779,17 +716,8 @@ int64_t GradReducer::gradient_bytes() const {
 at::Tensor GradReducer::flat_gradients(int64_t begin, int64_t end) const {
   std::lock_guard<std::mutex> lock(state_->mutex);
   const State& s = *state_;
-  if (s.owned.defined()) {
-    if (begin < s.mine.begin || end > s.mine.end || begin > end) return {};
-    return s.owned.narrow(0, begin - s.mine.begin, end - begin);
-  }
   if (!s.kept.defined() || begin < s.kept_begin || end > s.kept_begin + s.kept.numel() || begin > end) return {};
   return s.kept.narrow(0, begin - s.kept_begin, end - begin);
-}
-
-at::Tensor GradReducer::owned_gradients() const {
-  std::lock_guard<std::mutex> lock(state_->mutex);
-  return state_->owned;
 }
 
 int64_t GradReducer::synchronized_backwards() const {

@@ -150,6 +150,76 @@ std::vector<int64_t> CheckpointData::stage_flat_numels(int tp_rank) const {
   return out;
 }
 
+namespace {
+
+// Where the old rank files of one tensor-parallel rank are.
+struct OldShards {
+  const CheckpointStore& store;
+  const CheckpointData& main;
+  int tp_rank = 0;
+  int old_tp = 1;
+  bool sizes_unknown = false;  // the stages' sizes were not recorded
+};
+
+// Old stage `stage`'s data-parallel rank dp_rank's partitioned state (n elements), checked
+// against its position and size.
+ShardState load_old_shard(const OldShards& old, int stage, int dp_rank, int64_t n) {
+  const int world_rank = (stage * old.main.dp_size + dp_rank) * old.old_tp + old.tp_rank;
+  RankState state = old.store.load_rank(old.main.step, world_rank);
+  const std::string path = old.store.rank_path_for(old.main.step, world_rank);
+  DTRAIN_CHECK(state.dp_rank == dp_rank && state.tp_rank == old.tp_rank, "checkpoint ", path,
+               " is of data-parallel rank ", state.dp_rank, " / tensor-parallel rank ", state.tp_rank, ", expected ",
+               dp_rank, " / ", old.tp_rank);
+  DTRAIN_CHECK(state.optimizer_shard.layout.numel == n, "checkpoint ", path, " holds partitioned optimizer state of ",
+               state.optimizer_shard.layout.numel, " elements, but this model needs ", n,
+               "; it is of a different model",
+               old.sizes_unknown ? " (or of another split into pipeline stages: resume with the same --pp and --pp_blocks)"
+                                 : "",
+               old.old_tp > 1 ? " (or of another --tp: partitioned optimizer state resumes under the tensor-parallel "
+                                "size it was saved with, " + std::to_string(old.old_tp) + ")"
+                              : "");
+  return std::move(state.optimizer_shard);
+}
+
+// Appends to `pieces` the saved pieces of old stage `stage` (n elements at old_offset of the
+// whole space of numel elements) that hold any element of `want` (ranges of the whole space),
+// their ranges placed in the whole space. `fallback`: when nothing is needed, its
+// data-parallel rank 0's piece anyway (for the replicated entries).
+void load_stage_pieces(const OldShards& old, int stage, int64_t n, int64_t old_offset, int64_t numel,
+                       const std::vector<FlatRange>& want, bool fallback, std::vector<ShardState>* pieces) {
+  std::vector<FlatRange> local;  // want's part of this stage, in the stage's space
+  for (const FlatRange& w : want) {
+    const FlatRange r{std::max(w.begin, old_offset) - old_offset, std::min(w.end, old_offset + n) - old_offset};
+    if (r.begin < r.end) local.push_back(r);
+  }
+  std::map<int, ShardState> loaded;
+  std::vector<int> needed;
+  if (!local.empty()) {
+    // Which files hold `local` depends on the old layout's unit bounds, which every rank file
+    // records: the first file the one-unit rule names is read first (rank 0's when that rule
+    // names none), and its bounds choose the rest. A one-unit checkpoint (any old file) thus
+    // reads exactly the files that hold the target's elements; a per-unit one may read that
+    // first file in vain.
+    needed = overlapping_shards(n, old.main.dp_size, local);
+    const int first = needed.empty() ? 0 : needed.front();
+    const ShardState& probe = loaded[first] = load_old_shard(old, stage, first, n);
+    if (probe.layout.unit_bounds.size() > 1) {
+      needed = overlapping_shards(n, old.main.dp_size, local, probe.layout.unit_bounds);
+    }
+  }
+  if (needed.empty() && fallback) needed.push_back(0);  // an empty range: one piece for the replicated entries
+  for (int dp_rank : needed) {
+    auto it = loaded.find(dp_rank);
+    ShardState piece = it != loaded.end() ? std::move(it->second) : load_old_shard(old, stage, dp_rank, n);
+    std::vector<FlatRange> ranges;
+    for (const FlatRange& r : piece.layout.ranges) ranges.push_back({r.begin + old_offset, r.end + old_offset});
+    piece.layout = ShardLayout{numel, ranges};
+    pieces->push_back(std::move(piece));
+  }
+}
+
+}  // namespace
+
 ShardState load_resharded_optimizer(const CheckpointStore& store, const CheckpointData& main, int tp_rank,
                                     const ShardLayout& target, const StageSpace& space) {
   const int old_pp = main.pipeline_stages();
@@ -189,37 +259,15 @@ ShardState load_resharded_optimizer(const CheckpointStore& store, const Checkpoi
                  " elements", old_pp > 1 ? " (" + std::to_string(old_pp) + " pipeline stages)" : std::string(),
                  ", but this model needs ", whole, "; it is of a different model");
   }
-  const FlatRange want{new_offset + target.range.begin, new_offset + target.range.end};
+  std::vector<FlatRange> want;  // the target's ranges in the whole space
+  for (const FlatRange& r : target.ranges) want.push_back({new_offset + r.begin, new_offset + r.end});
+  const OldShards old{store, main, tp_rank, old_tp, sizes_unknown};
   std::vector<ShardState> pieces;
   int64_t old_offset = 0;
   for (size_t k = 0; k < old_stages.size(); ++k) {
-    const int64_t n = old_numel[k];
-    const FlatRange local{std::max(want.begin, old_offset) - old_offset,
-                          std::min(want.end, old_offset + n) - old_offset};
-    std::vector<int> needed;
-    if (local.begin < local.end) needed = overlapping_shards(n, main.dp_size, local);
-    // An empty range: one piece for the replicated entries.
-    if (needed.empty() && pieces.empty() && k + 1 == old_stages.size()) needed.push_back(0);
-    for (int dp_rank : needed) {
-      const int world_rank = (old_stages[k] * main.dp_size + dp_rank) * old_tp + tp_rank;
-      RankState state = store.load_rank(main.step, world_rank);
-      const std::string path = store.rank_path_for(main.step, world_rank);
-      DTRAIN_CHECK(state.dp_rank == dp_rank && state.tp_rank == tp_rank, "checkpoint ", path,
-                   " is of data-parallel rank ", state.dp_rank, " / tensor-parallel rank ", state.tp_rank,
-                   ", expected ", dp_rank, " / ", tp_rank);
-      DTRAIN_CHECK(state.optimizer_shard.layout.numel == n, "checkpoint ", path,
-                   " holds partitioned optimizer state of ", state.optimizer_shard.layout.numel,
-                   " elements, but this model needs ", n, "; it is of a different model",
-                   sizes_unknown ? " (or of another split into pipeline stages: resume with the same --pp and --pp_blocks)"
-                                 : "",
-                   old_tp > 1 ? " (or of another --tp: partitioned optimizer state resumes under the tensor-parallel "
-                                "size it was saved with, " + std::to_string(old_tp) + ")"
-                              : "");
-      ShardState piece = std::move(state.optimizer_shard);
-      piece.layout = {numel, {piece.layout.range.begin + old_offset, piece.layout.range.end + old_offset}};
-      pieces.push_back(std::move(piece));
-    }
-    old_offset += n;
+    const bool last = k + 1 == old_stages.size();
+    load_stage_pieces(old, old_stages[k], old_numel[k], old_offset, numel, want, last && pieces.empty(), &pieces);
+    old_offset += old_numel[k];
   }
   ShardState out = assemble_shard(pieces, ShardLayout{numel, want});
   out.layout = target;

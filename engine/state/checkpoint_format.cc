@@ -200,6 +200,56 @@ bool parse_digits(const std::string& s, size_t* pos, int64_t* value) {
   return *pos > start;
 }
 
+// The ranges of a rank's partitioned state: "shard_ranges" [b0, e0, b1, e1, ...] and
+// "shard_unit_bounds", 1-D int64 tensors (torch.load(weights_only=True) reads them; integer
+// lists it refuses), and for readers of one range "shard_begin" / "shard_end" (the first
+// range's begin and the last one's end; numel twice when it holds nothing).
+void write_shard_layout(GenericDict& dict, const ShardLayout& layout) {
+  std::vector<int64_t> ranges;
+  for (const FlatRange& r : layout.ranges) {
+    if (r.begin == r.end) continue;
+    ranges.push_back(r.begin);
+    ranges.push_back(r.end);
+  }
+  auto longs = [](const std::vector<int64_t>& v) {
+    return at::tensor(c10::ArrayRef<int64_t>(v), at::kLong).reshape({static_cast<int64_t>(v.size())});
+  };
+  dict.insert("shard_begin", ranges.empty() ? layout.numel : ranges.front());
+  dict.insert("shard_end", ranges.empty() ? layout.numel : ranges.back());
+  dict.insert("shard_ranges", longs(ranges));
+  dict.insert("shard_unit_bounds", longs(layout.unit_bounds));
+}
+
+std::vector<int64_t> int_list_entry(const GenericDict& dict, const char* key, const std::string& source) {
+  const c10::IValue& v = entry(dict, key, source);
+  DTRAIN_CHECK(v.isTensor() && v.toTensor().dim() == 1 && v.toTensor().scalar_type() == at::kLong, "checkpoint ",
+               source, ": '", key, "' is not a 1-D int64 tensor");
+  const at::Tensor t = v.toTensor().contiguous();
+  return std::vector<int64_t>(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel());
+}
+
+// The layout's ranges and unit bounds from the entries above; files of one range have only
+// shard_begin / shard_end, and older ones the meta offload.begin / offload.end. Empty ranges
+// (a rank that held only padding) are dropped.
+void read_shard_layout(const GenericDict& dict, const std::map<std::string, std::string>& meta,
+                       const std::string& source, ShardLayout* layout) {
+  std::vector<int64_t> flat;
+  if (dict.contains("shard_ranges")) {
+    flat = int_list_entry(dict, "shard_ranges", source);
+    DTRAIN_CHECK(flat.size() % 2 == 0, "checkpoint ", source, ": 'shard_ranges' holds ", flat.size(),
+                 " numbers, not begin/end pairs");
+    layout->unit_bounds = int_list_entry(dict, "shard_unit_bounds", source);
+  } else if (dict.contains("shard_begin")) {
+    flat = {int_entry(dict, "shard_begin", source), int_entry(dict, "shard_end", source)};
+  } else if (meta.count("offload.begin") && meta.count("offload.end")) {
+    // Written before the range had entries of its own (November 2026).
+    flat = {std::stoll(meta.at("offload.begin")), std::stoll(meta.at("offload.end"))};
+  }
+  for (size_t i = 0; i + 1 < flat.size(); i += 2) {
+    if (flat[i] != flat[i + 1]) layout->ranges.push_back({flat[i], flat[i + 1]});
+  }
+}
+
 }  // namespace
 
 void write_main_archive(const CheckpointData& data,
@@ -225,8 +275,7 @@ void write_rank_archive(int64_t step, const RankState& state,
   dict.insert("dp_size", static_cast<int64_t>(state.dp_size));
   dict.insert("tp_rank", static_cast<int64_t>(state.tp_rank));
   dict.insert("flat_numel", state.optimizer_shard.layout.numel);
-  dict.insert("shard_begin", state.optimizer_shard.layout.range.begin);
-  dict.insert("shard_end", state.optimizer_shard.layout.range.end);
+  write_shard_layout(dict, state.optimizer_shard.layout);
   dict.insert("optimizer_shard", tensor_dict(state.optimizer_shard.tensors, "optimizer_shard"));
   if (!state.stage_model.empty()) {  // a pipeline stage's part of the model (torch.load sees it by name)
     dict.insert("model", tensor_dict(state.stage_model, "model"));
@@ -271,12 +320,7 @@ RankState read_rank_archive(const std::vector<char>& bytes, const std::string& s
   }
   state.rng = rng_entry(dict, source);
   state.meta = meta_entry(dict, source);
-  if (dict.contains("shard_begin")) {
-    shard.layout.range = {int_entry(dict, "shard_begin", source), int_entry(dict, "shard_end", source)};
-  } else if (state.meta.count("offload.begin") && state.meta.count("offload.end")) {
-    // Written before the range had entries of its own (November 2026).
-    shard.layout.range = {std::stoll(state.meta.at("offload.begin")), std::stoll(state.meta.at("offload.end"))};
-  }
+  read_shard_layout(dict, state.meta, source, &shard.layout);
   return state;
 }
 

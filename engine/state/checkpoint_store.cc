@@ -213,10 +213,16 @@ std::string CheckpointStore::save_rank(int64_t step, const RankState& state) {
   DTRAIN_CHECK(state.dp_size >= 1 && state.dp_rank >= 0 && state.dp_rank < state.dp_size,
                "dp_rank ", state.dp_rank, " is not in [0, dp_size=", state.dp_size, ")");
   const ShardLayout& shard = state.optimizer_shard.layout;
-  DTRAIN_CHECK(shard.numel >= 0 && 0 <= shard.range.begin && shard.range.begin <= shard.range.end &&
-                   shard.range.end <= shard.numel,
-               "optimizer shard [", shard.range.begin, ", ", shard.range.end, ") of a flat space of ",
-               shard.numel, " elements is not a range of it");
+  DTRAIN_CHECK(shard.numel >= 0, "optimizer shard of a flat space of ", shard.numel, " elements: must be >= 0");
+  int64_t end = 0;  // ascending and disjoint
+  for (const FlatRange& r : shard.ranges) {
+    DTRAIN_CHECK(0 <= r.begin && r.begin <= r.end && r.end <= shard.numel, "optimizer shard [", r.begin, ", ",
+                 r.end, ") of a flat space of ", shard.numel, " elements is not a range of it");
+    DTRAIN_CHECK(end <= r.begin, "optimizer shard range [", r.begin, ", ", r.end, ") follows one ending at ", end,
+                 "; a rank's ranges must be ascending and disjoint");
+    end = r.end;
+  }
+  if (!shard.unit_bounds.empty()) shard_ranges(shard.numel, 1, 0, shard.unit_bounds);  // throws for bad bounds
   fs_->create_dirs(dir_);
   const std::string path = rank_path_for(step, state.rank);
   write_with_record(fs_, dir_, path, 0,

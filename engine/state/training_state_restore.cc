@@ -13,7 +13,7 @@
 #include "dtrain/engine/optim/amp.h"
 #include "dtrain/engine/optim/optim.h"
 #include "dtrain/engine/optim/prune.h"
-#include "dtrain/engine/optim/sharded.h"
+#include "dtrain/engine/zero3/parameter_units.h"
 #include "dtrain/engine/state/training_state.h"
 #include "training_state_internal.h"
 
@@ -84,8 +84,8 @@ at::Tensor slot_of(const ShardState& state, const std::string& slot, const std::
                              "' (the ranks' files disagree)"));
 }
 
-// Optimizer state between layouts: a replicated state's range of the flat parameter space
-// (its arrays end to end, the weights as "master").
+// Optimizer state between layouts: a replicated state's ranges of the flat parameter space
+// (its arrays end to end, the weights as "master"), the ranges end to end.
 ShardState shard_of_replicated(const TrainingState& s, const NamedTensors& replicated, const ShardLayout& layout) {
   // Each state array is the parameters' tensors end to end (the flat space); the range of it.
   std::map<std::string, std::vector<at::Tensor>> arrays;
@@ -107,9 +107,11 @@ ShardState shard_of_replicated(const TrainingState& s, const NamedTensors& repli
   for (auto& [slot, parts] : arrays) {
     DTRAIN_CHECK(parts.size() == s.params.size(), "the saved optimizer state has '", slot, "' for ", parts.size(),
                  " of the ", s.params.size(), " parameters");
-    out.tensors.emplace_back(slot, at::cat(parts)
-                                       .narrow(0, layout.range.begin, layout.range.size())
-                                       .to(at::TensorOptions().device(at::kCPU), false, true));
+    const at::Tensor flat = at::cat(parts);
+    std::vector<at::Tensor> pieces;
+    for (const FlatRange& r : layout.ranges) pieces.push_back(flat.narrow(0, r.begin, r.size()));
+    const at::Tensor mine = pieces.empty() ? flat.narrow(0, 0, 0) : pieces.size() == 1 ? pieces[0] : at::cat(pieces);
+    out.tensors.emplace_back(slot, mine.to(at::TensorOptions().device(at::kCPU), false, true));
   }
   return out;
 }
@@ -177,7 +179,7 @@ std::optional<ShardState> restore_partitioned_weights(const TrainingState& s, co
   // the ranks' ranges of it.
   const int64_t numel = flat_numel(s.params);
   ShardState whole = other_tp ? *other_tp
-                              : load_resharded_optimizer(store, data, s.mesh.tp_rank(), {numel, {0, numel}},
+                              : load_resharded_optimizer(store, data, s.mesh.tp_rank(), shard_layout_of(numel, 1, 0),
                                                          stage_space(s, numel));
   at::Tensor master;
   for (const auto& [name, t] : whole.tensors) {
@@ -212,7 +214,7 @@ ShardState whole_from_other_tp(const TrainingState& s, const CheckpointStore& st
   // Each saved tensor-parallel rank's whole flat space (every stage, every data-parallel range).
   std::vector<ShardState> per_rank;
   for (int t = 0; t < saved_tp; ++t) {
-    per_rank.push_back(load_resharded_optimizer(store, data, t, {saved_numel, {0, saved_numel}},
+    per_rank.push_back(load_resharded_optimizer(store, data, t, shard_layout_of(saved_numel, 1, 0),
                                                 StageSpace{0, 1, 0, saved_numel}));
   }
   std::map<std::string, std::pair<int64_t, int64_t>> where;  // name -> (offset, elements) in a saved space
@@ -225,7 +227,7 @@ ShardState whole_from_other_tp(const TrainingState& s, const CheckpointStore& st
   // This rank's flat space: its parameters' whole tensors, cut for this --tp, end to end.
   ShardState out;
   const int64_t numel = flat_numel(s.params);
-  out.layout = {numel, {0, numel}};
+  out.layout = shard_layout_of(numel, 1, 0);
   for (const auto& [slot, first] : per_rank.front().tensors) {
     if (first.dim() == 0) {  // the same on every rank ("step")
       out.tensors.emplace_back(slot, first);
@@ -330,7 +332,8 @@ void restore_optimizer(const TrainingState& s, const CheckpointStore& store, con
       // An unsharded run from a partitioned checkpoint: the whole flat space, split per parameter.
       replicated = replicated_of_shard(
           s, whole ? *whole
-                   : load_resharded_optimizer(store, data, s.mesh.tp_rank(), {numel, {0, numel}}, stage_space(s, numel)));
+                   : load_resharded_optimizer(store, data, s.mesh.tp_rank(), shard_layout_of(numel, 1, 0),
+                                              stage_space(s, numel)));
     }
     // The replicated part (e.g. the host parameters' state of --offload=all), unless it was
     // just cut into this rank's range.

@@ -13,7 +13,7 @@
 
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/memory/memory.h"
-#include "dtrain/engine/optim/sharded.h"
+#include "dtrain/engine/zero3/parameter_units.h"
 #include "dtrain/engine/optim/sparse_optim.h"
 #include "dtrain/engine/train/agreement.h"
 #include "dtrain/engine/train/preemption.h"
@@ -25,12 +25,12 @@ namespace dtrain::engine {
 namespace {
 
 // The gradients to check or count: each parameter's (a sparse one's values), and under ZeRO-3
-// the reducer's buffer of this rank's range (the parameters' .grad are undefined then).
-std::vector<at::Tensor> gradient_tensors(const std::vector<at::Tensor>& params, const GradReducer* reducer) {
+// the optimizer's gradient shard (the parameters' .grad are undefined then).
+std::vector<at::Tensor> gradient_tensors(const std::vector<at::Tensor>& params, const GradNormLayout& layout) {
   std::vector<at::Tensor> grads;
   grads.reserve(params.size() + 1);
   for (const at::Tensor& p : params) grads.push_back(gradient_values(p.grad()));
-  if (reducer && reducer->owned_gradients().defined()) grads.push_back(reducer->owned_gradients());
+  if (layout.owned_values.defined()) grads.push_back(layout.owned_values);
   return grads;
 }
 
@@ -145,11 +145,13 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
     units_ = std::move(parts.units);
     reducer_ = std::move(parts.reducer);
     pruner_ = std::move(parts.pruner);
-    if (parts.owned) {
-      norm_layout_.owned = *parts.owned;
+    if (parts.partitioned) {
+      norm_layout_.partitioned = true;
+      norm_layout_.owned = std::move(parts.owned);
+      norm_layout_.owned_values = parts.owned_values;
+      norm_layout_.owned_at = std::move(parts.owned_at);
       norm_layout_.dp = &mesh_.dp();
     }
-    norm_layout_.owned_values = reducer_->owned_gradients();
   }
   if (mesh_.pp_size() > 1 && optimizer_) {
     pp_flat_numels_ = trainer_setup::stage_flat_numels(mesh_, *optimizer_, params_, device_);
@@ -437,7 +439,7 @@ void Trainer::apply_update(StepMetrics& m, bool& skipped, const at::Tensor& loss
   if (pruner_) pruner_->mask_gradients();
   // The gradients are read only: unscaling and clipping become one multiplier that the
   // optimizer applies inside its update.
-  const std::vector<at::Tensor> grads = gradient_tensors(params_, reducer_.get());
+  const std::vector<at::Tensor> grads = gradient_tensors(params_, norm_layout_);
   bool finite = scaler_->check_finite(grads, &mesh_.world());
   at::Tensor multiplier;  // undefined: 1
   at::Tensor drop;        // deferred watch: nonzero on the device drops this step's update
@@ -633,7 +635,7 @@ void Trainer::flush_updates() {
 }
 
 MemoryReport Trainer::memory_report() const {
-  MemoryReport r = build_memory_report(device_, params_, gradient_tensors(params_, reducer_.get()),
+  MemoryReport r = build_memory_report(device_, params_, gradient_tensors(params_, norm_layout_),
                                        optimizer_ ? optimizer_->device_state() : std::vector<at::Tensor>{},
                                        step_start_allocated_mb_, step_peak_mb_);
   if (const int64_t host = optimizer_ ? optimizer_->host_bytes() : 0) {

@@ -11,7 +11,7 @@
 
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/memory/memory.h"
-#include "dtrain/engine/optim/sharded.h"
+#include "dtrain/engine/zero3/parameter_units.h"
 #include "dtrain/engine/train/agreement.h"
 #include "dtrain/engine/train/preemption.h"
 #include "dtrain/engine/train/trainer.h"

@@ -7,6 +7,7 @@
 
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/optim/sharded.h"
+#include "dtrain/engine/zero3/parameter_units.h"
 #include "dtrain/engine/optim/sparse_optim.h"
 
 namespace dtrain::engine::trainer_setup {
@@ -119,31 +120,38 @@ void build_sparse(const UpdateInputs& in, ShardMode shard, SparseSplit& s, Reduc
       << "only where touched (" << o.optimizer.name << "'s sparse rule)";
 }
 
-// ZeRO-3: the sharded optimizer owns the weights' storage; the units gather them per use.
-void build_parameter_sharding(const UpdateInputs& in, UpdateParts& parts) {
+// ZeRO-3: the optimizer owns the weights' storage, the units gather them per use, and the
+// reducer reduce-scatters each unit's gradients into the optimizer's shard.
+void build_parameter_sharding(const UpdateInputs& in, ReducerOptions& reducer_options, UpdateParts& parts) {
   const TrainerOptions& o = in.options;
   check_parameter_sharding(o, false, in.mesh.pp_size());
+  DTRAIN_CHECK(!reducer_options.compress && !reducer_options.bucket_comm && reducer_options.owned.empty(),
+               "--shard=parameters reduce-scatters each unit's gradients in the weights' dtype: drop the reducer's "
+               "compression (--compress_gradients) or custom bucket strategy");
   std::vector<size_t> starts = unit_starts_of(in.trained.names, o.shard_unit_starts, in.tp_sharded);
-  std::unique_ptr<ShardedOptimizer> sharded;
   if (o.offload_optimizer) {  // the ZeRO-Offload layout of stage 3
     const char* other = o.offload.delayed_update_after >= 0 ? "--offload_delayed_update_after"
                         : parse_stream_gradients(o.offload.stream_gradients) == StreamGradients::kOn
                             ? "--offload_stream_gradients=on"
                             : nullptr;
     DTRAIN_CHECK(other == nullptr, "--shard=parameters --offload=optimizer with ", other ? other : "",
-                 " is not supported yet (each rank copies its gradient range to the host after backward and "
+                 " is not supported yet (each rank copies its gradient shard to the host after backward and "
                  "updates it there); drop ", other ? other : "");
-    sharded = std::make_unique<ShardedOptimizer>(in.trained.params, o.optimizer, in.mesh.dp(), std::move(starts),
-                                                 o.offload);
-  } else {
-    sharded = std::make_unique<ShardedOptimizer>(in.trained.params, o.optimizer, in.mesh.dp(), std::move(starts));
   }
-  parts.units = std::make_unique<ParameterUnits>(*sharded);
-  parts.optimizer = std::move(sharded);
+  auto zero3 = std::make_unique<Zero3Optimizer>(in.trained.params, o.optimizer, in.mesh.dp(), std::move(starts),
+                                                o.offload_optimizer ? &o.offload : nullptr);
+  reducer_options.bucket_comm = zero3->bucket_comm();
+  parts.partitioned = true;
+  parts.owned = zero3->shard_layout()->ranges;
+  parts.owned_values = zero3->gradient_shard();
+  parts.owned_at = zero3->shard_positions();
+  parts.units = std::make_unique<ParameterUnits>(*zero3);
+  parts.optimizer = std::move(zero3);
   LOG_IF(INFO, in.mesh.world().rank() == 0)
-      << "--shard=parameters: " << parts.units->units() << " units gathered per use; this rank keeps 1/"
-      << in.mesh.dp_size() << " of the weights, gradients and optimizer state between steps"
-      << (o.offload_optimizer ? " (the optimizer state and fp32 master on the host)" : "");
+      << "--shard=parameters: " << parts.units->units() << " units gathered per use (one all_gather each), their "
+      << "gradients reduce-scattered; this rank keeps 1/" << in.mesh.dp_size()
+      << " of the weights, gradients and optimizer state between steps"
+      << (o.offload_optimizer ? " (the optimizer state and float32 master on the host)" : "");
 }
 
 // A partitioned optimizer reads only its rank's range: each gradient is reduced to its owner.
@@ -152,12 +160,10 @@ void reduce_to_owners(const UpdateInputs& in, ShardMode shard, ReducerOptions& r
   for (const FlatRange& r : parts.optimizer->gradient_owners()) reducer_options.owned.emplace_back(r.begin, r.end);
   if (reducer_options.owned.empty()) return;
   const auto& mine = reducer_options.owned[in.mesh.dp().rank()];
-  parts.owned = FlatRange{mine.first, mine.second};
+  parts.partitioned = true;
+  parts.owned = {FlatRange{mine.first, mine.second}};
   // ZeRO-2: the gradients outside this rank's range are not kept between steps.
-  reducer_options.release_unowned = shard == ShardMode::kGradients || shard == ShardMode::kParameters;
-  // ZeRO-3: only this rank's range of the gradients, in one buffer (a parameter that straddles
-  // a range boundary is not kept whole); the optimizer and the norm read it.
-  reducer_options.owned_gradients_only = shard == ShardMode::kParameters;
+  reducer_options.release_unowned = shard == ShardMode::kGradients;
   LOG_IF(INFO, in.mesh.world().rank() == 0)
       << "each gradient is reduced only to the rank whose shard holds it (the optimizer's, "
       << reducer_options.owned.size() << " shards)"
@@ -201,7 +207,7 @@ UpdateParts build_update(const UpdateInputs& in, ReducerOptions reducer_options)
   if (!split.sparse_params.empty()) {
     build_sparse(in, shard, split, reducer_options, parts);
   } else if (shard == ShardMode::kParameters) {
-    build_parameter_sharding(in, parts);
+    build_parameter_sharding(in, reducer_options, parts);
   } else if (o.offload_optimizer) {
     parts.optimizer = make_offload_optimizer(params, o.optimizer, in.mesh.dp(), o.offload, in.device);
   } else if (shard != ShardMode::kNone) {

@@ -47,8 +47,12 @@ struct UpdateParts {
   std::unique_ptr<ParameterUnits> units;  // --shard=parameters
   std::unique_ptr<GradReducer> reducer;
   std::unique_ptr<Pruner> pruner;  // prune.amount > 0
-  // A partitioned optimizer: this rank's range of the flat gradient space.
-  std::optional<FlatRange> owned;
+  // A partitioned optimizer: this rank's ranges of the flat gradient space (possibly none), and
+  // (ZeRO-3) the flat tensor holding them, range k from owned_at[k] (GradNormLayout's fields).
+  bool partitioned = false;
+  std::vector<FlatRange> owned;
+  at::Tensor owned_values;
+  std::vector<int64_t> owned_at;
 };
 
 // Chooses and builds the optimizer for the options (sparse-aware, ZeRO-3 with or without

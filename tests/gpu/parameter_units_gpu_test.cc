@@ -25,18 +25,16 @@ TEST(ParameterUnitsGpu, TrainsAsOneCpuProcessOnTheGlobalBatch) {
   for (size_t i = 0; i < want.size(); ++i) {
     EXPECT_LT(rel_error(got.weights[i], want[i]), 1e-10) << "parameter " << i << " on rank " << comm.rank();
   }
-  // Weights, two moments and the kept gradients of this rank's range, plus the buckets around
-  // its ends and the caching allocator's rounding (512-byte blocks).
+  // Weights, two moments and gradients of this rank's shard, plus what the collectives may
+  // still hold and the caching allocator's rounding (512-byte blocks).
   const double resident = got.resident_bytes - got.start_bytes;
-  EXPECT_LE(resident, 4.0 * got.numel * 8 / comm.size() + 2.0 * kBucketBytes + (64 << 10) +
-                          (comm.size() == 1 ? got.numel * 8.0 : 0))
-      << "rank " << comm.rank();
+  EXPECT_LE(resident, 4.0 * got.shard * 8 + 2.0 * kBucketBytes + (64 << 10)) << "rank " << comm.rank();
 }
 
-// The ZeRO-Offload layout of stage 3 on the device: the gradient range copied to pinned host
+// The ZeRO-Offload layout of stage 3 on the device: the gradient shard copied to pinned host
 // memory, the CPU optimizer's update, the new weights copied back on its copy stream (ordered
 // before the next forward by end_step). The update runs in fp32 on the host: fp32's rounding.
-// The device holds the weights' and gradients' ranges and the fp32 gradient range, no moments.
+// The device holds the weights' and gradients' shards, no moments.
 TEST(ParameterUnitsGpu, OffloadedOptimizerTrainsAsOneCpuProcess) {
   DTRAIN_SKIP_WITHOUT_CUDA();
   auto& comm = world_comm();
@@ -49,9 +47,7 @@ TEST(ParameterUnitsGpu, OffloadedOptimizerTrainsAsOneCpuProcess) {
   }
   EXPECT_GT(got.host_bytes, 0) << "rank " << comm.rank();
   const double resident = got.resident_bytes - got.start_bytes;
-  EXPECT_LE(resident, 2.0 * got.numel * 8 / comm.size() + got.numel * 4.0 / comm.size() + 2.0 * kBucketBytes +
-                          (64 << 10))
-      << "rank " << comm.rank();
+  EXPECT_LE(resident, 2.0 * got.shard * 8 + 2.0 * kBucketBytes + (64 << 10)) << "rank " << comm.rank();
 }
 
 // The failing rank's replay with CUDA tensors: the units materialized by the caching allocator,
@@ -79,7 +75,7 @@ TEST(ParameterUnitsGpu, UnitsOnAnotherGpuAreGatheredThereWhateverTheCurrentDevic
   }
   OptimizerOptions oo;
   oo.name = "adam";
-  ShardedOptimizer optimizer(params, oo, *comm, {0, 1, 2});
+  Zero3Optimizer optimizer(params, oo, *comm, {0, 1, 2});
   ParameterUnits units(optimizer);
   cuda->setDevice(c10::Device(c10::kCUDA, 0));
   units.gather_all();

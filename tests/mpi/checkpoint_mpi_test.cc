@@ -50,22 +50,26 @@ at::Tensor full_array(int64_t numel, int k) {
   return at::arange(numel, at::kFloat) + 1000.f * static_cast<float>(k);
 }
 
-// Rank `rank` of `ranks`'s part of a flat array (the layout of shard.h), cut directly.
-at::Tensor shard_of_array(const at::Tensor& full, int ranks, int rank) {
-  FlatRange r = shard_range(full.numel(), ranks, rank);
-  return full.narrow(0, r.begin, r.size()).clone();
+// Rank `rank` of `ranks`'s part of a flat array (the layout of shard.h, cut into units at
+// `bounds`), cut directly: its ranges end to end.
+at::Tensor shard_of_array(const at::Tensor& full, int ranks, int rank, const std::vector<int64_t>& bounds = {}) {
+  std::vector<at::Tensor> parts;
+  for (const FlatRange& r : shard_ranges(full.numel(), ranks, rank, bounds)) {
+    parts.push_back(full.narrow(0, r.begin, r.size()));
+  }
+  return parts.empty() ? at::zeros({0}) : at::cat(parts);
 }
 
-RankState rank_state(dist::Communicator& comm, int64_t numel) {
+RankState rank_state(dist::Communicator& comm, int64_t numel, const std::vector<int64_t>& bounds = {}) {
   RankState state;
   state.rank = comm.rank();
   state.dp_rank = comm.rank();
   state.dp_size = comm.size();
-  state.optimizer_shard.layout = {numel, shard_range(numel, comm.size(), comm.rank())};
+  state.optimizer_shard.layout = shard_layout_of(numel, comm.size(), comm.rank(), bounds);
   state.optimizer_shard.tensors = {
       {"step", at::scalar_tensor(3.f)},
-      {"exp_avg", shard_of_array(full_array(numel, 1), comm.size(), comm.rank())},
-      {"exp_avg_sq", shard_of_array(full_array(numel, 2), comm.size(), comm.rank())}};
+      {"exp_avg", shard_of_array(full_array(numel, 1), comm.size(), comm.rank(), bounds)},
+      {"exp_avg_sq", shard_of_array(full_array(numel, 2), comm.size(), comm.rank(), bounds)}};
   state.rng = capture_rng_state();
   return state;
 }
@@ -107,7 +111,7 @@ TEST(CheckpointMpiTest, SaveAgreeAndReshardToOtherWorldSizes) {
   // Every new data-parallel size from 1 to world + 1, each new rank computed here.
   for (int new_dp = 1; new_dp <= comm.size() + 1; ++new_dp) {
     for (int new_rank = 0; new_rank < new_dp; ++new_rank) {
-      const ShardLayout target{numel, shard_range(numel, new_dp, new_rank)};
+      const ShardLayout target = shard_layout_of(numel, new_dp, new_rank);
       NamedTensors got = load_resharded_optimizer(store, main, 0, target).tensors;
       ASSERT_EQ(got.size(), 3u);
       EXPECT_EQ(got[0].first, "step");
@@ -116,6 +120,34 @@ TEST(CheckpointMpiTest, SaveAgreeAndReshardToOtherWorldSizes) {
         EXPECT_TRUE(at::equal(got[k].second, shard_of_array(full_array(numel, k), new_dp, new_rank)))
             << comm.size() << " -> " << new_dp << " ranks, new rank " << new_rank << ", "
             << got[k].first;
+      }
+    }
+  }
+}
+
+// Partitioned state in units (each unit split over the ranks: several ranges per rank) saved by
+// this world re-shards to one range and to other units at every other data-parallel size.
+TEST(CheckpointMpiTest, PerUnitStateReshardsToOtherWorldSizesAndLayouts) {
+  dist::Communicator& comm = testing_util::world_comm();
+  SharedDir dir;
+  CheckpointStore store(dir.path());
+  const int64_t numel = 200;
+  const std::vector<int64_t> units = {0, 70, 150};
+  save_checkpoint(store, comm, main_data(comm, 4), rank_state(comm, numel, units));
+  const CheckpointData main = store.load(store.path_for(4));
+  for (const std::vector<int64_t>& bounds : {std::vector<int64_t>{}, units, {0, 120}}) {
+    for (int new_dp = 1; new_dp <= comm.size() + 1; ++new_dp) {
+      for (int new_rank = 0; new_rank < new_dp; ++new_rank) {
+        const ShardLayout target = shard_layout_of(numel, new_dp, new_rank, bounds);
+        const ShardState got = load_resharded_optimizer(store, main, 0, target);
+        ASSERT_EQ(got.tensors.size(), 3u);
+        EXPECT_TRUE(got.layout.ranges == target.ranges);
+        EXPECT_EQ(got.tensors[0].second.item<float>(), 3.f);
+        for (int k = 1; k <= 2; ++k) {
+          EXPECT_TRUE(at::equal(got.tensors[k].second, shard_of_array(full_array(numel, k), new_dp, new_rank, bounds)))
+              << comm.size() << " ranks in units -> " << new_dp << " ranks in " << bounds.size() << " unit(s), rank "
+              << new_rank << ", " << got.tensors[k].first;
+        }
       }
     }
   }

@@ -1,5 +1,5 @@
-// ZeRO-3's engine pieces on 1, 2 and 4 ranks: ShardedOptimizer with units (each rank keeps its
-// range of the weights, the state and, with the reducer's release_unowned, the gradients) and
+// ZeRO-3's engine pieces on 1, 2 and 4 ranks: Zero3Optimizer (each rank keeps its piece of every
+// unit of the weights, the state and, through the reducer's reduce-scatter, the gradients) and
 // ParameterUnits (each unit gathered just before its forward and again before its backward,
 // released after each) against one process trained on the global batch with the replicated
 // AdamW in float64; the memory a rank holds between steps and at its peak, counted exactly;
@@ -15,7 +15,9 @@
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/memory/memory.h"
 #include "dtrain/engine/optim/optim.h"
-#include "dtrain/engine/optim/sharded.h"
+#include "dtrain/engine/parallel/grad_norm.h"
+#include "dtrain/engine/zero3/parameter_units.h"
+#include "dtrain/offload/cpu_optimizer.h"
 #include "dtrain/engine/parallel/reducer.h"
 #include "test_util.h"
 #include "zero3_cases.h"
@@ -36,52 +38,58 @@ TEST(ParameterUnits, TrainsAsOneProcessOnTheGlobalBatch) {
   }
 }
 
-// Between steps a rank holds its range of the weights, of the two AdamW moments and of the
-// gradients (exactly: a parameter that straddles its range's ends is not kept whole): at 4
-// ranks at most 0.3 of the
-// 4 x numel values an unsharded rank holds (weights, gradients, two moments). At the step's
+// Between steps a rank holds its shard (a piece of every unit, padded to 64 x ranks elements per
+// unit) of the weights, of the two AdamW moments and of the gradients: at 4 ranks at most 0.3 of
+// the 4 x numel values an unsharded rank holds (weights, gradients, two moments). At the step's
 // peak, at most two units' weights (the one computing, the one prefetched), the activations
-// and two gradient buckets come on top (all the weights at once would be 16 units').
+// and two units' gradient buckets come on top (all the weights at once would be 16 units').
 TEST(ParameterUnits, HoldsItsShareBetweenStepsAndAboutTwoUnitsMoreAtThePeak) {
   auto& comm = world_comm();
   const int n = comm.size();
   const Zero3Run got = zero3(comm);
   const double unsharded = 4.0 * got.numel * 8;
   const double resident = got.resident_bytes - got.start_bytes;
-  const double block_bytes = (kWidth * kWidth + kWidth) * 8.0;
-  // The gradients: exactly this rank's range, also where a parameter straddles its ends.
-  if (n > 1) EXPECT_EQ(got.gradient_bytes, got.range * 8) << "rank " << comm.rank();
-  // This rank's range (weights, two moments, gradients): 4 x numel / n, plus what the backend
-  // may still hold of the last collectives (at most a bucket or a unit's piece here) and a few
-  // scalars (the optimizer's step counts, the batch).
-  // On one rank the gradient shard is the optimizer's own copy, not a view of the reducer's.
-  const double bound = 4.0 * got.numel * 8 / n + 2.0 * kBucketBytes + (16 << 10) + (n == 1 ? got.numel * 8.0 : 0);
+  // A block's unit, padded as the layout pads it (its gathered buffer and its gradient bucket).
+  const double unit_bytes = offload::padded_numel(kWidth * kWidth + kWidth, n) * 8.0;
+  // The shard: each unit's n_k elements padded to a multiple of 64 x n, 1/n of it here; the
+  // gradients are exactly the shard (the reducer keeps none between steps).
+  const int64_t block_chunk = offload::padded_numel(kWidth * kWidth + kWidth, n) / n;
+  EXPECT_EQ(got.shard, kBlocks * block_chunk + offload::padded_numel(kWidth + 1, n) / n) << "rank " << comm.rank();
+  EXPECT_EQ(got.gradient_bytes, got.shard * 8) << "rank " << comm.rank();
+  // The shard (weights, two moments, gradients), plus what the backend may still hold of the
+  // last collectives (at most a unit's bucket or piece here) and a few scalars (the
+  // optimizer's step counts, the batch).
+  const double bound = 4.0 * got.shard * 8 + 2.0 * unit_bytes + (16 << 10);
   EXPECT_LE(resident, bound) << "rank " << comm.rank();
   if (n == 4) EXPECT_LE(resident, 0.3 * unsharded) << "rank " << comm.rank() << ": " << resident / unsharded;
   // Activations: inputs and each block's saved tensors, kRows x kWidth float64 each.
   const double activations = 4.0 * kBlocks * kRows * kWidth * 8;
-  // During backward a gradient bucket is filling while the one before it is reduced: the
-  // reducer releases each bucket none of which is this rank's as soon as it is reduced.
+  // During backward a unit's gradient bucket is filling while the one before it is
+  // reduce-scattered: the reducer releases each bucket as soon as that completes.
   const double peak = got.peak_bytes - got.start_bytes;
   if (comm.rank() == 0) {
     std::printf("ZeRO-3 on %d rank(s): between steps %.3f of the unsharded rank's weights, gradients and AdamW "
-                "state (%.0f KiB); the peak %.0f KiB above that (a unit's weights are %.0f KiB, activations %.0f KiB, "
-                "a bucket %lld KiB)\n",
-                n, resident / unsharded, resident / 1024, (peak - resident) / 1024, block_bytes / 1024,
-                activations / 1024, static_cast<long long>(kBucketBytes >> 10));
+                "state (%.0f KiB); the peak %.0f KiB above that (a unit's weights and its gradient bucket are "
+                "%.0f KiB each, activations %.0f KiB)\n",
+                n, resident / unsharded, resident / 1024, (peak - resident) / 1024, unit_bytes / 1024,
+                activations / 1024);
   }
-  EXPECT_LE(peak, resident + 2 * block_bytes + activations + 2.0 * kBucketBytes) << "rank " << comm.rank();
+  EXPECT_LE(peak, resident + 4 * unit_bytes + activations) << "rank " << comm.rank();
 }
 
-// Per step: each unit is gathered twice (forward, backward), a broadcast of each owner's piece
-// (S bytes each), and the gradients reduced to their owners (S): 3 x the weights' bytes, the
-// ZeRO paper's figure for stage 3.
+// Per step: each unit is gathered twice (forward, backward) by one all_gather, and its
+// gradients reduce-scattered once, each moving (n - 1) / n of the unit's padded bytes per rank
+// (the bus bytes of dist::CommTraffic): 3 x the weights' bytes as the ZeRO paper counts stage
+// 3, exactly, with the units' padding.
 TEST(ParameterUnits, MovesThreeTimesTheWeightsPerStep) {
   auto& comm = world_comm();
-  if (comm.size() == 1) GTEST_SKIP() << "nothing moves on one rank";
+  const int n = comm.size();
+  if (n == 1) GTEST_SKIP() << "nothing moves on one rank";
   const Zero3Run got = zero3(comm);
-  const double weights = got.numel * 8.0;
-  EXPECT_NEAR(got.bus_bytes_per_step, 3 * weights, 0.05 * weights) << got.bus_bytes_per_step / weights;
+  const double padded = (kBlocks * offload::padded_numel(kWidth * kWidth + kWidth, n) +
+                         offload::padded_numel(kWidth + 1, n)) * 8.0;
+  EXPECT_NEAR(got.bus_bytes_per_step, 3 * padded * (n - 1) / n, 1.0) << got.bus_bytes_per_step / padded;
+  EXPECT_LT(padded, 1.05 * got.numel * 8.0);  // the padding costs under 5% here
 }
 
 // The ZeRO-Offload layout of stage 3 (--shard=parameters --offload=optimizer): the same steps
@@ -100,19 +108,54 @@ TEST(ParameterUnits, OffloadedOptimizerTrainsAsOneProcessAndKeepsItsStateOnTheHo
   for (size_t i = 0; i < want.size(); ++i) {
     EXPECT_LT(rel_error(got.weights[i], want[i]), 1e-5) << "parameter " << i << " on rank " << comm.rank();
   }
-  // The host: the range's fp32 master, two moments and gradient staging, and the CPU
-  // optimizer's two copy-back tiles (4 Mi fp32 elements each, whatever the range).
-  const double range = static_cast<double>(got.numel) / n;
+  // The host: the shard's fp32 master, two moments and gradient staging, and the CPU
+  // optimizer's two copy-back tiles (4 Mi fp32 elements each, whatever the shard).
+  const double shard = static_cast<double>(got.shard);
   const double tiles = 2.0 * (int64_t{4} << 20) * 4;
-  EXPECT_GE(got.host_bytes, 4 * range * 4 * 0.99 + tiles) << "rank " << comm.rank();
-  EXPECT_LE(got.host_bytes, 4 * (range + 64) * 4 + 4 * 256 + tiles) << "rank " << comm.rank();
-  // The rest ("allocated" on the CPU counts the host pool too): the range of the weights and
-  // the gradients kept (float64), the range's fp32 gradient for the copy, and no moments.
+  EXPECT_GE(got.host_bytes, 4 * shard * 4 + tiles) << "rank " << comm.rank();
+  EXPECT_LE(got.host_bytes, 4 * (shard + 64) * 4 + 4 * 256 + tiles) << "rank " << comm.rank();
+  // The rest ("allocated" on the CPU counts the host pool too): the shard of the weights and
+  // of the gradients (float64), and no moments.
   const double resident = got.resident_bytes - got.start_bytes - got.host_bytes;
-  if (n > 1) EXPECT_EQ(got.gradient_bytes, got.range * 8) << "rank " << comm.rank();
-  const double bound = 2.0 * got.numel * 8 / n + got.numel * 4.0 / n + 2.0 * kBucketBytes + (16 << 10) +
-                       (n == 1 ? got.numel * 8.0 : 0);
+  EXPECT_EQ(got.gradient_bytes, got.shard * 8) << "rank " << comm.rank();
+  const double unit_bytes = offload::padded_numel(kWidth * kWidth + kWidth, n) * 8.0;
+  const double bound = 2.0 * shard * 8 + 2.0 * unit_bytes + (16 << 10);
   EXPECT_LE(resident, bound) << "rank " << comm.rank();
+}
+
+// The gradient norm under ZeRO-3: each rank counts its piece of every unit from the gradient
+// shard (the reduce-scatter's output, padding between the pieces) and the squares are summed
+// over the ranks: the norm of the whole gradients, computed in float64 here. The units are
+// smaller than the padding, so on 2 and 4 ranks the last rank holds no element at all and
+// still takes part in the sum.
+TEST(ParameterUnits, GradNormOfTheShardsIsTheNormOfTheWholeGradients) {
+  auto& comm = world_comm();
+  const int n = comm.size();
+  torch::manual_seed(3);  // the same weights and gradients on every rank
+  std::vector<at::Tensor> params, grads;
+  for (const std::vector<int64_t>& shape : {std::vector<int64_t>{30}, {10}, {5, 4}}) {
+    params.push_back(at::randn(shape, at::kDouble).requires_grad_(true));
+    grads.push_back(at::randn(shape, at::kDouble));
+  }
+  std::vector<at::Tensor> flat;
+  for (const at::Tensor& g : grads) flat.push_back(g.reshape({-1}));
+  const at::Tensor whole = at::cat(flat);
+  const double want = whole.norm().item<double>();
+  Zero3Optimizer z3(params, adamw(), comm, {0, 1, 2});
+  const ShardLayout layout = *z3.shard_layout();
+  const std::vector<int64_t> at = z3.shard_positions();
+  for (size_t q = 0; q < at.size(); ++q) {
+    z3.gradient_shard().narrow(0, at[q], layout.ranges[q].size()).copy_(
+        whole.narrow(0, layout.ranges[q].begin, layout.ranges[q].size()));
+  }
+  if (n > 1 && comm.rank() == n - 1) EXPECT_TRUE(layout.ranges.empty()) << "the last rank holds only padding";
+  GradNormLayout norm_layout;
+  norm_layout.partitioned = true;
+  norm_layout.owned = layout.ranges;
+  norm_layout.owned_values = z3.gradient_shard();
+  norm_layout.owned_at = at;
+  norm_layout.dp = &comm;
+  EXPECT_NEAR(global_grad_norm(z3.params(), norm_layout).item<double>(), want, 1e-6 * want) << "rank " << comm.rank();
 }
 
 TEST(ParameterUnits, BadUnitsAreRefused) {
@@ -121,7 +164,7 @@ TEST(ParameterUnits, BadUnitsAreRefused) {
   const std::vector<at::Tensor> params = m.params();
   auto message = [&](std::vector<size_t> starts) {
     try {
-      ShardedOptimizer opt(params, adamw(), comm, starts);
+      Zero3Optimizer opt(params, adamw(), comm, starts);
     } catch (const Error& e) {
       return std::string(e.what());
     }

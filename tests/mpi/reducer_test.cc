@@ -5,6 +5,7 @@
 
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/parallel/reducer.h"
+#include "dtrain/engine/zero3/parameter_units.h"
 #include "test_util.h"
 
 namespace dtrain::engine {
@@ -282,37 +283,50 @@ TEST_P(ReducerOwnerRanges, ReleaseUnownedKeepsOnlyTheBucketsOfThisRanksRange) {
   EXPECT_EQ(reducer.synchronized_backwards(), 3);
 }
 
-// ZeRO-3's gradients (owned_gradients_only): every bucket is released once reduced, this rank's
-// part copied into one buffer of its range first, so between steps a rank holds exactly its
-// range (not the whole of a parameter that straddles a boundary) and no .grad is defined.
-TEST_P(ReducerOwnerRanges, OwnedGradientsOnlyKeepsExactlyThisRanksRange) {
-  const int64_t total = total_numel(ps);
-  ReducerOptions options = small_reducer_buckets(compress);
-  options.release_unowned = true;
-  options.owned_gradients_only = true;
-  // Boundaries inside parameters: every range boundary splits one.
-  for (int r = 0; r < N; ++r) options.owned.emplace_back(total * r / N + (r ? 3 : 0), total * (r + 1) / N + (r + 1 < N ? 3 : 0));
-  const auto [lo, hi] = options.owned[comm.rank()];
-  GradReducer reducer(ps, comm, options);
-  if (N == 1) {
-    EXPECT_FALSE(reducer.owned_gradients().defined()) << "one rank owns everything: nothing to release";
+// ZeRO-3's gradient path through the reducer's strategy seam (Zero3Optimizer::bucket_comm()):
+// the buckets are the units exactly, padded for the reduce-scatter, released once reduced, so
+// the reducer keeps nothing between steps and no .grad is defined after a synchronized
+// backward; each rank's shard holds the single process's gradients of its piece of every unit.
+// The units cut the MLP so that the pieces split parameters. Asking the reducer to compress a
+// strategy it is given is refused (it would silently not compress).
+TEST_P(ReducerOwnerRanges, ZeroThreeReduceScattersEachUnitIntoTheShard) {
+  OptimizerOptions oo;
+  oo.name = "sgd";
+  Zero3Optimizer z3(ps, oo, comm, {0, 2, 3, 6});  // units of 2, 1, 3 and 2 parameters
+  ParameterUnits units(z3);
+  units.gather_all();  // the forward below reads every weight
+  ReducerOptions options = small_reducer_buckets(false);
+  options.bucket_comm = z3.bucket_comm();
+  options.broadcast_parameters = false;
+  if (compress) {
+    options.compress = at::kBFloat16;
+    EXPECT_NE(testing_util::error_of([&] { GradReducer reducer(ps, comm, options); }).find("wrap it in CompressedBuckets"),
+              std::string::npos);
+    units.release_all();
     return;
   }
-  ASSERT_TRUE(reducer.owned_gradients().defined());
-  EXPECT_EQ(reducer.owned_gradients().numel(), hi - lo);
-  EXPECT_TRUE(reducer.flat_gradients(lo, hi).is_same(reducer.owned_gradients()) ||
-              reducer.flat_gradients(lo, hi).data_ptr() == reducer.owned_gradients().data_ptr());
+  GradReducer reducer(ps, comm, options);
+  EXPECT_EQ(reducer.bucket_params(), (std::vector<std::vector<size_t>>{{6, 7}, {3, 4, 5}, {2}, {0, 1}}));
+  const ShardLayout layout = *z3.shard_layout();
+  const std::vector<int64_t> at = z3.shard_positions();
+  ASSERT_EQ(at.size(), layout.ranges.size());
   auto ref = make_mlp(0);
   for (int64_t step = 0; step < 3; ++step) {
     auto [x, y] = global_batch(step, 8 * N);
     reducer.zero_grad();
-    EXPECT_EQ(reducer.gradient_bytes(), (hi - lo) * 8) << "between steps, step " << step;
+    z3.zero_grad();
+    EXPECT_EQ(reducer.gradient_bytes(), 0) << "between steps, step " << step;
     backward_two_micro_batches(reducer, model, shard(x, comm.rank(), N), shard(y, comm.rank(), N));
-    EXPECT_EQ(reducer.gradient_bytes(), (hi - lo) * 8) << "after backward, step " << step;
+    EXPECT_EQ(reducer.gradient_bytes(), 0) << "after backward, step " << step;
     for (size_t i = 0; i < ps.size(); ++i) EXPECT_FALSE(ps[i].grad().defined()) << "parameter " << i;
-    const at::Tensor want = flat_reference_grads(*ref, x, y).narrow(0, lo, hi - lo);
-    EXPECT_LT(rel_error(reducer.owned_gradients(), want), compress ? 2e-2 : 1e-12) << "step " << step;
+    const at::Tensor want = flat_reference_grads(*ref, x, y);
+    for (size_t q = 0; q < at.size(); ++q) {
+      EXPECT_LT(rel_error(z3.gradient_shard().narrow(0, at[q], layout.ranges[q].size()),
+                          want.narrow(0, layout.ranges[q].begin, layout.ranges[q].size())), 1e-12)
+          << "step " << step << ", range " << q;
+    }
   }
+  units.release_all();
 }
 
 TEST_F(Reducer, ReleaseUnownedWithoutOwnedRangesIsRefused) {

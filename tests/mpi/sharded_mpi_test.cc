@@ -159,7 +159,7 @@ TEST(ShardedOptimizer, HoldsItsRangeOfTheStateAndTheGradients) {
   const FlatRange mine = shard_range(numel, comm.size(), comm.rank());
   ASSERT_TRUE(opt.shard_layout().has_value());
   EXPECT_EQ(opt.shard_layout()->numel, numel);
-  EXPECT_EQ(opt.shard_layout()->range, mine);
+  EXPECT_EQ(opt.shard_layout()->ranges, shard_ranges(numel, comm.size(), comm.rank()));
   // exp_avg, exp_avg_sq and the gradient shard: three arrays of the range (fp64 parameters keep
   // no separate master), against 3 x numel for the replicated optimizer's moments and steps.
   int64_t elements = 0;

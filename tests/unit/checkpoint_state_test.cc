@@ -20,9 +20,10 @@ TEST(ShardLayoutTest, RangesFollowTheOffloadedOptimizersLayout) {
     EXPECT_EQ(s.end, std::min<int64_t>(o.end, 200));
   }
   EXPECT_TRUE(shard_range(10, 4, 3) == (FlatRange{10, 10}));  // only padding
-  EXPECT_EQ(overlapping_shards(200, 4, {100, 150}), (std::vector<int>{1, 2}));
-  EXPECT_EQ(overlapping_shards(10, 4, {0, 10}), (std::vector<int>{0}));
-  EXPECT_TRUE(overlapping_shards(10, 4, {10, 10}).empty());
+  EXPECT_EQ(overlapping_shards(200, 4, {{100, 150}}), (std::vector<int>{1, 2}));
+  EXPECT_EQ(overlapping_shards(10, 4, {{0, 10}}), (std::vector<int>{0}));
+  EXPECT_TRUE(overlapping_shards(10, 4, {{10, 10}}).empty());
+  EXPECT_TRUE(overlapping_shards(10, 4, {}).empty());
   EXPECT_THROW(shard_range(10, 0, 0), Error);
   EXPECT_THROW(shard_range(10, 2, 2), Error);
   EXPECT_THROW(shard_range(-1, 2, 0), Error);
@@ -34,8 +35,8 @@ std::vector<ShardState> saved_pieces(const at::Tensor& full, int ranks) {
   std::vector<ShardState> pieces;
   for (int r = 0; r < ranks; ++r) {
     ShardState piece;
-    piece.layout = {full.numel(), shard_range(full.numel(), ranks, r)};
-    const FlatRange s = piece.layout.range;
+    const FlatRange s = shard_range(full.numel(), ranks, r);
+    piece.layout = {full.numel(), {s}};
     piece.tensors = named({{"step", torch::tensor(4.f)},
                            {"exp_avg", full.narrow(0, s.begin, s.size()).clone()},
                            {"exp_avg_sq", (2 * full).narrow(0, s.begin, s.size()).clone()}});
@@ -51,22 +52,21 @@ TEST(ShardLayoutTest, AssemblingEqualsCuttingTheWholeArray) {
       std::vector<ShardState> old = saved_pieces(full, old_ranks);
       for (int new_ranks = 1; new_ranks <= 5; ++new_ranks) {
         for (int r = 0; r < new_ranks; ++r) {
-          const ShardLayout target{numel, shard_range(numel, new_ranks, r)};
+          const ShardLayout target = shard_layout_of(numel, new_ranks, r);
+          const FlatRange range = shard_range(numel, new_ranks, r);
           // Only the overlapping old pieces are given (one for the replicated entry if none).
           std::vector<ShardState> given;
-          for (int j : overlapping_shards(numel, old_ranks, target.range)) given.push_back(old[j]);
+          for (int j : overlapping_shards(numel, old_ranks, target.ranges)) given.push_back(old[j]);
           if (given.empty()) given.push_back(old[0]);
           ShardState got = assemble_shard(given, target);
           ASSERT_EQ(got.tensors.size(), 3u);
-          EXPECT_TRUE(got.layout.range == target.range);
+          EXPECT_TRUE(got.layout.ranges == target.ranges);
+          EXPECT_EQ(got.layout.size(), range.size());
           EXPECT_EQ(got.tensors[0].second.item<float>(), 4.f);
           const std::string where = std::to_string(numel) + " elements, " + std::to_string(old_ranks) + " -> " +
                                     std::to_string(new_ranks) + " rank " + std::to_string(r);
-          EXPECT_TRUE(at::equal(got.tensors[1].second, full.narrow(0, target.range.begin, target.range.size())))
-              << where;
-          EXPECT_TRUE(
-              at::equal(got.tensors[2].second, (2 * full).narrow(0, target.range.begin, target.range.size())))
-              << where;
+          EXPECT_TRUE(at::equal(got.tensors[1].second, full.narrow(0, range.begin, range.size()))) << where;
+          EXPECT_TRUE(at::equal(got.tensors[2].second, (2 * full).narrow(0, range.begin, range.size()))) << where;
         }
       }
     }
@@ -76,7 +76,7 @@ TEST(ShardLayoutTest, AssemblingEqualsCuttingTheWholeArray) {
 TEST(ShardLayoutTest, AssemblyNamesWhatIsWrong) {
   at::Tensor full = torch::arange(300, torch::kFloat);
   std::vector<ShardState> old = saved_pieces(full, 3);  // [0, 128) [128, 256) [256, 300)
-  const ShardLayout whole{300, {0, 300}};
+  const ShardLayout whole{300, {{0, 300}}};
   EXPECT_TRUE(contains(message_of([&] { assemble_shard({old[0], old[2]}, whole); }),
                        "no saved optimizer shard holds elements [128, 256) of this rank's [0, 300)"));
   EXPECT_TRUE(contains(message_of([&] { assemble_shard({old[0], old[1]}, whole); }),
@@ -91,7 +91,7 @@ TEST(ShardLayoutTest, AssemblyNamesWhatIsWrong) {
   bad = old;
   bad[2].tensors[2].first = "sum";
   EXPECT_TRUE(contains(message_of([&] { assemble_shard(bad, whole); }), "hold different entries"));
-  EXPECT_TRUE(contains(message_of([&] { assemble_shard(old, ShardLayout{301, {0, 301}}); }),
+  EXPECT_TRUE(contains(message_of([&] { assemble_shard(old, ShardLayout{301, {{0, 301}}}); }),
                        "holds partitioned state of 300 elements, but this model needs 301"));
 }
 
@@ -120,14 +120,14 @@ TEST(ShardLayoutTest, LoadsOnlyTheNeededRankFilesAcrossTensorParallelRanks) {
   store.save(main);
   // New rank 1 of 2 holds [192, 300): old dp ranks 1 and 2 only.
   ::unlink(store.rank_path_for(9, 0 * 2 + 1).c_str());  // tp rank 1's dp-0 file is not needed
-  const ShardLayout target{numel, shard_range(numel, 2, 1)};
-  ASSERT_TRUE(target.range == (FlatRange{192, 300}));
+  const ShardLayout target = shard_layout_of(numel, 2, 1);
+  ASSERT_TRUE(target.ranges == (std::vector<FlatRange>{{192, 300}}));
   ShardState got = load_resharded_optimizer(store, store.load(store.path_for(9)), /*tp_rank=*/1, target);
   ASSERT_EQ(got.tensors.size(), 3u);
   EXPECT_TRUE(at::equal(got.tensors[1].second, torch::arange(192, 300, torch::kFloat) + 100.f));
   EXPECT_TRUE(contains(message_of([&] {
                          load_resharded_optimizer(store, store.load(store.path_for(9)), 0,
-                                                  ShardLayout{301, shard_range(301, 2, 1)});
+                                                  shard_layout_of(301, 2, 1));
                        }),
                        "holds partitioned optimizer state of 300 elements, but this model needs 301"));
   EXPECT_TRUE(contains(message_of([&] { load_resharded_optimizer(store, store.load(store.path_for(9)), 2, target); }),
@@ -183,13 +183,14 @@ TEST(ShardLayoutTest, PartitionedStateReshardsAcrossPipelineSplits) {
       for (int s = 0; s < stages; ++s) {
         for (int dp : {1, 2, 3}) {
           for (int r = 0; r < dp; ++r) {
-            const ShardLayout target{new_split[s], shard_range(new_split[s], dp, r)};
+            const ShardLayout target = shard_layout_of(new_split[s], dp, r);
+            const FlatRange range = shard_range(new_split[s], dp, r);
             const StageSpace space{s, stages, offset, 300};
             const ShardState got = load_resharded_optimizer(store, main, 0, target, space);
             ASSERT_EQ(got.tensors.size(), 3u);
-            EXPECT_TRUE(got.layout.numel == target.numel && got.layout.range == target.range);
+            EXPECT_TRUE(got.layout.numel == target.numel && got.layout.ranges == target.ranges);
             EXPECT_EQ(got.tensors[0].second.item<float>(), 4.f);  // the replicated "step"
-            const at::Tensor expected = whole.narrow(0, offset + target.range.begin, target.range.size());
+            const at::Tensor expected = whole.narrow(0, offset + range.begin, range.size());
             EXPECT_TRUE(at::equal(got.tensors[1].second, expected))
                 << old_split.size() << " stages -> stage " << s << " of " << stages << ", rank " << r << " of " << dp;
             EXPECT_TRUE(at::equal(got.tensors[2].second, 2 * expected));
@@ -200,7 +201,7 @@ TEST(ShardLayoutTest, PartitionedStateReshardsAcrossPipelineSplits) {
     }
     // A whole model of another size is another model.
     EXPECT_TRUE(contains(message_of([&] {
-                           load_resharded_optimizer(store, main, 0, ShardLayout{170, {0, 170}}, StageSpace{1, 2, 130, 301});
+                           load_resharded_optimizer(store, main, 0, ShardLayout{170, {{0, 170}}}, StageSpace{1, 2, 130, 301});
                          }),
                          "but this model needs 301; it is of a different model"));
   }
@@ -208,11 +209,11 @@ TEST(ShardLayoutTest, PartitionedStateReshardsAcrossPipelineSplits) {
   TempDir dir;
   CheckpointStore store(dir.path());
   const CheckpointData legacy = save_staged(store, whole, splits[1], 2, /*record_sizes=*/false);
-  const ShardState same = load_resharded_optimizer(store, legacy, 0, ShardLayout{170, shard_range(170, 1, 0)},
+  const ShardState same = load_resharded_optimizer(store, legacy, 0, shard_layout_of(170, 1, 0),
                                                    StageSpace{1, 2, 130, 300});
   EXPECT_TRUE(at::equal(same.tensors[1].second, whole.narrow(0, 130, 170)));
   EXPECT_TRUE(contains(message_of([&] {
-                         load_resharded_optimizer(store, legacy, 0, ShardLayout{100, {0, 100}}, StageSpace{0, 3, 0, 300});
+                         load_resharded_optimizer(store, legacy, 0, ShardLayout{100, {{0, 100}}}, StageSpace{0, 3, 0, 300});
                        }),
                        "of 2 pipeline stage(s) without their sizes; this run has 3. Resume it with --pp=2"));
 }

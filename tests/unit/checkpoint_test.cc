@@ -365,7 +365,7 @@ TEST(CheckpointStoreTest, RankFilesArePartOfTheCheckpoint) {
     state.rank = r;
     state.dp_rank = r;
     state.dp_size = 2;
-    state.optimizer_shard.layout = {6, {3 * r, 3 * r + 3}};
+    state.optimizer_shard.layout = {6, {{3 * r, 3 * r + 3}}};
     state.optimizer_shard.tensors = named({{"exp_avg", torch::full({3}, float(r))}});
     state.rng = capture_rng_state();
     state.meta = {{"host", "h" + std::to_string(r)}};
@@ -376,7 +376,7 @@ TEST(CheckpointStoreTest, RankFilesArePartOfTheCheckpoint) {
   EXPECT_EQ(back.rank, 1);
   EXPECT_EQ(back.dp_rank, 1);
   EXPECT_EQ(back.optimizer_shard.layout.numel, 6);
-  EXPECT_TRUE(back.optimizer_shard.layout.range == (FlatRange{3, 6}));
+  EXPECT_TRUE(back.optimizer_shard.layout.ranges == (std::vector<FlatRange>{{3, 6}}));
   EXPECT_EQ(back.meta.at("host"), "h1");
   expect_same(back.optimizer_shard.tensors, named({{"exp_avg", torch::full({3}, 1.f)}}));
   EXPECT_EQ(store.latest_good()->rank_files, 2);

@@ -16,7 +16,7 @@
 #include <c10/core/impl/FakeGuardImpl.h>
 
 #include "dtrain/dist/error.h"
-#include "dtrain/engine/optim/sharded.h"
+#include "dtrain/engine/zero3/zero3_optimizer.h"
 #include "dtrain/engine/state/host_staging.h"
 
 namespace dtrain::engine {

@@ -18,6 +18,7 @@
 #include "dtrain/engine/optim/optim.h"
 #include "dtrain/engine/optim/sharded.h"
 #include "dtrain/engine/optim/sparse_optim.h"
+#include "dtrain/engine/zero3/parameter_units.h"
 #include "dtrain/offload/cpu_optimizer.h"
 #include "dtrain/offload/pinned_pool.h"
 #include "dtrain/offload/update_rule.h"

@@ -294,8 +294,8 @@ struct Plan {
 //                 over PCIe
 //   layer offload per micro-batch: layer parameters twice (forward, backward) and their
 //                 gradients once over PCIe
-//   ZeRO-3        (2 accum_steps + 1 - 2 (dp - 1) / dp) x the weights' bytes over the network
-//                 (two gathers per micro-batch and the reduction, against the all-reduce)
+//   ZeRO-3        (2 accum_steps - 1) (dp - 1) / dp x the weights' bytes over the network
+//                 (two all-gathers per micro-batch and the reduce-scatter, against the all-reduce)
 //   pipeline      compute and micro-batch overheads x (accum_steps + pp - 1) / accum_steps
 // Compute per row and the overhead come from the profile's timings of the non-checkpointed
 // fit of the technique's AMP mode (a line over the two sizes) unless PlanInputs gives them;

@@ -40,6 +40,18 @@ class BucketComm {
   // Buckets must hold consecutive parameters (one flat range each, launched last first) and
   // are never rebuilt in arrival order.
   virtual bool consecutive_buckets() const { return false; }
+  // With consecutive_buckets(): the buckets exactly, as the parameter indices where each
+  // begins (ascending, the first 0), whatever their bytes. Empty: cut by the reducer's sizes.
+  virtual std::vector<size_t> bucket_starts() const { return {}; }
+  // Elements of a bucket's storage for `numel` gradients: more when the collective wants the
+  // bucket padded (the gradients are its first numel elements; the rest stays zero). wire()
+  // then gets the whole storage.
+  virtual int64_t storage_numel(int64_t numel) const { return numel; }
+  // Whether the reducer keeps a bucket's averaged gradients. false: the strategy delivers the
+  // results elsewhere (ZeRO-3's reduce-scatter into the optimizer's gradient shard), and the
+  // reducer releases each bucket once its reduction completed (launching one bucket waits for
+  // the one before it); after a synchronized backward every .grad is undefined.
+  virtual bool keeps_gradients() const { return true; }
 };
 
 // Every rank gets every average (DDP's default).
@@ -78,6 +90,9 @@ class CompressedBuckets : public BucketComm {
     return inner_->launch(wire, flat_begin, comm);
   }
   bool consecutive_buckets() const override { return inner_->consecutive_buckets(); }
+  std::vector<size_t> bucket_starts() const override { return inner_->bucket_starts(); }
+  int64_t storage_numel(int64_t numel) const override { return inner_->storage_numel(numel); }
+  bool keeps_gradients() const override { return inner_->keeps_gradients(); }
 
  private:
   std::unique_ptr<BucketComm> inner_;

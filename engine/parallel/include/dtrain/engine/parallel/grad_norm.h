@@ -2,7 +2,6 @@
 // tensor-parallel group, and/or reduced only to their owners across the data-parallel group.
 #pragma once
 
-#include <optional>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -23,14 +22,20 @@ struct GradNormLayout {
   // replicated parameters' counted once). Empty: none is.
   std::vector<bool> sharded;
   dist::Communicator* tp = nullptr;  // needed when a parameter is sharded and tp has > 1 rank
-  // Gradients reduced to their owners (ReducerOptions::owned): only this rank's range of the
-  // flat gradient space (the parameters end to end) counts here, and the squares are summed
-  // over dp as well (every element is owned by one rank of dp).
-  std::optional<FlatRange> owned;
-  dist::Communicator* dp = nullptr;  // needed with owned
-  // With owned: the range's gradients in one flat tensor (GradReducer::owned_gradients(), whose
-  // parameters' .grad are undefined) read instead of the parameters' .grad. Undefined: .grad.
+  // Gradients reduced to their owners (a partitioned optimizer): only the `owned` ranges of the
+  // flat gradient space (the parameters end to end; ascending, disjoint; possibly none: a rank
+  // that holds only padding) count here, and the squares are summed over dp as well (every
+  // element is owned by one rank of dp). ZeRO-1/2: this rank's one range
+  // (ReducerOptions::owned); ZeRO-3: its piece of each unit. false: every gradient counts, not
+  // summed over dp.
+  bool partitioned = false;
+  std::vector<FlatRange> owned;
+  dist::Communicator* dp = nullptr;  // needed when partitioned
+  // Partitioned: the owned ranges' gradients in one flat tensor, range k from element owned_at[k]
+  // (ZeRO-3's gradient shard, whose parameters' .grad are undefined), read instead of the
+  // parameters' .grad. Undefined: .grad.
   at::Tensor owned_values;
+  std::vector<int64_t> owned_at;
   // Pipeline stages: each parameter lives on one stage, so the squares are summed over pp too
   // (nullptr or one rank: no pipeline).
   dist::Communicator* pp = nullptr;

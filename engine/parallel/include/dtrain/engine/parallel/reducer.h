@@ -75,15 +75,9 @@ struct ReducerOptions {
   // range boundary) instead of all of them. Gradients accumulated under no_sync stay whole
   // until the synchronized backward reduces them.
   bool release_unowned = false;
-  // ZeRO-3 (needs release_unowned): every bucket is released once reduced, after the part of
-  // it in this rank's range was copied into one buffer of that range (owned_gradients()), so
-  // between steps a rank holds exactly its range of the gradients, also where a parameter
-  // straddles a range boundary. After a synchronized backward every parameter's .grad is
-  // undefined: read the averaged gradients from owned_gradients() / flat_gradients(). Needs
-  // one dtype and device for all parameters (else ignored: release_unowned's behaviour).
-  bool owned_gradients_only = false;
   // How each bucket is averaged (bucket_comm.h). Empty: AllReduceBuckets, or
-  // ReduceToOwnerBuckets with `owned`, inside CompressedBuckets with `compress`.
+  // ReduceToOwnerBuckets with `owned`, inside CompressedBuckets with `compress`. ZeRO-3 gives
+  // its reduce-scatter (zero3/zero3_optimizer.h), which keeps no gradients here.
   std::shared_ptr<BucketComm> bucket_comm;
 };
 
@@ -185,8 +179,7 @@ class GradReducer {
   // Parameter indices of each bucket, in launch order.
   std::vector<std::vector<size_t>> bucket_params() const;
   ReducerStepStats last_step_stats() const;
-  // Bytes of gradient storage the buckets hold now (compressed copies included, and the
-  // owned_gradients() buffer).
+  // Bytes of gradient storage the buckets hold now (compressed copies and padding included).
   int64_t gradient_bytes() const;
   // With consecutive buckets (ReducerOptions::owned), the buckets this rank keeps share one
   // allocation in flat order: the gradients of flat elements [begin, end) as one view of it
@@ -194,10 +187,6 @@ class GradReducer {
   // range is not inside the kept buckets, or the buckets are not consecutive or mix dtypes or
   // devices. Valid as long as the reducer.
   at::Tensor flat_gradients(int64_t begin, int64_t end) const;
-  // ReducerOptions::owned_gradients_only: this rank's range of the gradients (averaged after a
-  // synchronized backward; zero after zero_grad()); flat_gradients() of a part of the range is
-  // a view of it. Undefined otherwise. Valid as long as the reducer.
-  at::Tensor owned_gradients() const;
   int64_t synchronized_backwards() const;
 
  private:

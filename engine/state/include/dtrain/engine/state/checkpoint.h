@@ -240,9 +240,11 @@ struct StageSpace {
 
 // Layout and assembly: shard.h. Reads from `store` only the rank files of checkpoint `main`
 // (already loaded) of tensor-parallel rank tp_rank whose ranges (main.dp_size ranks in the
-// layout of shard.h) overlap target.range, and assembles target's state from them
-// (assemble_shard); any old data-parallel size resumes any new one. Pipeline stages: the
-// target's range is placed in the whole model's flat space (`space`), the old stages' ranges
+// layout of shard.h: one range each, or one piece of every unit under the unit bounds the
+// files record) overlap target.ranges, and assembles target's state from them
+// (assemble_shard); any old data-parallel size and unit layout resumes any new one (a per-unit
+// checkpoint may cost one rank file read in vain, to learn its units). Pipeline stages: the
+// target's ranges are placed in the whole model's flat space (`space`), the old stages' ranges
 // likewise (CheckpointData::stage_flat_numels), so any old split into stages (or none)
 // resumes any new one; a checkpoint saved without the stages' sizes resumes under its own
 // --pp only (dtrain::Error naming it). Throws dtrain::Error for a tensor-parallel rank the

@@ -53,7 +53,7 @@
 
 namespace dtrain::engine {
 
-class ParameterUnits;  // optim/sharded.h
+class ParameterUnits;  // zero3/parameter_units.h
 
 // What fit() does when a step's loss or gradient norm is not finite (fp32 and bf16; with fp16
 // the loss scaler skips overflowing steps and lowers the scale).

@@ -1,6 +1,6 @@
 // ZeRO-3's units in a step: gather before a unit's forward and again before its backward,
 // prefetch the next unit on the communicator while the current one computes, release as soon
-// as the unit's computation is done (sharded.h).
+// as the unit's computation is done (parameter_units.h).
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -9,13 +9,54 @@
 #include <mutex>
 
 #include "dtrain/dist/error.h"
-#include "dtrain/engine/optim/sharded.h"
+#include "dtrain/engine/zero3/parameter_units.h"
 
 namespace dtrain::engine {
 
+namespace {
+
+// "blocks.0.attn.qkv.weight" -> "blocks.0.attn.qkv" (its module; "" for a top-level parameter).
+std::string module_of(const std::string& name) {
+  const auto dot = name.rfind('.');
+  return dot == std::string::npos ? std::string() : name.substr(0, dot);
+}
+
+}  // namespace
+
+std::vector<size_t> unit_starts_of(const std::vector<std::string>& names, const std::vector<std::string>& prefixes,
+                                   const std::vector<bool>& tensor_parallel) {
+  DTRAIN_CHECK(!prefixes.empty(), "--shard=parameters needs the model's units (--shard_units, or "
+               "TrainerOptions::shard_unit_starts: where each unit's parameters begin); this model gives none. "
+               "Name them, or use --shard=gradients");
+  DTRAIN_CHECK(!names.empty(), "--shard=parameters: the model has no trainable parameters");
+  std::vector<size_t> starts;
+  std::vector<bool> used(prefixes.size(), false);
+  for (size_t j = 0; j < names.size(); ++j) {
+    bool begins = false;
+    for (size_t i = 0; i < prefixes.size(); ++i) {
+      if (!used[i] && names[j].compare(0, prefixes[i].size(), prefixes[i]) == 0) used[i] = begins = true;
+    }
+    if (!begins) continue;
+    const std::string layer = module_of(names[j]);
+    DTRAIN_CHECK(j == 0 || layer.empty() || module_of(names[j - 1]) != layer, "--shard=parameters: unit ",
+                 starts.size(), " would begin at '", names[j], "', inside the ",
+                 j < tensor_parallel.size() && tensor_parallel[j] ? "tensor-parallel " : "", "layer '", layer,
+                 "' (its '", names[j - 1], "' falls in the unit before): a unit must hold whole layers. End the "
+                 "prefix at a layer, e.g. '", layer, ".'");
+    starts.push_back(j);
+  }
+  for (size_t i = 0; i < prefixes.size(); ++i) {
+    DTRAIN_CHECK(used[i], "--shard=parameters: no parameter's name begins with the unit prefix '", prefixes[i],
+                 "' (the first is '", names.front(), "', the last '", names.back(), "')");
+  }
+  DTRAIN_CHECK(starts.front() == 0, "--shard=parameters: the first parameter, '", names.front(),
+               "', begins no unit (the units must name where every unit begins; add a prefix of it)");
+  return starts;
+}
+
 struct ParameterUnits::State {
   using Clock = std::chrono::steady_clock;
-  ShardedOptimizer* optimizer = nullptr;
+  Zero3Optimizer* optimizer = nullptr;
   std::vector<std::vector<dist::WorkPtr>> pending;  // per unit: its gather in flight
   std::vector<Clock::time_point> issued, ready;     // per unit: its gather's issue, and when it was ready
   std::vector<const char*> phase;                   // per unit: "forward" or "backward" while gathered
@@ -50,7 +91,7 @@ struct ParameterUnits::State {
     }
     pending[k].clear();
   }
-  // Unit k gathered and its broadcasts complete.
+  // Unit k gathered and its all_gather complete.
   void ensure(int k, const char* why) {
     prefetch(k);
     finish(k);
@@ -123,9 +164,7 @@ struct GatherBeforeBackward : public torch::autograd::Function<GatherBeforeBackw
 
 }  // namespace
 
-ParameterUnits::ParameterUnits(ShardedOptimizer& optimizer) : state_(std::make_shared<State>()) {
-  DTRAIN_CHECK(optimizer.units() > 0, "ParameterUnits: the optimizer was built without units (--shard=parameters "
-               "builds it with them)");
+ParameterUnits::ParameterUnits(Zero3Optimizer& optimizer) : state_(std::make_shared<State>()) {
   State& s = *state_;
   s.optimizer = &optimizer;
   const c10::Device device = optimizer.params().front().device();
