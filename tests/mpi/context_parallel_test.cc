@@ -1,0 +1,263 @@
+// Context parallelism: the load-balanced layout against hand-written positions, and ring
+// attention against the whole-sequence attention computed on every rank in float64 with plain
+// ATen ops (softmax(q k^T scale + mask) v, gradients by autograd) on the same seeded inputs, at
+// the world size (2 and 4): output and dq, dk, dv within 1e-10, causal and not; a group of one
+// against plain attention without communication; the messages the ring sends; the memory kept
+// for backward (exactly 1/C of the one-rank run's); sequences the layout cannot split, refused.
+#include "dtrain/engine/parallel/context_parallel.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "dtrain/dist/error.h"
+#include "test_util.h"
+
+namespace dtrain::engine {
+namespace {
+
+using testing_util::same_everywhere;
+using testing_util::world_comm;
+
+constexpr double cp_t_kTol = 1e-10;
+
+// The largest absolute difference, in float64.
+double cp_t_max_diff(const at::Tensor& a, const at::Tensor& b) {
+  EXPECT_EQ(a.sizes(), b.sizes());
+  return (a.detach().to(at::kDouble) - b.detach().to(at::kDouble)).abs().max().item<double>();
+}
+
+// The reference: whole-sequence attention with plain ATen ops.
+at::Tensor cp_t_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          bool causal, double scale) {
+  at::Tensor s = at::matmul(q, k.transpose(-2, -1)) * scale;
+  if (causal) {
+    const int64_t n = q.size(2);
+    at::Tensor future = at::ones({n, n}, at::TensorOptions().dtype(at::kBool)).triu(1);
+    s = s.masked_fill(future, -std::numeric_limits<double>::infinity());
+  }
+  return at::matmul(at::softmax(s, -1), v);
+}
+
+struct CpTCase {
+  int64_t B = 2, H = 3, S = 0, D = 5, Dv = 5;
+  bool causal = false;
+  std::optional<double> scale;
+  at::ScalarType dtype = at::kDouble;
+};
+
+struct CpTResult {
+  double out = 0, gathered = 0, dq = 0, dk = 0, dv = 0;
+};
+
+// ring_attention over cp on this rank's part of seeded whole-sequence inputs, against the
+// reference on the whole: the largest differences of output (local and gathered) and gradients.
+CpTResult cp_t_compare(const CpTCase& c, dist::Communicator& cp, uint64_t seed) {
+  const int r = cp.rank(), n = cp.size();
+  at::Tensor q = same_everywhere({c.B, c.H, c.S, c.D}, seed);
+  at::Tensor k = same_everywhere({c.B, c.H, c.S, c.D}, seed + 1);
+  at::Tensor v = same_everywhere({c.B, c.H, c.S, c.Dv}, seed + 2);
+  at::Tensor up = same_everywhere({c.B, c.H, c.S, c.Dv}, seed + 3);  // the upstream gradient
+  auto local = [&](const at::Tensor& x) {
+    return cp_split_sequence(x, 2, r, n).to(c.dtype).detach().requires_grad_(true);
+  };
+  at::Tensor ql = local(q), kl = local(k), vl = local(v);
+  at::Tensor out = ring_attention(ql, kl, vl, c.causal, cp, c.scale);
+  EXPECT_EQ(out.scalar_type(), c.dtype);
+  (out * cp_split_sequence(up, 2, r, n).to(c.dtype)).sum().backward();
+
+  at::Tensor qr = q.clone().requires_grad_(true), kr = k.clone().requires_grad_(true);
+  at::Tensor vr = v.clone().requires_grad_(true);
+  at::Tensor ref =
+      cp_t_reference(qr, kr, vr, c.causal, c.scale.value_or(1.0 / std::sqrt(double(c.D))));
+  (ref * up).sum().backward();
+  auto mine = [&](const at::Tensor& x) { return cp_split_sequence(x, 2, r, n); };
+  CpTResult res;
+  res.out = cp_t_max_diff(out, mine(ref));
+  res.gathered = cp_t_max_diff(cp_gather_sequence(out, 2, cp), ref);
+  res.dq = cp_t_max_diff(ql.grad(), mine(qr.grad()));
+  res.dk = cp_t_max_diff(kl.grad(), mine(kr.grad()));
+  res.dv = cp_t_max_diff(vl.grad(), mine(vr.grad()));
+  EXPECT_EQ(ql.grad().scalar_type(), c.dtype);
+  return res;
+}
+
+void cp_t_expect_within(const CpTResult& res, double tol, const std::string& what) {
+  EXPECT_LT(res.out, tol) << what << ": output";
+  EXPECT_LT(res.gathered, tol) << what << ": gathered output";
+  EXPECT_LT(res.dq, tol) << what << ": dq";
+  EXPECT_LT(res.dk, tol) << what << ": dk";
+  EXPECT_LT(res.dv, tol) << what << ": dv";
+}
+
+TEST(ContextParallelLayout, PositionsAndSplitMatchTheHandWrittenLayout) {
+  // S = 8, C = 2: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2 (every process checks both).
+  const std::vector<std::vector<int64_t>> c2 = {{0, 1, 6, 7}, {2, 3, 4, 5}};
+  at::Tensor seq = at::arange(8, at::kLong);
+  at::Tensor batch = at::arange(16, at::kLong).view({2, 8});  // two sequences, tokens along dim 1
+  for (int r = 0; r < 2; ++r) {
+    at::Tensor want = at::tensor(c2[r], at::kLong);
+    EXPECT_TRUE(at::equal(cp_positions(8, r, 2), want))
+        << "rank " << r << ": " << cp_positions(8, r, 2);
+    EXPECT_TRUE(at::equal(cp_split_sequence(seq, 0, r, 2), want)) << "rank " << r;
+    EXPECT_TRUE(at::equal(cp_split_sequence(batch, 1, r, 2), at::stack({want, want + 8})));
+    EXPECT_TRUE(at::equal(cp_split_sequence(batch, -1, r, 2), at::stack({want, want + 8})));
+  }
+  // S = 8, C = 4: chunks of one token, rank r holds r and 7 - r.
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_TRUE(
+        at::equal(cp_positions(8, r, 4), at::tensor(std::vector<int64_t>{r, 7 - r}, at::kLong)));
+  }
+  // A group of one holds the sequence in order, whatever its length.
+  EXPECT_TRUE(at::equal(cp_positions(7, 0, 1), at::arange(7, at::kLong)));
+  EXPECT_TRUE(at::equal(cp_split_sequence(seq, 0, 0, 1), seq));
+  // Positions in another dtype.
+  EXPECT_EQ(cp_positions(8, 1, 2, at::TensorOptions().dtype(at::kInt)).scalar_type(), at::kInt);
+}
+
+TEST(ContextParallelLayout, GatherUndoesTheSplitOverTheWorld) {
+  auto& cp = world_comm();
+  const int n = cp.size();
+  at::Tensor x = same_everywhere({3, 4 * n, 2}, 41);
+  for (int64_t dim : {1, -2}) {
+    at::Tensor local = cp_split_sequence(x, dim, cp.rank(), n);
+    EXPECT_TRUE(at::equal(local, cp_split_sequence(x, 1, cp.rank(), n)));
+    EXPECT_TRUE(at::equal(cp_gather_sequence(local, dim, cp), x)) << "dim " << dim;
+    // The positions say where each local token came from.
+    EXPECT_TRUE(at::equal(local, x.index_select(1, cp_positions(4 * n, cp.rank(), n))));
+  }
+}
+
+TEST(ContextParallelLayout, ASequenceThatDoesNotSplitIsRefusedWithTheFix) {
+  at::Tensor x = at::zeros({2, 10, 3});
+  const std::string split = testing_util::error_of([&] { cp_split_sequence(x, 1, 0, 4); });
+  EXPECT_NE(split.find("S=10"), std::string::npos) << split;
+  EXPECT_NE(split.find("C=4"), std::string::npos) << split;
+  EXPECT_NE(split.find("multiple of 2C=8"), std::string::npos) << split;
+  EXPECT_NE(split.find("multiple of 2 x --cp"), std::string::npos) << split;
+  EXPECT_TRUE(testing_util::throws_error_with([] { cp_positions(6, 1, 2); }, "S=6"));
+  EXPECT_TRUE(
+      testing_util::throws_error_with([] { cp_positions(8, 2, 2); }, "rank 2 is not a rank"));
+  EXPECT_TRUE(
+      testing_util::throws_error_with([&] { cp_split_sequence(x, 3, 0, 1); }, "out of range"));
+  // ring_attention refuses an odd local sequence under a causal mask, on every rank, before
+  // any communication.
+  auto& cp = world_comm();
+  at::Tensor odd = at::zeros({1, 1, 3, 2}, at::kDouble);
+  if (cp.size() > 1) {
+    EXPECT_TRUE(testing_util::throws_error_with([&] { ring_attention(odd, odd, odd, true, cp); },
+                                                "S_local=3"));
+  }
+  at::Tensor other = at::zeros({1, 1, 4, 2}, at::kDouble);
+  EXPECT_TRUE(testing_util::throws_error_with([&] { ring_attention(other, odd, odd, false, cp); },
+                                              "k must have"));
+  EXPECT_TRUE(testing_util::throws_error_with(
+      [&] { ring_attention(other, other, other.to(at::kFloat), false, cp); },
+      "one floating dtype"));
+}
+
+TEST(ContextParallelRingAttention, OutputAndGradientsMatchTheWholeSequenceInFloat64) {
+  auto& cp = world_comm();
+  const int n = cp.size();
+  uint64_t seed = 100;
+  for (bool causal : {false, true}) {
+    CpTCase c;
+    c.S = 4 * n;  // chunks of two tokens
+    c.causal = causal;
+    cp_t_expect_within(cp_t_compare(c, cp, seed += 10), cp_t_kTol, causal ? "causal" : "full");
+    // Longer chunks, another value width and an explicit scale.
+    c.B = 1, c.H = 2, c.S = 2 * n * 7, c.D = 8, c.Dv = 3, c.scale = 0.3;
+    cp_t_expect_within(cp_t_compare(c, cp, seed += 10), cp_t_kTol,
+                       causal ? "causal, Dv=3" : "full, Dv=3");
+  }
+}
+
+TEST(ContextParallelRingAttention, Float32StaysFloat32AndCloseToTheReference) {
+  auto& cp = world_comm();
+  CpTCase c;
+  c.S = 6 * cp.size();
+  c.dtype = at::kFloat;
+  for (bool causal : {false, true}) {
+    c.causal = causal;
+    cp_t_expect_within(cp_t_compare(c, cp, causal ? 300 : 310), 1e-5,
+                       causal ? "float32 causal" : "float32");
+  }
+}
+
+TEST(ContextParallelRingAttention, AGroupOfOneIsPlainAttentionWithoutCommunication) {
+  auto alone = testing_util::alone_comm();
+  for (bool causal : {false, true}) {
+    CpTCase c;
+    c.S = 7;  // any length for one rank
+    c.causal = causal;
+    cp_t_expect_within(cp_t_compare(c, *alone, causal ? 400 : 410), cp_t_kTol,
+                       causal ? "alone causal" : "alone");
+  }
+  // No message went anywhere: the first send to itself is send #1.
+  at::Tensor got = at::empty({2});
+  dist::WorkPtr received = alone->recv(got, 0);
+  EXPECT_EQ(alone->send(at::ones({2}), 0)->sequence(), 1u);
+  received->wait();
+  EXPECT_EQ(alone->traffic().ops, 0u);
+}
+
+TEST(ContextParallelRingAttention, KeysAndValuesGoRoundTheRingOnceEachWay) {
+  auto& cp = world_comm();
+  const int n = cp.size();
+  const int64_t B = 1, H = 2, S = 4 * n, D = 3;
+  at::Tensor q =
+      cp_split_sequence(same_everywhere({B, H, S, D}, 51), 2, cp.rank(), n).requires_grad_(true);
+  at::Tensor k =
+      cp_split_sequence(same_everywhere({B, H, S, D}, 52), 2, cp.rank(), n).requires_grad_(true);
+  const double kv_bytes = 2.0 * static_cast<double>(k.numel()) * 8;
+  const dist::CommTraffic before = cp.traffic();
+  at::Tensor out = ring_attention(q, k, k, true, cp);
+  const dist::CommTraffic forward = cp.traffic();
+  // Forward: C-1 sends of this rank's current k and v (one message a step).
+  EXPECT_EQ(forward.ops - before.ops, static_cast<uint64_t>(n - 1));
+  EXPECT_DOUBLE_EQ(forward.payload_bytes - before.payload_bytes, (n - 1) * kv_bytes);
+  out.sum().backward();
+  // Backward: the blocks again (C-1), and their gradients C times (home at the end).
+  const dist::CommTraffic after = cp.traffic();
+  EXPECT_EQ(after.ops - forward.ops, static_cast<uint64_t>(2 * n - 1));
+  EXPECT_DOUBLE_EQ(after.payload_bytes - forward.payload_bytes, (2 * n - 1) * kv_bytes);
+}
+
+TEST(ContextParallelRingAttention, MemoryKeptForBackwardFallsAsOneOverC) {
+  auto& cp = world_comm();
+  const int n = cp.size();
+  const int64_t B = 1, H = 2, S = 8 * n, D = 4;
+  // By hand: q, k, v and the output (4 x B H S_local D float64) and a float64 log-sum-exp per row.
+  EXPECT_EQ(ring_attention_saved_bytes(1, 2, 8, 4, at::kDouble), 4 * 16 * 4 * 8 + 16 * 8);
+  EXPECT_EQ(ring_attention_saved_bytes(1, 2, 8, 4, at::kFloat), 4 * 16 * 4 * 4 + 16 * 4);
+  EXPECT_EQ(ring_attention_saved_bytes(1, 2, 8, 4, at::kBFloat16), 4 * 16 * 4 * 2 + 16 * 4);
+  auto run = [&](dist::Communicator& group) {
+    auto part = [&](uint64_t seed) {
+      at::Tensor whole = same_everywhere({B, H, S, D}, seed);
+      return cp_split_sequence(whole, 2, group.rank(), group.size()).requires_grad_(true);
+    };
+    at::Tensor q = part(61), k = part(62), v = part(63);
+    at::Tensor out = ring_attention(q, k, v, true, group);
+    const int64_t bytes = ring_attention_saved_bytes_of(out);
+    out.sum().backward();  // the ring's backward runs on every rank of the group
+    return bytes;
+  };
+  auto alone = testing_util::alone_comm();
+  const int64_t whole = run(*alone);
+  const int64_t split = run(cp);
+  // The tensors the function really saved are what the formula says: no S x S term.
+  EXPECT_EQ(whole, ring_attention_saved_bytes(B, H, S, D, at::kDouble));
+  EXPECT_EQ(split, ring_attention_saved_bytes(B, H, S / n, D, at::kDouble));
+  EXPECT_EQ(split * n, whole) << "C=" << n;
+  // Nothing is saved without gradients.
+  at::Tensor plain = cp_split_sequence(same_everywhere({B, H, S, D}, 64), 2, cp.rank(), n);
+  EXPECT_EQ(ring_attention_saved_bytes_of(ring_attention(plain, plain, plain, false, cp)), 0);
+}
+
+}  // namespace
+}  // namespace dtrain::engine
