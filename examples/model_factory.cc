@@ -578,9 +578,8 @@ void plan_and_apply(const Run& run, ExampleModel& model, engine::TrainerOptions&
     in.buffer_bytes += std::max<int64_t>(
         0, std::llround(engine::memory_stats(run.device).allocated_mb * 1024.0 * 1024.0) - model_bytes);
     in.gpu_budget_bytes = budget;
-    in.host_budget_bytes = engine::cli::flags().host_mem_limit_gb > 0
-                               ? static_cast<int64_t>(engine::cli::flags().host_mem_limit_gb * 1024.0 * 1024.0 * 1024.0)
-                               : 0;
+    // --host_mem_limit_gb, else this process's share of the node's MemAvailable.
+    in.host_budget_bytes = engine::host_budget_bytes(engine::cli::flags().host_mem_limit_gb, run.world.local_size);
     // Offload moves memory from the device to the host: on a CPU run it frees nothing.
     in.can_offload_optimizer = run.device.is_cuda();
     in.can_offload_layers = run.device.is_cuda() && static_cast<bool>(model.offload_layers) &&

@@ -23,7 +23,6 @@
 #include "dtrain/engine/memory/memory.h"
 #include "dtrain/engine/memory/planner.h"
 #include "dtrain/engine/optim/sharded.h"
-#include "dtrain/offload/pinned_pool.h"
 #include "model_factory.h"
 
 DEFINE_string(model, "seq2seq", "the example model to plan for: seq2seq, gpt, llama, mlp or cnn");
@@ -56,7 +55,8 @@ engine::PlanInputs budgeted_inputs(const examples::Run& run, const examples::Exa
     in.gpu_budget_bytes = static_cast<int64_t>(
         c10::getDeviceAllocator(c10::kCUDA)->getMemoryInfo(run.device.index()).second);
   }
-  in.host_budget_bytes = offload::host_limit_bytes_from_gb(engine::cli::flags().host_mem_limit_gb);
+  // --host_mem_limit_gb, else this process's share of the node's MemAvailable.
+  in.host_budget_bytes = engine::host_budget_bytes(engine::cli::flags().host_mem_limit_gb, run.world.local_size);
   if (FLAGS_cuda_context_mb >= 0)
     in.cuda_context_bytes = FLAGS_cuda_context_mb * (int64_t{1} << 20);
   return in;

@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "dtrain/dist/error.h"
+#include "dtrain/offload/pinned_pool.h"
 #include "dtrain/offload/update_rule.h"
 
 namespace dtrain::engine {
@@ -191,7 +192,12 @@ std::string nothing_fits_message(const PlanInputs& in, const std::vector<Candida
                               : "split the model over more GPUs (--tp, --pp)");
     if (in.pp > 1 && in.pp_gpipe) fixes.push_back("use --pp_schedule=1f1b (it holds fewer micro-batches)");
   } else {
-    fixes.push_back("raise --host_mem_limit_gb to at least " + size_text(least->host));
+    // The host budget is --host_mem_limit_gb or this process's share of the node's
+    // MemAvailable (host_budget_bytes()): name what it needs and what there is.
+    fixes.push_back("it needs " + size_text(least->host) + " of host memory and has " +
+                    size_text(in.host_budget_bytes) + " (--host_mem_limit_gb, or this process's share of "
+                    "the node's MemAvailable): raise --host_mem_limit_gb to at least " + size_text(least->host) +
+                    " where the machine has it, run fewer processes per node");
     fixes.push_back("spread the offloaded optimizer state over more data-parallel ranks");
   }
   for (size_t i = 0; i < fixes.size(); ++i) os << (i ? "; " : "") << fixes[i];
@@ -307,6 +313,15 @@ void validate(const PlanInputs& in) {
                " must be in [0, pp=", in.pp, ") and pp >= 1");
   DTRAIN_CHECK(in.compute_seconds_per_row >= 0 && in.micro_batch_overhead_seconds >= 0,
                "compute times must be >= 0 (0: from the probe)");
+}
+
+int64_t host_budget_bytes(double host_mem_limit_gb, int local_ranks, const std::string& meminfo_path) {
+  DTRAIN_CHECK(local_ranks >= 1, "host_budget_bytes: ", local_ranks, " processes on this node");
+  if (host_mem_limit_gb > 0) return offload::host_limit_bytes_from_gb(host_mem_limit_gb);
+  const int64_t available = offload::read_mem_available(meminfo_path);
+  if (available < 0) return 0;
+  const int64_t usable = std::max<int64_t>(0, available - offload::PinnedPoolOptions().min_free_bytes);
+  return std::max<int64_t>(1, usable / local_ranks);  // 1 byte, not 0 ("no limit"), when nothing is free
 }
 
 int64_t ActivationFit::bytes(int64_t r) const {

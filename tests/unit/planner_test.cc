@@ -323,6 +323,24 @@ TEST(PlannerChoice, NeedsOptimizerOffload) {
   in.host_budget_bytes = 512 * kMB;
   const std::string msg = error_of([&] { choose_plan(in, p); });
   EXPECT_NE(msg.find("raise --host_mem_limit_gb to at least"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("of host memory and has 512.0 MiB"), std::string::npos) << msg;
+}
+
+// Without --host_mem_limit_gb a plan's host budget is this process's share of the node's
+// MemAvailable less the pinned pool's 2 GiB headroom; with it, the limit; unknown: no limit.
+TEST(PlannerInputs, HostBudgetIsTheLimitOrTheShareOfMemAvailable) {
+  testing_util::ScratchDir dir("planner_meminfo", /*create=*/true);
+  const std::string meminfo = dir / "meminfo";
+  std::FILE* f = std::fopen(meminfo.c_str(), "w");
+  ASSERT_NE(f, nullptr);
+  std::fputs("MemTotal:       33554432 kB\nMemFree:         1048576 kB\nMemAvailable:   10485760 kB\n", f);
+  std::fclose(f);
+  const int64_t gib = int64_t{1} << 30;
+  EXPECT_EQ(host_budget_bytes(0, 1, meminfo), 8 * gib);      // 10 GiB available - 2 GiB headroom
+  EXPECT_EQ(host_budget_bytes(0, 4, meminfo), 2 * gib);      // shared by 4 processes on the node
+  EXPECT_EQ(host_budget_bytes(3, 4, meminfo), 3 * gib);      // the limit, per process, as given
+  EXPECT_EQ(host_budget_bytes(0, 1, dir / "none"), 0);  // unreadable: no limit
+  EXPECT_TRUE(testing_util::throws_error_with([&] { host_budget_bytes(0, 0, meminfo); }, "processes on this node"));
 }
 
 // 100 Mi fp32 parameters with AdamW on 4 data-parallel ranks, 1 MiB of activations per row, 16

@@ -283,6 +283,15 @@ struct Plan {
   std::string to_json() const;  // one line for scripts
 };
 
+// The host budget of a plan (PlanInputs::host_budget_bytes) for one of local_ranks processes
+// on this node: host_mem_limit_gb when given (> 0, as the pinned pool's cap), else this
+// process's share of what the node has available now (MemAvailable of meminfo_path less the
+// pinned pool's default headroom, offload::PinnedPoolOptions::min_free_bytes, divided by
+// local_ranks), so a plan that offloads more than the machine has is refused with both figures
+// named instead of failing when the pool allocates. 0 (no limit) when MemAvailable cannot be
+// read. Throws dtrain::Error for local_ranks < 1.
+int64_t host_budget_bytes(double host_mem_limit_gb, int local_ranks, const std::string& meminfo_path = "/proc/meminfo");
+
 // Enumerates accumulation (accum_candidates), checkpointing (if can_checkpoint), AMP (the
 // given mode; with allow_amp_change every mode the profile measured), optimizer and layer
 // offload (where allowed), keeps those within both budgets and returns the fastest by
