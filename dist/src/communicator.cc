@@ -185,18 +185,6 @@ class CompletedWork final : public Work {
 
 WorkPtr completed_work(uint64_t seq) { return std::make_shared<CompletedWork>(seq); }
 
-void Communicator::skip_collectives(uint64_t n) {
-  std::lock_guard<std::mutex> lock(*submit_mutex_);
-  DTRAIN_CHECK(skip_ + n <= seq_, "'", name(), "': cannot skip ", skip_ + n, " collectives, ", seq_,
-               " were issued so far");
-  skip_ += n;
-}
-
-uint64_t Communicator::skipping() const {
-  std::lock_guard<std::mutex> lock(*submit_mutex_);
-  return skip_;
-}
-
 void Communicator::begin_group() {
   DTRAIN_CHECK(!group_->mine(), "'", name(), "': begin_group() inside a group; groups do not nest");
   group_->mutex.lock();  // waits while another thread's group is open
@@ -227,9 +215,6 @@ void Communicator::end_group() {
 WorkPtr Communicator::submit(Op op) {
   GroupTurn turn(group_->mutex, group_->mine());
   std::lock_guard<std::mutex> lock(*submit_mutex_);
-  if (skip_ > 0) {  // issued before: it keeps the number it had then
-    return completed_work(seq_ - --skip_);
-  }
   op.seq = ++seq_;
   if (size_ > 1 && op.type != OpType::kBarrier) {
     const at::Tensor& counted = op.type == OpType::kAllGather ? op.output : op.input.defined() ? op.input : op.output;

@@ -184,9 +184,10 @@ bool Trainer::run_micro_batches(const Batch& batch, at::Tensor& loss_sum) {
   const int n = accum_steps_;
   bool synced_backward_done = false;
   const std::vector<Batch> micro = split_batch(batch, n);
-  // ZeRO-3: where this step's collectives begin on each communicator, for a replay after an
-  // out-of-memory error (finish_step_on_one_row).
-  const std::vector<std::pair<dist::Communicator*, uint64_t>> issued = units_ ? issued_so_far() : decltype(issued)();
+  // ZeRO-3: where this step's collectives begin, for a replay after an out-of-memory error
+  // (finish_step_on_one_row).
+  const uint64_t dp_issued = mesh_.dp().issued();
+  if (units_) units_->optimizer().begin_step();
   try {
     loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device_));
     if (mesh_.pp_size() > 1) {
@@ -205,7 +206,7 @@ bool Trainer::run_micro_batches(const Batch& batch, at::Tensor& loss_sum) {
     step_peak_mb_ = memory_stats(device_).peak_mb;
     if (device_.is_cuda()) LOG(WARNING) << "memory at the failure:\n" << memory_report().to_string();
     if (units_) {
-      if (!synced_backward_done) finish_step_on_one_row(micro, issued);
+      if (!synced_backward_done) finish_step_on_one_row(micro, dp_issued);
       units_->release_all();
     } else if (!synced_backward_done) {
       reducer_->abandon_step();
@@ -291,14 +292,7 @@ at::Tensor Trainer::micro_batch_loss(const Batch& micro) {
   return loss_(micro);
 }
 
-std::vector<std::pair<dist::Communicator*, uint64_t>> Trainer::issued_so_far() const {
-  std::vector<std::pair<dist::Communicator*, uint64_t>> out{{&mesh_.dp(), mesh_.dp().issued()}};
-  if (&mesh_.world() != &mesh_.dp()) out.emplace_back(&mesh_.world(), mesh_.world().issued());
-  return out;
-}
-
-void Trainer::finish_step_on_one_row(const std::vector<Batch>& micro,
-                                     const std::vector<std::pair<dist::Communicator*, uint64_t>>& issued) {
+void Trainer::finish_step_on_one_row(const std::vector<Batch>& micro, uint64_t dp_issued) {
   // The other ranks go on through the step's unit gathers and gradient reductions, in an order
   // that only the step's graph fixes, and none of which depends on the rows of a micro-batch.
   // So this rank runs the whole step again on one row of each micro-batch, skipping the
@@ -307,7 +301,13 @@ void Trainer::finish_step_on_one_row(const std::vector<Batch>& micro,
   // (every rank zeroes the gradients before the retry).
   units_->release_all();     // waits for the gathers in flight
   reducer_->forget_step();   // waits for the bucket reductions launched
-  for (const auto& [comm, before] : issued) comm->skip_collectives(comm->issued() - before);
+  Zero3Optimizer& zero3 = units_->optimizer();
+  const uint64_t others = mesh_.dp().issued() - dp_issued - static_cast<uint64_t>(zero3.issued_in_step());
+  DTRAIN_CHECK(others == 0, "out of memory in step ", step_ + 1, " on rank ", mesh_.world().rank(), " after ", others,
+               " collective(s) on '", mesh_.dp().name(), "' besides ZeRO-3's unit gathers and gradient reductions; "
+               "the step cannot be replayed in step with the other ranks: run without OOM back-off, or give the "
+               "run the memory it needs (--accum_steps, --checkpoint_blocks, --offload)");
+  zero3.replay_step();  // the gathers and reductions it took part in complete at once
   std::vector<Batch> rows(micro.size());
   for (size_t i = 0; i < micro.size(); ++i) {
     rows[i] = micro[i];
@@ -325,11 +325,9 @@ void Trainer::finish_step_on_one_row(const std::vector<Batch>& micro,
         "units (--shard_units), use more data-parallel ranks, or add --offload=optimizer or --amp (",
         std::string(e.what_without_backtrace()).substr(0, 200), ")"));
   }
-  for (const auto& [comm, before] : issued) {
-    DTRAIN_CHECK(comm->skipping() == 0, "the replay of step ", step_ + 1, " after an out-of-memory error issued ",
-                 comm->skipping(), " collective(s) fewer on '", comm->name(), "' than the failed attempt; the "
-                 "ranks are out of step (does the model's forward depend on the batch's rows?)");
-  }
+  DTRAIN_CHECK(zero3.replaying() == 0, "the replay of step ", step_ + 1, " after an out-of-memory error issued ",
+               zero3.replaying(), " ZeRO-3 collective(s) fewer than the failed attempt; the ranks are out of step "
+               "(does the model's forward depend on the batch's rows?)");
 }
 
 PipelineStep Trainer::pipeline_step(const std::vector<Batch>& micro) const {

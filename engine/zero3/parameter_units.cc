@@ -235,6 +235,8 @@ std::vector<ParameterUnits::Event> ParameterUnits::take_events() {
   return out;
 }
 
+Zero3Optimizer& ParameterUnits::optimizer() const { return *state_->optimizer; }
+
 void ParameterUnits::release_all() {
   State& s = *state_;
   const c10::OptionalDeviceGuard on_device = s.guard();

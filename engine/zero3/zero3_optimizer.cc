@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <map>
+#include <mutex>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -35,6 +36,22 @@ struct Layout {
   std::map<int64_t, size_t> unit_at;  // a unit's first flat element -> the unit
   at::Tensor grad_shard;              // this rank's pieces of the averaged gradients
   int ranks = 1;
+  // The out-of-memory replay (Zero3Optimizer::replay_step): the collectives issued since
+  // begin_step(), and how many of the next ones complete without communicating. Gathers are
+  // issued by the training thread and autograd's, reduce-scatters by autograd's.
+  std::mutex replay_mutex;
+  int64_t issued_in_step = 0;
+  int64_t to_skip = 0;
+  // Whether the next collective is issued (counting it) or skipped (one of the replay's).
+  bool issue_next() {
+    std::lock_guard<std::mutex> lock(replay_mutex);
+    if (to_skip > 0) {
+      --to_skip;
+      return false;
+    }
+    ++issued_in_step;
+    return true;
+  }
 };
 
 // The gradient path: one bucket per unit, padded to ranks x chunk, reduce-scattered (averaged)
@@ -66,6 +83,8 @@ class ReduceScatterBuckets : public BucketComm {
     BucketLaunch launched;
     if (comm.size() == 1) {
       out.copy_(wire);
+      launched.mine = dist::completed_work(comm.issued());
+    } else if (!layout_->issue_next()) {  // the replay: the other ranks had this one already
       launched.mine = dist::completed_work(comm.issued());
     } else {
       launched.mine = comm.reduce_scatter(wire, out, dist::ReduceOp::kAvg);
@@ -278,6 +297,10 @@ std::vector<dist::WorkPtr> Zero3Optimizer::gather_unit(int k) {
     u.buf.copy_(mine);
     return {};
   }
+  if (!s.layout->issue_next()) {  // the replay: zeros stand for weights the other ranks had gathered already
+    u.buf.zero_();
+    return {};
+  }
   return {s.dp->all_gather(mine, u.buf)};
 }
 
@@ -289,6 +312,33 @@ void Zero3Optimizer::release_unit(int k) {
   if (!u.gathered) return;
   release_unit_storage(u.buf);
   u.gathered = false;
+}
+
+void Zero3Optimizer::begin_step() {
+  Layout& l = *impl_->layout;
+  std::lock_guard<std::mutex> lock(l.replay_mutex);
+  DTRAIN_CHECK(l.to_skip == 0, "ZeRO-3: a step began with ", l.to_skip, " collective(s) of the last replay still "
+               "to skip; the replay issued fewer collectives than the failed attempt");
+  l.issued_in_step = 0;
+}
+
+int64_t Zero3Optimizer::issued_in_step() const {
+  Layout& l = *impl_->layout;
+  std::lock_guard<std::mutex> lock(l.replay_mutex);
+  return l.issued_in_step;
+}
+
+void Zero3Optimizer::replay_step() {
+  Layout& l = *impl_->layout;
+  std::lock_guard<std::mutex> lock(l.replay_mutex);
+  l.to_skip = l.issued_in_step;
+  l.issued_in_step = 0;
+}
+
+int64_t Zero3Optimizer::replaying() const {
+  Layout& l = *impl_->layout;
+  std::lock_guard<std::mutex> lock(l.replay_mutex);
+  return l.to_skip;
 }
 
 std::shared_ptr<BucketComm> Zero3Optimizer::bucket_comm() const {

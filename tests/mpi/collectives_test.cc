@@ -230,43 +230,6 @@ TEST(MpiCollectives, OperationsHoldTensorsTheCallerDroppedUntilTheyComplete) {
   c.barrier()->wait();
 }
 
-// skip_collectives(): the last rank issues its two latest collectives again (a replay after a
-// failure); they complete at once, leave their tensors alone, keep their sequence numbers and
-// move nothing, and the next collective matches the other ranks' as the closed form says.
-TEST(MpiCollectives, SkippedCollectivesAreTheLastOnesIssuedAgain) {
-  Communicator& c = world_comm();
-  const int N = c.size();
-  const bool replays = c.rank() == N - 1;
-  at::Tensor a = at::full({5}, 1.0 + c.rank(), at::kDouble), b = at::full({3}, 2.0, at::kDouble);
-  WorkPtr wa = c.all_reduce(a), wb = c.broadcast(b, 0);
-  wa->wait();
-  wb->wait();
-  const uint64_t issued = c.issued();
-  const CommTraffic before = c.traffic();
-  if (replays) {
-    EXPECT_THROW(c.skip_collectives(issued + 1), Error);  // more than were issued
-    c.skip_collectives(2);
-    EXPECT_EQ(c.skipping(), 2u);
-    at::Tensor a2 = at::full({5}, 7.0, at::kDouble), b2 = at::full({3}, 9.0, at::kDouble);
-    WorkPtr ra = c.all_reduce(a2), rb = c.broadcast(b2, 0);
-    EXPECT_TRUE(ra->is_completed() && rb->is_completed());
-    ra->wait();
-    EXPECT_EQ(ra->sequence(), wa->sequence());
-    EXPECT_EQ(rb->sequence(), wb->sequence());
-    EXPECT_TRUE(at::equal(a2, at::full({5}, 7.0, at::kDouble))) << "a skipped collective writes nothing";
-    EXPECT_TRUE(at::equal(b2, at::full({3}, 9.0, at::kDouble)));
-    EXPECT_EQ(c.skipping(), 0u);
-    EXPECT_EQ(c.issued(), issued);
-    EXPECT_EQ(c.traffic().ops, before.ops);
-  }
-  at::Tensor z = at::full({4}, static_cast<double>(c.rank()), at::kDouble);
-  WorkPtr wz = c.all_reduce(z);
-  wz->wait();
-  EXPECT_EQ(wz->sequence(), issued + 1);
-  EXPECT_TRUE(at::equal(z, at::full({4}, N * (N - 1) / 2.0, at::kDouble)));
-  EXPECT_TRUE(at::equal(a, at::full({5}, N * (N + 1) / 2.0, at::kDouble)));
-}
-
 TEST(MpiCollectives, SplitGroupsRankByKeyAndReduceWithinGroup) {
   Communicator& c = world_comm();
   const int N = c.size(), r = c.rank();

@@ -158,6 +158,71 @@ TEST(ParameterUnits, GradNormOfTheShardsIsTheNormOfTheWholeGradients) {
   EXPECT_NEAR(global_grad_norm(z3.params(), norm_layout).item<double>(), want, 1e-6 * want) << "rank " << comm.rank();
 }
 
+// The out-of-memory replay: the last rank issued a step's first gathers and reduce-scatter, then
+// "failed" and runs the step again. Its replay completes those three at once without moving a
+// byte (a gathered unit holds zeros, the gradient shard keeps the average the first attempt
+// got: (1 + ... + N) / N, not the replay's 100), and the next collective, issued by every rank,
+// has the same sequence number everywhere and gathers the right weights.
+TEST(ParameterUnits, AReplayCompletesTheCollectivesItTookPartInAtOnce) {
+  auto& comm = world_comm();
+  const int n = comm.size();
+  if (n == 1) GTEST_SKIP() << "nothing is issued on one rank";
+  torch::manual_seed(5);  // the same weights on every rank
+  std::vector<at::Tensor> params;
+  for (int64_t len : {12, 7, 9}) params.push_back(at::randn({len}, at::kDouble).requires_grad_(true));
+  std::vector<at::Tensor> want;
+  for (const at::Tensor& p : params) want.push_back(p.detach().clone());
+  Zero3Optimizer z3(params, adamw(), comm, {0, 1, 2});
+  const std::shared_ptr<BucketComm> buckets = z3.bucket_comm();
+  const int64_t chunk = buckets->storage_numel(12) / n;  // unit 0's piece per rank
+  auto first_attempt = [&](double value) {
+    std::vector<dist::WorkPtr> works = z3.gather_unit(0);
+    for (dist::WorkPtr& w : z3.gather_unit(1)) works.push_back(w);
+    const at::Tensor wire = at::full({chunk * n}, value, at::kDouble);
+    for (dist::WorkPtr& w : buckets->launch(wire, 0, comm).works) works.push_back(w);
+    for (dist::WorkPtr& w : works) w->wait();
+    z3.release_unit(0);
+    z3.release_unit(1);
+  };
+  z3.begin_step();
+  first_attempt(1.0 + comm.rank());
+  EXPECT_EQ(z3.issued_in_step(), 3);
+  const double average = (n + 1) / 2.0;
+  const at::Tensor mine = z3.gradient_shard().narrow(0, 0, chunk);
+  EXPECT_TRUE(at::allclose(mine, at::full({chunk}, average, at::kDouble)));
+  if (comm.rank() == n - 1) {
+    const uint64_t issued = comm.issued();
+    const double bytes = comm.traffic().bus_bytes;
+    z3.replay_step();
+    EXPECT_EQ(z3.replaying(), 3);
+    EXPECT_TRUE(z3.gather_unit(0).empty()) << "a skipped gather is not issued";
+    EXPECT_TRUE(at::equal(params[0].detach(), at::zeros({12}, at::kDouble))) << "a skipped gather leaves zeros";
+    EXPECT_EQ(z3.replaying(), 2);
+    EXPECT_TRUE(z3.gather_unit(1).empty());
+    const dist::WorkPtr skipped = buckets->launch(at::full({chunk * n}, 100.0, at::kDouble), 0, comm).mine;
+    EXPECT_TRUE(skipped->is_completed());
+    z3.release_unit(0);
+    z3.release_unit(1);
+    EXPECT_EQ(z3.replaying(), 0);
+    EXPECT_EQ(comm.issued(), issued);
+    EXPECT_EQ(comm.traffic().bus_bytes, bytes);
+    EXPECT_TRUE(at::allclose(mine, at::full({chunk}, average, at::kDouble))) << "a skipped reduce-scatter writes nothing";
+  }
+  EXPECT_NO_THROW(z3.begin_step()) << "the replay is complete";  // the next step
+  std::vector<dist::WorkPtr> works = z3.gather_unit(2);
+  ASSERT_EQ(works.size(), 1u);
+  works.front()->wait();
+  EXPECT_TRUE(at::equal(params[2].detach(), want[2]));
+  at::Tensor seq = at::full({2}, static_cast<double>(works.front()->sequence()), at::kDouble);
+  seq[1].neg_();
+  comm.all_reduce(seq, dist::ReduceOp::kMax)->wait();
+  EXPECT_EQ(seq[0].item<double>(), -seq[1].item<double>()) << "every rank's next collective has the same number";
+  z3.release_unit(2);
+  z3.replay_step();  // one gather (unit 2's) still to skip: a new step would be out of step
+  EXPECT_EQ(z3.replaying(), 1);
+  EXPECT_THROW(z3.begin_step(), Error);
+}
+
 TEST(ParameterUnits, BadUnitsAreRefused) {
   auto& comm = world_comm();
   Stack m;

@@ -187,15 +187,6 @@ class Communicator {
   uint64_t issued() const { return seq_; }
   CommTraffic traffic() const;
 
-  // The next n collectives issued here (barriers included, point to point not) are the last n
-  // issued, issued again: they complete at once without communicating (their outputs are left
-  // as they are, their traffic is not counted again) and keep the sequence numbers they had, so
-  // issued() and the operations after them stay matched with the other ranks. For a rank that
-  // runs a sequence of collectives again from its start after taking part in its first n
-  // already (the trainer's OOM back-off under ZeRO-3, which replays a failed step). Throws
-  // dtrain::Error for more than were issued; skipping() tells how many are still to come.
-  void skip_collectives(uint64_t n);
-  uint64_t skipping() const;
 
  protected:
   Communicator(int rank, int size, CommOptions options);
@@ -234,7 +225,6 @@ class Communicator {
   int size_;
   CommOptions options_;
   uint64_t seq_ = 0;  // guarded by submit_mutex_
-  uint64_t skip_ = 0;  // skip_collectives(), guarded by submit_mutex_
   std::vector<uint64_t> sends_, recvs_;  // per peer: point-to-point counts, guarded by submit_mutex_
   CommTraffic traffic_;  // guarded by submit_mutex_
   std::unique_ptr<std::mutex> submit_mutex_;

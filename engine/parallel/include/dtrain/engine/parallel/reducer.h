@@ -157,10 +157,9 @@ class GradReducer {
   // on every rank.
   void abandon_step();
 
-  // After a failure on this rank during a step that this rank will run again from its start
-  // with its communicator skipping what it issued already (dist::Communicator::
-  // skip_collectives; the trainer's OOM back-off under ZeRO-3, whose unit gathers are
-  // interleaved with the bucket reductions): waits for the bucket reductions this step
+  // After a failure on this rank during a step that this rank will run again from its start,
+  // skipping what it issued already (the trainer's OOM back-off under ZeRO-3, whose unit
+  // gathers are interleaved with the bucket reductions: Zero3Optimizer::replay_step): waits for the bucket reductions this step
   // launched (the other ranks take part in them), then forgets the step as if its
   // synchronized backward had not begun, issuing nothing. The gradients are left as they are.
   void forget_step();

@@ -351,11 +351,9 @@ class Trainer {
   at::Tensor micro_batch_loss(const Batch& micro);
   // Why --cuda_graph cannot be used with this trainer ("" when it can).
   std::string cuda_graph_refusal() const;
-  // ZeRO-3's OOM back-off: the collectives issued so far on the communicators a step uses, and
-  // the replay of a failed step on one row per micro-batch that takes part in the rest of them.
-  std::vector<std::pair<dist::Communicator*, uint64_t>> issued_so_far() const;
-  void finish_step_on_one_row(const std::vector<Batch>& micro,
-                              const std::vector<std::pair<dist::Communicator*, uint64_t>>& issued);
+  // ZeRO-3's OOM back-off: the replay of a failed step on one row per micro-batch that takes
+  // part in the rest of its gathers and reductions (dp_issued: dp's count when the step began).
+  void finish_step_on_one_row(const std::vector<Batch>& micro, uint64_t dp_issued);
   // Pipeline parallelism: the micro-batches through the stages (loss_sum: last stage's, else 0).
   void run_pipeline(const std::vector<Batch>& micro, at::Tensor& loss_sum);
   // Evaluation: adds the batch's mean loss x weight to sums[0] and (eval_loss_and_correct) its

@@ -44,6 +44,8 @@ class ParameterUnits {
   void gather_all();
   void release_all();
   int units() const;
+  // The optimizer whose units these are (its out-of-memory replay: Zero3Optimizer::replay_step).
+  Zero3Optimizer& optimizer() const;
 
   // For the timeline: what happened to each unit since the last take_events() (recording
   // only after record_events(true)). A gather's transfer where the backend measured it (MPI:

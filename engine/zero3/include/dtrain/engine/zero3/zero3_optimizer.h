@@ -68,6 +68,21 @@ class Zero3Optimizer : public Optimizer {
   void release_unit(int k);
   bool unit_gathered(int k) const;
 
+  // The out-of-memory replay (the trainer's back-off). The other ranks go on through a step's
+  // unit gathers and gradient reduce-scatters after one rank failed in it, so that rank runs
+  // the step again from its start (on less data) to take part in the rest. begin_step() marks
+  // a step's start; issued_in_step() counts the collectives this optimizer issued since (its
+  // gathers and reduce-scatters, nothing else). replay_step() makes the next issued_in_step()
+  // of them complete at once without communicating (a gather leaves zeros in the unit, a
+  // reduce-scatter leaves the gradient shard as it is): the other ranks had those already, and
+  // the communicator's sequence numbers of the ones after stay matched with theirs because the
+  // skipped ones are never issued. replaying() is how many are still to skip (0 once the replay
+  // reached where the failure was); begin_step() throws dtrain::Error while it is not 0.
+  void begin_step();
+  int64_t issued_in_step() const;
+  void replay_step();
+  int64_t replaying() const;
+
   // The reducer's bucket strategy for these parameters (in this order): give it to
   // ReducerOptions::bucket_comm of a reducer over params() on dp. Valid beyond this optimizer.
   std::shared_ptr<BucketComm> bucket_comm() const;
