@@ -19,7 +19,6 @@
 namespace dtrain::engine {
 namespace {
 
-constexpr double kMiB = 1024.0 * 1024.0;
 
 double rss_mb() {
   long pages = 0, resident = 0;
@@ -27,7 +26,7 @@ double rss_mb() {
   if (!f) return 0;
   int n = std::fscanf(f, "%ld %ld", &pages, &resident);
   std::fclose(f);
-  return n == 2 ? resident * static_cast<double>(sysconf(_SC_PAGESIZE)) / kMiB : 0;
+  return n == 2 ? resident * static_cast<double>(sysconf(_SC_PAGESIZE)) / kBytesPerMiB : 0;
 }
 
 double peak_rss_mb() {
@@ -123,14 +122,14 @@ MemoryStats memory_stats(c10::Device device) {
   if (device.is_cuda()) {
     auto stats = cuda_allocator()->getDeviceStats(cuda_index(device));
     const auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
-    s.allocated_mb = stats.allocated_bytes[all].current / kMiB;
-    s.peak_mb = stats.allocated_bytes[all].peak / kMiB;
-    s.reserved_mb = stats.reserved_bytes[all].current / kMiB;
-    s.requested_mb = stats.requested_bytes[all].current / kMiB;
+    s.allocated_mb = stats.allocated_bytes[all].current / kBytesPerMiB;
+    s.peak_mb = stats.allocated_bytes[all].peak / kBytesPerMiB;
+    s.reserved_mb = stats.reserved_bytes[all].current / kBytesPerMiB;
+    s.requested_mb = stats.requested_bytes[all].current / kBytesPerMiB;
     s.counter = "cuda allocator";
   } else if (auto* counting = CountingCpuAllocator::instance) {
-    s.allocated_mb = counting->current_.load() / kMiB;
-    s.peak_mb = counting->peak_.load() / kMiB;
+    s.allocated_mb = counting->current_.load() / kBytesPerMiB;
+    s.peak_mb = counting->peak_.load() / kBytesPerMiB;
     s.reserved_mb = rss_mb();
     s.counter = "cpu tensors";
   } else {

@@ -14,7 +14,6 @@
 namespace dtrain::engine {
 namespace {
 
-constexpr double kMiB = 1024.0 * 1024.0;
 
 // Counts each storage once across calls sharing `seen`.
 int64_t count_storages(const std::vector<at::Tensor>& tensors, const c10::Device* device,
@@ -86,9 +85,9 @@ MemoryReport build_memory_report(c10::Device device, const std::vector<at::Tenso
   r.device = device.str();
   r.predicted = predicted;
   std::unordered_set<const c10::StorageImpl*> seen;
-  r.parameters_mb = count_storages(params, &device, seen) / kMiB;
-  r.gradients_mb = count_storages(grads, &device, seen) / kMiB;
-  r.optimizer_state_mb = count_storages(optimizer_state, &device, seen) / kMiB;
+  r.parameters_mb = count_storages(params, &device, seen) / kBytesPerMiB;
+  r.gradients_mb = count_storages(grads, &device, seen) / kBytesPerMiB;
+  r.optimizer_state_mb = count_storages(optimizer_state, &device, seen) / kBytesPerMiB;
   const double model_state = r.parameters_mb + r.gradients_mb + r.optimizer_state_mb;
   r.allocated_peak_mb = step_peak_mb;
   r.other_mb = step_start_allocated_mb - model_state;

@@ -12,14 +12,14 @@
 #include <sstream>
 
 #include "dtrain/dist/error.h"
+#include "dtrain/engine/memory/memory.h"
 #include "dtrain/offload/pinned_pool.h"
 #include "dtrain/offload/update_rule.h"
 
 namespace dtrain::engine {
 namespace {
 
-constexpr double kMiBf = 1024.0 * 1024.0;
-constexpr double kGiBf = 1024.0 * kMiBf;
+constexpr double kGiBf = 1024.0 * kBytesPerMiB;
 constexpr double kCheckpointComputeFactor = 4.0 / 3.0;  // one more forward of three passes
 constexpr double kDefaultSecondsPerRow = 1e-3;
 constexpr double kDefaultMicroBatchSeconds = 1e-3;
@@ -32,7 +32,7 @@ std::string size_text(int64_t bytes) {
   if (bytes >= static_cast<int64_t>(kGiBf)) {
     std::snprintf(buf, sizeof buf, "%.2f GiB", static_cast<double>(bytes) / kGiBf);
   } else {
-    std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(bytes) / kMiBf);
+    std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(bytes) / kBytesPerMiB);
   }
   return buf;
 }
@@ -349,12 +349,12 @@ std::string ActivationProfile::to_string() const {
   os << std::fixed << std::setprecision(2);
   for (const ActivationFit& f : fits) {
     os << "  checkpoint " << (f.checkpoint ? "on " : "off") << ", amp " << std::setw(4)
-       << engine::to_string(f.amp) << ": " << f.peak_bytes[0] / kMiBf << " MiB at " << f.rows[0]
-       << " rows, " << f.peak_bytes[1] / kMiBf << " MiB at " << f.rows[1] << " rows -> "
-       << f.intercept_bytes / kMiBf << " MiB + " << f.bytes_per_row / kMiBf << " MiB/row; "
+       << engine::to_string(f.amp) << ": " << f.peak_bytes[0] / kBytesPerMiB << " MiB at " << f.rows[0]
+       << " rows, " << f.peak_bytes[1] / kBytesPerMiB << " MiB at " << f.rows[1] << " rows -> "
+       << f.intercept_bytes / kBytesPerMiB << " MiB + " << f.bytes_per_row / kBytesPerMiB << " MiB/row; "
        << f.seconds[0] * 1e3 << " / " << f.seconds[1] * 1e3 << " ms\n";
   }
-  os << "  persistent (library workspaces): " << persistent_bytes / kMiBf << " MiB\n";
+  os << "  persistent (library workspaces): " << persistent_bytes / kBytesPerMiB << " MiB\n";
   return os.str();
 }
 
@@ -467,14 +467,14 @@ MemoryEstimate estimate(const PlanInputs& in, const ActivationProfile& profile,
 }
 
 std::map<std::string, double> MemoryEstimate::predicted_mb() const {
-  return {{"parameters", gpu.parameters / kMiBf},
-          {"gradients", gpu.gradients / kMiBf},
-          {"optimizer_state", gpu.optimizer_state / kMiBf},
-          {"activations", std::max(gpu.activations, gpu.transient) / kMiBf},
-          {"other", (gpu.other + gpu.stale_gradients) / kMiBf},
-          {"allocated", gpu.allocated_peak() / kMiBf},
-          {"cuda_context", gpu.cuda_context / kMiBf},
-          {"total", gpu.total() / kMiBf}};
+  return {{"parameters", gpu.parameters / kBytesPerMiB},
+          {"gradients", gpu.gradients / kBytesPerMiB},
+          {"optimizer_state", gpu.optimizer_state / kBytesPerMiB},
+          {"activations", std::max(gpu.activations, gpu.transient) / kBytesPerMiB},
+          {"other", (gpu.other + gpu.stale_gradients) / kBytesPerMiB},
+          {"allocated", gpu.allocated_peak() / kBytesPerMiB},
+          {"cuda_context", gpu.cuda_context / kBytesPerMiB},
+          {"total", gpu.total() / kBytesPerMiB}};
 }
 
 std::string MemoryEstimate::to_string() const {
@@ -485,8 +485,8 @@ std::string MemoryEstimate::to_string() const {
   os << "), MiB\n";
   os << std::fixed << std::setprecision(1);
   auto row = [&](const char* label, int64_t g, int64_t h) {
-    os << "  " << std::left << std::setw(46) << label << std::right << std::setw(12) << g / kMiBf
-       << std::setw(12) << h / kMiBf << "\n";
+    os << "  " << std::left << std::setw(46) << label << std::right << std::setw(12) << g / kBytesPerMiB
+       << std::setw(12) << h / kBytesPerMiB << "\n";
   };
   os << "  " << std::left << std::setw(46) << "component" << std::right << std::setw(12) << "GPU"
      << std::setw(12) << "host"

@@ -18,13 +18,12 @@
 namespace dtrain::engine {
 namespace {
 
-constexpr double kMiBf = 1024.0 * 1024.0;
 
 int64_t allocated_bytes(c10::Device device) {
-  return std::llround(memory_stats(device).allocated_mb * kMiBf);
+  return std::llround(memory_stats(device).allocated_mb * kBytesPerMiB);
 }
 int64_t peak_bytes(c10::Device device) {
-  return std::llround(memory_stats(device).peak_mb * kMiBf);
+  return std::llround(memory_stats(device).peak_mb * kBytesPerMiB);
 }
 
 void synchronize(c10::Device device) {

@@ -5,6 +5,9 @@
 
 namespace dtrain::engine {
 
+// Bytes in a MiB (the unit of the memory figures here and in the planner).
+inline constexpr double kBytesPerMiB = 1024.0 * 1024.0;
+
 struct MemoryStats {
   double allocated_mb = 0;  // bytes in live tensors (CPU: with tracking on; else the RSS)
   double peak_mb = 0;       // peak of allocated since the last reset (>= allocated_mb)
