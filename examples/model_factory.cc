@@ -484,7 +484,7 @@ engine::PlanInputs plan_inputs(const Run& run, const ExampleModel& m,
   }
   in.pp = run.mesh->pp_size();  // the counts above are this stage's: `module` is the stage
   in.stage = run.mesh->pp_rank();
-  in.pp_gpipe = engine::parse_pipeline_schedule(engine::cli::flags().pp_schedule) == engine::PipelineSchedule::kGPipe;
+  in.pp_schedule = engine::parse_pipeline_schedule(engine::cli::flags().pp_schedule);
   return in;
 }
 

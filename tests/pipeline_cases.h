@@ -17,9 +17,10 @@ namespace dtrain::engine::pipeline_cases {
 
 // A two-stage Trainer (data-parallel over the rest of the world) on `device`, float64, whose
 // forward runs out of memory on `fail_rank` (-1: none) for micro-batches above 4 rows (what the
-// CUDA caching allocator throws, simulated). Returns the stage's parameters (on the CPU) after
+// CUDA caching allocator throws, simulated), with `schedule`. Returns the stage's parameters (on the CPU) after
 // 3 steps of 16 rows per data-parallel rank.
-inline std::vector<at::Tensor> two_stage_run(c10::Device device, int accum, int fail_rank, std::vector<int>* accum_seen) {
+inline std::vector<at::Tensor> two_stage_run(c10::Device device, int accum, int fail_rank, std::vector<int>* accum_seen,
+                                             PipelineSchedule schedule = PipelineSchedule::k1F1B) {
   auto& comm = testing_util::world_comm();
   dist::Mesh mesh(comm, 1, 2);
   torch::manual_seed(0);
@@ -35,6 +36,7 @@ inline std::vector<at::Tensor> two_stage_run(c10::Device device, int accum, int 
   TrainerOptions o;
   o.steps = 3;
   o.accum_steps = accum;
+  o.pipeline.schedule = schedule;
   o.optimizer.name = "adam";
   o.optimizer.lr = 0.01;
   o.progress = false;

@@ -1,8 +1,9 @@
 // dtrain-bench pipeline: a stack of MLP blocks split into consecutive stages over the ranks
 // (pp = the world size), one step per schedule and micro-batch count. Prints per stage the
 // micro-batches held at once, the activation memory held above the step's start (exact on the
-// CPU), and the idle fraction (1 - compute / step) against the bubble's theory
-// (P - 1) / (m + P - 1); then the same global batch data-parallel (every rank the whole stack,
+// CPU), and the idle fraction (1 - compute / step) against the bubble's theory (each stage's
+// idle share when the schedule's lists run on the model of the pipeline: simulate_pipeline);
+// then the same global batch data-parallel (every rank the whole stack,
 // m / P micro-batches each, gradients all-reduced) for the step-time comparison.
 //   mpirun -np 2 dtrain-bench pipeline --pp_layers=8 --pp_width=512 --pp_rows=256
 #include <gflags/gflags.h>
@@ -69,7 +70,8 @@ void pipeline_rows(BenchContext& ctx, std::vector<Block>& blocks, const std::vec
   dist::Communicator& comm = *ctx.comm;
   const int stages = comm.size(), s = comm.rank();
   const bool last = s == stages - 1;
-  for (engine::PipelineSchedule schedule : {engine::PipelineSchedule::kGPipe, engine::PipelineSchedule::k1F1B}) {
+  for (engine::PipelineSchedule schedule :
+       {engine::PipelineSchedule::kGPipe, engine::PipelineSchedule::k1F1B, engine::PipelineSchedule::kZeroBubble}) {
     for (int m : micro) {
       engine::PipelineStep step;
       step.micro_batches = m;
@@ -95,8 +97,11 @@ void pipeline_rows(BenchContext& ctx, std::vector<Block>& blocks, const std::vec
       }
       const auto all = gather(comm, {median(walls), median(idle), median(peak_mb), median(in_flight)});
       if (s == 0) {
+        // The theory: the schedule's lists on the model of the pipeline at equal costs of a
+        // forward and each half of a backward (1F1B and GPipe: (P - 1) / (m + P - 1) each).
+        const engine::SimulatedPipeline theory = engine::simulate_pipeline(schedule, stages, m);
         nlohmann::json row{{"bench", "pipeline"}, {"schedule", engine::to_string(schedule)}, {"stages", stages},
-                           {"micro_batches", m}, {"bubble_theory", static_cast<double>(stages - 1) / (m + stages - 1)}};
+                           {"micro_batches", m}, {"bubble_theory", theory.idle_share}};
         double step_ms = 0;
         for (int r = 0; r < stages; ++r) {
           step_ms = std::max(step_ms, 1e3 * all[r][0]);

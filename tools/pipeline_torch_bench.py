@@ -10,9 +10,10 @@ Layouts (--mode, default: all, each run in a fresh pair of processes):
         (dtrain --batch_size=batch/2 --accum_steps=m/2 on 2 ranks)
   pp    torch.distributed.pipelining: stage 0 (rank 0) = token + position embeddings and the
         first layers//2 blocks, stage 1 (rank 1) = the other blocks, the final LayerNorm and
-        the head; PipelineStage + Schedule1F1B or ScheduleGPipe (--schedule) splitting the
+        the head; PipelineStage + Schedule1F1B, ScheduleGPipe or ScheduleInterleavedZeroBubble
+        with one stage per rank (ZB1P: zb) (--schedule) splitting the
         global batch into m = --micro_batches micro-batches, loss_fn = mean cross-entropy
-        (dtrain --pp=2 --pp_schedule=1f1b|gpipe --batch_size=batch --accum_steps=m)
+        (dtrain --pp=2 --pp_schedule=1f1b|gpipe|zb --batch_size=batch --accum_steps=m)
   all   ddp, pp 1f1b and pp gpipe for m in 2, 4, 8, then a markdown table
         | layout | m | ms/step | vs ddp |
 
@@ -50,7 +51,7 @@ and backward + clip + step); rank 0 prints the median over the steps after the f
   torch ddp m=4: 640.1 ms/step (median of 12), loss 6.2629
 where loss is the last step's mean cross-entropy of the global batch.
 
-usage: .venv/bin/python tools/pipeline_torch_bench.py [--mode=all|ddp|pp] [--schedule=1f1b|gpipe]
+usage: .venv/bin/python tools/pipeline_torch_bench.py [--mode=all|ddp|pp] [--schedule=1f1b|gpipe|zb]
            [--micro_batches=4] [--steps=17] [--batch=16] [--d_model=256] [--heads=8] [--layers=8]
            [--seq_len=128] [--ff=1024] [--vocab=512] [--seed=42] [--print_losses]
 """
@@ -71,7 +72,7 @@ from zero_torch_bench import Gpt, add_model_flags, dtrain_parameter_count, free_
 
 WORLD = 2
 WARMUP_STEPS = 5  # steps 1..5 are excluded from the median
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "zb")
 
 
 # ---- one pipeline stage of the model --------------------------------------------------------
@@ -144,15 +145,19 @@ def run_layout(rank, a, layout, results):
     adamw = dict(lr=a.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=a.weight_decay)
 
     if mode == "pp":
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                                  ScheduleInterleavedZeroBubble)
         first, last = stage_bounds(a.layers, rank)
         module = GptStage(gpt, first, last, rank == 0, rank == WORLD - 1)
         del gpt  # the other stage's parts go with it
         stage = PipelineStage(module, rank, WORLD, torch.device("cpu"))
-        schedule_cls = Schedule1F1B if schedule_name == "1f1b" else ScheduleGPipe
         # loss_fn is applied per micro-batch on the last stage; scale_grads=True (the default)
         # divides the accumulated gradients by m, so they are those of the global batch's mean.
-        schedule = schedule_cls(stage, n_microbatches=m, loss_fn=mean_cross_entropy)
+        if schedule_name == "zb":  # ZB1P (ZB-H1) with one stage per rank: the zero-bubble peer of dtrain's zb
+            schedule = ScheduleInterleavedZeroBubble([stage], n_microbatches=m, loss_fn=mean_cross_entropy)
+        else:
+            schedule_cls = Schedule1F1B if schedule_name == "1f1b" else ScheduleGPipe
+            schedule = schedule_cls(stage, n_microbatches=m, loss_fn=mean_cross_entropy)
         optimizer = torch.optim.AdamW(module.parameters(), **adamw)
         params = [p for p in module.parameters()]
 

@@ -100,8 +100,9 @@ double cost_seconds(const PlanInputs& in, const ActivationProfile& profile, cons
   auto [per_row, per_micro] = compute_rates(in, profile, t.amp);
   double seconds = in.batch_size * per_row * (t.checkpoint ? kCheckpointComputeFactor : 1.0);
   seconds += t.accum_steps * per_micro;
-  // A pipeline runs accum_steps + pp - 1 micro-batch times per step, the bubble among them.
-  seconds *= static_cast<double>(t.accum_steps + in.pp - 1) / t.accum_steps;
+  // A pipeline's step: the schedule's simulated step over its work (1F1B: accum_steps + pp - 1
+  // micro-batch times), the bubble among them.
+  if (in.pp > 1) seconds *= simulate_pipeline(in.pp_schedule, in.pp, t.accum_steps).step / (3.0 * t.accum_steps);
   const double local = static_cast<double>(local_parameters(in));
   if (t.offload_optimizer) {
     const double cpu_bytes =
@@ -190,7 +191,9 @@ std::string nothing_fits_message(const PlanInputs& in, const std::vector<Candida
     if (!in.can_shard && in.dp > 1) fixes.push_back("allow --shard (ZeRO-1/2 over the " + std::to_string(in.dp) + " data-parallel ranks)");
     fixes.push_back(in.pp > 1 ? "split the model over more GPUs (--tp, or more --pp stages)"
                               : "split the model over more GPUs (--tp, --pp)");
-    if (in.pp > 1 && in.pp_gpipe) fixes.push_back("use --pp_schedule=1f1b (it holds fewer micro-batches)");
+    if (in.pp > 1 && in.pp_schedule != PipelineSchedule::k1F1B) {
+      fixes.push_back("use --pp_schedule=1f1b (it holds fewer micro-batches)");
+    }
   } else {
     // The host budget is --host_mem_limit_gb or this process's share of the node's
     // MemAvailable (host_budget_bytes()): name what it needs and what there is.
@@ -334,7 +337,12 @@ int64_t ActivationFit::held(int64_t r) const {
 
 int pipeline_in_flight(const PlanInputs& in, int accum_steps) {
   if (in.pp <= 1) return 1;
-  return in.pp_gpipe ? accum_steps : std::min(in.pp - in.stage, accum_steps);
+  switch (in.pp_schedule) {
+    case PipelineSchedule::kGPipe: return accum_steps;
+    case PipelineSchedule::k1F1B: return std::min(in.pp - in.stage, accum_steps);
+    case PipelineSchedule::kZeroBubble: return simulate_pipeline(in.pp_schedule, in.pp, accum_steps).peak_in_flight.at(in.stage);
+  }
+  return accum_steps;
 }
 
 const ActivationFit* ActivationProfile::find(bool checkpoint, AmpMode amp) const {

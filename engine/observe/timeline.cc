@@ -448,9 +448,10 @@ std::vector<PipelineStageSummary> summarize_pipeline(const std::vector<TraceEven
       r.s.step_ms += ms;
       auto m = e.args.find("accum_steps");
       if (m != e.args.end()) r.micro_batches += m->second;
-    } else if (e.cat == category::kCompute && (e.name == "forward" || e.name == "backward") &&
+    } else if (e.cat == category::kCompute && (e.name == "forward" || e.name.rfind("backward", 0) == 0) &&
                stage != e.args.end()) {
       r.s.compute_ms += ms;
+      if (e.name == "backward weight") r.s.zero_bubble = true;
     } else if (e.name.rfind("wait for stage", 0) == 0) {
       r.pipelined = true;
       r.s.wait_ms += ms;
@@ -475,7 +476,8 @@ std::string to_string(const std::vector<PipelineStageSummary>& stages) {
     os << (os.tellp() > 0 ? "\n" : "") << std::fixed << "stage " << s.stage << " (rank " << s.rank << "): idle "
        << std::setprecision(0) << 100.0 * s.idle_fraction() << "% of " << std::setprecision(1) << s.step_ms
        << " ms/step (compute " << s.compute_ms << " ms, waiting for neighbours " << s.wait_ms
-       << " ms); the bubble (P-1)/(m+P-1) is " << std::setprecision(0) << 100.0 * s.bubble_theory() << "% for P "
+       << " ms); " << (s.zero_bubble ? "zero bubble's ideal (P-1)/(3m+P-1)" : "the bubble (P-1)/(m+P-1)") << " is "
+       << std::setprecision(0) << 100.0 * s.bubble_theory() << "% for P "
        << s.stages << ", m " << std::setprecision(s.micro_batches == static_cast<int>(s.micro_batches) ? 0 : 1)
        << s.micro_batches;
   }

@@ -12,19 +12,9 @@
 #include <c10/util/Exception.h>
 
 #include "dtrain/dist/error.h"
+#include "dtrain/engine/parallel/split_backward.h"
 
 namespace dtrain::engine {
-
-PipelineSchedule parse_pipeline_schedule(const std::string& name) {
-  if (name == "gpipe") return PipelineSchedule::kGPipe;
-  if (name == "1f1b") return PipelineSchedule::k1F1B;
-  throw Error("pipeline schedule '" + name + "' does not exist; use gpipe (all forwards, then all backwards) or " +
-              "1f1b (one forward, one backward after a warm-up)");
-}
-
-const char* to_string(PipelineSchedule schedule) {
-  return schedule == PipelineSchedule::kGPipe ? "gpipe" : "1f1b";
-}
 
 std::vector<int> pipeline_stage_bounds(int blocks, int stages, const std::string& counts) {
   DTRAIN_CHECK(stages >= 1, "pipeline: ", stages, " stages; --pp must be >= 1");
@@ -64,27 +54,6 @@ std::vector<int> pipeline_stage_bounds(int blocks, int stages, const std::string
   std::vector<int> bounds = {0};
   for (int n : per_stage) bounds.push_back(bounds.back() + n);
   return bounds;
-}
-
-std::vector<PipelineAction> pipeline_actions(PipelineSchedule schedule, int stages, int stage, int micro_batches) {
-  DTRAIN_CHECK(stages >= 1 && stage >= 0 && stage < stages && micro_batches >= 1, "pipeline_actions: stage ", stage,
-               " of ", stages, " with ", micro_batches, " micro-batches is not a pipeline step");
-  std::vector<PipelineAction> actions;
-  const int m = micro_batches;
-  if (schedule == PipelineSchedule::kGPipe) {
-    for (int i = 0; i < m; ++i) actions.push_back({PipelineAction::kForward, i});
-    for (int i = 0; i < m; ++i) actions.push_back({PipelineAction::kBackward, i});
-    return actions;
-  }
-  const int warmup = std::min(stages - 1 - stage, m);
-  int next_forward = 0, next_backward = 0;
-  for (; next_forward < warmup; ++next_forward) actions.push_back({PipelineAction::kForward, next_forward});
-  while (next_forward < m) {  // steady state: one forward, one backward
-    actions.push_back({PipelineAction::kForward, next_forward++});
-    actions.push_back({PipelineAction::kBackward, next_backward++});
-  }
-  while (next_backward < m) actions.push_back({PipelineAction::kBackward, next_backward++});
-  return actions;
 }
 
 namespace {
@@ -266,13 +235,16 @@ class TrainingStage {
   PipelineStepResult run() {
     const Clock::time_point step_start = Clock::now();
     for (const PipelineAction& action : pipeline_actions(step_.schedule, ctx_.stages, ctx_.stage, step_.micro_batches)) {
-      const bool forward = action.kind == PipelineAction::kForward;
-      if (result_.out_of_memory) {
-        keep_exchanges(action.micro, forward);
-      } else if (forward) {
+      if (action.kind == PipelineAction::kBackwardWeight) {
+        // No message: the last action's send goes out now rather than after this computation.
+        if (out_.tensor.defined()) ctx_.exchange(out_, -1, action.micro, sends_);
+        if (!result_.out_of_memory) backward_weight(action.micro);
+      } else if (result_.out_of_memory) {
+        keep_exchanges(action.micro, action.kind == PipelineAction::kForward);
+      } else if (action.kind == PipelineAction::kForward) {
         forward_micro(action.micro);
       } else {
-        backward_micro(action.micro);
+        backward_micro(action.micro, action.kind == PipelineAction::kBackwardInput);
       }
       result_.ran.push_back(action);
       // A completed send's buffer (an activation or its gradient) is no longer needed: drop it
@@ -290,6 +262,7 @@ class TrainingStage {
   struct InFlight {
     at::Tensor input;   // what the stage received (requires grad), or the first stage's input
     at::Tensor output;  // the activation sent on, or the last stage's scaled loss
+    std::shared_ptr<SplitBackward> split;  // zb: between the micro-batch's B and W
   };
 
   // After an out-of-memory error (finish_after_oom) the stage only keeps its side of the
@@ -324,38 +297,62 @@ class TrainingStage {
     } else {
       out_ = {y.detach().contiguous(), next_};
     }
-    held_[i] = {x, y};
+    held_[i] = {x, y, nullptr};
     result_.peak_in_flight = std::max(result_.peak_in_flight, static_cast<int>(held_.size()));
     if (step_.allocated_mb) {
       result_.peak_activation_mb = std::max(result_.peak_activation_mb, step_.allocated_mb() - start_mb_);
     }
   }
 
-  void backward_micro(int i) {
+  // The whole backward of micro-batch i, or (input_half) its B: the gradient of the stage's
+  // input only, the weights' half kept for its W.
+  void backward_micro(int i, bool input_half) {
     auto it = held_.find(i);
     DTRAIN_CHECK(it != held_.end(), "pipeline step: backward of micro-batch ", i, " before its forward");
-    InFlight f = std::move(it->second);
-    held_.erase(it);
     const at::Tensor grad = ctx_.exchange(out_, next_, i, sends_);
-    if (step_.before_backward) step_.before_backward(i);
+    if (!input_half && step_.before_backward) step_.before_backward(i);
     const SpanTimer::Mark a = ctx_.timer.mark();
+    at::Tensor input_grad;
     try {
-      if (ctx_.last) {
-        f.output.backward();
+      InFlight& f = it->second;
+      const at::Tensor out_grad = ctx_.last ? at::Tensor() : grad;
+      if (input_half) {
+        f.split = std::make_shared<SplitBackward>(f.output, out_grad, ctx_.first ? at::Tensor() : f.input);
+        input_grad = f.split->input_grad();
       } else {
-        f.output.backward(grad);
+        f.output.backward(out_grad);
+        if (!ctx_.first) input_grad = f.input.grad();
+        held_.erase(it);
       }
     } catch (const c10::OutOfMemoryError&) {
       failed(previous_);
       return;
     }
-    ctx_.timer.span("backward", i, a, ctx_.timer.mark(), /*busy=*/true);
+    ctx_.timer.span(input_half ? "backward input" : "backward", i, a, ctx_.timer.mark(), /*busy=*/true);
+    if (!input_half && step_.after_backward) step_.after_backward(i);
     if (!ctx_.first) {
-      at::Tensor g = f.input.grad();
-      DTRAIN_CHECK(g.defined(), "pipeline step: stage ", ctx_.stage, "'s forward does not depend on its input; ",
-                   "the stage before would get no gradient");
-      out_ = {g.contiguous(), previous_};
+      DTRAIN_CHECK(input_grad.defined(), "pipeline step: stage ", ctx_.stage, "'s forward does not depend on its "
+                   "input; the stage before would get no gradient");
+      out_ = {input_grad.contiguous(), previous_};
     }
+  }
+
+  // zb: micro-batch i's W, the weight-gradient half of its backward; its activations go then.
+  void backward_weight(int i) {
+    auto it = held_.find(i);
+    DTRAIN_CHECK(it != held_.end() && it->second.split, "pipeline step: backward weight of micro-batch ", i,
+                 " before its backward input");
+    if (step_.before_backward) step_.before_backward(i);
+    const SpanTimer::Mark a = ctx_.timer.mark();
+    try {
+      it->second.split->weight_half();
+    } catch (const c10::OutOfMemoryError&) {
+      failed(-1);
+      return;
+    }
+    held_.erase(it);
+    ctx_.timer.span("backward weight", i, a, ctx_.timer.mark(), /*busy=*/true);
+    if (step_.after_backward) step_.after_backward(i);
   }
 
   StageContext ctx_;

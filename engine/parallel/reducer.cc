@@ -96,6 +96,7 @@ struct GradReducer::State {
   bool in_step = false;        // a synchronized backward is under way
   bool finished = false;       // this step's synchronized backward completed (reset by zero_grad)
   bool callback_queued = false;
+  bool many_runs = false;  // begin_runs(): the backward ends at end_runs(), not with a run
   size_t next_launch = 0;
   size_t next_complete = 0;  // buckets [0, next_complete) of this step are reduced and settled
   std::vector<char> param_ready;
@@ -350,7 +351,7 @@ void GradReducer::State::on_hook(size_t i) {
   }
   if (!sync) return;
   if (!in_step) start_step();
-  if (!callback_queued) {
+  if (!callback_queued && !many_runs) {
     callback_queued = true;
     std::weak_ptr<State> weak = shared_from_state;
     torch::autograd::Engine::get_default_engine().queue_callback([weak] {
@@ -603,6 +604,23 @@ GradReducer::NoSync::~NoSync() {
 }
 GradReducer::NoSync::NoSync(NoSync&& other) noexcept : reducer_(other.reducer_) { other.reducer_ = nullptr; }
 
+void GradReducer::begin_runs() {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  DTRAIN_CHECK(!state_->many_runs && !state_->callback_queued, "GradReducer::begin_runs() inside another "
+               "begin_runs(), or during a backward");
+  state_->many_runs = true;
+}
+
+void GradReducer::end_runs() {
+  bool end = false;
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->many_runs = false;
+    end = state_->in_step;  // a synchronized backward began in one of the runs
+  }
+  if (end) state_->finish_step(/*abandoned=*/false);
+}
+
 void GradReducer::set_sync(bool enabled) {
   std::lock_guard<std::mutex> lock(state_->mutex);
   if (state_->in_step) {
@@ -673,6 +691,7 @@ void GradReducer::forget_step() {
   std::exception_ptr failure = s.complete_until(s.next_launch);
   s.in_step = false;
   s.callback_queued = false;  // autograd drops a failed backward's final callbacks
+  s.many_runs = false;
   s.unused.clear();
   if (s.synced_backwards == 0) s.arrival.clear();  // the run again records the order afresh
   if (failure) std::rethrow_exception(failure);

@@ -125,7 +125,7 @@ std::vector<Spec> layout_and_data_specs() {
          &Flags::sequence_parallel, kToRun),
     spec(kTensorParallel, "pp", "pipeline stages (consecutive blocks per stage; stages are the outermost ranks)",
          &Flags::pp, kToRun),
-    spec(kTensorParallel, "pp_schedule", "with --pp > 1: 1f1b or gpipe", &Flags::pp_schedule),
+    spec(kTensorParallel, "pp_schedule", "with --pp > 1: 1f1b, gpipe or zb (zero bubble: the weight gradients deferred into the bubble)", &Flags::pp_schedule),
     spec(kTensorParallel, "pp_blocks", "with --pp > 1: blocks per stage, e.g. 2,4,4,2 (default: even, extra from stage 1)",
          &Flags::pp_blocks, kToTrainer | kToRun),
     spec(kData, "workers", "data-loading worker threads", &Flags::workers, kToLoader),

@@ -355,12 +355,20 @@ void Trainer::run_pipeline(const std::vector<Batch>& micro, at::Tensor& loss_sum
   PipelineStep ps = pipeline_step(micro);
   const int n = ps.micro_batches;
   // Gradients accumulate without a reduction until the step's last backward (micro-batch n - 1
-  // in both schedules), whose buckets are reduced over this stage's data-parallel group as
-  // they complete, overlapped with the rest of that backward.
+  // in every schedule; zb: its weight half, several autograd runs), whose buckets are reduced
+  // over this stage's data-parallel group as they complete, overlapped with the rest of that
+  // backward.
   std::optional<GradReducer::NoSync> no_sync;
+  const bool runs = ps.schedule == PipelineSchedule::kZeroBubble;
   ps.before_backward = [&](int i) {
     if (i + 1 < n && !no_sync) no_sync.emplace(reducer_.get());
-    if (i + 1 == n) no_sync.reset();
+    if (i + 1 == n) {
+      no_sync.reset();
+      if (runs) reducer_->begin_runs();
+    }
+  };
+  ps.after_backward = [&](int i) {
+    if (runs && i + 1 == n) reducer_->end_runs();
   };
   if (scaler_->enabled()) ps.scale_loss = [this](const at::Tensor& loss) { return scaler_->scale(loss); };
   if (timeline_->enabled()) {

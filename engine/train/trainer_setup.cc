@@ -196,6 +196,11 @@ void check_pipeline_options(const TrainerOptions& o, const dist::Mesh& mesh) {
                                                                        : nullptr;
   DTRAIN_CHECK(unsupported == nullptr, unsupported ? unsupported : "", " with pipeline parallelism (--pp=", P,
                ") is not supported yet; train with --pp=1, or without ", unsupported ? unsupported : "");
+  // The weight half of a split backward runs after the blocks' streamed weights went back to
+  // the host (layer offload keeps one block's weights on the device at a time).
+  DTRAIN_CHECK(!(o.pipeline.schedule == PipelineSchedule::kZeroBubble && o.offload_layers), "--pp_schedule=zb "
+               "with layer offload (--offload=layers) is not supported: the weight gradients are computed after the "
+               "streamed weights left the device; use --pp_schedule=1f1b");
 }
 
 UpdateParts build_update(const UpdateInputs& in, ReducerOptions reducer_options) {

@@ -1,6 +1,6 @@
 // A model split into consecutive stages over the ranks (pp = the world size: 1, 2 or 4) trains
 // to the gradients and loss of one process running the whole model on the same micro-batches
-// (float64, so the two differ by rounding only), for GPipe and 1F1B, with fewer, as many and
+// (float64, so the two differ by rounding only), for GPipe, 1F1B and zero bubble, with fewer, as many and
 // more micro-batches than stages; each stage holds the schedule's bound of micro-batches.
 #include <gtest/gtest.h>
 
@@ -134,7 +134,7 @@ TEST(PipelineMesh, NamedAxesFollowTheMixedRadixFormula) {
             std::string::npos);
 }
 
-TEST(Pipeline, StagesTrainAsOneProcessForBothSchedules) {
+TEST(Pipeline, StagesTrainAsOneProcessForEverySchedule) {
   auto& pp = world_comm();
   const int stages = pp.size(), s = pp.rank();
   ASSERT_EQ(kBlocks % stages, 0);
@@ -150,7 +150,7 @@ TEST(Pipeline, StagesTrainAsOneProcessForBothSchedules) {
     }
     (total / m).backward();
     const std::vector<at::Tensor> want = whole.params(begin, end, last);
-    for (PipelineSchedule schedule : {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B}) {
+    for (PipelineSchedule schedule : {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B, PipelineSchedule::kZeroBubble}) {
       const std::string what = std::string(to_string(schedule)) + ", " + std::to_string(m) + " micro-batches, stage " +
                                std::to_string(s) + "/" + std::to_string(stages);
       Model model = make_model();
@@ -176,8 +176,14 @@ TEST(Pipeline, StagesTrainAsOneProcessForBothSchedules) {
       } else {
         EXPECT_EQ(result.loss, 0) << what;
       }
-      const int bound = schedule == PipelineSchedule::kGPipe ? m : std::min(stages - s, m);
+      // zb holds a micro-batch until its weight half: what the model of its lists says, at most
+      // 1F1B's first stage's bound.
+      const int bound = schedule == PipelineSchedule::kGPipe ? m
+                        : schedule == PipelineSchedule::k1F1B
+                            ? std::min(stages - s, m)
+                            : simulate_pipeline(schedule, stages, m).peak_in_flight[s];
       EXPECT_EQ(result.peak_in_flight, bound) << what;
+      if (schedule == PipelineSchedule::kZeroBubble) EXPECT_LE(result.peak_in_flight, std::min(stages, m)) << what;
       EXPECT_EQ(result.ran, pipeline_actions(schedule, stages, s, m)) << what;
     }
   }
@@ -255,17 +261,27 @@ TEST(Pipeline, ActivationOfAnotherShapeIsRefusedNamingIt) {
 // Out of memory in the first or the last stage: the failing stage finishes the step's
 // exchanges (zeros), every rank drops the step and halves the micro-batches (16 -> 8 -> 4 rows),
 // and the weights equal a pipeline that used micro-batches of 4 rows from the start.
+// Zero bubble likewise, and its weights equal 1F1B's (the trainer's gradient reducer ends the
+// step's synchronized backward after the last micro-batch's weight half, several autograd runs:
+// at 4 ranks the stages are data-parallel pairs, whose reductions these weights pass through).
 TEST(PipelineTrainer, OutOfMemoryInOneStageBacksOffEveryRank) {
   auto& comm = world_comm();
   const c10::Device cpu(c10::kCPU);
   const std::vector<at::Tensor> want = pipeline_cases::two_stage_run(cpu, 4, -1, nullptr);
-  for (int fail_rank : {0, comm.size() - 1}) {
-    SCOPED_TRACE("out of memory on rank " + std::to_string(fail_rank));
-    std::vector<int> seen;
-    const std::vector<at::Tensor> got = pipeline_cases::two_stage_run(cpu, 1, fail_rank, &seen);
-    EXPECT_EQ(seen, (std::vector<int>{4, 4, 4})) << "every rank must agree on the new accumulation";
-    ASSERT_EQ(got.size(), want.size());
-    for (size_t i = 0; i < want.size(); ++i) EXPECT_LT(rel_error(got[i], want[i]), 1e-12) << "parameter " << i;
+  for (PipelineSchedule schedule : {PipelineSchedule::k1F1B, PipelineSchedule::kZeroBubble}) {
+    if (schedule == PipelineSchedule::kZeroBubble) {
+      const std::vector<at::Tensor> zb = pipeline_cases::two_stage_run(cpu, 4, -1, nullptr, schedule);
+      ASSERT_EQ(zb.size(), want.size());
+      for (size_t i = 0; i < want.size(); ++i) EXPECT_LT(rel_error(zb[i], want[i]), 1e-12) << "zb, parameter " << i;
+    }
+    for (int fail_rank : {0, comm.size() - 1}) {
+      SCOPED_TRACE(std::string(to_string(schedule)) + ", out of memory on rank " + std::to_string(fail_rank));
+      std::vector<int> seen;
+      const std::vector<at::Tensor> got = pipeline_cases::two_stage_run(cpu, 1, fail_rank, &seen, schedule);
+      EXPECT_EQ(seen, (std::vector<int>{4, 4, 4})) << "every rank must agree on the new accumulation";
+      ASSERT_EQ(got.size(), want.size());
+      for (size_t i = 0; i < want.size(); ++i) EXPECT_LT(rel_error(got[i], want[i]), 1e-12) << "parameter " << i;
+    }
   }
 }
 

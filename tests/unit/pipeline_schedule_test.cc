@@ -21,8 +21,8 @@ namespace {
 std::string render(const std::vector<PipelineAction>& actions) {
   std::string out;
   for (const PipelineAction& a : actions) {
-    out += (out.empty() ? "" : " ") + std::string(a.kind == PipelineAction::kForward ? "F" : "B") +
-           std::to_string(a.micro);
+    const char* kind = a.kind == PipelineAction::kForward ? "F" : a.kind == PipelineAction::kBackwardWeight ? "W" : "B";
+    out += (out.empty() ? "" : " ") + std::string(kind) + std::to_string(a.micro);
   }
   return out;
 }
@@ -30,7 +30,8 @@ std::string render(const std::vector<PipelineAction>& actions) {
 int peak_in_flight(const std::vector<PipelineAction>& actions) {
   int held = 0, peak = 0;
   for (const PipelineAction& a : actions) {
-    held += a.kind == PipelineAction::kForward ? 1 : -1;
+    // Held from the forward until the whole backward, or (zb) until its weight half.
+    held += a.kind == PipelineAction::kForward ? 1 : a.kind == PipelineAction::kBackwardInput ? 0 : -1;
     peak = std::max(peak, held);
   }
   return peak;
@@ -73,9 +74,61 @@ TEST(PipelineSchedule, EveryMicroBatchOnceForwardFirstAndTheActivationBound) {
   }
 }
 
+// Zero bubble (ZB-H1's memory bound), against the model of the pipeline at unit costs: every
+// list valid, no stage holds more than min(P, m) micro-batches (1F1B's first stage's bound),
+// and the step is the ideal 3m + (P - 1) units plus at most max(P - m, 4) (with fewer
+// micro-batches than stages the bound of m in flight leaves P - m), where 1F1B's is 3m + 3 (P - 1)
+// (its bubble share (P - 1) / (m + P - 1) on every stage: the closed form the model must meet).
+TEST(PipelineSchedule, ZeroBubbleHoldsOneFOneBsPeakAndAlmostNoBubble) {
+  // By hand at unit costs: stage 1 runs F0 at t = 1 and B0 at 2, so stage 0, holding its bound
+  // of two after F0 F1, waits at t = 2 and runs B0 at 3; with nothing ready at 4 it runs W0 ...
+  EXPECT_EQ(render(pipeline_actions(PipelineSchedule::kZeroBubble, 2, 0, 3)), "F0 F1 B0 W0 B1 F2 W1 B2 W2");
+  EXPECT_EQ(render(pipeline_actions(PipelineSchedule::kZeroBubble, 2, 1, 3)), "F0 B0 F1 B1 W0 W1 F2 B2 W2");
+  for (int P = 1; P <= 8; ++P) {
+    for (int m = 1; m <= 32; ++m) {
+      const std::string what = std::to_string(P) + " stages, " + std::to_string(m) + " micro-batches";
+      const SimulatedPipeline zb = simulate_pipeline(PipelineSchedule::kZeroBubble, P, m);
+      const SimulatedPipeline ofob = simulate_pipeline(PipelineSchedule::k1F1B, P, m);
+      EXPECT_DOUBLE_EQ(ofob.step, 3.0 * m + 3.0 * (P - 1)) << what;
+      for (int s = 0; s < P; ++s) {
+        EXPECT_NEAR(ofob.idle_share[s], (P - 1.0) / (m + P - 1.0), 1e-12) << what << ", stage " << s;
+        EXPECT_LE(zb.peak_in_flight[s], std::min(P, m)) << what << ", stage " << s;
+        EXPECT_EQ(zb.peak_in_flight[s], peak_in_flight(pipeline_actions(PipelineSchedule::kZeroBubble, P, s, m)));
+        EXPECT_DOUBLE_EQ(zb.busy[s], 3.0 * m) << what << ", stage " << s;
+      }
+      EXPECT_GE(zb.step, 3.0 * m + (P - 1)) << what;  // no schedule beats the ideal
+      EXPECT_LE(zb.step, 3.0 * m + (P - 1) + std::max(P - m, 4)) << what;
+      if (P > 1) EXPECT_LT(zb.step, ofob.step) << what;
+    }
+  }
+}
+
+// The model refuses lists that deadlock (stage 1 waits for a forward that stage 0 runs only
+// after a backward that waits for stage 1), and lists that miss or misorder a half.
+TEST(PipelineSchedule, TheModelRefusesDeadlocksAndBadLists) {
+  using A = PipelineAction;
+  const std::vector<std::vector<A>> deadlock = {
+      {{A::kForward, 0}, {A::kBackward, 0}, {A::kForward, 1}, {A::kBackward, 1}},
+      {{A::kForward, 0}, {A::kForward, 1}, {A::kBackward, 0}, {A::kBackward, 1}}};
+  EXPECT_TRUE(testing_util::throws_error_with([&] { simulate_pipeline(deadlock, 2); },
+                                              "deadlock (stage 0 at its backward of micro-batch 0; stage 1 at its "
+                                              "forward of micro-batch 1)"));
+  EXPECT_TRUE(testing_util::throws_error_with(
+      [] { simulate_pipeline({{{A::kForward, 0}, {A::kBackwardInput, 0}}}, 1); },
+      "does not run the whole forward and backward of micro-batch 0"));
+  EXPECT_TRUE(testing_util::throws_error_with(
+      [] { simulate_pipeline({{{A::kForward, 0}, {A::kBackwardWeight, 0}, {A::kBackwardInput, 0}}}, 1); },
+      "backward weight of micro-batch 0 comes before its backward input"));
+  // At costs other than units the model still times the lists: 1F1B with a backward twice a
+  // forward on 2 stages and 2 micro-batches is F F . B B on the first stage.
+  const SimulatedPipeline t = simulate_pipeline(PipelineSchedule::k1F1B, 2, 2, {1, 1, 1});
+  EXPECT_DOUBLE_EQ(t.step, 3 * 2 + 3 * 1);
+}
+
 TEST(PipelineSchedule, NamesAndBadInput) {
   EXPECT_EQ(parse_pipeline_schedule("gpipe"), PipelineSchedule::kGPipe);
   EXPECT_EQ(parse_pipeline_schedule("1f1b"), PipelineSchedule::k1F1B);
+  EXPECT_EQ(parse_pipeline_schedule("zb"), PipelineSchedule::kZeroBubble);
   EXPECT_TRUE(testing_util::throws_error_with([] { parse_pipeline_schedule("interleaved"); },
                                               "'interleaved' does not exist; use gpipe"));
   EXPECT_THROW(pipeline_actions(PipelineSchedule::k1F1B, 2, 2, 4), Error);
@@ -101,6 +154,11 @@ Groups stage_exchanges(PipelineSchedule schedule, int stages, int s, int m, bool
   Groups out;
   std::vector<P2p> pending;  // the previous action's send
   for (const PipelineAction& a : pipeline_actions(schedule, stages, s, m)) {
+    if (a.kind == PipelineAction::kBackwardWeight) {  // no message: the pending send goes out alone
+      if (!pending.empty()) out.push_back(pending);
+      pending.clear();
+      continue;
+    }
     const bool fwd = a.kind == PipelineAction::kForward;
     const int from = fwd ? s - 1 : s + 1, to = fwd ? s + 1 : s - 1;
     std::vector<P2p> group = grouped ? pending : std::vector<P2p>{};
@@ -190,7 +248,7 @@ bool runs_to_completion(const std::vector<Groups>& ranks, std::string* why) {
 }
 
 TEST(PipelineExchanges, GroupedSendsAndReceivesNeverDeadlockOnAStreamOrderedTransport) {
-  for (PipelineSchedule schedule : {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B}) {
+  for (PipelineSchedule schedule : {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B, PipelineSchedule::kZeroBubble}) {
     for (int stages = 2; stages <= 8; ++stages) {
       for (int m = 1; m <= 12; ++m) {
         std::vector<Groups> ranks;

@@ -455,28 +455,34 @@ TEST(PlannerPipeline, StagesHoldTheirMicroBatchesInFlight) {
   PlanInputs in = inputs();
   in.pp = 4;
   const ActivationProfile p = held_profile();
-  for (bool gpipe : {false, true}) {
-    in.pp_gpipe = gpipe;
+  for (PipelineSchedule schedule : {PipelineSchedule::k1F1B, PipelineSchedule::kGPipe, PipelineSchedule::kZeroBubble}) {
+    const bool gpipe = schedule == PipelineSchedule::kGPipe;
+    in.pp_schedule = schedule;
     for (int stage = 0; stage < 4; ++stage) {
       in.stage = stage;
       for (int m : {1, 2, 4, 8, 16}) {
-        // 1F1B: stage s holds min(P - s, m) micro-batches, GPipe all m; one of them is in
+        // 1F1B: stage s holds min(P - s, m) micro-batches, GPipe all m, zero bubble what its
+        // list holds (the last stage defers its weight halves: min(P, m)); one of them is in
         // backward (its peak), the others hold what their forward left.
-        const int k = gpipe ? m : std::min(4 - stage, m);
+        int k = gpipe ? m : std::min(4 - stage, m);
+        if (schedule == PipelineSchedule::kZeroBubble) {
+          k = simulate_pipeline(schedule, 4, m).peak_in_flight[stage];
+          if (stage == 3) EXPECT_EQ(k, std::min(4, m));
+        }
         const int64_t rows = 16 / m;
         const MemoryEstimate e = estimate(in, p, Technique{false, m});
         EXPECT_EQ(e.in_flight, k) << "stage " << stage << " m " << m;
         EXPECT_EQ(pipeline_in_flight(in, m), k);
         EXPECT_EQ(e.gpu.activations, rows * 10 * kMB + (k - 1) * rows * 6 * kMB)
-            << (gpipe ? "gpipe" : "1f1b") << " stage " << stage << " m " << m;
+            << to_string(schedule) << " stage " << stage << " m " << m;
       }
     }
   }
   // GPipe at 16 micro-batches holds the whole batch's forward: no saving from accumulation.
-  in.pp_gpipe = true;
+  in.pp_schedule = PipelineSchedule::kGPipe;
   in.stage = 0;
   EXPECT_EQ(estimate(in, p, Technique{false, 16}).gpu.activations, (10 + 15 * 6) * kMB);
-  in.pp_gpipe = false;
+  in.pp_schedule = PipelineSchedule::k1F1B;
   EXPECT_EQ(estimate(in, p, Technique{false, 16}).gpu.activations, (10 + 3 * 6) * kMB);
   // Without a pipeline nothing else is in flight.
   in.pp = 1;

@@ -146,6 +146,12 @@ def scenario_pipeline(args):
         (4, ["--pp=2", "--batch_size=4", "--accum_steps=2", "--shard=gradients"], "pp 2 x dp 2, --shard=gradients"),
         (4, ["--pp=2", "--batch_size=4", "--accum_steps=2", "--offload=optimizer"], "pp 2 x dp 2, --offload=optimizer"),
         (2, ["--pp=2", "--batch_size=8", "--accum_steps=2", "--offload=layers"], "pp 2, --offload=layers"),
+        # Zero bubble: each backward in halves, the weight halves deferred into the bubble.
+        (2, ["--pp=2", "--batch_size=8", "--accum_steps=4", "--pp_schedule=zb"], "pp 2, zb, 4 micro-batches"),
+        (4, ["--pp=4", "--batch_size=8", "--accum_steps=8", "--pp_schedule=zb"], "pp 4, zb, 8 micro-batches"),
+        (4, ["--pp=2", "--batch_size=4", "--accum_steps=2", "--pp_schedule=zb"], "pp 2 x dp 2, zb"),
+        (4, ["--pp=2", "--tp=2", "--batch_size=8", "--accum_steps=2", "--pp_schedule=zb", "--checkpoint_activations"],
+         "pp 2 x tp 2, zb, checkpointed"),
     ]
     for i, (ranks, flags, name) in enumerate(layouts):
         other = train(args, "train_gpt", ranks, shape + flags, f"pp-{i}")
@@ -182,6 +188,18 @@ def scenario_pipeline(args):
         assert len(forwards) == 12 * 4 and all(e["args"]["stage"] == rank for e in forwards), (rank, len(forwards))
         assert waits, f"rank {rank}: no wait for its neighbour in the timeline"
     print("ok: the timeline has each stage's forwards and waits;", lines)
+    # Zero bubble's timeline: the backward halves count as compute, against the schedule's ideal.
+    trace = os.path.join(w, "pp-zb-trace.json")
+    train(args, "train_gpt", 2, shape + ["--pp=2", "--batch_size=8", "--accum_steps=4", "--pp_schedule=zb",
+                                         f"--timeline={trace}"], "pp-zb-timeline")
+    out = run([os.path.join(args.bin, "dtrain-timeline"), "summary", trace])
+    lines = [l for l in out.splitlines() if "): idle " in l]
+    assert len(lines) == 2 and all("zero bubble's ideal (P-1)/(3m+P-1) is 8% for P 2, m 4" in l for l in lines), out
+    with open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    halves = [e for e in events if e.get("name") == "backward weight" and e.get("ph") == "X"]
+    assert len(halves) == 2 * 12 * 4, len(halves)
+    print("ok: zero bubble's timeline;", lines)
     # Evaluation runs the forwards through the stages: the same evaluation loss.
     ev = ["--eval_every=6", "--eval_samples=16"]
     base = train(args, "train_gpt", 1, shape + ev + ["--batch_size=8"], "pp-ref-eval")

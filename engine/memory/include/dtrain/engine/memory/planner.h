@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "dtrain/engine/optim/amp.h"
+#include "dtrain/engine/parallel/pipeline.h"
 
 namespace dtrain::engine {
 
@@ -197,11 +198,13 @@ struct PlanInputs {
 
   // Pipeline parallelism (--pp): the model here is this rank's stage (its parameters, its
   // buffers, its probe), stage `stage` of `pp`. A stage holds the activations of several
-  // micro-batches at once: 1F1B min(pp - stage, accum_steps), GPipe (pp_gpipe) all
-  // accum_steps of them. The step takes (accum_steps + pp - 1) micro-batch times (the bubble).
+  // micro-batches at once: 1F1B min(pp - stage, accum_steps), GPipe all accum_steps of them,
+  // zero bubble what its list holds at most (pipeline.h: simulate_pipeline's peak_in_flight,
+  // at most min(pp, accum_steps)). The step takes the schedule's simulated step at unit costs
+  // over its 3 accum_steps units of work: (accum_steps + pp - 1) / accum_steps for 1F1B.
   int pp = 1;
   int stage = 0;
-  bool pp_gpipe = false;
+  PipelineSchedule pp_schedule = PipelineSchedule::k1F1B;
 
   // Budgets (0: no limit). gpu_budget_bytes is the process's device memory: the allocator's
   // peak plus the workspace allowance plus the CUDA context. host_budget_bytes caps what

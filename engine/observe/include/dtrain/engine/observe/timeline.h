@@ -194,7 +194,8 @@ struct OffloadSummary {
 OffloadSummary summarize_offload(const std::vector<TraceEvent>& events);
 
 // Pipeline parallelism: where each stage's steps went. The trainer records, per micro-batch,
-// "forward" and "backward" spans (cat compute, args "stage" and "micro_batch") and "wait for
+// "forward" and "backward" spans (zero bubble: "backward input" and "backward weight"; cat
+// compute, args "stage" and "micro_batch") and "wait for
 // stage S" spans (the receive of an activation or its gradient), inside "step" spans (arg
 // "accum_steps": the micro-batches m).
 struct PipelineStageSummary {
@@ -206,11 +207,14 @@ struct PipelineStageSummary {
   double step_ms = 0;         // per step
   double compute_ms = 0;      // per step: the forward and backward spans
   double wait_ms = 0;         // per step: waiting for a neighbour stage's activation or gradient
+  bool zero_bubble = false;   // the backwards came in halves ("backward input", "backward weight")
   // 1 - compute / step: the stage's bubble, plus what else the step does (optimizer, norm).
   double idle_fraction() const { return step_ms > 0 ? 1 - compute_ms / step_ms : 0; }
-  // The schedule's bubble in theory: (P - 1) / (m + P - 1).
+  // The schedule's bubble in theory: (P - 1) / (m + P - 1) for GPipe and 1F1B; zero bubble's
+  // ideal at equal costs of a forward and each half of a backward, (P - 1) / (3m + P - 1).
   double bubble_theory() const {
-    return stages > 0 ? (stages - 1) / (micro_batches + stages - 1) : 0;
+    if (stages <= 0) return 0;
+    return zero_bubble ? (stages - 1) / (3 * micro_batches + stages - 1) : (stages - 1) / (micro_batches + stages - 1);
   }
 };
 // One entry per rank with pipeline spans, by rank. Pure.

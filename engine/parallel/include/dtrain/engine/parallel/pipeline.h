@@ -10,8 +10,18 @@
 //   1f1b   after a warm-up of min(P - 1 - s, m) forwards, one forward and one backward in turn,
 //          then the remaining backwards (Megatron's default): stage s holds at most
 //          min(P - s, m) micro-batches' activations.
-// Both leave the same gradients in the stage's parameters (.grad accumulates, as autograd
-// does), equal to one process running the whole model on the same micro-batches.
+//   zb     zero bubble (ZB-H1's memory bound; Qi et al., 2023): each backward is split into its
+//          input-gradient half B, which the stage before waits for, and its weight-gradient
+//          half W (split_backward.h), which no stage waits for and which fills the bubble.
+//          The order is a list schedule of the whole pipeline at unit costs (F = B = W): a free
+//          stage runs a ready B, else a ready F while it holds fewer than min(P, m)
+//          micro-batches (1f1b's first stage's bound, on every stage), else its oldest pending
+//          W. A micro-batch's activations are held until its W. At unit costs its step is
+//          the ideal 3m + (P - 1) units plus at most max(P - m, 4) for P <= 8 (1f1b:
+//          3m + 3 (P - 1)); simulate_pipeline() says exactly.
+// All leave the same gradients in the stage's parameters (.grad accumulates, as autograd
+// does), equal to one process running the whole model on the same micro-batches (zb: summed
+// in another order, equal to rounding).
 //
 // Transport: Communicator::send/recv on the pipeline communicator (its rank = the stage). The
 // activations' shape and dtype are fixed per step (the receiver must know them): pass them in
@@ -36,21 +46,44 @@
 
 namespace dtrain::engine {
 
-enum class PipelineSchedule { kGPipe, k1F1B };
-// "gpipe" or "1f1b"; anything else is a dtrain::Error naming both.
+enum class PipelineSchedule { kGPipe, k1F1B, kZeroBubble };
+// "gpipe", "1f1b" or "zb"; anything else is a dtrain::Error naming them.
 PipelineSchedule parse_pipeline_schedule(const std::string& name);
 const char* to_string(PipelineSchedule schedule);
 
 struct PipelineAction {
-  enum Kind { kForward, kBackward };
+  // kBackward: the whole backward; kBackwardInput and kBackwardWeight: its two halves (zb).
+  enum Kind { kForward, kBackward, kBackwardInput, kBackwardWeight };
   Kind kind;
   int micro;  // 0 .. micro_batches - 1
   bool operator==(const PipelineAction& o) const { return kind == o.kind && micro == o.micro; }
 };
 
-// Stage `stage` of `stages`: its forwards and backwards for `micro_batches` micro-batches, in
-// the order the schedule runs them. Every micro-batch's forward comes before its backward.
+// Stage `stage` of `stages`: its actions for `micro_batches` micro-batches, in the order the
+// schedule runs them. A micro-batch's forward comes before its backward (halves: B before W).
 std::vector<PipelineAction> pipeline_actions(PipelineSchedule schedule, int stages, int stage, int micro_batches);
+
+// Every stage's actions run against each other on a model of the pipeline: a forward waits
+// for the stage before's forward of the same micro-batch, a backward (or B) for the stage
+// after's backward (or B) (the last stage's for its own forward), a W for its B; a stage runs
+// its list in order, each action as soon as the stage is free and what it waits for is done
+// (messages take no time). The costs are per action: forward, B and W (a whole backward costs
+// B + W). Throws dtrain::Error naming the stage and action for lists that would deadlock, or
+// that miss, repeat or misorder an action.
+struct PipelineCosts {
+  double forward = 1, backward_input = 1, backward_weight = 1;
+};
+struct SimulatedPipeline {
+  double step = 0;                 // the last action's end
+  std::vector<double> busy;        // per stage: the time it computes
+  std::vector<double> idle_share;  // per stage: 1 - busy / step
+  std::vector<int> peak_in_flight; // per stage: the most micro-batches whose activations it held
+};
+SimulatedPipeline simulate_pipeline(const std::vector<std::vector<PipelineAction>>& stages, int micro_batches,
+                                    const PipelineCosts& costs = {});
+// simulate_pipeline of the schedule's lists for every stage.
+SimulatedPipeline simulate_pipeline(PipelineSchedule schedule, int stages, int micro_batches,
+                                    const PipelineCosts& costs = {});
 
 // How a stack of `blocks` blocks is cut into `stages` consecutive stages: the first block of
 // each stage and, last, `blocks` (stages + 1 entries; stage s holds [b[s], b[s+1])).
@@ -82,11 +115,12 @@ struct PipelineStep {
   // Optional, last stage: applied to loss / micro_batches before its backward (the fp16 loss
   // scale).
   std::function<at::Tensor(const at::Tensor& loss)> scale_loss;
-  // Optional: called before micro-batch i's backward (the trainer keeps its gradient reducer in
-  // no_sync until the step's last backward, which both schedules run for micro-batch m - 1).
-  std::function<void(int micro)> before_backward;
-  // Optional: each forward ("forward"), backward ("backward") and wait for a neighbour
-  // ("wait for stage s"), with its times (the timeline's lane of this stage), in the order they
+  // Optional: called before the action that accumulates micro-batch i's weight gradients (its
+  // backward; zb: its W), and after it (the trainer keeps its gradient reducer in no_sync until
+  // the step's last such action, which every schedule runs for micro-batch m - 1).
+  std::function<void(int micro)> before_backward, after_backward;
+  // Optional: each forward ("forward"), backward ("backward"; zb: "backward input" and
+  // "backward weight") and wait for a neighbour ("wait for stage s"), with its times (the timeline's lane of this stage), in the order they
   // ran. On the CPU: host clocks, each reported as it ends. On a CUDA device (activation_options'
   // device) the host only queues the work, so the times are the device's: CUDA events recorded
   // on the current stream around each call, read once at the end of the step (the step then

@@ -137,6 +137,15 @@ class GradReducer {
   };
   NoSync no_sync() { return NoSync(this); }
 
+  // A synchronized backward made of several autograd runs (the weight half of a split
+  // backward runs autograd once per operation: split_backward.h): between begin_runs() and
+  // end_runs() the backward does not end with the first run's end; end_runs() ends it (the
+  // parameters no run reached are reduced as zeros, and the buckets waited for), as one
+  // backward's end would. begin_runs() inside another or during a backward throws
+  // dtrain::Error.
+  void begin_runs();
+  void end_runs();
+
   // With find_unused_parameters: marks the parameters unreachable from outputs' graph as
   // ready (their buckets may launch now). Call after forward, before backward.
   void prepare_for_backward(const std::vector<at::Tensor>& outputs);
