@@ -675,6 +675,7 @@ void GradReducer::abandon_step() {
   {
     std::lock_guard<std::mutex> lock(state_->mutex);
     state_->sync = true;
+    state_->many_runs = false;  // a failure between begin_runs() and end_runs()
     owes = !state_->finished;
   }
   if (owes) state_->finish_step(/*abandoned=*/true);
@@ -687,11 +688,11 @@ void GradReducer::forget_step() {
   std::lock_guard<std::mutex> lock(state_->mutex);
   State& s = *state_;
   s.sync = true;
+  s.many_runs = false;
   if (!s.in_step) return;
   std::exception_ptr failure = s.complete_until(s.next_launch);
   s.in_step = false;
   s.callback_queued = false;  // autograd drops a failed backward's final callbacks
-  s.many_runs = false;
   s.unused.clear();
   if (s.synced_backwards == 0) s.arrival.clear();  // the run again records the order afresh
   if (failure) std::rethrow_exception(failure);
