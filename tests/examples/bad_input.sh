@@ -29,7 +29,7 @@ check 2 'memory planner .--plan=auto, dtrain-plan. models float32 weights' "$bin
 check 2 'has no tensor-parallel layers' "$bin/train_mlp" --tp=2
 check 2 'sequence_parallel: train_mlp has no tensor-parallel layers' "$bin/train_mlp" --sequence_parallel
 check 2 'pp: train_mlp has no tensor-parallel layers and cannot be split into pipeline stages' "$bin/train_mlp" --pp=2
-check 2 "pipeline schedule 'zb' does not exist; use gpipe" "$bin/train_gpt" --pp_schedule=zb
+check 2 "pipeline schedule 'interleaved' does not exist; use gpipe" "$bin/train_gpt" --pp_schedule=interleaved
 check 2 'pp_blocks=2 needs --pp > 1' "$bin/train_gpt" --pp_blocks=2
 check 2 "shard=parameters needs the model's units" "$bin/train_mlp" --shard=parameters
 check 2 'shard=parameters with --offload=layers is not supported yet' "$bin/train_gpt" --device=cpu --shard=parameters --offload=layers
