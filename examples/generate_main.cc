@@ -152,6 +152,8 @@ void check_generate_flags() {
                "group; use --tp (the checkpoint loads at any layout)");
   DTRAIN_CHECK(!f.sequence_parallel, "--sequence_parallel: generation feeds a token at a time, which does not split "
                "along the sequence; drop it (the weights are the same)");
+  DTRAIN_CHECK(f.cp == 1, "--cp=", f.cp, ": generation feeds a token at a time, which does not split along the "
+               "sequence; drop it (the checkpoint loads at any layout)");
   parse_dtype(FLAGS_dtype);
   sampling_of_flags();
   DTRAIN_CHECK(FLAGS_eos >= -1 && FLAGS_eos < FLAGS_vocab, "--eos=", FLAGS_eos, " is not a token id below the "

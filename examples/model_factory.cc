@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <fstream>
 #include <sstream>
+#include "dtrain/engine/parallel/context_parallel.h"
 #include "dtrain/engine/parallel/tensor_parallel.h"
 #include "dtrain/engine/models/classifiers.h"
 #include "dtrain/engine/models/gpt.h"
@@ -233,17 +234,20 @@ ExampleModel decoder_lm(const Run& run, const std::string& name, std::shared_ptr
                                                                  .shard_unit_starts;
   m.input_bytes_per_row = (S + 1) * 8;
   const int64_t tp = run.mesh->tp_size();
+  const int64_t local = S / run.mesh->cp_size();  // context-parallel: this rank's part of a sequence
   // The logits (the last stage's; an earlier stage's largest is the activation it sends).
   m.largest_activation_bytes_per_row =
-      m.last_stage ? S * ((FLAGS_vocab + tp - 1) / tp) * 4 : S * model->options.d_model * 4;
+      m.last_stage ? local * ((FLAGS_vocab + tp - 1) / tp) * 4 : local * model->options.d_model * 4;
   m.default_optimizer = "adamw";
   m.offload_layers = [a = m.applied] { a->stream_blocks(); };
   m.inputs = [S](const engine::Batch& b) { return std::vector<at::Tensor>{b.fields[0].narrow(1, 0, S)}; };
   m.forward = [model](const std::vector<at::Tensor>& in) { return model->forward(in.at(0)); };
   m.logits_and_targets = [model, S](const engine::Batch& b) {
     const at::Tensor& w = b.fields[0];
-    at::Tensor logits = model->forward(w.narrow(1, 0, S));
-    return std::make_pair(logits.reshape({-1, logits.size(-1)}), w.narrow(1, 1, S).reshape({-1}));
+    at::Tensor logits = model->forward(w.narrow(1, 0, S));  // context-parallel: this rank's tokens
+    at::Tensor targets = w.narrow(1, 1, S);
+    if (model->cp) targets = engine::cp_split_sequence(targets, 1, model->cp->rank(), model->cp->size());
+    return std::make_pair(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
   };
   m.classes = FLAGS_vocab;
   m.vocab_parallel = true;
@@ -257,7 +261,7 @@ ExampleModel gpt(const Run& run) {
   mo.sequence_parallel = engine::cli::flags().sequence_parallel;
   mo.tie_embeddings = FLAGS_tie_embeddings;
   torch::manual_seed(engine::cli::flags().seed);
-  auto model = engine::Gpt(mo, run.mesh->tp()).ptr();
+  auto model = engine::Gpt(mo, run.mesh->tp(), &run.mesh->cp()).ptr();
   return decoder_lm(run, "gpt", model, engine::gpt_spec(model), hf_loader(run, engine::gpt2_hf_names(mo)));
 }
 
@@ -265,7 +269,7 @@ ExampleModel llama(const Run& run) {
   engine::LlamaOptions mo = llama_flag_options();
   mo.sequence_parallel = engine::cli::flags().sequence_parallel;
   torch::manual_seed(engine::cli::flags().seed);
-  auto model = engine::Llama(mo, run.mesh->tp()).ptr();
+  auto model = engine::Llama(mo, run.mesh->tp(), &run.mesh->cp()).ptr();
   return decoder_lm(run, "llama", model, engine::llama_spec(model), hf_loader(run, engine::llama_hf_names()));
 }
 
@@ -395,6 +399,21 @@ std::function<void()> model_checks(const std::string& model) {
     DTRAIN_CHECK(!engine::cli::flags().sequence_parallel || FLAGS_seq_len % T == 0, "--sequence_parallel: --seq_len=",
                  FLAGS_seq_len, " does not divide over --tp=", T,
                  "; the sequence length must be a multiple of the tensor-parallel size");
+    const int64_t C = engine::cli::flags().cp;
+    DTRAIN_CHECK(C == 1 || FLAGS_seq_len % (2 * C) == 0, "--seq_len=", FLAGS_seq_len, " does not split into 2 x --cp=", C,
+                 " equal chunks (context parallelism gives each rank a chunk from the front and its mirror from the "
+                 "back); use a sequence length that is a multiple of ", 2 * C);
+    DTRAIN_CHECK(C == 1 || !engine::cli::flags().sequence_parallel || FLAGS_seq_len % (2 * C * T) == 0,
+                 "--sequence_parallel with --cp=", C, ": each rank's ", FLAGS_seq_len / C,
+                 " tokens do not divide over --tp=", T, "; use a sequence length that is a multiple of ", 2 * C * T);
+    if (C > 1) {  // the example's own features not built for a split sequence
+      const char* unsupported = !FLAGS_teacher.empty()    ? "--teacher"
+                                : !FLAGS_quantize.empty() ? "--quantize"
+                                : FLAGS_sparse_embedding  ? "--sparse_embedding"
+                                                          : nullptr;
+      DTRAIN_CHECK(unsupported == nullptr, unsupported ? unsupported : "", " with --cp=", C,
+                   " is not supported yet; train with --cp=1, or without ", unsupported ? unsupported : "");
+    }
     DTRAIN_CHECK(FLAGS_dropout == 0 || T == 1,
                  "--dropout with --tp > 1 is not supported; "
                  "use --dropout=0 (the default for train_gpt)");
@@ -460,7 +479,7 @@ engine::PlanInputs plan_inputs(const Run& run, const ExampleModel& m,
   for (const at::Tensor& b : m.module->buffers())
     in.buffer_bytes += static_cast<int64_t>(b.nbytes());
   in.tp = tp;
-  in.dp = run.mesh->dp_size();
+  in.dp = run.mesh->replicas().size();  // the ranks the optimizer state splits over (dp x cp)
   in.layers = m.blocks;
   in.input_bytes_per_row = m.input_bytes_per_row;
   in.input_batches = 1 + engine::cli::flags().prefetch;  // the step's batch and the loader's prefetched ones
@@ -532,7 +551,7 @@ std::vector<std::vector<double>> per_stage(const Run& run, const std::vector<dou
   const int P = run.mesh->pp_size();
   const int64_t n = static_cast<int64_t>(mine.size());
   at::Tensor t = at::zeros({P * n}, at::kDouble);
-  if (run.mesh->dp_rank() == 0 && run.mesh->tp_rank() == 0) {
+  if (run.mesh->replicas().rank() == 0 && run.mesh->tp_rank() == 0) {
     for (int64_t i = 0; i < n; ++i) t[run.mesh->pp_rank() * n + i] = mine[i];
   }
   if (P > 1) run.comm->all_reduce(t, dist::ReduceOp::kSum)->wait();
@@ -585,7 +604,7 @@ void plan_and_apply(const Run& run, ExampleModel& model, engine::TrainerOptions&
     in.can_offload_layers = run.device.is_cuda() && static_cast<bool>(model.offload_layers) &&
                             run.mesh->tp_size() == 1;
     // ZeRO-1/2 when the data-parallel group has more than one rank and --shard was left at none.
-    in.can_shard = run.mesh->dp_size() > 1 && engine::parse_shard_mode(options.shard) == engine::ShardMode::kNone;
+    in.can_shard = run.mesh->replicas().size() > 1 && engine::parse_shard_mode(options.shard) == engine::ShardMode::kNone;
     engine::ActivationProfile profile = probe_example_model(run, model, {options.amp}, /*probe_rows=*/2);
     // Every rank applies the plan that fits on every rank (measurements differ slightly
     // between data-parallel ranks, and a pipeline's stages hold different layers).

@@ -7,7 +7,10 @@
 namespace dtrain::dist {
 namespace {
 
-std::vector<MeshAxis> standard_axes(int tp, int pp) { return {{"pp", pp}, {"dp", -1}, {"tp", tp}}; }
+std::vector<MeshAxis> standard_axes(int tp, int pp, int cp) {
+  if (cp == 1) return {{"pp", pp}, {"dp", -1}, {"tp", tp}};
+  return {{"pp", pp}, {"dp", -1}, {"cp", cp}, {"tp", tp}};
+}
 
 std::string flag(const MeshAxis& a) { return "--" + a.name + "=" + std::to_string(a.size); }
 
@@ -59,10 +62,10 @@ std::vector<MeshAxis> Mesh::check(int world_size, std::vector<MeshAxis> axes) {
   return axes;
 }
 
-void Mesh::check(int world_size, int tp, int pp) { check(world_size, standard_axes(tp, pp)); }
+void Mesh::check(int world_size, int tp, int pp, int cp) { check(world_size, standard_axes(tp, pp, cp)); }
 
-Mesh::Mesh(Communicator& world, int tensor_parallel, int pipeline_parallel)
-    : Mesh(world, standard_axes(tensor_parallel, pipeline_parallel)) {}
+Mesh::Mesh(Communicator& world, int tensor_parallel, int pipeline_parallel, int context_parallel)
+    : Mesh(world, standard_axes(tensor_parallel, pipeline_parallel, context_parallel)) {}
 
 Mesh::Mesh(Communicator& world, std::vector<MeshAxis> axes) : world_(&world), axes_(check(world.size(), std::move(axes))) {
   const int n = static_cast<int>(axes_.size());
@@ -89,8 +92,8 @@ Mesh::Mesh(Communicator& world, std::vector<MeshAxis> axes) : world_(&world), ax
     if (a.size == 1) alone = owned_.back().get();
   }
   // A standard axis the mesh lacks: this rank alone.
-  for (Communicator** slot : {&tp_, &dp_, &pp_}) {
-    const std::string name = slot == &tp_ ? "tp" : slot == &dp_ ? "dp" : "pp";
+  for (Communicator** slot : {&tp_, &dp_, &pp_, &cp_}) {
+    const std::string name = slot == &tp_ ? "tp" : slot == &dp_ ? "dp" : slot == &pp_ ? "pp" : "cp";
     for (int i = 0; i < n; ++i) {
       if (axes_[static_cast<size_t>(i)].name == name) *slot = groups_[static_cast<size_t>(i)];
     }
@@ -100,6 +103,19 @@ Mesh::Mesh(Communicator& world, std::vector<MeshAxis> axes) : world_(&world), ax
       alone = owned_.back().get();
     }
     *slot = alone;
+  }
+  replicas_ = dp_;
+  if (cp_->size() > 1) {
+    // dp x cp: the ranks whose coordinates differ only along dp or cp. Color: the rank with
+    // those two coordinates set to zero; key: (dp rank, cp rank) in mixed radix.
+    int color = r;
+    for (int i = 0; i < n; ++i) {
+      const MeshAxis& a = axes_[static_cast<size_t>(i)];
+      if (a.name == "dp" || a.name == "cp") color -= r / stride[static_cast<size_t>(i)] % a.size * stride[static_cast<size_t>(i)];
+    }
+    const int key = dp_->rank() * cp_->size() + cp_->rank();
+    owned_.push_back(world.split(color, key, "replicas" + std::to_string(color)));
+    replicas_ = owned_.back().get();
   }
 }
 

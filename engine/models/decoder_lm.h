@@ -10,9 +10,36 @@
 
 #include "dtrain/engine/models/model_spec.h"
 #include "dtrain/engine/models/tied_head.h"
+#include "dtrain/dist/error.h"
+#include "dtrain/engine/parallel/context_parallel.h"
 #include "dtrain/engine/parallel/tensor_parallel.h"
 
 namespace dtrain::engine::decoder_lm {
+
+// The context-parallel group a model was given when it has more than one rank, else null (the
+// plain model).
+inline dist::Communicator* active_cp(dist::Communicator* cp) { return cp != nullptr && cp->size() > 1 ? cp : nullptr; }
+
+// This rank's part of a whole-sequence tensor [B, S, ...] (dimension 1) in context
+// parallelism's balanced layout; x itself without a group.
+inline at::Tensor cp_local(const at::Tensor& x, dist::Communicator* cp) {
+  return cp ? cp_split_sequence(x, 1, cp->rank(), cp->size()) : x;
+}
+
+// The model's sequence length against its context-parallel group (before any communication):
+// 2C chunks of equal length, each rank's S/C tokens splitting again over tp when
+// sequence-parallel.
+inline void check_context_parallel(int64_t seq_len, dist::Communicator* cp, bool sequence_parallel,
+                                   dist::Communicator& tp) {
+  if (!cp) return;
+  const int64_t C = cp->size();
+  DTRAIN_CHECK(seq_len % (2 * C) == 0, "--seq_len=", seq_len, " does not split into 2 x --cp=", C,
+               " equal chunks (context parallelism gives each rank a chunk from the front and its mirror from "
+               "the back); use a sequence length that is a multiple of ", 2 * C);
+  DTRAIN_CHECK(!sequence_parallel || (seq_len / C) % tp.size() == 0, "--sequence_parallel with --cp=", C,
+               ": each rank's ", seq_len / C, " tokens do not divide over --tp=", tp.size(),
+               "; use a sequence length that is a multiple of ", 2 * C * tp.size());
+}
 
 // The normed residual stream h -> this rank's logits [B, T, padded_vocab / tp]: through the head
 // tied to the embedding when the model has one, else through its own head.
@@ -30,9 +57,10 @@ inline at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& ta
 }
 
 // The ModelSpec of a decoder model (GptImpl, LlamaImpl: options.seq_len, .sequence_parallel,
-// .d_model, tp, blocks, embed(), head_loss()) for batches whose field 0 holds [B, seq_len + 1]
+// .d_model, tp, cp, blocks, embed(), head_loss()) for batches whose field 0 holds [B, seq_len + 1]
 // token windows (inputs w[:, :S], targets w[:, 1:]): pre = embed, post = head_loss, blocks
-// "blocks.", the stage activation [rows, S (or S/tp sequence-parallel), d] of activation_dtype.
+// "blocks.", the stage activation [rows, S (or S/tp sequence-parallel; divided by C more under
+// context parallelism), d] of activation_dtype.
 template <class Model>
 ModelSpec token_window_spec(const std::shared_ptr<Model>& model, std::vector<std::string> pre_modules,
                             std::vector<std::string> post_modules, at::ScalarType activation_dtype) {
@@ -46,7 +74,8 @@ ModelSpec token_window_spec(const std::shared_ptr<Model>& model, std::vector<std
   s.post = [m, S](const at::Tensor& h, const Batch& b) { return m->head_loss(h, b.fields.at(0).narrow(1, 1, S)); };
   s.pre_modules = std::move(pre_modules);
   s.post_modules = std::move(post_modules);
-  const int64_t rows_per_rank = model->options.sequence_parallel ? S / model->tp->size() : S;
+  const int64_t local = model->cp ? S / model->cp->size() : S;  // context-parallel: this rank's part
+  const int64_t rows_per_rank = model->options.sequence_parallel ? local / model->tp->size() : local;
   s.activation_shape = [rows_per_rank, d = model->options.d_model](int64_t rows) {
     return std::vector<int64_t>{rows, rows_per_rank, d};
   };

@@ -76,10 +76,10 @@ GptOptions gpt_options_from_hf_config(const std::string& json_text) {
   return o;
 }
 
-GptBlockImpl::GptBlockImpl(const GptOptions& o, dist::Communicator& comm)
+GptBlockImpl::GptBlockImpl(const GptOptions& o, dist::Communicator& comm, dist::Communicator* cp)
     : sequence_parallel(o.sequence_parallel), tp(&comm) {
   ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.d_model})));
-  attn = register_module("attn", ParallelSelfAttention(o.d_model, o.heads, true, comm, sp_of(o)));
+  attn = register_module("attn", ParallelSelfAttention(o.d_model, o.heads, true, comm, sp_of(o), cp));
   ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.d_model})));
   mlp = register_module("mlp", ParallelMlp(o.d_model, o.ff, comm, sp_of(o)));
   drop = register_module("drop", torch::nn::Dropout(o.dropout));
@@ -94,12 +94,14 @@ at::Tensor GptBlockImpl::forward(const at::Tensor& x) {
   return h + drop->forward(mlp->forward(norm(ln2, h)));
 }
 
-GptImpl::GptImpl(const GptOptions& o, dist::Communicator& comm) : options(o), tp(&comm) {
+GptImpl::GptImpl(const GptOptions& o, dist::Communicator& comm, dist::Communicator* context)
+    : options(o), tp(&comm), cp(decoder_lm::active_cp(context)) {
+  decoder_lm::check_context_parallel(o.seq_len, cp, o.sequence_parallel && comm.size() > 1, comm);
   wte = register_module("wte", VocabParallelEmbedding(o.vocab, o.d_model, comm, sp_of(o)));
   wte->sparse = o.sparse_embedding;
   wpe = register_module("wpe", torch::nn::Embedding(o.seq_len, o.d_model));
   blocks = register_module("blocks", BlockStack());
-  for (int i = 0; i < o.layers; ++i) blocks->push_back(GptBlock(o, comm));
+  for (int i = 0; i < o.layers; ++i) blocks->push_back(GptBlock(o, comm, cp));
   ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.d_model})));
   if (o.tie_embeddings) {
     tied_head = register_module("head", TiedVocabHead(wte, comm, o.sequence_parallel));
@@ -117,12 +119,17 @@ GptImpl::GptImpl(const GptOptions& o, dist::Communicator& comm) : options(o), tp
 
 at::Tensor GptImpl::embed(const at::Tensor& tokens) {
   const int64_t T = tokens.size(1);
+  // Context-parallel: this rank's tokens and the rows of their global positions.
+  at::Tensor rows = cp ? wpe->weight.index_select(0, cp_positions(T, cp->rank(), cp->size(), tokens.options()))
+                       : at::Tensor();
+  const at::Tensor local = decoder_lm::cp_local(tokens, cp);
   if (options.sequence_parallel) {
     // This rank's part of the sequence: its rows of the position table, whose gradient the
     // scatter's backward all-gathers (each position's gradient comes from one rank).
-    at::Tensor positions = scatter_to_sequence_parallel(wpe->weight.narrow(0, 0, T), *tp, 0);
-    return drop->forward(wte->forward(tokens) + positions);  // [B, T/tp, d]
+    at::Tensor positions = scatter_to_sequence_parallel(cp ? rows : wpe->weight.narrow(0, 0, T), *tp, 0);
+    return drop->forward(wte->forward(local) + positions);  // [B, T/tp, d]
   }
+  if (cp) return drop->forward(wte->forward(local) + rows);
   at::Tensor pos = at::arange(T, tokens.options());
   return drop->forward(wte->forward(tokens) + wpe->forward(pos));
 }
@@ -133,7 +140,7 @@ at::Tensor GptImpl::logits(const at::Tensor& x) {
 }
 
 at::Tensor GptImpl::head_loss(const at::Tensor& x, const at::Tensor& targets) {
-  return decoder_lm::next_token_loss(logits(x), targets, options.vocab, *tp);
+  return decoder_lm::next_token_loss(logits(x), decoder_lm::cp_local(targets, cp), options.vocab, *tp);
 }
 
 at::Tensor GptImpl::forward(const at::Tensor& tokens) { return logits(blocks->forward(embed(tokens))); }

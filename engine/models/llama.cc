@@ -264,8 +264,8 @@ at::Tensor LlamaRmsNormImpl::forward(const at::Tensor& x) {
 }
 
 LlamaAttentionImpl::LlamaAttentionImpl(const LlamaOptions& opts, dist::Communicator& comm,
-                                       std::shared_ptr<LlamaRope> tables)
-    : rope(std::move(tables)) {
+                                       std::shared_ptr<LlamaRope> tables, dist::Communicator* context)
+    : cp(decoder_lm::active_cp(context)), rope(std::move(tables)) {
   const LlamaOptions r = resolved(opts);
   check_options(r, comm);
   head_dim = r.d_model / r.heads;
@@ -287,12 +287,31 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x) {
   at::Tensor qh = heads_first(qs, local_heads);
   at::Tensor kh = heads_first(k->forward(x), local_kv_heads);
   at::Tensor vh = heads_first(v->forward(x), local_kv_heads);
-  auto [cos, sin] = rope->tables(S, x.device(), x.scalar_type());  // the residual stream's dtype, as transformers
+  // Context-parallel: S is this rank's part; its rows of the whole sequence's tables.
+  auto [cos, sin] = rope->tables(cp ? S * cp->size() : S, x.device(), x.scalar_type());  // the residual stream's dtype, as transformers
+  if (cp) {
+    const at::Tensor rows = cp_positions(S * cp->size(), cp->rank(), cp->size(),
+                                         at::TensorOptions().dtype(at::kLong).device(x.device()));
+    cos = cos.index_select(0, rows);
+    sin = sin.index_select(0, rows);
+  }
   qh = qh * cos + rotate_half(qh) * sin;
   kh = kh * cos + rotate_half(kh) * sin;
   const double scale = std::pow(static_cast<double>(head_dim), -0.5);
-  at::Tensor a = at::scaled_dot_product_attention(qh, kh, vh, {}, 0.0, /*is_causal=*/true, scale,
-                                                  /*enable_gqa=*/local_heads != local_kv_heads);
+  at::Tensor a;
+  if (cp) {
+    // Ring attention takes as many key/value heads as query heads: query head h reads key/value
+    // head h / (local_heads / local_kv_heads), as enable_gqa does.
+    const int64_t group = local_heads / local_kv_heads;
+    if (group > 1) {
+      kh = kh.repeat_interleave(group, 1);
+      vh = vh.repeat_interleave(group, 1);
+    }
+    a = ring_attention(qh, kh, vh, /*causal=*/true, *cp, scale);
+  } else {
+    a = at::scaled_dot_product_attention(qh, kh, vh, {}, 0.0, /*is_causal=*/true, scale,
+                                         /*enable_gqa=*/local_heads != local_kv_heads);
+  }
   return o->forward(a.transpose(1, 2).reshape({-1, S, local_heads * head_dim}));
 }
 
@@ -335,9 +354,10 @@ at::Tensor LlamaMlpImpl::forward(const at::Tensor& x) {
   return down->forward(at::silu(gate->forward(x)) * up->forward(x));
 }
 
-LlamaBlockImpl::LlamaBlockImpl(const LlamaOptions& o, dist::Communicator& comm, std::shared_ptr<LlamaRope> rope) {
+LlamaBlockImpl::LlamaBlockImpl(const LlamaOptions& o, dist::Communicator& comm, std::shared_ptr<LlamaRope> rope,
+                               dist::Communicator* cp) {
   attn_norm = register_module("attn_norm", LlamaRmsNorm(o.d_model, o.norm_eps, comm, o.sequence_parallel));
-  attn = register_module("attn", LlamaAttention(o, comm, std::move(rope)));
+  attn = register_module("attn", LlamaAttention(o, comm, std::move(rope), cp));
   mlp_norm = register_module("mlp_norm", LlamaRmsNorm(o.d_model, o.norm_eps, comm, o.sequence_parallel));
   mlp = register_module("mlp", LlamaMlp(o, comm));
 }
@@ -355,13 +375,15 @@ at::Tensor LlamaBlockImpl::forward_cached(const at::Tensor& x, at::Tensor& k_cac
 
 // ---- the model ---------------------------------------------------------------------------
 
-LlamaImpl::LlamaImpl(const LlamaOptions& o, dist::Communicator& comm) : options(resolved(o)), tp(&comm) {
+LlamaImpl::LlamaImpl(const LlamaOptions& o, dist::Communicator& comm, dist::Communicator* context)
+    : options(resolved(o)), tp(&comm), cp(decoder_lm::active_cp(context)) {
   const LlamaOptions& r = options;
   check_options(r, comm);
+  decoder_lm::check_context_parallel(r.seq_len, cp, r.sequence_parallel && comm.size() > 1, comm);
   rope = std::make_shared<LlamaRope>(r);
   embed_tokens = register_module("embed", VocabParallelEmbedding(r.vocab, r.d_model, comm, sp_of(r)));
   blocks = register_module("blocks", BlockStack());
-  for (int i = 0; i < r.layers; ++i) blocks->push_back(LlamaBlock(r, comm, rope));
+  for (int i = 0; i < r.layers; ++i) blocks->push_back(LlamaBlock(r, comm, rope, cp));
   norm = register_module("norm", LlamaRmsNorm(r.d_model, r.norm_eps, comm, r.sequence_parallel));
   if (r.tie_embeddings) {
     tied_head = register_module("head", TiedVocabHead(embed_tokens, comm, r.sequence_parallel));
@@ -394,14 +416,14 @@ void LlamaImpl::reset_parameters() {
   }
 }
 
-at::Tensor LlamaImpl::embed(const at::Tensor& tokens) { return embed_tokens->forward(tokens); }
+at::Tensor LlamaImpl::embed(const at::Tensor& tokens) { return embed_tokens->forward(decoder_lm::cp_local(tokens, cp)); }
 
 at::Tensor LlamaImpl::logits(const at::Tensor& x) {
   return decoder_lm::head_logits(head, tied_head, norm->forward(x));
 }
 
 at::Tensor LlamaImpl::head_loss(const at::Tensor& x, const at::Tensor& targets) {
-  return decoder_lm::next_token_loss(logits(x), targets, options.vocab, *tp);
+  return decoder_lm::next_token_loss(logits(x), decoder_lm::cp_local(targets, cp), options.vocab, *tp);
 }
 
 at::Tensor LlamaImpl::forward(const at::Tensor& tokens) { return logits(blocks->forward(embed(tokens))); }
@@ -427,6 +449,9 @@ LlamaBlockImpl& llama_block(BlockStackImpl& stack, size_t i) {
 }  // namespace
 
 LlamaKvCache LlamaImpl::make_kv_cache(int64_t batch, int64_t max_len) {
+  DTRAIN_CHECK(cp == nullptr, "incremental decoding: the model is context-parallel (over ", cp ? cp->size() : 0,
+               " ranks), and decoding feeds a few tokens at a time; build the model without a context-parallel "
+               "group to generate (its weights are the same)");
   DTRAIN_CHECK(batch >= 1 && max_len >= 1, "make_kv_cache: batch (", batch, ") and max_len (", max_len,
                ") must be positive");
   const int64_t kv_heads = options.kv_heads / tp->size(), head_dim = options.d_model / options.heads;
@@ -442,6 +467,8 @@ LlamaKvCache LlamaImpl::make_kv_cache(int64_t batch, int64_t max_len) {
 
 at::Tensor LlamaImpl::forward_cached(const at::Tensor& tokens, LlamaKvCache& cache) {
   at::NoGradGuard no_grad;
+  DTRAIN_CHECK(cp == nullptr, "forward_cached: the model is context-parallel; build it without a context-parallel "
+               "group to generate (its weights are the same)");
   DTRAIN_CHECK(!options.sequence_parallel, "forward_cached: the model is sequence-parallel (it splits every "
                "sequence over the tensor-parallel group), and incremental decoding feeds a few tokens at a time; "
                "build the model without sequence_parallel to generate (its weights are the same)");

@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "dtrain/dist/error.h"
+#include "dtrain/engine/parallel/context_parallel.h"
 #include "dtrain/engine/parallel/cross_entropy.h"
 #include "parallel_comm_internal.h"
 
@@ -309,8 +310,9 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
 }
 
 ParallelSelfAttentionImpl::ParallelSelfAttentionImpl(int64_t d_model, int64_t h, bool is_causal,
-                                                     dist::Communicator& tp, SequenceParallel sp)
-    : heads(h), causal(is_causal) {
+                                                     dist::Communicator& tp, SequenceParallel sp,
+                                                     dist::Communicator* context)
+    : heads(h), causal(is_causal), cp(context != nullptr && context->size() > 1 ? context : nullptr) {
   DTRAIN_CHECK(h >= 1 && d_model % h == 0, "--d_model=", d_model, " is not divisible by --heads=", h);
   DTRAIN_CHECK(h % tp.size() == 0, "--heads=", h, " does not divide over --tp=", tp.size(),
                "; the number of heads must be a multiple of the tensor-parallel size");
@@ -331,8 +333,9 @@ at::Tensor ParallelSelfAttentionImpl::forward(const at::Tensor& x) {
   // The batch dimension as -1: a TorchScript trace of the model (dtrain-export) then accepts
   // any batch size (sizes read as integers are recorded as constants).
   auto heads_first = [&](const at::Tensor& t) { return t.view({-1, T, local_heads, head_dim}).transpose(1, 2); };
-  at::Tensor a = at::scaled_dot_product_attention(heads_first(parts[0]), heads_first(parts[1]),
-                                                  heads_first(parts[2]), {}, 0.0, causal);
+  at::Tensor a = cp ? ring_attention(heads_first(parts[0]), heads_first(parts[1]), heads_first(parts[2]), causal, *cp)
+                   : at::scaled_dot_product_attention(heads_first(parts[0]), heads_first(parts[1]),
+                                                      heads_first(parts[2]), {}, 0.0, causal);
   return proj->forward(a.transpose(1, 2).reshape({-1, T, local_heads * head_dim}));
 }
 

@@ -127,7 +127,7 @@ void pipeline_stage_part(const TrainingState& s, CheckpointData& data, RankState
   // Each stage saves its own layers: stage 0's go into the main file (rank 0), every other
   // stage's into the rank file of its data- and tensor-parallel rank 0 (CheckpointStore::load
   // puts the parts together again).
-  if (s.mesh.pp_rank() > 0 && s.mesh.dp_rank() == 0 && s.mesh.tp_rank() == 0) {
+  if (s.mesh.pp_rank() > 0 && s.mesh.replicas().rank() == 0 && s.mesh.tp_rank() == 0) {
     rank.stage_model = std::move(data.model);
     rank.stage_optimizer = std::move(data.optimizer);
     data.model.clear();
@@ -251,12 +251,15 @@ PreparedCheckpoint prepare_training_state(const TrainingState& s, const DataLoad
     data.meta["loader.eval"] = std::to_string(epoch) + "," + std::to_string(index);
   }
   data.world_size = world.size();
-  data.dp_size = s.mesh.dp_size();
+  // The checkpoint's "data-parallel" ranks are the replicas (dp x cp): the ranks among which
+  // the optimizer state is partitioned, world rank (stage * replicas + replica) * tp + tp rank.
+  // The loader's position counts global batches, whatever the layout.
+  data.dp_size = s.mesh.replicas().size();
   data.rank_files = world.size();
   RankState& rank = save.rank;
   rank.rank = world.rank();
-  rank.dp_rank = s.mesh.dp_rank();
-  rank.dp_size = s.mesh.dp_size();
+  rank.dp_rank = s.mesh.replicas().rank();
+  rank.dp_size = s.mesh.replicas().size();
   rank.tp_rank = s.mesh.tp_rank();
   if (s.mesh.pp_size() > 1) pipeline_stage_part(s, data, rank);
   rank.rng = data.rng;

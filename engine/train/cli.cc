@@ -125,6 +125,10 @@ std::vector<Spec> layout_and_data_specs() {
          &Flags::sequence_parallel, kToRun),
     spec(kTensorParallel, "pp", "pipeline stages (consecutive blocks per stage; stages are the outermost ranks)",
          &Flags::pp, kToRun),
+    spec(kTensorParallel, "cp",
+         "context-parallel size: each rank of a group holds 1/cp of every sequence (ring attention; "
+         "--seq_len a multiple of 2 cp)",
+         &Flags::cp, kToRun),
     spec(kTensorParallel, "pp_schedule", "with --pp > 1: 1f1b, gpipe or zb (zero bubble: the weight gradients deferred into the bubble)", &Flags::pp_schedule),
     spec(kTensorParallel, "pp_blocks", "with --pp > 1: blocks per stage, e.g. 2,4,4,2 (default: even, extra from stage 1)",
          &Flags::pp_blocks, kToTrainer | kToRun),
@@ -288,6 +292,7 @@ void validate(const Flags& f) {
   DTRAIN_CHECK(f.collective_timeout_s > 0, "--collective_timeout_s=", f.collective_timeout_s, " must be positive");
   DTRAIN_CHECK(f.tp >= 1, "--tp=", f.tp, " must be >= 1");
   DTRAIN_CHECK(f.pp >= 1, "--pp=", f.pp, " must be >= 1");
+  DTRAIN_CHECK(f.cp >= 1, "--cp=", f.cp, " must be >= 1");
   parse_pipeline_schedule(f.pp_schedule);
   DTRAIN_CHECK(f.workers >= 0, "--workers=", f.workers, " must be >= 0");
   DTRAIN_CHECK(f.prefetch >= 1, "--prefetch=", f.prefetch, " must be >= 1");
@@ -493,7 +498,9 @@ TrainerOptions trainer_options(const Flags& f, const std::string& default_optimi
   o.progress = f.progress;
   // Not yet under ZeRO-3 with pipeline stages: a stage that fails would still owe its
   // data-parallel peers its unit gathers.
-  o.oom_backoff = tp_size == 1 && !(f.shard == "parameters" && f.pp > 1);
+  // Nor with context parallelism: a rank that fails inside ring attention leaves its group's
+  // ring waiting, as a tensor-parallel group would.
+  o.oom_backoff = tp_size == 1 && f.cp == 1 && !(f.shard == "parameters" && f.pp > 1);
   return o;
 }
 
@@ -505,6 +512,7 @@ RunOptions run_options(const Flags& f) {
   o.collective_timeout_s = f.collective_timeout_s;
   o.tp = f.tp;
   o.pp = f.pp;
+  o.cp = f.cp;
   o.pp_blocks = f.pp_blocks;
   o.sequence_parallel = f.sequence_parallel;
   o.batch_size = f.batch_size;

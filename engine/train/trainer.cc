@@ -132,9 +132,9 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
   ReducerOptions reducer_options = options_.reducer;
   if (reducer_options.names.empty()) reducer_options.names = names_;
   if (reducer_options.broadcast_parameters) {
-    check_same_parameters(params_, mesh_.dp(), reducer_options.names);
+    check_same_parameters(params_, mesh_.replicas(), reducer_options.names);
     at::NoGradGuard no_grad;
-    broadcast_tensors(mesh_.dp(), params_, 0);
+    broadcast_tensors(mesh_.replicas(), params_, 0);
     reducer_options.broadcast_parameters = false;
   }
   if (!options_.evaluation_only) {
@@ -150,7 +150,7 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
       norm_layout_.owned = std::move(parts.owned);
       norm_layout_.owned_values = parts.owned_values;
       norm_layout_.owned_at = std::move(parts.owned_at);
-      norm_layout_.dp = &mesh_.dp();
+      norm_layout_.dp = &mesh_.replicas();
     }
   }
   if (mesh_.pp_size() > 1 && optimizer_) {
@@ -186,7 +186,7 @@ bool Trainer::run_micro_batches(const Batch& batch, at::Tensor& loss_sum) {
   const std::vector<Batch> micro = split_batch(batch, n);
   // ZeRO-3: where this step's collectives begin, for a replay after an out-of-memory error
   // (finish_step_on_one_row).
-  const uint64_t dp_issued = mesh_.dp().issued();
+  const uint64_t dp_issued = mesh_.replicas().issued();
   if (units_) units_->optimizer().begin_step();
   try {
     loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device_));
@@ -198,7 +198,7 @@ bool Trainer::run_micro_batches(const Batch& batch, at::Tensor& loss_sum) {
     return false;
   } catch (const c10::OutOfMemoryError& e) {
     // (A pipeline stage gets here after finishing its step's exchanges: run_pipeline.)
-    if (!options_.oom_backoff || mesh_.tp_size() > 1) throw;
+    if (!options_.oom_backoff || mesh_.tp_size() > 1 || mesh_.cp_size() > 1) throw;
     LOG(WARNING) << "out of memory in step " << step_ + 1 << " with micro-batch of "
                  << batch.size() / n << " rows: " << std::string(e.what_without_backtrace()).substr(0, 200);
     loss_sum.reset();
@@ -256,6 +256,7 @@ std::string Trainer::cuda_graph_refusal() const {
   if (!device_.is_cuda()) return "the device is not CUDA";
   if (mesh_.tp_size() > 1) return "tensor parallelism (the forward's collectives)";
   if (mesh_.pp_size() > 1) return "pipeline stages (the stages' exchanges)";
+  if (mesh_.cp_size() > 1) return "context parallelism (ring attention's exchanges)";
   if (units_) return "ZeRO-3's parameter units (the gathers in forward)";
   if (options_.offload_layers) return "layer offload (the host copies in forward)";
   if (options_.checkpoint_activations) return "activation checkpointing (the recomputation's random state)";
@@ -302,9 +303,9 @@ void Trainer::finish_step_on_one_row(const std::vector<Batch>& micro, uint64_t d
   units_->release_all();     // waits for the gathers in flight
   reducer_->forget_step();   // waits for the bucket reductions launched
   Zero3Optimizer& zero3 = units_->optimizer();
-  const uint64_t others = mesh_.dp().issued() - dp_issued - static_cast<uint64_t>(zero3.issued_in_step());
+  const uint64_t others = mesh_.replicas().issued() - dp_issued - static_cast<uint64_t>(zero3.issued_in_step());
   DTRAIN_CHECK(others == 0, "out of memory in step ", step_ + 1, " on rank ", mesh_.world().rank(), " after ", others,
-               " collective(s) on '", mesh_.dp().name(), "' besides ZeRO-3's unit gathers and gradient reductions; "
+               " collective(s) on '", mesh_.replicas().name(), "' besides ZeRO-3's unit gathers and gradient reductions; "
                "the step cannot be replayed in step with the other ranks: run without OOM back-off, or give the "
                "run the memory it needs (--accum_steps, --checkpoint_blocks, --offload)");
   zero3.replay_step();  // the gathers and reductions it took part in complete at once
@@ -623,8 +624,10 @@ StepResult Trainer::step(const Batch& batch) {
   at::Tensor loss = loss_sum.div(accum_steps_).reshape({1});
   // Pipeline: the loss is the last stage's (the others hold 0), to every stage.
   if (mesh_.pp_size() > 1) mesh_.pp().all_reduce(loss, dist::ReduceOp::kSum)->wait();
-  pending_loss_ = mesh_.dp().size() > 1 ? mesh_.dp().all_reduce(loss, dist::ReduceOp::kAvg)
-                                        : dist::completed_work(mesh_.dp().issued());
+  // Context-parallel ranks each hold the mean over their tokens (as many on each): the replicas'
+  // average is the global batch's mean.
+  pending_loss_ = mesh_.replicas().size() > 1 ? mesh_.replicas().all_reduce(loss, dist::ReduceOp::kAvg)
+                                              : dist::completed_work(mesh_.replicas().issued());
   pending_loss_tensor_ = loss;
   result.step = step_;
   result.skipped = skipped;

@@ -71,6 +71,21 @@ void Trainer::score_batch(const Batch& batch, double weight, at::Tensor& sums) {
   }
 }
 
+namespace {
+// Context parallelism: each rank of a group scored its part of the same samples. Its loss is
+// the mean over its tokens (as many on every rank): the group's average is the samples' mean;
+// correct predictions add up; the rows are the group's (counted once).
+void combine_context_parallel(const dist::Mesh& mesh, at::Tensor& sums, bool counting) {
+  if (mesh.cp_size() <= 1) return;
+  at::Tensor loss = sums.narrow(0, 0, 1);
+  mesh.cp().all_reduce(loss, dist::ReduceOp::kAvg)->wait();
+  if (counting) {
+    at::Tensor correct = sums.narrow(0, 1, 1);
+    mesh.cp().all_reduce(correct, dist::ReduceOp::kSum)->wait();
+  }
+}
+}  // namespace
+
 double Trainer::evaluate(DataLoader& eval, int64_t batches) {
   shard_loader(mesh_, eval, "the evaluation loader");
   const bool was_training = model_.is_training();
@@ -92,6 +107,7 @@ double Trainer::evaluate(DataLoader& eval, int64_t batches) {
   // counts add up.
   at::Tensor loss = sums.narrow(0, 0, 1);
   if (mesh_.pp_size() > 1) mesh_.pp().all_reduce(loss, dist::ReduceOp::kSum)->wait();  // the last stage's
+  combine_context_parallel(mesh_, sums, counting);
   mesh_.dp().all_reduce(loss, dist::ReduceOp::kAvg)->wait();
   if (counting) {
     at::Tensor counts = sums.narrow(0, 1, 2);
@@ -138,6 +154,7 @@ double Trainer::evaluate(DataLoader& eval) {
     at::Tensor loss = sums.narrow(0, 0, 1);
     mesh_.pp().all_reduce(loss, dist::ReduceOp::kSum)->wait();
   }
+  combine_context_parallel(mesh_, sums, counting);
   mesh_.dp().all_reduce(sums, dist::ReduceOp::kSum)->wait();
   at::Tensor host = sums.cpu();
   const double* v = host.data_ptr<double>();
@@ -149,7 +166,7 @@ double Trainer::evaluate(DataLoader& eval) {
 
 double Trainer::comm_bus_bytes() const {
   std::vector<const dist::Communicator*> comms = {&mesh_.world()};
-  for (const dist::Communicator* c : {&mesh_.dp(), &mesh_.tp(), &mesh_.pp()}) {
+  for (const dist::Communicator* c : {&mesh_.dp(), &mesh_.tp(), &mesh_.pp(), &mesh_.cp(), &mesh_.replicas()}) {
     if (std::find(comms.begin(), comms.end(), c) == comms.end()) comms.push_back(c);
   }
   double bytes = 0;

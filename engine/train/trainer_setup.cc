@@ -105,7 +105,7 @@ void build_sparse(const UpdateInputs& in, ShardMode shard, SparseSplit& s, Reduc
   DTRAIN_CHECK(!s.dense_params.empty(), "every trainable parameter has sparse gradients; the trainer needs at least "
                "one dense parameter");
   reducer_options.names = s.dense_names;
-  parts.sparse_reducer = std::make_unique<SparseGradReducer>(s.sparse_params, in.mesh.dp(), s.sparse_options);
+  parts.sparse_reducer = std::make_unique<SparseGradReducer>(s.sparse_params, in.mesh.replicas(), s.sparse_options);
   try {
     parts.optimizer = make_sparse_aware_optimizer(in.trained.params, s.sparse, o.optimizer);
   } catch (const Error& e) {
@@ -138,7 +138,7 @@ void build_parameter_sharding(const UpdateInputs& in, ReducerOptions& reducer_op
                  " is not supported yet (each rank copies its gradient shard to the host after backward and "
                  "updates it there); drop ", other ? other : "");
   }
-  auto zero3 = std::make_unique<Zero3Optimizer>(in.trained.params, o.optimizer, in.mesh.dp(), std::move(starts),
+  auto zero3 = std::make_unique<Zero3Optimizer>(in.trained.params, o.optimizer, in.mesh.replicas(), std::move(starts),
                                                 o.offload_optimizer ? &o.offload : nullptr);
   reducer_options.bucket_comm = zero3->bucket_comm();
   parts.partitioned = true;
@@ -149,7 +149,7 @@ void build_parameter_sharding(const UpdateInputs& in, ReducerOptions& reducer_op
   parts.optimizer = std::move(zero3);
   LOG_IF(INFO, in.mesh.world().rank() == 0)
       << "--shard=parameters: " << parts.units->units() << " units gathered per use (one all_gather each), their "
-      << "gradients reduce-scattered; this rank keeps 1/" << in.mesh.dp_size()
+      << "gradients reduce-scattered; this rank keeps 1/" << in.mesh.replicas().size()
       << " of the weights, gradients and optimizer state between steps"
       << (o.offload_optimizer ? " (the optimizer state and float32 master on the host)" : "");
 }
@@ -159,7 +159,7 @@ void reduce_to_owners(const UpdateInputs& in, ShardMode shard, ReducerOptions& r
   if (!reducer_options.owned.empty()) return;
   for (const FlatRange& r : parts.optimizer->gradient_owners()) reducer_options.owned.emplace_back(r.begin, r.end);
   if (reducer_options.owned.empty()) return;
-  const auto& mine = reducer_options.owned[in.mesh.dp().rank()];
+  const auto& mine = reducer_options.owned[in.mesh.replicas().rank()];
   parts.partitioned = true;
   parts.owned = {FlatRange{mine.first, mine.second}};
   // ZeRO-2: the gradients outside this rank's range are not kept between steps.
@@ -214,9 +214,9 @@ UpdateParts build_update(const UpdateInputs& in, ReducerOptions reducer_options)
   } else if (shard == ShardMode::kParameters) {
     build_parameter_sharding(in, reducer_options, parts);
   } else if (o.offload_optimizer) {
-    parts.optimizer = make_offload_optimizer(params, o.optimizer, in.mesh.dp(), o.offload, in.device);
+    parts.optimizer = make_offload_optimizer(params, o.optimizer, in.mesh.replicas(), o.offload, in.device);
   } else if (shard != ShardMode::kNone) {
-    parts.optimizer = std::make_unique<ShardedOptimizer>(params, o.optimizer, in.mesh.dp());
+    parts.optimizer = std::make_unique<ShardedOptimizer>(params, o.optimizer, in.mesh.replicas());
   } else {
     const at::ScalarType dtype = params.front().scalar_type();
     LOG_IF(WARNING, in.mesh.world().rank() == 0 && (dtype == at::kBFloat16 || dtype == at::kHalf))
@@ -227,7 +227,7 @@ UpdateParts build_update(const UpdateInputs& in, ReducerOptions reducer_options)
     parts.optimizer = make_optimizer(params, o.optimizer);
   }
   reduce_to_owners(in, shard, reducer_options, parts);
-  parts.reducer = std::make_unique<GradReducer>(parts.sparse_reducer ? split.dense_params : params, in.mesh.dp(),
+  parts.reducer = std::make_unique<GradReducer>(parts.sparse_reducer ? split.dense_params : params, in.mesh.replicas(),
                                                 reducer_options);
   parts.optimizer->attach(*parts.reducer);
   if (o.prune.amount > 0) {
@@ -246,7 +246,7 @@ std::vector<int64_t> stage_flat_numels(const dist::Mesh& mesh, const Optimizer& 
   for (const at::Tensor& p : params) flat += p.numel();
   if (layout) flat = layout->numel;
   const std::vector<int64_t> all = dist::all_gather_counts(mesh.world(), flat, device);
-  const int T = mesh.tp_size(), D = mesh.dp_size();
+  const int T = mesh.tp_size(), D = mesh.replicas().size();  // a stage: D replicas (dp x cp) of T ranks
   std::vector<int64_t> out;
   for (int s = 0; s < mesh.pp_size(); ++s) {
     for (int t = 0; t < T; ++t) out.push_back(all[static_cast<size_t>((s * D) * T + t)]);

@@ -4,18 +4,28 @@
 // the world size (2 and 4): output and dq, dk, dv within 1e-10, causal and not; a group of one
 // against plain attention without communication; the messages the ring sends; the memory kept
 // for backward (exactly 1/C of the one-rank run's); sequences the layout cannot split, refused.
+// And the library's GPT and Llama given a context-parallel group (alone, with a data-parallel
+// axis beside it, and with tensor and sequence parallelism): logits, loss and every gradient
+// equal the unsplit model's in float64.
 #include "dtrain/engine/parallel/context_parallel.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
+#include <iostream>
 #include <limits>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "dtrain/dist/error.h"
+#include "dtrain/dist/mesh.h"
+#include "dtrain/engine/models/gpt.h"
+#include "dtrain/engine/models/llama.h"
+#include "dtrain/engine/parallel/tensor_parallel.h"
+#include "model_cases.h"
 #include "test_util.h"
 
 namespace dtrain::engine {
@@ -257,6 +267,195 @@ TEST(ContextParallelRingAttention, MemoryKeptForBackwardFallsAsOneOverC) {
   // Nothing is saved without gradients.
   at::Tensor plain = cp_split_sequence(same_everywhere({B, H, S, D}, 64), 2, cp.rank(), n);
   EXPECT_EQ(ring_attention_saved_bytes_of(ring_attention(plain, plain, plain, false, cp)), 0);
+}
+
+// ---- the library's models over a context-parallel group -----------------------------------
+
+struct CpTLayout {
+  int cp = 1, tp = 1;
+  bool sp = false;
+  std::string name() const {
+    return "cp " + std::to_string(cp) + " tp " + std::to_string(tp) + (sp ? " sequence-parallel" : "");
+  }
+};
+
+// The layouts of the world: cp over all of it; at 4 ranks also cp 2 beside dp 2, and cp 2 x tp 2
+// with and without sequence parallelism.
+std::vector<CpTLayout> cp_t_layouts(int W) {
+  std::vector<CpTLayout> out = {{W, 1, false}};
+  if (W == 4) {
+    out.push_back({2, 1, false});
+    out.push_back({2, 2, false});
+    out.push_back({2, 2, true});
+  }
+  return out;
+}
+
+// `model` (tp-split, cp-split: forward gives this rank's logits of its part of the sequence)
+// against `ref` (whole, on this rank alone) on the same windows: the logits put together over tp
+// and cp, the group's mean loss and every gradient averaged over cp (the full tensor gathered
+// over tp) within 1e-10. Returns the worst relative error.
+template <class Model>
+double cp_t_check_model(Model& ref, Model& model, const dist::Mesh& mesh, int64_t vocab, int64_t S) {
+  dist::Communicator& cp = mesh.cp();
+  auto g = at::make_generator<at::CPUGeneratorImpl>(9);
+  at::Tensor windows = at::randint(vocab, {3, S + 1}, g, at::kLong);
+  at::Tensor inputs = windows.narrow(1, 0, S), targets = windows.narrow(1, 1, S);
+  double worst = 0;
+  {
+    at::NoGradGuard no_grad;
+    at::Tensor local = model.forward(inputs);
+    EXPECT_EQ(local.size(1), S / cp.size()) << "the logits are not this rank's part of the sequence";
+    at::Tensor got = cp_gather_sequence(model_cases::gather_logits(local, vocab, mesh.tp()), 1, cp);
+    const double e = testing_util::rel_error(got, ref.forward(inputs));
+    EXPECT_LT(e, cp_t_kTol) << "logits";
+    worst = std::max(worst, e);
+  }
+  at::Tensor want_loss = ref.loss(inputs, targets);
+  at::Tensor loss = model.loss(inputs, targets);
+  at::Tensor mean = loss.detach().clone().reshape({1});
+  cp.all_reduce(mean, dist::ReduceOp::kAvg)->wait();
+  EXPECT_NEAR(mean.item<double>(), want_loss.item<double>(), cp_t_kTol * want_loss.item<double>()) << "loss";
+  // Each rank's loss alone is not the whole sequence's (the test would pass without the split).
+  if (cp.size() > 1) {
+    at::Tensor spread = loss.detach().clone().reshape({1});
+    cp.all_reduce(spread, dist::ReduceOp::kMax)->wait();
+    EXPECT_GT(spread.item<double>() - mean.item<double>(), 1e-6) << "every rank's loss is the mean";
+  }
+  want_loss.backward();
+  loss.backward();
+  const auto specs = collect_shard_specs(model);
+  auto ref_params = ref.named_parameters();
+  for (auto& item : model.named_parameters()) {
+    EXPECT_TRUE(item.value().grad().defined()) << item.key();
+    if (!item.value().grad().defined()) return 1.0;
+    at::Tensor grad = item.value().grad().detach().clone();
+    cp.all_reduce(grad, dist::ReduceOp::kAvg)->wait();
+    auto spec = specs.find(item.key());
+    at::Tensor full = spec == specs.end() ? grad : gather_full_tensor(grad, spec->second, mesh.tp());
+    const double e = testing_util::rel_error(full, ref_params[item.key()].grad());
+    EXPECT_LT(e, cp_t_kTol) << item.key();
+    worst = std::max(worst, e);
+  }
+  return worst;
+}
+
+TEST(ContextParallelModel, GptEqualsTheWholeModelInFloat64) {
+  auto& world = world_comm();
+  if (world.size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  for (const CpTLayout& l : cp_t_layouts(world.size())) {
+    SCOPED_TRACE(l.name());
+    GptOptions o;
+    o.vocab = 51;
+    o.d_model = 16;
+    o.heads = 4;
+    o.ff = 32;
+    o.seq_len = 16;
+    o.layers = 2;
+    o.sequence_parallel = l.sp;
+    auto alone = testing_util::alone_comm();
+    dist::Mesh mesh(world, l.tp, 1, l.cp);
+    ASSERT_EQ(mesh.cp_size(), l.cp);
+    torch::manual_seed(3);
+    GptImpl ref(o, *alone);
+    ref.to(at::kDouble);
+    GptImpl model(o, mesh.tp(), &mesh.cp());
+    model.to(at::kDouble);
+    {
+      at::NoGradGuard no_grad;
+      for (auto& item : ref.named_parameters()) item.value().normal_(0, 0.3);  // the same on every rank (seeded)
+    }
+    model_cases::load_reference_weights(ref, model, mesh.tp());
+    const double worst = cp_t_check_model(ref, model, mesh, o.vocab, o.seq_len);
+    if (world.rank() == 0) std::cout << "[ cp gpt   ] " << l.name() << ": worst rel " << worst << "\n";
+  }
+}
+
+TEST(ContextParallelModel, LlamaWithGroupedQueriesEqualsTheWholeModelInFloat64) {
+  auto& world = world_comm();
+  if (world.size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  for (const CpTLayout& l : cp_t_layouts(world.size())) {
+    SCOPED_TRACE(l.name());
+    // 8 query heads on 4 key/value heads, rotary positions with llama3 scaling.
+    const LlamaOptions o = model_cases::split_llama_options(16, l.sp, false);
+    auto alone = testing_util::alone_comm();
+    dist::Mesh mesh(world, l.tp, 1, l.cp);
+    torch::manual_seed(4);
+    LlamaImpl ref(o, *alone);
+    ref.to(at::kDouble);
+    LlamaImpl model(o, mesh.tp(), &mesh.cp());
+    model.to(at::kDouble);
+    model_cases::draw_norm_weights(ref, 4);
+    model_cases::load_reference_weights(ref, model, mesh.tp());
+    const double worst = cp_t_check_model(ref, model, mesh, o.vocab, o.seq_len);
+    if (world.rank() == 0) std::cout << "[ cp llama ] " << l.name() << ": worst rel " << worst << "\n";
+  }
+}
+
+// A sequence that 2C chunks do not split is refused when the model is built, naming the numbers
+// and the fix; so is decoding on a context-parallel Llama.
+TEST(ContextParallelModel, ASequenceTheLayoutCannotSplitIsRefusedWithTheFix) {
+  auto& world = world_comm();
+  if (world.size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  dist::Mesh mesh(world, 1, 1, world.size());
+  GptOptions o;
+  o.vocab = 11;
+  o.d_model = 8;
+  o.heads = 2;
+  o.ff = 16;
+  o.layers = 1;
+  o.seq_len = 2 * world.size() + 2;
+  std::string e = testing_util::error_of([&] { GptImpl m(o, mesh.tp(), &mesh.cp()); });
+  EXPECT_NE(e.find("--seq_len=" + std::to_string(o.seq_len) + " does not split into 2 x --cp=" +
+                   std::to_string(world.size())),
+            std::string::npos)
+      << e;
+  EXPECT_NE(e.find("a multiple of " + std::to_string(2 * world.size())), std::string::npos) << e;
+  LlamaOptions lo = model_cases::split_llama_options(2 * world.size() + 2, false, false);
+  e = testing_util::error_of([&] { LlamaImpl m(lo, mesh.tp(), &mesh.cp()); });
+  EXPECT_NE(e.find("does not split into 2 x --cp="), std::string::npos) << e;
+  // Decoding a token at a time is refused on a context-parallel Llama.
+  lo.seq_len = 2 * world.size();
+  LlamaImpl llama(lo, mesh.tp(), &mesh.cp());
+  e = testing_util::error_of([&] { llama.make_kv_cache(1, 4); });
+  EXPECT_NE(e.find("the model is context-parallel"), std::string::npos) << e;
+}
+
+// The replicas of the standard mesh with cp: dp x cp, ordered by (dp rank, cp rank), by the
+// closed form r = ((p D + d) C + c) T + t; without cp, the data-parallel group itself.
+TEST(ContextParallelModel, TheMeshsReplicasAreDataTimesContextParallelRanks) {
+  auto& world = world_comm();
+  const int W = world.size(), r = world.rank();
+  auto members = [&](dist::Communicator& c) {
+    at::Tensor all = at::empty({c.size()}, at::kLong);
+    c.all_gather(at::full({1}, r, at::kLong), all)->wait();
+    return std::vector<int64_t>(all.data_ptr<int64_t>(), all.data_ptr<int64_t>() + c.size());
+  };
+  for (int C = 1; C <= W; ++C) {
+    for (int T = 1; T * C <= W; ++T) {
+      for (int P = 1; P * T * C <= W; ++P) {
+        if (W % (T * C * P) != 0) continue;
+        const int D = W / (T * C * P);
+        dist::Mesh mesh(world, T, P, C);
+        const std::string where = "C " + std::to_string(C) + " T " + std::to_string(T) + " P " + std::to_string(P);
+        const int t = r % T, c = r / T % C, d = r / (T * C) % D, p = r / (T * C * D);
+        ASSERT_EQ(mesh.cp_rank(), c) << where;
+        ASSERT_EQ(mesh.dp_rank(), d) << where;
+        ASSERT_EQ(mesh.pp_rank(), p) << where;
+        std::vector<int64_t> replicas, cp;
+        for (int i = 0; i < D; ++i) {
+          for (int j = 0; j < C; ++j) replicas.push_back(((p * D + i) * C + j) * T + t);
+        }
+        for (int j = 0; j < C; ++j) cp.push_back(((p * D + d) * C + j) * T + t);
+        EXPECT_EQ(members(mesh.replicas()), replicas) << where;
+        EXPECT_EQ(members(mesh.cp()), cp) << where;
+        if (C == 1) {
+          EXPECT_EQ(&mesh.replicas(), &mesh.dp()) << where;
+          EXPECT_FALSE(mesh.has("cp")) << where;
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -2,7 +2,8 @@
 // without sequence parallelism and tied embeddings, against the same model on one rank in
 // float64: the same initial full weights, logits, loss and every gradient (the shards
 // gathered). And the model trained through the Trainer from llama_spec() with tensor
-// parallelism, pipeline stages, ZeRO-3 and activation checkpointing, following its one-rank run
+// parallelism, pipeline stages, ZeRO-3, activation checkpointing and context parallelism (alone,
+// beside dp, with tp and pp), following its one-rank run
 // step for step (float64: to 1e-10, as tests/mpi/model_spec_test.cc). Runs at 2 and 4 ranks.
 #include <gtest/gtest.h>
 
@@ -116,15 +117,17 @@ struct Layout {
   int tp = 1, pp = 1;
   std::string shard = "none";
   bool checkpoint = false, sp = false, tied = false;
+  int cp = 1;
   std::string name() const {
-    return "tp " + std::to_string(tp) + " pp " + std::to_string(pp) + " --shard=" + shard +
-           (checkpoint ? " checkpointed" : "") + (sp ? " sequence-parallel" : "") + (tied ? " tied" : "");
+    return "tp " + std::to_string(tp) + " pp " + std::to_string(pp) + (cp > 1 ? " cp " + std::to_string(cp) : "") +
+           " --shard=" + shard + (checkpoint ? " checkpointed" : "") + (sp ? " sequence-parallel" : "") +
+           (tied ? " tied" : "");
   }
 };
 
 // The loss of each of 4 steps on the same global batches (kRows rows), with `layout`.
 std::vector<double> curve(dist::Communicator& comm, const Layout& layout) {
-  dist::Mesh mesh(comm, layout.tp, layout.pp);
+  dist::Mesh mesh(comm, layout.tp, layout.pp, layout.cp);
   LlamaOptions lo;
   lo.vocab = kVocab;
   lo.d_model = 16;
@@ -137,7 +140,7 @@ std::vector<double> curve(dist::Communicator& comm, const Layout& layout) {
   lo.sequence_parallel = layout.sp;
   lo.tie_embeddings = layout.tied;
   torch::manual_seed(11);
-  auto model = std::make_shared<LlamaImpl>(lo, mesh.tp());
+  auto model = std::make_shared<LlamaImpl>(lo, mesh.tp(), &mesh.cp());
   model->to(at::kDouble);  // before llama_spec: the stage activations are float64
   ModelSpec spec = llama_spec(model);
   EXPECT_EQ(spec.activation_dtype, at::kDouble);
@@ -165,6 +168,18 @@ TEST(LlamaMpi, TrainsThroughTheTrainerLikeItsOneRankRun) {
     layouts.push_back({2, 2, "none", true, false});
     layouts.push_back({2, 1, "parameters", false, true});  // tp 2 x dp 2
     layouts.push_back({1, 2, "parameters", true, false});  // pp 2 x dp 2
+  }
+  // Context parallelism: the weights' gradients averaged over dp x cp, ZeRO's shards split over
+  // them, composed with tp (sequence-parallel), pp, activation checkpointing.
+  if (W % 2 == 0) {
+    layouts.push_back({1, 1, "none", false, false, false, 2});
+    layouts.push_back({1, 1, "parameters", true, false, false, 2});  // ZeRO-3 over the cp replicas
+  }
+  if (W % 4 == 0) {
+    layouts.push_back({1, 1, "none", false, false, false, 4});
+    layouts.push_back({1, 1, "optimizer", false, false, false, 2});  // dp 2 x cp 2
+    layouts.push_back({2, 1, "none", true, true, false, 2});         // tp 2 x cp 2, sequence-parallel
+    layouts.push_back({1, 2, "gradients", false, false, false, 2});  // pp 2 x cp 2
   }
   for (const Layout& layout : layouts) {
     SCOPED_TRACE(layout.name() + " on " + std::to_string(W) + " rank(s)");

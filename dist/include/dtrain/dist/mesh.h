@@ -14,8 +14,16 @@
 //     crosses nodes, as in Megatron-LM's tp-dp-pp order;
 //   - a data-parallel group is the ranks of one stage with the same tensor-parallel position
 //     (their gradient reduction happens once per step).
-// A new kind of parallelism is a new axis name (context parallelism's "cp" between dp and tp,
-// say), not a new constructor: Mesh(world, {{"pp", P}, {"dp", -1}, {"cp", C}, {"tp", T}}).
+// A new kind of parallelism is a new axis name, not a new constructor. Context parallelism is
+// the axis "cp" between dp and tp: Mesh(world, {{"pp", P}, {"dp", -1}, {"cp", C}, {"tp", T}}),
+// which the standard constructor builds for C > 1. A context-parallel group is the C ranks that
+// hold the same weights and the same samples, each a part of every sequence; its ranks sit
+// beside the tensor-parallel group (ring attention's key/value blocks move every layer).
+//
+// Replicas. The ranks that hold the same weights (the same stage and tensor-parallel position)
+// are dp x cp: replicas() is their group, over which gradients are averaged and optimizer state
+// and ZeRO shards are split; dp() alone is the data axis (which samples a rank reads). Without
+// a cp axis of more than one rank, replicas() is dp().
 #pragma once
 
 #include <memory>
@@ -39,8 +47,9 @@ class Mesh {
   // (collective, synchronous). An axis of one rank shares one communicator of this rank alone
   // with every other such axis. world must outlive the mesh.
   Mesh(Communicator& world, std::vector<MeshAxis> axes);
-  // The standard mesh {{"pp", pipeline_parallel}, {"dp", -1}, {"tp", tensor_parallel}}.
-  Mesh(Communicator& world, int tensor_parallel, int pipeline_parallel = 1);
+  // The standard mesh {{"pp", pipeline_parallel}, {"dp", -1}, {"tp", tensor_parallel}}, with
+  // {"cp", context_parallel} between dp and tp when context_parallel > 1.
+  Mesh(Communicator& world, int tensor_parallel, int pipeline_parallel = 1, int context_parallel = 1);
 
   Communicator& world() const { return *world_; }
   // The group of `axis` (the ranks that differ from this one only along it); dtrain::Error for
@@ -56,17 +65,23 @@ class Mesh {
   Communicator& tp() const { return *tp_; }  // this rank's tensor-parallel group
   Communicator& dp() const { return *dp_; }  // this rank's data-parallel group (inside its stage)
   Communicator& pp() const { return *pp_; }  // this rank's pipeline: one rank per stage, in order
+  Communicator& cp() const { return *cp_; }  // this rank's context-parallel group (cp_rank: its part)
+  // The ranks holding this rank's weights: dp x cp, ordered by (dp rank, cp rank); dp() when the
+  // mesh has no cp axis of more than one rank.
+  Communicator& replicas() const { return *replicas_; }
   int tp_size() const { return tp_->size(); }
   int tp_rank() const { return tp_->rank(); }
   int dp_size() const { return dp_->size(); }
   int dp_rank() const { return dp_->rank(); }
   int pp_size() const { return pp_->size(); }
   int pp_rank() const { return pp_->rank(); }  // this rank's stage
+  int cp_size() const { return cp_->size(); }
+  int cp_rank() const { return cp_->rank(); }
 
   // Validation alone (used by programs before anything is created): the axes resolved for a
   // world of world_size ranks.
   static std::vector<MeshAxis> check(int world_size, std::vector<MeshAxis> axes);
-  static void check(int world_size, int tensor_parallel, int pipeline_parallel = 1);
+  static void check(int world_size, int tensor_parallel, int pipeline_parallel = 1, int context_parallel = 1);
 
  private:
   Communicator* world_;
@@ -76,6 +91,8 @@ class Mesh {
   Communicator* tp_ = nullptr;
   Communicator* dp_ = nullptr;
   Communicator* pp_ = nullptr;
+  Communicator* cp_ = nullptr;
+  Communicator* replicas_ = nullptr;
 };
 
 }  // namespace dtrain::dist

@@ -7,6 +7,16 @@
 // norms along the sequence over the group (Megatron-LM sequence parallelism): each rank keeps
 // [B, S/T, d] between the parallel regions; the result is the same model (float rounding).
 //
+// Context parallelism (cp, a group of more than one rank; context_parallel.h): every rank of
+// the group is given the same whole sequences and keeps its part of each in the balanced
+// layout (seq_len a multiple of 2C): embed() takes whole [B, S] tokens and returns this rank's
+// [B, S/C, d] at their global positions, attention is ring attention over cp, forward()
+// returns this rank's logits [B, S/C, ...] (cp_gather_sequence puts them back in order), and
+// loss()/head_loss() take whole targets and return the mean over this rank's tokens; the mean
+// of the group's losses (and gradients) is the whole sequence's. The weights are replicated
+// over cp: average their gradients over dp x cp (Mesh::replicas()). Without cp, or with a group
+// of one rank, the plain model.
+//
 // A plain model: its forward is embeddings, its BlockStack, final norm and head. Pipeline
 // stages, ZeRO-3 units, activation checkpointing and layer offload are applied from outside
 // through gpt_spec() (models/model_spec.h).
@@ -51,7 +61,7 @@ struct GptOptions {
 GptOptions gpt_options_from_hf_config(const std::string& json_text);
 
 struct GptBlockImpl : torch::nn::Module {
-  GptBlockImpl(const GptOptions& o, dist::Communicator& tp);
+  GptBlockImpl(const GptOptions& o, dist::Communicator& tp, dist::Communicator* cp = nullptr);
   at::Tensor forward(const at::Tensor& x);  // [B, S, d], or [B, S/T, d] when sequence-parallel
   at::Tensor norm(torch::nn::LayerNorm& ln, const at::Tensor& x);
   bool sequence_parallel;
@@ -64,7 +74,9 @@ struct GptBlockImpl : torch::nn::Module {
 TORCH_MODULE(GptBlock);
 
 struct GptImpl : torch::nn::Module {
-  GptImpl(const GptOptions& o, dist::Communicator& tp);
+  // dtrain::Error when seq_len does not split into 2C chunks (or, sequence-parallel, S/C over
+  // tp). tp and cp must outlive the model.
+  GptImpl(const GptOptions& o, dist::Communicator& tp, dist::Communicator* cp = nullptr);
   // tokens [B, T] -> this rank's logits [B, T, padded_vocab / tp].
   at::Tensor forward(const at::Tensor& tokens);
   // Mean next-token cross-entropy: inputs [B, T], targets [B, T].
@@ -77,6 +89,7 @@ struct GptImpl : torch::nn::Module {
   int64_t parameter_count() const;  // of the full (unsplit) model
   GptOptions options;
   dist::Communicator* tp;
+  dist::Communicator* cp;  // the context-parallel group; null without one (or of one rank)
   VocabParallelEmbedding wte{nullptr};
   torch::nn::Embedding wpe{nullptr};
   BlockStack blocks{nullptr};

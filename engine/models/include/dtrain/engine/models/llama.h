@@ -117,13 +117,18 @@ TORCH_MODULE(LlamaRmsNorm);
 // key/value heads per rank), rotary embeddings, causal scaled_dot_product_attention, o
 // row-parallel. Sequence-parallel: x and the result are this rank's [B, S/T, d].
 struct LlamaAttentionImpl : torch::nn::Module {
-  LlamaAttentionImpl(const LlamaOptions& o, dist::Communicator& tp, std::shared_ptr<LlamaRope> rope);
+  // cp: a context-parallel group (null: none): x is this rank's part of each sequence in the
+  // balanced layout, rotated at its global positions, and attention is ring attention over cp
+  // (the key/value heads repeated to the query heads).
+  LlamaAttentionImpl(const LlamaOptions& o, dist::Communicator& tp, std::shared_ptr<LlamaRope> rope,
+                     dist::Communicator* cp = nullptr);
   at::Tensor forward(const at::Tensor& x);
   // Incremental decoding: x [B, T_new, d] at positions start..start+T_new-1; their rotated keys
   // and values are written into k_cache, v_cache [B, local_kv_heads, max_len, head_dim] at those
   // positions, and the queries attend to positions 0..start+T_new-1 (causal among the new ones).
   at::Tensor forward_cached(const at::Tensor& x, at::Tensor& k_cache, at::Tensor& v_cache, int64_t start);
   int64_t local_heads, local_kv_heads, head_dim;
+  dist::Communicator* cp;  // null: none, or a group of one rank
   std::shared_ptr<LlamaRope> rope;
   ColumnParallelLinear q{nullptr}, k{nullptr}, v{nullptr};
   RowParallelLinear o{nullptr};
@@ -140,7 +145,8 @@ struct LlamaMlpImpl : torch::nn::Module {
 TORCH_MODULE(LlamaMlp);
 
 struct LlamaBlockImpl : torch::nn::Module {
-  LlamaBlockImpl(const LlamaOptions& o, dist::Communicator& tp, std::shared_ptr<LlamaRope> rope);
+  LlamaBlockImpl(const LlamaOptions& o, dist::Communicator& tp, std::shared_ptr<LlamaRope> rope,
+                 dist::Communicator* cp = nullptr);
   at::Tensor forward(const at::Tensor& x);  // [B, S, d], or [B, S/T, d] when sequence-parallel
   // forward() with the attention's forward_cached (LlamaAttentionImpl).
   at::Tensor forward_cached(const at::Tensor& x, at::Tensor& k_cache, at::Tensor& v_cache, int64_t start);
@@ -163,7 +169,9 @@ struct LlamaKvCache {
 };
 
 struct LlamaImpl : torch::nn::Module {
-  LlamaImpl(const LlamaOptions& o, dist::Communicator& tp);
+  // cp: a context-parallel group, as GptImpl takes it (gpt.h): embed() and the losses take whole
+  // sequences, each rank keeps its part in the balanced layout. tp and cp must outlive the model.
+  LlamaImpl(const LlamaOptions& o, dist::Communicator& tp, dist::Communicator* cp = nullptr);
   // tokens [B, T] -> this rank's logits [B, T, padded_vocab / tp].
   at::Tensor forward(const at::Tensor& tokens);
   // Mean next-token cross-entropy: inputs [B, T], targets [B, T].
@@ -193,6 +201,7 @@ struct LlamaImpl : torch::nn::Module {
   void reset_parameters();
   LlamaOptions options;  // kv_heads resolved (never 0)
   dist::Communicator* tp;
+  dist::Communicator* cp;  // the context-parallel group; null without one (or of one rank)
   std::shared_ptr<LlamaRope> rope;
   VocabParallelEmbedding embed_tokens{nullptr};  // registered as "embed"
   BlockStack blocks{nullptr};

@@ -180,12 +180,16 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
 // Multi-head self-attention with heads split across the group: fused q,k,v column-parallel
 // projection (heads/T heads per rank), scaled_dot_product_attention, row-parallel output.
 // SequenceParallel::kOn: x and the result are this rank's [B, S/T, d] of the sequence.
+// cp (a context-parallel group of more than one rank, context_parallel.h): x is this rank's
+// part of every sequence in the balanced layout, and attention over the whole sequence runs as
+// ring_attention over cp (which must outlive the layer); null or one rank: the plain layer.
 struct ParallelSelfAttentionImpl : torch::nn::Module {
   ParallelSelfAttentionImpl(int64_t d_model, int64_t heads, bool causal, dist::Communicator& tp,
-                            SequenceParallel sp = SequenceParallel::kOff);
+                            SequenceParallel sp = SequenceParallel::kOff, dist::Communicator* cp = nullptr);
   at::Tensor forward(const at::Tensor& x);  // [B, S, d] -> [B, S, d] (each S/T when sequence-parallel)
   int64_t heads, local_heads, head_dim;
   bool causal;
+  dist::Communicator* cp;
   ColumnParallelLinear qkv{nullptr};
   RowParallelLinear proj{nullptr};
 };

@@ -24,8 +24,9 @@ struct RunOptions {
   std::string device = "auto";       // auto, cpu or cuda: dist::parse_device_request()
   std::string backend = "auto";      // auto, nccl, mpi or local: dist::create_communicator()
   int collective_timeout_s = 300;    // a collective stuck this long ends the job
-  int tp = 1;                        // tensor-parallel and pipeline sizes: Mesh(world, tp, pp)
-  int pp = 1;
+  int tp = 1;                        // tensor-parallel, pipeline and context-parallel sizes:
+  int pp = 1;                        // Mesh(world, tp, pp, cp)
+  int cp = 1;
   std::string pp_blocks;             // blocks per pipeline stage (TrainerOptions::pp_blocks)
   bool sequence_parallel = false;    // the model's tensor-parallel layers split the sequence too
   int64_t batch_size = 64;           // per data-parallel rank (the loader's batch)
