@@ -6,8 +6,12 @@
 #include <c10/util/accumulate.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <limits>
+#include <mutex>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -41,21 +45,56 @@ std::vector<CpSegment> cp_segments(int64_t s_local, int rank, int size, bool by_
   return {{0, c, rank * c}, {c, c, (2 * size - 1 - rank) * c}};
 }
 
+// The tiles a pass over a block works on: each run cut into pieces of at most kRingTile tokens.
+// A (query tile, key tile) pair's scores are [B, H, tile, tile] at most, so the memory a block
+// pair needs beyond the saved tensors is bounded whatever the sequence length (without tiles a
+// chunk pair's scores would be (S/2C)^2 per head: quadratic in the sequence). The online-softmax
+// merge puts the key tiles of a block together exactly as it puts the blocks together.
+constexpr int64_t kRingTile = 512;
+
+std::vector<CpSegment> ring_tiles(int64_t s_local, int rank, int size, bool by_chunk) {
+  std::vector<CpSegment> tiles;
+  for (const CpSegment& run : cp_segments(s_local, rank, size, by_chunk)) {
+    for (int64_t at = 0; at < run.len; at += kRingTile) {
+      tiles.push_back({run.local + at, std::min(kRingTile, run.len - at), run.global + at});
+    }
+  }
+  return tiles;
+}
+
+// ---- tracing ---------------------------------------------------------------------------------
+using RingClock = std::chrono::steady_clock;
+std::atomic<bool> g_ring_tracing{false};
+std::mutex g_ring_mutex;
+std::vector<RingEvent> g_ring_events;
+
+void ring_record(const char* name, int step, RingClock::time_point start) {
+  if (!g_ring_tracing.load(std::memory_order_relaxed)) return;
+  const RingClock::time_point end = RingClock::now();
+  std::lock_guard<std::mutex> lock(g_ring_mutex);
+  if (g_ring_events.size() < 100000) g_ring_events.push_back(RingEvent{name, step, start, end});
+}
+
 // ---- the ring ------------------------------------------------------------------------------
 // One step's exchange: `out` goes to the next rank, `incoming` (like it) comes from the previous.
 struct RingExchange {
   at::Tensor incoming;
   dist::WorkPtr sent, received;
+  RingClock::time_point launched;
+  int step = 0;
   at::Tensor wait() {
     sent->wait();
     received->wait();
+    ring_record("ring exchange", step, launched);
     return incoming;
   }
 };
 
-RingExchange ring_exchange(dist::Communicator& cp, const at::Tensor& out) {
+RingExchange ring_exchange(dist::Communicator& cp, const at::Tensor& out, int step) {
   const int n = cp.size(), r = cp.rank();
   RingExchange x;
+  x.launched = RingClock::now();
+  x.step = step;
   x.incoming = at::empty_like(out);
   dist::CommGroup group(cp);  // one launch on NCCL: the ring's sends pair with its receives
   x.sent = cp.send(out, (r + 1) % n);
@@ -121,12 +160,14 @@ void ring_merge(at::Tensor out, at::Tensor lse, const at::Tensor& o_b, const at:
   lse.copy_(m);
 }
 
-// Merges every unmasked pair of this rank's query runs with the key/value block of rank src.
+// Merges every unmasked pair of this rank's query tiles with the key/value tiles of the block
+// of rank src.
 void ring_forward_block(const RingArgs& a, const at::Tensor& kb, const at::Tensor& vb, int src,
                         at::Tensor& out, at::Tensor& lse) {
   const int64_t s_local = a.q.size(2);
-  for (const CpSegment& qs : cp_segments(s_local, a.rank, a.size, a.causal)) {
-    for (const CpSegment& ks : cp_segments(s_local, src, a.size, a.causal)) {
+  const std::vector<CpSegment> key_tiles = ring_tiles(s_local, src, a.size, a.causal);
+  for (const CpSegment& qs : ring_tiles(s_local, a.rank, a.size, a.causal)) {
+    for (const CpSegment& ks : key_tiles) {
       std::optional<at::Tensor> mask = ring_mask(qs, ks, a.causal, a.q.device());
       if (!mask) continue;  // entirely in the future
       at::Tensor s =
@@ -151,8 +192,9 @@ void ring_backward_block(const RingArgs& a, RingGrads& g, const at::Tensor& kb,
                          const at::Tensor& vb, int src, at::Tensor& dkb, at::Tensor& dvb) {
   const int64_t s_local = a.q.size(2);
   const at::ScalarType in = a.q.scalar_type();
-  for (const CpSegment& qs : cp_segments(s_local, a.rank, a.size, a.causal)) {
-    for (const CpSegment& ks : cp_segments(s_local, src, a.size, a.causal)) {
+  const std::vector<CpSegment> key_tiles = ring_tiles(s_local, src, a.size, a.causal);
+  for (const CpSegment& qs : ring_tiles(s_local, a.rank, a.size, a.causal)) {
+    for (const CpSegment& ks : key_tiles) {
       std::optional<at::Tensor> mask = ring_mask(qs, ks, a.causal, a.q.device());
       if (!mask) continue;
       at::Tensor qr = a.q.narrow(2, qs.local, qs.len), kr = kb.narrow(2, ks.local, ks.len);
@@ -180,13 +222,15 @@ at::Tensor ring_backward_ring(const RingArgs& a, RingGrads& g, const at::Tensor&
   at::Tensor dkv;
   for (int t = 0; t < n; ++t) {
     std::optional<RingExchange> kv_next;
-    if (t + 1 < n) kv_next = ring_exchange(cp, kv);  // in flight while this block is computed
+    if (t + 1 < n) kv_next = ring_exchange(cp, kv, t);  // in flight while this block is computed
+    const RingClock::time_point start = RingClock::now();
     auto [kb, vb] = ring_unpack(kv, k.sizes(), v.sizes());
     dkv = at::zeros({kv.numel()}, kv.options().dtype(a.acc));
     auto [dkb, dvb] = ring_unpack(dkv, k.sizes(), v.sizes());
     ring_backward_block(a, g, kb, vb, (a.rank - t + n) % n, dkb, dvb);
+    ring_record("ring backward", t, start);
     if (dkv_in) dkv.add_(dkv_in->wait());  // the ranks before this one's share of this block
-    if (n > 1) dkv_in = ring_exchange(cp, dkv);
+    if (n > 1) dkv_in = ring_exchange(cp, dkv, t);
     if (kv_next) kv = kv_next->wait();
   }
   return n > 1 ? dkv_in->wait() : dkv;
@@ -204,9 +248,11 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
     at::Tensor kv = ring_pack(k, v);
     for (int t = 0; t < a.size; ++t) {
       std::optional<RingExchange> next;
-      if (t + 1 < a.size) next = ring_exchange(cp, kv);  // in flight while this block is computed
+      if (t + 1 < a.size) next = ring_exchange(cp, kv, t);  // in flight while this block is computed
+      const RingClock::time_point start = RingClock::now();
       auto [kb, vb] = ring_unpack(kv, k.sizes(), v.sizes());
       ring_forward_block(a, kb, vb, (a.rank - t + a.size) % a.size, acc_out, lse);
+      ring_record("ring forward", t, start);
       if (next) kv = next->wait();
     }
     at::Tensor out = acc_out.to(q.scalar_type());
@@ -270,6 +316,15 @@ void ring_check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 }
 
 }  // namespace
+
+void set_ring_tracing(bool on) { g_ring_tracing.store(on); }
+
+std::vector<RingEvent> take_ring_events() {
+  std::lock_guard<std::mutex> lock(g_ring_mutex);
+  std::vector<RingEvent> out;
+  out.swap(g_ring_events);
+  return out;
+}
 
 at::Tensor cp_split_sequence(const at::Tensor& x, int64_t dim, int cp_rank, int cp_size) {
   dim = checked_dim(x, dim, "cp_split_sequence");

@@ -23,6 +23,7 @@
 #include "dtrain/dist/error.h"
 #include "dtrain/dist/mesh.h"
 #include "dtrain/engine/models/gpt.h"
+#include "dtrain/engine/memory/memory.h"
 #include "dtrain/engine/models/llama.h"
 #include "dtrain/engine/parallel/tensor_parallel.h"
 #include "model_cases.h"
@@ -267,6 +268,51 @@ TEST(ContextParallelRingAttention, MemoryKeptForBackwardFallsAsOneOverC) {
   // Nothing is saved without gradients.
   at::Tensor plain = cp_split_sequence(same_everywhere({B, H, S, D}, 64), 2, cp.rank(), n);
   EXPECT_EQ(ring_attention_saved_bytes_of(ring_attention(plain, plain, plain, false, cp)), 0);
+}
+
+// Chunks longer than the tile ring attention works in (512 tokens; 1100 here: two whole tiles
+// and a part) give the whole-sequence attention too, causal and not, in the group and alone.
+TEST(ContextParallelRingAttention, ChunksLongerThanATileEqualTheWholeAttention) {
+  auto& cp = world_comm();
+  auto alone = testing_util::alone_comm();
+  for (bool causal : {true, false}) {
+    CpTCase c;
+    c.B = 1;
+    c.H = 1;
+    c.D = c.Dv = 4;
+    c.S = 2 * cp.size() * 1100;
+    c.causal = causal;
+    cp_t_expect_within(cp_t_compare(c, cp, 71), cp_t_kTol, causal ? "causal, long" : "long");
+    c.S = 1100 + 300;
+    cp_t_expect_within(cp_t_compare(c, *alone, 72), cp_t_kTol, causal ? "causal, long, alone" : "long, alone");
+  }
+}
+
+// What forward and backward allocate beyond the saved tensors is bounded by the tiles: the peak
+// above the start grows linearly with the sequence (doubling S about doubles it; whole chunk
+// pairs of scores would quadruple it). Exact on the CPU (dtrain's counting allocator).
+TEST(ContextParallelRingAttention, PeakMemoryGrowsLinearlyWithTheSequence) {
+  auto& cp = world_comm();
+  if (!cpu_memory_tracked()) GTEST_SKIP() << "CPU memory is not counted (DTRAIN_TRACK_CPU_MEMORY=0)";
+  const c10::Device cpu(c10::kCPU);
+  auto peak_of = [&](int64_t s_local) {
+    const int64_t S = s_local * cp.size();
+    auto part = [&](uint64_t seed) {
+      return cp_split_sequence(same_everywhere({1, 2, S, 8}, seed).to(at::kFloat), 2, cp.rank(), cp.size())
+          .requires_grad_(true);
+    };
+    at::Tensor q = part(81), k = part(82), v = part(83);
+    const double before = memory_stats(cpu).allocated_mb;
+    reset_peak_memory(cpu);
+    ring_attention(q, k, v, true, cp).sum().backward();
+    return memory_stats(cpu).peak_mb - before;
+  };
+  peak_of(2048);  // warm-up
+  const double small = peak_of(4096), large = peak_of(8192);
+  if (cp.rank() == 0) std::cout << "[ cp peak  ] S_local 4096: " << small << " MiB, 8192: " << large << " MiB\n";
+  EXPECT_LT(large, 2.5 * small) << "the peak grows faster than the sequence";
+  // Whole chunk pairs: [1, 2, 4096, 4096] float32 scores alone are 128 MiB at S_local 8192.
+  EXPECT_LT(large, 64.0);
 }
 
 // ---- the library's models over a context-parallel group -----------------------------------

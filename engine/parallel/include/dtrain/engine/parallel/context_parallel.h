@@ -38,8 +38,11 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <chrono>
 #include <cstdint>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "dtrain/dist/communicator.h"
 
@@ -74,6 +77,21 @@ at::Tensor cp_gather_sequence(const at::Tensor& local, int64_t dim, dist::Commun
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           bool causal, dist::Communicator& cp,
                           std::optional<double> scale = std::nullopt);
+
+// ---- tracing (the timeline) --------------------------------------------------------------
+// While tracing is on, ring_attention records its ring steps: each block's computation ("ring
+// forward" / "ring backward", step t of 0..C-1) and each exchange from its launch to the end
+// of the wait for it ("ring exchange": hidden where a block's computation overlaps it). The
+// Trainer turns it on for a timeline under --cp and puts the events on the lane "ring".
+// Thread-safe (backward may run on autograd's threads).
+struct RingEvent {
+  std::string name;
+  int step = 0;
+  std::chrono::steady_clock::time_point start, end;
+};
+void set_ring_tracing(bool on);
+// The events recorded since the last call, oldest first.
+std::vector<RingEvent> take_ring_events();
 
 // The bytes ring_attention keeps for backward per rank, for q, k, v and the output of
 // [B, H, S_local, D] in `dtype`: 4 B H S_local D elements of dtype and B H S_local log-sum-exp
