@@ -170,10 +170,10 @@ int plan_main(int argc, char** argv) {
   const engine::MemoryEstimate now = engine::estimate(in, profile, current);
   if (rank0) {
     std::printf(
-        "dtrain-plan: %s on %s, %.2fM parameters (%lld sharded over tp %d), dp %d, batch %lld, "
+        "dtrain-plan: %s on %s, %.2fM parameters (%lld sharded over tp %d), %s %d, batch %lld, "
         "optimizer %s, amp %s%s\n",
         model_name.c_str(), run.device.str().c_str(), in.parameters / 1e6,
-        static_cast<long long>(in.sharded_parameters), in.tp, in.dp,
+        static_cast<long long>(in.sharded_parameters), in.tp, run.mesh->cp_size() > 1 ? "replicas (dp x cp)" : "dp", in.dp,
         static_cast<long long>(in.batch_size), in.optimizer.c_str(), engine::to_string(in.amp),
         in.pp > 1 ? (" (pipeline stage 0 of " + std::to_string(in.pp) + ": the figures below are its own)").c_str() : "");
     std::printf("activation probe:\n%s", profile.to_string().c_str());

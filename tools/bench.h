@@ -29,5 +29,6 @@ int run_cpu_adam(BenchContext& ctx);
 int run_sparse(BenchContext& ctx);
 int run_pipeline(BenchContext& ctx);
 int run_fused_ce(BenchContext& ctx);
+int run_context_parallel(BenchContext& ctx);
 
 }  // namespace dtrain::bench

@@ -7,6 +7,8 @@
 //               all-reduced, over touched rows per rank (--vocab, --dim): the dense fallback's constant
 //   pipeline    a block stack split into stages over the ranks, GPipe and 1F1B per micro-batch
 //               count: activation memory and idle fraction per stage, and data parallelism's step
+//   context_parallel  a GPT block's activation memory per rank over sequence lengths, for each
+//               context-parallel size C dividing the world (exact on the CPU)
 //   fused_ce    CUDA: forward + backward of the mean cross-entropy over [8192, 32000] bf16 logits,
 //               dtrain's fused kernels vs the ATen composition (--ce_rows, --ce_vocab, --ce_dtype)
 #include <gflags/gflags.h>
@@ -33,8 +35,9 @@ int main(int argc, char** argv) {
       {"sparse", bench::run_sparse},
       {"pipeline", bench::run_pipeline},
       {"fused_ce", bench::run_fused_ce},
+      {"context_parallel", bench::run_context_parallel},
   };
-  gflags::SetUsageMessage("dtrain-bench BENCH [flags]; BENCH is one of: allreduce, engine, cpu_adam, sparse, pipeline, fused_ce");
+  gflags::SetUsageMessage("dtrain-bench BENCH [flags]; BENCH is one of: allreduce, engine, cpu_adam, sparse, pipeline, fused_ce, context_parallel");
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   if (argc < 2 || !benches.count(argv[1])) {
     std::fprintf(stderr, "dtrain-bench: name a benchmark: %s BENCH [flags], BENCH one of:", argv[0]);

@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "dtrain/dist/error.h"
+#include "dtrain/engine/parallel/context_parallel.h"
 #include "dtrain/engine/memory/memory.h"
 #include "dtrain/engine/zero3/parameter_units.h"
 #include "dtrain/engine/optim/sparse_optim.h"
@@ -168,9 +169,12 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
   timeline_ = std::move(observers.timeline);
   profiler_ = std::move(observers.profiler);
   if (units_) units_->record_events(!options_.timeline_path.empty());  // ZeRO-3's gathers and units on the timeline
+  // Context parallelism: ring attention's steps and exchanges on the timeline.
+  if (mesh_.cp_size() > 1 && !options_.timeline_path.empty()) set_ring_tracing(true);
 }
 
 Trainer::~Trainer() {
+  if (mesh_.cp_size() > 1 && !options_.timeline_path.empty()) set_ring_tracing(false);
   // A background save still in flight (fit() left by an exception) finishes first.
   if (!save_in_flight_.valid()) return;
   try {

@@ -11,6 +11,7 @@
 
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/memory/memory.h"
+#include "dtrain/engine/parallel/context_parallel.h"
 #include "dtrain/engine/zero3/parameter_units.h"
 #include "dtrain/engine/train/agreement.h"
 #include "dtrain/engine/train/preemption.h"
@@ -383,6 +384,15 @@ void Trainer::record_step_timeline(std::chrono::steady_clock::time_point start) 
       } else {
         timeline_->add_complete("unit " + e.name, category::kCompute, lane::kUnits, e.start, e.end, args);
       }
+    }
+  }
+  // Context parallelism: each ring step's block computation and each exchange (launch to the
+  // end of its wait; hidden where a computation overlaps it).
+  if (mesh_.cp_size() > 1) {
+    for (const RingEvent& e : take_ring_events()) {
+      const bool exchange = e.name == "ring exchange";
+      timeline_->add_complete(e.name, exchange ? category::kComm : category::kCompute, lane::kRing, e.start, e.end,
+                              {{"ring_step", static_cast<double>(e.step)}});
     }
   }
   // A host update (optimizer offload); a delayed one ran during this step's forward and backward.

@@ -32,6 +32,7 @@ SCENARIOS = {
     "bf16_master": techniques.scenario_bf16_master,
     "plan": techniques.scenario_plan,
     "sequence_parallel": parallel.scenario_sequence_parallel,
+    "context_parallel": parallel.scenario_context_parallel,
     "distill": techniques.scenario_distill,
     "sparse": techniques.scenario_sparse,
     "pipeline": parallel.scenario_pipeline,

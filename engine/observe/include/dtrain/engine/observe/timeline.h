@@ -24,6 +24,7 @@ inline constexpr char kLoader[] = "loader";      // data loading and batching
 inline constexpr char kCopy[] = "copy";          // host-device copies (loader, offload)
 inline constexpr char kOptimizer[] = "optimizer";
 inline constexpr char kUnits[] = "units";        // ZeRO-3's units: each one's forward and backward
+inline constexpr char kRing[] = "ring";          // context parallelism: ring attention's steps and exchanges
 }  // namespace lane
 
 // Categories ("cat") that summarize_overlap() and the docs rely on.
