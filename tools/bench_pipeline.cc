@@ -1,5 +1,6 @@
 // dtrain-bench pipeline: a stack of MLP blocks split into consecutive stages over the ranks
-// (pp = the world size), one step per schedule and micro-batch count. Prints per stage the
+// (pp = the world size), one step per schedule (gpipe, 1f1b, zb, interleaved over --pp_chunks chunks
+// per rank) and micro-batch count. Prints per stage the
 // micro-batches held at once, the activation memory held above the step's start (exact on the
 // CPU), and the idle fraction (1 - compute / step) against the bubble's theory (each stage's
 // idle share when the schedule's lists run on the model of the pipeline: simulate_pipeline);
@@ -29,6 +30,7 @@ DEFINE_int64(pp_width, 512, "pipeline: block width (the activation's last dimens
 DEFINE_int64(pp_rows, 256, "pipeline: rows per micro-batch");
 DEFINE_string(pp_micro, "1,2,4,8,16", "pipeline: micro-batch counts to run");
 DEFINE_int32(pp_iters, 3, "pipeline: timed steps per point (after one warm-up step)");
+DEFINE_int32(pp_chunks, 2, "pipeline: model chunks per rank of the interleaved schedule (0: skip it)");
 
 namespace dtrain::bench {
 namespace {
@@ -70,12 +72,33 @@ void pipeline_rows(BenchContext& ctx, std::vector<Block>& blocks, const std::vec
   dist::Communicator& comm = *ctx.comm;
   const int stages = comm.size(), s = comm.rank();
   const bool last = s == stages - 1;
-  for (engine::PipelineSchedule schedule :
-       {engine::PipelineSchedule::kGPipe, engine::PipelineSchedule::k1F1B, engine::PipelineSchedule::kZeroBubble}) {
+  // Interleaved: chunk c of this rank is virtual stage c P + s, holding blocks
+  // [(c P + s) b, (c P + s + 1) b) of b = layers / (v P) each.
+  const int v = FLAGS_pp_chunks;
+  std::vector<std::vector<Block>> chunks;
+  if (v >= 2 && stages >= 2) {
+    DTRAIN_CHECK(FLAGS_pp_layers % (v * stages) == 0, "--pp_layers=", FLAGS_pp_layers, " must be a multiple of ",
+                 "--pp_chunks x the ranks (", v * stages, ") for the interleaved schedule, or set --pp_chunks=0");
+    const int b = FLAGS_pp_layers / (v * stages);
+    for (int c = 0; c < v; ++c) chunks.push_back(make_blocks((c * stages + s) * b, (c * stages + s + 1) * b));
+  }
+  for (engine::PipelineSchedule schedule : {engine::PipelineSchedule::kGPipe, engine::PipelineSchedule::k1F1B,
+                                            engine::PipelineSchedule::kZeroBubble, engine::PipelineSchedule::kInterleaved}) {
+    const bool interleaved = schedule == engine::PipelineSchedule::kInterleaved;
+    if (interleaved && chunks.empty()) continue;
     for (int m : micro) {
+      if (interleaved && m % stages != 0) continue;  // its micro-batches go P at a time
       engine::PipelineStep step;
       step.micro_batches = m;
       step.schedule = schedule;
+      if (interleaved) {
+        step.chunks = v;
+        step.chunk_forward = [&](const at::Tensor& x, int, int c) {
+          at::Tensor h = x;
+          for (Block& blk : chunks[static_cast<size_t>(c)]) h = blk.forward(h);
+          return last && c == v - 1 ? h.pow(2).mean() : h;
+        };
+      }
       step.activation_shape = {FLAGS_pp_rows, FLAGS_pp_width};
       step.activation_options = at::TensorOptions().dtype(at::kFloat);
       step.input = micro_input;
@@ -99,9 +122,11 @@ void pipeline_rows(BenchContext& ctx, std::vector<Block>& blocks, const std::vec
       if (s == 0) {
         // The theory: the schedule's lists on the model of the pipeline at equal costs of a
         // forward and each half of a backward (1F1B and GPipe: (P - 1) / (m + P - 1) each).
-        const engine::SimulatedPipeline theory = engine::simulate_pipeline(schedule, stages, m);
+        const engine::SimulatedPipeline theory =
+            engine::simulate_pipeline(schedule, stages, m, {}, interleaved ? v : 1);
         nlohmann::json row{{"bench", "pipeline"}, {"schedule", engine::to_string(schedule)}, {"stages", stages},
                            {"micro_batches", m}, {"bubble_theory", theory.idle_share}};
+        if (interleaved) row["chunks"] = v;
         double step_ms = 0;
         for (int r = 0; r < stages; ++r) {
           step_ms = std::max(step_ms, 1e3 * all[r][0]);

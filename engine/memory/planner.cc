@@ -341,6 +341,8 @@ int pipeline_in_flight(const PlanInputs& in, int accum_steps) {
     case PipelineSchedule::kGPipe: return accum_steps;
     case PipelineSchedule::k1F1B: return std::min(in.pp - in.stage, accum_steps);
     case PipelineSchedule::kZeroBubble: return simulate_pipeline(in.pp_schedule, in.pp, accum_steps).peak_in_flight.at(in.stage);
+    case PipelineSchedule::kInterleaved:
+      throw Error("the memory planner does not model the interleaved pipeline schedule yet");
   }
   return accum_steps;
 }

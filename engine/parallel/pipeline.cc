@@ -149,12 +149,22 @@ struct StageContext {
       : pp(comm), step(s), stages(comm.size()), stage(comm.rank()), first(stage == 0), last(stage == stages - 1),
         timer(s) {
     DTRAIN_CHECK(step.micro_batches >= 1, "pipeline step: micro_batches must be >= 1, got ", step.micro_batches);
-    DTRAIN_CHECK(static_cast<bool>(step.forward), "pipeline step: forward is empty; pass the stage's computation");
+    DTRAIN_CHECK(step.chunks >= 1, "pipeline step: chunks must be >= 1, got ", step.chunks);
+    DTRAIN_CHECK(step.chunks == 1 ? static_cast<bool>(step.forward) : static_cast<bool>(step.chunk_forward),
+                 "pipeline step: ", step.chunks == 1 ? "forward" : "chunk_forward", " is empty; pass the stage's "
+                 "computation");
     DTRAIN_CHECK(!first || static_cast<bool>(step.input), "pipeline step: the first stage needs input(micro)");
     DTRAIN_CHECK(stages == 1 || !step.activation_shape.empty(),
                  "pipeline step: activation_shape is empty; the receiving stage must know the activation's shape");
   }
   at::Tensor activation() const { return at::empty(step.activation_shape, step.activation_options); }
+  // Chunk c is virtual stage c P + stage of chunks P: the first reads the input, the last computes
+  // the loss; the one before chunk c of stage 0 is chunk c - 1 of the last stage (the ring wraps).
+  int virtual_stage(int chunk) const { return chunk * stages + stage; }
+  bool first_of(int chunk) const { return virtual_stage(chunk) == 0; }
+  bool last_of(int chunk) const { return virtual_stage(chunk) == step.chunks * stages - 1; }
+  int before(int chunk) const { return first_of(chunk) ? -1 : (stage + stages - 1) % stages; }
+  int after(int chunk) const { return last_of(chunk) ? -1 : (stage + 1) % stages; }
   // What an action sends on (an activation, or the gradient of the stage's input), issued with
   // the next action's receive.
   struct Outbox {
@@ -189,12 +199,34 @@ struct StageContext {
     }
     return x;
   }
-  // The stage's forward of micro-batch i on x (timed); checks what it returns.
-  at::Tensor forward(const at::Tensor& x, int i) {
+  // The same for a group of several sends (in order) and receives (from each of `froms`, in
+  // order): returns what each receive got.
+  std::vector<at::Tensor> exchange_group(std::vector<Outbox>& outs, const std::vector<int>& froms, int micro,
+                                         std::vector<dist::WorkPtr>& sends) {
+    std::vector<at::Tensor> got;
+    if (outs.empty() && froms.empty()) return got;
+    std::vector<dist::WorkPtr> received;
+    const SpanTimer::Mark a = froms.empty() ? SpanTimer::Mark{} : timer.mark();
+    {
+      const std::vector<Outbox> sending = std::exchange(outs, {});
+      dist::CommGroup group(pp);
+      for (const Outbox& o : sending) sends.push_back(pp.send(o.tensor, o.peer));
+      for (int from : froms) {
+        got.push_back(activation());
+        received.push_back(pp.recv(got.back(), from));
+      }
+      group.close();
+    }
+    for (auto& w : received) w->wait();
+    if (!froms.empty()) timer.span("wait for stage " + std::to_string(froms.front()), micro, a, timer.mark(), false);
+    return got;
+  }
+  // The stage's forward of micro-batch i (chunk `chunk`) on x (timed); checks what it returns.
+  at::Tensor forward(const at::Tensor& x, int i, int chunk = 0) {
     const SpanTimer::Mark a = timer.mark();
-    at::Tensor y = step.forward(x, i);
+    at::Tensor y = step.chunks == 1 ? step.forward(x, i) : step.chunk_forward(x, i, chunk);
     timer.span("forward", i, a, timer.mark(), /*busy=*/true);
-    if (last) {
+    if (last_of(chunk)) {
       DTRAIN_CHECK(y.numel() == 1, "pipeline step: the last stage's forward must return the micro-batch's loss (a ",
                    "scalar), got ", y.sizes());
     } else {
@@ -229,22 +261,34 @@ namespace {
 class TrainingStage {
  public:
   TrainingStage(dist::Communicator& pp, const PipelineStep& step)
-      : ctx_(pp, step), step_(step), next_(ctx_.last ? -1 : ctx_.stage + 1),
-        previous_(ctx_.first ? -1 : ctx_.stage - 1), start_mb_(step.allocated_mb ? step.allocated_mb() : 0) {}
+      : ctx_(pp, step), step_(step), start_mb_(step.allocated_mb ? step.allocated_mb() : 0) {}
 
   PipelineStepResult run() {
     const Clock::time_point step_start = Clock::now();
-    for (const PipelineAction& action : pipeline_actions(step_.schedule, ctx_.stages, ctx_.stage, step_.micro_batches)) {
+    const std::vector<PipelineAction> actions =
+        pipeline_actions(step_.schedule, ctx_.stages, ctx_.stage, step_.micro_batches, step_.chunks);
+    const PipelineExchangePlan plan =
+        pipeline_exchange_plan(step_.schedule, actions, ctx_.stages, ctx_.stage, step_.chunks);
+    for (size_t k = 0; k < actions.size(); ++k) {
+      const PipelineAction& action = actions[k];
+      if (plan.issue[k]) {  // the sends so far and the receives the plan puts here (a W: sends only)
+        std::vector<int> froms;
+        for (int j : plan.receives[k]) {
+          const PipelineAction& r = actions[static_cast<size_t>(j)];
+          froms.push_back(r.kind == PipelineAction::kForward ? ctx_.before(r.chunk) : ctx_.after(r.chunk));
+        }
+        std::vector<at::Tensor> got = ctx_.exchange_group(outbox_, froms, action.micro, sends_);
+        for (size_t r = 0; r < got.size(); ++r) inbox_[plan.receives[k][r]] = std::move(got[r]);
+      }
+      const int index = static_cast<int>(k);
       if (action.kind == PipelineAction::kBackwardWeight) {
-        // No message: the last action's send goes out now rather than after this computation.
-        if (out_.tensor.defined()) ctx_.exchange(out_, -1, action.micro, sends_);
         if (!result_.out_of_memory) backward_weight(action.micro);
       } else if (result_.out_of_memory) {
-        keep_exchanges(action.micro, action.kind == PipelineAction::kForward);
+        keep_exchanges(index, action);
       } else if (action.kind == PipelineAction::kForward) {
-        forward_micro(action.micro);
+        forward_micro(index, action.micro, action.chunk);
       } else {
-        backward_micro(action.micro, action.kind == PipelineAction::kBackwardInput);
+        backward_micro(index, action.micro, action.chunk, action.kind == PipelineAction::kBackwardInput);
       }
       result_.ran.push_back(action);
       // A completed send's buffer (an activation or its gradient) is no longer needed: drop it
@@ -252,7 +296,7 @@ class TrainingStage {
       sends_.erase(std::remove_if(sends_.begin(), sends_.end(), [](const dist::WorkPtr& w) { return w->is_completed(); }),
                    sends_.end());
     }
-    ctx_.exchange(out_, -1, step_.micro_batches, sends_);  // the last action's send
+    ctx_.exchange_group(outbox_, {}, step_.micro_batches, sends_);  // the last actions' sends
     for (auto& w : sends_) w->wait();
     ctx_.finish(result_, loss_sum_, step_start);
     return result_;
@@ -271,33 +315,45 @@ class TrainingStage {
     if (!step_.finish_after_oom) throw;
     if (!result_.out_of_memory) result_.out_of_memory = std::current_exception();
     held_.clear();  // the graphs of the micro-batches in flight go at once
-    if (to >= 0) out_ = {ctx_.activation().zero_(), to};
+    if (to >= 0) outbox_.push_back({ctx_.activation().zero_(), to});
   }
 
-  void keep_exchanges(int i, bool forward) {
-    ctx_.exchange(out_, forward ? previous_ : next_, i, sends_);
-    const int to = forward ? next_ : previous_;
-    if (to >= 0) out_ = {ctx_.activation().zero_(), to};
+  // Action k after a failure: what it received is dropped; it sends zeros where it owes.
+  void keep_exchanges(int k, const PipelineAction& a) {
+    inbox_.erase(k);
+    const int to = a.kind == PipelineAction::kForward ? ctx_.after(a.chunk) : ctx_.before(a.chunk);
+    if (to >= 0) outbox_.push_back({ctx_.activation().zero_(), to});
   }
 
-  void forward_micro(int i) {
-    at::Tensor x = ctx_.exchange(out_, previous_, i, sends_);
-    x = ctx_.first ? step_.input(i) : x.requires_grad_(true);
+  // What action k received (its group came before it).
+  at::Tensor take(int k) {
+    auto it = inbox_.find(k);
+    DTRAIN_CHECK(it != inbox_.end(), "pipeline step: action ", k, " has no message (a bug in dtrain)");
+    at::Tensor t = std::move(it->second);
+    inbox_.erase(it);
+    return t;
+  }
+
+  // What a stage holds between a micro-batch's forward and its backward, per chunk.
+  static int key(int micro, int chunk) { return chunk * (1 << 20) + micro; }
+
+  void forward_micro(int k, int i, int chunk) {
+    at::Tensor x = ctx_.first_of(chunk) ? step_.input(i) : take(k).requires_grad_(true);
     at::Tensor y;
     try {
-      y = ctx_.forward(x, i);
+      y = ctx_.forward(x, i, chunk);
     } catch (const c10::OutOfMemoryError&) {
-      failed(next_);
+      failed(ctx_.after(chunk));
       return;
     }
-    if (ctx_.last) {
+    if (ctx_.last_of(chunk)) {
       StageContext::add_loss(loss_sum_, y);
       y = y.reshape({}) / step_.micro_batches;
       if (step_.scale_loss) y = step_.scale_loss(y);
     } else {
-      out_ = {y.detach().contiguous(), next_};
+      outbox_.push_back({y.detach().contiguous(), ctx_.after(chunk)});
     }
-    held_[i] = {x, y, nullptr};
+    held_[key(i, chunk)] = {x, y, nullptr};
     result_.peak_in_flight = std::max(result_.peak_in_flight, static_cast<int>(held_.size()));
     if (step_.allocated_mb) {
       result_.peak_activation_mb = std::max(result_.peak_activation_mb, step_.allocated_mb() - start_mb_);
@@ -306,40 +362,40 @@ class TrainingStage {
 
   // The whole backward of micro-batch i, or (input_half) its B: the gradient of the stage's
   // input only, the weights' half kept for its W.
-  void backward_micro(int i, bool input_half) {
-    auto it = held_.find(i);
+  void backward_micro(int k, int i, int chunk, bool input_half) {
+    auto it = held_.find(key(i, chunk));
     DTRAIN_CHECK(it != held_.end(), "pipeline step: backward of micro-batch ", i, " before its forward");
-    const at::Tensor grad = ctx_.exchange(out_, next_, i, sends_);
+    const at::Tensor grad = ctx_.last_of(chunk) ? at::Tensor() : take(k);
     if (!input_half && step_.before_backward) step_.before_backward(i);
     const SpanTimer::Mark a = ctx_.timer.mark();
     at::Tensor input_grad;
     try {
       InFlight& f = it->second;
-      const at::Tensor out_grad = ctx_.last ? at::Tensor() : grad;
+      const at::Tensor out_grad = ctx_.last_of(chunk) ? at::Tensor() : grad;
       if (input_half) {
-        f.split = std::make_shared<SplitBackward>(f.output, out_grad, ctx_.first ? at::Tensor() : f.input);
+        f.split = std::make_shared<SplitBackward>(f.output, out_grad, ctx_.first_of(chunk) ? at::Tensor() : f.input);
         input_grad = f.split->input_grad();
       } else {
         f.output.backward(out_grad);
-        if (!ctx_.first) input_grad = f.input.grad();
+        if (!ctx_.first_of(chunk)) input_grad = f.input.grad();
         held_.erase(it);
       }
     } catch (const c10::OutOfMemoryError&) {
-      failed(previous_);
+      failed(ctx_.before(chunk));
       return;
     }
     ctx_.timer.span(input_half ? "backward input" : "backward", i, a, ctx_.timer.mark(), /*busy=*/true);
     if (!input_half && step_.after_backward) step_.after_backward(i);
-    if (!ctx_.first) {
+    if (!ctx_.first_of(chunk)) {
       DTRAIN_CHECK(input_grad.defined(), "pipeline step: stage ", ctx_.stage, "'s forward does not depend on its "
                    "input; the stage before would get no gradient");
-      out_ = {input_grad.contiguous(), previous_};
+      outbox_.push_back({input_grad.contiguous(), ctx_.before(chunk)});
     }
   }
 
   // zb: micro-batch i's W, the weight-gradient half of its backward; its activations go then.
   void backward_weight(int i) {
-    auto it = held_.find(i);
+    auto it = held_.find(key(i, 0));  // zb: one chunk
     DTRAIN_CHECK(it != held_.end() && it->second.split, "pipeline step: backward weight of micro-batch ", i,
                  " before its backward input");
     if (step_.before_backward) step_.before_backward(i);
@@ -357,13 +413,13 @@ class TrainingStage {
 
   StageContext ctx_;
   const PipelineStep& step_;
-  const int next_, previous_;
   const double start_mb_;
   std::map<int, InFlight> held_;
   std::vector<dist::WorkPtr> sends_;  // in flight (a Work keeps its buffer until it completes)
   PipelineStepResult result_;
   at::Tensor loss_sum_;  // on the device: read once, after the last micro-batch (no sync per micro-batch)
-  StageContext::Outbox out_;  // the last action's send, issued with the next receive
+  std::vector<StageContext::Outbox> outbox_;  // the sends since the last group, issued with the next
+  std::map<int, at::Tensor> inbox_;           // received ahead of its action, by action index
 };
 
 }  // namespace
@@ -380,15 +436,17 @@ PipelineStepResult run_pipeline_forward(dist::Communicator& pp, const PipelineSt
   std::vector<dist::WorkPtr> sends;
   StageContext::Outbox out;
   for (int i = 0; i < step.micro_batches; ++i) {
-    at::Tensor x = ctx.exchange(out, ctx.first ? -1 : ctx.stage - 1, i, sends);
-    if (ctx.first) x = step.input(i);
-    at::Tensor y = ctx.forward(x, i);
-    if (ctx.last) {
-      StageContext::add_loss(loss_sum, y);
-    } else {
-      out = {y.detach().contiguous(), ctx.stage + 1};
+    for (int c = 0; c < step.chunks; ++c) {  // around the ring once per chunk
+      at::Tensor x = ctx.exchange(out, ctx.before(c), i, sends);
+      if (ctx.first_of(c)) x = step.input(i);
+      at::Tensor y = ctx.forward(x, i, c);
+      if (ctx.last_of(c)) {
+        StageContext::add_loss(loss_sum, y);
+      } else {
+        out = {y.detach().contiguous(), ctx.after(c)};
+      }
+      result.ran.push_back({PipelineAction::kForward, i, c});
     }
-    result.ran.push_back({PipelineAction::kForward, i});
   }
   ctx.exchange(out, -1, step.micro_batches, sends);
   for (auto& w : sends) w->wait();

@@ -15,6 +15,8 @@ PipelineSchedule parse_pipeline_schedule(const std::string& name) {
   if (name == "gpipe") return PipelineSchedule::kGPipe;
   if (name == "1f1b") return PipelineSchedule::k1F1B;
   if (name == "zb") return PipelineSchedule::kZeroBubble;
+  // (kInterleaved runs in run_pipeline_step; the Trainer does not split a model into chunks yet,
+  // so the flag does not offer it.)
   throw Error("pipeline schedule '" + name + "' does not exist; use gpipe (all forwards, then all backwards), " +
               "1f1b (one forward, one backward after a warm-up) or zb (zero bubble: the weight-gradient half of " +
               "each backward deferred into the bubble)");
@@ -25,6 +27,7 @@ const char* to_string(PipelineSchedule schedule) {
     case PipelineSchedule::kGPipe: return "gpipe";
     case PipelineSchedule::k1F1B: return "1f1b";
     case PipelineSchedule::kZeroBubble: return "zb";
+    case PipelineSchedule::kInterleaved: return "interleaved";
   }
   return "?";
 }
@@ -64,13 +67,43 @@ std::vector<std::vector<PipelineAction>> zero_bubble_lists(int P, int m) {
   return lists;
 }
 
+// Interleaved 1F1B (Megatron-LM's order): the k-th forward runs chunk (k mod P v) / P on
+// micro-batch (k / (P v)) P + k mod P, the k-th backward the chunks in reverse; a warm-up of
+// 2 (P - 1 - s) + (v - 1) P forwards (all of them when m = P), then one forward and one
+// backward in turn, then the remaining backwards.
+std::vector<PipelineAction> interleaved_list(int P, int s, int m, int v) {
+  DTRAIN_CHECK(P >= 2 && v >= 2, "the interleaved schedule needs at least 2 stages and 2 model chunks per stage, "
+               "got ", P, " and ", v, "; with one chunk use the 1f1b schedule");
+  DTRAIN_CHECK(m % P == 0, "the interleaved schedule runs the micro-batches ", P, " at a time (one per stage), but "
+               "the step has ", m, "; use a multiple of ", P, " micro-batches (--accum_steps)");
+  const int total = m * v;
+  const int warmup = m == P ? total : std::min(2 * (P - 1 - s) + (v - 1) * P, total);
+  auto action = [&](Kind kind, int k) {
+    const int chunk = k % (P * v) / P;
+    return PipelineAction{kind, k / (P * v) * P + k % P, kind == Kind::kForward ? chunk : v - 1 - chunk};
+  };
+  std::vector<PipelineAction> list;
+  for (int k = 0; k < warmup; ++k) list.push_back(action(Kind::kForward, k));
+  for (int k = warmup; k < total; ++k) {
+    list.push_back(action(Kind::kForward, k));
+    list.push_back(action(Kind::kBackward, k - warmup));
+  }
+  for (int k = total - warmup; k < total; ++k) list.push_back(action(Kind::kBackward, k));
+  return list;
+}
+
 }  // namespace
 
-std::vector<PipelineAction> pipeline_actions(PipelineSchedule schedule, int stages, int stage, int micro_batches) {
-  DTRAIN_CHECK(stages >= 1 && stage >= 0 && stage < stages && micro_batches >= 1, "pipeline_actions: stage ", stage,
-               " of ", stages, " with ", micro_batches, " micro-batches is not a pipeline step");
+std::vector<PipelineAction> pipeline_actions(PipelineSchedule schedule, int stages, int stage, int micro_batches,
+                                             int chunks) {
+  DTRAIN_CHECK(stages >= 1 && stage >= 0 && stage < stages && micro_batches >= 1 && chunks >= 1, "pipeline_actions: "
+               "stage ", stage, " of ", stages, " with ", micro_batches, " micro-batches and ", chunks,
+               " chunk(s) is not a pipeline step");
+  DTRAIN_CHECK(chunks == 1 || schedule == PipelineSchedule::kInterleaved, chunks, " model chunks per stage are "
+               "for the interleaved schedule, not ", to_string(schedule));
   std::vector<PipelineAction> actions;
   const int m = micro_batches;
+  if (schedule == PipelineSchedule::kInterleaved) return interleaved_list(stages, stage, m, chunks);
   if (schedule == PipelineSchedule::kZeroBubble) return zero_bubble_lists(stages, m)[stage];
   if (schedule == PipelineSchedule::kGPipe) {
     for (int i = 0; i < m; ++i) actions.push_back({Kind::kForward, i});
@@ -88,6 +121,40 @@ std::vector<PipelineAction> pipeline_actions(PipelineSchedule schedule, int stag
   return actions;
 }
 
+PipelineExchangePlan pipeline_exchange_plan(PipelineSchedule schedule, const std::vector<PipelineAction>& list,
+                                            int stages, int stage, int chunks) {
+  const int V = stages * chunks;
+  const int n = static_cast<int>(list.size());
+  auto receives = [&](const PipelineAction& a) {
+    const int vs = a.chunk * stages + stage;
+    if (a.kind == Kind::kForward) return vs > 0;
+    return a.kind != Kind::kBackwardWeight && vs < V - 1;
+  };
+  PipelineExchangePlan plan;
+  plan.issue.assign(n, true);
+  plan.receives.assign(n, {});
+  // Every forward before every backward (interleaved with m = P: no steady phase) is paired
+  // nowhere, as in Megatron-LM: the first backward's gradient comes only after the last forward.
+  const int forwards = static_cast<int>(
+      std::count_if(list.begin(), list.end(), [](const PipelineAction& a) { return a.kind == Kind::kForward; }));
+  int leading = 0;
+  while (leading < n && list[leading].kind == Kind::kForward) ++leading;
+  const bool paired = schedule == PipelineSchedule::kInterleaved && leading < forwards;
+  for (int k = 0; k < n; ++k) {
+    const bool backward = list[k].kind == Kind::kBackward || list[k].kind == Kind::kBackwardInput;
+    if (paired && backward && k > 0 && list[k - 1].kind == Kind::kForward) {
+      plan.issue[k] = false;  // received with the forward before it
+      continue;
+    }
+    if (receives(list[k])) plan.receives[k].push_back(k);
+    if (paired && list[k].kind == Kind::kForward && k + 1 < n && list[k + 1].kind != Kind::kForward &&
+        receives(list[k + 1])) {
+      plan.receives[k].push_back(k + 1);
+    }
+  }
+  return plan;
+}
+
 namespace {
 
 const char* kind_name(Kind k) {
@@ -100,13 +167,14 @@ const char* kind_name(Kind k) {
   return "?";
 }
 
-// Each micro-batch's forward once, then either one whole backward or B then W, on one stage.
-void check_list(const std::vector<PipelineAction>& list, int stage, int m) {
-  std::vector<int> seen_f(m, 0), seen_b(m, 0), seen_whole(m, 0), seen_w(m, 0);
+// Each micro-batch's forward once, then either one whole backward or B then W, on one stage,
+// for each of its v chunks.
+void check_list(const std::vector<PipelineAction>& list, int stage, int m, int v) {
+  std::vector<int> seen_f(m * v, 0), seen_b(m * v, 0), seen_whole(m * v, 0), seen_w(m * v, 0);
   for (const PipelineAction& a : list) {
-    DTRAIN_CHECK(a.micro >= 0 && a.micro < m, "pipeline schedule: stage ", stage, " has a ", kind_name(a.kind),
-                 " of micro-batch ", a.micro, " of ", m);
-    const int i = a.micro;
+    DTRAIN_CHECK(a.micro >= 0 && a.micro < m && a.chunk >= 0 && a.chunk < v, "pipeline schedule: stage ", stage,
+                 " has a ", kind_name(a.kind), " of micro-batch ", a.micro, " of ", m, ", chunk ", a.chunk, " of ", v);
+    const int i = a.chunk * m + a.micro;
     switch (a.kind) {
       case Kind::kForward:
         DTRAIN_CHECK(!seen_f[i]++, "pipeline schedule: stage ", stage, " runs the forward of micro-batch ", i, " twice");
@@ -123,9 +191,9 @@ void check_list(const std::vector<PipelineAction>& list, int stage, int m) {
         break;
     }
   }
-  for (int i = 0; i < m; ++i) {
+  for (int i = 0; i < m * v; ++i) {
     DTRAIN_CHECK(seen_f[i] && (seen_whole[i] || (seen_b[i] && seen_w[i])), "pipeline schedule: stage ", stage,
-                 " does not run the whole forward and backward of micro-batch ", i);
+                 " does not run the whole forward and backward of micro-batch ", i % m, " (chunk ", i / m, ")");
   }
 }
 
@@ -136,9 +204,14 @@ SimulatedPipeline simulate_pipeline(const std::vector<std::vector<PipelineAction
   const int P = static_cast<int>(stages.size());
   const int m = micro_batches;
   DTRAIN_CHECK(P >= 1 && m >= 1, "simulate_pipeline: ", P, " stages and ", m, " micro-batches");
-  for (int s = 0; s < P; ++s) check_list(stages[s], s, m);
+  int v = 1;  // chunks per stage
+  for (const auto& list : stages) {
+    for (const PipelineAction& a : list) v = std::max(v, a.chunk + 1);
+  }
+  for (int s = 0; s < P; ++s) check_list(stages[s], s, m, v);
+  const int V = v * P;  // virtual stages: chunk c of stage s is c P + s
   constexpr double kNever = -1;
-  std::vector<std::vector<double>> f(P, std::vector<double>(m, kNever)), b = f;
+  std::vector<std::vector<double>> f(V, std::vector<double>(m, kNever)), b = f;
   std::vector<size_t> next(P, 0);
   std::vector<double> free_at(P, 0);
   std::vector<int> in_flight(P, 0);
@@ -150,28 +223,28 @@ SimulatedPipeline simulate_pipeline(const std::vector<std::vector<PipelineAction
     for (int s = 0; s < P; ++s) {
       for (; next[s] < stages[s].size(); ++next[s]) {
         const PipelineAction& a = stages[s][next[s]];
-        const int i = a.micro;
+        const int i = a.micro, vs = a.chunk * P + s;
         double ready = 0, cost = costs.forward;
         switch (a.kind) {
-          case Kind::kForward: ready = s == 0 ? 0 : f[s - 1][i]; break;
+          case Kind::kForward: ready = vs == 0 ? 0 : f[vs - 1][i]; break;
           case Kind::kBackward:
           case Kind::kBackwardInput:
-            ready = s == P - 1 ? f[s][i] : b[s + 1][i];
+            ready = vs == V - 1 ? f[vs][i] : b[vs + 1][i];
             cost = a.kind == Kind::kBackward ? costs.backward_input + costs.backward_weight : costs.backward_input;
             break;
-          case Kind::kBackwardWeight: ready = b[s][i]; cost = costs.backward_weight; break;
+          case Kind::kBackwardWeight: ready = b[vs][i]; cost = costs.backward_weight; break;
         }
         if (ready == kNever) break;  // waits for another stage
         const double end = std::max(free_at[s], ready) + cost;
         free_at[s] = end;
         out.busy[s] += cost;
         if (a.kind == Kind::kForward) {
-          f[s][i] = end;
+          f[vs][i] = end;
           out.peak_in_flight[s] = std::max(out.peak_in_flight[s], ++in_flight[s]);
         } else if (a.kind == Kind::kBackwardWeight) {
           --in_flight[s];
         } else {
-          b[s][i] = end;
+          b[vs][i] = end;
           if (a.kind == Kind::kBackward) --in_flight[s];
         }
         progress = true;
@@ -183,7 +256,7 @@ SimulatedPipeline simulate_pipeline(const std::vector<std::vector<PipelineAction
     if (next[s] < stages[s].size()) {
       const PipelineAction& a = stages[s][next[s]];
       stuck << (stuck.tellp() > 0 ? "; " : "") << "stage " << s << " at its " << kind_name(a.kind)
-            << " of micro-batch " << a.micro;
+            << " of micro-batch " << a.micro << (v > 1 ? ", chunk " + std::to_string(a.chunk) : std::string());
     }
   }
   DTRAIN_CHECK(stuck.tellp() == 0, "pipeline schedule: the stages' lists deadlock (", stuck.str(), ")");
@@ -193,9 +266,11 @@ SimulatedPipeline simulate_pipeline(const std::vector<std::vector<PipelineAction
 }
 
 SimulatedPipeline simulate_pipeline(PipelineSchedule schedule, int stages, int micro_batches,
-                                    const PipelineCosts& costs) {
+                                    const PipelineCosts& costs, int chunks) {
+  if (schedule == PipelineSchedule::kZeroBubble) return simulate_pipeline(zero_bubble_lists(stages, micro_batches),
+                                                                          micro_batches, costs);
   std::vector<std::vector<PipelineAction>> lists;
-  for (int s = 0; s < stages; ++s) lists.push_back(pipeline_actions(schedule, stages, s, micro_batches));
+  for (int s = 0; s < stages; ++s) lists.push_back(pipeline_actions(schedule, stages, s, micro_batches, chunks));
   return simulate_pipeline(lists, micro_batches, costs);
 }
 

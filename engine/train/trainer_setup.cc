@@ -196,6 +196,8 @@ void check_pipeline_options(const TrainerOptions& o, const dist::Mesh& mesh) {
                                                                        : nullptr;
   DTRAIN_CHECK(unsupported == nullptr, unsupported ? unsupported : "", " with pipeline parallelism (--pp=", P,
                ") is not supported yet; train with --pp=1, or without ", unsupported ? unsupported : "");
+  DTRAIN_CHECK(o.pipeline.schedule != PipelineSchedule::kInterleaved, "the Trainer does not run the interleaved "
+               "pipeline schedule yet (it needs each stage's model in chunks); use gpipe, 1f1b or zb");
   // The weight half of a split backward runs after the blocks' streamed weights went back to
   // the host (layer offload keeps one block's weights on the device at a time).
   DTRAIN_CHECK(!(o.pipeline.schedule == PipelineSchedule::kZeroBubble && o.offload_layers), "--pp_schedule=zb "

@@ -59,6 +59,19 @@ at::Tensor run_blocks(Model& m, int begin, int end, at::Tensor x) {
   return x;
 }
 
+// The reference: the whole model in this process, the mean of m micro-batches' losses, backward
+// run (the gradients in the returned model); the mean loss.
+std::pair<Model, double> whole_model_step(int m) {
+  Model whole = make_model();
+  at::Tensor total = at::zeros({}, at::kDouble);
+  for (int i = 0; i < m; ++i) {
+    auto [x, y] = micro_batch(i);
+    total = total + torch::mse_loss(whole.head->forward(run_blocks(whole, 0, kBlocks, x)), y);
+  }
+  (total / m).backward();
+  return {std::move(whole), (total / m).item<double>()};
+}
+
 // The world ranks of a group's members, in its rank order (collective over the group).
 std::vector<int64_t> members(dist::Communicator& c, int world_rank) {
   at::Tensor all = at::empty({c.size()}, at::kLong);
@@ -141,14 +154,7 @@ TEST(Pipeline, StagesTrainAsOneProcessForEverySchedule) {
   const int per = kBlocks / stages, begin = s * per, end = begin + per;
   const bool last = s == stages - 1;
   for (int m : {1, 3, 8}) {
-    // The reference: the whole model in this process, the mean of the micro-batches' losses.
-    Model whole = make_model();
-    at::Tensor total = at::zeros({}, at::kDouble);
-    for (int i = 0; i < m; ++i) {
-      auto [x, y] = micro_batch(i);
-      total = total + torch::mse_loss(whole.head->forward(run_blocks(whole, 0, kBlocks, x)), y);
-    }
-    (total / m).backward();
+    auto [whole, mean_loss] = whole_model_step(m);
     const std::vector<at::Tensor> want = whole.params(begin, end, last);
     for (PipelineSchedule schedule : {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B, PipelineSchedule::kZeroBubble}) {
       const std::string what = std::string(to_string(schedule)) + ", " + std::to_string(m) + " micro-batches, stage " +
@@ -172,7 +178,7 @@ TEST(Pipeline, StagesTrainAsOneProcessForEverySchedule) {
         EXPECT_LT(rel_error(got[k].grad(), want[k].grad()), 1e-12) << what << ", parameter " << k;
       }
       if (last) {
-        EXPECT_NEAR(result.loss, (total / m).item<double>(), 1e-12) << what;
+        EXPECT_NEAR(result.loss, mean_loss, 1e-12) << what;
       } else {
         EXPECT_EQ(result.loss, 0) << what;
       }
@@ -187,6 +193,66 @@ TEST(Pipeline, StagesTrainAsOneProcessForEverySchedule) {
       EXPECT_EQ(result.ran, pipeline_actions(schedule, stages, s, m)) << what;
     }
   }
+}
+
+// Interleaved 1F1B: each rank holds chunks of the 8 blocks that are not consecutive (virtual
+// stage c P + s holds blocks [(c P + s) b, (c P + s + 1) b) of b = 8 / (v P) each), the ring
+// wrapping from the last rank to the first; the gradients and the loss equal one process's, and
+// the forward-only pass gives the loss too. At P = 1 a group of one cannot interleave (refused).
+TEST(Pipeline, InterleavedChunksTrainAsOneProcess) {
+  auto& pp = world_comm();
+  const int P = pp.size(), s = pp.rank();
+  if (P == 1) {
+    EXPECT_TRUE(testing_util::throws_error_with(
+        [] { pipeline_actions(PipelineSchedule::kInterleaved, 1, 0, 2, 2); }, "at least 2 stages"));
+    return;
+  }
+  for (int v : {2, 4}) {
+    if (kBlocks % (v * P) != 0) continue;
+    const int per = kBlocks / (v * P);
+    for (int m : {P, 2 * P, 3 * P}) {
+      auto [whole, mean_loss] = whole_model_step(m);
+      const std::string what = "P " + std::to_string(P) + ", v " + std::to_string(v) + ", " + std::to_string(m) +
+                               " micro-batches, stage " + std::to_string(s);
+      Model model = make_model();
+      PipelineStep step;
+      step.micro_batches = m;
+      step.schedule = PipelineSchedule::kInterleaved;
+      step.chunks = v;
+      step.activation_shape = {kPipeRows, kWidth};
+      step.activation_options = at::TensorOptions().dtype(at::kDouble);
+      step.input = [](int i) { return micro_batch(i).first; };
+      const int V = v * P;
+      step.chunk_forward = [&](const at::Tensor& x, int i, int c) {
+        const int vs = c * P + s;
+        at::Tensor h = run_blocks(model, vs * per, (vs + 1) * per, x);
+        return vs == V - 1 ? torch::mse_loss(model.head->forward(h), micro_batch(i).second) : h;
+      };
+      const PipelineStepResult result = run_pipeline_step(pp, step);
+      EXPECT_EQ(result.ran, pipeline_actions(PipelineSchedule::kInterleaved, P, s, m, v)) << what;
+      for (int c = 0; c < v; ++c) {
+        const int vs = c * P + s;
+        const std::vector<at::Tensor> got = model.params(vs * per, (vs + 1) * per, vs == V - 1);
+        const std::vector<at::Tensor> want = whole.params(vs * per, (vs + 1) * per, vs == V - 1);
+        for (size_t k = 0; k < got.size(); ++k) {
+          ASSERT_TRUE(got[k].grad().defined()) << what << ", chunk " << c << ", parameter " << k;
+          EXPECT_LT(rel_error(got[k].grad(), want[k].grad()), 1e-12) << what << ", chunk " << c << ", parameter " << k;
+        }
+      }
+      if (s == P - 1) EXPECT_NEAR(result.loss, mean_loss, 1e-12) << what;
+      EXPECT_EQ(result.peak_in_flight,
+                simulate_pipeline(PipelineSchedule::kInterleaved, P, m, {}, v).peak_in_flight[s]) << what;
+      // Forward only (evaluation): micro-batch after micro-batch, around the ring v times.
+      {
+        at::NoGradGuard no_grad;
+        const PipelineStepResult eval = run_pipeline_forward(pp, step);
+        if (s == P - 1) EXPECT_NEAR(eval.loss, mean_loss, 1e-12) << what << ", forward only";
+      }
+    }
+  }
+  // Micro-batches that are not a multiple of the stages are refused before any message.
+  EXPECT_TRUE(testing_util::throws_error_with(
+      [&] { pipeline_actions(PipelineSchedule::kInterleaved, P, s, P + 1, 2); }, "use a multiple of"));
 }
 
 // Activation memory, counted exactly on the CPU: with m = 8 micro-batches a 1F1B stage holds

@@ -88,6 +88,7 @@ std::map<std::string, Probe> training_and_layout_probes() {
     {"tp", {"2", {}, kToRun, [](const Built& b) { return text(b.run.tp); }}},
     {"sequence_parallel", {"true", {}, kToRun, [](const Built& b) { return text(b.run.sequence_parallel); }}},
     {"pp", {"2", {}, kToRun, [](const Built& b) { return text(b.run.pp); }}},
+    {"cp", {"2", {}, kToRun, [](const Built& b) { return text(b.run.cp); }}},
     {"pp_schedule", {"gpipe", {}, kToTrainer,
                      [](const Built& b) { return text(static_cast<int>(b.trainer.pipeline.schedule)); }}},
     {"pp_blocks", {"1,2", {{"pp", "2"}}, kToTrainer | kToRun,

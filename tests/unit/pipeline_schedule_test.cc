@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <tuple>
 #include <set>
@@ -22,7 +23,8 @@ std::string render(const std::vector<PipelineAction>& actions) {
   std::string out;
   for (const PipelineAction& a : actions) {
     const char* kind = a.kind == PipelineAction::kForward ? "F" : a.kind == PipelineAction::kBackwardWeight ? "W" : "B";
-    out += (out.empty() ? "" : " ") + std::string(kind) + std::to_string(a.micro);
+    out += (out.empty() ? "" : " ") + std::string(kind) + std::to_string(a.micro) +
+           (a.chunk > 0 ? "." + std::to_string(a.chunk) : std::string());
   }
   return out;
 }
@@ -103,6 +105,44 @@ TEST(PipelineSchedule, ZeroBubbleHoldsOneFOneBsPeakAndAlmostNoBubble) {
   }
 }
 
+// Interleaved 1F1B (Megatron's order), against the model of the pipeline with a chunk's forward
+// 1 unit and its backward 2: every (micro-batch, chunk) once, forward first; the step is
+// 3 m v + 3 (P - 1) units, the bubble share (P - 1) / (m v + P - 1) on every stage (1F1B's with
+// m v micro-batches: v times smaller than 1F1B's over the same m); the warm-up
+// 2 (P - 1 - s) + (v - 1) P forwards.
+TEST(PipelineSchedule, InterleavedShrinksTheBubbleByTheChunks) {
+  // 2 stages, 2 chunks, 4 micro-batches; stage 0 warms up with 2 (2 - 1) + 2 = 4 forwards: micro-
+  // batches 0 and 1 through chunk 0, then through chunk 1 (".1").
+  EXPECT_EQ(render(pipeline_actions(PipelineSchedule::kInterleaved, 2, 0, 4, 2)),
+            "F0 F1 F0.1 F1.1 F2 B0.1 F3 B1.1 F2.1 B0 F3.1 B1 B2.1 B3.1 B2 B3");
+  EXPECT_EQ(render(pipeline_actions(PipelineSchedule::kInterleaved, 2, 1, 4, 2)),
+            "F0 F1 F0.1 B0.1 F1.1 B1.1 F2 B0 F3 B1 F2.1 B2.1 F3.1 B3.1 B2 B3");
+  for (int P = 2; P <= 8; ++P) {
+    for (int v = 2; v <= 4; ++v) {
+      for (int m = P; m <= 4 * P; m += P) {
+        const std::string what = std::to_string(P) + " stages, " + std::to_string(v) + " chunks, " +
+                                 std::to_string(m) + " micro-batches";
+        const SimulatedPipeline t = simulate_pipeline(PipelineSchedule::kInterleaved, P, m, {}, v);
+        EXPECT_DOUBLE_EQ(t.step, 3.0 * m * v + 3.0 * (P - 1)) << what;
+        for (int s = 0; s < P; ++s) {
+          EXPECT_NEAR(t.idle_share[s], (P - 1.0) / (m * v + P - 1.0), 1e-12) << what << ", stage " << s;
+          const auto list = pipeline_actions(PipelineSchedule::kInterleaved, P, s, m, v);
+          int leading = 0;  // the warm-up and the steady phase's first forward
+          while (list[leading].kind == PipelineAction::kForward) ++leading;
+          const int warmup = m == P ? m * v : std::min(2 * (P - 1 - s) + (v - 1) * P, m * v);
+          EXPECT_EQ(leading, std::min(warmup + 1, m * v)) << what << ", stage " << s;
+        }
+      }
+    }
+  }
+  EXPECT_TRUE(testing_util::throws_error_with([] { pipeline_actions(PipelineSchedule::kInterleaved, 4, 0, 6, 2); },
+                                              "the step has 6; use a multiple of 4 micro-batches"));
+  EXPECT_TRUE(testing_util::throws_error_with([] { pipeline_actions(PipelineSchedule::kInterleaved, 2, 0, 4, 1); },
+                                              "at least 2 stages and 2 model chunks per stage"));
+  EXPECT_TRUE(testing_util::throws_error_with([] { pipeline_actions(PipelineSchedule::k1F1B, 2, 0, 4, 2); },
+                                              "model chunks per stage are for the interleaved schedule"));
+}
+
 // The model refuses lists that deadlock (stage 1 waits for a forward that stage 0 runs only
 // after a backward that waits for stage 1), and lists that miss or misorder a half.
 TEST(PipelineSchedule, TheModelRefusesDeadlocksAndBadLists) {
@@ -144,29 +184,45 @@ struct P2p {
   bool send;
   int peer;
   int micro;
+  int chunk = 0;        // the virtual stage that receives the message
+  bool forward = true;  // an activation (else a gradient)
 };
 using Groups = std::vector<std::vector<P2p>>;
 
 // The groups run_pipeline_step issues on stage s: each action's receive together with the send
 // the action before produced (then the last action's send alone); `grouped` false: every
 // receive and send alone, in the order a stage needs them (receive, compute, send).
-Groups stage_exchanges(PipelineSchedule schedule, int stages, int s, int m, bool grouped) {
+// With chunks, the peers are those of the virtual stages (chunk c of stage s is c P + s), and a
+// message is named by the virtual stage that receives it, so a send must meet a receive of the
+// same micro-batch, direction and virtual stage. `grouped`: the groups pipeline_exchange_plan
+// gives (what run_pipeline_step issues); false: every receive and send alone, in the order a
+// stage needs them (receive, compute, send).
+Groups stage_exchanges(PipelineSchedule schedule, int stages, int s, int m, bool grouped, int chunks = 1) {
   Groups out;
-  std::vector<P2p> pending;  // the previous action's send
-  for (const PipelineAction& a : pipeline_actions(schedule, stages, s, m)) {
-    if (a.kind == PipelineAction::kBackwardWeight) {  // no message: the pending send goes out alone
+  std::vector<P2p> pending;  // the sends since the last group
+  const int V = stages * chunks;
+  const std::vector<PipelineAction> list = pipeline_actions(schedule, stages, s, m, chunks);
+  const PipelineExchangePlan plan = pipeline_exchange_plan(schedule, list, stages, s, chunks);
+  auto message = [&](const PipelineAction& a, bool send) -> std::optional<P2p> {
+    if (a.kind == PipelineAction::kBackwardWeight) return std::nullopt;
+    const bool fwd = a.kind == PipelineAction::kForward;
+    const int vs = a.chunk * stages + s;
+    const int other = fwd == send ? vs + 1 : vs - 1;  // sends go on, receives come from before
+    if (other < 0 || other >= V) return std::nullopt;
+    return P2p{send, other % stages, a.micro, send ? other : vs, fwd};
+  };
+  for (size_t k = 0; k < list.size(); ++k) {
+    if (!grouped) {
       if (!pending.empty()) out.push_back(pending);
       pending.clear();
-      continue;
+      if (auto r = message(list[k], false)) out.push_back({*r});
+    } else if (plan.issue[k]) {
+      std::vector<P2p> group = pending;
+      pending.clear();
+      for (int j : plan.receives[k]) group.push_back(*message(list[j], false));
+      if (!group.empty()) out.push_back(group);
     }
-    const bool fwd = a.kind == PipelineAction::kForward;
-    const int from = fwd ? s - 1 : s + 1, to = fwd ? s + 1 : s - 1;
-    std::vector<P2p> group = grouped ? pending : std::vector<P2p>{};
-    if (!grouped && !pending.empty()) out.push_back(pending);
-    pending.clear();
-    if (from >= 0 && from < stages) group.push_back({false, from, a.micro});
-    if (!group.empty()) out.push_back(group);
-    if (to >= 0 && to < stages) pending.push_back({true, to, a.micro});
+    if (auto snd = message(list[k], true)) pending.push_back(*snd);
   }
   if (!pending.empty()) out.push_back(pending);
   return out;
@@ -200,9 +256,11 @@ bool runs_to_completion(const std::vector<Groups>& ranks, std::string* why) {
     for (size_t k = 0; k < list.size(); ++k) {
       const P2p& a = ranks[list[k].rank][list[k].group][list[k].pos];
       const P2p& b = ranks[other[k].rank][other[k].group][other[k].pos];
-      if (a.micro != b.micro) {
+      if (a.micro != b.micro || a.chunk != b.chunk || a.forward != b.forward) {
         *why = "send #" + std::to_string(k) + " from " + std::to_string(pair.first) + " carries micro-batch " +
-               std::to_string(a.micro) + " to a receive of " + std::to_string(b.micro);
+               std::to_string(a.micro) + " (virtual stage " + std::to_string(a.chunk) + ", " +
+               (a.forward ? "activation" : "gradient") + ") to a receive of " + std::to_string(b.micro) +
+               " (virtual stage " + std::to_string(b.chunk) + ", " + (b.forward ? "activation" : "gradient") + ")";
         return false;
       }
       partner[{list[k].rank, list[k].group, list[k].pos}] = other[k];
@@ -243,6 +301,25 @@ bool runs_to_completion(const std::vector<Groups>& ranks, std::string* why) {
       for (int r = 0; r < n; ++r) os << " rank " << r << " at group " << head[r] << "/" << ranks[r].size() << ";";
       *why = os.str();
       return false;
+    }
+  }
+}
+
+// Interleaved: the ring wraps (the last rank sends chunk c's activation to the first rank's
+// chunk c + 1), and messages between two ranks in both directions carry different virtual
+// stages; each must meet its own receive, in order.
+TEST(PipelineExchanges, InterleavedGroupsNeverDeadlockAndEachMessageMeetsItsReceive) {
+  for (int stages = 2; stages <= 8; ++stages) {
+    for (int v = 2; v <= 4; ++v) {
+      for (int m = stages; m <= 3 * stages; m += stages) {
+        std::vector<Groups> ranks;
+        for (int s = 0; s < stages; ++s) {
+          ranks.push_back(stage_exchanges(PipelineSchedule::kInterleaved, stages, s, m, true, v));
+        }
+        std::string why;
+        EXPECT_TRUE(runs_to_completion(ranks, &why))
+            << stages << " stages, " << v << " chunks, " << m << " micro-batches: " << why;
+      }
     }
   }
 }

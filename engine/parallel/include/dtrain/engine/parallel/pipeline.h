@@ -19,6 +19,12 @@
 //          W. A micro-batch's activations are held until its W. At unit costs its step is
 //          the ideal 3m + (P - 1) units plus at most max(P - m, 4) for P <= 8 (1f1b:
 //          3m + 3 (P - 1)); simulate_pipeline() says exactly.
+//   interleaved  interleaved 1F1B (Megatron-LM's virtual stages; Narayanan et al., 2021): each
+//          rank holds v chunks of the model (PipelineStep::chunks), rank s chunk c being virtual
+//          stage c P + s of v P, so a micro-batch goes round the ring of ranks v times and the
+//          bubble shrinks to (P - 1) / (v m) of the step. Megatron's order: forwards and
+//          backwards go through the chunks P micro-batches at a time, after a warm-up of
+//          2 (P - 1 - s) + (v - 1) P forwards. m must be a multiple of P.
 // All leave the same gradients in the stage's parameters (.grad accumulates, as autograd
 // does), equal to one process running the whole model on the same micro-batches (zb: summed
 // in another order, equal to rounding).
@@ -46,8 +52,9 @@
 
 namespace dtrain::engine {
 
-enum class PipelineSchedule { kGPipe, k1F1B, kZeroBubble };
-// "gpipe", "1f1b" or "zb"; anything else is a dtrain::Error naming them.
+enum class PipelineSchedule { kGPipe, k1F1B, kZeroBubble, kInterleaved };
+// "gpipe", "1f1b" or "zb"; anything else is a dtrain::Error naming them (kInterleaved runs in
+// run_pipeline_step, but the Trainer does not split a model into chunks yet).
 PipelineSchedule parse_pipeline_schedule(const std::string& name);
 const char* to_string(PipelineSchedule schedule);
 
@@ -55,17 +62,40 @@ struct PipelineAction {
   // kBackward: the whole backward; kBackwardInput and kBackwardWeight: its two halves (zb).
   enum Kind { kForward, kBackward, kBackwardInput, kBackwardWeight };
   Kind kind;
-  int micro;  // 0 .. micro_batches - 1
-  bool operator==(const PipelineAction& o) const { return kind == o.kind && micro == o.micro; }
+  int micro;      // 0 .. micro_batches - 1
+  int chunk = 0;  // the model chunk (interleaved: 0 .. chunks - 1; virtual stage chunk * P + stage)
+  bool operator==(const PipelineAction& o) const { return kind == o.kind && micro == o.micro && chunk == o.chunk; }
 };
 
 // Stage `stage` of `stages`: its actions for `micro_batches` micro-batches, in the order the
 // schedule runs them. A micro-batch's forward comes before its backward (halves: B before W).
-std::vector<PipelineAction> pipeline_actions(PipelineSchedule schedule, int stages, int stage, int micro_batches);
+// chunks: the model chunks per stage, 1 except for interleaved (>= 2). dtrain::Error for an
+// interleaved step whose micro-batches are not a multiple of the stages, or with one stage or
+// chunk, naming the fix.
+std::vector<PipelineAction> pipeline_actions(PipelineSchedule schedule, int stages, int stage, int micro_batches,
+                                             int chunks = 1);
+
+// How a stage groups its messages (PipelineStep's transport): before action k of its list it
+// issues one group (CommGroup) holding every send the actions since the last group produced and
+// the receives of the actions in receives[k] (a group with nothing in it is not issued); then it
+// waits for those receives. issue[k] false: no group before action k. gpipe, 1f1b and zb: a group
+// before every action, receiving that action's message. interleaved (Megatron-LM's batched
+// exchanges): a forward followed by a backward share one group, before the forward, receiving
+// both their messages; none between them (except where every forward precedes every backward,
+// m = P: there a group before every action, as for 1f1b). Sends are issued in the order they were produced,
+// receives in list order. `list` is pipeline_actions(schedule, stages, stage, m, chunks).
+struct PipelineExchangePlan {
+  std::vector<bool> issue;
+  std::vector<std::vector<int>> receives;
+};
+PipelineExchangePlan pipeline_exchange_plan(PipelineSchedule schedule, const std::vector<PipelineAction>& list,
+                                            int stages, int stage, int chunks = 1);
 
 // Every stage's actions run against each other on a model of the pipeline: a forward waits
 // for the stage before's forward of the same micro-batch, a backward (or B) for the stage
-// after's backward (or B) (the last stage's for its own forward), a W for its B; a stage runs
+// after's backward (or B) (the last stage's for its own forward), a W for its B, where "before"
+// and "after" are virtual stages when the lists hold chunks (chunk c of stage s is virtual stage
+// c P + s: the one before chunk c of stage 0 is chunk c - 1 of stage P - 1); a stage runs
 // its list in order, each action as soon as the stage is free and what it waits for is done
 // (messages take no time). The costs are per action: forward, B and W (a whole backward costs
 // B + W). Throws dtrain::Error naming the stage and action for lists that would deadlock, or
@@ -81,9 +111,9 @@ struct SimulatedPipeline {
 };
 SimulatedPipeline simulate_pipeline(const std::vector<std::vector<PipelineAction>>& stages, int micro_batches,
                                     const PipelineCosts& costs = {});
-// simulate_pipeline of the schedule's lists for every stage.
+// simulate_pipeline of the schedule's lists for every stage (the costs per chunk).
 SimulatedPipeline simulate_pipeline(PipelineSchedule schedule, int stages, int micro_batches,
-                                    const PipelineCosts& costs = {});
+                                    const PipelineCosts& costs = {}, int chunks = 1);
 
 // How a stack of `blocks` blocks is cut into `stages` consecutive stages: the first block of
 // each stage and, last, `blocks` (stages + 1 entries; stage s holds [b[s], b[s+1])).
@@ -99,6 +129,8 @@ std::vector<int> pipeline_stage_bounds(int blocks, int stages, const std::string
 struct PipelineStep {
   int micro_batches = 1;
   PipelineSchedule schedule = PipelineSchedule::k1F1B;
+  // Model chunks on this stage (interleaved: >= 2, and chunk_forward instead of forward).
+  int chunks = 1;
   // The activation a stage sends to the next (and the gradient it gets back): its shape and
   // dtype, the same for every micro-batch; device: the stage's.
   std::vector<int64_t> activation_shape;
@@ -109,6 +141,10 @@ struct PipelineStep {
   // received from the stage before. The last stage returns micro-batch i's loss (a scalar,
   // its mean over the micro-batch's rows); the others the activation to send on.
   std::function<at::Tensor(const at::Tensor& x, int micro)> forward;
+  // With chunks > 1: the computation of one chunk (virtual stage chunk * P + stage). The first
+  // virtual stage (chunk 0 of stage 0) gets input(i), the last (chunk chunks - 1 of stage P - 1)
+  // returns the loss; every other chunk the activation, of activation_shape.
+  std::function<at::Tensor(const at::Tensor& x, int micro, int chunk)> chunk_forward;
   // Optional: the device's allocated memory in MiB (engine::memory_stats(device).allocated_mb),
   // read after each forward for PipelineStepResult::peak_activation_mb.
   std::function<double()> allocated_mb;
