@@ -525,6 +525,7 @@ def scenario_context_parallel(args):
         (2, ["--cp=2", "--batch_size=8", "--shard=parameters", "--checkpoint_activations"],
          "cp 2, ZeRO-3, checkpointed"),
         (4, ["--cp=2", "--pp=2", "--batch_size=8", "--accum_steps=2"], "pp 2 x cp 2"),
+        (2, ["--cp=2", "--batch_size=8", "--offload=optimizer"], "cp 2, optimizer offloaded"),
     ]
     for i, (ranks, flags, name) in enumerate(layouts):
         other = train(args, "train_gpt", ranks, shape + ev + flags, f"cp-{i}")
