@@ -80,6 +80,7 @@ ModelSpec token_window_spec(const std::shared_ptr<Model>& model, std::vector<std
     return std::vector<int64_t>{rows, rows_per_rank, d};
   };
   s.activation_dtype = activation_dtype;
+  s.context_parallel = model->cp;
   return s;
 }
 

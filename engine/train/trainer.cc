@@ -65,6 +65,11 @@ std::vector<Batch> split_batch(const Batch& batch, int n) {
 Trainer::Applied Trainer::apply_to_spec(ModelSpec spec, dist::Mesh& mesh, c10::Device device,
                                         TrainerOptions options) {
   validate(spec);
+  DTRAIN_CHECK(spec.context_parallel == nullptr || spec.context_parallel == &mesh.cp(), "the model splits its "
+               "sequences over a context-parallel group of ", spec.context_parallel ? spec.context_parallel->size() : 0,
+               " rank(s) that is not the mesh's cp axis (", mesh.cp_size(), " rank(s)): its weights' gradients would "
+               "not be averaged over it; build the mesh with that context-parallel size (Mesh(world, tp, pp, cp)) and "
+               "the model with &mesh.cp()");
   ModelTechniques t;
   t.checkpoint_activations = options.checkpoint_activations;
   t.offload_layers = options.offload_layers;

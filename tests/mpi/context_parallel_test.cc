@@ -26,6 +26,7 @@
 #include "dtrain/engine/memory/memory.h"
 #include "dtrain/engine/models/llama.h"
 #include "dtrain/engine/parallel/tensor_parallel.h"
+#include "dtrain/engine/train/trainer.h"
 #include "model_cases.h"
 #include "test_util.h"
 
@@ -465,6 +466,27 @@ TEST(ContextParallelModel, ASequenceTheLayoutCannotSplitIsRefusedWithTheFix) {
   LlamaImpl llama(lo, mesh.tp(), &mesh.cp());
   e = testing_util::error_of([&] { llama.make_kv_cache(1, 4); });
   EXPECT_NE(e.find("the model is context-parallel"), std::string::npos) << e;
+}
+
+// A model split over a context-parallel group that is not the trainer's mesh's cp axis would
+// train with each rank's own gradient (the replicas do not include that group): refused, naming
+// the fix.
+TEST(ContextParallelModel, TheTrainerRefusesAGroupThatIsNotTheMeshsCpAxis) {
+  auto& world = world_comm();
+  if (world.size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  dist::Mesh split(world, 1, 1, world.size());
+  dist::Mesh plain(world, 1);
+  GptOptions o;
+  o.vocab = 11;
+  o.d_model = 8;
+  o.heads = 2;
+  o.ff = 16;
+  o.layers = 1;
+  o.seq_len = 2 * world.size();
+  auto model = std::make_shared<GptImpl>(o, split.tp(), &split.cp());
+  const std::string e = testing_util::error_of([&] { Trainer t(gpt_spec(model), plain, c10::Device(c10::kCPU), {}); });
+  EXPECT_NE(e.find("is not the mesh's cp axis (1 rank(s))"), std::string::npos) << e;
+  EXPECT_NE(e.find("the model with &mesh.cp()"), std::string::npos) << e;
 }
 
 // The replicas of the standard mesh with cp: dp x cp, ordered by (dp rank, cp rank), by the

@@ -29,6 +29,7 @@
 #include <c10/core/ScalarType.h>
 #include <torch/nn/module.h>
 
+#include "dtrain/dist/communicator.h"
 #include "dtrain/engine/data/data.h"
 #include "dtrain/engine/models/blocks.h"
 
@@ -70,6 +71,10 @@ struct ModelSpec {
   // its dtype.
   std::function<std::vector<int64_t>(int64_t rows)> activation_shape;
   at::ScalarType activation_dtype = at::kFloat;
+  // The context-parallel group the model splits its sequences over (null: none). The Trainer
+  // refuses a group other than its mesh's cp axis: the weights' gradients are averaged over the
+  // mesh's replicas (dp x cp), so a group outside them would leave each rank its own gradient.
+  dist::Communicator* context_parallel = nullptr;
 };
 
 // dtrain::Error naming the missing or inconsistent field (no module, no blocks, a blocks
