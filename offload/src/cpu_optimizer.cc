@@ -171,8 +171,10 @@ void CpuOptimizer::Impl::allocate_arrays() {
     std::vector<float*> ptrs;
     const double init = array == "sum" ? options.initial_accumulator_value : 0.0;
     for (int64_t c = 0; c < chunk_count(); ++c) {
-      at::Tensor t = pool.allocate(chunk_size(c), at::kFloat);
-      host_bytes += pool.charged_bytes(t.nbytes());
+      // Never a device copy's source or target (the new weights go out through copy_back's
+      // pinned tiles), so ordinary memory: no page-locking of the largest host arrays.
+      at::Tensor t = pool.allocate_pageable(chunk_size(c), at::kFloat);
+      host_bytes += t.nbytes();
       t.fill_(init);
       ptrs.push_back(t.data_ptr<float>());
       chunks.push_back(std::move(t));

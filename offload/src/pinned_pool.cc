@@ -104,12 +104,20 @@ int64_t PinnedPool::charged_bytes(int64_t bytes) const {
   return state_->pin ? next_power_of_two(bytes) : bytes;
 }
 
-at::Tensor PinnedPool::allocate(int64_t bytes) {
+at::Tensor PinnedPool::allocate(int64_t bytes) { return allocate_bytes(bytes, state_->pin); }
+
+at::Tensor PinnedPool::allocate_pageable(int64_t numel, at::ScalarType dtype) {
+  DTRAIN_CHECK(numel >= 1, "pinned host pool: cannot allocate ", numel, " elements of ", dtype,
+               "; a request must be at least 1 element");
+  return allocate_bytes(numel * static_cast<int64_t>(c10::elementSize(dtype)), /*pin=*/false).view(dtype);
+}
+
+at::Tensor PinnedPool::allocate_bytes(int64_t bytes, bool pin) {
   const PinnedPoolOptions& opt = state_->options;
   DTRAIN_CHECK(bytes >= 1, "pinned host pool: cannot allocate ", bytes,
                " bytes; a request must be at least 1 byte");
-  const int64_t charge = charged_bytes(bytes);
-  const std::string what = state_->pin ? "pinned host memory" : "host memory";
+  const int64_t charge = pin ? charged_bytes(bytes) : bytes;
+  const std::string what = pin ? "pinned host memory" : "host memory";
   {
     std::lock_guard<std::mutex> lock(state_->mutex);
     if (opt.limit_bytes > 0 && state_->used + charge > opt.limit_bytes) {
@@ -140,7 +148,7 @@ at::Tensor PinnedPool::allocate(int64_t bytes) {
   }
   at::Tensor raw;
   try {
-    raw = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(state_->pin));
+    raw = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(pin));
   } catch (const std::exception& e) {
     state_->release(charge);
     throw Error("pinned host pool: allocating " + format_bytes(charge) + " of " + what +
@@ -148,7 +156,7 @@ at::Tensor PinnedPool::allocate(int64_t bytes) {
   }
   std::shared_ptr<State> state = state_;
   void* data = raw.data_ptr();
-  if (!state_->pin && opt.huge_pages && bytes >= (int64_t{4} << 20)) {
+  if (!pin && opt.huge_pages && bytes >= (int64_t{4} << 20)) {
     advise_huge_pages(data, bytes);  // before the first touch, so faults map huge pages
   }
   // The returned tensor owns `raw`; when its storage dies, raw is freed and the charge lifted.

@@ -87,6 +87,31 @@ TEST(OffloadPinnedPool, LargeAllocationsAreUsable) {
   }
 }
 
+// Pageable arrays (the CPU optimizer's master and moments): never page-locked, charged exactly
+// and under the same cap as the pinned blocks beside them.
+TEST(OffloadPinnedPool, PageableArraysAreChargedExactlyUnderTheSameCap) {
+  PinnedPoolOptions options;
+  options.limit_bytes = 2 * kMiB;
+  PinnedPool pool(options);
+  at::Tensor pinned = pool.allocate(3000);
+  const int64_t pinned_charge = pool.charged_bytes(3000);
+  {
+    at::Tensor master = pool.allocate_pageable(300, at::kFloat);
+    EXPECT_FALSE(master.is_pinned());
+    EXPECT_EQ(master.scalar_type(), at::kFloat);
+    EXPECT_EQ(master.numel(), 300);
+    EXPECT_EQ(pool.used_bytes(), pinned_charge + 1200);  // 1200 even where pinning would take 2048
+    master.fill_(1.5f);
+    EXPECT_EQ(master.sum().item<float>(), 450.0f);
+    const std::string msg = error_of([&] { pool.allocate_pageable(kMiB / 2, at::kFloat); });
+    EXPECT_NE(msg.find("cannot allocate 2.00 MiB (2097152 bytes) of host memory"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("--host_mem_limit_gb"), std::string::npos) << msg;
+    EXPECT_EQ(pool.used_bytes(), pinned_charge + 1200);  // the refused request charged nothing
+  }
+  EXPECT_EQ(pool.used_bytes(), pinned_charge);
+  EXPECT_NE(error_of([&] { pool.allocate_pageable(0, at::kFloat); }).find("at least 1 element"), std::string::npos);
+}
+
 TEST(OffloadPinnedPool, MemoryOutlivesThePool) {
   at::Tensor t;
   {

@@ -69,6 +69,11 @@ class PinnedPool {
   at::Tensor allocate(int64_t bytes);
   // allocate() of numel elements of dtype, viewed as a 1-D tensor of that dtype.
   at::Tensor allocate(int64_t numel, at::ScalarType dtype);
+  // Like allocate(numel, dtype), but never page-locked (huge pages advised): for host arrays
+  // that no device copy reads or writes (the CPU optimizer's master weights and moments).
+  // Page-locking them would only slow the start (cudaHostAlloc of 72 GiB for a 6B model)
+  // and lock memory the system could otherwise page. Charged exactly, under the same checks.
+  at::Tensor allocate_pageable(int64_t numel, at::ScalarType dtype);
 
   // What allocate(bytes) charges: bytes, or the next power of two when pinning.
   int64_t charged_bytes(int64_t bytes) const;
@@ -79,6 +84,7 @@ class PinnedPool {
   const PinnedPoolOptions& options() const;
 
  private:
+  at::Tensor allocate_bytes(int64_t bytes, bool pin);
   struct State;
   std::shared_ptr<State> state_;
 };
