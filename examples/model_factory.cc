@@ -455,12 +455,11 @@ ExampleModel build_example_model(const std::string& model, const Run& run) {
   return m;
 }
 
-engine::PlanInputs plan_inputs(const Run& run, const ExampleModel& m,
-                               const engine::TrainerOptions& options) {
-  DTRAIN_CHECK(options.param_dtype == at::kFloat, "the memory planner (--plan=auto, dtrain-plan) models float32 "
-               "weights; --param_dtype=", c10::toString(options.param_dtype), " is not planned yet: choose "
-               "--shard/--offload by hand, or plan without --param_dtype");
+engine::PlanInputs plan_inputs(const Run& run, ExampleModel& m, const engine::TrainerOptions& options) {
+  engine::cast_parameters(*m.module, options.param_dtype);
   engine::PlanInputs in;
+  in.offload_delayed_update = options.offload.delayed_update_after >= 0;
+  in.offload_to_device = !run.device.is_cpu();
   const auto specs = engine::collect_shard_specs(*m.module);
   const int tp = run.mesh->tp_size();
   const engine::TrainedParameters trained = engine::trained_parameters(*m.module);  // tied ones once

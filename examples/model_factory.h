@@ -110,8 +110,9 @@ ExampleModel build_example_model(const std::string& model, const Run& run);
 // blocks, input rows (with --prefetch batches ahead), optimizer, --batch_size, AMP, whether
 // checkpointing is possible, the CUDA context allowance for the device. Budgets, offload and
 // allow_amp_change are left at their defaults (none, off, false) for the caller to set.
-engine::PlanInputs plan_inputs(const Run& run, const ExampleModel& model,
-                               const engine::TrainerOptions& options);
+// The model's parameters are cast to options.param_dtype first (engine::cast_parameters, as the
+// Trainer will): the counts, and the activation probe that follows, see the weights as trained.
+engine::PlanInputs plan_inputs(const Run& run, ExampleModel& model, const engine::TrainerOptions& options);
 
 // probe_activations() of `model` on synthetic batches of probe_rows and 2 * probe_rows rows,
 // checkpointing off and (for a model with blocks) on, under each AMP mode of `amps`. Call

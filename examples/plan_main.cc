@@ -42,7 +42,7 @@ namespace {
 constexpr double kMiBf = 1024.0 * 1024.0;
 
 // The model's inputs plus this program's budgets and permissions.
-engine::PlanInputs budgeted_inputs(const examples::Run& run, const examples::ExampleModel& m,
+engine::PlanInputs budgeted_inputs(const examples::Run& run, examples::ExampleModel& m,
                                    const engine::TrainerOptions& options) {
   engine::PlanInputs in = examples::plan_inputs(run, m, options);
   in.allow_amp_change = FLAGS_allow_amp_change;
@@ -93,7 +93,8 @@ void verify(const examples::Run& run, examples::ExampleModel& m, const engine::P
   for (int64_t s = 0; s < FLAGS_verify_steps; ++s) trainer.step(batch);
   // On the CPU the allocator also counts an offloaded optimizer's host memory, which a GPU run
   // holds outside the device: the comparison is with the device's part.
-  const double host_offload = run.device.is_cpu() ? trainer.memory_report().host_offload_mb * kMiBf : 0.0;
+  const double host_measured = trainer.memory_report().host_offload_mb * kMiBf;
+  const double host_offload = run.device.is_cpu() ? host_measured : 0.0;
   const double measured =
       engine::memory_stats(run.device).peak_mb * kMiBf - static_cast<double>(baseline_bytes) - host_offload;
   const double predicted = static_cast<double>(e.gpu.allocated_peak());
@@ -117,8 +118,17 @@ void verify(const examples::Run& run, examples::ExampleModel& m, const engine::P
       static_cast<long long>(FLAGS_verify_steps),
       e.technique.flags().empty() ? "the plain step" : e.technique.flags().c_str(),
       capped ? " under the GPU cap" : "", measured / kMiBf, predicted / kMiBf, 100 * error);
+  // The host: what offload keeps there (master weights, state, gradient buffers, staging).
+  const double host_predicted = static_cast<double>(e.host.total());
+  if (host_measured > 0 || host_predicted > 0) {
+    std::printf("verify: host memory of offload %.1f MiB, estimated %.1f MiB (%+.1f%%)\n", host_measured / kMiBf,
+                host_predicted / kMiBf, host_measured > 0 ? 100 * (host_predicted - host_measured) / host_measured : 0.0);
+  }
   nlohmann::json j;
   j["verify_steps"] = FLAGS_verify_steps;
+  j["measured_host_bytes"] = static_cast<int64_t>(host_measured);
+  j["estimated_host_bytes"] = e.host.total();
+  if (host_measured > 0) j["host_relative_error"] = (host_predicted - host_measured) / host_measured;
   j["flags"] = e.technique.flags();
   j["measured_peak_bytes"] = static_cast<int64_t>(measured);
   j["estimated_peak_bytes"] = e.gpu.allocated_peak();

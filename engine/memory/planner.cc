@@ -380,13 +380,20 @@ namespace {
 // Where the optimizer's state (and, with offload, the weights' host copies) lives: on the
 // host for optimizer offload (the range's fp32 master, state and gradient copy) and for the
 // streamed blocks; this rank's range under --shard; everything else on the device.
-void add_optimizer_and_host(const Technique& t, int64_t bpp, int64_t nstate, int64_t local, int64_t range,
+void add_optimizer_and_host(const PlanInputs& in, const Technique& t, int64_t nstate, int64_t local, int64_t range,
                             int64_t offloaded_layers, MemoryEstimate& e) {
+  const int64_t bpp = in.bytes_per_parameter;
   if (t.offload_optimizer) {
-    // The CPU optimizer's shard: fp32 master weights, fp32 state, an fp32 gradient copy.
+    // The CPU optimizer's shard: fp32 master weights and state; the gradients' host copy in the
+    // weights' dtype (bf16/fp16 weights: ZeRO-Offload's layout; float64 ones go as float32).
     e.host.optimizer_state = range * 4 * (1 + nstate);
-    e.host.gradients = range * 4;
-    e.host.other = kOffloadStagingBytes;
+    const bool delayed = in.offload_delayed_update && t.shard < 3;
+    // The gradients' host buffers, in the weights' dtype: the one the stream fills (GPU), or,
+    // delayed, the one filling and the one updated from. ZeRO-3's: one float32 buffer always.
+    const int64_t buffers = t.shard == 3 ? 1 : delayed ? 2 : in.offload_to_device ? 1 : 0;
+    e.host.gradients = buffers * range * (t.shard == 3 ? 4 : std::min<int64_t>(bpp, 4));
+    e.host.other = in.offload_to_device ? kOffloadStagingBytes : 0;
+    if (delayed) e.gpu.optimizer_state += range * bpp;  // the update's new weights, published next step
     // ZeRO-3's offloaded layout keeps the range's gradients in fp32 on the device for the copy
     // (fp32 weights read the reducer's buckets in place).
     if (t.shard == 3 && bpp == 2) e.gpu.optimizer_state = range * 4;
@@ -460,7 +467,7 @@ MemoryEstimate estimate(const PlanInputs& in, const ActivationProfile& profile,
     e.gpu.parameters = range * bpp;
     gathered_units = 2 * std::min(in.largest_unit_parameters, local) * bpp;
   }
-  add_optimizer_and_host(t, bpp, nstate, local, range, offloaded_layers, e);
+  add_optimizer_and_host(in, t, nstate, local, range, offloaded_layers, e);
   // A pipeline stage: the micro-batch in backward at its peak, the others in flight holding
   // what their forward left for their backward.
   e.in_flight = pipeline_in_flight(in, t.accum_steps);

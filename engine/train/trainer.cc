@@ -35,9 +35,8 @@ std::vector<at::Tensor> gradient_tensors(const std::vector<at::Tensor>& params, 
   return grads;
 }
 
-// --param_dtype: the module's floating-point parameters in `dtype` (buffers keep theirs, e.g.
-// rotary tables). set_data keeps each parameter's identity (tied names, references held by
-// layers); a parameter in the dtype already is left alone.
+}  // namespace
+
 void cast_parameters(torch::nn::Module& model, at::ScalarType dtype) {
   if (dtype == at::kFloat) return;
   at::NoGradGuard no_grad;
@@ -45,8 +44,6 @@ void cast_parameters(torch::nn::Module& model, at::ScalarType dtype) {
     if (at::isFloatingType(p.scalar_type()) && p.scalar_type() != dtype) p.set_data(p.detach().to(dtype));
   }
 }
-
-}  // namespace
 
 std::vector<Batch> split_batch(const Batch& batch, int n) {
   const int64_t rows = batch.size();

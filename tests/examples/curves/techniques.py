@@ -156,7 +156,24 @@ def scenario_plan(args):
     assert peak <= budget_mib, f"the auto plan peaked at {peak} MiB over the {budget_mib} MiB budget"
     print(f"ok: --plan=auto trains under {budget_mib} MiB (peak {peak:.1f} MiB) where the plain step needs "
           f"{plain[-1]['mem_peak_mb']:.1f} MiB; accumulation {planned[-1].get('accum_steps')}")
+    plan_offload_layouts(args)
     plan_pipeline(args)
+
+
+def plan_offload_layouts(args):
+    """dtrain-plan's estimate of an offloaded optimizer, device and host, against what training measures:
+    float32 and bfloat16 weights (ZeRO-Offload's layout), each with and without the delayed update."""
+    shape = ["--model=gpt", "--device=cpu", "--d_model=128", "--heads=4", "--layers=2", "--ff=512", "--seq_len=32",
+             "--vocab=1000", "--batch_size=4", "--offload=optimizer", "--verify_steps=2"]
+    for extra in ([], ["--param_dtype=bf16"], ["--offload_delayed_update_after=0"],
+                  ["--param_dtype=bf16", "--offload_delayed_update_after=0"]):
+        out = run([os.path.join(args.bin, "dtrain-plan")] + shape + extra)
+        v = [json.loads(l) for l in out.splitlines() if l.startswith("{") and "verify_steps" in l][0]
+        assert abs(v["relative_error"]) < 0.05, f"{extra}: device estimate off by {v['relative_error']:.1%}"
+        assert v["measured_host_bytes"] > 0 and abs(v["host_relative_error"]) < 0.05, \
+            f"{extra}: host estimate off: {v}"
+        print(f"ok: dtrain-plan --offload=optimizer {' '.join(extra)}: device {v['relative_error']:+.1%}, "
+              f"host {v['host_relative_error']:+.1%} ({v['measured_host_bytes'] / (1 << 20):.1f} MiB)")
 
 
 def plan_pipeline(args):

@@ -154,7 +154,17 @@ struct PlanInputs {
   int64_t sharded_parameters = 0;  // of which split over the tensor-parallel group
   int tp = 1;
   int dp = 1;  // data-parallel size: offloaded optimizer state is split over it
-  int64_t bytes_per_parameter = 4;  // the model's dtype: 4 fp32 (also under AMP), 2 bf16/fp16
+  // The trained weights' dtype: 4 fp32 (also under AMP), 2 bf16/fp16 (--param_dtype; also
+  // their gradients, and an offloaded optimizer's host gradient buffers).
+  int64_t bytes_per_parameter = 4;
+  // Optimizer offload with the one-step-delayed update (--offload_delayed_update_after): two
+  // host gradient buffers (one filling while the other is updated from) and a device buffer of
+  // the rank's range of new weights, which the next step publishes.
+  bool offload_delayed_update = false;
+  // Whether offload copies between a device and the host (a GPU run): the streamed gradients'
+  // pinned buffer and the new weights' staging tiles. Training on the CPU, the optimizer reads
+  // the gradients in place and writes the weights directly (a buffer only for the delayed update).
+  bool offload_to_device = true;
   int64_t buffer_bytes = 0;         // per rank: buffers and frozen tensors on the device
   // Layer offload streams `layers` blocks holding layer_parameters of the parameters (whole
   // model, sharded like the rest); the other parameters (embeddings, head) stay on the GPU.

@@ -249,6 +249,13 @@ struct TrainerOptions {
 // Throws dtrain::Error naming the bad field (steps < 0, accum_steps < 1, log_every < 1, ...).
 void validate(const TrainerOptions& options);
 
+// --param_dtype: the module's floating-point parameters in `dtype` (buffers keep theirs, e.g.
+// rotary tables); what the Trainer does to its model first. set_data keeps each parameter's
+// identity (tied names, references held by layers); one in the dtype already is left alone, so
+// a caller that casts before the Trainer (to plan or probe the model as it will train) changes
+// nothing the Trainer does.
+void cast_parameters(torch::nn::Module& model, at::ScalarType dtype);
+
 // Mean loss over a micro-batch (a 0-dim tensor); the trainer handles scaling and averaging.
 using LossFn = std::function<at::Tensor(const Batch& micro_batch)>;
 
