@@ -92,7 +92,7 @@ CARRY='[".deps", ".gpu-build"]'
 SETUP_STEPS=(gpuinfo unpack prebuilt configure build save_build)
 TEST_STEPS=(test_np1 test_np2)
 # Declaration order = the tie-break of the priority order (bench_order).
-BENCH_STEPS=(s2s gpt124m nccl_allreduce mpi_allreduce cpu_adam copies offload_layers async_save shard shard3
+BENCH_STEPS=(s2s gpt124m nccl_allreduce mpi_allreduce cpu_adam host_norm copies offload_layers async_save shard shard3
              offload6b offload6b_bf16 offload_opt offload_delayed offload_bf16 pipeline gpt_anchor gpt_graph s2s_graph
              kernels s2s_anchor)
 PROFILE_STEPS=(profile_gpt profile_s2s profile_layers profile_offload profile_delayed)
@@ -103,7 +103,7 @@ PROFILE_STEPS=(profile_gpt profile_s2s profile_layers profile_offload profile_de
 declare -A LIMIT=() MIN=()
 for _t in gpuinfo=10/5 unpack=20/10 prebuilt=30/15 configure=60/30 build=240/120 save_build=20/10 \
           test_np1=60/30 test_np2=75/35 \
-          s2s=100/60 gpt124m=45/25 nccl_allreduce=30/15 mpi_allreduce=45/25 cpu_adam=60/30 copies=25/15 \
+          s2s=100/60 gpt124m=45/25 nccl_allreduce=30/15 mpi_allreduce=45/25 cpu_adam=60/30 host_norm=30/10 copies=25/15 \
           offload_layers=45/25 async_save=40/25 shard=75/50 shard3=70/45 \
           offload6b=280/220 offload6b_bf16=280/200 offload_opt=70/40 offload_delayed=70/40 offload_bf16=70/40 \
           pipeline=50/35 gpt_anchor=150/90 \
@@ -129,6 +129,7 @@ declare -A HASH_DEPS=(
   [nccl_allreduce]="dist/src/nccl_backend.cc dist/src/async.* tools/bench_allreduce.cc"
   [mpi_allreduce]="dist/src/mpi_backend.cc dist/src/mpi_runtime.* dist/src/async.* tools/bench_allreduce.cc"
   [cpu_adam]="$_cpu_opt tools/bench_cpu_adam.cc"
+  [host_norm]="engine/parallel/grad_norm.cc tools/bench_cpu_adam.cc"
   [copies]=""
   [offload_layers]="offload/src/layer_offload.cc offload/src/pinned_pool.cc engine/optim/offload_streamer.cc engine/parallel/grad_norm.cc $_gpt"
   [async_save]="engine/state/*.cc engine/state/*.h tools/async_save_bench.py"

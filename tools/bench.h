@@ -26,6 +26,7 @@ inline double median(std::vector<double> v) {
 int run_allreduce(BenchContext& ctx);
 int run_engine(BenchContext& ctx);
 int run_cpu_adam(BenchContext& ctx);
+int run_host_norm(BenchContext& ctx);
 int run_sparse(BenchContext& ctx);
 int run_pipeline(BenchContext& ctx);
 int run_fused_ce(BenchContext& ctx);

@@ -17,8 +17,9 @@
 //       "torch_foreach" (the _foreach_ sequence of torch.optim.AdamW(foreach=True)),
 //       and two variants for context: "dtrain_bf16_copy" (CpuOptimizer writing a bf16 model
 //       copy in the same pass: 2 more bytes per parameter, "total_gbs" counts them) and
-//       "dtrain_aten_threads" (the same kernel over flat arrays, threaded by at::parallel_for
-//       instead of dtrain's team).
+//       "dtrain_aten_threads" (the same kernel over flat arrays through at::parallel_for
+//       instead of dtrain's team; note that this runs on ONE thread in dtrain's builds:
+//       ATen's OpenMP region is inline in its headers and dtrain compiles without -fopenmp).
 //   Every impl runs warmup + iters steps from the same start with the same gradients; after
 //   timing the dtrain and foreach weights are compared with torch_fused's ("rel_err").
 #include <ATen/ATen.h>
@@ -34,6 +35,7 @@
 
 #include "bench.h"
 #include "dtrain/dist/error.h"
+#include "dtrain/engine/parallel/grad_norm.h"
 #include "dtrain/offload/cpu_kernels.h"
 #include "dtrain/offload/cpu_optimizer.h"
 #include "dtrain/offload/pinned_pool.h"
@@ -211,7 +213,7 @@ Result run_dtrain(const Problem& p, int threads, bool bf16_copy, int warmup, int
   return r;
 }
 
-// The kernel over flat arrays, threaded by at::parallel_for (to compare with dtrain's team).
+// The kernel over flat arrays through at::parallel_for (serial here: no -fopenmp; see the top).
 Result run_dtrain_aten_threads(const Problem& p, int warmup, int iters) {
   at::Tensor w = flat(p.init), m = at::zeros_like(w), v = at::zeros_like(w);
   offload::CpuOptimizerOptions o = dtrain_options(1);
@@ -359,6 +361,43 @@ std::pair<json, at::Tensor> run_impl(const std::string& impl, const Problem& pro
 }
 
 }  // namespace
+
+// dtrain-bench host_norm: the 2-norm of N float32 host gradients in tensors of --tensor_elems
+// (layer offload's streamed blocks, whose gradients live on the host), by engine::grad_norm (the
+// trainer's clipping norm: threaded pieces above 4 Mi elements) and by ATen's _foreach_norm
+// (one tensor after another on one thread), at each thread count. Lines:
+//   {"bench":"host_norm","impl":"dtrain"|"aten_foreach","params":N,"threads":T,"ms":median,
+//    "gbs":4 N / time (10^9 bytes per second),"rel_err":against float64}
+int run_host_norm(BenchContext& ctx) {
+  const bool print = ctx.comm->rank() == 0;
+  DTRAIN_CHECK(FLAGS_params >= 1 && FLAGS_tensor_elems >= 1, "--params and --tensor_elems must be >= 1");
+  const int iters = FLAGS_iters > 0 ? FLAGS_iters : 10;
+  std::vector<at::Tensor> grads;
+  for (int64_t left = FLAGS_params; left > 0; left -= FLAGS_tensor_elems) {
+    grads.push_back(at::randn({std::min(left, FLAGS_tensor_elems)}));
+  }
+  std::vector<at::Tensor> as_double;
+  for (const at::Tensor& g : grads) as_double.push_back(g.to(at::kDouble));
+  const double want = at::linalg_vector_norm(at::cat(as_double), 2).item<double>();
+  as_double.clear();
+  for (int t : thread_counts()) {
+    at::set_num_threads(t);
+    for (const std::string impl : {"dtrain", "aten_foreach"}) {
+      double got = 0;
+      const double ms = time_steps(
+          [&] {
+            got = impl == "dtrain" ? engine::grad_norm(grads).item<double>()
+                                   : at::linalg_vector_norm(at::stack(at::_foreach_norm(grads, 2)), 2).item<double>();
+          },
+          FLAGS_warmup, iters);
+      json line = {{"bench", "host_norm"}, {"impl", impl}, {"params", FLAGS_params}, {"threads", t}, {"ms", ms},
+                   {"gbs", 4.0 * double(FLAGS_params) / (ms * 1e-3) / 1e9}, {"rel_err", std::abs(got - want) / want}};
+      if (print) std::printf("%s\n", line.dump().c_str());
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
 
 int run_cpu_adam(BenchContext& ctx) {
   const bool print = ctx.comm->rank() == 0;

@@ -3,6 +3,8 @@
 //   engine      Trainer step vs a hand-written libtorch loop at world size 1
 //   cpu_adam    CPU AdamW step: dtrain's CpuOptimizer vs PyTorch's fused and foreach AdamW,
 //               and the machine's memory bandwidth (--params, --threads, --iters, --warmup)
+//   host_norm   the clipping norm of host gradients (layer offload's): dtrain's threaded pieces vs
+//               ATen's _foreach_norm (--params, --tensor_elems, --threads, --iters)
 //   sparse      an embedding's sparse gradient averaged by row exchange vs densified and
 //               all-reduced, over touched rows per rank (--vocab, --dim): the dense fallback's constant
 //   pipeline    a block stack split into stages over the ranks, GPipe and 1F1B per micro-batch
@@ -32,12 +34,13 @@ int main(int argc, char** argv) {
       {"allreduce", bench::run_allreduce},
       {"engine", bench::run_engine},
       {"cpu_adam", bench::run_cpu_adam},
+      {"host_norm", bench::run_host_norm},
       {"sparse", bench::run_sparse},
       {"pipeline", bench::run_pipeline},
       {"fused_ce", bench::run_fused_ce},
       {"context_parallel", bench::run_context_parallel},
   };
-  gflags::SetUsageMessage("dtrain-bench BENCH [flags]; BENCH is one of: allreduce, engine, cpu_adam, sparse, pipeline, fused_ce, context_parallel");
+  gflags::SetUsageMessage("dtrain-bench BENCH [flags]; BENCH is one of: allreduce, engine, cpu_adam, host_norm, sparse, pipeline, fused_ce, context_parallel");
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   if (argc < 2 || !benches.count(argv[1])) {
     std::fprintf(stderr, "dtrain-bench: name a benchmark: %s BENCH [flags], BENCH one of:", argv[0]);

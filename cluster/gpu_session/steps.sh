@@ -230,6 +230,12 @@ step_cpu_adam() {
   bench "CPU Adam, 100M parameters, 16 threads (PyTorch: fused 20 ms, foreach 109 ms)" '"bench"' \
     "$BIN/dtrain-bench" cpu_adam --threads=16 --impls=dtrain,torch_fused,torch_foreach
 }
+# The clipping norm of layer offload's host gradients (gpt124m's streamed blocks: 85M floats).
+step_host_norm() {
+  need_build || return 1
+  bench "host gradient norm, 85M floats (layer offload's clipping norm): dtrain threaded vs ATen _foreach_norm" \
+    '"bench"' "$BIN/dtrain-bench" host_norm --params=85000000 --tensor_elems=7080000 --threads=1,16
+}
 step_copies() {
   # No dtrain program times bare copies; this is the ceiling the offload paths copy against,
   # measured with torch on this machine (1 GiB, pinned host memory, non-blocking copy_).

@@ -1,14 +1,19 @@
 #include "dtrain/engine/parallel/grad_norm.h"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <optional>
 #include <string>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <mutex>
 
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/parallel/sparse_reducer.h"
+#include "dtrain/offload/thread_pool.h"
 
 namespace dtrain::engine {
 namespace {
@@ -19,6 +24,108 @@ at::ScalarType accumulation_type(const std::vector<at::Tensor>& grads) {
     if (g.defined() && g.scalar_type() == at::kDouble) return at::kDouble;
   }
   return at::kFloat;
+}
+
+// Squares summed in 16 float32 lanes over blocks of 1024 elements (64 per lane, near float32's
+// rounding), the blocks' sums in float64; float64 input in float64 lanes. Compiled for AVX-512,
+// AVX2 and the baseline, chosen at load time (the library's baseline is SSE2: a third slower).
+template <typename T, typename Acc>
+[[gnu::always_inline]] inline double sum_squares_blocks(const T* p, int64_t n) {
+  constexpr int64_t kBlock = 1024;
+  constexpr int kLanes = 16;
+  double total = 0;
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t e = std::min(n, b + kBlock);
+    Acc lanes[kLanes] = {};
+    int64_t i = b;
+    for (; i + kLanes <= e; i += kLanes) {
+      for (int l = 0; l < kLanes; ++l) {
+        const Acc v = static_cast<Acc>(p[i + l]);
+        lanes[l] += v * v;
+      }
+    }
+    double block = 0;
+    for (; i < e; ++i) block += static_cast<double>(p[i]) * static_cast<double>(p[i]);
+    for (Acc l : lanes) block += static_cast<double>(l);
+    total += block;
+  }
+  return total;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define DTRAIN_HOST_NORM_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define DTRAIN_HOST_NORM_CLONES
+#endif
+
+DTRAIN_HOST_NORM_CLONES double sum_squares_f32(const float* p, int64_t n) {
+  return sum_squares_blocks<float, float>(p, n);
+}
+DTRAIN_HOST_NORM_CLONES double sum_squares_f64(const double* p, int64_t n) {
+  return sum_squares_blocks<double, double>(p, n);
+}
+DTRAIN_HOST_NORM_CLONES double sum_squares_bf16(const c10::BFloat16* p, int64_t n) {
+  return sum_squares_blocks<c10::BFloat16, float>(p, n);
+}
+double sum_squares_f16(const c10::Half* p, int64_t n) { return sum_squares_blocks<c10::Half, float>(p, n); }
+
+double sum_squares(const at::Tensor& t, int64_t begin, int64_t n) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return sum_squares_f32(t.const_data_ptr<float>() + begin, n);
+    case at::kDouble: return sum_squares_f64(t.const_data_ptr<double>() + begin, n);
+    case at::kBFloat16: return sum_squares_bf16(t.const_data_ptr<c10::BFloat16>() + begin, n);
+    case at::kHalf: return sum_squares_f16(t.const_data_ptr<c10::Half>() + begin, n);
+    default: DTRAIN_CHECK(false, "grad_norm: no host kernel for ", t.scalar_type());
+  }
+  return 0;
+}
+
+// Below this many elements a CPU group keeps ATen's _foreach_norm (the small models of tests,
+// rounded as before); above, its one-thread-per-list loop is the cost: 37 ms for the 85M host
+// gradients of gpt124m's streamed blocks on a 16-core host (docs/BENCHMARKS.md, layer offload).
+constexpr int64_t kParallelHostNormElems = int64_t{1} << 22;
+
+// Each tensor's 2-norm, in `acc`, for contiguous CPU tensors: the elements in pieces of
+// 1 Mi, dealt round-robin to at::get_num_threads() threads, each piece's squares in float64.
+std::vector<at::Tensor> host_norms(const std::vector<at::Tensor>& list, at::ScalarType acc) {
+  constexpr int64_t kPiece = int64_t{1} << 20;
+  struct Piece {
+    size_t tensor;
+    int64_t begin, n;
+  };
+  std::vector<Piece> pieces;
+  for (size_t k = 0; k < list.size(); ++k) {
+    for (int64_t b = 0; b < list[k].numel(); b += kPiece) pieces.push_back({k, b, std::min(kPiece, list[k].numel() - b)});
+  }
+  std::vector<double> partial(pieces.size(), 0.0);
+  // dtrain's own team (at::parallel_for's OpenMP region is inline in ATen's headers, and this
+  // library is not built with -fopenmp: it would run on one thread), sized once for the
+  // machine; at::get_num_threads() of its members take part. One caller at a time.
+  static std::mutex team_mutex;
+  static offload::ThreadPool team(offload::default_thread_count());
+  std::lock_guard<std::mutex> lock(team_mutex);
+  const int members = std::max(1, std::min(team.size(), at::get_num_threads()));
+  const int64_t count = static_cast<int64_t>(pieces.size());
+  team.run([&](int member) {
+    if (member >= members) return;
+    for (int64_t q = member; q < count; q += members) {
+      partial[q] = sum_squares(list[pieces[q].tensor], pieces[q].begin, pieces[q].n);
+    }
+  });
+  std::vector<double> squares(list.size(), 0.0);
+  for (size_t q = 0; q < pieces.size(); ++q) squares[pieces[q].tensor] += partial[q];
+  std::vector<at::Tensor> norms;
+  for (double sq : squares) norms.push_back(at::scalar_tensor(std::sqrt(sq), at::TensorOptions().dtype(acc)));
+  return norms;
+}
+
+bool host_kernel_applies(const std::vector<at::Tensor>& list) {
+  int64_t total = 0;
+  for (const at::Tensor& g : list) {
+    if (!g.device().is_cpu() || !g.is_contiguous() || g.is_complex()) return false;
+    total += g.numel();
+  }
+  return total >= kParallelHostNormElems;
 }
 
 }  // namespace
@@ -40,7 +147,7 @@ at::Tensor grad_norm(const std::vector<at::Tensor>& grads) {
   const at::ScalarType acc = accumulation_type(grads);
   std::vector<at::Tensor> norms;
   for (auto& [key, list] : groups) {
-    for (at::Tensor& n : at::_foreach_norm(list, 2, acc)) {
+    for (at::Tensor& n : host_kernel_applies(list) ? host_norms(list, acc) : at::_foreach_norm(list, 2, acc)) {
       // Asynchronous unless the copy lands on the host (the CPU ops after it would race).
       norms.push_back(n.to(*first_device, acc, /*non_blocking=*/!first_device->is_cpu()));
     }

@@ -750,6 +750,32 @@ TEST(GradClip, ClosedFormNormAndScaling) {
   EXPECT_THROW(clip_grads(g, at::ones({2}), 1.0), dtrain::Error);
 }
 
+// Host gradients of 4 Mi elements or more (layer offload's streamed blocks) take dtrain's
+// threaded host norm instead of ATen's one-thread _foreach_norm: the same norm as float64 ATen
+// on the concatenation, per dtype, with pieces that split tensors and tensors under a piece.
+TEST(GradClip, LargeHostGradientsTakeTheThreadedNorm) {
+  at::manual_seed(7);
+  for (at::ScalarType dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf}) {
+    std::vector<at::Tensor> grads = {at::randn({1500, 1001}, at::kDouble).to(dtype), at::Tensor(),
+                                     at::randn({2100003}, at::kDouble).mul(3).to(dtype),
+                                     at::randn({17}, at::kDouble).to(dtype),
+                                     at::randn({700, 1000}, at::kDouble).mul(0.01).to(dtype)};
+    std::vector<at::Tensor> flat;
+    for (const at::Tensor& g : grads) {
+      if (g.defined()) flat.push_back(g.to(at::kDouble).reshape({-1}));
+    }
+    const double want = at::linalg_vector_norm(at::cat(flat), 2).item<double>();
+    const double got = grad_norm(grads).item<double>();
+    EXPECT_NEAR(got, want, want * (dtype == at::kDouble ? 1e-7 : 1e-6)) << dtype;  // the result is float32
+    // Below the threshold the same tensors take ATen's path, with the same result.
+    std::vector<at::Tensor> small = {grads[3], grads[2].narrow(0, 0, 1000)};
+    std::vector<at::Tensor> small_flat = {small[0].to(at::kDouble), small[1].to(at::kDouble)};
+    EXPECT_NEAR(grad_norm(small).item<double>(), at::linalg_vector_norm(at::cat(small_flat), 2).item<double>(),
+                1e-5)
+        << dtype;
+  }
+}
+
 TEST(GradClip, MatchesTorchClipGradNorm) {
   const json& ref = reference();
   for (double max_norm : kClipMaxNorms) {
