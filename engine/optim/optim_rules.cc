@@ -164,13 +164,21 @@ class Adagrad final : public MultiTensorOptimizer {
     if (try_fused(group)) {
       try {
         at::_fused_adagrad_(group.params, group.grads, group.slots[1], group.slots[0], o.lr,
-                            o.lr_decay, o.weight_decay, eps_, /*maximize=*/false, group.fused_grad_scale());
+                            o.lr_decay, o.weight_decay, eps_, /*maximize=*/false, group.fused_grad_scale(),
+                            group.skip.defined() ? std::optional<at::Tensor>(group.skip) : std::nullopt);
         return;
       } catch (const c10::NotImplementedError&) {
         remember_no_fused(group);
       }
     }
     TensorVector d = with_weight_decay(group, o.weight_decay);
+    if (group.skip.defined()) {
+      // Dropped on the device (no host read): the step's direction becomes zero, so the sums
+      // and the weights stay as they were; where(), not a product, so NaN and Inf go too.
+      // Without lr_decay the learning rate does not depend on the host's step count.
+      const at::Tensor dropped = group.skip.ne(0);
+      for (at::Tensor& t : d) t = at::where(dropped, at::Scalar(0.0), t);
+    }
     std::vector<at::Scalar> neg_clrs;
     for (int64_t step : group.host_steps) {
       neg_clrs.emplace_back(-o.lr / (1.0 + static_cast<double>(step - 1) * o.lr_decay));
@@ -180,6 +188,10 @@ class Adagrad final : public MultiTensorOptimizer {
     at::_foreach_add_(std_dev, eps_);
     at::_foreach_addcdiv_(group.params, d, std_dev, neg_clrs);
   }
+
+  // CUDA has no fused Adagrad: the _foreach_ path drops a flagged update itself, which needs a
+  // learning rate that does not count host steps (lr_decay 0, the default).
+  bool skips_on_device() const override { return options_.lr_decay == 0.0; }
 
  private:
   double eps_;

@@ -90,10 +90,12 @@ struct PoisonedRun {
   torch::nn::Linear model{4, 1};
   std::unique_ptr<DataLoader> loader;
   std::unique_ptr<Trainer> trainer;
-  // defer: TrainerOptions::defer_nonfinite_check (with AdamW, whose fused kernels drop an
-  // update on the device); unset: the default (the host check on the CPU, with SGD).
+  // defer: TrainerOptions::defer_nonfinite_check (with `optimizer`, which drops an update on
+  // the device: AdamW's fused kernels, Adagrad's fused or _foreach_ path); unset: the default
+  // (the host check on the CPU, with SGD).
   explicit PoisonedRun(dist::Mesh& mesh, NonFinitePolicy policy, int max_skips = 10,
-                       std::optional<bool> defer = std::nullopt) {
+                       std::optional<bool> defer = std::nullopt, const std::string& optimizer = "adamw",
+                       bool fused = true) {
     torch::manual_seed(0);
     model = torch::nn::Linear(4, 1);
     auto g = at::make_generator<at::CPUGeneratorImpl>(9);
@@ -115,7 +117,8 @@ struct PoisonedRun {
     o.optimizer.lr = 0.01;
     o.log_every = 4;
     if (defer) {
-      o.optimizer.name = "adamw";
+      o.optimizer.name = optimizer;
+      o.optimizer.fused = fused;
       o.defer_nonfinite_check = *defer;
     }
     LossFn loss = [this](const Batch& b) { return torch::mse_loss(model->forward(b.fields[0]), b.fields[1]); };
@@ -188,17 +191,22 @@ TEST(NonFinite, DeferredStopDropsTheUpdateAndStopsAtTheNextLogNamingTheStep) {
 
 TEST(NonFinite, DeferredSkipTrainsAsTheHostCheckedSkip) {
   dist::Mesh mesh(world_comm(), 1);
-  PoisonedRun deferred(mesh, NonFinitePolicy::kSkip, 10, true);
-  PoisonedRun checked(mesh, NonFinitePolicy::kSkip, 10, false);
-  StepMetrics a = deferred.trainer->fit(*deferred.loader);
-  StepMetrics b = checked.trainer->fit(*checked.loader);
-  EXPECT_EQ(a.extra.at("nonfinite_skips"), 1.0);
-  EXPECT_EQ(b.extra.at("nonfinite_skips"), 1.0);
-  EXPECT_EQ(a.loss, b.loss);
-  EXPECT_TRUE(at::equal(deferred.model->weight, checked.model->weight));
-  // The optimizer's step counts leave the dropped update out, as skip_step() does.
-  for (const auto& [name, t] : deferred.trainer->optimizer().state()) {
-    if (name.size() > 5 && name.substr(name.size() - 5) == ".step") EXPECT_EQ(t.item<double>(), 5.0) << name;
+  for (const auto& [optimizer, fused] : std::vector<std::pair<std::string, bool>>{
+           {"adamw", true}, {"adagrad", true}, {"adagrad", false}}) {
+    SCOPED_TRACE(optimizer + (fused ? " fused" : " foreach"));
+    PoisonedRun deferred(mesh, NonFinitePolicy::kSkip, 10, true, optimizer, fused);
+    PoisonedRun checked(mesh, NonFinitePolicy::kSkip, 10, false, optimizer, fused);  // checked on the host
+    StepMetrics a = deferred.trainer->fit(*deferred.loader);
+    StepMetrics b = checked.trainer->fit(*checked.loader);
+    EXPECT_EQ(a.extra.at("nonfinite_skips"), 1.0);
+    EXPECT_EQ(b.extra.at("nonfinite_skips"), 1.0);
+    EXPECT_EQ(a.loss, b.loss);
+    EXPECT_TRUE(at::isfinite(deferred.model->weight).all().item<bool>());
+    EXPECT_TRUE(at::equal(deferred.model->weight, checked.model->weight));
+    // The optimizer's step counts leave the dropped update out, as skip_step() does.
+    for (const auto& [name, t] : deferred.trainer->optimizer().state()) {
+      if (name.size() > 5 && name.substr(name.size() - 5) == ".step") EXPECT_EQ(t.item<double>(), 5.0) << name;
+    }
   }
 }
 

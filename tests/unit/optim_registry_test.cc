@@ -212,12 +212,15 @@ TEST(UnitStarts, PrefixesCutWholeLayers) {
 
 // step_unless(): a set flag leaves parameters and state (step counts included) as they were,
 // an unset one is step(); the sequence equals step() on the kept steps and skip_step() on the
-// dropped ones. Only the fused Adam/AdamW kernels drop an update without a host read.
+// dropped ones. The fused Adam/AdamW kernels and Adagrad (fused on the CPU, _foreach_ with a
+// where() on CUDA; only without lr_decay) drop an update without a host read. Dropped steps'
+// gradients hold NaN and Inf, as the non-finite steps that get dropped do.
 TEST(OptimSkipOnDevice, AFlaggedUpdateIsDroppedAndTheOthersAreStep) {
-  for (const std::string name : {"adam", "adamw"}) {
+  for (const std::string name : {"adam", "adamw", "adagrad", "adagrad_foreach"}) {
     SCOPED_TRACE(name);
     OptimizerOptions o;
-    o.name = name;
+    o.name = name == "adagrad_foreach" ? "adagrad" : name;
+    o.fused = name != "adagrad_foreach";
     o.lr = 0.01;
     o.weight_decay = 0.1;
     auto make = [] {
@@ -232,6 +235,7 @@ TEST(OptimSkipOnDevice, AFlaggedUpdateIsDroppedAndTheOthersAreStep) {
       auto g = at::make_generator<at::CPUGeneratorImpl>(200 + step);
       for (size_t i = 0; i < a.size(); ++i) {
         at::Tensor grad = at::randn(a[i].sizes(), g);
+        if (drop[step]) grad.view({-1})[i] = i == 0 ? std::nan("") : INFINITY;
         a[i].mutable_grad() = grad.clone();
         b[i].mutable_grad() = grad.clone();
       }
@@ -262,6 +266,10 @@ TEST(OptimSkipOnDevice, AFlaggedUpdateIsDroppedAndTheOthersAreStep) {
   unfused.name = "adamw";
   unfused.fused = false;
   EXPECT_FALSE(make_optimizer(p, unfused)->skips_on_device());
+  OptimizerOptions decaying;
+  decaying.name = "adagrad";
+  decaying.lr_decay = 0.01;  // its learning rate counts host steps: the flag is read on the host
+  EXPECT_FALSE(make_optimizer(p, decaying)->skips_on_device());
 }
 
 }  // namespace dtrain::engine
