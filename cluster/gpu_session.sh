@@ -93,7 +93,7 @@ SETUP_STEPS=(gpuinfo unpack prebuilt configure build save_build)
 TEST_STEPS=(test_np1 test_np2)
 # Declaration order = the tie-break of the priority order (bench_order).
 BENCH_STEPS=(s2s gpt124m nccl_allreduce mpi_allreduce cpu_adam host_norm copies offload_layers async_save shard shard3
-             offload6b offload6b_bf16 offload_opt offload_delayed offload_bf16 pipeline gpt_anchor gpt_graph s2s_graph
+             offload6b offload6b_bf16 offload_largest offload_opt offload_delayed offload_bf16 pipeline gpt_anchor gpt_graph s2s_graph
              kernels s2s_anchor)
 PROFILE_STEPS=(profile_gpt profile_s2s profile_layers profile_offload profile_delayed)
 # STEP=LIMIT/MIN in seconds. LIMIT: the most a step may take; MIN: below this it is not worth
@@ -105,7 +105,7 @@ for _t in gpuinfo=10/5 unpack=20/10 prebuilt=30/15 configure=60/30 build=240/120
           test_np1=60/30 test_np2=75/35 \
           s2s=100/60 gpt124m=45/25 nccl_allreduce=30/15 mpi_allreduce=45/25 cpu_adam=60/30 host_norm=30/10 copies=25/15 \
           offload_layers=45/25 async_save=40/25 shard=75/50 shard3=70/45 \
-          offload6b=280/220 offload6b_bf16=280/200 offload_opt=70/40 offload_delayed=70/40 offload_bf16=70/40 \
+          offload6b=280/220 offload6b_bf16=280/200 offload_largest=280/200 offload_opt=70/40 offload_delayed=70/40 offload_bf16=70/40 \
           pipeline=50/35 gpt_anchor=150/90 \
           gpt_graph=70/40 s2s_graph=70/40 kernels=40/20 s2s_anchor=150/90 \
           profile_gpt=45/25 profile_s2s=45/25 profile_layers=45/30 profile_offload=70/45 profile_delayed=70/45; do
@@ -139,6 +139,7 @@ declare -A HASH_DEPS=(
   [offload_opt]="$_opt_offload"
   [offload_delayed]="$_opt_offload"
   [offload6b_bf16]="$_opt_offload engine/optim/sharded_optimizer.cc"
+  [offload_largest]="$_opt_offload engine/optim/sharded_optimizer.cc"
   [offload_bf16]="$_opt_offload"
   [gpt_anchor]="tools/gpt_torch_bench.py tools/zero_torch_bench.py"
   [s2s_anchor]="tools/s2s_torch_bench.py"
