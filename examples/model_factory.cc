@@ -201,7 +201,10 @@ ExampleModel decoder_lm(const Run& run, const std::string& name, std::shared_ptr
   // The library's model: its spec, split for this pipeline stage before anything goes to the
   // device (every stage drew the whole model from the seed and keeps its part).
   engine::ModelTechniques t;
-  engine::split_pipeline_stage(spec, run.mesh->pp_rank(), run.mesh->pp_size(), engine::cli::flags().pp_blocks, t);
+  const bool interleaved =
+      engine::parse_pipeline_schedule(engine::cli::flags().pp_schedule) == engine::PipelineSchedule::kInterleaved;
+  engine::split_pipeline_stage(spec, run.mesh->pp_rank(), run.mesh->pp_size(), engine::cli::flags().pp_blocks, t,
+                               interleaved ? engine::cli::flags().pp_chunks : 1);
   if (load) load(*model);
   model->to(run.device);
   t.checkpoint_activations = engine::cli::flags().checkpoint_activations;

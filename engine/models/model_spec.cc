@@ -77,13 +77,27 @@ void validate(const ModelSpec& s) {
   }
 }
 
-void split_pipeline_stage(ModelSpec& spec, int stage, int stages, const std::string& counts, ModelTechniques& t) {
+void split_pipeline_stage(ModelSpec& spec, int stage, int stages, const std::string& counts, ModelTechniques& t,
+                          int chunks) {
   validate(spec);
   t.stage = stage;
   t.stages = stages;
-  const std::vector<int> bounds = pipeline_stage_bounds(spec.blocks->whole_size(), stages, counts);
-  t.first_block = bounds[static_cast<size_t>(stage)];
-  t.end_block = bounds[static_cast<size_t>(stage) + 1];
+  t.chunks = chunks;
+  const int whole = spec.blocks->whole_size();
+  DTRAIN_CHECK(chunks >= 1, "--pp_chunks=", chunks, " must be >= 1");
+  DTRAIN_CHECK(chunks == 1 || whole >= stages * chunks, "the interleaved schedule splits the model's ", whole,
+               " block(s) into ", stages, " stages x ", chunks, " chunks = ", stages * chunks,
+               " virtual stages of at least one block each; use fewer --pp_chunks or more blocks (--layers)");
+  const std::vector<int> bounds = pipeline_stage_bounds(whole, stages * chunks, counts);
+  std::vector<std::pair<int, int>> ranges;
+  t.chunk_bounds = {0};
+  for (int c = 0; c < chunks; ++c) {
+    const size_t v = static_cast<size_t>(c * stages + stage);
+    ranges.emplace_back(bounds[v], bounds[v + 1]);
+    t.chunk_bounds.push_back(t.chunk_bounds.back() + bounds[v + 1] - bounds[v]);
+  }
+  t.first_block = ranges.front().first;
+  t.end_block = ranges.back().second;
   if (stages == 1) return;
   if (spec.blocks->size() != static_cast<size_t>(spec.blocks->whole_size())) {
     DTRAIN_CHECK(spec.blocks->index(0) == t.first_block && spec.blocks->index(spec.blocks->size() - 1) + 1 == t.end_block,
@@ -97,7 +111,7 @@ void split_pipeline_stage(ModelSpec& spec, int stage, int stages, const std::str
                  "' is '", first, "') with --pp > 1: the two names may live on different stages, which is not "
                  "supported yet; untie them (e.g. tie_embeddings = false) or train without pipeline stages");
   }
-  spec.blocks->keep_range(t.first_block, t.end_block);
+  spec.blocks->keep_ranges(ranges);
   // The parts this stage does not run leave the module, and their memory goes at once (the
   // model may still hold them as members).
   auto drop = [&](const std::vector<std::string>& names) {
@@ -155,13 +169,13 @@ std::vector<std::string> default_unit_prefixes(const ModelSpec& spec) {
 class TechniqueRunner : public BlockRunner {
  public:
   explicit TechniqueRunner(AppliedModel& model) : model_(model) {}
-  at::Tensor run(BlockStackImpl& stack, const at::Tensor& input) override {
+  at::Tensor run(BlockStackImpl& stack, const at::Tensor& input, size_t begin, size_t end) override {
     const ModelTechniques& t = model_.t_;
     const bool ckpt = t.checkpoint_activations && stack.is_training();
-    const size_t n = stack.size();
+    const size_t n = end;  // blocks [begin, end): the stack, or an interleaved stage's chunk
     BlockStackImpl* s = &stack;
     at::Tensor x = input;
-    for (size_t i = 0; i < n; ++i) {
+    for (size_t i = begin; i < n; ++i) {
       if (ParameterUnits* u = model_.units_) {
         // ZeRO-3: the blocks of one unit (block i alone by default), gathered around their
         // forward and (recomputed or not) again before their backward.
@@ -285,6 +299,14 @@ at::Tensor AppliedModel::run_post(const at::Tensor& h, const Batch& batch) {
 at::Tensor AppliedModel::loss(const Batch& batch) {
   DTRAIN_CHECK(t_.stages == 1, "AppliedModel::loss is the whole model's; a pipeline stage runs stage_forward");
   return run_post(spec_.blocks->forward(run_pre(batch)), batch);
+}
+
+at::Tensor AppliedModel::chunk_forward(const at::Tensor& x, const Batch& micro, int chunk) {
+  DTRAIN_CHECK(chunk >= 0 && chunk < t_.chunks, "AppliedModel::chunk_forward: chunk ", chunk, " of ", t_.chunks);
+  const bool first = first_stage() && chunk == 0, last = last_stage() && chunk == t_.chunks - 1;
+  at::Tensor h = spec_.blocks->forward_range(first ? run_pre(micro) : x, static_cast<size_t>(t_.chunk_bounds[chunk]),
+                                             static_cast<size_t>(t_.chunk_bounds[chunk + 1]));
+  return last ? run_post(h, micro) : h;
 }
 
 at::Tensor AppliedModel::stage_forward(const at::Tensor& x, const Batch& micro) {

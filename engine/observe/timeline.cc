@@ -448,6 +448,8 @@ std::vector<PipelineStageSummary> summarize_pipeline(const std::vector<TraceEven
       r.s.step_ms += ms;
       auto m = e.args.find("accum_steps");
       if (m != e.args.end()) r.micro_batches += m->second;
+      auto v = e.args.find("pp_chunks");
+      if (v != e.args.end()) r.s.chunks = static_cast<int>(v->second);
     } else if (e.cat == category::kCompute && (e.name == "forward" || e.name.rfind("backward", 0) == 0) &&
                stage != e.args.end()) {
       r.s.compute_ms += ms;
@@ -476,10 +478,13 @@ std::string to_string(const std::vector<PipelineStageSummary>& stages) {
     os << (os.tellp() > 0 ? "\n" : "") << std::fixed << "stage " << s.stage << " (rank " << s.rank << "): idle "
        << std::setprecision(0) << 100.0 * s.idle_fraction() << "% of " << std::setprecision(1) << s.step_ms
        << " ms/step (compute " << s.compute_ms << " ms, waiting for neighbours " << s.wait_ms
-       << " ms); " << (s.zero_bubble ? "zero bubble's ideal (P-1)/(3m+P-1)" : "the bubble (P-1)/(m+P-1)") << " is "
-       << std::setprecision(0) << 100.0 * s.bubble_theory() << "% for P "
-       << s.stages << ", m " << std::setprecision(s.micro_batches == static_cast<int>(s.micro_batches) ? 0 : 1)
-       << s.micro_batches;
+       << " ms); "
+       << (s.zero_bubble ? "zero bubble's ideal (P-1)/(3m+P-1)"
+           : s.chunks > 1 ? "the interleaved bubble (P-1)/(vm+P-1)"
+                          : "the bubble (P-1)/(m+P-1)")
+       << " is " << std::setprecision(0) << 100.0 * s.bubble_theory() << "% for P " << s.stages
+       << (s.chunks > 1 ? ", v " + std::to_string(s.chunks) : std::string()) << ", m "
+       << std::setprecision(s.micro_batches == static_cast<int>(s.micro_batches) ? 0 : 1) << s.micro_batches;
   }
   return os.str();
 }

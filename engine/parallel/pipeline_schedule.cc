@@ -15,11 +15,10 @@ PipelineSchedule parse_pipeline_schedule(const std::string& name) {
   if (name == "gpipe") return PipelineSchedule::kGPipe;
   if (name == "1f1b") return PipelineSchedule::k1F1B;
   if (name == "zb") return PipelineSchedule::kZeroBubble;
-  // (kInterleaved runs in run_pipeline_step; the Trainer does not split a model into chunks yet,
-  // so the flag does not offer it.)
+  if (name == "interleaved") return PipelineSchedule::kInterleaved;
   throw Error("pipeline schedule '" + name + "' does not exist; use gpipe (all forwards, then all backwards), " +
-              "1f1b (one forward, one backward after a warm-up) or zb (zero bubble: the weight-gradient half of " +
-              "each backward deferred into the bubble)");
+              "1f1b (one forward, one backward after a warm-up), zb (zero bubble: the weight-gradient half of " +
+              "each backward deferred into the bubble) or interleaved (--pp_chunks model chunks per stage)");
 }
 
 const char* to_string(PipelineSchedule schedule) {

@@ -71,7 +71,9 @@ Trainer::Applied Trainer::apply_to_spec(ModelSpec spec, dist::Mesh& mesh, c10::D
   t.checkpoint_activations = options.checkpoint_activations;
   t.offload_layers = options.offload_layers;
   t.device = device;
-  split_pipeline_stage(spec, mesh.pp_rank(), mesh.pp_size(), options.pp_blocks, t);
+  const bool interleaved = options.pipeline.schedule == PipelineSchedule::kInterleaved;
+  split_pipeline_stage(spec, mesh.pp_rank(), mesh.pp_size(), options.pp_blocks, t,
+                       interleaved ? options.pipeline.chunks : 1);
   cast_parameters(*spec.module, options.param_dtype);  // before streaming takes the blocks' host copies
   if (options.param_dtype != at::kFloat && spec.activation_dtype == at::kFloat) {
     spec.activation_dtype = options.param_dtype;  // what a stage computes and sends
@@ -86,6 +88,11 @@ Trainer::Applied Trainer::apply_to_spec(ModelSpec spec, dist::Mesh& mesh, c10::D
   a.loss = [model](const Batch& b) { return model->loss(b); };
   if (mesh.pp_size() > 1) {
     options.pipeline.forward = [model](const at::Tensor& x, const Batch& micro) { return model->stage_forward(x, micro); };
+    if (interleaved) {
+      options.pipeline.chunk_forward = [model](const at::Tensor& x, const Batch& micro, int chunk) {
+        return model->chunk_forward(x, micro, chunk);
+      };
+    }
     options.pipeline.activation_shape = spec.activation_shape;
     options.pipeline.activation_dtype = spec.activation_dtype;
   }
@@ -134,6 +141,11 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
   // master weights when it is built, before the reducer exists.
   ReducerOptions reducer_options = options_.reducer;
   if (reducer_options.names.empty()) reducer_options.names = names_;
+  // Interleaved stages (one replica each): the step's last backward of one chunk leaves the other
+  // chunks' parameters with the gradients earlier backwards accumulated, not unused.
+  if (options_.pipeline.schedule == PipelineSchedule::kInterleaved && mesh_.pp_size() > 1) {
+    reducer_options.find_unused_parameters = true;
+  }
   if (reducer_options.broadcast_parameters) {
     check_same_parameters(params_, mesh_.replicas(), reducer_options.names);
     at::NoGradGuard no_grad;
@@ -355,6 +367,19 @@ PipelineStep Trainer::pipeline_step(const std::vector<Batch>& micro) const {
     }
     return !last && y.scalar_type() != po.activation_dtype ? y.to(po.activation_dtype) : y;
   };
+  if (po.schedule == PipelineSchedule::kInterleaved) {
+    ps.chunks = po.chunks;
+    ps.chunk_forward = [&micro, &po, last, type = device_.type(), amp = options_.amp](const at::Tensor& x, int i,
+                                                                                       int chunk) {
+      at::Tensor y;
+      {
+        AutocastGuard autocast(type, amp);
+        y = po.chunk_forward(x, micro.at(i), chunk);
+      }
+      const bool loss = last && chunk == po.chunks - 1;
+      return !loss && y.scalar_type() != po.activation_dtype ? y.to(po.activation_dtype) : y;
+    };
+  }
   return ps;
 }
 

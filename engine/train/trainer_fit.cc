@@ -400,8 +400,11 @@ void Trainer::record_step_timeline(std::chrono::steady_clock::time_point start) 
     timeline_->add_complete(t->background ? "cpu update (delayed)" : "cpu update", category::kOptimizer,
                             lane::kOptimizer, t->start, t->end);
   }
-  timeline_->add_complete("step", category::kCompute, lane::kMain, start, end,
-                          {{"step", static_cast<double>(step_)}, {"accum_steps", static_cast<double>(accum_steps_)}});
+  TraceArgs args = {{"step", static_cast<double>(step_)}, {"accum_steps", static_cast<double>(accum_steps_)}};
+  if (options_.pipeline.schedule == PipelineSchedule::kInterleaved && mesh_.pp_size() > 1) {
+    args.emplace("pp_chunks", static_cast<double>(options_.pipeline.chunks));  // the bubble's theory
+  }
+  timeline_->add_complete("step", category::kCompute, lane::kMain, start, end, args);
 }
 
 void Trainer::finish_timeline() {

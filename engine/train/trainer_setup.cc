@@ -185,6 +185,29 @@ void check_param_dtype(const TrainerOptions& o) {
   DTRAIN_CHECK(o.prune.amount <= 0, "--param_dtype=bfloat16 with --prune_amount is not supported yet; drop one");
 }
 
+// The interleaved schedule, as far as the Trainer runs it so far: one replica per stage (each
+// chunk's last backward comes at another time, which the reducer's one synchronized backward
+// per step does not follow yet), and no technique that hooks the reducer or cuts the stage's
+// parameters into ranges (checkpoints, ZeRO, offload).
+static void check_interleaved_options(const TrainerOptions& o, const dist::Mesh& mesh) {
+  const int P = mesh.pp_size();
+  DTRAIN_CHECK(o.pipeline.chunks >= 2 && o.pipeline.chunk_forward, "--pp_schedule=interleaved needs at least 2 model "
+               "chunks per stage (--pp_chunks, TrainerOptions::pipeline.chunks, got ", o.pipeline.chunks,
+               ") and pipeline.chunk_forward (a trainer built from a ModelSpec sets it)");
+  DTRAIN_CHECK(o.accum_steps % P == 0, "--pp_schedule=interleaved runs the micro-batches ", P, " at a time (one per "
+               "stage), but the step has ", o.accum_steps, " (--accum_steps); use a multiple of ", P);
+  DTRAIN_CHECK(mesh.replicas().size() == 1, "--pp_schedule=interleaved with ", mesh.replicas().size(), " data- or "
+               "context-parallel replicas per stage is not supported yet (each chunk's gradients are final at another "
+               "backward); use one replica per stage (world = --tp x --pp), or --pp_schedule=1f1b");
+  const char* unsupported = !o.save_dir.empty()                           ? "checkpoints (--save_dir)"
+                            : o.shard != "none" && !o.shard.empty()      ? "--shard"
+                            : o.offload_optimizer || o.offload_layers      ? "--offload"
+                                                                           : nullptr;
+  DTRAIN_CHECK(unsupported == nullptr, "--pp_schedule=interleaved with ", unsupported ? unsupported : "",
+               " is not supported yet (a stage's chunks are not one range of the model's parameters); use "
+               "--pp_schedule=1f1b, or drop ", unsupported ? unsupported : "");
+}
+
 void check_pipeline_options(const TrainerOptions& o, const dist::Mesh& mesh) {
   const int P = mesh.pp_size();
   DTRAIN_CHECK(o.pipeline.forward && o.pipeline.activation_shape, "a mesh of ", P, " pipeline stages needs ",
@@ -196,8 +219,7 @@ void check_pipeline_options(const TrainerOptions& o, const dist::Mesh& mesh) {
                                                                        : nullptr;
   DTRAIN_CHECK(unsupported == nullptr, unsupported ? unsupported : "", " with pipeline parallelism (--pp=", P,
                ") is not supported yet; train with --pp=1, or without ", unsupported ? unsupported : "");
-  DTRAIN_CHECK(o.pipeline.schedule != PipelineSchedule::kInterleaved, "the Trainer does not run the interleaved "
-               "pipeline schedule yet (it needs each stage's model in chunks); use gpipe, 1f1b or zb");
+  if (o.pipeline.schedule == PipelineSchedule::kInterleaved) check_interleaved_options(o, mesh);
   // The weight half of a split backward runs after the blocks' streamed weights went back to
   // the host (layer offload keeps one block's weights on the device at a time).
   DTRAIN_CHECK(!(o.pipeline.schedule == PipelineSchedule::kZeroBubble && o.offload_layers), "--pp_schedule=zb "

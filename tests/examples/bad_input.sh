@@ -24,12 +24,11 @@ check 2 'offload_delayed_update_after needs --offload=optimizer' "$bin/train_mlp
 check 2 'cap' "$bin/train_gpt" --device=cpu --d_model=64 --heads=4 --layers=1 --seq_len=16 --vocab=96 --offload=optimizer --host_mem_limit_gb=0.0001
 check 2 'param_dtype=float16 is not one of: float32 .fp32., bfloat16 .bf16.; float16 weights need loss scaling' "$bin/train_mlp" --param_dtype=float16
 check 2 'param_dtype=bfloat16 with a replicated optimizer would update the bfloat16 weights themselves' "$bin/train_mlp" --device=cpu --param_dtype=bf16
-check 2 'memory planner .--plan=auto, dtrain-plan. models float32 weights' "$bin/train_gpt" --device=cpu --d_model=64 --heads=4 --layers=1 --seq_len=16 --vocab=96 --param_dtype=bf16 --shard=optimizer --plan=auto --gpu_mem_limit_gb=1
-check 2 'memory planner .--plan=auto, dtrain-plan. models float32 weights' "$bin/dtrain-plan" --model=gpt --device=cpu --d_model=64 --heads=4 --layers=1 --seq_len=16 --vocab=96 --param_dtype=bf16 --shard=optimizer
 check 2 'has no tensor-parallel layers' "$bin/train_mlp" --tp=2
 check 2 'sequence_parallel: train_mlp has no tensor-parallel layers' "$bin/train_mlp" --sequence_parallel
 check 2 'pp: train_mlp has no tensor-parallel layers and cannot be split into pipeline stages' "$bin/train_mlp" --pp=2
-check 2 "pipeline schedule 'interleaved' does not exist; use gpipe" "$bin/train_gpt" --pp_schedule=interleaved
+check 2 "pipeline schedule 'looped' does not exist; use gpipe" "$bin/train_gpt" --pp_schedule=looped
+check 2 'pp_schedule=interleaved needs --pp_chunks >= 2 .got 1.' "$bin/train_gpt" --pp_schedule=interleaved --pp_chunks=1
 check 2 'pp_blocks=2 needs --pp > 1' "$bin/train_gpt" --pp_blocks=2
 check 2 "shard=parameters needs the model's units" "$bin/train_mlp" --shard=parameters
 check 2 'shard=parameters with --offload=layers is not supported yet' "$bin/train_gpt" --device=cpu --shard=parameters --offload=layers

@@ -91,9 +91,11 @@ struct Layout {
   int tp = 1, pp = 1;
   std::string shard = "none";
   bool checkpoint = false, layers = false;
+  int chunks = 1;  // > 1: the interleaved schedule, each stage's blocks in that many chunks
   std::string name() const {
     return "tp " + std::to_string(tp) + " pp " + std::to_string(pp) + " --shard=" + shard +
-           (checkpoint ? " checkpointed" : "") + (layers ? " --offload=layers" : "");
+           (checkpoint ? " checkpointed" : "") + (layers ? " --offload=layers" : "") +
+           (chunks > 1 ? " interleaved x " + std::to_string(chunks) : "");
   }
 };
 
@@ -104,10 +106,18 @@ std::vector<double> curve(dist::Communicator& comm, const Layout& layout) {
   auto model = std::make_shared<TinyDecoderImpl>(mesh.tp());
   ModelSpec spec = spec_of(model);
   ModelTechniques split;
-  split_pipeline_stage(spec, mesh.pp_rank(), mesh.pp_size(), "", split);  // before the weights move anywhere
+  split_pipeline_stage(spec, mesh.pp_rank(), mesh.pp_size(), "", split, layout.chunks);  // before the weights move
   model->to(at::kDouble);
   TrainerOptions o = spec_curve_cases::curve_options(layout.shard, layout.checkpoint, layout.pp);
   o.offload_layers = layout.layers;
+  if (layout.chunks > 1) {
+    // Stage s keeps virtual stages s and s + P of the 2P: blocks {s} and {s + 2} at P 2.
+    EXPECT_EQ(spec.blocks->size(), 2u);
+    EXPECT_EQ(spec.blocks->index(0), mesh.pp_rank());
+    EXPECT_EQ(spec.blocks->index(1), mesh.pp_rank() + 2);
+    o.pipeline.schedule = PipelineSchedule::kInterleaved;
+    o.pipeline.chunks = layout.chunks;
+  }
   const std::vector<double> losses = spec_curve_cases::fit_token_windows(spec, mesh, o, kVocab, kSeq, kRows);
   // The techniques ran: checkpointing recomputes each block in backward (one more forward per
   // micro-batch; layer offload recomputes too), ZeRO-3 keeps no unit's weights between steps.
@@ -136,6 +146,7 @@ TEST(ModelSpec, APlainModelGetsEveryTechniqueAndFollowsItsOneRankRun) {
     layouts.push_back({1, 2, "none", false, false});
     layouts.push_back({1, 2, "none", true, false});
     layouts.push_back({1, 2, "none", false, true});
+    if (W == 2) layouts.push_back({1, 2, "none", false, false, 2});  // interleaved: one replica per stage
     layouts.push_back({1, 1, "parameters", true, false});  // dp W
   }
   if (W % 4 == 0) {
@@ -144,6 +155,7 @@ TEST(ModelSpec, APlainModelGetsEveryTechniqueAndFollowsItsOneRankRun) {
     layouts.push_back({1, 2, "parameters", false, false});  // pp 2 x dp 2
     layouts.push_back({2, 2, "none", true, false});
     layouts.push_back({2, 1, "none", true, true});
+    layouts.push_back({2, 2, "none", true, false, 2});  // interleaved x tp 2, checkpointed
   }
   for (const Layout& layout : layouts) {
     SCOPED_TRACE(layout.name() + " on " + std::to_string(W) + " rank(s)");

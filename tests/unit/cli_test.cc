@@ -91,6 +91,8 @@ std::map<std::string, Probe> training_and_layout_probes() {
     {"cp", {"2", {}, kToRun, [](const Built& b) { return text(b.run.cp); }}},
     {"pp_schedule", {"gpipe", {}, kToTrainer,
                      [](const Built& b) { return text(static_cast<int>(b.trainer.pipeline.schedule)); }}},
+    {"pp_chunks", {"3", {{"pp", "2"}, {"pp_schedule", "interleaved"}}, kToTrainer,
+                   [](const Built& b) { return text(b.trainer.pipeline.chunks); }}},
     {"pp_blocks", {"1,2", {{"pp", "2"}}, kToTrainer | kToRun,
                    [](const Built& b) { return b.trainer.pp_blocks + "|" + b.run.pp_blocks; }}},
     // kData

@@ -169,8 +169,9 @@ TEST(PipelineSchedule, NamesAndBadInput) {
   EXPECT_EQ(parse_pipeline_schedule("gpipe"), PipelineSchedule::kGPipe);
   EXPECT_EQ(parse_pipeline_schedule("1f1b"), PipelineSchedule::k1F1B);
   EXPECT_EQ(parse_pipeline_schedule("zb"), PipelineSchedule::kZeroBubble);
-  EXPECT_TRUE(testing_util::throws_error_with([] { parse_pipeline_schedule("interleaved"); },
-                                              "'interleaved' does not exist; use gpipe"));
+  EXPECT_EQ(parse_pipeline_schedule("interleaved"), PipelineSchedule::kInterleaved);
+  EXPECT_TRUE(testing_util::throws_error_with([] { parse_pipeline_schedule("looped"); },
+                                              "'looped' does not exist; use gpipe"));
   EXPECT_THROW(pipeline_actions(PipelineSchedule::k1F1B, 2, 2, 4), Error);
   EXPECT_THROW(pipeline_actions(PipelineSchedule::k1F1B, 2, 0, 0), Error);
 }

@@ -119,6 +119,55 @@ def scenario_sequence_parallel(args):
     compare(steps_after(ref16, 8), steps_after(whole, 8), "sequence-parallel checkpoint resumed unsplit", 1e-4)
 
 
+def pipeline_interleaved(args, shape, ref):
+    """--pp_schedule=interleaved: each stage holds --pp_chunks non-consecutive chunks of blocks (virtual stage
+    c P + s) and the curve is the one-rank run's; its timeline's bubble theory; its refusals."""
+    layouts = [
+        (2, ["--pp=2", "--batch_size=8", "--accum_steps=4"], "pp 2 x 2 chunks, interleaved, 4 micro-batches"),
+        (2, ["--pp=2", "--batch_size=8", "--accum_steps=2", "--checkpoint_activations"],
+         "pp 2 x 2 chunks, interleaved, 2 micro-batches (m = P: all forwards first), checkpointed"),
+        (4, ["--pp=2", "--tp=2", "--batch_size=8", "--accum_steps=4"], "pp 2 x tp 2, interleaved"),
+    ]
+    for i, (ranks, flags, name) in enumerate(layouts):
+        other = train(args, "train_gpt", ranks, shape + flags + ["--pp_schedule=interleaved"], f"pp-il-{i}")
+        compare(ref, other, name, 1e-4)
+        compare_grad_norms(ref, other, name)
+    # Eight blocks: 4 stages x 2 chunks, and 2 stages x 4 chunks of one block each.
+    eight = [f for f in shape if not f.startswith("--layers=")] + ["--layers=8"]
+    ref8 = train(args, "train_gpt", 1, eight + ["--batch_size=8"], "pp-il-ref8")
+    for ranks, flags, name in ((4, ["--pp=4", "--accum_steps=8"], "pp 4 x 2 chunks, interleaved, 8 micro-batches"),
+                               (2, ["--pp=2", "--pp_chunks=4", "--accum_steps=4"], "pp 2 x 4 chunks, interleaved")):
+        other = train(args, "train_gpt", ranks, eight + flags + ["--batch_size=8", "--pp_schedule=interleaved"],
+                      "pp-il-" + flags[0][5:] + flags[1][-1])
+        compare(ref8, other, name, 1e-4)
+    # The timeline's summary names the interleaved bubble, (P-1)/(vm+P-1) = 1/9 for P 2, v 2, m 4.
+    trace = os.path.join(args.workdir, "pp-il-trace.json")
+    train(args, "train_gpt", 2, shape + ["--pp=2", "--batch_size=8", "--accum_steps=4", "--pp_schedule=interleaved",
+                                         f"--timeline={trace}"], "pp-il-timeline")
+    out = run([os.path.join(args.bin, "dtrain-timeline"), "summary", trace])
+    lines = [l for l in out.splitlines() if "): idle " in l]
+    assert len(lines) == 2 and all("the interleaved bubble (P-1)/(vm+P-1) is 11% for P 2, v 2, m 4" in l
+                                   for l in lines), out[-2000:]
+    print("ok: the interleaved timeline;", lines)
+    # Refusals, each naming the fix.
+    for ranks, flags, message in (
+            (2, ["--layers=3", "--pp=2", "--accum_steps=2"], "splits the model's 3 block(s) into 2 stages x 2 chunks = "
+                                                             "4 virtual stages"),
+            (2, ["--pp=2", "--accum_steps=3", "--batch_size=6"], "runs the micro-batches 2 at a time (one per stage), "
+                                                                 "but the step has 3 (--accum_steps)"),
+            (4, ["--pp=2", "--accum_steps=2", "--batch_size=4"], "with 2 data- or context-parallel replicas per stage is "
+                                                                 "not supported yet"),
+            (2, ["--pp=2", "--accum_steps=2", "--save_dir=" + os.path.join(args.workdir, "il-ck")],
+             "with checkpoints (--save_dir) is not supported yet")):
+        flags = [f for f in shape if not f.startswith("--layers=")] + (
+            [] if any(f.startswith("--layers=") for f in flags) else ["--layers=4"]) + flags
+        if not any(f.startswith("--batch_size=") for f in flags):
+            flags.append("--batch_size=8")
+        out = train(args, "train_gpt", ranks, flags + ["--pp_schedule=interleaved"], "pp-il-bad", expect_status=2)
+        assert message in out, (message, out[-2000:])
+        print(f"ok: refused: {message}")
+
+
 def scenario_pipeline(args):
     """--pp: the blocks split into stages on the ranks of the pipeline; every layout, schedule and
     micro-batch count follows the one-rank run of the same global batch."""
@@ -160,6 +209,7 @@ def scenario_pipeline(args):
         compare_grad_norms(ref, other, name)
     # Every logged step carries each stage's peak memory.
     assert all(r[f"mem_peak_mb_stage{s}"] > 0 for r in other for s in (0, 1)), other[-1]
+    pipeline_interleaved(args, shape, ref)
     # Three stages of four blocks: the even rule gives the extra block to stage 1.
     three = train(args, "train_gpt", 3, shape + ["--pp=3", "--batch_size=8", "--accum_steps=2"], "pp-three")
     compare(ref, three, "pp 3 (blocks 1, 2, 1), 2 micro-batches", 1e-4)

@@ -34,12 +34,13 @@ namespace dtrain::engine {
 class BlockStackImpl;
 
 // What runs the stack's blocks when something is installed around them (the library's
-// techniques; see model_spec.h). run() must compute the same function as running each block
-// in order (BlockStackImpl::run_block), and is called from forward() only.
+// techniques; see model_spec.h). run() must compute the same function as running blocks
+// [begin, end) of the stack in order (BlockStackImpl::run_block), and is called from forward()
+// and forward_range() only.
 class BlockRunner {
  public:
   virtual ~BlockRunner() = default;
-  virtual at::Tensor run(BlockStackImpl& stack, const at::Tensor& x) = 0;
+  virtual at::Tensor run(BlockStackImpl& stack, const at::Tensor& x, size_t begin, size_t end) = 0;
 };
 
 class BlockStackImpl : public torch::nn::Module {
@@ -56,11 +57,14 @@ class BlockStackImpl : public torch::nn::Module {
   // The blocks of this stack in order, each through run_block(), or through the installed
   // runner.
   at::Tensor forward(const at::Tensor& x);
+  // Blocks [begin, end) of this stack (local indices) in order, as forward() runs them: an
+  // interleaved pipeline stage's model chunk.
+  at::Tensor forward_range(const at::Tensor& x, size_t begin, size_t end);
 
   // This stack's blocks (a pipeline stage's, after keep_range()).
   size_t size() const { return blocks_.size(); }
   // The whole-model index of this stack's i-th block (the index in its name).
-  int index(size_t i) const { return first_ + static_cast<int>(i); }
+  int index(size_t i) const { return index_.empty() ? static_cast<int>(i) : index_.at(i); }
   // The whole model's number of blocks (before keep_range()).
   int whole_size() const { return whole_; }
   // This stack's i-th block as a module, and its forward on x.
@@ -71,6 +75,9 @@ class BlockStackImpl : public torch::nn::Module {
   // under their names and drops the others. Once, before any runner is installed; throws
   // dtrain::Error for a range outside the stack.
   void keep_range(int begin, int end);
+  // The same for several ranges, ascending and disjoint (an interleaved pipeline stage's
+  // model chunks): the kept blocks in whole-model order.
+  void keep_ranges(const std::vector<std::pair<int, int>>& ranges);
 
   // The runner the library installs (null: none, each block in order). Not owned here: shared
   // so that it outlives the stack's users.
@@ -80,7 +87,7 @@ class BlockStackImpl : public torch::nn::Module {
  private:
   void append(torch::nn::AnyModule block);
   std::vector<torch::nn::AnyModule> blocks_;
-  int first_ = 0;  // whole-model index of blocks_[0]
+  std::vector<int> index_;  // whole-model index of each kept block (empty: the whole stack)
   int whole_ = 0;  // blocks the whole model has
   std::shared_ptr<BlockRunner> runner_;
 };

@@ -90,6 +90,11 @@ struct ModelTechniques {
   // Pipeline stage (stages > 1): this stage keeps blocks [first_block, end_block).
   int stage = 0, stages = 1;
   int first_block = 0, end_block = 0;
+  // Interleaved schedule: the stage's model chunks (chunk c is virtual stage c * stages +
+  // stage of stages * chunks), chunk c the stack's local blocks [chunk_bounds[c],
+  // chunk_bounds[c + 1]); one chunk: [0, the stage's blocks).
+  int chunks = 1;
+  std::vector<int> chunk_bounds;
 };
 
 // Applies the pipeline split of `stages` stages (stage `stage`, blocks per stage from
@@ -97,7 +102,11 @@ struct ModelTechniques {
 // and pre's or post's modules on the first and last stage. Call before moving the module to
 // its device (the dropped parts then never get there); a second call for the same split is
 // a no-op. Returns the stage's block range in t.
-void split_pipeline_stage(ModelSpec& spec, int stage, int stages, const std::string& counts, ModelTechniques& t);
+// chunks > 1 (the interleaved schedule): the blocks split into stages x chunks virtual stages
+// (counts, if given, names that many), and this stage keeps virtual stages stage, stage +
+// stages, ... as its chunks (t.chunk_bounds); pre lives with virtual stage 0, post with the last.
+void split_pipeline_stage(ModelSpec& spec, int stage, int stages, const std::string& counts, ModelTechniques& t,
+                          int chunks = 1);
 
 // The default ZeRO-3 units of a spec (the first parameter name prefix of each piece): pre's
 // modules as one unit, each block its own, post's modules as one unit. A pipeline stage's own.
@@ -134,6 +143,9 @@ class AppliedModel {
   // A pipeline stage's part: the first stage runs pre on the micro-batch (x undefined), every
   // stage its blocks, the last post, returning the mean loss; the others the activation.
   at::Tensor stage_forward(const at::Tensor& x, const Batch& micro);
+  // An interleaved stage's model chunk: pre on virtual stage 0 (x undefined), the chunk's
+  // blocks, post on the last virtual stage (the mean loss); otherwise the activation.
+  at::Tensor chunk_forward(const at::Tensor& x, const Batch& micro, int chunk);
   const ModelSpec& spec() const { return spec_; }
   const ModelTechniques& techniques() const { return t_; }
   bool first_stage() const { return t_.stage == 0; }

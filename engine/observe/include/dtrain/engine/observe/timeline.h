@@ -209,13 +209,16 @@ struct PipelineStageSummary {
   double compute_ms = 0;      // per step: the forward and backward spans
   double wait_ms = 0;         // per step: waiting for a neighbour stage's activation or gradient
   bool zero_bubble = false;   // the backwards came in halves ("backward input", "backward weight")
+  int chunks = 1;             // model chunks per stage (the interleaved schedule: "step" arg "pp_chunks")
   // 1 - compute / step: the stage's bubble, plus what else the step does (optimizer, norm).
   double idle_fraction() const { return step_ms > 0 ? 1 - compute_ms / step_ms : 0; }
   // The schedule's bubble in theory: (P - 1) / (m + P - 1) for GPipe and 1F1B; zero bubble's
-  // ideal at equal costs of a forward and each half of a backward, (P - 1) / (3m + P - 1).
+  // ideal at equal costs of a forward and each half of a backward, (P - 1) / (3m + P - 1);
+  // interleaved with v chunks, (P - 1) / (v m + P - 1).
   double bubble_theory() const {
     if (stages <= 0) return 0;
-    return zero_bubble ? (stages - 1) / (3 * micro_batches + stages - 1) : (stages - 1) / (micro_batches + stages - 1);
+    const double m = zero_bubble ? 3 * micro_batches : chunks * micro_batches;
+    return (stages - 1) / (m + stages - 1);
   }
 };
 // One entry per rank with pipeline spans, by rank. Pure.

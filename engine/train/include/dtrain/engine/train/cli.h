@@ -44,7 +44,7 @@ enum Topic : unsigned {
                               // --clip_grad_norm --schedule --warmup_steps --accum_steps --amp --param_dtype
                               // --on_nonfinite --max_nonfinite_skips
   kRanks = 1u << 1,           // --device --backend --collective_timeout_s
-  kTensorParallel = 1u << 2,  // model parallelism: --tp --sequence_parallel --pp --cp --pp_schedule --pp_blocks
+  kTensorParallel = 1u << 2,  // model parallelism: --tp --sequence_parallel --pp --cp --pp_schedule --pp_chunks --pp_blocks
   kData = 1u << 3,            // --workers --prefetch --eval_every --eval_samples
   kMemory = 1u << 4,          // --offload --shard --shard_units --offload_* --host_mem_limit_gb --plan --gpu_mem_limit_gb
                               // --memory_report_step --checkpoint_activations
@@ -89,6 +89,7 @@ struct Flags {
   int32_t cp = 1;
   std::string pp_schedule = to_string(PipelineOptions().schedule);
   std::string pp_blocks;  // "a,b,...": blocks per pipeline stage ("": the even rule)
+  int pp_chunks = 2;      // --pp_schedule=interleaved: model chunks per stage
   // kData
   int32_t workers = LoaderOptions().workers;
   int32_t prefetch = LoaderOptions().prefetch;

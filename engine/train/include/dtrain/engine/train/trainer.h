@@ -102,6 +102,12 @@ struct PipelineOptions {
   // The shape of the activation a stage sends for a micro-batch of `rows` rows.
   std::function<std::vector<int64_t>(int64_t rows)> activation_shape;
   at::ScalarType activation_dtype = at::kFloat;
+  // The interleaved schedule (kInterleaved): the stage's model chunks (>= 2; virtual stage c P +
+  // stage), and chunk_forward(x, micro, c) instead of forward (chunk c of stage 0 reads the
+  // micro-batch when c = 0; chunk chunks - 1 of the last stage returns the loss). A spec-built
+  // trainer sets both from its split; the schedule needs accum_steps a multiple of the stages.
+  int chunks = 1;
+  std::function<at::Tensor(const at::Tensor& x, const Batch& micro, int chunk)> chunk_forward;
 };
 
 struct TrainerOptions {
