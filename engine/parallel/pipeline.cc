@@ -366,7 +366,7 @@ class TrainingStage {
     auto it = held_.find(key(i, chunk));
     DTRAIN_CHECK(it != held_.end(), "pipeline step: backward of micro-batch ", i, " before its forward");
     const at::Tensor grad = ctx_.last_of(chunk) ? at::Tensor() : take(k);
-    if (!input_half && step_.before_backward) step_.before_backward(i);
+    if (!input_half && step_.before_backward) step_.before_backward(i, chunk);
     const SpanTimer::Mark a = ctx_.timer.mark();
     at::Tensor input_grad;
     try {
@@ -385,7 +385,7 @@ class TrainingStage {
       return;
     }
     ctx_.timer.span(input_half ? "backward input" : "backward", i, a, ctx_.timer.mark(), /*busy=*/true);
-    if (!input_half && step_.after_backward) step_.after_backward(i);
+    if (!input_half && step_.after_backward) step_.after_backward(i, chunk);
     if (!ctx_.first_of(chunk)) {
       DTRAIN_CHECK(input_grad.defined(), "pipeline step: stage ", ctx_.stage, "'s forward does not depend on its "
                    "input; the stage before would get no gradient");
@@ -398,7 +398,7 @@ class TrainingStage {
     auto it = held_.find(key(i, 0));  // zb: one chunk
     DTRAIN_CHECK(it != held_.end() && it->second.split, "pipeline step: backward weight of micro-batch ", i,
                  " before its backward input");
-    if (step_.before_backward) step_.before_backward(i);
+    if (step_.before_backward) step_.before_backward(i, 0);
     const SpanTimer::Mark a = ctx_.timer.mark();
     try {
       it->second.split->weight_half();
@@ -408,7 +408,7 @@ class TrainingStage {
     }
     held_.erase(it);
     ctx_.timer.span("backward weight", i, a, ctx_.timer.mark(), /*busy=*/true);
-    if (step_.after_backward) step_.after_backward(i);
+    if (step_.after_backward) step_.after_backward(i, 0);
   }
 
   StageContext ctx_;

@@ -623,7 +623,10 @@ void GradReducer::end_runs() {
 
 void GradReducer::set_sync(bool enabled) {
   std::lock_guard<std::mutex> lock(state_->mutex);
-  if (state_->in_step) {
+  // Between the runs of a begin_runs() backward the runs may differ: an interleaved pipeline
+  // stage's runs for one chunk's last micro-batch synchronize, those for the others' earlier
+  // micro-batches only accumulate.
+  if (state_->in_step && !state_->many_runs) {
     LOG(ERROR) << "no_sync started or ended during a synchronized backward pass; ignored";
     return;
   }

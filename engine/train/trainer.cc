@@ -141,8 +141,8 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
   // master weights when it is built, before the reducer exists.
   ReducerOptions reducer_options = options_.reducer;
   if (reducer_options.names.empty()) reducer_options.names = names_;
-  // Interleaved stages (one replica each): the step's last backward of one chunk leaves the other
-  // chunks' parameters with the gradients earlier backwards accumulated, not unused.
+  // Interleaved stages: a chunk's parameters get no gradient in the other chunks' backwards,
+  // which is no sign of unused parameters.
   if (options_.pipeline.schedule == PipelineSchedule::kInterleaved && mesh_.pp_size() > 1) {
     reducer_options.find_unused_parameters = true;
   }
@@ -389,18 +389,34 @@ void Trainer::run_pipeline(const std::vector<Batch>& micro, at::Tensor& loss_sum
   // Gradients accumulate without a reduction until the step's last backward (micro-batch n - 1
   // in every schedule; zb: its weight half, several autograd runs), whose buckets are reduced
   // over this stage's data-parallel group as they complete, overlapped with the rest of that
-  // backward.
+  // backward. Interleaved: each chunk's parameters are final at its own backward of micro-batch
+  // n - 1, and backwards of the other chunks' earlier micro-batches come between; one backward
+  // of many runs from the first such backward to the step's last, synchronized for those
+  // backwards and accumulating only for the others.
   std::optional<GradReducer::NoSync> no_sync;
-  const bool runs = ps.schedule == PipelineSchedule::kZeroBubble;
-  ps.before_backward = [&](int i) {
+  const bool runs = ps.schedule == PipelineSchedule::kZeroBubble, chunked = ps.chunks > 1;
+  int backwards_left = n * ps.chunks;
+  bool in_runs = false;
+  ps.before_backward = [&](int i, int) {
     if (i + 1 < n && !no_sync) no_sync.emplace(reducer_.get());
     if (i + 1 == n) {
       no_sync.reset();
-      if (runs) reducer_->begin_runs();
+      if ((runs || chunked) && !in_runs) {
+        reducer_->begin_runs();
+        in_runs = true;
+      }
     }
   };
-  ps.after_backward = [&](int i) {
-    if (runs && i + 1 == n) reducer_->end_runs();
+  ps.after_backward = [&](int i, int) {
+    if (runs && i + 1 == n) {
+      reducer_->end_runs();
+      in_runs = false;
+    }
+    if (chunked && --backwards_left == 0 && in_runs) {
+      no_sync.reset();
+      reducer_->end_runs();
+      in_runs = false;
+    }
   };
   if (scaler_->enabled()) ps.scale_loss = [this](const at::Tensor& loss) { return scaler_->scale(loss); };
   if (timeline_->enabled()) {

@@ -185,10 +185,10 @@ void check_param_dtype(const TrainerOptions& o) {
   DTRAIN_CHECK(o.prune.amount <= 0, "--param_dtype=bfloat16 with --prune_amount is not supported yet; drop one");
 }
 
-// The interleaved schedule, as far as the Trainer runs it so far: one replica per stage (each
-// chunk's last backward comes at another time, which the reducer's one synchronized backward
-// per step does not follow yet), and no technique that hooks the reducer or cuts the stage's
-// parameters into ranges (checkpoints, ZeRO, offload).
+// The interleaved schedule, as far as the Trainer runs it so far: data parallelism beside it (each
+// chunk's gradients reduced from its own last backward: run_pipeline), no context parallelism,
+// and no technique that hooks the reducer or cuts the stage's parameters into ranges
+// (checkpoints, ZeRO, offload).
 static void check_interleaved_options(const TrainerOptions& o, const dist::Mesh& mesh) {
   const int P = mesh.pp_size();
   DTRAIN_CHECK(o.pipeline.chunks >= 2 && o.pipeline.chunk_forward, "--pp_schedule=interleaved needs at least 2 model "
@@ -196,9 +196,8 @@ static void check_interleaved_options(const TrainerOptions& o, const dist::Mesh&
                ") and pipeline.chunk_forward (a trainer built from a ModelSpec sets it)");
   DTRAIN_CHECK(o.accum_steps % P == 0, "--pp_schedule=interleaved runs the micro-batches ", P, " at a time (one per "
                "stage), but the step has ", o.accum_steps, " (--accum_steps); use a multiple of ", P);
-  DTRAIN_CHECK(mesh.replicas().size() == 1, "--pp_schedule=interleaved with ", mesh.replicas().size(), " data- or "
-               "context-parallel replicas per stage is not supported yet (each chunk's gradients are final at another "
-               "backward); use one replica per stage (world = --tp x --pp), or --pp_schedule=1f1b");
+  DTRAIN_CHECK(mesh.cp_size() == 1, "--pp_schedule=interleaved with context parallelism (--cp=", mesh.cp_size(),
+               ") is not supported yet; use --pp_schedule=1f1b with --cp");
   const char* unsupported = !o.save_dir.empty()                           ? "checkpoints (--save_dir)"
                             : o.shard != "none" && !o.shard.empty()      ? "--shard"
                             : o.offload_optimizer || o.offload_layers      ? "--offload"

@@ -146,7 +146,7 @@ TEST(ModelSpec, APlainModelGetsEveryTechniqueAndFollowsItsOneRankRun) {
     layouts.push_back({1, 2, "none", false, false});
     layouts.push_back({1, 2, "none", true, false});
     layouts.push_back({1, 2, "none", false, true});
-    if (W == 2) layouts.push_back({1, 2, "none", false, false, 2});  // interleaved: one replica per stage
+    layouts.push_back({1, 2, "none", false, false, 2});  // interleaved (x dp W / 2)
     layouts.push_back({1, 1, "parameters", true, false});  // dp W
   }
   if (W % 4 == 0) {

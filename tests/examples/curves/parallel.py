@@ -127,6 +127,10 @@ def pipeline_interleaved(args, shape, ref):
         (2, ["--pp=2", "--batch_size=8", "--accum_steps=2", "--checkpoint_activations"],
          "pp 2 x 2 chunks, interleaved, 2 micro-batches (m = P: all forwards first), checkpointed"),
         (4, ["--pp=2", "--tp=2", "--batch_size=8", "--accum_steps=4"], "pp 2 x tp 2, interleaved"),
+        # Each chunk's gradients reduced over dp from its own last backward (one backward of many runs).
+        (4, ["--pp=2", "--batch_size=4", "--accum_steps=4"], "pp 2 x dp 2, interleaved"),
+        (4, ["--pp=2", "--batch_size=4", "--accum_steps=2", "--checkpoint_activations"],
+         "pp 2 x dp 2, interleaved, m = P, checkpointed"),
     ]
     for i, (ranks, flags, name) in enumerate(layouts):
         other = train(args, "train_gpt", ranks, shape + flags + ["--pp_schedule=interleaved"], f"pp-il-{i}")
@@ -155,8 +159,8 @@ def pipeline_interleaved(args, shape, ref):
                                                              "4 virtual stages"),
             (2, ["--pp=2", "--accum_steps=3", "--batch_size=6"], "runs the micro-batches 2 at a time (one per stage), "
                                                                  "but the step has 3 (--accum_steps)"),
-            (4, ["--pp=2", "--accum_steps=2", "--batch_size=4"], "with 2 data- or context-parallel replicas per stage is "
-                                                                 "not supported yet"),
+            (4, ["--pp=2", "--cp=2", "--accum_steps=2", "--seq_len=32"], "with context parallelism (--cp=2) is not "
+                                                                         "supported yet"),
             (2, ["--pp=2", "--accum_steps=2", "--save_dir=" + os.path.join(args.workdir, "il-ck")],
              "with checkpoints (--save_dir) is not supported yet")):
         flags = [f for f in shape if not f.startswith("--layers=")] + (

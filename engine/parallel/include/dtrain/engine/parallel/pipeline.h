@@ -151,10 +151,11 @@ struct PipelineStep {
   // Optional, last stage: applied to loss / micro_batches before its backward (the fp16 loss
   // scale).
   std::function<at::Tensor(const at::Tensor& loss)> scale_loss;
-  // Optional: called before the action that accumulates micro-batch i's weight gradients (its
-  // backward; zb: its W), and after it (the trainer keeps its gradient reducer in no_sync until
-  // the step's last such action, which every schedule runs for micro-batch m - 1).
-  std::function<void(int micro)> before_backward, after_backward;
+  // Optional: called before the action that accumulates micro-batch i's weight gradients of
+  // chunk c (its backward; zb: its W), and after it (the trainer keeps its gradient reducer in
+  // no_sync until the last such action of each chunk, which every schedule runs for micro-batch
+  // m - 1).
+  std::function<void(int micro, int chunk)> before_backward, after_backward;
   // Optional: each forward ("forward"), backward ("backward"; zb: "backward input" and
   // "backward weight") and wait for a neighbour ("wait for stage s"), with its times (the timeline's lane of this stage), in the order they
   // ran. On the CPU: host clocks, each reported as it ends. On a CUDA device (activation_options'

@@ -142,7 +142,8 @@ class GradReducer {
   // end_runs() the backward does not end with the first run's end; end_runs() ends it (the
   // parameters no run reached are reduced as zeros, and the buckets waited for), as one
   // backward's end would. begin_runs() inside another or during a backward throws
-  // dtrain::Error.
+  // dtrain::Error. Between two runs a NoSync may begin or end: the runs under it only
+  // accumulate (their parameters are not marked ready).
   void begin_runs();
   void end_runs();
 
