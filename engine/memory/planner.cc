@@ -60,10 +60,16 @@ int64_t local_layer_parameters(const PlanInputs& in) {
                               static_cast<double>(in.parameters));
 }
 
+bool interleaved(const PlanInputs& in) { return in.pp > 1 && in.pp_schedule == PipelineSchedule::kInterleaved; }
+
 std::vector<int> accum_candidates(const PlanInputs& in) {
   if (!in.accum_candidates.empty()) return in.accum_candidates;
   std::vector<int> out;
   for (int64_t a = 1; a <= in.batch_size; a *= 2) {
+    if (in.batch_size % a == 0 && (!interleaved(in) || a % in.pp == 0)) out.push_back(static_cast<int>(a));
+  }
+  // Interleaved: the micro-batches go P at a time; powers of two miss P 3, 5, ...
+  for (int64_t a = in.pp; interleaved(in) && out.empty() && a <= in.batch_size; a += in.pp) {
     if (in.batch_size % a == 0) out.push_back(static_cast<int>(a));
   }
   return out;
@@ -102,7 +108,10 @@ double cost_seconds(const PlanInputs& in, const ActivationProfile& profile, cons
   seconds += t.accum_steps * per_micro;
   // A pipeline's step: the schedule's simulated step over its work (1F1B: accum_steps + pp - 1
   // micro-batch times), the bubble among them.
-  if (in.pp > 1) seconds *= simulate_pipeline(in.pp_schedule, in.pp, t.accum_steps).step / (3.0 * t.accum_steps);
+  if (in.pp > 1) {
+    const int v = interleaved(in) ? in.pp_chunks : 1;
+    seconds *= simulate_pipeline(in.pp_schedule, in.pp, t.accum_steps, {}, v).step / (3.0 * t.accum_steps * v);
+  }
   const double local = static_cast<double>(local_parameters(in));
   if (t.offload_optimizer) {
     const double cpu_bytes =
@@ -341,8 +350,8 @@ int pipeline_in_flight(const PlanInputs& in, int accum_steps) {
     case PipelineSchedule::kGPipe: return accum_steps;
     case PipelineSchedule::k1F1B: return std::min(in.pp - in.stage, accum_steps);
     case PipelineSchedule::kZeroBubble: return simulate_pipeline(in.pp_schedule, in.pp, accum_steps).peak_in_flight.at(in.stage);
-    case PipelineSchedule::kInterleaved:
-      throw Error("the memory planner does not model the interleaved pipeline schedule yet");
+    case PipelineSchedule::kInterleaved:  // (micro, chunk) pairs; estimate() scales them
+      return simulate_pipeline(in.pp_schedule, in.pp, accum_steps, {}, in.pp_chunks).peak_in_flight.at(in.stage);
   }
   return accum_steps;
 }
@@ -471,8 +480,16 @@ MemoryEstimate estimate(const PlanInputs& in, const ActivationProfile& profile,
   // A pipeline stage: the micro-batch in backward at its peak, the others in flight holding
   // what their forward left for their backward.
   e.in_flight = pipeline_in_flight(in, t.accum_steps);
-  e.gpu.activations = fit->bytes(e.micro_batch_rows) + (e.in_flight - 1) * fit->held(e.micro_batch_rows) +
-                      gathered_units;
+  const int64_t rows = e.micro_batch_rows;
+  if (interleaved(in)) {
+    // Pairs of (micro-batch, chunk), each about 1/v of the stage's held activations; the
+    // backward at the peak runs one chunk's blocks with the other pairs held.
+    const int64_t v = in.pp_chunks, pairs = e.in_flight;
+    e.gpu.activations = fit->bytes(rows) - fit->held(rows) + (pairs * fit->held(rows) + v - 1) / v + gathered_units;
+    e.in_flight = static_cast<int>((pairs + v - 1) / v);  // reported in whole micro-batches
+  } else {
+    e.gpu.activations = fit->bytes(rows) + (e.in_flight - 1) * fit->held(rows) + gathered_units;
+  }
   e.gpu.transient = std::max(e.gpu.transient, in.optimizer_transient_bytes);
   e.gpu.stale_gradients = in.reducer_rebuild ? e.gpu.gradients : 0;
   e.gpu.other = in.buffer_bytes + profile.persistent_bytes +

@@ -530,6 +530,36 @@ TEST(PlannerPipeline, StagesHoldTheirMicroBatchesInFlight) {
             std::string::npos);
 }
 
+// Interleaved (v chunks): the schedule's peak (micro-batch, chunk) pairs, each 1/v of the stage's
+// held activations, beside one chunk's backward; only multiples of P micro-batches are candidates.
+TEST(PlannerPipeline, InterleavedStagesHoldPairsOfMicroBatchAndChunk) {
+  PlanInputs in = inputs();
+  in.pp = 4;
+  in.pp_schedule = PipelineSchedule::kInterleaved;
+  in.pp_chunks = 2;
+  const ActivationProfile p = held_profile();
+  for (int stage = 0; stage < 4; ++stage) {
+    in.stage = stage;
+    for (int m : {4, 8, 16}) {
+      const int pairs = simulate_pipeline(PipelineSchedule::kInterleaved, 4, m, {}, 2).peak_in_flight[stage];
+      EXPECT_GT(pairs, std::min(4 - stage, m)) << "interleaving holds more than 1F1B's micro-batches";
+      const int64_t rows = 16 / m;
+      const MemoryEstimate e = estimate(in, p, Technique{false, m});
+      EXPECT_EQ(e.gpu.activations, rows * 10 * kMB - rows * 6 * kMB + (pairs * rows * 6 * kMB + 1) / 2)
+          << "stage " << stage << " m " << m;
+      EXPECT_EQ(e.in_flight, (pairs + 1) / 2);
+    }
+  }
+  // Candidates: 4, 8, 16 of a 16-row batch (1 and 2 do not go through 4 stages at a time).
+  const Plan plan = choose_plan(in, p);
+  EXPECT_EQ(plan.technique.accum_steps % 4, 0) << plan.flags();
+  // The bubble shrinks with the chunks: the estimated step of 2 chunks is below 1F1B's at m 4.
+  PlanInputs one = in;
+  one.pp_schedule = PipelineSchedule::k1F1B;
+  one.pp_chunks = 1;
+  EXPECT_LT(estimate_step_seconds(in, p, Technique{false, 4}), estimate_step_seconds(one, p, Technique{false, 4}));
+}
+
 TEST(PlannerPipeline, TheBubbleFavoursMoreMicroBatches) {
   // Rows cost 10 ms, micro-batches 5 ms; a step of m micro-batches through P stages takes
   // (m + P - 1) micro-batch times.

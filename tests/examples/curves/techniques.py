@@ -190,7 +190,10 @@ def plan_pipeline(args):
 
     # The estimate of every stage against the peak of the pipeline trained with those flags.
     for flags in (["--accum_steps=4"], ["--accum_steps=4", "--pp_schedule=gpipe"],
-                  ["--accum_steps=2", "--checkpoint_activations"], ["--accum_steps=8", "--amp=bf16"]):
+                  ["--accum_steps=2", "--checkpoint_activations"], ["--accum_steps=8", "--amp=bf16"],
+                  # Interleaved: (micro-batch, chunk) pairs in flight, each 1/v of the stage's held activations.
+                  ["--accum_steps=4", "--pp_schedule=interleaved"],
+                  ["--accum_steps=4", "--pp_schedule=interleaved", "--checkpoint_activations"]):
         out, js = plan("--verify_steps=2", *flags)
         stages = [j for j in js if "verify_steps" in j][0]["stages"]
         assert len(stages) == 2, stages

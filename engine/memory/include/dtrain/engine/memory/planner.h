@@ -212,9 +212,13 @@ struct PlanInputs {
   // zero bubble what its list holds at most (pipeline.h: simulate_pipeline's peak_in_flight,
   // at most min(pp, accum_steps)). The step takes the schedule's simulated step at unit costs
   // over its 3 accum_steps units of work: (accum_steps + pp - 1) / accum_steps for 1F1B.
+  // Interleaved (pp_chunks >= 2 chunks per stage): the stage holds up to peak_in_flight (micro,
+  // chunk) pairs, each about 1/pp_chunks of the stage's held activations; only accumulation
+  // counts that are multiples of pp are candidates.
   int pp = 1;
   int stage = 0;
   PipelineSchedule pp_schedule = PipelineSchedule::k1F1B;
+  int pp_chunks = 1;
 
   // Budgets (0: no limit). gpu_budget_bytes is the process's device memory: the allocator's
   // peak plus the workspace allowance plus the CUDA context. host_budget_bytes caps what
