@@ -6,6 +6,8 @@ median of the logged windows after the first. Pipeline runs also write a timelin
 per-stage idle share of a step (dtrain-timeline summary) is printed beside the bubble's
 (P-1)/(m+P-1). One run of each layout, in one invocation, so the ratios compare like with like.
 
+The interleaved rows use --pp_chunks=2 (the default): virtual stages of 2 blocks each.
+
 usage: pipeline_gpt_bench.py BUILD/bin [--steps N] [--mpirun "mpirun ..."]
 """
 import argparse
@@ -46,14 +48,15 @@ def main():
         for m in (2, 4, 8):
             dp, _ = train(args, 2, [f"--batch_size={GLOBAL_BATCH // 2}", f"--accum_steps={m // 2}"], f"dp{m}", w)
             print(f"| dp 2 | {m} (each rank {m // 2}) | {dp:.1f} | 1.00 | | |")
-            for schedule in ("1f1b", "gpipe", "zb"):
+            for schedule in ("1f1b", "gpipe", "zb", "interleaved"):
                 trace = os.path.join(w, f"pp{m}{schedule}.json")
                 pp, _ = train(args, 2, ["--pp=2", f"--pp_schedule={schedule}", f"--batch_size={GLOBAL_BATCH}",
                                         f"--accum_steps={m}", f"--timeline={trace}"], f"pp{m}{schedule}", w)
                 out = subprocess.run([os.path.join(args.bin, "dtrain-timeline"), "summary", trace], check=True,
                                      stdout=subprocess.PIPE, text=True).stdout
                 idle = [l.split("idle ")[1].split("%")[0] + "%" for l in out.splitlines() if "): idle " in l]
-                bubble = 1 / (3 * m + 1) if schedule == "zb" else 1 / (m + 1)  # zb: its ideal (P-1)/(3m+P-1)
+                # zb: its ideal (P-1)/(3m+P-1); interleaved with 2 chunks (P-1)/(2m+P-1)
+                bubble = 1 / (3 * m + 1) if schedule == "zb" else 1 / (2 * m + 1) if schedule == "interleaved" else 1 / (m + 1)
                 print(f"| pp 2 {schedule} | {m} | {pp:.1f} | {pp / dp:.2f} | {', '.join(idle)} | {100 * bubble:.0f}% |")
 
 

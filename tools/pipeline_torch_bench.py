@@ -11,9 +11,10 @@ Layouts (--mode, default: all, each run in a fresh pair of processes):
   pp    torch.distributed.pipelining: stage 0 (rank 0) = token + position embeddings and the
         first layers//2 blocks, stage 1 (rank 1) = the other blocks, the final LayerNorm and
         the head; PipelineStage + Schedule1F1B, ScheduleGPipe or ScheduleInterleavedZeroBubble
-        with one stage per rank (ZB1P: zb) (--schedule) splitting the
+        with one stage per rank (ZB1P: zb), or ScheduleInterleaved1F1B with 2 stages per rank
+        (virtual stages rank and rank + 2 of 4, layers/4 blocks each: interleaved) (--schedule) splitting the
         global batch into m = --micro_batches micro-batches, loss_fn = mean cross-entropy
-        (dtrain --pp=2 --pp_schedule=1f1b|gpipe|zb --batch_size=batch --accum_steps=m)
+        (dtrain --pp=2 --pp_schedule=1f1b|gpipe|zb|interleaved --batch_size=batch --accum_steps=m)
   all   ddp, pp 1f1b and pp gpipe for m in 2, 4, 8, then a markdown table
         | layout | m | ms/step | vs ddp |
 
@@ -51,7 +52,7 @@ and backward + clip + step); rank 0 prints the median over the steps after the f
   torch ddp m=4: 640.1 ms/step (median of 12), loss 6.2629
 where loss is the last step's mean cross-entropy of the global batch.
 
-usage: .venv/bin/python tools/pipeline_torch_bench.py [--mode=all|ddp|pp] [--schedule=1f1b|gpipe|zb]
+usage: .venv/bin/python tools/pipeline_torch_bench.py [--mode=all|ddp|pp] [--schedule=1f1b|gpipe|zb|interleaved]
            [--micro_batches=4] [--steps=17] [--batch=16] [--d_model=256] [--heads=8] [--layers=8]
            [--seq_len=128] [--ff=1024] [--vocab=512] [--seed=42] [--print_losses]
 """
@@ -72,7 +73,8 @@ from zero_torch_bench import Gpt, add_model_flags, dtrain_parameter_count, free_
 
 WORLD = 2
 WARMUP_STEPS = 5  # steps 1..5 are excluded from the median
-SCHEDULES = ("1f1b", "gpipe", "zb")
+SCHEDULES = ("1f1b", "gpipe", "zb", "interleaved")
+CHUNKS = 2  # interleaved: model chunks per rank (virtual stages c * WORLD + rank)
 
 
 # ---- one pipeline stage of the model --------------------------------------------------------
@@ -146,20 +148,33 @@ def run_layout(rank, a, layout, results):
 
     if mode == "pp":
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                                  ScheduleInterleavedZeroBubble)
-        first, last = stage_bounds(a.layers, rank)
-        module = GptStage(gpt, first, last, rank == 0, rank == WORLD - 1)
-        del gpt  # the other stage's parts go with it
-        stage = PipelineStage(module, rank, WORLD, torch.device("cpu"))
-        # loss_fn is applied per micro-batch on the last stage; scale_grads=True (the default)
-        # divides the accumulated gradients by m, so they are those of the global batch's mean.
-        if schedule_name == "zb":  # ZB1P (ZB-H1) with one stage per rank: the zero-bubble peer of dtrain's zb
-            schedule = ScheduleInterleavedZeroBubble([stage], n_microbatches=m, loss_fn=mean_cross_entropy)
+                                                  ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
+        if schedule_name == "interleaved":
+            # Virtual stage c * WORLD + rank of WORLD * CHUNKS, layers / (WORLD * CHUNKS) blocks each, as
+            # dtrain's split_pipeline_stage with --pp_chunks=2 cuts them.
+            total = WORLD * CHUNKS
+            assert a.layers % total == 0, f"--layers must be a multiple of {total} for the interleaved split"
+            per = a.layers // total
+            modules = [GptStage(gpt, v * per, (v + 1) * per, v == 0, v == total - 1)
+                       for v in (c * WORLD + rank for c in range(CHUNKS))]
+            stages = [PipelineStage(mod, c * WORLD + rank, total, torch.device("cpu")) for c, mod in enumerate(modules)]
+            del gpt
+            schedule = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=mean_cross_entropy)
+            params = [p for mod in modules for p in mod.parameters()]
         else:
-            schedule_cls = Schedule1F1B if schedule_name == "1f1b" else ScheduleGPipe
-            schedule = schedule_cls(stage, n_microbatches=m, loss_fn=mean_cross_entropy)
-        optimizer = torch.optim.AdamW(module.parameters(), **adamw)
-        params = [p for p in module.parameters()]
+            first, last = stage_bounds(a.layers, rank)
+            module = GptStage(gpt, first, last, rank == 0, rank == WORLD - 1)
+            del gpt  # the other stage's parts go with it
+            stage = PipelineStage(module, rank, WORLD, torch.device("cpu"))
+            # loss_fn is applied per micro-batch on the last stage; scale_grads=True (the default)
+            # divides the accumulated gradients by m, so they are those of the global batch's mean.
+            if schedule_name == "zb":  # ZB1P (ZB-H1) with one stage per rank: the zero-bubble peer of dtrain's zb
+                schedule = ScheduleInterleavedZeroBubble([stage], n_microbatches=m, loss_fn=mean_cross_entropy)
+            else:
+                schedule_cls = Schedule1F1B if schedule_name == "1f1b" else ScheduleGPipe
+                schedule = schedule_cls(stage, n_microbatches=m, loss_fn=mean_cross_entropy)
+            params = [p for p in module.parameters()]
+        optimizer = torch.optim.AdamW(params, **adamw)
 
         def clip():
             sq = torch.zeros(())
