@@ -301,6 +301,18 @@ at::Tensor AppliedModel::loss(const Batch& batch) {
   return run_post(spec_.blocks->forward(run_pre(batch)), batch);
 }
 
+int AppliedModel::virtual_stage_of(const std::string& name) const {
+  const int piece = piece_of(spec_, name), n = static_cast<int>(spec_.blocks->size());
+  if (piece < 0) return -1;
+  int chunk = 0;
+  if (piece == n + 1) {
+    chunk = t_.chunks - 1;
+  } else if (piece > 0) {
+    while (chunk + 1 < t_.chunks && t_.chunk_bounds[static_cast<size_t>(chunk) + 1] <= piece - 1) ++chunk;
+  }
+  return chunk * t_.stages + t_.stage;
+}
+
 at::Tensor AppliedModel::chunk_forward(const at::Tensor& x, const Batch& micro, int chunk) {
   DTRAIN_CHECK(chunk >= 0 && chunk < t_.chunks, "AppliedModel::chunk_forward: chunk ", chunk, " of ", t_.chunks);
   const bool first = first_stage() && chunk == 0, last = last_stage() && chunk == t_.chunks - 1;

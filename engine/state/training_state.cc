@@ -122,7 +122,11 @@ NamedTensors full_optimizer_state(const TrainingState& s, HostStaging* staging) 
 void pipeline_stage_part(const TrainingState& s, CheckpointData& data, RankState& rank) {
   // Optimizer state is keyed by parameter index: this stage's follow the stages' before it.
   NamedTensors shifted;
-  for (auto& [name, t] : data.optimizer) shifted.emplace_back(shift_param_index(name, s.pp_param_offset), t);
+  for (auto& [name, t] : data.optimizer) {
+    const int64_t i = param_index_of(name);
+    const int64_t whole = s.pp_param_index.empty() || i < 0 ? i + s.pp_param_offset : s.pp_param_index.at(i);
+    shifted.emplace_back(i < 0 ? name : shift_param_index(name, whole - i), t);
+  }
   data.optimizer = std::move(shifted);
   // Each stage saves its own layers: stage 0's go into the main file (rank 0), every other
   // stage's into the rank file of its data- and tensor-parallel rank 0 (CheckpointStore::load

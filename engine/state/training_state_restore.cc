@@ -1,6 +1,7 @@
 // Restoring training state: any saved layout into this rank's (training_state.h).
 #include <map>
 #include <sstream>
+#include <unordered_map>
 #include <unordered_set>
 
 #include <ATen/ATen.h>
@@ -287,13 +288,17 @@ void take_stage_part(const TrainingState& s, CheckpointData& data, NamedTensors&
   }
   local = std::move(part);
   NamedTensors state;
-  const int64_t begin = s.pp_param_offset, end = begin + static_cast<int64_t>(s.params.size());
+  // The whole model's index of each of this stage's parameters -> its own.
+  std::unordered_map<int64_t, int64_t> local_of;
+  for (int64_t j = 0; j < static_cast<int64_t>(s.params.size()); ++j) {
+    local_of[s.pp_param_index.empty() ? s.pp_param_offset + j : s.pp_param_index.at(j)] = j;
+  }
   for (auto& [name, t] : data.optimizer) {
     const int64_t i = param_index_of(name);
     if (i < 0) {
       state.emplace_back(name, t);
-    } else if (i >= begin && i < end) {
-      state.emplace_back(shift_param_index(name, -begin), t);
+    } else if (auto it = local_of.find(i); it != local_of.end()) {
+      state.emplace_back(shift_param_index(name, it->second - i), t);
     }
   }
   data.optimizer = std::move(state);

@@ -108,6 +108,36 @@ Trainer::Trainer(Applied applied, dist::Mesh& mesh, c10::Device device)
   applied_ = std::move(applied.model);
   // ZeRO-3: the units the trainer cut run around the model's pieces.
   if (units_) applied_->use_units(units_.get(), options_.shard_unit_starts, names_);
+  if (applied_->techniques().chunks > 1 && mesh_.pp_size() > 1) number_interleaved_parameters();
+}
+
+// Interleaved stages: the whole model numbers its parameters virtual stage after virtual stage
+// (pre with the first, post with the last: a one-process model's order); a stage's chunks are
+// not consecutive there, so each parameter gets its own whole-model index (checkpoints key the
+// optimizer state by it).
+void Trainer::number_interleaved_parameters() {
+  const int P = mesh_.pp_size(), v = applied_->techniques().chunks;
+  std::vector<int> stage_of(names_.size());
+  std::vector<int64_t> mine(static_cast<size_t>(v), 0);  // this stage's parameters per chunk
+  for (size_t i = 0; i < names_.size(); ++i) {
+    stage_of[i] = applied_->virtual_stage_of(names_[i]);
+    DTRAIN_CHECK(stage_of[i] >= 0 && stage_of[i] % P == mesh_.pp_rank(), "parameter '", names_[i],
+                 "' belongs to no piece of this pipeline stage's model chunks");
+    ++mine[static_cast<size_t>(stage_of[i] / P)];
+    DTRAIN_CHECK(i == 0 || stage_of[i] >= stage_of[i - 1], "parameter '", names_[i], "' comes after a parameter of a "
+                 "later model chunk: a stage's parameters must run chunk by chunk (register the blocks in order)");
+  }
+  // Every stage's counts, stage-major: counts[s v + c] is virtual stage c P + s.
+  std::vector<int64_t> counts(static_cast<size_t>(P * v));
+  for (int c = 0; c < v; ++c) {
+    const std::vector<int64_t> all = dist::all_gather_counts(mesh_.pp(), mine[static_cast<size_t>(c)], device_);
+    for (int s = 0; s < P; ++s) counts[static_cast<size_t>(c * P + s)] = all[static_cast<size_t>(s)];
+  }
+  std::vector<int64_t> start(counts.size() + 1, 0);
+  for (size_t k = 0; k < counts.size(); ++k) start[k + 1] = start[k] + counts[k];
+  pp_param_index_.assign(names_.size(), 0);
+  std::vector<int64_t> next(start.begin(), start.end() - 1);
+  for (size_t i = 0; i < names_.size(); ++i) pp_param_index_[i] = next[static_cast<size_t>(stage_of[i])]++;
 }
 
 Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::Device device,

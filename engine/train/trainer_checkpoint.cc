@@ -18,6 +18,7 @@ TrainingState Trainer::training_state() {
   state.step = step_;
   state.accum_steps = accum_steps_;
   state.pp_param_offset = pp_param_offset_;
+  state.pp_param_index = pp_param_index_;
   state.pp_flat_numels = pp_flat_numels_;
   state.offloaded_optimizer = options_.offload_optimizer;
   state.meta = options_.checkpoint_meta;

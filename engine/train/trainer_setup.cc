@@ -198,8 +198,7 @@ static void check_interleaved_options(const TrainerOptions& o, const dist::Mesh&
                "stage), but the step has ", o.accum_steps, " (--accum_steps); use a multiple of ", P);
   DTRAIN_CHECK(mesh.cp_size() == 1, "--pp_schedule=interleaved with context parallelism (--cp=", mesh.cp_size(),
                ") is not supported yet; use --pp_schedule=1f1b with --cp");
-  const char* unsupported = !o.save_dir.empty()                           ? "checkpoints (--save_dir)"
-                            : o.shard != "none" && !o.shard.empty()      ? "--shard"
+  const char* unsupported = o.shard != "none" && !o.shard.empty()      ? "--shard"
                             : o.offload_optimizer || o.offload_layers      ? "--offload"
                                                                            : nullptr;
   DTRAIN_CHECK(unsupported == nullptr, "--pp_schedule=interleaved with ", unsupported ? unsupported : "",

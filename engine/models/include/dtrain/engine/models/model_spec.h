@@ -146,6 +146,9 @@ class AppliedModel {
   // An interleaved stage's model chunk: pre on virtual stage 0 (x undefined), the chunk's
   // blocks, post on the last virtual stage (the mean loss); otherwise the activation.
   at::Tensor chunk_forward(const at::Tensor& x, const Batch& micro, int chunk);
+  // The virtual stage (chunk c P + stage) a parameter of this stage belongs to by its name: pre's
+  // with virtual stage 0, post's with the last; -1 for a name in no piece.
+  int virtual_stage_of(const std::string& name) const;
   const ModelSpec& spec() const { return spec_; }
   const ModelTechniques& techniques() const { return t_; }
   bool first_stage() const { return t_.stage == 0; }

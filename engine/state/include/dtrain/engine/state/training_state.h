@@ -73,6 +73,9 @@ struct TrainingState {
   // indices run on across the stages), and each stage's partitioned flat optimizer space,
   // stages x tp, stage-major (empty without stages or without an optimizer).
   int64_t pp_param_offset = 0;
+  // Interleaved stages (non-consecutive chunks): the whole model's index of each of this
+  // stage's parameters, overriding pp_param_offset (empty: offset + i).
+  std::vector<int64_t> pp_param_index;
   std::vector<int64_t> pp_flat_numels;
   bool offloaded_optimizer = false;          // recorded as meta "optimizer.offloaded"
   std::map<std::string, std::string> meta;  // saved along (program, flags, ...)

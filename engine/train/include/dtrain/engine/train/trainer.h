@@ -424,6 +424,8 @@ class Trainer {
   // The store of options.save_dir (keep_last, checkpoint_fs).
   CheckpointStore checkpoint_store() const;
   int64_t pp_param_offset_ = 0;  // the parameters of the stages before this one
+  std::vector<int64_t> pp_param_index_;  // interleaved: each parameter's whole-model index
+  void number_interleaved_parameters();
   // Pipeline: each stage's partitioned flat optimizer space, stages x tp (stage-major); where
   // this rank's lies in the whole model's (StageSpace) when resuming partitioned state.
   std::vector<int64_t> pp_flat_numels_;
