@@ -201,10 +201,8 @@ ExampleModel decoder_lm(const Run& run, const std::string& name, std::shared_ptr
   // The library's model: its spec, split for this pipeline stage before anything goes to the
   // device (every stage drew the whole model from the seed and keeps its part).
   engine::ModelTechniques t;
-  const bool interleaved =
-      engine::parse_pipeline_schedule(engine::cli::flags().pp_schedule) == engine::PipelineSchedule::kInterleaved;
   engine::split_pipeline_stage(spec, run.mesh->pp_rank(), run.mesh->pp_size(), engine::cli::flags().pp_blocks, t,
-                               interleaved ? engine::cli::flags().pp_chunks : 1);
+                               engine::cli::pipeline_chunks(engine::cli::flags()));
   if (load) load(*model);
   model->to(run.device);
   t.checkpoint_activations = engine::cli::flags().checkpoint_activations;
@@ -506,7 +504,7 @@ engine::PlanInputs plan_inputs(const Run& run, ExampleModel& m, const engine::Tr
   in.pp = run.mesh->pp_size();  // the counts above are this stage's: `module` is the stage
   in.stage = run.mesh->pp_rank();
   in.pp_schedule = engine::parse_pipeline_schedule(engine::cli::flags().pp_schedule);
-  in.pp_chunks = in.pp_schedule == engine::PipelineSchedule::kInterleaved ? engine::cli::flags().pp_chunks : 1;
+  in.pp_chunks = engine::cli::pipeline_chunks(engine::cli::flags());
   return in;
 }
 
@@ -608,7 +606,6 @@ void plan_and_apply(const Run& run, ExampleModel& model, engine::TrainerOptions&
                             run.mesh->tp_size() == 1;
     // ZeRO-1/2 when the data-parallel group has more than one rank and --shard was left at none.
     in.can_shard = run.mesh->replicas().size() > 1 && engine::parse_shard_mode(options.shard) == engine::ShardMode::kNone;
-    if (in.pp_chunks > 1) in.can_offload_optimizer = in.can_offload_layers = in.can_shard = false;  // not interleaved yet
     engine::ActivationProfile profile = probe_example_model(run, model, {options.amp}, /*probe_rows=*/2);
     // Every rank applies the plan that fits on every rank (measurements differ slightly
     // between data-parallel ranks, and a pipeline's stages hold different layers).

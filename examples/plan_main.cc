@@ -49,7 +49,6 @@ engine::PlanInputs budgeted_inputs(const examples::Run& run, examples::ExampleMo
   in.can_offload_optimizer = FLAGS_allow_offload == "optimizer" || FLAGS_allow_offload == "all";
   in.can_offload_layers = FLAGS_allow_offload == "layers" || FLAGS_allow_offload == "all";
   in.can_shard = FLAGS_allow_shard;
-  if (in.pp_chunks > 1) in.can_offload_optimizer = in.can_offload_layers = in.can_shard = false;  // not interleaved yet
   if (engine::cli::flags().gpu_mem_limit_gb > 0) {
     in.gpu_budget_bytes = static_cast<int64_t>(engine::cli::flags().gpu_mem_limit_gb * 1024 * 1024 * 1024);
   } else if (run.device.is_cuda()) {

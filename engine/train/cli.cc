@@ -451,6 +451,10 @@ void agree_on_flags(dist::Communicator& world) {
   agree_on_settings(world, settings, "command-line flags");
 }
 
+int pipeline_chunks(const Flags& f) {
+  return parse_pipeline_schedule(f.pp_schedule) == PipelineSchedule::kInterleaved ? f.pp_chunks : 1;
+}
+
 TrainerOptions trainer_options(const Flags& f, const std::string& default_optimizer, int tp_size) {
   TrainerOptions o;
   o.steps = f.steps;
@@ -486,7 +490,7 @@ TrainerOptions trainer_options(const Flags& f, const std::string& default_optimi
   o.pp_blocks = f.pp_blocks;
   if (!f.shard_units.empty()) o.shard_unit_starts = split_list(f.shard_units, "--shard_units");
   o.pipeline.schedule = parse_pipeline_schedule(f.pp_schedule);
-  o.pipeline.chunks = o.pipeline.schedule == PipelineSchedule::kInterleaved ? f.pp_chunks : 1;
+  o.pipeline.chunks = pipeline_chunks(f);
   o.prune = prune_options(f);
   o.offload.host_mem_limit_gb = f.host_mem_limit_gb;
   o.offload.threads = f.offload_threads;

@@ -389,27 +389,20 @@ PipelineStep Trainer::pipeline_step(const std::vector<Batch>& micro) const {
   ps.read_loss = false;
   ps.input = [](int) { return at::Tensor(); };  // the first stage's forward reads its micro-batch
   const bool last = mesh_.pp_rank() == mesh_.pp_size() - 1;
-  ps.forward = [&micro, &po, last, type = device_.type(), amp = options_.amp](const at::Tensor& x, int i) {
+  const bool chunked = po.schedule == PipelineSchedule::kInterleaved;
+  // The stage's (or chunk's) computation under autocast; what it sends goes as activation_dtype.
+  ps.chunk_forward = [&micro, &po, last, chunked, type = device_.type(), amp = options_.amp](const at::Tensor& x, int i,
+                                                                                             int chunk) {
     at::Tensor y;
     {
       AutocastGuard autocast(type, amp);
-      y = po.forward(x, micro.at(i));
+      y = chunked ? po.chunk_forward(x, micro.at(i), chunk) : po.forward(x, micro.at(i));
     }
-    return !last && y.scalar_type() != po.activation_dtype ? y.to(po.activation_dtype) : y;
+    const bool loss = last && chunk == (chunked ? po.chunks : 1) - 1;
+    return !loss && y.scalar_type() != po.activation_dtype ? y.to(po.activation_dtype) : y;
   };
-  if (po.schedule == PipelineSchedule::kInterleaved) {
-    ps.chunks = po.chunks;
-    ps.chunk_forward = [&micro, &po, last, type = device_.type(), amp = options_.amp](const at::Tensor& x, int i,
-                                                                                       int chunk) {
-      at::Tensor y;
-      {
-        AutocastGuard autocast(type, amp);
-        y = po.chunk_forward(x, micro.at(i), chunk);
-      }
-      const bool loss = last && chunk == po.chunks - 1;
-      return !loss && y.scalar_type() != po.activation_dtype ? y.to(po.activation_dtype) : y;
-    };
-  }
+  ps.forward = [f = ps.chunk_forward](const at::Tensor& x, int i) { return f(x, i, 0); };
+  if (chunked) ps.chunks = po.chunks;
   return ps;
 }
 

@@ -387,18 +387,24 @@ double cp_t_check_model(Model& ref, Model& model, const dist::Mesh& mesh, int64_
   return worst;
 }
 
+// A small GPT's shape (dropout off, untied head).
+GptOptions gpt_options(int64_t vocab, int64_t d_model, int64_t heads, int64_t ff, int64_t seq_len, int layers) {
+  GptOptions o;
+  o.vocab = vocab;
+  o.d_model = d_model;
+  o.heads = heads;
+  o.ff = ff;
+  o.seq_len = seq_len;
+  o.layers = layers;
+  return o;
+}
+
 TEST(ContextParallelModel, GptEqualsTheWholeModelInFloat64) {
   auto& world = world_comm();
   if (world.size() < 2) GTEST_SKIP() << "needs 2 ranks";
   for (const CpTLayout& l : cp_t_layouts(world.size())) {
     SCOPED_TRACE(l.name());
-    GptOptions o;
-    o.vocab = 51;
-    o.d_model = 16;
-    o.heads = 4;
-    o.ff = 32;
-    o.seq_len = 16;
-    o.layers = 2;
+    GptOptions o = gpt_options(51, 16, 4, 32, 16, 2);
     o.sequence_parallel = l.sp;
     auto alone = testing_util::alone_comm();
     dist::Mesh mesh(world, l.tp, 1, l.cp);
@@ -445,13 +451,7 @@ TEST(ContextParallelModel, ASequenceTheLayoutCannotSplitIsRefusedWithTheFix) {
   auto& world = world_comm();
   if (world.size() < 2) GTEST_SKIP() << "needs 2 ranks";
   dist::Mesh mesh(world, 1, 1, world.size());
-  GptOptions o;
-  o.vocab = 11;
-  o.d_model = 8;
-  o.heads = 2;
-  o.ff = 16;
-  o.layers = 1;
-  o.seq_len = 2 * world.size() + 2;
+  GptOptions o = gpt_options(11, 8, 2, 16, 2 * world.size() + 2, 1);
   std::string e = testing_util::error_of([&] { GptImpl m(o, mesh.tp(), &mesh.cp()); });
   EXPECT_NE(e.find("--seq_len=" + std::to_string(o.seq_len) + " does not split into 2 x --cp=" +
                    std::to_string(world.size())),
@@ -476,13 +476,7 @@ TEST(ContextParallelModel, TheTrainerRefusesAGroupThatIsNotTheMeshsCpAxis) {
   if (world.size() < 2) GTEST_SKIP() << "needs 2 ranks";
   dist::Mesh split(world, 1, 1, world.size());
   dist::Mesh plain(world, 1);
-  GptOptions o;
-  o.vocab = 11;
-  o.d_model = 8;
-  o.heads = 2;
-  o.ff = 16;
-  o.layers = 1;
-  o.seq_len = 2 * world.size();
+  GptOptions o = gpt_options(11, 8, 2, 16, 2 * world.size(), 1);
   auto model = std::make_shared<GptImpl>(o, split.tp(), &split.cp());
   const std::string e = testing_util::error_of([&] { Trainer t(gpt_spec(model), plain, c10::Device(c10::kCPU), {}); });
   EXPECT_NE(e.find("is not the mesh's cp axis (1 rank(s))"), std::string::npos) << e;

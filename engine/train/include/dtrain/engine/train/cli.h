@@ -89,7 +89,7 @@ struct Flags {
   int32_t cp = 1;
   std::string pp_schedule = to_string(PipelineOptions().schedule);
   std::string pp_blocks;  // "a,b,...": blocks per pipeline stage ("": the even rule)
-  int pp_chunks = 2;      // --pp_schedule=interleaved: model chunks per stage
+  int pp_chunks = 2;      // --pp_schedule=interleaved: model chunks per stage (pipeline_chunks())
   // kData
   int32_t workers = LoaderOptions().workers;
   int32_t prefetch = LoaderOptions().prefetch;
@@ -126,6 +126,9 @@ struct Flags {
 };
 
 // The values (one set per process).
+// The model chunks per pipeline stage the flags ask for: --pp_chunks under
+// --pp_schedule=interleaved, else 1 (what TrainerOptions::pipeline.chunks gets).
+int pipeline_chunks(const Flags& f);
 const Flags& flags();
 
 // The run-level flags as the library's RunOptions (train/run.h: start_run()), whose agree is
