@@ -1,0 +1,725 @@
+// The step-time simulator (simulator.h): a roofline of each block's work, alpha-beta
+// collectives, the pipeline schedule simulated exactly, and an analytic memory count.
+#include "dtrain/engine/memory/simulator.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "dtrain/dist/error.h"
+
+namespace dtrain::engine::sim {
+
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+std::string fmt(const char* format, double a) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, format, a);
+  return buf;
+}
+
+// ---- one block's work -----------------------------------------------------------------------
+
+// Seconds of one matrix multiply [m, k] x [k, n] (bf16 or fp32 operands).
+double matmul_seconds(const Device& d, double m, double k, double n, double flops_peak, double bytes_per_element) {
+  const double flops = 2 * m * k * n;
+  const double bytes = (m * k + k * n + m * n) * bytes_per_element;
+  return std::max({flops / (flops_peak * d.matmul_efficiency), bytes / (d.memory_bytes_per_s * d.memory_efficiency),
+                   d.kernel_seconds});
+}
+
+// Element-wise work of `bytes` moved in `kernels` kernels.
+double streaming_seconds(const Device& d, double bytes, double kernels) {
+  return std::max(bytes / (d.memory_bytes_per_s * d.memory_efficiency), kernels * d.kernel_seconds);
+}
+
+struct BlockTimes {
+  double forward = 0;
+  double backward_input = 0;   // input gradients, attention and element-wise backward
+  double backward_weight = 0;  // the weight gradients' matrix multiplies
+  double attention_forward = 0;
+};
+
+// One block on one rank, for t tokens of a micro-batch (its cp share), attending over S keys.
+BlockTimes block_times(const ModelShape& m, const Cluster& c, const Layout& l, double t) {
+  const Device& d = c.device;
+  const double peak = l.bf16 ? d.peak_flops : d.fp32_flops;
+  const double e = l.bf16 ? 2 : 4;
+  const double h = static_cast<double>(m.d_model), ff = static_cast<double>(m.ff);
+  const double tp = l.tp;
+  struct Mm {
+    double k, n;
+  };
+  std::vector<Mm> mms = {{h, (h + 2.0 * static_cast<double>(m.kv_width())) / tp}, {h / tp, h}};
+  if (m.llama()) {
+    mms.push_back({h, 2 * ff / tp});
+    mms.push_back({ff / tp, h});
+  } else {
+    mms.push_back({h, ff / tp});
+    mms.push_back({ff / tp, h});
+  }
+  BlockTimes b;
+  double mm = 0;
+  for (const Mm& x : mms) mm += matmul_seconds(d, t, x.k, x.n, peak, e);
+  // Flash attention, causal: half of the S x S scores for each of the rank's heads.
+  const double attn_flops = 2.0 * t * static_cast<double>(m.seq_len) * h / tp;
+  b.attention_forward = std::max(attn_flops / (peak * d.attention_efficiency), d.kernel_seconds);
+  // Element-wise: norms, residuals, rotary or biases, the activation (bytes read + written).
+  // Replicated over tp unless the activations are split along the sequence.
+  const double rows = l.sequence_parallel ? t / tp : t;
+  const double elem_bytes = e * (rows * 16 * h + t * (m.llama() ? 6 : 4) * ff / tp);
+  const double elem_kernels = m.llama() ? 14 : 12;
+  const double elem = streaming_seconds(d, elem_bytes, elem_kernels);
+  b.forward = mm + b.attention_forward + elem;
+  b.backward_weight = mm;
+  b.backward_input = mm + 2.5 * b.attention_forward + 2 * elem;
+  const double scale = c.scale_at(t);
+  b.forward *= scale;
+  b.backward_weight *= scale;
+  b.backward_input *= scale;
+  b.attention_forward *= scale;
+  return b;
+}
+
+// The head's logits and the loss (forward, backward) for t tokens.
+std::pair<double, double> head_times(const ModelShape& m, const Cluster& c, const Layout& l, double t) {
+  const Device& d = c.device;
+  const double peak = l.bf16 ? d.peak_flops : d.fp32_flops;
+  const double e = l.bf16 ? 2 : 4;
+  const double v = static_cast<double>(m.vocab) / l.tp, h = static_cast<double>(m.d_model);
+  const double mm = matmul_seconds(d, t, h, v, peak, e);
+  // The loss reads the logits in float32 and writes their gradient: about four passes.
+  const double loss = streaming_seconds(d, 4 * t * v * 4, 6);
+  const double scale = c.scale_at(t);
+  return {scale * (mm + loss / 2), scale * (2 * mm + loss / 2)};
+}
+
+double embedding_seconds(const ModelShape& m, const Cluster& c, const Layout& l, double t) {
+  const double e = l.bf16 ? 2 : 4;
+  return c.scale_at(t) * streaming_seconds(c.device, 3 * t * static_cast<double>(m.d_model) * e, 3);
+}
+
+// ---- memory ---------------------------------------------------------------------------------
+
+// Bytes of the activations one block keeps for backward, for t tokens (Korthikanti et al. 2022,
+// with flash attention: no score matrix; 16-bit activations, or 32-bit without AMP).
+double block_activation_bytes(const ModelShape& m, const Layout& l, double t) {
+  const double h = static_cast<double>(m.d_model), ff = static_cast<double>(m.ff), tp = l.tp;
+  const double e = l.bf16 ? 2 : 4;
+  // Replicated (norm inputs, residual path, the attention and MLP inputs without sequence
+  // parallelism): 5 h; split over tp: q, k, v, attention output, the MLP's hidden activations.
+  const double replicated = 5 * h / (l.sequence_parallel ? tp : 1);
+  const double split = (h + 2.0 * static_cast<double>(m.kv_width()) + h + (m.llama() ? 3 : 2) * ff) / tp;
+  return t * e * (replicated + split);
+}
+
+}  // namespace
+
+// ---- the model ------------------------------------------------------------------------------
+
+int64_t ModelShape::kv_width() const { return (kv_heads > 0 ? kv_heads : heads) * (d_model / heads); }
+
+int64_t ModelShape::block_parameters() const {
+  const int64_t d = d_model;
+  if (llama()) return 2 * d + d * d + 2 * d * kv_width() + d * d + 3 * d * ff;
+  return 2 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * d + (d * ff + ff) + (ff * d + d);
+}
+
+int64_t ModelShape::embedding_parameters() const { return vocab * d_model + (llama() ? 0 : seq_len * d_model); }
+
+int64_t ModelShape::head_parameters() const {
+  const int64_t norm = llama() ? d_model : 2 * d_model;
+  return norm + (tie_embeddings ? 0 : vocab * d_model);
+}
+
+int64_t ModelShape::parameters() const {
+  return embedding_parameters() + layers * block_parameters() + head_parameters();
+}
+
+double ModelShape::flops_per_token() const {
+  return 6.0 * static_cast<double>(parameters()) + 12.0 * static_cast<double>(layers * d_model * seq_len);
+}
+
+std::string ModelShape::to_string() const {
+  std::ostringstream s;
+  s << family << " " << fmt("%.1f", static_cast<double>(parameters()) / 1e6) << "M: " << layers << " layers, d "
+    << d_model << ", " << heads << " heads";
+  if (kv_heads > 0 && kv_heads != heads) s << " (" << kv_heads << " kv)";
+  s << ", ff " << ff << ", vocab " << vocab << ", seq " << seq_len << (tie_embeddings ? ", tied head" : "");
+  return s.str();
+}
+
+ModelShape model_from_hf_config(const std::string& json_text, int64_t seq_len) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(json_text);
+  } catch (const std::exception& e) {
+    DTRAIN_CHECK(false, "the model's config.json is not JSON (", e.what(), ")");
+  }
+  auto get = [&](const char* key, int64_t fallback) -> int64_t {
+    if (!j.contains(key) || j[key].is_null()) {
+      DTRAIN_CHECK(fallback >= 0, "config.json lacks \"", key, "\"; give the model's Hugging Face config.json");
+      return fallback;
+    }
+    DTRAIN_CHECK(j[key].is_number_integer() && j[key].get<int64_t>() > 0, "config.json's \"", key,
+                 "\" must be a positive integer");
+    return j[key].get<int64_t>();
+  };
+  ModelShape m;
+  const std::string type = j.value("model_type", std::string());
+  if (type == "gpt2") {
+    m.family = "gpt";
+    m.layers = get("n_layer", -1);
+    m.d_model = get("n_embd", -1);
+    m.heads = get("n_head", -1);
+    m.ff = get("n_inner", 4 * m.d_model);
+    m.vocab = get("vocab_size", -1);
+    m.seq_len = get("n_positions", 1024);
+    m.tie_embeddings = j.value("tie_word_embeddings", true);
+  } else {
+    m.family = "llama";
+    m.layers = get("num_hidden_layers", -1);
+    m.d_model = get("hidden_size", -1);
+    m.heads = get("num_attention_heads", -1);
+    m.kv_heads = get("num_key_value_heads", m.heads);
+    m.ff = get("intermediate_size", -1);
+    m.vocab = get("vocab_size", -1);
+    m.seq_len = get("max_position_embeddings", 2048);
+    m.tie_embeddings = j.value("tie_word_embeddings", false);
+  }
+  DTRAIN_CHECK(m.d_model % m.heads == 0, "config.json: the hidden size ", m.d_model, " is not a multiple of the ",
+               m.heads, " heads");
+  if (seq_len > 0) m.seq_len = seq_len;
+  return m;
+}
+
+// ---- devices and clusters -------------------------------------------------------------------
+
+Device named_device(const std::string& name) {
+  Device d;
+  d.name = name;
+  if (name == "h100") return d;
+  if (name == "h200") {
+    d.memory_bytes_per_s = 4.8e12;
+    d.memory_bytes = 140 * kGiB;
+    return d;
+  }
+  if (name == "a100" || name == "a100-40gb") {
+    d.peak_flops = 312e12;
+    d.fp32_flops = 19.5e12;
+    d.memory_bytes_per_s = name == "a100" ? 2.039e12 : 1.555e12;
+    d.memory_bytes = (name == "a100" ? 80 : 40) * kGiB;
+    d.kernel_seconds = 5e-6;
+    return d;
+  }
+  DTRAIN_CHECK(false, "--gpu=", name, " is not a device kind the simulator knows: h100, h200, a100, a100-40gb (or give a "
+              "calibration file with --cluster)");
+}
+
+std::string Cluster::to_string() const {
+  std::ostringstream s;
+  s << nodes << " node" << (nodes > 1 ? "s" : "") << " x " << gpus_per_node << " " << device.name << " ("
+    << fmt("%.0f", device.peak_flops / 1e12) << " TFLOP/s, " << fmt("%.0f", device.memory_bytes / kGiB)
+    << " GiB), links " << fmt("%.0f", intra.bytes_per_s / 1e9) << " GB/s inside a node, "
+    << fmt("%.0f", inter.bytes_per_s / 1e9) << " GB/s between nodes";
+  return s.str();
+}
+
+std::string Cluster::to_json() const {
+  nlohmann::json j;
+  j["nodes"] = nodes;
+  j["gpus_per_node"] = gpus_per_node;
+  nlohmann::json dj;
+  dj["name"] = device.name;
+  dj["peak_flops"] = device.peak_flops;
+  dj["fp32_flops"] = device.fp32_flops;
+  dj["memory_bytes_per_s"] = device.memory_bytes_per_s;
+  dj["memory_bytes"] = device.memory_bytes;
+  dj["matmul_efficiency"] = device.matmul_efficiency;
+  dj["attention_efficiency"] = device.attention_efficiency;
+  dj["memory_efficiency"] = device.memory_efficiency;
+  dj["kernel_seconds"] = device.kernel_seconds;
+  dj["context_bytes"] = device.context_bytes;
+  dj["cores"] = device.cores;
+  j["device"] = dj;
+  j["intra"] = {{"bytes_per_s", intra.bytes_per_s}, {"latency_s", intra.latency_s}};
+  j["inter"] = {{"bytes_per_s", inter.bytes_per_s}, {"latency_s", inter.latency_s}};
+  j["pcie_bytes_per_s"] = pcie_bytes_per_s;
+  j["host_bytes_per_s"] = host_bytes_per_s;
+  j["host_memory_bytes"] = host_memory_bytes;
+  j["micro_batch_overhead_s"] = micro_batch_overhead_s;
+  j["step_overhead_s"] = step_overhead_s;
+  j["compute_scale"] = compute_scale;
+  j["compute_scale_points"] = nlohmann::json::array();
+  for (const auto& [tokens, scale] : compute_scale_points) j["compute_scale_points"].push_back({tokens, scale});
+  return j.dump(2);
+}
+
+Cluster cluster_from_json(const std::string& json_text, const Cluster& defaults) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(json_text);
+  } catch (const std::exception& e) {
+    DTRAIN_CHECK(false, "the cluster file is not JSON (", e.what(), "); write it with dtrain-plan --calibrate");
+  }
+  Cluster c = defaults;
+  auto number = [](const nlohmann::json& o, const char* key, double& out, bool positive) {
+    if (!o.contains(key)) return;
+    DTRAIN_CHECK(o[key].is_number(), "the cluster file's \"", key, "\" must be a number");
+    const double v = o[key].get<double>();
+    DTRAIN_CHECK(std::isfinite(v) && (positive ? v > 0 : v >= 0), "the cluster file's \"", key, "\" is ", v,
+                 "; it must be ", positive ? "> 0" : ">= 0");
+    out = v;
+  };
+  auto integer = [&](const nlohmann::json& o, const char* key, int& out, int min) {
+    double v = out;
+    number(o, key, v, false);
+    DTRAIN_CHECK(v >= min && v == std::floor(v), "the cluster file's \"", key, "\" must be an integer >= ", min);
+    out = static_cast<int>(v);
+  };
+  integer(j, "nodes", c.nodes, 1);
+  integer(j, "gpus_per_node", c.gpus_per_node, 1);
+  if (j.contains("device")) {
+    const nlohmann::json& d = j["device"];
+    if (d.contains("name")) c.device.name = d["name"].get<std::string>();
+    number(d, "peak_flops", c.device.peak_flops, true);
+    number(d, "fp32_flops", c.device.fp32_flops, true);
+    number(d, "memory_bytes_per_s", c.device.memory_bytes_per_s, true);
+    number(d, "memory_bytes", c.device.memory_bytes, true);
+    number(d, "matmul_efficiency", c.device.matmul_efficiency, true);
+    number(d, "attention_efficiency", c.device.attention_efficiency, true);
+    number(d, "memory_efficiency", c.device.memory_efficiency, true);
+    number(d, "kernel_seconds", c.device.kernel_seconds, false);
+    number(d, "context_bytes", c.device.context_bytes, false);
+    integer(d, "cores", c.device.cores, 0);
+  }
+  for (auto [key, link] : {std::pair<const char*, Link*>{"intra", &c.intra}, {"inter", &c.inter}}) {
+    if (!j.contains(key)) continue;
+    number(j[key], "bytes_per_s", link->bytes_per_s, true);
+    number(j[key], "latency_s", link->latency_s, false);
+  }
+  number(j, "pcie_bytes_per_s", c.pcie_bytes_per_s, true);
+  number(j, "host_bytes_per_s", c.host_bytes_per_s, true);
+  number(j, "host_memory_bytes", c.host_memory_bytes, true);
+  number(j, "micro_batch_overhead_s", c.micro_batch_overhead_s, false);
+  number(j, "step_overhead_s", c.step_overhead_s, false);
+  number(j, "compute_scale", c.compute_scale, true);
+  if (j.contains("compute_scale_points")) {
+    const nlohmann::json& pts = j["compute_scale_points"];
+    DTRAIN_CHECK(pts.is_array(), "the cluster file's \"compute_scale_points\" must be a list of [tokens, scale]");
+    c.compute_scale_points.clear();
+    for (const auto& pt : pts) {
+      DTRAIN_CHECK(pt.is_array() && pt.size() == 2 && pt[0].is_number() && pt[1].is_number() &&
+                       pt[0].get<double>() > 0 && pt[1].get<double>() > 0,
+                   "the cluster file's \"compute_scale_points\" must be [tokens, scale] pairs of positive numbers");
+      DTRAIN_CHECK(c.compute_scale_points.empty() || pt[0].get<double>() > c.compute_scale_points.back().first,
+                   "the cluster file's \"compute_scale_points\" must be in increasing tokens");
+      c.compute_scale_points.emplace_back(pt[0].get<double>(), pt[1].get<double>());
+    }
+  }
+  return c;
+}
+
+double Cluster::scale_at(double tokens) const {
+  const auto& p = compute_scale_points;
+  if (p.empty()) return compute_scale;
+  if (tokens <= p.front().first) return p.front().second;
+  if (tokens >= p.back().first) return p.back().second;
+  for (size_t i = 1; i < p.size(); ++i) {
+    if (tokens > p[i].first) continue;
+    const double w = std::log(tokens / p[i - 1].first) / std::log(p[i].first / p[i - 1].first);
+    return p[i - 1].second + w * (p[i].second - p[i - 1].second);
+  }
+  return p.back().second;
+}
+
+// ---- layouts --------------------------------------------------------------------------------
+
+std::string Layout::to_string() const {
+  std::ostringstream s;
+  s << "dp " << dp << " tp " << tp << " pp " << pp << " cp " << cp << " zero " << zero << " mb " << micro_batch_rows
+    << "x" << accum_steps;
+  if (pp > 1) s << " " << engine::to_string(schedule) << (chunks > 1 ? "/" + std::to_string(chunks) : "");
+  if (checkpoint) s << " ckpt";
+  if (sequence_parallel) s << " sp";
+  if (offload_optimizer) s << " offload-opt";
+  if (offload_layers) s << " offload-layers";
+  if (!bf16) s << " fp32";
+  if (param_bf16) s << " bf16-weights";
+  return s.str();
+}
+
+std::string Layout::flags() const {
+  std::ostringstream s;
+  auto add = [&](const std::string& f) { s << (s.tellp() > 0 ? " " : "") << f; };
+  if (tp > 1) add("--tp=" + std::to_string(tp));
+  if (pp > 1) add("--pp=" + std::to_string(pp));
+  if (cp > 1) add("--cp=" + std::to_string(cp));
+  if (pp > 1 && schedule != PipelineSchedule::k1F1B)
+    add(std::string("--pp_schedule=") + engine::to_string(schedule));
+  if (chunks > 1) add("--pp_chunks=" + std::to_string(chunks));
+  add("--batch_size=" + std::to_string(micro_batch_rows * accum_steps));
+  if (accum_steps > 1) add("--accum_steps=" + std::to_string(accum_steps));
+  static const char* const kShard[] = {"", "optimizer", "gradients", "parameters"};
+  if (zero > 0) add(std::string("--shard=") + kShard[zero]);
+  if (offload_optimizer || offload_layers)
+    add(std::string("--offload=") + (offload_optimizer && offload_layers ? "all" : offload_optimizer ? "optimizer" : "layers"));
+  if (checkpoint) add("--checkpoint_activations");
+  if (sequence_parallel) add("--sequence_parallel");
+  if (bf16) add("--amp=bf16");
+  if (param_bf16) add("--param_dtype=bf16");
+  return s.str();
+}
+
+double allreduce_seconds(double bytes, int n, const Link& link) {
+  if (n <= 1 || bytes <= 0) return 0;
+  return 2.0 * (n - 1) / n * bytes / link.bytes_per_s + 2.0 * (n - 1) * link.latency_s;
+}
+
+double allgather_seconds(double bytes, int n, const Link& link) {
+  if (n <= 1 || bytes <= 0) return 0;
+  return static_cast<double>(n - 1) / n * bytes / link.bytes_per_s + (n - 1) * link.latency_s;
+}
+
+const Link& group_link(const Cluster& cluster, int n, int stride) {
+  const int64_t span = static_cast<int64_t>(n - 1) * stride + 1;
+  return span <= cluster.gpus_per_node && cluster.gpus_per_node % std::min<int64_t>(cluster.gpus_per_node,
+                                                                                   int64_t{n} * stride) == 0
+             ? cluster.intra
+             : cluster.inter;
+}
+
+void validate(const ModelShape& m, const Cluster& c, const Layout& l) {
+  DTRAIN_CHECK(m.layers >= 1 && m.d_model >= 1 && m.heads >= 1 && m.ff >= 1 && m.vocab >= 1 && m.seq_len >= 1,
+               "the model's sizes must be >= 1 (", m.to_string(), ")");
+  DTRAIN_CHECK(m.d_model % m.heads == 0, "d_model ", m.d_model, " is not a multiple of the ", m.heads, " heads");
+  DTRAIN_CHECK(c.nodes >= 1 && c.gpus_per_node >= 1, "the cluster needs at least one node of one GPU");
+  DTRAIN_CHECK(l.dp >= 1 && l.tp >= 1 && l.pp >= 1 && l.cp >= 1 && l.micro_batch_rows >= 1 && l.accum_steps >= 1 &&
+                   l.chunks >= 1,
+               "the layout's sizes must be >= 1 (", l.to_string(), ")");
+  DTRAIN_CHECK(l.ranks() == c.ranks(), "the layout ", l.to_string(), " uses ", l.ranks(), " ranks; the cluster has ",
+               c.ranks(), " (", c.nodes, " x ", c.gpus_per_node, ")");
+  const int64_t kv = m.kv_heads > 0 ? m.kv_heads : m.heads;
+  DTRAIN_CHECK(m.heads % l.tp == 0 && kv % l.tp == 0 && m.ff % l.tp == 0, "tp ", l.tp,
+               " does not divide the heads (", m.heads, "), key/value heads (", kv, ") and ff (", m.ff, ")");
+  DTRAIN_CHECK(l.pp * l.chunks <= m.layers, "pp ", l.pp, " x ", l.chunks, " chunks is more stages than the ",
+               m.layers, " layers");
+  DTRAIN_CHECK(l.cp == 1 || m.seq_len % (2 * l.cp) == 0, "cp ", l.cp, " needs seq_len (", m.seq_len,
+               ") to be a multiple of 2 cp = ", 2 * l.cp, " (the balanced split)");
+  DTRAIN_CHECK(l.zero >= 0 && l.zero <= 3, "zero ", l.zero, " is not a ZeRO stage (0-3)");
+  DTRAIN_CHECK(l.zero == 0 || l.dp * l.cp > 1, "zero ", l.zero, " shards over the replicas, and there is one");
+  DTRAIN_CHECK(!(l.sequence_parallel && l.tp == 1), "sequence parallelism needs tp > 1");
+  if (l.pp > 1) {
+    if (l.schedule == PipelineSchedule::kInterleaved) {
+      DTRAIN_CHECK(l.chunks >= 2, "the interleaved schedule needs chunks >= 2");
+      DTRAIN_CHECK(m.layers % (l.pp * l.chunks) == 0, "the interleaved schedule needs the layers (", m.layers,
+                   ") to divide into pp x chunks = ", l.pp * l.chunks, " chunks");
+      DTRAIN_CHECK(l.accum_steps % l.pp == 0, "the interleaved schedule needs accum_steps (", l.accum_steps,
+                   ") to be a multiple of pp ", l.pp);
+    } else {
+      DTRAIN_CHECK(l.chunks == 1, "chunks > 1 is the interleaved schedule's");
+      DTRAIN_CHECK(l.schedule == PipelineSchedule::kGPipe || l.accum_steps >= l.pp, "accum_steps ", l.accum_steps,
+                   " is fewer micro-batches than the ", l.pp, " stages of ", engine::to_string(l.schedule));
+    }
+  } else {
+    DTRAIN_CHECK(l.chunks == 1, "chunks > 1 needs pp > 1");
+  }
+}
+
+std::string dtrain_limitation(const Layout& l) {
+  if (l.offload_layers && l.zero > 0) return "layer offload with ZeRO";
+  if (l.pp > 1 && l.schedule == PipelineSchedule::kInterleaved && (l.zero > 0 || l.offload_optimizer || l.offload_layers || l.cp > 1))
+    return "the interleaved schedule with ZeRO, offload or cp";
+  if (l.pp > 1 && l.schedule == PipelineSchedule::kZeroBubble && l.offload_layers) return "zb with layer offload";
+  if (l.param_bf16 && l.zero == 0 && !l.offload_optimizer) return "bf16 weights without ZeRO or optimizer offload";
+  return "";
+}
+
+// ---- the prediction -------------------------------------------------------------------------
+
+Prediction simulate(const ModelShape& m, const Cluster& c, const Layout& l) {
+  validate(m, c, l);
+  Prediction p;
+  p.layout = l;
+  const Device& d = c.device;
+  const double e = l.bf16 ? 2 : 4;
+  const double S = static_cast<double>(m.seq_len);
+  const double t = static_cast<double>(l.micro_batch_rows) * S / l.cp;  // tokens per micro-batch per rank
+  const double h = static_cast<double>(m.d_model);
+  const int M = l.accum_steps;
+  // A CPU's ranks share its cores (Device::cores): the node's work at full speed, shared, takes
+  // `share` times as long, unless waiting (a pipeline's bubble) leaves the cores to the others.
+  const Cluster& cc = c;
+  const double share = d.cores > 0 && c.gpus_per_node > d.cores ? static_cast<double>(c.gpus_per_node) / d.cores : 1.0;
+
+  // The mesh (pp, dp, cp, tp from the outside in): each axis's stride and link.
+  const Link& tp_link = group_link(c, l.tp, 1);
+  const Link& cp_link = group_link(c, l.cp, l.tp);
+  const int replicas = l.dp * l.cp;
+  const Link& dp_link = group_link(c, replicas, l.tp);  // dp x cp: tp-strided ranks of a stage
+  const Link& pp_link = group_link(c, 2, l.tp * l.cp * l.dp);
+
+  const BlockTimes b = block_times(m, cc, l, t);
+  // The layers of the largest stage (for memory; dtrain gives the remainder to the later stages).
+  const int64_t stage_layers = (m.layers + l.pp - 1) / l.pp;
+  const auto [head_f, head_b] = head_times(m, cc, l, t);
+  const double embed = embedding_seconds(m, cc, l, t);
+
+  // Per micro-batch on one rank: tensor-parallel all-reduces and the context-parallel ring.
+  const double act_bytes = t * h * e;
+  const double tp_per_block = l.tp > 1 ? 2 * allreduce_seconds(act_bytes, l.tp, tp_link) : 0;  // each direction
+  double cp_fwd = 0, cp_bwd = 0;
+  if (l.cp > 1) {
+    const double kv_bytes = 2 * t * static_cast<double>(m.kv_width()) / l.tp * e;
+    const double step_comm = kv_bytes / cp_link.bytes_per_s + cp_link.latency_s;
+    const double step_compute = b.attention_forward / l.cp;
+    cp_fwd = (l.cp - 1) * std::max(0.0, step_comm - step_compute);
+    cp_bwd = (l.cp - 1) * std::max(0.0, 2 * step_comm - 2.5 * step_compute);
+  }
+  const double recompute = l.checkpoint ? b.forward + tp_per_block + cp_fwd : 0;
+  // Each stage's work per micro-batch (dtrain's split: pipeline_stage_bounds; the first stage
+  // also embeds, the last also runs the head and the loss): forward, input-gradient and
+  // weight-gradient halves of backward, and its compute alone.
+  const std::vector<int> bounds = pipeline_stage_bounds(static_cast<int>(m.layers), l.pp);
+  struct StageWork {
+    double f = 0, bi = 0, bw = 0, compute = 0, layers = 0;
+    double total() const { return f + bi + bw; }
+  };
+  std::vector<StageWork> stages(l.pp);
+  StageWork avg;
+  size_t slowest = 0;
+  for (int s = 0; s < l.pp; ++s) {
+    StageWork& w = stages[s];
+    w.layers = bounds[s + 1] - bounds[s];
+    const double end_f = (s == 0 ? embed : 0) + (s == l.pp - 1 ? head_f : 0);
+    const double end_b = (s == 0 ? embed : 0) + (s == l.pp - 1 ? head_b : 0);
+    w.f = w.layers * (b.forward + tp_per_block + cp_fwd) + end_f;
+    w.bw = w.layers * b.backward_weight;
+    w.bi = w.layers * (b.backward_input + tp_per_block + cp_bwd + recompute) + end_b;
+    w.compute = w.layers * (b.forward + b.backward_input + b.backward_weight + (l.checkpoint ? b.forward : 0)) +
+                end_f + end_b;
+    avg.f += w.f / l.pp, avg.bi += w.bi / l.pp, avg.bw += w.bw / l.pp;
+    if (w.total() > stages[slowest].total()) slowest = s;
+  }
+  const StageWork& worst = stages[slowest];
+  const double L = worst.layers;
+  double f = worst.f, bw_w = worst.bw, bw_i = worst.bi;
+  // Layer offload: each block's weights come in twice and its gradients go out once, behind
+  // its compute (a micro-batch's copies against its compute, whichever is longer).
+  const double block_p = static_cast<double>(m.block_parameters()) / l.tp;
+  if (l.offload_layers) {
+    const double copy = L * block_p * (2 * 4 + 4) / c.pcie_bytes_per_s;
+    const double work = f + bw_w + bw_i;
+    if (copy > work) p.parts.offload += M * (copy - work);
+  }
+  p.parts.compute = M * worst.compute;
+  p.parts.tensor_parallel = M * L * (l.checkpoint ? 3 : 2) * tp_per_block;
+  p.parts.context_parallel = M * L * (cp_fwd + cp_bwd + (l.checkpoint ? cp_fwd : 0));
+  double pipeline = M * worst.total();
+  int in_flight = 1;
+  if (l.pp > 1) {
+    // The schedule at the stages' mean costs, plus what the slowest stage adds to each of its
+    // micro-batches (the steady state runs at its pace).
+    const double p2p = act_bytes / pp_link.bytes_per_s + pp_link.latency_s;
+    const double chunks = l.chunks;
+    PipelineCosts costs;
+    costs.forward = (avg.f + p2p) / chunks;
+    costs.backward_input = (avg.bi + p2p) / chunks;
+    costs.backward_weight = avg.bw / chunks;
+    const SimulatedPipeline sp = simulate_pipeline(l.schedule, l.pp, M, costs, l.chunks);
+    pipeline = sp.step + M * (worst.total() - avg.total());
+    in_flight = sp.peak_in_flight.empty() ? 1 : sp.peak_in_flight[0];
+  }
+  // Shared cores: the node's work (its ranks' mean busy time) spread over its cores, or the
+  // schedule's step, whichever is longer (a stage that waits leaves its core to the others).
+  const double busy = M * worst.total();
+  pipeline = std::max(pipeline, share * M * avg.total());
+  p.parts.pipeline_bubble = std::max(0.0, pipeline - share * busy);
+  p.parts.compute *= share;
+  p.parts.tensor_parallel *= share;
+  p.parts.context_parallel *= share;
+  p.in_flight = in_flight;
+  p.parts.overhead = M * c.micro_batch_overhead_s + c.step_overhead_s;
+
+  // Parameters of the largest stage, on one tensor-parallel rank.
+  const double stage_params = static_cast<double>(stage_layers) * block_p +
+                              (static_cast<double>(std::max(m.embedding_parameters(), m.head_parameters())) +
+                               (l.pp == 1 ? static_cast<double>(std::min(m.embedding_parameters(), m.head_parameters()))
+                                          : 0)) /
+                                  l.tp;
+  // Gradient reduction over the replicas, in the weights' dtype.
+  const double wbytes = l.param_bf16 ? 2 : 4;
+  const double grad_bytes = stage_params * wbytes;
+  const double last_backward = bw_i + bw_w;
+  if (l.zero == 3) {
+    // Per micro-batch: gather the weights for forward and for backward, reduce-scatter the
+    // gradients; prefetched behind the micro-batch's compute.
+    const double per_micro = 2 * allgather_seconds(stage_params * wbytes, replicas, dp_link) +
+                             allgather_seconds(grad_bytes, replicas, dp_link);
+    const double first_unit = allgather_seconds(block_p * wbytes, replicas, dp_link);
+    p.parts.data_parallel = M * std::max(0.0, per_micro - (f + last_backward)) + first_unit;
+  } else if (replicas > 1) {
+    const double comm = allreduce_seconds(grad_bytes, replicas, dp_link);
+    const double bucket = allreduce_seconds(std::min(grad_bytes, 25.0 * (1 << 20)), replicas, dp_link);
+    p.parts.data_parallel = std::max(comm - last_backward, bucket);
+  }
+  // The optimizer: the rank's share of the update.
+  const double shard = l.zero >= 1 ? replicas : 1;
+  const double updated = stage_params / shard;
+  if (l.offload_optimizer) {
+    const int ranks_per_node = std::min(c.gpus_per_node, l.ranks());
+    const double host_bw = c.host_bytes_per_s / ranks_per_node;
+    const double updated_here = stage_params / replicas;  // the offloaded state is split over replicas
+    p.parts.optimizer = updated_here * 28 / host_bw;
+    p.parts.offload += updated_here * 4 / c.pcie_bytes_per_s + (stage_params * 4 / c.pcie_bytes_per_s) / 2;
+  } else {
+    p.parts.optimizer = share * cc.compute_scale * streaming_seconds(d, updated * 28, 4);
+  }
+  p.step_s = pipeline + p.parts.data_parallel + p.parts.optimizer + p.parts.offload + p.parts.overhead;
+  const double tokens = static_cast<double>(l.global_batch_rows()) * S;
+  p.tokens_per_s = tokens / p.step_s;
+  p.tokens_per_s_per_gpu = p.tokens_per_s / l.ranks();
+  p.mfu = m.flops_per_token() * p.tokens_per_s / (l.ranks() * (l.bf16 ? d.peak_flops : d.fp32_flops));
+
+  // ---- memory ----
+  // fp32 weights, gradients and two moments; with bf16 weights the float32 master joins the state.
+  double weights = stage_params * wbytes, grads = stage_params * wbytes, state = stage_params * (l.param_bf16 ? 12 : 8);
+  if (l.zero >= 1) state /= replicas;
+  if (l.zero >= 2 && M == 1) grads /= replicas;
+  if (l.zero >= 3) weights = weights / replicas + 2 * block_p * wbytes;
+  double host = 0;
+  if (l.offload_optimizer) {
+    host += stage_params / replicas * (12 + wbytes);  // fp32 master, moments, the gradients' host copy
+    state = 0;
+  }
+  if (l.offload_layers) {
+    const double streamed = static_cast<double>(stage_layers) * block_p;
+    host += streamed * 8;
+    weights -= streamed * 4 - 2 * block_p * 4;
+    grads -= streamed * 4 - 2 * block_p * 4;
+  }
+  const double per_block = block_activation_bytes(m, l, t);
+  const double stage_act = l.checkpoint ? L * t * h * e + per_block : L * per_block;
+  const double logits = t * static_cast<double>(m.vocab) / l.tp * (e + 4 + 4);
+  // Interleaved: in_flight counts (micro-batch, chunk) pairs, each 1/chunks of the stage.
+  const double held = stage_act * std::max(1, in_flight) / l.chunks;
+  const double allocated = weights + grads + state + held + logits + (l.bf16 && !l.param_bf16 ? 2 * block_p * 2 : 0);
+  p.device_bytes = static_cast<int64_t>(allocated * 1.05 + d.context_bytes);
+  const int ranks_per_node = std::min(c.gpus_per_node, l.ranks());
+  p.host_bytes = static_cast<int64_t>(host * ranks_per_node);
+  if (static_cast<double>(p.device_bytes) > d.memory_bytes) {
+    p.fits = false;
+    p.why_not = "needs " + fmt("%.1f", static_cast<double>(p.device_bytes) / kGiB) + " GiB per rank; the device has " +
+                fmt("%.1f", d.memory_bytes / kGiB) + " GiB";
+  } else if (static_cast<double>(p.host_bytes) > c.host_memory_bytes) {
+    p.fits = false;
+    p.why_not = "offload needs " + fmt("%.1f", static_cast<double>(p.host_bytes) / kGiB) +
+                " GiB of host memory per node; the node has " + fmt("%.1f", c.host_memory_bytes / kGiB) + " GiB";
+  }
+  return p;
+}
+
+std::string Prediction::to_string() const {
+  std::ostringstream s;
+  s << layout.to_string() << ": " << fmt("%.1f", step_s * 1e3) << " ms/step, " << fmt("%.0f", tokens_per_s_per_gpu)
+    << " tokens/s per GPU, MFU " << fmt("%.1f", 100 * mfu) << "%, " << fmt("%.1f", static_cast<double>(device_bytes) / kGiB)
+    << " GiB per rank";
+  if (host_bytes > 0) s << ", host " << fmt("%.1f", static_cast<double>(host_bytes) / kGiB) << " GiB per node";
+  if (!fits) s << " (does not fit: " << why_not << ")";
+  return s.str();
+}
+
+std::string Prediction::to_json() const {
+  nlohmann::json j;
+  j["layout"] = layout.to_string();
+  j["flags"] = layout.flags();
+  j["fits"] = fits;
+  if (!fits) j["why_not"] = why_not;
+  j["step_s"] = step_s;
+  j["tokens_per_s"] = tokens_per_s;
+  j["tokens_per_s_per_gpu"] = tokens_per_s_per_gpu;
+  j["mfu"] = mfu;
+  j["device_bytes"] = device_bytes;
+  j["host_bytes"] = host_bytes;
+  j["parts"] = {{"compute", parts.compute},           {"tensor_parallel", parts.tensor_parallel},
+                {"context_parallel", parts.context_parallel}, {"pipeline_bubble", parts.pipeline_bubble},
+                {"data_parallel", parts.data_parallel}, {"optimizer", parts.optimizer},
+                {"offload", parts.offload},           {"overhead", parts.overhead}};
+  return j.dump();
+}
+
+// ---- the search -----------------------------------------------------------------------------
+
+std::vector<Prediction> search(const ModelShape& m, const Cluster& c, const SearchOptions& o) {
+  DTRAIN_CHECK(o.global_batch_rows >= 1, "the search needs the global batch (sequences per step), >= 1");
+  DTRAIN_CHECK(o.max_micro_batch_rows >= 1, "max_micro_batch_rows must be >= 1");
+  const int N = c.ranks();
+  std::vector<Prediction> out;
+  auto complexity = [](const Layout& l) {
+    return (l.tp > 1) + (l.pp > 1) + (l.cp > 1) + l.zero + l.offload_optimizer + l.offload_layers + l.checkpoint +
+           (l.chunks > 1) + l.sequence_parallel + l.param_bf16;
+  };
+  for (int tp = 1; tp <= c.gpus_per_node; tp *= 2) {
+    for (int pp = 1; pp <= N / tp && pp <= m.layers; ++pp) {
+      if ((N / tp) % pp != 0) continue;
+      for (int cp = 1; cp <= N / (tp * pp); cp *= 2) {
+        if (cp > 1 && !o.allow_context_parallel) break;
+        if ((N / (tp * pp)) % cp != 0) continue;
+        const int dp = N / (tp * pp * cp);
+        if (o.global_batch_rows % dp != 0) continue;
+        const int64_t rows = o.global_batch_rows / dp;
+        for (int64_t mb = 1; mb <= std::min(rows, o.max_micro_batch_rows); mb *= 2) {
+          if (rows % mb != 0) continue;
+          const int accum = static_cast<int>(rows / mb);
+          std::vector<std::pair<PipelineSchedule, int>> schedules = {{PipelineSchedule::k1F1B, 1}};
+          if (pp > 1) {
+            schedules.push_back({PipelineSchedule::kZeroBubble, 1});
+            schedules.push_back({PipelineSchedule::kInterleaved, 2});
+          }
+          for (auto [schedule, chunks] : schedules) {
+            for (int zero = 0; zero <= 3; ++zero) {
+              for (int offload = 0; offload <= (o.allow_offload ? 1 : 0); ++offload) {
+                for (int ckpt = 0; ckpt <= 1; ++ckpt) {
+                  for (int sp = 0; sp <= (tp > 1 ? 1 : 0); ++sp) {
+                    Layout l;
+                    l.dp = dp, l.tp = tp, l.pp = pp, l.cp = cp, l.zero = zero;
+                    l.offload_optimizer = offload == 1;
+                    l.checkpoint = ckpt == 1;
+                    l.sequence_parallel = sp == 1;
+                    l.bf16 = o.bf16;
+                    l.micro_batch_rows = mb;
+                    l.accum_steps = accum;
+                    l.schedule = schedule;
+                    l.chunks = chunks;
+                    for (int pb = 0; pb <= (o.param_bf16 ? 1 : 0); ++pb) {
+                      l.param_bf16 = pb == 1;
+                      try {
+                        validate(m, c, l);
+                      } catch (const dtrain::Error&) {
+                        continue;
+                      }
+                      if (!dtrain_limitation(l).empty()) continue;
+                      Prediction p = simulate(m, c, l);
+                      if (p.fits) out.push_back(std::move(p));
+                    }
+                  }
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  std::stable_sort(out.begin(), out.end(), [&](const Prediction& a, const Prediction& b) {
+    if (std::abs(a.step_s - b.step_s) > 1e-9 * std::max(a.step_s, b.step_s)) return a.step_s < b.step_s;
+    return complexity(a.layout) < complexity(b.layout);
+  });
+  return out;
+}
+
+}  // namespace dtrain::engine::sim
