@@ -11,6 +11,8 @@
 // With --pp (gpt; under mpirun with the run's ranks) each rank probes its own stage, the plan
 // is the fastest that fits every stage, and --verify_steps trains the pipeline:
 //   mpirun -np 4 dtrain-plan --model=gpt --pp=4 --gpu_mem_limit_gb=40 --verify_steps=3
+// --simulate predicts a layout's step time and memory on a cluster without running it, and
+// --calibrate measures this machine for it (plan_simulate.cc).
 #include <c10/core/CachingDeviceAllocator.h>
 
 #include <cmath>
@@ -24,6 +26,7 @@
 #include "dtrain/engine/memory/planner.h"
 #include "dtrain/engine/optim/sharded.h"
 #include "model_factory.h"
+#include "plan_simulate.h"
 
 DEFINE_string(model, "seq2seq", "the example model to plan for: seq2seq, gpt, llama, mlp or cnn");
 DEFINE_bool(allow_amp_change, false, "the plan may switch --amp to bf16 (changes the numerics)");
@@ -34,6 +37,8 @@ DEFINE_int64(cuda_context_mb, -1,
              "CUDA context outside the allocator in MiB (-1: 500 on CUDA, 0 on the CPU)");
 DEFINE_int64(verify_steps, 0,
              "train this many steps of the flags' technique and compare the peak (0: off)");
+
+DECLARE_string(calibrate);
 
 using namespace dtrain;
 
@@ -142,6 +147,8 @@ int plan_main(int argc, char** argv) {
   const std::string model_name = examples::flag_from_argv(argc, argv, "model", "seq2seq");
   engine::cli::describe_flags("Plan", {"model", "allow_amp_change", "allow_offload", "allow_shard", "probe_rows",
                                       "cuda_context_mb", "verify_steps"});
+  engine::cli::describe_flags("Simulate", examples::simulate_flag_names());
+  if (examples::simulate_requested(argc, argv)) return examples::simulate_main(argc, argv, model_name);
   examples::Run run = examples::init_run(argc, argv,
                                          "dtrain-plan --model=seq2seq|gpt|mlp|cnn [shape flags] "
                                          "[--gpu_mem_limit_gb=X]: memory estimate and plan",
@@ -160,6 +167,10 @@ int plan_main(int argc, char** argv) {
   const int64_t baseline = std::llround(engine::memory_stats(run.device).allocated_mb * kMiBf);
   examples::ExampleModel m = examples::build_example_model(model_name, run);
   const engine::TrainerOptions options = examples::trainer_options(run, m.default_optimizer);
+  if (!FLAGS_calibrate.empty()) {
+    examples::calibrate(run, m, options, FLAGS_calibrate);
+    return 0;
+  }
   const engine::PlanInputs in = budgeted_inputs(run, m, options);
 
   std::vector<engine::AmpMode> amps = {in.amp};

@@ -39,6 +39,21 @@ def run(cmd, expect=0, env=None, tail=2000):
     return p.stdout
 
 
+def json_lines(out):
+    """The JSON objects of a program's output: its lines that start with "{"."""
+    import json
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def check(cond, what, out=""):
+    """Exits the test with FAILED: what (and the output) unless cond."""
+    if not cond:
+        print("FAILED:", what)
+        if out:
+            print(out)
+        sys.exit(1)
+
+
 def newest_main_file(ck):
     """The newest checkpoint's main file (what torch.load reads) in the run directory ck."""
     files = sorted(f for f in glob.glob(os.path.join(ck, "step-*.pt")) if ".rank-" not in f)

@@ -15,6 +15,8 @@ import os
 import subprocess
 import sys
 
+from example_util import check, json_lines
+
 SHAPE = ["--model=seq2seq", "--device=cpu", "--d_model=64", "--heads=4", "--ff=256", "--layers=2",
          "--seq_len=32", "--vocab=512", "--batch_size=8", "--progress=false"]
 MIB = 1 << 20
@@ -25,18 +27,6 @@ def run(bin_dir, *flags):
     p = subprocess.run([os.path.join(bin_dir, "dtrain-plan"), *SHAPE, *flags], capture_output=True, text=True,
                        env=env, timeout=120)
     return p.returncode, p.stdout, p.stderr
-
-
-def json_lines(out):
-    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-
-
-def check(cond, what, out=""):
-    if not cond:
-        print("FAILED:", what)
-        if out:
-            print(out)
-        sys.exit(1)
 
 
 def main():

@@ -1,0 +1,416 @@
+// dtrain-plan --simulate and --calibrate: the step-time simulator (engine/memory/simulator.h)
+// on the command line.
+//
+//   dtrain-plan --simulate --model=llama --hf_config=llama3_8b.json --seq_len=8192
+//       --nodes=16 --gpus_per_node=8 --gpu=h100 --batch_size=2 --shard=parameters --amp=bf16
+//     the prediction of one layout: the usual flags (--tp --pp --cp --pp_schedule --pp_chunks
+//     --batch_size (per data-parallel rank) --accum_steps --shard --offload
+//     --checkpoint_activations --sequence_parallel --amp) on the cluster the flags describe
+//     (data parallelism takes the ranks the others leave);
+//   dtrain-plan --simulate --search --global_batch=1024 ...: every layout that fits, fastest
+//     first (--top rows), and the best one's flags;
+//   dtrain-plan --simulate --search --scaling_nodes=1,2,4,8 ...: the best layout's predicted
+//     throughput at each node count (a table and JSON lines; tools/plot_scaling.py draws them);
+//   dtrain-plan --model=gpt [shape flags] --calibrate=cluster.json (under mpirun with the ranks of
+//     one node): measures this machine (matrix multiply and attention rates, memory bandwidth,
+//     the shortest kernel, the all-reduce's latency and bandwidth over the run's ranks, the
+//     model's own forward and backward, the trainer's step) and writes the cluster file that
+//     --cluster=cluster.json reads.
+#include <gflags/gflags.h>
+#include <torch/cuda.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
+
+#include "common.h"
+#include "dtrain/dist/error.h"
+#include "dtrain/engine/memory/simulator.h"
+#include "dtrain/engine/optim/amp.h"
+#include "dtrain/engine/optim/sharded.h"
+#include "model_factory.h"
+#include "plan_simulate.h"
+
+DEFINE_bool(simulate, false, "predict the step time and memory of a layout on a cluster instead of probing this machine");
+DEFINE_bool(search, false, "--simulate: rank every layout of the cluster that fits (needs --global_batch)");
+DEFINE_int64(global_batch, 0, "--simulate --search: sequences per optimizer step (0: --batch_size x data-parallel ranks)");
+DEFINE_int32(top, 10, "--simulate --search: layouts to print");
+DEFINE_int32(nodes, 1, "--simulate: nodes in the cluster");
+DEFINE_int32(gpus_per_node, 8, "--simulate: GPUs (ranks) per node");
+DEFINE_string(gpu, "h100", "--simulate: device kind (h100, h200, a100, a100-40gb); --cluster overrides");
+DEFINE_string(cluster, "", "--simulate: a cluster file written by --calibrate (device, links, overheads)");
+DEFINE_double(intra_node_gbps, 0, "--simulate: collective bus bandwidth inside a node, GB/s per GPU (0: the device's default)");
+DEFINE_double(inter_node_gbps, 0, "--simulate: collective bus bandwidth between nodes, GB/s per GPU (0: 45, or the cluster file's)");
+DEFINE_double(inter_node_latency_us, -1, "--simulate: latency of one step of a collective between nodes (-1: default)");
+DEFINE_string(scaling_nodes, "", "--simulate --search: node counts to predict the best layout at, e.g. 1,2,4,8");
+DEFINE_string(calibrate, "", "measure this machine and write the cluster file --simulate --cluster reads");
+
+namespace dtrain::examples {
+
+namespace sim = engine::sim;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+void sync(c10::Device device) {
+  if (device.is_cuda()) torch::cuda::synchronize(device.index());
+}
+
+// Median seconds of `reps` calls of fn (after one warm-up), the device synchronized.
+template <typename F>
+double median_seconds(c10::Device device, int reps, F fn) {
+  fn();
+  sync(device);
+  std::vector<double> s;
+  for (int i = 0; i < reps; ++i) {
+    const auto t0 = Clock::now();
+    fn();
+    sync(device);
+    s.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  std::sort(s.begin(), s.end());
+  return s[s.size() / 2];
+}
+
+bool given(const char* flag) {
+  gflags::CommandLineFlagInfo info;
+  return gflags::GetCommandLineFlagInfo(flag, &info) && !info.is_default;
+}
+
+sim::ModelShape shape_from_flags(const std::string& model) {
+  DTRAIN_CHECK(model == "gpt" || model == "llama", "--simulate predicts the language models (--model=gpt or llama); ",
+               "--model=", model, " is not one");
+  sim::ModelShape m;
+  m.family = model;
+  m.layers = FLAGS_layers;
+  m.d_model = FLAGS_d_model;
+  m.heads = FLAGS_heads;
+  m.kv_heads = model == "llama" ? FLAGS_kv_heads : 0;
+  m.ff = FLAGS_ff;
+  m.vocab = FLAGS_vocab;
+  m.seq_len = FLAGS_seq_len;
+  m.tie_embeddings = FLAGS_tie_embeddings;
+  return m;
+}
+
+sim::Cluster cluster_from_flags(int nodes) {
+  sim::Cluster c;
+  c.device = sim::named_device(FLAGS_gpu);
+  if (FLAGS_gpu.rfind("a100", 0) == 0) c.intra = {240e9, 3e-6};  // NVLink 3 (600 GB/s), NCCL's bus bandwidth
+  if (!FLAGS_cluster.empty()) c = sim::cluster_from_json(read_text_file(FLAGS_cluster, "--cluster"), c);
+  if (given("gpu") && !FLAGS_cluster.empty()) c.device = sim::named_device(FLAGS_gpu);
+  c.nodes = nodes;
+  if (given("gpus_per_node") || FLAGS_cluster.empty()) c.gpus_per_node = FLAGS_gpus_per_node;
+  if (FLAGS_intra_node_gbps > 0) c.intra.bytes_per_s = FLAGS_intra_node_gbps * 1e9;
+  if (FLAGS_inter_node_gbps > 0) c.inter.bytes_per_s = FLAGS_inter_node_gbps * 1e9;
+  if (FLAGS_inter_node_latency_us >= 0) c.inter.latency_s = FLAGS_inter_node_latency_us * 1e-6;
+  return c;
+}
+
+// The layout the standard flags describe on `ranks` ranks.
+sim::Layout layout_from_flags(int ranks) {
+  const engine::cli::Flags& f = engine::cli::flags();
+  sim::Layout l;
+  l.tp = f.tp;
+  l.pp = f.pp;
+  l.cp = f.cp;
+  const int model_ranks = l.tp * l.pp * l.cp;
+  DTRAIN_CHECK(ranks % model_ranks == 0, "--tp=", l.tp, " x --pp=", l.pp, " x --cp=", l.cp, " = ", model_ranks,
+               " does not divide the cluster's ", ranks, " ranks (--nodes x --gpus_per_node)");
+  l.dp = ranks / model_ranks;
+  DTRAIN_CHECK(f.batch_size % f.accum_steps == 0, "--batch_size=", f.batch_size, " is not a multiple of --accum_steps=",
+               f.accum_steps);
+  l.accum_steps = f.accum_steps;
+  l.micro_batch_rows = f.batch_size / f.accum_steps;
+  l.zero = static_cast<int>(engine::parse_shard_mode(f.shard));
+  const engine::OffloadChoice offload = engine::parse_offload(f.offload);
+  l.offload_optimizer = offload.optimizer;
+  l.offload_layers = offload.layers;
+  l.checkpoint = f.checkpoint_activations;
+  l.sequence_parallel = f.sequence_parallel;
+  DTRAIN_CHECK(f.amp == "off" || f.amp == "bf16", "--simulate prices --amp=bf16 or off; --amp=", f.amp,
+               " (fp16) runs at bf16's speed: give --amp=bf16");
+  l.bf16 = f.amp == "bf16";
+  l.param_bf16 = engine::parse_param_dtype(f.param_dtype) == at::kBFloat16;
+  l.schedule = engine::parse_pipeline_schedule(f.pp_schedule);
+  l.chunks = engine::cli::pipeline_chunks(f);
+  return l;
+}
+
+std::vector<int> parse_counts(const std::string& text) {
+  std::vector<int> out;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    char* end = nullptr;
+    const long v = std::strtol(item.c_str(), &end, 10);
+    DTRAIN_CHECK(!item.empty() && *end == '\0' && v >= 1 && v <= 1000000, "--scaling_nodes=", text,
+                 ": \"", item, "\" is not a node count >= 1; give counts separated by commas, e.g. 1,2,4");
+    out.push_back(static_cast<int>(v));
+  }
+  DTRAIN_CHECK(!out.empty(), "--scaling_nodes is empty; give node counts separated by commas, e.g. 1,2,4");
+  return out;
+}
+
+}  // namespace
+
+bool simulate_requested(int argc, char** argv) {
+  bool on = false;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--") break;
+    if (a.rfind("--", 0) == 0) a = a.substr(1);  // gflags takes -flag and --flag
+    if (a == "-simulate") on = true;
+    if (a == "-nosimulate") on = false;
+    if (a.rfind("-simulate=", 0) == 0) {
+      const std::string v = a.substr(10);
+      on = v == "true" || v == "1" || v == "yes" || v == "t" || v == "y";
+    }
+  }
+  return on;
+}
+
+std::vector<std::string> simulate_flag_names() {
+  return {"simulate",       "search",          "global_batch",          "top",       "nodes",
+          "gpus_per_node",  "gpu",             "cluster",               "intra_node_gbps",
+          "inter_node_gbps", "inter_node_latency_us", "scaling_nodes", "calibrate"};
+}
+
+int simulate_main(int argc, char** argv, const std::string& model_name) {
+  engine::cli::parse(argc, argv,
+                     "dtrain-plan --simulate --model=gpt|llama [shape flags] [layout flags] --nodes=N "
+                     "--gpus_per_node=G --gpu=h100: predicted step time and memory",
+                     engine::cli::kAllTopics, model_flag_defaults(model_name));
+  apply_hf_config();
+  DTRAIN_CHECK(FLAGS_nodes >= 1 && FLAGS_gpus_per_node >= 1, "--nodes=", FLAGS_nodes, " and --gpus_per_node=",
+               FLAGS_gpus_per_node, " must be >= 1");
+  DTRAIN_CHECK(FLAGS_global_batch >= 0, "--global_batch=", FLAGS_global_batch, " must be >= 0");
+  DTRAIN_CHECK(FLAGS_top >= 1, "--top=", FLAGS_top, " must be >= 1");
+  DTRAIN_CHECK(FLAGS_scaling_nodes.empty() || FLAGS_search, "--scaling_nodes needs --search");
+  const sim::ModelShape model = shape_from_flags(model_name);
+  const sim::Cluster cluster = cluster_from_flags(FLAGS_nodes);
+  std::printf("model: %s, %.2f GFLOP per token (6N + 12 L d S)\n", model.to_string().c_str(),
+              model.flops_per_token() / 1e9);
+  std::printf("cluster: %s\n", cluster.to_string().c_str());
+  if (!FLAGS_search) {
+    const sim::Layout layout = layout_from_flags(cluster.ranks());
+    const sim::Prediction p = sim::simulate(model, cluster, layout);
+    std::printf("predicted: %s\n", p.to_string().c_str());
+    const std::string limitation = sim::dtrain_limitation(layout);
+    if (!limitation.empty())
+      std::printf("note: dtrain does not run %s yet (the figures price the layout as other frameworks run it)\n",
+                  limitation.c_str());
+    const sim::StepParts& s = p.parts;
+    std::printf("  compute %.1f ms, tensor-parallel %.1f, context-parallel %.1f, pipeline bubble %.1f, "
+                "data-parallel %.1f, optimizer %.1f, offload %.1f, overhead %.1f\n",
+                1e3 * s.compute, 1e3 * s.tensor_parallel, 1e3 * s.context_parallel, 1e3 * s.pipeline_bubble,
+                1e3 * s.data_parallel, 1e3 * s.optimizer, 1e3 * s.offload, 1e3 * s.overhead);
+    std::printf("%s\n", p.to_json().c_str());
+    return p.fits ? 0 : 1;
+  }
+  sim::SearchOptions so;
+  so.bf16 = engine::cli::flags().amp != "off";
+  so.param_bf16 = so.bf16;
+  const std::vector<int> node_counts =
+      FLAGS_scaling_nodes.empty() ? std::vector<int>{FLAGS_nodes} : parse_counts(FLAGS_scaling_nodes);
+  int status = 0;
+  for (int nodes : node_counts) {
+    sim::Cluster c = cluster_from_flags(nodes);
+    so.global_batch_rows = FLAGS_global_batch > 0 ? FLAGS_global_batch : engine::cli::flags().batch_size * c.ranks();
+    const std::vector<sim::Prediction> ranked = sim::search(model, c, so);
+    if (ranked.empty()) {
+      std::printf("%d node%s: no layout of %d ranks fits a global batch of %lld sequences\n", nodes,
+                  nodes > 1 ? "s" : "", c.ranks(), static_cast<long long>(so.global_batch_rows));
+      status = 1;
+      continue;
+    }
+    if (node_counts.size() == 1) {
+      std::printf("%zu layouts fit a global batch of %lld sequences; the fastest:\n", ranked.size(),
+                  static_cast<long long>(so.global_batch_rows));
+      for (size_t i = 0; i < ranked.size() && i < static_cast<size_t>(FLAGS_top); ++i)
+        std::printf("%2zu. %s\n", i + 1, ranked[i].to_string().c_str());
+      std::printf("best: %s\n", ranked[0].layout.flags().c_str());
+    } else {
+      std::printf("%d node%s (%d ranks): %s\n", nodes, nodes > 1 ? "s" : "", c.ranks(), ranked[0].to_string().c_str());
+    }
+    nlohmann::json j = nlohmann::json::parse(ranked[0].to_json());
+    j["nodes"] = nodes;
+    j["ranks"] = c.ranks();
+    j["global_batch"] = so.global_batch_rows;
+    j["layouts_that_fit"] = ranked.size();
+    std::printf("%s\n", j.dump().c_str());
+  }
+  return status;
+}
+
+void calibrate(const Run& run, ExampleModel& m, const engine::TrainerOptions& options, const std::string& path) {
+  DTRAIN_CHECK(m.name == "gpt" || m.name == "llama", "--calibrate times the language models (--model=gpt or llama)");
+  DTRAIN_CHECK(run.mesh->tp_size() == 1 && run.mesh->pp_size() == 1 && run.mesh->cp_size() == 1,
+               "--calibrate times the whole model on each rank: run it without --tp, --pp and --cp (with the ranks "
+               "of one node under mpirun, for the links)");
+  const engine::cli::Flags& f = engine::cli::flags();
+  const c10::Device dev = run.device;
+  const bool bf16 = f.amp == "bf16" && dev.is_cuda();
+  const auto dtype = bf16 ? torch::kBFloat16 : torch::kFloat32;
+  const auto opts = torch::TensorOptions().device(dev).dtype(dtype);
+  const sim::ModelShape shape = shape_from_flags(m.name);
+  const int64_t rows = f.batch_size / f.accum_steps;
+  const int64_t t = rows * shape.seq_len;
+  sim::Cluster c;
+  DTRAIN_CHECK(run.world.size % run.world.local_size == 0, "--calibrate needs the same number of ranks on every "
+               "node (", run.world.size, " ranks, ", run.world.local_size, " on this one)");
+  c.nodes = run.world.size / run.world.local_size;
+  c.gpus_per_node = run.world.local_size;
+  c.device.name = dev.is_cuda() ? "calibrated-cuda" : "calibrated-cpu";
+  {  // the matrix multiply at the model's largest shape
+    torch::Tensor a = torch::randn({t, shape.d_model}, opts), b = torch::randn({shape.d_model, shape.ff}, opts);
+    const double s = median_seconds(dev, 5, [&] { (void)torch::mm(a, b); });
+    c.device.peak_flops = c.device.fp32_flops = 2.0 * t * shape.d_model * shape.ff / s;
+    c.device.matmul_efficiency = 1;
+  }
+  {  // streaming: c = a + b over 3 x 64 MiB
+    const int64_t n = int64_t{16} << 20;
+    torch::Tensor a = torch::randn({n}, opts.dtype(torch::kFloat32)), b = torch::randn_like(a), out = torch::empty_like(a);
+    const double s = median_seconds(dev, 5, [&] { torch::add_out(out, a, b); });
+    c.device.memory_bytes_per_s = 3.0 * n * 4 / s;
+    c.device.memory_efficiency = 1;
+    torch::Tensor x = torch::ones({1}, opts), y = torch::empty_like(x);
+    c.device.kernel_seconds = median_seconds(dev, 201, [&] { torch::add_out(y, x, x); });
+  }
+  {  // causal attention of one micro-batch, forward
+    const int64_t hd = shape.d_model / shape.heads;
+    torch::Tensor q = torch::randn({rows, shape.heads, shape.seq_len, hd}, opts), k = torch::randn_like(q),
+                  v = torch::randn_like(q);
+    const double s = median_seconds(dev, 3, [&] {
+      (void)at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+    });
+    c.device.attention_efficiency =
+        std::min(1.0, 2.0 * t * shape.seq_len * shape.d_model / (s * c.device.peak_flops));
+  }
+  if (dev.is_cpu()) {
+    c.device.cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()) /
+                                      std::max(1, at::get_num_threads()));
+    c.device.context_bytes = 0;
+    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+    c.device.memory_bytes = static_cast<double>(pages) * page / std::max(1, run.world.local_size);
+    c.pcie_bytes_per_s = c.device.memory_bytes_per_s;
+    // The host is the device: its bandwidth for an offloaded update is the cores' together.
+    c.host_bytes_per_s = c.device.memory_bytes_per_s * c.device.cores;
+    c.host_memory_bytes = static_cast<double>(pages) * page;
+  }
+  // The all-reduce over the run's ranks: a least-squares line of time against the ring's bytes
+  // term 2 (n-1)/n S over sizes from 4 KiB to 16 MiB.
+  const int n = run.world.size;
+  if (n > 1) {
+    std::vector<double> xs, ys;
+    for (int64_t bytes = 4096; bytes <= (int64_t{16} << 20); bytes *= 4) {
+      torch::Tensor buf = torch::ones({bytes / 4}, opts.dtype(torch::kFloat32));
+      const double s = median_seconds(dev, 7, [&] { run.comm->all_reduce(buf)->wait(); });
+      std::vector<double> all = {s};
+      // The slowest rank's time: every rank uses the same figures.
+      torch::Tensor st = torch::tensor(all, torch::TensorOptions().dtype(torch::kFloat64)).to(dev);
+      run.comm->all_reduce(st, dist::ReduceOp::kMax)->wait();
+      xs.push_back(2.0 * (n - 1) / n * static_cast<double>(bytes));
+      ys.push_back(st.cpu().item<double>());
+    }
+    double mx = 0, my = 0;
+    for (size_t i = 0; i < xs.size(); ++i) mx += xs[i] / xs.size(), my += ys[i] / ys.size();
+    double sxy = 0, sxx = 0;
+    for (size_t i = 0; i < xs.size(); ++i) sxy += (xs[i] - mx) * (ys[i] - my), sxx += (xs[i] - mx) * (xs[i] - mx);
+    const double slope = std::max(1e-15, sxy / sxx), intercept = std::max(0.0, my - slope * mx);
+    sim::Link link{1.0 / slope, intercept / (2.0 * (n - 1))};
+    // Ranks on one node measure the link inside it (the one between nodes stays the default or
+    // --inter_node_gbps); ranks on several, the link between them.
+    (run.world.local_size == n ? c.intra : c.inter) = link;
+  }
+  // The model's own forward and backward at the micro-batch, against the roofline's figure.
+  sim::Layout one;
+  one.dp = 1;
+  one.micro_batch_rows = rows;
+  one.bf16 = f.amp == "bf16";
+  one.checkpoint = f.checkpoint_activations;
+  sim::Cluster single = c;
+  single.nodes = 1;
+  single.gpus_per_node = 1;
+  if (m.set_checkpointing) m.set_checkpointing(f.checkpoint_activations);
+  // At the micro-batch and at a quarter of it (caches make small ones faster per token on a CPU).
+  double fb = 0, fb_predicted = 0;
+  for (int64_t r : {std::max<int64_t>(1, rows / 4), rows}) {
+    engine::Batch batch = m.synthetic_batch(r);
+    const double s = median_seconds(dev, 5, [&] {
+      at::Tensor loss;
+      {
+        engine::AutocastGuard autocast(dev.type(), engine::parse_amp(f.amp));
+        loss = m.loss(batch);
+      }
+      loss.backward();
+    });
+    one.micro_batch_rows = r;
+    const double predicted = sim::simulate(shape, single, one).parts.compute;
+    if (c.compute_scale_points.empty() || r * shape.seq_len > c.compute_scale_points.back().first)
+      c.compute_scale_points.emplace_back(static_cast<double>(r * shape.seq_len), s / predicted);
+    fb = s, fb_predicted = predicted;
+  }
+  for (auto& p : m.module->parameters()) p.mutable_grad() = at::Tensor();
+  c.compute_scale = c.compute_scale_points.back().second;
+  // The trainer's step of the flags' technique against the prediction: the rest is overhead.
+  engine::TrainerOptions o = options;
+  o.steps = 6;
+  o.progress = false;
+  o.metrics_path.clear();
+  o.tensorboard_dir.clear();
+  o.timeline_path.clear();
+  o.save_dir.clear();
+  o.memory_report_step = 0;
+  std::unique_ptr<engine::Trainer> trainer = make_trainer(run, m, o);
+  engine::Batch full = m.synthetic_batch(f.batch_size);
+  std::vector<double> steps;
+  for (int s = 0; s < 6; ++s) {
+    sync(dev);
+    const auto t0 = Clock::now();
+    trainer->step(full);
+    sync(dev);
+    if (s > 0) steps.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  std::sort(steps.begin(), steps.end());
+  sim::Layout layout;
+  layout.dp = n;
+  layout.micro_batch_rows = rows;
+  layout.accum_steps = f.accum_steps;
+  layout.bf16 = one.bf16;
+  layout.checkpoint = one.checkpoint;
+  const sim::Prediction before = sim::simulate(shape, c, layout);
+  const double measured = steps[steps.size() / 2];
+  c.step_overhead_s = std::max(0.0, measured - before.step_s);
+  if (run.world.rank != 0) return;
+  std::ofstream out(path);
+  DTRAIN_CHECK(out.good(), "--calibrate=", path, " cannot be written; give a writable path");
+  out << c.to_json() << "\n";
+  out.close();
+  DTRAIN_CHECK(out.good(), "--calibrate=", path, ": writing failed (disk full?)");
+  std::printf("calibrate: matrix multiply %.1f GFLOP/s, attention %.0f%% of it, memory %.1f GB/s, kernel %.1f us\n",
+              c.device.peak_flops / 1e9, 100 * c.device.attention_efficiency, c.device.memory_bytes_per_s / 1e9,
+              1e6 * c.device.kernel_seconds);
+  if (n > 1) {
+    const sim::Link& l = run.world.local_size == n ? c.intra : c.inter;
+    std::printf("calibrate: all-reduce over %d ranks on %d node(s): %.2f GB/s bus bandwidth, %.1f us per step\n", n,
+                c.nodes, l.bytes_per_s / 1e9, 1e6 * l.latency_s);
+  }
+  std::printf("calibrate: model forward+backward %.1f ms (roofline %.1f ms: scale %.2f); trainer step %.1f ms, "
+              "overhead %.1f ms\n",
+              1e3 * fb, 1e3 * fb_predicted, c.compute_scale, 1e3 * measured, 1e3 * c.step_overhead_s);
+  if (c.compute_scale_points.size() > 1)
+    std::printf("calibrate: at %.0f tokens per micro-batch the scale is %.2f\n", c.compute_scale_points[0].first,
+                c.compute_scale_points[0].second);
+  std::printf("calibrate: wrote %s\n", path.c_str());
+}
+
+}  // namespace dtrain::examples

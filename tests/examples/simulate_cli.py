@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""dtrain-plan --simulate and --calibrate on the command line:
+
+1. one layout (GPT-124M's shape on one H100): exit 0, the prediction line and its JSON;
+2. a model no single GPU holds: exit 1, "does not fit", naming both sizes;
+3. --search on 8 A100s: the best layout's flags, priced again alone with --simulate, give the
+   same step time; --scaling_nodes gives one JSON line per node count;
+4. --calibrate on this CPU writes a cluster file that --cluster reads, and the prediction of the
+   calibrated layout lands within 30% of the trainer's step the calibration measured;
+5. bad input: exit 2 with a message naming the problem (a model the simulator does not price,
+   a layout that does not divide the ranks, --scaling_nodes without --search or with a bad
+   count, a missing or malformed cluster file).
+
+usage: simulate_cli.py BIN_DIR
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+from example_util import check, json_lines
+
+GPT124M = ["--model=gpt", "--layers=12", "--d_model=768", "--heads=12", "--ff=3072", "--vocab=50304",
+           "--seq_len=1024"]
+
+
+def run(bin_dir, *flags, timeout=120):
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOG_minloglevel="1")
+    p = subprocess.run([os.path.join(bin_dir, "dtrain-plan"), *flags], capture_output=True, text=True, env=env,
+                       timeout=timeout)
+    return p.returncode, p.stdout, p.stderr
+
+
+def main():
+    b = sys.argv[1]
+    # 1. One layout.
+    rc, out, err = run(b, "--simulate", *GPT124M, "--batch_size=8", "--amp=bf16", "--gpus_per_node=1")
+    check(rc == 0, "--simulate of gpt124m on one H100", out + err)
+    j = json_lines(out)[-1]
+    check(j["fits"] and j["step_s"] > 0 and 0 < j["mfu"] < 1, "a fitting prediction with an MFU in (0, 1)", out)
+    check(j["flags"] == "--batch_size=8 --amp=bf16", "the layout's flags: " + j["flags"], out)
+    check("predicted: dp 1 tp 1 pp 1" in out and "compute" in out, "the prediction and its parts printed", out)
+
+    # 2. Too large for one GPU.
+    rc, out, err = run(b, "--simulate", "--model=llama", "--layers=80", "--d_model=8192", "--heads=64",
+                       "--kv_heads=8", "--ff=28672", "--vocab=128256", "--seq_len=4096", "--batch_size=1",
+                       "--gpus_per_node=1")
+    check(rc == 1 and "does not fit" in out and "GiB per rank" in out, "a 70B model on one GPU does not fit",
+          out + err)
+
+    # 3. The search, and its best layout priced alone.
+    a100 = ["--gpus_per_node=8", "--gpu=a100", "--amp=bf16"]
+    rc, out, err = run(b, "--simulate", "--search", *GPT124M, "--tie_embeddings", "--global_batch=512", "--top=3",
+                       *a100)
+    check(rc == 0 and "best: " in out, "--search prints the best layout's flags", out + err)
+    best = json_lines(out)[-1]
+    check(best["layouts_that_fit"] > 10 and best["global_batch"] == 512, "many layouts fit 512 sequences", out)
+    ranked = [l for l in out.splitlines() if re.match(r"\s*\d+\. dp ", l)]
+    check(len(ranked) == 3, "--top=3 prints three layouts", out)
+    rc, again, err = run(b, "--simulate", *GPT124M, "--tie_embeddings", *a100, *best["flags"].split())
+    check(rc == 0, "the best layout priced alone: " + best["flags"], again + err)
+    alone = json_lines(again)[-1]
+    check(abs(alone["step_s"] - best["step_s"]) <= 1e-9 * best["step_s"],
+          "the same step time alone (%g) as in the search (%g)" % (alone["step_s"], best["step_s"]), again)
+    rc, out, err = run(b, "--simulate", "--search", *GPT124M, "--global_batch=64", "--scaling_nodes=1,2", *a100)
+    lines = json_lines(out)
+    check(rc == 0 and [l["nodes"] for l in lines] == [1, 2] and lines[1]["ranks"] == 16,
+          "--scaling_nodes=1,2: one line per node count", out + err)
+
+    # 4. Calibrate this machine, then predict the layout it timed.
+    small = ["--model=gpt", "--layers=2", "--d_model=64", "--heads=4", "--ff=256", "--vocab=512", "--seq_len=64",
+             "--batch_size=8", "--device=cpu"]
+    with tempfile.TemporaryDirectory() as w:
+        cluster = os.path.join(w, "cluster.json")
+        rc, out, err = run(b, *small, "--calibrate=" + cluster, timeout=300)
+        check(rc == 0 and os.path.exists(cluster), "--calibrate writes the cluster file", out + err)
+        m = re.search(r"trainer step ([0-9.]+) ms", out)
+        check(m is not None, "--calibrate prints the trainer's step", out)
+        measured = float(m.group(1)) / 1e3
+        c = json.load(open(cluster))
+        check(c["device"]["name"] == "calibrated-cpu" and c["device"]["peak_flops"] > 1e8 and
+              len(c["compute_scale_points"]) >= 1, "the file holds the measured device", json.dumps(c))
+        rc, out, err = run(b, "--simulate", "--cluster=" + cluster, "--gpus_per_node=1", *small)
+        check(rc == 0, "--simulate with the calibrated cluster", out + err)
+        predicted = json_lines(out)[-1]["step_s"]
+        check(abs(predicted - measured) <= 0.3 * measured,
+              "the calibrated prediction %.4f s within 30%% of the measured %.4f s" % (predicted, measured), out)
+        bad = os.path.join(w, "bad.json")
+        with open(bad, "w") as f:
+            f.write('{"device": {"peak_flops": "fast"}}')
+        rc, out, err = run(b, "--simulate", "--cluster=" + bad, *small)
+        check(rc == 2 and "peak_flops" in err, "a malformed cluster file names the field", out + err)
+
+    # 5. Bad input.
+    cases = [
+        (["--simulate", "--model=seq2seq"], "--model=gpt or llama"),
+        (["--simulate", *GPT124M, "--tp=3"], "does not divide"),
+        (["--simulate", *GPT124M, "--scaling_nodes=1,2"], "--scaling_nodes needs --search"),
+        (["--simulate", "--search", *GPT124M, "--global_batch=8", "--scaling_nodes=1,x"], "is not a node count"),
+        (["--simulate", *GPT124M, "--cluster=/nonexistent/cluster.json"], "/nonexistent/cluster.json"),
+        (["--simulate", *GPT124M, "--gpu=tpu"], "h100, h200, a100"),
+    ]
+    for flags, want in cases:
+        rc, out, err = run(b, *flags)
+        check(rc == 2 and want in err, "%s: exit 2 naming '%s' (got %d)" % (" ".join(flags), want, rc), out + err)
+    print("simulate_cli.py: all checks passed")
+
+
+if __name__ == "__main__":
+    main()
