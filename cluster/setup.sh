@@ -70,7 +70,7 @@ else
   say "torch $("$VPY" -c 'import torch;print(torch.__version__)') present in .venv"
 fi
 # Python packages used by tests and docs as independent references/readers.
-PY_EXTRAS=(numpy tensorboard scikit-learn safetensors transformers sentencepiece tiktoken)
+PY_EXTRAS=(numpy tensorboard scikit-learn safetensors transformers sentencepiece tiktoken matplotlib)
 for m in "${PY_EXTRAS[@]}"; do
   mod="$m"; [[ $m == scikit-learn ]] && mod=sklearn
   "$VPY" -c "import $mod" 2>/dev/null || { say "installing $m into .venv"; "$VPY" -m pip install -q "$m" || die "pip install $m failed"; }
