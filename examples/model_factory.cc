@@ -6,6 +6,7 @@
 
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/memory/memory.h"
+#include "dtrain/engine/optim/amp.h"
 #include "dtrain/engine/optim/offload.h"
 #include "dtrain/engine/optim/sharded.h"
 #include "dtrain/engine/zero3/parameter_units.h"
@@ -581,6 +582,52 @@ std::unique_ptr<engine::Trainer> make_trainer(const Run& run, const ExampleModel
   return std::make_unique<engine::Trainer>(*model.module, model.loss, *run.mesh, run.device, options);
 }
 
+engine::sim::ModelShape simulator_shape(const std::string& model) {
+  DTRAIN_CHECK(model == "gpt" || model == "llama", "the step-time simulator prices the language models ",
+               "(--model=gpt or llama); --model=", model, " is not one");
+  engine::sim::ModelShape m;
+  m.family = model;
+  m.layers = FLAGS_layers;
+  m.d_model = FLAGS_d_model;
+  m.heads = FLAGS_heads;
+  m.kv_heads = model == "llama" ? FLAGS_kv_heads : 0;
+  m.ff = FLAGS_ff;
+  m.vocab = FLAGS_vocab;
+  m.seq_len = FLAGS_seq_len;
+  m.tie_embeddings = FLAGS_tie_embeddings;
+  return m;
+}
+
+std::function<double(const engine::Technique&)> simulator_step_time(const Run& run, const std::string& model) {
+  const engine::cli::Flags& f = engine::cli::flags();
+  if (f.plan_cluster.empty()) return nullptr;
+  const engine::sim::ModelShape shape = simulator_shape(model);
+  engine::sim::Cluster cluster = engine::sim::cluster_from_json(read_text_file(f.plan_cluster, "--plan_cluster"));
+  cluster.gpus_per_node = run.world.local_size;
+  cluster.nodes = run.world.size / run.world.local_size;
+  engine::sim::Layout base;
+  base.tp = run.mesh->tp_size();
+  base.pp = run.mesh->pp_size();
+  base.cp = run.mesh->cp_size();
+  base.dp = run.mesh->dp().size();
+  base.sequence_parallel = f.sequence_parallel && base.tp > 1;
+  base.param_bf16 = engine::parse_param_dtype(f.param_dtype) == at::kBFloat16;
+  base.schedule = engine::parse_pipeline_schedule(f.pp_schedule);
+  base.chunks = engine::cli::pipeline_chunks(f);
+  const int64_t rows = f.batch_size;
+  return [shape, cluster, base, rows](const engine::Technique& t) {
+    engine::sim::Layout l = base;
+    l.accum_steps = t.accum_steps;
+    l.micro_batch_rows = rows / t.accum_steps;
+    l.checkpoint = t.checkpoint;
+    l.bf16 = t.amp != engine::AmpMode::kOff;
+    l.offload_optimizer = t.offload_optimizer;
+    l.offload_layers = t.offload_layers;
+    l.zero = t.shard;
+    return engine::sim::simulate(shape, cluster, l).step_s;
+  };
+}
+
 void plan_and_apply(const Run& run, ExampleModel& model, engine::TrainerOptions& options) {
   const bool planning = engine::cli::flags().plan == "auto";
   const int64_t budget = engine::cli::flags().gpu_mem_limit_gb > 0
@@ -588,6 +635,9 @@ void plan_and_apply(const Run& run, ExampleModel& model, engine::TrainerOptions&
                              : 0;
   int64_t allocator_limit = budget > 0 && run.device.is_cuda() ? budget - engine::kDefaultCudaContextBytes : budget;
   engine::OffloadChoice offload = engine::parse_offload(engine::cli::flags().offload);
+  DTRAIN_CHECK(planning || engine::cli::flags().plan_cluster.empty(), "--plan_cluster=",
+               engine::cli::flags().plan_cluster, " ranks --plan=auto's candidates; add --plan=auto "
+               "--gpu_mem_limit_gb=X, or drop --plan_cluster");
   if (planning) {
     engine::PlanInputs in = plan_inputs(run, model, options);
     // What the device holds already besides the model (on the CPU the data set, for one) is
@@ -606,6 +656,7 @@ void plan_and_apply(const Run& run, ExampleModel& model, engine::TrainerOptions&
                             run.mesh->tp_size() == 1;
     // ZeRO-1/2 when the data-parallel group has more than one rank and --shard was left at none.
     in.can_shard = run.mesh->replicas().size() > 1 && engine::parse_shard_mode(options.shard) == engine::ShardMode::kNone;
+    in.step_time = simulator_step_time(run, model.name);  // --plan_cluster: the simulator's times
     engine::ActivationProfile profile = probe_example_model(run, model, {options.amp}, /*probe_rows=*/2);
     // Every rank applies the plan that fits on every rank (measurements differ slightly
     // between data-parallel ranks, and a pipeline's stages hold different layers).

@@ -16,6 +16,7 @@
 #include "common.h"
 #include "dtrain/engine/data/data.h"
 #include "dtrain/engine/memory/planner.h"
+#include "dtrain/engine/memory/simulator.h"
 #include "dtrain/engine/models/llama.h"
 #include "dtrain/engine/train/trainer.h"
 
@@ -113,6 +114,14 @@ ExampleModel build_example_model(const std::string& model, const Run& run);
 // The model's parameters are cast to options.param_dtype first (engine::cast_parameters, as the
 // Trainer will): the counts, and the activation probe that follows, see the weights as trained.
 engine::PlanInputs plan_inputs(const Run& run, ExampleModel& model, const engine::TrainerOptions& options);
+
+// The step-time simulator's model of the language model the shape flags describe (--model=gpt
+// or llama); dtrain::Error naming the models it prices for another.
+engine::sim::ModelShape simulator_shape(const std::string& model);
+// --plan_cluster: PlanInputs::step_time from the step-time simulator with that cluster file, this
+// run's ranks (nodes of world.local_size) and mesh, --batch_size, --amp and --param_dtype; null
+// without --plan_cluster. dtrain::Error for a model other than gpt or llama, or an unreadable file.
+std::function<double(const engine::Technique&)> simulator_step_time(const Run& run, const std::string& model);
 
 // probe_activations() of `model` on synthetic batches of probe_rows and 2 * probe_rows rows,
 // checkpointing off and (for a model with blocks) on, under each AMP mode of `amps`. Call

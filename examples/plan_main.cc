@@ -64,6 +64,7 @@ engine::PlanInputs budgeted_inputs(const examples::Run& run, examples::ExampleMo
   in.host_budget_bytes = engine::host_budget_bytes(engine::cli::flags().host_mem_limit_gb, run.world.local_size);
   if (FLAGS_cuda_context_mb >= 0)
     in.cuda_context_bytes = FLAGS_cuda_context_mb * (int64_t{1} << 20);
+  in.step_time = examples::simulator_step_time(run, m.name);  // --plan_cluster
   return in;
 }
 

@@ -85,22 +85,6 @@ bool given(const char* flag) {
   return gflags::GetCommandLineFlagInfo(flag, &info) && !info.is_default;
 }
 
-sim::ModelShape shape_from_flags(const std::string& model) {
-  DTRAIN_CHECK(model == "gpt" || model == "llama", "--simulate predicts the language models (--model=gpt or llama); ",
-               "--model=", model, " is not one");
-  sim::ModelShape m;
-  m.family = model;
-  m.layers = FLAGS_layers;
-  m.d_model = FLAGS_d_model;
-  m.heads = FLAGS_heads;
-  m.kv_heads = model == "llama" ? FLAGS_kv_heads : 0;
-  m.ff = FLAGS_ff;
-  m.vocab = FLAGS_vocab;
-  m.seq_len = FLAGS_seq_len;
-  m.tie_embeddings = FLAGS_tie_embeddings;
-  return m;
-}
-
 sim::Cluster cluster_from_flags(int nodes) {
   sim::Cluster c;
   c.device = sim::named_device(FLAGS_gpu);
@@ -195,7 +179,7 @@ int simulate_main(int argc, char** argv, const std::string& model_name) {
   DTRAIN_CHECK(FLAGS_global_batch >= 0, "--global_batch=", FLAGS_global_batch, " must be >= 0");
   DTRAIN_CHECK(FLAGS_top >= 1, "--top=", FLAGS_top, " must be >= 1");
   DTRAIN_CHECK(FLAGS_scaling_nodes.empty() || FLAGS_search, "--scaling_nodes needs --search");
-  const sim::ModelShape model = shape_from_flags(model_name);
+  const sim::ModelShape model = simulator_shape(model_name);
   const sim::Cluster cluster = cluster_from_flags(FLAGS_nodes);
   std::printf("model: %s, %.2f GFLOP per token (6N + 12 L d S)\n", model.to_string().c_str(),
               model.flops_per_token() / 1e9);
@@ -261,7 +245,7 @@ void calibrate(const Run& run, ExampleModel& m, const engine::TrainerOptions& op
   const bool bf16 = f.amp == "bf16" && dev.is_cuda();
   const auto dtype = bf16 ? torch::kBFloat16 : torch::kFloat32;
   const auto opts = torch::TensorOptions().device(dev).dtype(dtype);
-  const sim::ModelShape shape = shape_from_flags(m.name);
+  const sim::ModelShape shape = simulator_shape(m.name);
   const int64_t rows = f.batch_size / f.accum_steps;
   const int64_t t = rows * shape.seq_len;
   sim::Cluster c;

@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 #include <cmath>
+#include <limits>
 #include <cstdio>
 #include <iomanip>
 #include <nlohmann/json.hpp>
@@ -226,8 +227,8 @@ std::string plan_reason(const PlanInputs& in, const std::vector<Candidate>& all,
      << budget_text(in.gpu_budget_bytes);
   if (best.host > 0) os << " and " << size_text(best.host) << " on the host";
   if (agreed) os << " (the most any rank needs)";
-  os << ", ~" << std::fixed << std::setprecision(1) << best.seconds * 1e3
-     << " ms/step by the cost model";
+  os << ", ~" << std::fixed << std::setprecision(1) << best.seconds * 1e3 << " ms/step by the "
+     << (in.step_time ? "step-time model" : "cost model");
   if (in.pp > 1) {
     os << " (" << best.estimate.technique.accum_steps << " micro-batches through " << in.pp
        << " stages, " << best.estimate.in_flight << " in flight on stage " << in.stage << ")";
@@ -237,6 +238,10 @@ std::string plan_reason(const PlanInputs& in, const std::vector<Candidate>& all,
   for (const Candidate& c : all) {
     if (techniques_used(c.estimate.technique, in.amp) == 0) {
       os << "; the plain step needs " << size_text(c.gpu) << (fits(in, c) ? " (fits)" : " (does not fit)");
+      if (fits(in, c) && &c != &best && c.seconds > 0) {
+        os << ", expected " << std::setprecision(1) << 100 * (c.seconds - best.seconds) / c.seconds
+           << "% faster than it (~" << c.seconds * 1e3 << " ms/step)";
+      }
       break;
     }
   }
@@ -568,6 +573,14 @@ std::string Plan::to_json() const {
 double estimate_step_seconds(const PlanInputs& in, const ActivationProfile& profile,
                              const Technique& t) {
   validate(in);
+  if (in.step_time) {
+    double s = std::numeric_limits<double>::quiet_NaN();
+    try {
+      s = in.step_time(t);
+    } catch (const dtrain::Error&) {
+    }
+    if (std::isfinite(s) && s > 0) return s;
+  }
   return cost_seconds(in, profile, t);
 }
 
@@ -598,7 +611,7 @@ Plan choose_plan(const PlanInputs& in, const ActivationProfile& profile, const P
             for (int accum : accum_candidates(in)) {
               Candidate c;
               c.estimate = estimate(in, profile, Technique{ckpt == 1, accum, amp, opt == 1, layers == 1, shard});
-              c.seconds = cost_seconds(in, profile, c.estimate.technique);
+              c.seconds = estimate_step_seconds(in, profile, c.estimate.technique);
               c.gpu = c.estimate.gpu.total();
               c.host = c.estimate.host.total();
               all.push_back(std::move(c));

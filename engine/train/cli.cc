@@ -170,6 +170,10 @@ std::vector<Spec> memory_checkpoint_and_observability_specs() {
          &Flags::plan, kToRun),
     spec(kMemory, "gpu_mem_limit_gb", "GPU memory budget in GiB, CUDA context included (0: the whole device)",
          &Flags::gpu_mem_limit_gb, kToRun),
+    spec(kMemory, "plan_cluster",
+         "with --plan=auto (gpt, llama): rank the candidates by the step-time simulator with this cluster file "
+         "(dtrain-plan --calibrate writes it); empty: by the activation probe's timings",
+         &Flags::plan_cluster, kToRun),
     spec(kMemory, "memory_report_step", "log where memory goes after this step (0: never)",
          &Flags::memory_report_step),
     spec(kMemory, "checkpoint_activations", "recompute each block's activations in backward",
@@ -528,6 +532,7 @@ RunOptions run_options(const Flags& f) {
   o.checkpoint_activations = f.checkpoint_activations;
   o.offload_layers = parse_offload(f.offload).layers;
   o.plan = f.plan;
+  o.plan_cluster = f.plan_cluster;
   o.gpu_mem_limit_gb = f.gpu_mem_limit_gb;
   return o;
 }

@@ -7,7 +7,9 @@
    same step time; --scaling_nodes gives one JSON line per node count;
 4. --calibrate on this CPU writes a cluster file that --cluster reads, and the prediction of the
    calibrated layout lands within 30% of the trainer's step the calibration measured;
-5. bad input: exit 2 with a message naming the problem (a model the simulator does not price,
+5. train_gpt --plan=auto --plan_cluster=FILE ranks its candidates by the simulator (and
+   --plan_cluster without --plan=auto, or for seq2seq, is exit 2);
+6. bad input: exit 2 with a message naming the problem (a model the simulator does not price,
    a layout that does not divide the ranks, --scaling_nodes without --search or with a bad
    count, a missing or malformed cluster file).
 
@@ -87,13 +89,30 @@ def main():
         predicted = json_lines(out)[-1]["step_s"]
         check(abs(predicted - measured) <= 0.3 * measured,
               "the calibrated prediction %.4f s within 30%% of the measured %.4f s" % (predicted, measured), out)
+        # --plan=auto ranks its candidates by the simulator with --plan_cluster.
+        train = [os.path.join(b, "train_gpt")] + [f for f in small if f != "--model=gpt"] + [
+            "--data=synthetic", "--steps=1", "--progress=false", "--plan=auto", "--gpu_mem_limit_gb=8",
+            "--plan_cluster=" + cluster]
+        env = dict(os.environ, OMP_NUM_THREADS="1", GLOG_minloglevel="0", GLOG_logtostderr="1")
+        p = subprocess.run(train, capture_output=True, text=True, env=env, timeout=300)
+        check(p.returncode == 0 and "by the step-time model" in p.stderr,
+              "train_gpt --plan=auto --plan_cluster ranks by the step-time model", p.stdout + p.stderr[-3000:])
+        p = subprocess.run([a for a in train if not a.startswith("--plan=") and not a.startswith("--gpu_mem")],
+                           capture_output=True, text=True, env=env, timeout=120)
+        check(p.returncode == 2 and "add --plan=auto" in p.stderr, "--plan_cluster without --plan=auto: exit 2",
+              p.stdout + p.stderr[-3000:])
+        p = subprocess.run([os.path.join(b, "train_seq2seq"), "--device=cpu", "--steps=1", "--plan=auto",
+                            "--gpu_mem_limit_gb=8", "--plan_cluster=" + cluster, "--progress=false"],
+                           capture_output=True, text=True, env=env, timeout=120)
+        check(p.returncode == 2 and "prices the language models" in p.stderr,
+              "--plan_cluster with seq2seq: exit 2", p.stdout + p.stderr[-3000:])
         bad = os.path.join(w, "bad.json")
         with open(bad, "w") as f:
             f.write('{"device": {"peak_flops": "fast"}}')
         rc, out, err = run(b, "--simulate", "--cluster=" + bad, *small)
         check(rc == 2 and "peak_flops" in err, "a malformed cluster file names the field", out + err)
 
-    # 5. Bad input.
+    # 6. Bad input.
     cases = [
         (["--simulate", "--model=seq2seq"], "--model=gpt or llama"),
         (["--simulate", *GPT124M, "--tp=3"], "does not divide"),

@@ -123,6 +123,8 @@ std::map<std::string, Probe> memory_checkpoint_and_observability_probes() {
     {"host_mem_limit_gb", {"3", {}, kToTrainer, [](const Built& b) { return text(b.trainer.offload.host_mem_limit_gb); }}},
     {"plan", {"auto", {{"gpu_mem_limit_gb", "4"}}, kToRun, [](const Built& b) { return b.run.plan; }}},
     {"gpu_mem_limit_gb", {"4", {}, kToRun, [](const Built& b) { return text(b.run.gpu_mem_limit_gb); }}},
+    {"plan_cluster",
+     {"cluster.json", {{"plan", "auto"}, {"gpu_mem_limit_gb", "4"}}, kToRun, [](const Built& b) { return b.run.plan_cluster; }}},
     {"memory_report_step", {"3", {}, kToTrainer, [](const Built& b) { return text(b.trainer.memory_report_step); }}},
     {"checkpoint_activations",
      {"true", {}, kToTrainer | kToRun,

@@ -687,6 +687,29 @@ TEST(PlannerChoice, OffloadIsChosenOnlyWhenNeeded) {
   EXPECT_EQ(plan.allocator_limit_bytes, 0);
 }
 
+TEST(PlannerChoice, AnotherTimeModelRanksTheCandidates) {
+  // A roomy budget: every candidate fits. The built-in model picks the plain step; a time model
+  // that prices accumulation of 4 fastest (as the simulator can, when smaller micro-batches run
+  // faster) makes it the plan, with the expected gain over the plain step in the reason.
+  PlanInputs in = inputs();
+  in.gpu_budget_bytes = 2048 * kMB;
+  in.step_time = [](const Technique& t) {
+    if (t.checkpoint && t.accum_steps == 16) throw dtrain::Error("not priced");  // falls back
+    return t.accum_steps == 4 && !t.checkpoint ? 0.080 : 0.100;
+  };
+  Plan plan = choose_plan(in, profile());
+  EXPECT_EQ(plan.flags(), "--accum_steps=4");
+  EXPECT_DOUBLE_EQ(plan.step_seconds, 0.080);
+  EXPECT_NE(plan.reason.find("by the step-time model"), std::string::npos) << plan.reason;
+  EXPECT_NE(plan.reason.find("expected 20.0% faster than it (~100.0 ms/step)"), std::string::npos) << plan.reason;
+  // The candidate it could not price takes the built-in model's figure.
+  Technique unpriced{true, 16, AmpMode::kOff, false, false, 0};
+  const double with_hook = estimate_step_seconds(in, profile(), unpriced);
+  in.step_time = nullptr;
+  EXPECT_DOUBLE_EQ(with_hook, estimate_step_seconds(in, profile(), unpriced));
+  EXPECT_NE(with_hook, 0.100);
+}
+
 TEST(PlannerMemoryLimit, CpuEnforcesNothingAndBadBytesAreRefused) {
   EXPECT_FALSE(apply_memory_limit(c10::Device(c10::kCPU), 1 << 30));
   EXPECT_NE(

@@ -243,6 +243,10 @@ struct PlanInputs {
   // Data-parallel bus bandwidth per rank: prices what sharding moves beyond DDP's all-reduce
   // (its reduction to owners is a reduce, not a reduce-scatter: weights x bytes / dp more).
   double network_bytes_per_second = 25e9;
+  // Another time model (the step-time simulator, --plan_cluster): seconds per optimizer step of
+  // a technique, used instead of the one above when set; a NaN or a throw for a technique it
+  // cannot price falls back to the one above.
+  std::function<double(const Technique&)> step_time;
 };
 
 // Throws dtrain::Error naming the bad field (negative counts, tp/dp < 1, sharded_parameters >

@@ -106,6 +106,7 @@ struct Flags {
   double host_mem_limit_gb = OffloadOptions().host_mem_limit_gb;
   std::string plan = "none";
   double gpu_mem_limit_gb = 0;
+  std::string plan_cluster;  // --plan=auto: the simulator's cluster file (RunOptions::plan_cluster)
   int64_t memory_report_step = TrainerOptions().memory_report_step;
   bool checkpoint_activations = false;
   // kCheckpoints

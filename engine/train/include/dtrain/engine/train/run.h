@@ -35,6 +35,9 @@ struct RunOptions {
   bool offload_layers = false;       // TrainerOptions::offload_layers
   std::string plan = "none";         // none or auto: the memory planner, within gpu_mem_limit_gb
   double gpu_mem_limit_gb = 0;
+  // --plan=auto: rank the candidates by the step-time simulator (engine/memory/simulator.h) with
+  // this cluster file (dtrain-plan --calibrate); empty: by the activation probe's timings.
+  std::string plan_cluster;
   // Called once the communicator exists and before the mesh splits it: every rank must have
   // been started with the same settings (cli::agree_on_flags; agree_on_settings()). Collective.
   std::function<void(dist::Communicator& world)> agree;
