@@ -39,6 +39,7 @@ DEFINE_int64(verify_steps, 0,
              "train this many steps of the flags' technique and compare the peak (0: off)");
 
 DECLARE_string(calibrate);
+DECLARE_string(measure);
 
 using namespace dtrain;
 
@@ -170,6 +171,10 @@ int plan_main(int argc, char** argv) {
   const engine::TrainerOptions options = examples::trainer_options(run, m.default_optimizer);
   if (!FLAGS_calibrate.empty()) {
     examples::calibrate(run, m, options, FLAGS_calibrate);
+    return 0;
+  }
+  if (!FLAGS_measure.empty()) {
+    examples::measure(run, m, FLAGS_measure);
     return 0;
   }
   const engine::PlanInputs in = budgeted_inputs(run, m, options);

@@ -35,6 +35,7 @@
 #include "dtrain/engine/memory/simulator.h"
 #include "dtrain/engine/optim/amp.h"
 #include "dtrain/engine/optim/sharded.h"
+#include "dtrain/engine/train/measure_model.h"
 #include "model_factory.h"
 #include "plan_simulate.h"
 
@@ -51,6 +52,8 @@ DEFINE_double(inter_node_gbps, 0, "--simulate: collective bus bandwidth between 
 DEFINE_double(inter_node_latency_us, -1, "--simulate: latency of one step of a collective between nodes (-1: default)");
 DEFINE_string(scaling_nodes, "", "--simulate --search: node counts to predict the best layout at, e.g. 1,2,4,8");
 DEFINE_string(calibrate, "", "measure this machine and write the cluster file --simulate --cluster reads");
+DEFINE_string(measure, "", "time the model's own pieces through its ModelSpec and write the file --simulate --measured reads");
+DEFINE_string(measured, "", "--simulate: price a model measured by --measure (or engine::measure_model) instead of the shape flags' roofline");
 
 namespace dtrain::examples {
 
@@ -165,7 +168,7 @@ bool simulate_requested(int argc, char** argv) {
 std::vector<std::string> simulate_flag_names() {
   return {"simulate",       "search",          "global_batch",          "top",       "nodes",
           "gpus_per_node",  "gpu",             "cluster",               "intra_node_gbps",
-          "inter_node_gbps", "inter_node_latency_us", "scaling_nodes", "calibrate"};
+          "inter_node_gbps", "inter_node_latency_us", "scaling_nodes", "calibrate", "measure", "measured"};
 }
 
 int simulate_main(int argc, char** argv, const std::string& model_name) {
@@ -179,14 +182,27 @@ int simulate_main(int argc, char** argv, const std::string& model_name) {
   DTRAIN_CHECK(FLAGS_global_batch >= 0, "--global_batch=", FLAGS_global_batch, " must be >= 0");
   DTRAIN_CHECK(FLAGS_top >= 1, "--top=", FLAGS_top, " must be >= 1");
   DTRAIN_CHECK(FLAGS_scaling_nodes.empty() || FLAGS_search, "--scaling_nodes needs --search");
-  const sim::ModelShape model = simulator_shape(model_name);
+  const bool measured = !FLAGS_measured.empty();
+  const sim::ModelShape model = measured ? sim::ModelShape{} : simulator_shape(model_name);
+  const sim::MeasuredModel measured_model =
+      measured ? sim::measured_model_from_json(read_text_file(FLAGS_measured, "--measured")) : sim::MeasuredModel{};
   const sim::Cluster cluster = cluster_from_flags(FLAGS_nodes);
-  std::printf("model: %s, %.2f GFLOP per token (6N + 12 L d S)\n", model.to_string().c_str(),
-              model.flops_per_token() / 1e9);
+  if (measured) {
+    std::printf("model: %s\n", measured_model.to_string().c_str());
+  } else {
+    std::printf("model: %s, %.2f GFLOP per token (6N + 12 L d S)\n", model.to_string().c_str(),
+                model.flops_per_token() / 1e9);
+  }
+  auto price = [&](const sim::Cluster& c, const sim::Layout& l) {
+    return measured ? sim::simulate(measured_model, c, l) : sim::simulate(model, c, l);
+  };
+  auto rank = [&](const sim::Cluster& c, const sim::SearchOptions& so) {
+    return measured ? sim::search(measured_model, c, so) : sim::search(model, c, so);
+  };
   std::printf("cluster: %s\n", cluster.to_string().c_str());
   if (!FLAGS_search) {
     const sim::Layout layout = layout_from_flags(cluster.ranks());
-    const sim::Prediction p = sim::simulate(model, cluster, layout);
+    const sim::Prediction p = price(cluster, layout);
     std::printf("predicted: %s\n", p.to_string().c_str());
     const std::string limitation = sim::dtrain_limitation(layout);
     if (!limitation.empty())
@@ -209,7 +225,7 @@ int simulate_main(int argc, char** argv, const std::string& model_name) {
   for (int nodes : node_counts) {
     sim::Cluster c = cluster_from_flags(nodes);
     so.global_batch_rows = FLAGS_global_batch > 0 ? FLAGS_global_batch : engine::cli::flags().batch_size * c.ranks();
-    const std::vector<sim::Prediction> ranked = sim::search(model, c, so);
+    const std::vector<sim::Prediction> ranked = rank(c, so);
     if (ranked.empty()) {
       std::printf("%d node%s: no layout of %d ranks fits a global batch of %lld sequences\n", nodes,
                   nodes > 1 ? "s" : "", c.ranks(), static_cast<long long>(so.global_batch_rows));
@@ -395,6 +411,30 @@ void calibrate(const Run& run, ExampleModel& m, const engine::TrainerOptions& op
     std::printf("calibrate: at %.0f tokens per micro-batch the scale is %.2f\n", c.compute_scale_points[0].first,
                 c.compute_scale_points[0].second);
   std::printf("calibrate: wrote %s\n", path.c_str());
+}
+
+void measure(const Run& run, ExampleModel& m, const std::string& path) {
+  DTRAIN_CHECK(m.spec.has_value(), "--measure times a model through its ModelSpec; --model=", m.name, " has none ",
+               "(gpt and llama do)");
+  DTRAIN_CHECK(run.mesh->tp_size() == 1 && run.mesh->pp_size() == 1 && run.mesh->cp_size() == 1,
+               "--measure times the whole model on each rank: run it without --tp, --pp and --cp");
+  const engine::cli::Flags& f = engine::cli::flags();
+  engine::MeasureOptions o;
+  o.rows_large = std::max<int64_t>(2, f.batch_size / f.accum_steps);
+  o.rows_small = std::max<int64_t>(1, o.rows_large / 4);
+  if (o.rows_small == o.rows_large) o.rows_small = o.rows_large / 2;
+  o.amp = engine::parse_amp(f.amp);
+  o.tokens_per_row = static_cast<double>(FLAGS_seq_len);
+  if (m.name == "gpt" || m.name == "llama") o.flops_per_row = simulator_shape(m.name).flops_per_token() * FLAGS_seq_len;
+  sim::MeasuredModel mm = engine::measure_model(*m.spec, run.device, m.synthetic_batch, o);
+  mm.name = m.name;
+  if (run.world.rank != 0) return;
+  std::ofstream out(path);
+  DTRAIN_CHECK(out.good(), "--measure=", path, " cannot be written; give a writable path");
+  out << mm.to_json() << "\n";
+  out.close();
+  DTRAIN_CHECK(out.good(), "--measure=", path, ": writing failed (disk full?)");
+  std::printf("measure: %s\nmeasure: wrote %s\n", mm.to_string().c_str(), path.c_str());
 }
 
 }  // namespace dtrain::examples

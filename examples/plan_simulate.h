@@ -19,5 +19,8 @@ int simulate_main(int argc, char** argv, const std::string& model_name);
 // dtrain-plan --calibrate=path: measures this machine and the model (built, on run.device) and
 // writes the cluster file (rank 0). Collective over the run's ranks.
 void calibrate(const Run& run, ExampleModel& model, const engine::TrainerOptions& options, const std::string& path);
+// dtrain-plan --measure=path: engine::measure_model of the model's spec at the flags' micro-batch
+// (and a quarter of it), written as JSON by rank 0 for --simulate --measured.
+void measure(const Run& run, ExampleModel& model, const std::string& path);
 
 }  // namespace dtrain::examples

@@ -7,7 +7,9 @@
    backward, the trainer's step overhead).
 2. Each layout of LAYOUTS trains the same GPT (synthetic tokens) for --steps steps; the measured
    step time is the median of the steps after the first two.
-3. dtrain-plan --simulate --cluster=FILE with the same flags predicts it.
+3. dtrain-plan --simulate --cluster=FILE with the same flags predicts it from the calibrated
+   roofline of the model's shape, and (layouts without tp and cp) with --measured=FILE from the
+   model's own pieces as dtrain-plan --measure timed them (the path of a user's own ModelSpec).
 Prints a markdown table (layout, ranks, measured, predicted, error) and writes JSON lines to
 --out. One invocation measures every row, so the rows compare like with like; run it on an
 otherwise idle machine.
@@ -79,8 +81,11 @@ def main():
         cluster = os.path.join(w, "cluster.json")
         out = launch(args, args.ranks, [plan] + SHAPE + ["--batch_size=8", f"--calibrate={cluster}"])
         print("".join(l + "\n" for l in out.splitlines() if l.startswith("calibrate:")), end="")
-        print("| layout | ranks | measured ms | predicted ms | error |")
-        print("| --- | --- | --- | --- | --- |")
+        measured_model = os.path.join(w, "measured.json")
+        out = launch(args, args.ranks, [plan] + SHAPE + ["--batch_size=8", f"--measure={measured_model}"])
+        print("".join(l + "\n" for l in out.splitlines() if l.startswith("measure:")), end="")
+        print("| layout | ranks | measured ms | predicted ms (roofline) | error | predicted ms (measured spec) | error |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
         only = {int(x) for x in args.only.split(",") if x}
         for i, (ranks, flags) in enumerate(LAYOUTS if args.nodes == 1 else TWO_HOSTS):
             if only and i not in only:
@@ -96,13 +101,27 @@ def main():
             pred = json.loads([l for l in sim.splitlines() if l.startswith("{")][-1])
             predicted = 1e3 * pred["step_s"]
             err = (predicted - measured) / measured
+            # The model measured through its spec prices the layouts without tp and cp.
+            spec_ms, spec_err = None, None
+            if not any(f.startswith("--tp=") or f.startswith("--cp=") for f in flags):
+                sim = subprocess.run([plan, "--simulate", f"--cluster={cluster}", f"--measured={measured_model}",
+                                      f"--nodes={args.nodes}", f"--gpus_per_node={ranks // args.nodes}"] + SHAPE +
+                                     flags, check=True, stdout=subprocess.PIPE, text=True).stdout
+                spec_ms = 1e3 * json.loads([l for l in sim.splitlines() if l.startswith("{")][-1])["step_s"]
+                spec_err = (spec_ms - measured) / measured
             rows.append({"ranks": ranks, "nodes": args.nodes, "flags": " ".join(flags), "layout": pred["layout"],
                          "measured_ms": round(measured, 2), "predicted_ms": round(predicted, 2),
-                         "error": round(err, 4), "parts": pred["parts"]})
-            print(f"| {' '.join(flags)} | {ranks} | {measured:.1f} | {predicted:.1f} | {100 * err:+.1f}% |",
+                         "error": round(err, 4), "parts": pred["parts"],
+                         "spec_predicted_ms": spec_ms and round(spec_ms, 2), "spec_error": spec_err and round(spec_err, 4)})
+            spec = f"{spec_ms:.1f} | {100 * spec_err:+.1f}%" if spec_ms else "- | -"
+            print(f"| {' '.join(flags)} | {ranks} | {measured:.1f} | {predicted:.1f} | {100 * err:+.1f}% | {spec} |",
                   flush=True)
     worst = max(abs(r["error"]) for r in rows)
-    print(f"worst error {100 * worst:.1f}% over {len(rows)} layouts")
+    print(f"worst error {100 * worst:.1f}% over {len(rows)} layouts (roofline, calibrated)")
+    spec_rows = [r for r in rows if r["spec_error"] is not None]
+    if spec_rows:
+        print(f"worst error {100 * max(abs(r['spec_error']) for r in spec_rows):.1f}% over {len(spec_rows)} layouts "
+              "(measured spec)")
     if args.out:
         with open(args.out, "w") as f:
             for r in rows:

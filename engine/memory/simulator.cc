@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -393,41 +395,20 @@ const Link& group_link(const Cluster& cluster, int n, int stride) {
              : cluster.inter;
 }
 
+namespace {
+void validate_layout(int64_t layers, const Cluster& c, const Layout& l);
+}  // namespace
+
 void validate(const ModelShape& m, const Cluster& c, const Layout& l) {
   DTRAIN_CHECK(m.layers >= 1 && m.d_model >= 1 && m.heads >= 1 && m.ff >= 1 && m.vocab >= 1 && m.seq_len >= 1,
                "the model's sizes must be >= 1 (", m.to_string(), ")");
   DTRAIN_CHECK(m.d_model % m.heads == 0, "d_model ", m.d_model, " is not a multiple of the ", m.heads, " heads");
-  DTRAIN_CHECK(c.nodes >= 1 && c.gpus_per_node >= 1, "the cluster needs at least one node of one GPU");
-  DTRAIN_CHECK(l.dp >= 1 && l.tp >= 1 && l.pp >= 1 && l.cp >= 1 && l.micro_batch_rows >= 1 && l.accum_steps >= 1 &&
-                   l.chunks >= 1,
-               "the layout's sizes must be >= 1 (", l.to_string(), ")");
-  DTRAIN_CHECK(l.ranks() == c.ranks(), "the layout ", l.to_string(), " uses ", l.ranks(), " ranks; the cluster has ",
-               c.ranks(), " (", c.nodes, " x ", c.gpus_per_node, ")");
+  validate_layout(m.layers, c, l);
   const int64_t kv = m.kv_heads > 0 ? m.kv_heads : m.heads;
   DTRAIN_CHECK(m.heads % l.tp == 0 && kv % l.tp == 0 && m.ff % l.tp == 0, "tp ", l.tp,
                " does not divide the heads (", m.heads, "), key/value heads (", kv, ") and ff (", m.ff, ")");
-  DTRAIN_CHECK(l.pp * l.chunks <= m.layers, "pp ", l.pp, " x ", l.chunks, " chunks is more stages than the ",
-               m.layers, " layers");
   DTRAIN_CHECK(l.cp == 1 || m.seq_len % (2 * l.cp) == 0, "cp ", l.cp, " needs seq_len (", m.seq_len,
                ") to be a multiple of 2 cp = ", 2 * l.cp, " (the balanced split)");
-  DTRAIN_CHECK(l.zero >= 0 && l.zero <= 3, "zero ", l.zero, " is not a ZeRO stage (0-3)");
-  DTRAIN_CHECK(l.zero == 0 || l.dp * l.cp > 1, "zero ", l.zero, " shards over the replicas, and there is one");
-  DTRAIN_CHECK(!(l.sequence_parallel && l.tp == 1), "sequence parallelism needs tp > 1");
-  if (l.pp > 1) {
-    if (l.schedule == PipelineSchedule::kInterleaved) {
-      DTRAIN_CHECK(l.chunks >= 2, "the interleaved schedule needs chunks >= 2");
-      DTRAIN_CHECK(m.layers % (l.pp * l.chunks) == 0, "the interleaved schedule needs the layers (", m.layers,
-                   ") to divide into pp x chunks = ", l.pp * l.chunks, " chunks");
-      DTRAIN_CHECK(l.accum_steps % l.pp == 0, "the interleaved schedule needs accum_steps (", l.accum_steps,
-                   ") to be a multiple of pp ", l.pp);
-    } else {
-      DTRAIN_CHECK(l.chunks == 1, "chunks > 1 is the interleaved schedule's");
-      DTRAIN_CHECK(l.schedule == PipelineSchedule::kGPipe || l.accum_steps >= l.pp, "accum_steps ", l.accum_steps,
-                   " is fewer micro-batches than the ", l.pp, " stages of ", engine::to_string(l.schedule));
-    }
-  } else {
-    DTRAIN_CHECK(l.chunks == 1, "chunks > 1 needs pp > 1");
-  }
 }
 
 std::string dtrain_limitation(const Layout& l) {
@@ -441,50 +422,113 @@ std::string dtrain_limitation(const Layout& l) {
 
 // ---- the prediction -------------------------------------------------------------------------
 
-Prediction simulate(const ModelShape& m, const Cluster& c, const Layout& l) {
-  validate(m, c, l);
-  Prediction p;
-  p.layout = l;
-  const Device& d = c.device;
+namespace {
+
+// What pricing a step needs of a model, per micro-batch on one rank (its tp and cp share), from
+// the roofline of a ModelShape or from a MeasuredModel's timings.
+struct StepCosts {
+  int64_t layers = 0;
+  BlockTimes block;
+  double tp_per_block = 0;          // tensor-parallel all-reduces of a block, each direction
+  double cp_fwd = 0, cp_bwd = 0;    // a block's exposed ring time
+  double first_f = 0, first_b = 0;  // what runs before the blocks (first stage)
+  double last_f = 0, last_b = 0;    // after them: the head and the loss (last stage)
+  double act_bytes = 0;             // a stage's message (the blocks' input)
+  double block_params = 0;          // one block's parameters on this rank
+  double first_params = 0, last_params = 0;
+  double block_held_bytes = 0;      // what a block keeps for backward
+  double block_input_bytes = 0;     // what a checkpointed block keeps (its input)
+  double ends_held_bytes = 0;       // the ends' (the logits and their gradient)
+  double autocast_copy_bytes = 0;   // AMP's low-precision weight copies alive at once
+  double tokens_per_row = 1;
+  double flops_per_token = 0;       // 0: no MFU
+};
+
+StepCosts roofline_costs(const ModelShape& m, const Cluster& c, const Layout& l) {
+  StepCosts k;
   const double e = l.bf16 ? 2 : 4;
   const double S = static_cast<double>(m.seq_len);
   const double t = static_cast<double>(l.micro_batch_rows) * S / l.cp;  // tokens per micro-batch per rank
   const double h = static_cast<double>(m.d_model);
+  k.layers = m.layers;
+  k.block = block_times(m, c, l, t);
+  const auto [head_f, head_b] = head_times(m, c, l, t);
+  const double embed = embedding_seconds(m, c, l, t);
+  k.first_f = k.first_b = embed;
+  k.last_f = head_f, k.last_b = head_b;
+  k.act_bytes = t * h * e;
+  k.tp_per_block = l.tp > 1 ? 2 * allreduce_seconds(k.act_bytes, l.tp, group_link(c, l.tp, 1)) : 0;
+  if (l.cp > 1) {
+    const Link& cp_link = group_link(c, l.cp, l.tp);
+    const double kv_bytes = 2 * t * static_cast<double>(m.kv_width()) / l.tp * e;
+    const double step_comm = kv_bytes / cp_link.bytes_per_s + cp_link.latency_s;
+    const double step_compute = k.block.attention_forward / l.cp;
+    k.cp_fwd = (l.cp - 1) * std::max(0.0, step_comm - step_compute);
+    k.cp_bwd = (l.cp - 1) * std::max(0.0, 2 * step_comm - 2.5 * step_compute);
+  }
+  k.block_params = static_cast<double>(m.block_parameters()) / l.tp;
+  k.first_params = static_cast<double>(m.embedding_parameters()) / l.tp;
+  k.last_params = static_cast<double>(m.head_parameters()) / l.tp;
+  k.block_held_bytes = block_activation_bytes(m, l, t);
+  k.block_input_bytes = t * h * e;
+  k.ends_held_bytes = t * static_cast<double>(m.vocab) / l.tp * (e + 4 + 4);
+  k.autocast_copy_bytes = l.bf16 && !l.param_bf16 ? 2 * k.block_params * 2 : 0;
+  k.tokens_per_row = S;
+  k.flops_per_token = m.flops_per_token();
+  return k;
+}
+
+// The layout checks that do not depend on the model's shape.
+void validate_layout(int64_t layers, const Cluster& c, const Layout& l) {
+  DTRAIN_CHECK(c.nodes >= 1 && c.gpus_per_node >= 1, "the cluster needs at least one node of one GPU");
+  DTRAIN_CHECK(l.dp >= 1 && l.tp >= 1 && l.pp >= 1 && l.cp >= 1 && l.micro_batch_rows >= 1 && l.accum_steps >= 1 &&
+                   l.chunks >= 1,
+               "the layout's sizes must be >= 1 (", l.to_string(), ")");
+  DTRAIN_CHECK(l.ranks() == c.ranks(), "the layout ", l.to_string(), " uses ", l.ranks(), " ranks; the cluster has ",
+               c.ranks(), " (", c.nodes, " x ", c.gpus_per_node, ")");
+  DTRAIN_CHECK(l.pp * l.chunks <= layers, "pp ", l.pp, " x ", l.chunks, " chunks is more stages than the ", layers,
+               " layers");
+  DTRAIN_CHECK(l.zero >= 0 && l.zero <= 3, "zero ", l.zero, " is not a ZeRO stage (0-3)");
+  DTRAIN_CHECK(l.zero == 0 || l.dp * l.cp > 1, "zero ", l.zero, " shards over the replicas, and there is one");
+  DTRAIN_CHECK(!(l.sequence_parallel && l.tp == 1), "sequence parallelism needs tp > 1");
+  if (l.pp > 1) {
+    if (l.schedule == PipelineSchedule::kInterleaved) {
+      DTRAIN_CHECK(l.chunks >= 2, "the interleaved schedule needs chunks >= 2");
+      DTRAIN_CHECK(layers % (l.pp * l.chunks) == 0, "the interleaved schedule needs the layers (", layers,
+                   ") to divide into pp x chunks = ", l.pp * l.chunks, " chunks");
+      DTRAIN_CHECK(l.accum_steps % l.pp == 0, "the interleaved schedule needs accum_steps (", l.accum_steps,
+                   ") to be a multiple of pp ", l.pp);
+    } else {
+      DTRAIN_CHECK(l.chunks == 1, "chunks > 1 is the interleaved schedule's");
+      DTRAIN_CHECK(l.schedule == PipelineSchedule::kGPipe || l.accum_steps >= l.pp, "accum_steps ", l.accum_steps,
+                   " is fewer micro-batches than the ", l.pp, " stages of ", engine::to_string(l.schedule));
+    }
+  } else {
+    DTRAIN_CHECK(l.chunks == 1, "chunks > 1 needs pp > 1");
+  }
+}
+
+Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
+  Prediction p;
+  p.layout = l;
+  const Device& d = c.device;
   const int M = l.accum_steps;
+  const BlockTimes& b = k.block;
   // A CPU's ranks share its cores (Device::cores): the node's work at full speed, shared, takes
   // `share` times as long, unless waiting (a pipeline's bubble) leaves the cores to the others.
-  const Cluster& cc = c;
   const double share = d.cores > 0 && c.gpus_per_node > d.cores ? static_cast<double>(c.gpus_per_node) / d.cores : 1.0;
-
   // The mesh (pp, dp, cp, tp from the outside in): each axis's stride and link.
-  const Link& tp_link = group_link(c, l.tp, 1);
-  const Link& cp_link = group_link(c, l.cp, l.tp);
   const int replicas = l.dp * l.cp;
   const Link& dp_link = group_link(c, replicas, l.tp);  // dp x cp: tp-strided ranks of a stage
   const Link& pp_link = group_link(c, 2, l.tp * l.cp * l.dp);
-
-  const BlockTimes b = block_times(m, cc, l, t);
   // The layers of the largest stage (for memory; dtrain gives the remainder to the later stages).
-  const int64_t stage_layers = (m.layers + l.pp - 1) / l.pp;
-  const auto [head_f, head_b] = head_times(m, cc, l, t);
-  const double embed = embedding_seconds(m, cc, l, t);
-
-  // Per micro-batch on one rank: tensor-parallel all-reduces and the context-parallel ring.
-  const double act_bytes = t * h * e;
-  const double tp_per_block = l.tp > 1 ? 2 * allreduce_seconds(act_bytes, l.tp, tp_link) : 0;  // each direction
-  double cp_fwd = 0, cp_bwd = 0;
-  if (l.cp > 1) {
-    const double kv_bytes = 2 * t * static_cast<double>(m.kv_width()) / l.tp * e;
-    const double step_comm = kv_bytes / cp_link.bytes_per_s + cp_link.latency_s;
-    const double step_compute = b.attention_forward / l.cp;
-    cp_fwd = (l.cp - 1) * std::max(0.0, step_comm - step_compute);
-    cp_bwd = (l.cp - 1) * std::max(0.0, 2 * step_comm - 2.5 * step_compute);
-  }
+  const int64_t stage_layers = (k.layers + l.pp - 1) / l.pp;
+  const double tp_per_block = k.tp_per_block, cp_fwd = k.cp_fwd, cp_bwd = k.cp_bwd;
   const double recompute = l.checkpoint ? b.forward + tp_per_block + cp_fwd : 0;
   // Each stage's work per micro-batch (dtrain's split: pipeline_stage_bounds; the first stage
-  // also embeds, the last also runs the head and the loss): forward, input-gradient and
-  // weight-gradient halves of backward, and its compute alone.
-  const std::vector<int> bounds = pipeline_stage_bounds(static_cast<int>(m.layers), l.pp);
+  // also runs what comes before the blocks, the last the head and the loss): forward,
+  // input-gradient and weight-gradient halves of backward, and its compute alone.
+  const std::vector<int> bounds = pipeline_stage_bounds(static_cast<int>(k.layers), l.pp);
   struct StageWork {
     double f = 0, bi = 0, bw = 0, compute = 0, layers = 0;
     double total() const { return f + bi + bw; }
@@ -495,8 +539,8 @@ Prediction simulate(const ModelShape& m, const Cluster& c, const Layout& l) {
   for (int s = 0; s < l.pp; ++s) {
     StageWork& w = stages[s];
     w.layers = bounds[s + 1] - bounds[s];
-    const double end_f = (s == 0 ? embed : 0) + (s == l.pp - 1 ? head_f : 0);
-    const double end_b = (s == 0 ? embed : 0) + (s == l.pp - 1 ? head_b : 0);
+    const double end_f = (s == 0 ? k.first_f : 0) + (s == l.pp - 1 ? k.last_f : 0);
+    const double end_b = (s == 0 ? k.first_b : 0) + (s == l.pp - 1 ? k.last_b : 0);
     w.f = w.layers * (b.forward + tp_per_block + cp_fwd) + end_f;
     w.bw = w.layers * b.backward_weight;
     w.bi = w.layers * (b.backward_input + tp_per_block + cp_bwd + recompute) + end_b;
@@ -507,14 +551,12 @@ Prediction simulate(const ModelShape& m, const Cluster& c, const Layout& l) {
   }
   const StageWork& worst = stages[slowest];
   const double L = worst.layers;
-  double f = worst.f, bw_w = worst.bw, bw_i = worst.bi;
+  const double block_p = k.block_params;
   // Layer offload: each block's weights come in twice and its gradients go out once, behind
   // its compute (a micro-batch's copies against its compute, whichever is longer).
-  const double block_p = static_cast<double>(m.block_parameters()) / l.tp;
   if (l.offload_layers) {
     const double copy = L * block_p * (2 * 4 + 4) / c.pcie_bytes_per_s;
-    const double work = f + bw_w + bw_i;
-    if (copy > work) p.parts.offload += M * (copy - work);
+    if (copy > worst.total()) p.parts.offload += M * (copy - worst.total());
   }
   p.parts.compute = M * worst.compute;
   p.parts.tensor_parallel = M * L * (l.checkpoint ? 3 : 2) * tp_per_block;
@@ -524,7 +566,7 @@ Prediction simulate(const ModelShape& m, const Cluster& c, const Layout& l) {
   if (l.pp > 1) {
     // The schedule at the stages' mean costs, plus what the slowest stage adds to each of its
     // micro-batches (the steady state runs at its pace).
-    const double p2p = act_bytes / pp_link.bytes_per_s + pp_link.latency_s;
+    const double p2p = k.act_bytes / pp_link.bytes_per_s + pp_link.latency_s;
     const double chunks = l.chunks;
     PipelineCosts costs;
     costs.forward = (avg.f + p2p) / chunks;
@@ -546,22 +588,19 @@ Prediction simulate(const ModelShape& m, const Cluster& c, const Layout& l) {
   p.parts.overhead = M * c.micro_batch_overhead_s + c.step_overhead_s;
 
   // Parameters of the largest stage, on one tensor-parallel rank.
-  const double stage_params = static_cast<double>(stage_layers) * block_p +
-                              (static_cast<double>(std::max(m.embedding_parameters(), m.head_parameters())) +
-                               (l.pp == 1 ? static_cast<double>(std::min(m.embedding_parameters(), m.head_parameters()))
-                                          : 0)) /
-                                  l.tp;
+  const double stage_params = static_cast<double>(stage_layers) * block_p + std::max(k.first_params, k.last_params) +
+                              (l.pp == 1 ? std::min(k.first_params, k.last_params) : 0);
   // Gradient reduction over the replicas, in the weights' dtype.
   const double wbytes = l.param_bf16 ? 2 : 4;
   const double grad_bytes = stage_params * wbytes;
-  const double last_backward = bw_i + bw_w;
+  const double last_backward = worst.bi + worst.bw;
   if (l.zero == 3) {
     // Per micro-batch: gather the weights for forward and for backward, reduce-scatter the
     // gradients; prefetched behind the micro-batch's compute.
     const double per_micro = 2 * allgather_seconds(stage_params * wbytes, replicas, dp_link) +
                              allgather_seconds(grad_bytes, replicas, dp_link);
     const double first_unit = allgather_seconds(block_p * wbytes, replicas, dp_link);
-    p.parts.data_parallel = M * std::max(0.0, per_micro - (f + last_backward)) + first_unit;
+    p.parts.data_parallel = M * std::max(0.0, per_micro - (worst.f + last_backward)) + first_unit;
   } else if (replicas > 1) {
     const double comm = allreduce_seconds(grad_bytes, replicas, dp_link);
     const double bucket = allreduce_seconds(std::min(grad_bytes, 25.0 * (1 << 20)), replicas, dp_link);
@@ -577,13 +616,13 @@ Prediction simulate(const ModelShape& m, const Cluster& c, const Layout& l) {
     p.parts.optimizer = updated_here * 28 / host_bw;
     p.parts.offload += updated_here * 4 / c.pcie_bytes_per_s + (stage_params * 4 / c.pcie_bytes_per_s) / 2;
   } else {
-    p.parts.optimizer = share * cc.compute_scale * streaming_seconds(d, updated * 28, 4);
+    p.parts.optimizer = share * c.compute_scale * streaming_seconds(d, updated * 28, 4);
   }
   p.step_s = pipeline + p.parts.data_parallel + p.parts.optimizer + p.parts.offload + p.parts.overhead;
-  const double tokens = static_cast<double>(l.global_batch_rows()) * S;
+  const double tokens = static_cast<double>(l.global_batch_rows()) * k.tokens_per_row;
   p.tokens_per_s = tokens / p.step_s;
   p.tokens_per_s_per_gpu = p.tokens_per_s / l.ranks();
-  p.mfu = m.flops_per_token() * p.tokens_per_s / (l.ranks() * (l.bf16 ? d.peak_flops : d.fp32_flops));
+  p.mfu = k.flops_per_token * p.tokens_per_s / (l.ranks() * (l.bf16 ? d.peak_flops : d.fp32_flops));
 
   // ---- memory ----
   // fp32 weights, gradients and two moments; with bf16 weights the float32 master joins the state.
@@ -602,12 +641,10 @@ Prediction simulate(const ModelShape& m, const Cluster& c, const Layout& l) {
     weights -= streamed * 4 - 2 * block_p * 4;
     grads -= streamed * 4 - 2 * block_p * 4;
   }
-  const double per_block = block_activation_bytes(m, l, t);
-  const double stage_act = l.checkpoint ? L * t * h * e + per_block : L * per_block;
-  const double logits = t * static_cast<double>(m.vocab) / l.tp * (e + 4 + 4);
+  const double stage_act = l.checkpoint ? L * k.block_input_bytes + k.block_held_bytes : L * k.block_held_bytes;
   // Interleaved: in_flight counts (micro-batch, chunk) pairs, each 1/chunks of the stage.
   const double held = stage_act * std::max(1, in_flight) / l.chunks;
-  const double allocated = weights + grads + state + held + logits + (l.bf16 && !l.param_bf16 ? 2 * block_p * 2 : 0);
+  const double allocated = weights + grads + state + held + k.ends_held_bytes + k.autocast_copy_bytes;
   p.device_bytes = static_cast<int64_t>(allocated * 1.05 + d.context_bytes);
   const int ranks_per_node = std::min(c.gpus_per_node, l.ranks());
   p.host_bytes = static_cast<int64_t>(host * ranks_per_node);
@@ -621,6 +658,13 @@ Prediction simulate(const ModelShape& m, const Cluster& c, const Layout& l) {
                 " GiB of host memory per node; the node has " + fmt("%.1f", c.host_memory_bytes / kGiB) + " GiB";
   }
   return p;
+}
+
+}  // namespace
+
+Prediction simulate(const ModelShape& m, const Cluster& c, const Layout& l) {
+  validate(m, c, l);
+  return price(roofline_costs(m, c, l), c, l);
 }
 
 std::string Prediction::to_string() const {
@@ -654,7 +698,13 @@ std::string Prediction::to_json() const {
 
 // ---- the search -----------------------------------------------------------------------------
 
-std::vector<Prediction> search(const ModelShape& m, const Cluster& c, const SearchOptions& o) {
+namespace {
+
+// Every layout of the cluster's ranks for a model of `layers` blocks (tp and cp only when
+// `split_blocks`) that `priced` validates and prices (nullopt: not valid) and that fits,
+// fastest first.
+std::vector<Prediction> search_layouts(int64_t layers, bool split_blocks, const Cluster& c, const SearchOptions& o,
+                                       const std::function<std::optional<Prediction>(const Layout&)>& priced) {
   DTRAIN_CHECK(o.global_batch_rows >= 1, "the search needs the global batch (sequences per step), >= 1");
   DTRAIN_CHECK(o.max_micro_batch_rows >= 1, "max_micro_batch_rows must be >= 1");
   const int N = c.ranks();
@@ -663,11 +713,11 @@ std::vector<Prediction> search(const ModelShape& m, const Cluster& c, const Sear
     return (l.tp > 1) + (l.pp > 1) + (l.cp > 1) + l.zero + l.offload_optimizer + l.offload_layers + l.checkpoint +
            (l.chunks > 1) + l.sequence_parallel + l.param_bf16;
   };
-  for (int tp = 1; tp <= c.gpus_per_node; tp *= 2) {
-    for (int pp = 1; pp <= N / tp && pp <= m.layers; ++pp) {
+  for (int tp = 1; tp <= (split_blocks ? c.gpus_per_node : 1); tp *= 2) {
+    for (int pp = 1; pp <= N / tp && pp <= layers; ++pp) {
       if ((N / tp) % pp != 0) continue;
       for (int cp = 1; cp <= N / (tp * pp); cp *= 2) {
-        if (cp > 1 && !o.allow_context_parallel) break;
+        if (cp > 1 && (!o.allow_context_parallel || !split_blocks)) break;
         if ((N / (tp * pp)) % cp != 0) continue;
         const int dp = N / (tp * pp * cp);
         if (o.global_batch_rows % dp != 0) continue;
@@ -685,26 +735,21 @@ std::vector<Prediction> search(const ModelShape& m, const Cluster& c, const Sear
               for (int offload = 0; offload <= (o.allow_offload ? 1 : 0); ++offload) {
                 for (int ckpt = 0; ckpt <= 1; ++ckpt) {
                   for (int sp = 0; sp <= (tp > 1 ? 1 : 0); ++sp) {
-                    Layout l;
-                    l.dp = dp, l.tp = tp, l.pp = pp, l.cp = cp, l.zero = zero;
-                    l.offload_optimizer = offload == 1;
-                    l.checkpoint = ckpt == 1;
-                    l.sequence_parallel = sp == 1;
-                    l.bf16 = o.bf16;
-                    l.micro_batch_rows = mb;
-                    l.accum_steps = accum;
-                    l.schedule = schedule;
-                    l.chunks = chunks;
                     for (int pb = 0; pb <= (o.param_bf16 ? 1 : 0); ++pb) {
+                      Layout l;
+                      l.dp = dp, l.tp = tp, l.pp = pp, l.cp = cp, l.zero = zero;
+                      l.offload_optimizer = offload == 1;
+                      l.checkpoint = ckpt == 1;
+                      l.sequence_parallel = sp == 1;
+                      l.bf16 = o.bf16;
                       l.param_bf16 = pb == 1;
-                      try {
-                        validate(m, c, l);
-                      } catch (const dtrain::Error&) {
-                        continue;
-                      }
+                      l.micro_batch_rows = mb;
+                      l.accum_steps = accum;
+                      l.schedule = schedule;
+                      l.chunks = chunks;
                       if (!dtrain_limitation(l).empty()) continue;
-                      Prediction p = simulate(m, c, l);
-                      if (p.fits) out.push_back(std::move(p));
+                      std::optional<Prediction> p = priced(l);
+                      if (p && p->fits) out.push_back(std::move(*p));
                     }
                   }
                 }
@@ -720,6 +765,137 @@ std::vector<Prediction> search(const ModelShape& m, const Cluster& c, const Sear
     return complexity(a.layout) < complexity(b.layout);
   });
   return out;
+}
+
+template <class Model>
+std::optional<Prediction> priced_if_valid(const Model& m, const Cluster& c, const Layout& l) {
+  try {
+    return simulate(m, c, l);
+  } catch (const dtrain::Error&) {
+    return std::nullopt;
+  }
+}
+
+}  // namespace
+
+std::vector<Prediction> search(const ModelShape& m, const Cluster& c, const SearchOptions& o) {
+  return search_layouts(m.layers, true, c, o, [&](const Layout& l) { return priced_if_valid(m, c, l); });
+}
+
+std::vector<Prediction> search(const MeasuredModel& m, const Cluster& c, const SearchOptions& o) {
+  return search_layouts(m.blocks, false, c, o, [&](const Layout& l) { return priced_if_valid(m, c, l); });
+}
+
+// ---- measured models ------------------------------------------------------------------------
+
+Line Line::through(double r0, double y0, double r1, double y1) {
+  DTRAIN_CHECK(r1 > r0, "a line needs two different row counts (", r0, ", ", r1, ")");
+  Line l;
+  l.per_row = std::max(0.0, (y1 - y0) / (r1 - r0));
+  l.intercept = y0 - l.per_row * r0;
+  return l;
+}
+
+std::string MeasuredModel::to_string() const {
+  std::ostringstream s;
+  s << name << " (measured): " << blocks << " blocks of " << fmt("%.2f", static_cast<double>(block_parameters) / 1e6)
+    << "M parameters, " << fmt("%.2f", static_cast<double>(pre_parameters + post_parameters) / 1e6)
+    << "M before and after; a block " << fmt("%.3f", 1e3 * block_forward.per_row) << " + "
+    << fmt("%.3f", 1e3 * block_backward.per_row) << " ms per row forward + backward";
+  return s.str();
+}
+
+namespace {
+nlohmann::json line_json(const Line& l) { return {{"intercept_s", l.intercept}, {"per_row_s", l.per_row}}; }
+}  // namespace
+
+std::string MeasuredModel::to_json() const {
+  nlohmann::json j;
+  j["name"] = name;
+  j["blocks"] = blocks;
+  j["block_parameters"] = block_parameters;
+  j["pre_parameters"] = pre_parameters;
+  j["post_parameters"] = post_parameters;
+  j["tokens_per_row"] = tokens_per_row;
+  j["flops_per_row"] = flops_per_row;
+  j["block_forward"] = line_json(block_forward);
+  j["block_backward"] = line_json(block_backward);
+  j["pre_forward"] = line_json(pre_forward);
+  j["pre_backward"] = line_json(pre_backward);
+  j["post_forward"] = line_json(post_forward);
+  j["post_backward"] = line_json(post_backward);
+  j["activation_bytes_per_row"] = activation_bytes_per_row;
+  j["block_held_bytes_per_row"] = block_held_bytes_per_row;
+  j["post_held_bytes_per_row"] = post_held_bytes_per_row;
+  return j.dump(2);
+}
+
+MeasuredModel measured_model_from_json(const std::string& json_text) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(json_text);
+  } catch (const std::exception& e) {
+    DTRAIN_CHECK(false, "the measured model file is not JSON (", e.what(), "); write it with measure_model()");
+  }
+  auto num = [&](const nlohmann::json& o, const char* key, bool signed_ok = false) {
+    DTRAIN_CHECK(o.contains(key) && o[key].is_number() && std::isfinite(o[key].get<double>()) &&
+                     (signed_ok || o[key].get<double>() >= 0),
+                 "the measured model file's \"", key, "\" must be a number", signed_ok ? "" : " >= 0");
+    return o[key].get<double>();
+  };
+  auto line = [&](const char* key) {
+    DTRAIN_CHECK(j.contains(key) && j[key].is_object(), "the measured model file lacks \"", key, "\"");
+    Line l;
+    l.intercept = num(j[key], "intercept_s", true);
+    l.per_row = num(j[key], "per_row_s");
+    return l;
+  };
+  MeasuredModel m;
+  if (j.contains("name") && j["name"].is_string()) m.name = j["name"].get<std::string>();
+  m.blocks = static_cast<int64_t>(num(j, "blocks"));
+  DTRAIN_CHECK(m.blocks >= 1, "the measured model file's \"blocks\" must be >= 1");
+  m.block_parameters = static_cast<int64_t>(num(j, "block_parameters"));
+  m.pre_parameters = static_cast<int64_t>(num(j, "pre_parameters"));
+  m.post_parameters = static_cast<int64_t>(num(j, "post_parameters"));
+  m.tokens_per_row = num(j, "tokens_per_row");
+  m.flops_per_row = num(j, "flops_per_row");
+  m.block_forward = line("block_forward");
+  m.block_backward = line("block_backward");
+  m.pre_forward = line("pre_forward");
+  m.pre_backward = line("pre_backward");
+  m.post_forward = line("post_forward");
+  m.post_backward = line("post_backward");
+  m.activation_bytes_per_row = num(j, "activation_bytes_per_row");
+  m.block_held_bytes_per_row = num(j, "block_held_bytes_per_row");
+  m.post_held_bytes_per_row = num(j, "post_held_bytes_per_row");
+  return m;
+}
+
+Prediction simulate(const MeasuredModel& m, const Cluster& c, const Layout& l) {
+  DTRAIN_CHECK(m.blocks >= 1, "a measured model needs its blocks (", m.blocks, ")");
+  validate_layout(m.blocks, c, l);
+  DTRAIN_CHECK(l.tp == 1 && l.cp == 1, "a measured model (", m.name, ") is priced without tensor and context ",
+               "parallelism (its blocks' split is the model's own); layout ", l.to_string());
+  const double r = static_cast<double>(l.micro_batch_rows);
+  StepCosts k;
+  k.layers = m.blocks;
+  k.block.forward = m.block_forward.at(r);
+  k.block.backward_input = k.block.backward_weight = m.block_backward.at(r) / 2;
+  k.first_f = m.pre_forward.at(r), k.first_b = m.pre_backward.at(r);
+  k.last_f = m.post_forward.at(r), k.last_b = m.post_backward.at(r);
+  k.act_bytes = m.activation_bytes_per_row * r;
+  k.block_params = static_cast<double>(m.block_parameters);
+  k.first_params = static_cast<double>(m.pre_parameters);
+  k.last_params = static_cast<double>(m.post_parameters);
+  k.block_held_bytes = m.block_held_bytes_per_row * r;
+  k.block_input_bytes = m.activation_bytes_per_row * r;
+  k.ends_held_bytes = m.post_held_bytes_per_row * r;
+  k.tokens_per_row = m.tokens_per_row;
+  k.flops_per_token = m.tokens_per_row > 0 ? m.flops_per_row / m.tokens_per_row : 0;
+  Cluster measured = c;
+  measured.compute_scale = 1;  // the times are the device's own
+  measured.compute_scale_points.clear();
+  return price(k, measured, l);
 }
 
 }  // namespace dtrain::engine::sim

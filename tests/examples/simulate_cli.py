@@ -6,7 +6,8 @@
 3. --search on 8 A100s: the best layout's flags, priced again alone with --simulate, give the
    same step time; --scaling_nodes gives one JSON line per node count;
 4. --calibrate on this CPU writes a cluster file that --cluster reads, and the prediction of the
-   calibrated layout lands within 30% of the trainer's step the calibration measured;
+   calibrated layout lands within 30% of the trainer's step the calibration measured; so does
+   the prediction of the model --measure timed through its ModelSpec (--simulate --measured);
 5. train_gpt --plan=auto --plan_cluster=FILE ranks its candidates by the simulator (and
    --plan_cluster without --plan=auto, or for seq2seq, is exit 2);
 6. bad input: exit 2 with a message naming the problem (a model the simulator does not price,
@@ -89,6 +90,24 @@ def main():
         predicted = json_lines(out)[-1]["step_s"]
         check(abs(predicted - measured) <= 0.3 * measured,
               "the calibrated prediction %.4f s within 30%% of the measured %.4f s" % (predicted, measured), out)
+        # A model measured through its ModelSpec (the path of a user's own model).
+        measured_file = os.path.join(w, "measured.json")
+        rc, out, err = run(b, *small, "--measure=" + measured_file, timeout=300)
+        check(rc == 0 and "measure: wrote" in out, "--measure writes the measured model", out + err)
+        mm = json.load(open(measured_file))
+        check(mm["blocks"] == 2 and mm["block_parameters"] > 0 and mm["activation_bytes_per_row"] == 64 * 64 * 4,
+              "the measured model's blocks, parameters and message", json.dumps(mm))
+        rc, out, err = run(b, "--simulate", "--cluster=" + cluster, "--measured=" + measured_file, "--gpus_per_node=1",
+                           *small)
+        check(rc == 0, "--simulate --measured", out + err)
+        by_spec = json_lines(out)[-1]["step_s"]
+        check(abs(by_spec - measured) <= 0.3 * measured,
+              "the measured model's prediction %.4f s within 30%% of the trainer's %.4f s" % (by_spec, measured), out)
+        rc, out, err = run(b, "--simulate", "--measured=" + measured_file, "--gpus_per_node=2", "--tp=2", *small)
+        check(rc == 2 and "without tensor and context" in err, "--measured with --tp=2: exit 2", out + err)
+        rc, out, err = run(b, "--model=seq2seq", "--device=cpu", "--measure=" + measured_file)
+        check(rc == 2 and "ModelSpec" in err, "--measure of a model without a spec: exit 2", out + err)
+
         # --plan=auto ranks its candidates by the simulator with --plan_cluster.
         train = [os.path.join(b, "train_gpt")] + [f for f in small if f != "--model=gpt"] + [
             "--data=synthetic", "--steps=1", "--progress=false", "--plan=auto", "--gpu_mem_limit_gb=8",

@@ -14,6 +14,7 @@
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/models/gpt.h"
 #include "dtrain/engine/models/llama.h"
+#include "dtrain/engine/train/measure_model.h"
 #include "test_util.h"
 
 namespace dtrain::engine::sim {
@@ -309,6 +310,59 @@ TEST(Simulator, ClusterFileRoundTripsAndRejectsBadValues) {
   EXPECT_THROW(cluster_from_json(R"({"nodes": 1.5})"), dtrain::Error);
   EXPECT_THROW(cluster_from_json("{"), dtrain::Error);
   EXPECT_THROW(named_device("tpu"), dtrain::Error);
+}
+
+TEST(Simulator, AMeasuredSpecIsPricedByItsOwnTimes) {
+  // The library's GPT through its ModelSpec, measured on the CPU: the pieces' parameters are
+  // the shape's, the message is the blocks' input, the lines are positive, and the layouts
+  // that need the blocks' shape (tp, cp) are refused.
+  auto tp = testing_util::local_comm();
+  GptOptions o;
+  o.vocab = 97, o.d_model = 32, o.heads = 4, o.ff = 64, o.seq_len = 16, o.layers = 4;
+  torch::manual_seed(3);
+  auto gpt = std::make_shared<GptImpl>(o, *tp);
+  gpt->train();
+  const ModelSpec spec = gpt_spec(gpt);
+  MeasureOptions mo;
+  mo.tokens_per_row = static_cast<double>(o.seq_len);
+  const MeasuredModel m = measure_model(spec, c10::Device(c10::kCPU), [&](int64_t rows) {
+    Batch b;
+    b.fields = {at::randint(o.vocab, {rows, o.seq_len + 1}, at::kLong)};  // a window: inputs and targets
+    return b;
+  }, mo);
+  const ModelShape shape = gpt_shape(4, 32, 4, 64, 97, 16, false);
+  EXPECT_EQ(m.blocks, 4);
+  EXPECT_EQ(m.block_parameters, shape.block_parameters());
+  EXPECT_EQ(m.pre_parameters, shape.embedding_parameters());
+  EXPECT_EQ(m.pre_parameters + 4 * m.block_parameters + m.post_parameters, shape.parameters());
+  EXPECT_DOUBLE_EQ(m.activation_bytes_per_row, 16.0 * 32 * 4);  // [rows, S, d] float32
+  EXPECT_GT(m.block_held_bytes_per_row, m.activation_bytes_per_row);
+  EXPECT_GT(m.post_held_bytes_per_row, 16.0 * 97 * 4);  // at least the logits
+  EXPECT_GT(m.block_forward.at(2) + m.block_backward.at(2), 0);
+  for (const auto& p : gpt->parameters()) EXPECT_FALSE(p.grad().defined());
+  // The file round trip.
+  const MeasuredModel back = measured_model_from_json(m.to_json());
+  EXPECT_EQ(back.block_parameters, m.block_parameters);
+  EXPECT_DOUBLE_EQ(back.block_backward.per_row, m.block_backward.per_row);
+  EXPECT_THROW(measured_model_from_json(R"({"blocks": 2})"), dtrain::Error);
+  // Priced: dp 2 moves the gradients' all-reduce; pp 2 over 4 micro-batches has a bubble.
+  Cluster c = h100s(1, 2);
+  Layout l;
+  l.dp = 2, l.micro_batch_rows = 2;
+  const Prediction dp = simulate(m, c, l);
+  EXPECT_TRUE(dp.fits);
+  EXPECT_NEAR(dp.tokens_per_s, 2 * 2 * 16 / dp.step_s, 1e-6 * dp.tokens_per_s);
+  Layout pp;
+  pp.pp = 2, pp.accum_steps = 4, pp.micro_batch_rows = 1;
+  EXPECT_GT(simulate(m, c, pp).parts.pipeline_bubble, 0);
+  Layout split;
+  split.tp = 2, split.micro_batch_rows = 2;
+  EXPECT_THROW(simulate(m, c, split), dtrain::Error);
+  SearchOptions so;
+  so.global_batch_rows = 8;
+  const std::vector<Prediction> ranked = search(m, c, so);
+  ASSERT_FALSE(ranked.empty());
+  for (const Prediction& p : ranked) EXPECT_TRUE(p.layout.tp == 1 && p.layout.cp == 1);
 }
 
 // Published runs (docs/BENCHMARKS.md, "Step-time simulator", gives each one's source and inputs):

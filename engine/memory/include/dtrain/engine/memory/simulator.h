@@ -43,6 +43,7 @@
 // measured one for the machine at hand.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -70,6 +71,39 @@ struct ModelShape {
   double flops_per_token() const;
   std::string to_string() const;      // "gpt 124.4M: 12 layers, d 768, 12 heads, ff 3072, vocab 50304, seq 1024"
 };
+// A model whose shape the simulator does not know (a user's own ModelSpec), measured on the
+// machine at hand (engine::measure_model, dtrain/engine/train/measure_model.h): its pieces'
+// parameters, their forward and backward times as lines over the micro-batch's rows, and the
+// activation bytes they keep. Its layouts are priced on clusters of the device it was measured
+// on (the times are that device's), without tensor or context parallelism (a block's split is
+// the model's own business).
+struct Line {
+  double intercept = 0, per_row = 0;
+  // The line at `rows`, at least 0 (a negative intercept: the time grew faster than the rows
+  // between the two sizes measured, as when a larger micro-batch falls out of a cache).
+  double at(double rows) const { return std::max(0.0, intercept + per_row * rows); }
+  // The line through (r0, y0) and (r1, y1), r1 > r0 (the slope clamped at >= 0).
+  static Line through(double r0, double y0, double r1, double y1);
+};
+struct MeasuredModel {
+  std::string name = "measured";
+  int64_t blocks = 0;
+  int64_t block_parameters = 0;   // one block's (the blocks alike)
+  int64_t pre_parameters = 0;     // what runs before the blocks (the first stage's)
+  int64_t post_parameters = 0;    // after them (the last stage's)
+  double tokens_per_row = 1;      // what one row counts for tokens/s (a sequence's tokens)
+  double flops_per_row = 0;       // model FLOPs of a row, forward and backward (0: no MFU)
+  Line block_forward, block_backward;  // seconds of one block
+  Line pre_forward, pre_backward, post_forward, post_backward;
+  double activation_bytes_per_row = 0;  // the blocks' input: a stage's message, a checkpoint's
+  double block_held_bytes_per_row = 0;  // what a block keeps for backward
+  double post_held_bytes_per_row = 0;   // what the loss keeps (logits)
+  std::string to_string() const;
+  std::string to_json() const;
+};
+// The MeasuredModel a to_json() text describes; dtrain::Error naming a missing or bad field.
+MeasuredModel measured_model_from_json(const std::string& json_text);
+
 // The model of a Hugging Face config.json's text: GPT-2 (model_type "gpt2": n_layer, n_embd,
 // n_head, n_inner, n_positions, vocab_size, tie_word_embeddings) or Llama-family (hidden_size,
 // num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size, vocab_size,
@@ -190,6 +224,10 @@ std::string dtrain_limitation(const Layout& layout);
 // The prediction of one layout (validate()d first). fits is false, with why_not, when the peak
 // exceeds the device's memory or offload the host's.
 Prediction simulate(const ModelShape& model, const Cluster& cluster, const Layout& layout);
+// The same for a measured model: its times as measured (the cluster's compute_scale does not
+// apply), tp = cp = 1 (dtrain::Error otherwise), the backward split evenly into its input- and
+// weight-gradient halves for the zero-bubble schedule. bf16/param_bf16 change only the bytes.
+Prediction simulate(const MeasuredModel& model, const Cluster& cluster, const Layout& layout);
 
 struct SearchOptions {
   int64_t global_batch_rows = 0;   // required: sequences per optimizer step
@@ -202,6 +240,8 @@ struct SearchOptions {
 // Every layout of all the cluster's ranks that validates, dtrain runs and fits, fastest first
 // (ties: fewer techniques). Empty when nothing fits.
 std::vector<Prediction> search(const ModelShape& model, const Cluster& cluster, const SearchOptions& options);
+// The same over dp x pp layouts (tp = cp = 1) of a measured model.
+std::vector<Prediction> search(const MeasuredModel& model, const Cluster& cluster, const SearchOptions& options);
 
 // The ring all-reduce of `bytes` over n ranks on `link`: 2 (n-1)/n bytes/bw + 2 (n-1) latency;
 // an all-gather or reduce-scatter (of the whole `bytes`) is half of it.
