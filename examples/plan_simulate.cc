@@ -237,7 +237,7 @@ int simulate_main(int argc, char** argv, const std::string& model_name) {
                   static_cast<long long>(so.global_batch_rows));
       for (size_t i = 0; i < ranked.size() && i < static_cast<size_t>(FLAGS_top); ++i)
         std::printf("%2zu. %s\n", i + 1, ranked[i].to_string().c_str());
-      std::printf("best: %s\n", ranked[0].layout.flags().c_str());
+      std::printf("best: %s\n", ranked[0].flags().c_str());
     } else {
       std::printf("%d node%s (%d ranks): %s\n", nodes, nodes > 1 ? "s" : "", c.ranks(), ranked[0].to_string().c_str());
     }

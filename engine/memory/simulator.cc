@@ -572,7 +572,9 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
     costs.forward = (avg.f + p2p) / chunks;
     costs.backward_input = (avg.bi + p2p) / chunks;
     costs.backward_weight = avg.bw / chunks;
-    const SimulatedPipeline sp = simulate_pipeline(l.schedule, l.pp, M, costs, l.chunks);
+    const bool zb = l.schedule == PipelineSchedule::kZeroBubble;
+    const SimulatedPipeline sp = simulate_pipeline(l.schedule, l.pp, M, costs, l.chunks, zb ? &costs : nullptr);
+    if (zb) p.zb_costs = costs;
     pipeline = sp.step + M * (worst.total() - avg.total());
     in_flight = sp.peak_in_flight.empty() ? 1 : sp.peak_in_flight[0];
   }
@@ -667,6 +669,12 @@ Prediction simulate(const ModelShape& m, const Cluster& c, const Layout& l) {
   return price(roofline_costs(m, c, l), c, l);
 }
 
+std::string Prediction::flags() const {
+  std::string f = layout.flags();
+  if (layout.pp > 1 && layout.schedule == PipelineSchedule::kZeroBubble) f += " --pp_zb_costs=" + pipeline_costs_text(zb_costs);
+  return f;
+}
+
 std::string Prediction::to_string() const {
   std::ostringstream s;
   s << layout.to_string() << ": " << fmt("%.1f", step_s * 1e3) << " ms/step, " << fmt("%.0f", tokens_per_s_per_gpu)
@@ -680,7 +688,7 @@ std::string Prediction::to_string() const {
 std::string Prediction::to_json() const {
   nlohmann::json j;
   j["layout"] = layout.to_string();
-  j["flags"] = layout.flags();
+  j["flags"] = flags();
   j["fits"] = fits;
   if (!fits) j["why_not"] = why_not;
   j["step_s"] = step_s;

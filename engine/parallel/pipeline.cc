@@ -266,7 +266,7 @@ class TrainingStage {
   PipelineStepResult run() {
     const Clock::time_point step_start = Clock::now();
     const std::vector<PipelineAction> actions =
-        pipeline_actions(step_.schedule, ctx_.stages, ctx_.stage, step_.micro_batches, step_.chunks);
+        pipeline_actions(step_.schedule, ctx_.stages, ctx_.stage, step_.micro_batches, step_.chunks, step_.costs);
     const PipelineExchangePlan plan =
         pipeline_exchange_plan(step_.schedule, actions, ctx_.stages, ctx_.stage, step_.chunks);
     for (size_t k = 0; k < actions.size(); ++k) {

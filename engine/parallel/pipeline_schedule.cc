@@ -1,6 +1,9 @@
 // Pipeline schedules: each stage's order of forwards and backwards (pipeline.h), and a model of
 // the pipeline that runs every stage's order against the others (simulate_pipeline).
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -31,39 +34,113 @@ const char* to_string(PipelineSchedule schedule) {
   return "?";
 }
 
+PipelineCosts parse_pipeline_costs(const std::string& text) {
+  std::vector<double> v;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    char* end = nullptr;
+    const double x = std::strtod(item.c_str(), &end);
+    DTRAIN_CHECK(!item.empty() && *end == '\0' && std::isfinite(x) && x > 0, "--pp_zb_costs=", text, ": \"", item,
+                 "\" is not a positive number; give F,B,W, e.g. 1,1.3,0.7");
+    v.push_back(x);
+  }
+  DTRAIN_CHECK(v.size() == 3, "--pp_zb_costs=", text, " needs three costs F,B,W (forward, input gradient, weight "
+               "gradient), e.g. 1,1.3,0.7");
+  return PipelineCosts{v[0], v[1], v[2]};
+}
+
+std::string pipeline_costs_text(const PipelineCosts& c) {
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "1,%.3g,%.3g", c.backward_input / c.forward, c.backward_weight / c.forward);
+  return buf;
+}
+
 namespace {
 
 using Kind = PipelineAction::Kind;
 
-// The zero-bubble lists of every stage: a list schedule of the whole pipeline at unit costs
-// (pipeline.h). Every stage takes its forwards, B's and W's in micro-batch order.
-std::vector<std::vector<PipelineAction>> zero_bubble_lists(int P, int m) {
+// The zero-bubble lists of every stage: a list schedule of the whole pipeline at the given costs
+// of F, B and W (pipeline.h). Every stage takes its forwards, B's and W's in micro-batch order.
+// An event simulation: the stages free at the earliest time decide in stage order, each on what
+// has finished by then; a stage with nothing ready waits for the next action to finish. At unit
+// costs every event falls on an integer and the lists are those of a unit-step simulation.
+std::vector<std::vector<PipelineAction>> list_schedule(int P, int m, const PipelineCosts& costs) {
+  DTRAIN_CHECK(std::isfinite(costs.forward) && std::isfinite(costs.backward_input) &&
+                   std::isfinite(costs.backward_weight) && costs.forward > 0 && costs.backward_input > 0 &&
+                   costs.backward_weight > 0,
+               "zero-bubble schedule: the costs of F, B and W (", costs.forward, ", ", costs.backward_input, ", ",
+               costs.backward_weight, ") must be positive");
   const int cap = std::min(P, m);
-  constexpr long kNever = std::numeric_limits<long>::max();
-  std::vector<std::vector<long>> f(P, std::vector<long>(m, kNever)), b = f;  // end times
+  constexpr double kNever = std::numeric_limits<double>::infinity();
+  std::vector<std::vector<double>> f(P, std::vector<double>(m, kNever)), b = f;  // end times
   std::vector<int> nf(P, 0), nb(P, 0), nw(P, 0);
+  std::vector<double> free_at(P, 0.0);
+  std::vector<double> ends;  // end times of the F's and B's (what a waiting stage waits for)
   std::vector<std::vector<PipelineAction>> lists(P);
+  // Exact sums of the costs can differ in the last bit: compare with a tolerance.
+  const double eps = 1e-9 * (costs.forward + costs.backward_input + costs.backward_weight);
   int left = P;  // stages with W's still to run
-  for (long t = 0; left > 0; ++t) {
-    DTRAIN_CHECK(t <= 4L * (m + P) * (P + 1), "zero-bubble schedule: no progress (", P, " stages, ", m,
+  for (long guard = 0; left > 0; ++guard) {
+    DTRAIN_CHECK(guard <= 8L * (m + P) * (P + 1) * 3, "zero-bubble schedule: no progress (", P, " stages, ", m,
                  " micro-batches); a bug in dtrain");
-    for (int s = 0; s < P; ++s) {  // each stage free at t (every action takes one unit)
-      if (nw[s] == m) continue;
-      const bool b_ready = nb[s] < nf[s] && (s == P - 1 ? f[s][nb[s]] <= t : b[s + 1][nb[s]] <= t);
-      const bool f_ready = nf[s] < m && nf[s] - nw[s] < cap && (s == 0 || f[s - 1][nf[s]] <= t);
+    double t = kNever;
+    for (int s = 0; s < P; ++s)
+      if (nw[s] < m) t = std::min(t, free_at[s]);
+    std::vector<int> waiting;
+    for (int s = 0; s < P; ++s) {
+      if (nw[s] == m || free_at[s] > t + eps) continue;
+      const bool b_ready = nb[s] < nf[s] && (s == P - 1 ? f[s][nb[s]] <= t + eps : b[s + 1][nb[s]] <= t + eps);
+      const bool f_ready = nf[s] < m && nf[s] - nw[s] < cap && (s == 0 || f[s - 1][nf[s]] <= t + eps);
       if (b_ready) {
-        b[s][nb[s]] = t + 1;
+        b[s][nb[s]] = free_at[s] = t + costs.backward_input;
+        ends.push_back(free_at[s]);
         lists[s].push_back({Kind::kBackwardInput, nb[s]++});
       } else if (f_ready) {
-        f[s][nf[s]] = t + 1;
+        f[s][nf[s]] = free_at[s] = t + costs.forward;
+        ends.push_back(free_at[s]);
         lists[s].push_back({Kind::kForward, nf[s]++});
       } else if (nw[s] < nb[s]) {
+        free_at[s] = t + costs.backward_weight;
         lists[s].push_back({Kind::kBackwardWeight, nw[s]++});
         if (nw[s] == m) --left;
+      } else {
+        waiting.push_back(s);
       }
+    }
+    // A stage with nothing ready wakes when the next F or B anywhere finishes (or, when no
+    // action is running, a stage's next free time: the loop then advances to it).
+    for (int s : waiting) {
+      double next = kNever;
+      for (double e : ends)
+        if (e > t + eps) next = std::min(next, e);
+      for (int o = 0; o < P; ++o)
+        if (nw[o] < m && free_at[o] > t + eps) next = std::min(next, free_at[o]);
+      DTRAIN_CHECK(next < kNever, "zero-bubble schedule: stage ", s, " waits for nothing (", P, " stages, ", m,
+                   " micro-batches); a bug in dtrain");
+      free_at[s] = next;
     }
   }
   return lists;
+}
+
+// The zero-bubble lists for a step whose actions cost `costs`: the list schedule (above) is a
+// greedy heuristic, so it is run at the costs, at unit costs and half way between, and the lists
+// whose simulated step at the costs is shortest win (ties: the earlier; unit costs: the unit
+// lists). Deterministic: every stage computes the same lists.
+std::vector<std::vector<PipelineAction>> zero_bubble_lists(int P, int m, const PipelineCosts& costs) {
+  const PipelineCosts unit;
+  std::vector<std::vector<PipelineAction>> best = list_schedule(P, m, unit);
+  if (costs.forward == costs.backward_input && costs.forward == costs.backward_weight) return best;
+  double best_step = simulate_pipeline(best, m, costs).step;
+  const PipelineCosts half{(1 + costs.forward / costs.forward) / 2, (1 + costs.backward_input / costs.forward) / 2,
+                           (1 + costs.backward_weight / costs.forward) / 2};
+  for (const PipelineCosts& order : {costs, half}) {
+    std::vector<std::vector<PipelineAction>> lists = list_schedule(P, m, order);
+    const double step = simulate_pipeline(lists, m, costs).step;
+    if (step < best_step * (1 - 1e-12)) best = std::move(lists), best_step = step;
+  }
+  return best;
 }
 
 // Interleaved 1F1B (Megatron-LM's order): the k-th forward runs chunk (k mod P v) / P on
@@ -94,7 +171,7 @@ std::vector<PipelineAction> interleaved_list(int P, int s, int m, int v) {
 }  // namespace
 
 std::vector<PipelineAction> pipeline_actions(PipelineSchedule schedule, int stages, int stage, int micro_batches,
-                                             int chunks) {
+                                             int chunks, const PipelineCosts& costs) {
   DTRAIN_CHECK(stages >= 1 && stage >= 0 && stage < stages && micro_batches >= 1 && chunks >= 1, "pipeline_actions: "
                "stage ", stage, " of ", stages, " with ", micro_batches, " micro-batches and ", chunks,
                " chunk(s) is not a pipeline step");
@@ -103,7 +180,7 @@ std::vector<PipelineAction> pipeline_actions(PipelineSchedule schedule, int stag
   std::vector<PipelineAction> actions;
   const int m = micro_batches;
   if (schedule == PipelineSchedule::kInterleaved) return interleaved_list(stages, stage, m, chunks);
-  if (schedule == PipelineSchedule::kZeroBubble) return zero_bubble_lists(stages, m)[stage];
+  if (schedule == PipelineSchedule::kZeroBubble) return zero_bubble_lists(stages, m, costs)[stage];
   if (schedule == PipelineSchedule::kGPipe) {
     for (int i = 0; i < m; ++i) actions.push_back({Kind::kForward, i});
     for (int i = 0; i < m; ++i) actions.push_back({Kind::kBackward, i});
@@ -265,9 +342,11 @@ SimulatedPipeline simulate_pipeline(const std::vector<std::vector<PipelineAction
 }
 
 SimulatedPipeline simulate_pipeline(PipelineSchedule schedule, int stages, int micro_batches,
-                                    const PipelineCosts& costs, int chunks) {
-  if (schedule == PipelineSchedule::kZeroBubble) return simulate_pipeline(zero_bubble_lists(stages, micro_batches),
-                                                                          micro_batches, costs);
+                                    const PipelineCosts& costs, int chunks, const PipelineCosts* order_costs) {
+  if (schedule == PipelineSchedule::kZeroBubble) {
+    return simulate_pipeline(zero_bubble_lists(stages, micro_batches, order_costs ? *order_costs : PipelineCosts{}),
+                             micro_batches, costs);
+  }
   std::vector<std::vector<PipelineAction>> lists;
   for (int s = 0; s < stages; ++s) lists.push_back(pipeline_actions(schedule, stages, s, micro_batches, chunks));
   return simulate_pipeline(lists, micro_batches, costs);

@@ -132,6 +132,10 @@ std::vector<Spec> layout_and_data_specs() {
     spec(kTensorParallel, "pp_schedule", "with --pp > 1: 1f1b, gpipe, zb (zero bubble: the weight gradients deferred into the bubble) or interleaved (--pp_chunks virtual stages per rank)", &Flags::pp_schedule),
     spec(kTensorParallel, "pp_chunks", "with --pp_schedule=interleaved: model chunks per stage (stage s holds virtual stages s, s + pp, ...; bubble (pp - 1) / (chunks x micro-batches))",
          &Flags::pp_chunks, kToTrainer),
+    spec(kTensorParallel, "pp_zb_costs",
+         "with --pp_schedule=zb: the forward, input-gradient and weight-gradient costs F,B,W its lists are ordered at "
+         "(ratios; dtrain-plan --simulate prints them for a zb layout)",
+         &Flags::pp_zb_costs, kToTrainer),
     spec(kTensorParallel, "pp_blocks", "with --pp > 1: blocks per stage, e.g. 2,4,4,2 (default: even, extra from stage 1)",
          &Flags::pp_blocks, kToTrainer | kToRun),
     spec(kData, "workers", "data-loading worker threads", &Flags::workers, kToLoader),
@@ -299,6 +303,10 @@ void validate(const Flags& f) {
   DTRAIN_CHECK(f.tp >= 1, "--tp=", f.tp, " must be >= 1");
   DTRAIN_CHECK(f.pp >= 1, "--pp=", f.pp, " must be >= 1");
   DTRAIN_CHECK(f.cp >= 1, "--cp=", f.cp, " must be >= 1");
+  parse_pipeline_costs(f.pp_zb_costs);  // throws naming the flag
+  DTRAIN_CHECK(f.pp_zb_costs == "1,1,1" || parse_pipeline_schedule(f.pp_schedule) == PipelineSchedule::kZeroBubble,
+               "--pp_zb_costs=", f.pp_zb_costs, " orders the zero-bubble schedule's lists; add --pp_schedule=zb, or "
+               "drop --pp_zb_costs");
   DTRAIN_CHECK(parse_pipeline_schedule(f.pp_schedule) != PipelineSchedule::kInterleaved || f.pp_chunks >= 2,
                "--pp_schedule=interleaved needs --pp_chunks >= 2 (got ", f.pp_chunks, "); with one chunk use 1f1b");
   DTRAIN_CHECK(f.workers >= 0, "--workers=", f.workers, " must be >= 0");
@@ -495,6 +503,7 @@ TrainerOptions trainer_options(const Flags& f, const std::string& default_optimi
   if (!f.shard_units.empty()) o.shard_unit_starts = split_list(f.shard_units, "--shard_units");
   o.pipeline.schedule = parse_pipeline_schedule(f.pp_schedule);
   o.pipeline.chunks = pipeline_chunks(f);
+  o.pipeline.zb_costs = parse_pipeline_costs(f.pp_zb_costs);
   o.prune = prune_options(f);
   o.offload.host_mem_limit_gb = f.host_mem_limit_gb;
   o.offload.threads = f.offload_threads;

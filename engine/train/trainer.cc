@@ -384,6 +384,7 @@ PipelineStep Trainer::pipeline_step(const std::vector<Batch>& micro) const {
   PipelineStep ps;
   ps.micro_batches = static_cast<int>(micro.size());
   ps.schedule = po.schedule;
+  ps.costs = po.zb_costs;
   ps.activation_shape = po.activation_shape(micro.front().size());
   ps.activation_options = at::TensorOptions().dtype(po.activation_dtype).device(device_);
   ps.read_loss = false;

@@ -29,6 +29,9 @@ check 2 'sequence_parallel: train_mlp has no tensor-parallel layers' "$bin/train
 check 2 'pp: train_mlp has no tensor-parallel layers and cannot be split into pipeline stages' "$bin/train_mlp" --pp=2
 check 2 "pipeline schedule 'looped' does not exist; use gpipe" "$bin/train_gpt" --pp_schedule=looped
 check 2 'pp_schedule=interleaved needs --pp_chunks >= 2 .got 1.' "$bin/train_gpt" --pp_schedule=interleaved --pp_chunks=1
+check 2 'orders the zero-bubble schedule.s lists; add --pp_schedule=zb' "$bin/train_gpt" --pp_zb_costs=1,2,1
+check 2 'needs three costs F,B,W' "$bin/train_gpt" --pp=2 --pp_schedule=zb --pp_zb_costs=1,2
+check 2 '"0" is not a positive number' "$bin/train_gpt" --pp=2 --pp_schedule=zb --pp_zb_costs=1,0,1
 check 2 'pp_blocks=2 needs --pp > 1' "$bin/train_gpt" --pp_blocks=2
 check 2 "shard=parameters needs the model's units" "$bin/train_mlp" --shard=parameters
 check 2 'shard=parameters with --offload=layers is not supported yet' "$bin/train_gpt" --device=cpu --shard=parameters --offload=layers

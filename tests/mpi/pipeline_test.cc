@@ -156,13 +156,12 @@ TEST(Pipeline, StagesTrainAsOneProcessForEverySchedule) {
   for (int m : {1, 3, 8}) {
     auto [whole, mean_loss] = whole_model_step(m);
     const std::vector<at::Tensor> want = whole.params(begin, end, last);
-    for (PipelineSchedule schedule : {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B, PipelineSchedule::kZeroBubble}) {
-      const std::string what = std::string(to_string(schedule)) + ", " + std::to_string(m) + " micro-batches, stage " +
-                               std::to_string(s) + "/" + std::to_string(stages);
-      Model model = make_model();
+    // One step of this stage's part of a fresh model under `schedule` (zb: ordered at `costs`).
+    auto step_of = [&](Model& model, PipelineSchedule schedule, const PipelineCosts& costs) {
       PipelineStep step;
       step.micro_batches = m;
       step.schedule = schedule;
+      step.costs = costs;
       step.activation_shape = {kPipeRows, kWidth};
       step.activation_options = at::TensorOptions().dtype(at::kDouble);
       step.input = [](int i) { return micro_batch(i).first; };
@@ -170,7 +169,13 @@ TEST(Pipeline, StagesTrainAsOneProcessForEverySchedule) {
         at::Tensor h = run_blocks(model, begin, end, x);
         return last ? torch::mse_loss(model.head->forward(h), micro_batch(i).second) : h;
       };
-      const PipelineStepResult result = run_pipeline_step(pp, step);
+      return run_pipeline_step(pp, step);
+    };
+    for (PipelineSchedule schedule : {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B, PipelineSchedule::kZeroBubble}) {
+      const std::string what = std::string(to_string(schedule)) + ", " + std::to_string(m) + " micro-batches, stage " +
+                               std::to_string(s) + "/" + std::to_string(stages);
+      Model model = make_model();
+      const PipelineStepResult result = step_of(model, schedule, PipelineCosts{});
       const std::vector<at::Tensor> got = model.params(begin, end, last);
       ASSERT_EQ(got.size(), want.size()) << what;
       for (size_t k = 0; k < got.size(); ++k) {
@@ -191,6 +196,20 @@ TEST(Pipeline, StagesTrainAsOneProcessForEverySchedule) {
       EXPECT_EQ(result.peak_in_flight, bound) << what;
       if (schedule == PipelineSchedule::kZeroBubble) EXPECT_LE(result.peak_in_flight, std::min(stages, m)) << what;
       EXPECT_EQ(result.ran, pipeline_actions(schedule, stages, s, m)) << what;
+    }
+    // zb ordered at other costs (--pp_zb_costs): another order of the same actions, the same
+    // gradients.
+    for (const PipelineCosts& costs : {PipelineCosts{1, 2, 0.5}, PipelineCosts{1, 1.3, 0.7}}) {
+      const std::string what = "zb at costs " + pipeline_costs_text(costs) + ", " + std::to_string(m) +
+                               " micro-batches, stage " + std::to_string(s);
+      Model model = make_model();
+      const PipelineStepResult result = step_of(model, PipelineSchedule::kZeroBubble, costs);
+      const std::vector<at::Tensor> got = model.params(begin, end, last);
+      ASSERT_EQ(got.size(), want.size()) << what;
+      for (size_t k = 0; k < got.size(); ++k)
+        EXPECT_LT(rel_error(got[k].grad(), want[k].grad()), 1e-12) << what << ", parameter " << k;
+      EXPECT_EQ(result.ran, pipeline_actions(PipelineSchedule::kZeroBubble, stages, s, m, 1, costs)) << what;
+      EXPECT_LE(result.peak_in_flight, std::min(stages, m)) << what;
     }
   }
 }

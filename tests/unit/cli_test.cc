@@ -93,6 +93,8 @@ std::map<std::string, Probe> training_and_layout_probes() {
                      [](const Built& b) { return text(static_cast<int>(b.trainer.pipeline.schedule)); }}},
     {"pp_chunks", {"3", {{"pp", "2"}, {"pp_schedule", "interleaved"}}, kToTrainer,
                    [](const Built& b) { return text(b.trainer.pipeline.chunks); }}},
+    {"pp_zb_costs", {"1,1.5,0.5", {{"pp", "2"}, {"pp_schedule", "zb"}}, kToTrainer,
+                     [](const Built& b) { return text(b.trainer.pipeline.zb_costs.backward_input); }}},
     {"pp_blocks", {"1,2", {{"pp", "2"}}, kToTrainer | kToRun,
                    [](const Built& b) { return b.trainer.pp_blocks + "|" + b.run.pp_blocks; }}},
     // kData

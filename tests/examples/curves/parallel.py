@@ -227,7 +227,9 @@ def scenario_pipeline(args):
         (2, ["--pp=2", "--batch_size=8", "--accum_steps=2", "--offload=layers"], "pp 2, --offload=layers"),
         # Zero bubble: each backward in halves, the weight halves deferred into the bubble.
         (2, ["--pp=2", "--batch_size=8", "--accum_steps=4", "--pp_schedule=zb"], "pp 2, zb, 4 micro-batches"),
-        (4, ["--pp=4", "--batch_size=8", "--accum_steps=8", "--pp_schedule=zb"], "pp 4, zb, 8 micro-batches"),
+        # Ordered at a typical stage's costs (B above F, W below): another order, the same curve.
+        (4, ["--pp=4", "--batch_size=8", "--accum_steps=8", "--pp_schedule=zb", "--pp_zb_costs=1,1.3,0.7"],
+         "pp 4, zb ordered at 1,1.3,0.7, 8 micro-batches"),
         (4, ["--pp=2", "--batch_size=4", "--accum_steps=2", "--pp_schedule=zb"], "pp 2 x dp 2, zb"),
         (4, ["--pp=2", "--tp=2", "--batch_size=8", "--accum_steps=2", "--pp_schedule=zb", "--checkpoint_activations"],
          "pp 2 x tp 2, zb, checkpointed"),

@@ -21,7 +21,8 @@
 //             bytes (keys, values and their gradients).
 //   pipeline  the schedule simulated exactly (pipeline.h: simulate_pipeline) with the stage's
 //             forward, input-gradient and weight-gradient times, and each boundary's
-//             activation (and its gradient) sent point to point.
+//             activation (and its gradient) sent point to point; zb's lists ordered at those
+//             costs (the runtime's --pp_zb_costs, which Prediction::flags() carries).
 //   data      the gradients' all-reduce over the replicas (dp x cp), overlapped with the last
 //             micro-batch's backward except its last bucket; ZeRO 1 and 2 the same bytes
 //             (reduce-scatter, then the updated weights all-gathered); ZeRO-3 two all-gathers
@@ -206,6 +207,10 @@ struct Prediction {
   int64_t host_bytes = 0;           // per node (offload)
   int in_flight = 1;                // micro-batches held at once by stage 0
   StepParts parts;
+  // zb: the F, B and W costs its lists were ordered at (the runtime's --pp_zb_costs).
+  PipelineCosts zb_costs;
+  // The flags that run this layout as priced: layout.flags(), and --pp_zb_costs for zb.
+  std::string flags() const;
   std::string to_string() const;    // one line
   std::string to_json() const;      // one line
 };

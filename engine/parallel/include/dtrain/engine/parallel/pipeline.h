@@ -13,7 +13,9 @@
 //   zb     zero bubble (ZB-H1's memory bound; Qi et al., 2023): each backward is split into its
 //          input-gradient half B, which the stage before waits for, and its weight-gradient
 //          half W (split_backward.h), which no stage waits for and which fills the bubble.
-//          The order is a list schedule of the whole pipeline at unit costs (F = B = W): a free
+//          The order is a list schedule of the whole pipeline at unit costs (F = B = W); given
+//          the stage's costs (PipelineStep::costs), the lists of the schedule at those costs, at
+//          unit costs or half way, whichever simulates fastest at the costs. A free
 //          stage runs a ready B, else a ready F while it holds fewer than min(P, m)
 //          micro-batches (1f1b's first stage's bound, on every stage), else its oldest pending
 //          W. A micro-batch's activations are held until its W. At unit costs its step is
@@ -67,13 +69,25 @@ struct PipelineAction {
   bool operator==(const PipelineAction& o) const { return kind == o.kind && micro == o.micro && chunk == o.chunk; }
 };
 
+// The time of one action of a stage: a forward, the input-gradient half B of a backward and its
+// weight-gradient half W (a whole backward costs B + W). Unit costs by default.
+struct PipelineCosts {
+  double forward = 1, backward_input = 1, backward_weight = 1;
+};
+// "F,B,W" (three positive numbers, e.g. "1,1.3,0.7"); dtrain::Error naming --pp_zb_costs otherwise.
+PipelineCosts parse_pipeline_costs(const std::string& text);
+// "F,B,W" with up to 3 significant digits (what --pp_zb_costs takes), scaled so that F is 1.
+std::string pipeline_costs_text(const PipelineCosts& costs);
+
 // Stage `stage` of `stages`: its actions for `micro_batches` micro-batches, in the order the
 // schedule runs them. A micro-batch's forward comes before its backward (halves: B before W).
-// chunks: the model chunks per stage, 1 except for interleaved (>= 2). dtrain::Error for an
-// interleaved step whose micro-batches are not a multiple of the stages, or with one stage or
-// chunk, naming the fix.
+// chunks: the model chunks per stage, 1 except for interleaved (>= 2). costs: zb only, the
+// costs its list schedule is ordered at (the stage's measured F, B and W, in any unit: their
+// ratios matter; every stage must be given the same); unit costs give the lists described above.
+// dtrain::Error for an interleaved step whose micro-batches are not a multiple of the stages,
+// or with one stage or chunk, naming the fix, and for costs that are not positive.
 std::vector<PipelineAction> pipeline_actions(PipelineSchedule schedule, int stages, int stage, int micro_batches,
-                                             int chunks = 1);
+                                             int chunks = 1, const PipelineCosts& costs = {});
 
 // How a stage groups its messages (PipelineStep's transport): before action k of its list it
 // issues one group (CommGroup) holding every send the actions since the last group produced and
@@ -100,9 +114,6 @@ PipelineExchangePlan pipeline_exchange_plan(PipelineSchedule schedule, const std
 // (messages take no time). The costs are per action: forward, B and W (a whole backward costs
 // B + W). Throws dtrain::Error naming the stage and action for lists that would deadlock, or
 // that miss, repeat or misorder an action.
-struct PipelineCosts {
-  double forward = 1, backward_input = 1, backward_weight = 1;
-};
 struct SimulatedPipeline {
   double step = 0;                 // the last action's end
   std::vector<double> busy;        // per stage: the time it computes
@@ -111,9 +122,12 @@ struct SimulatedPipeline {
 };
 SimulatedPipeline simulate_pipeline(const std::vector<std::vector<PipelineAction>>& stages, int micro_batches,
                                     const PipelineCosts& costs = {});
-// simulate_pipeline of the schedule's lists for every stage (the costs per chunk).
+// simulate_pipeline of the schedule's lists for every stage (the costs per chunk). zb: the lists
+// ordered at *order_costs (null: unit costs, the runtime's default; pass &costs for the lists a
+// step given its costs runs, PipelineStep::costs).
 SimulatedPipeline simulate_pipeline(PipelineSchedule schedule, int stages, int micro_batches,
-                                    const PipelineCosts& costs = {}, int chunks = 1);
+                                    const PipelineCosts& costs = {}, int chunks = 1,
+                                    const PipelineCosts* order_costs = nullptr);
 
 // How a stack of `blocks` blocks is cut into `stages` consecutive stages: the first block of
 // each stage and, last, `blocks` (stages + 1 entries; stage s holds [b[s], b[s+1])).
@@ -131,6 +145,8 @@ struct PipelineStep {
   PipelineSchedule schedule = PipelineSchedule::k1F1B;
   // Model chunks on this stage (interleaved: >= 2, and chunk_forward instead of forward).
   int chunks = 1;
+  // zb: the F, B and W costs its lists are ordered at (pipeline_actions); the same on every stage.
+  PipelineCosts costs;
   // The activation a stage sends to the next (and the gradient it gets back): its shape and
   // dtype, the same for every micro-batch; device: the stage's.
   std::vector<int64_t> activation_shape;

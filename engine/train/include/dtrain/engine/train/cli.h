@@ -89,7 +89,8 @@ struct Flags {
   int32_t cp = 1;
   std::string pp_schedule = to_string(PipelineOptions().schedule);
   std::string pp_blocks;  // "a,b,...": blocks per pipeline stage ("": the even rule)
-  int pp_chunks = 2;      // --pp_schedule=interleaved: model chunks per stage (pipeline_chunks())
+  int pp_chunks = 2;
+  std::string pp_zb_costs = "1,1,1";  // --pp_schedule=zb: F,B,W costs its lists are ordered at      // --pp_schedule=interleaved: model chunks per stage (pipeline_chunks())
   // kData
   int32_t workers = LoaderOptions().workers;
   int32_t prefetch = LoaderOptions().prefetch;

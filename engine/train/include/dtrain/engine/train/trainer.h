@@ -108,6 +108,11 @@ struct PipelineOptions {
   // trainer sets both from its split; the schedule needs accum_steps a multiple of the stages.
   int chunks = 1;
   std::function<at::Tensor(const at::Tensor& x, const Batch& micro, int chunk)> chunk_forward;
+  // The zero-bubble schedule (kZeroBubble): the forward, input-gradient and weight-gradient
+  // costs its lists are ordered at (PipelineStep::costs; unit by default). A stage's B costing
+  // more than its F and its W less (the usual case) orders the W's differently and shortens the
+  // step; dtrain-plan --simulate prints the costs it priced a zb layout at.
+  PipelineCosts zb_costs;
 };
 
 struct TrainerOptions {
