@@ -71,7 +71,7 @@ TEST_MPIRUN=(mpirun --oversubscribe --allow-run-as-root --bind-to none --mca btl
              --mca mpi_yield_when_idle 1 -x OMP_NUM_THREADS=1)
 # Only what the GPU tests and the benchmarks run: the unit and MPI test binaries would cost build
 # time the session does not have (they run on the CPU machines). dtrain-timeline: the pipeline step.
-BUILD_TARGETS=(dtrain_gpu_tests train_gpt train_seq2seq dtrain-bench dtrain-timeline)
+BUILD_TARGETS=(dtrain_gpu_tests train_gpt train_seq2seq dtrain-bench dtrain-timeline dtrain-plan)
 # The sources a build depends on (the prebuilt archive records their hash; a stale one is refused).
 SOURCE_DIRS=(CMakeLists.txt cmake dist engine offload examples tools tests launcher)
 
@@ -94,7 +94,7 @@ TEST_STEPS=(test_np1 test_np2)
 # Declaration order = the tie-break of the priority order (bench_order).
 BENCH_STEPS=(s2s gpt124m nccl_allreduce mpi_allreduce cpu_adam host_norm copies offload_layers async_save shard shard3
              offload6b offload6b_bf16 offload_largest offload_opt offload_delayed offload_bf16 pipeline gpt_anchor gpt_graph s2s_graph
-             kernels s2s_anchor)
+             kernels s2s_anchor simulate)
 PROFILE_STEPS=(profile_gpt profile_s2s profile_layers profile_offload profile_delayed)
 # STEP=LIMIT/MIN in seconds. LIMIT: the most a step may take; MIN: below this it is not worth
 # starting (SKIPPED). GPU_LIMIT_<step>=S and GPU_MIN_<step>=S override them (the plan sees the
@@ -107,7 +107,7 @@ for _t in gpuinfo=10/5 unpack=20/10 prebuilt=30/15 configure=60/30 build=240/120
           offload_layers=45/25 async_save=40/25 shard=75/50 shard3=70/45 \
           offload6b=280/220 offload6b_bf16=280/200 offload_largest=280/200 offload_opt=70/40 offload_delayed=70/40 offload_bf16=70/40 \
           pipeline=50/35 gpt_anchor=150/90 \
-          gpt_graph=70/40 s2s_graph=70/40 kernels=40/20 s2s_anchor=150/90 \
+          gpt_graph=70/40 s2s_graph=70/40 kernels=40/20 s2s_anchor=150/90 simulate=90/45 \
           profile_gpt=45/25 profile_s2s=45/25 profile_layers=45/30 profile_offload=70/45 profile_delayed=70/45; do
   _s=${_t%%=*} _t=${_t#*=}
   LIMIT[$_s]=${_t%/*} MIN[$_s]=${_t#*/}
@@ -147,6 +147,7 @@ declare -A HASH_DEPS=(
   [s2s_graph]="engine/train/cuda/graphed_loss.cc engine/train/trainer.cc examples/train_seq2seq.cc engine/models/seq2seq.cc engine/parallel/cuda/*.cu"
   [kernels]="engine/parallel/cuda/*.cu engine/parallel/fused_cross_entropy.cc tools/bench_*.cc"
   [pipeline]="engine/parallel/pipeline.cc engine/observe/timeline.cc tools/timeline_main.cc $_gpt"
+  [simulate]="engine/memory/simulator.cc examples/plan_simulate.cc engine/train/measure_model.cc $_gpt"
 )
 declare -A HASH_FUNCS=([shard]=zero_runs [shard3]=zero_runs [offload_opt]=gpt13b [offload_delayed]=gpt13b
                        [offload_bf16]=gpt13b)

@@ -211,6 +211,23 @@ step_kernels() {
   bench "fused kernels against the ATen ops they replace (dtrain-bench fused_ce)" '"bench"' \
     "$BIN/dtrain-bench" fused_ce
 }
+# The step-time simulator on this GPU (issue 37): gpt124m predicted from the named devices'
+# rooflines before it runs, then the machine calibrated and measured through the model's spec,
+# the calibrated and measured predictions of batch 8 as 2 micro-batches of 4, and that step run.
+step_simulate() {
+  need_build || return 1
+  SHOW="dtrain-plan --simulate (h100, h200), --calibrate, --measure, --simulate --cluster [--measured], train_gpt --accum_steps=2" \
+    bench "simulator: gpt124m predicted, calibrated, measured, then run" 'predicted|calibrate:|measure:|trained|MFU' \
+    bash -c 'b=$1; shift; c=/tmp/dtrain-sim-cluster.json; m=/tmp/dtrain-sim-model.json
+      for g in h100 h200; do "$b/dtrain-plan" --simulate --gpus_per_node=1 --gpu=$g "$@" || exit; done
+      "$b/dtrain-plan" --device=cuda "$@" --calibrate=$c && "$b/dtrain-plan" --device=cuda "$@" --measure=$m || exit
+      for a in 1 2; do
+        "$b/dtrain-plan" --simulate --gpus_per_node=1 --cluster=$c --accum_steps=$a "$@" &&
+          "$b/dtrain-plan" --simulate --gpus_per_node=1 --cluster=$c --measured=$m --accum_steps=$a "$@" || exit
+      done
+      "$b/train_gpt" --device=cuda --data=synthetic "$@" --accum_steps=2 --steps=30 --log_every=10 --progress=false' \
+    _ "$BIN" --model=gpt --amp=bf16 --batch_size=8
+}
 step_s2s_anchor() {
   bench "s2s AMP bf16, PyTorch eager and torch.compile (tools/s2s_torch_bench.py)" '"bench"' \
     env PYTHONUNBUFFERED=1 python3 tools/s2s_torch_bench.py --modes=eager,compile --steps=30 --warmup=10
