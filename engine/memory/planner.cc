@@ -593,16 +593,14 @@ Plan choose_plan(const PlanInputs& in, const ActivationProfile& profile, const P
     }
   }
   std::vector<Candidate> all;
-  // The trainer does not run the interleaved schedule with offload or ZeRO yet.
-  const bool memory_techniques = !interleaved(in);
   for (AmpMode amp : amps) {
     for (int opt : {0, 1}) {
-      if (opt && !(in.can_offload_optimizer && memory_techniques)) continue;
+      if (opt && !in.can_offload_optimizer) continue;
       for (int layers : {0, 1}) {
-        if (layers && (!in.can_offload_layers || in.layers == 0 || !memory_techniques)) continue;
+        if (layers && (!in.can_offload_layers || in.layers == 0)) continue;
         for (int shard : {0, 1, 2, 3}) {
           // Offloaded state is partitioned already: with it only stage 2 adds something.
-          if (shard > 0 && (!in.can_shard || !memory_techniques || in.dp == 1 || layers || (opt && shard == 1))) {
+          if (shard > 0 && (!in.can_shard || in.dp == 1 || layers || (opt && shard == 1))) {
             continue;
           }
           if (shard == 3 && in.largest_unit_parameters == 0) continue;

@@ -413,8 +413,7 @@ void validate(const ModelShape& m, const Cluster& c, const Layout& l) {
 
 std::string dtrain_limitation(const Layout& l) {
   if (l.offload_layers && l.zero > 0) return "layer offload with ZeRO";
-  if (l.pp > 1 && l.schedule == PipelineSchedule::kInterleaved && (l.zero > 0 || l.offload_optimizer || l.offload_layers || l.cp > 1))
-    return "the interleaved schedule with ZeRO, offload or cp";
+  if (l.pp > 1 && l.schedule == PipelineSchedule::kInterleaved && l.cp > 1) return "the interleaved schedule with cp";
   if (l.pp > 1 && l.schedule == PipelineSchedule::kZeroBubble && l.offload_layers) return "zb with layer offload";
   if (l.param_bf16 && l.zero == 0 && !l.offload_optimizer) return "bf16 weights without ZeRO or optimizer offload";
   return "";

@@ -89,13 +89,14 @@ class SpanTimer {
     return m;
   }
   // The span a..b; `busy` ones (forwards and backwards) add to busy_s.
-  void span(const std::string& what, int micro, const Mark& a, const Mark& b, bool busy) {
+  // chunk: the model chunk the span computes (-1: the stage's, e.g. a wait).
+  void span(const std::string& what, int micro, const Mark& a, const Mark& b, bool busy, int chunk = -1) {
     if (!on_device_) {
       if (busy) busy_s_ += seconds(a.host, b.host);
-      if (on_span_) on_span_(what, micro, a.host, b.host);
+      if (on_span_) on_span_(what, micro, chunk, a.host, b.host);
       return;
     }
-    spans_.push_back({what, micro, a.event, b.event, busy});
+    spans_.push_back({what, micro, chunk, a.event, b.event, busy});
   }
   // Device spans: waits for the last one's end, then reports them all (host spans went out
   // already). Returns the busy seconds.
@@ -113,7 +114,7 @@ class SpanTimer {
     for (const DeviceSpan& d : spans_) {
       const Clock::time_point a = host(*d.start), b = host(*d.end);
       if (d.busy) busy_s_ += seconds(a, b);
-      on_span_(d.what, d.micro, a, b);
+      on_span_(d.what, d.micro, d.chunk, a, b);
     }
     spans_.clear();
     return busy_s_;
@@ -123,6 +124,7 @@ class SpanTimer {
   struct DeviceSpan {
     std::string what;
     int micro;
+    int chunk;
     std::shared_ptr<c10::Event> start, end;
     bool busy;
   };
@@ -130,7 +132,7 @@ class SpanTimer {
     c10::impl::VirtualGuardImpl impl(device_.type());
     return impl.getStream(device_);
   }
-  const std::function<void(const std::string&, int, Clock::time_point, Clock::time_point)>& on_span_;
+  const std::function<void(const std::string&, int, int, Clock::time_point, Clock::time_point)>& on_span_;
   const c10::Device device_;
   const bool on_device_;
   double busy_s_ = 0;              // host spans: as they end; device spans: at finish()
@@ -225,7 +227,7 @@ struct StageContext {
   at::Tensor forward(const at::Tensor& x, int i, int chunk = 0) {
     const SpanTimer::Mark a = timer.mark();
     at::Tensor y = step.chunks == 1 ? step.forward(x, i) : step.chunk_forward(x, i, chunk);
-    timer.span("forward", i, a, timer.mark(), /*busy=*/true);
+    timer.span("forward", i, a, timer.mark(), /*busy=*/true, chunk);
     if (last_of(chunk)) {
       DTRAIN_CHECK(y.numel() == 1, "pipeline step: the last stage's forward must return the micro-batch's loss (a ",
                    "scalar), got ", y.sizes());
@@ -384,7 +386,7 @@ class TrainingStage {
       failed(ctx_.before(chunk));
       return;
     }
-    ctx_.timer.span(input_half ? "backward input" : "backward", i, a, ctx_.timer.mark(), /*busy=*/true);
+    ctx_.timer.span(input_half ? "backward input" : "backward", i, a, ctx_.timer.mark(), /*busy=*/true, chunk);
     if (!input_half && step_.after_backward) step_.after_backward(i, chunk);
     if (!ctx_.first_of(chunk)) {
       DTRAIN_CHECK(input_grad.defined(), "pipeline step: stage ", ctx_.stage, "'s forward does not depend on its "
@@ -407,7 +409,7 @@ class TrainingStage {
       return;
     }
     held_.erase(it);
-    ctx_.timer.span("backward weight", i, a, ctx_.timer.mark(), /*busy=*/true);
+    ctx_.timer.span("backward weight", i, a, ctx_.timer.mark(), /*busy=*/true, 0);
     if (step_.after_backward) step_.after_backward(i, 0);
   }
 

@@ -276,6 +276,21 @@ ShardState whole_from_other_tp(const TrainingState& s, const CheckpointStore& st
   return out;
 }
 
+// Whether the saved flat space holds this rank's parameters as one run in this rank's order (what
+// reading a range of it assumes). Not so when the stages' parameters were ordered otherwise: an
+// interleaved stage's chunks are not consecutive in the whole model, so a checkpoint saved
+// interleaved and resumed under another split (or the other way round) holds them elsewhere.
+bool saved_in_this_order(const TrainingState& s, const CheckpointData& data, const std::string& source) {
+  if (!data.meta.count("flat.params") || s.names.empty()) return true;
+  const std::vector<std::pair<std::string, int64_t>> saved = parse_flat_params(data.meta.at("flat.params"), source);
+  size_t k = 0;
+  while (k < saved.size() && saved[k].first != s.names[0]) ++k;
+  for (size_t i = 0; i < s.names.size(); ++i) {
+    if (k + i >= saved.size() || saved[k + i].first != s.names[i]) return false;
+  }
+  return true;
+}
+
 // A pipeline stage's part of the whole model, and its parameters' optimizer state
 // renumbered from the whole model's indices to the stage's.
 void take_stage_part(const TrainingState& s, CheckpointData& data, NamedTensors& local) {
@@ -408,13 +423,15 @@ void restore_training_state(TrainingState& s, const CheckpointStore& store, cons
   const bool saved_partitioned = data.meta.count("optimizer.partitioned")
                                      ? data.meta.at("optimizer.partitioned") == "1"
                                      : saved_offloaded;
-  // Partitioned state saved under another tensor-parallel size: this rank's whole flat space,
-  // put together from every saved tensor-parallel rank's (whole_from_other_tp).
+  // Partitioned state saved under another tensor-parallel size, or with this rank's parameters
+  // not one run in its order (an interleaved split resumed under another): this rank's whole
+  // flat space, put together by name from every saved tensor-parallel rank's (whole_from_other_tp).
   const int saved_pp = data.meta.count("pp") ? std::stoi(data.meta.at("pp")) : 1;
   const int saved_tp = data.meta.count("tp") ? std::stoi(data.meta.at("tp"))
                                              : data.world_size / std::max(1, data.dp_size * saved_pp);
   std::optional<ShardState> other_tp;
-  if (saved_tp != s.mesh.tp_size() && (weights_partitioned || (saved_partitioned && s.optimizer))) {
+  if ((saved_tp != s.mesh.tp_size() || !saved_in_this_order(s, data, info.path)) &&
+      (weights_partitioned || (saved_partitioned && s.optimizer))) {
     other_tp = whole_from_other_tp(s, store, data, saved_tp, info.path);
   }
   std::optional<ShardState> whole = other_tp;  // the whole flat space, when it was read

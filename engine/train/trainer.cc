@@ -446,11 +446,19 @@ void Trainer::run_pipeline(const std::vector<Batch>& micro, at::Tensor& loss_sum
   if (timeline_->enabled()) {
     // On a GPU the spans are the device's (CUDA events around each forward and backward, read
     // at the end of the step: run_pipeline_step then waits for the stage's device work).
-    ps.on_span = [this](const std::string& what, int i, PipelineStep::Clock::time_point a,
-                        PipelineStep::Clock::time_point b) {
+    // Interleaved: each virtual stage's forwards and backwards on a lane of their own within the
+    // stage's (waits on the stage's main lane).
+    const int chunks = ps.chunks, P = mesh_.pp_size(), s = mesh_.pp_rank();
+    ps.on_span = [this, chunks, P, s](const std::string& what, int i, int chunk, PipelineStep::Clock::time_point a,
+                                      PipelineStep::Clock::time_point b) {
       const bool wait = what.rfind("wait", 0) == 0;
-      timeline_->add_complete(what, wait ? "wait" : category::kCompute, lane::kMain, a, b,
-                              {{"micro_batch", static_cast<double>(i)}, {"stage", static_cast<double>(mesh_.pp_rank())}});
+      TraceArgs args{{"micro_batch", static_cast<double>(i)}, {"stage", static_cast<double>(s)}};
+      std::string on = lane::kMain;
+      if (chunks > 1 && chunk >= 0) {
+        args["virtual_stage"] = static_cast<double>(chunk * P + s);
+        on = "virtual stage " + std::to_string(chunk * P + s);
+      }
+      timeline_->add_complete(what, wait ? "wait" : category::kCompute, on, a, b, std::move(args));
     };
   }
   // Out of memory on this stage: the stage still finishes the step's exchanges, so that its

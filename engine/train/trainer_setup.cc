@@ -186,9 +186,9 @@ void check_param_dtype(const TrainerOptions& o) {
 }
 
 // The interleaved schedule, as far as the Trainer runs it so far: data parallelism beside it (each
-// chunk's gradients reduced from its own last backward: run_pipeline), no context parallelism,
-// and no technique that hooks the reducer or cuts the stage's parameters into ranges
-// (checkpoints, ZeRO, offload).
+// chunk's gradients reduced from its own last backward: run_pipeline), with ZeRO 1-3 and offload
+// (they take the stage's parameters as a set, whatever chunk each belongs to), and no context
+// parallelism.
 static void check_interleaved_options(const TrainerOptions& o, const dist::Mesh& mesh) {
   const int P = mesh.pp_size();
   DTRAIN_CHECK(o.pipeline.chunks >= 2 && o.pipeline.chunk_forward, "--pp_schedule=interleaved needs at least 2 model "
@@ -198,12 +198,6 @@ static void check_interleaved_options(const TrainerOptions& o, const dist::Mesh&
                "stage), but the step has ", o.accum_steps, " (--accum_steps); use a multiple of ", P);
   DTRAIN_CHECK(mesh.cp_size() == 1, "--pp_schedule=interleaved with context parallelism (--cp=", mesh.cp_size(),
                ") is not supported yet; use --pp_schedule=1f1b with --cp");
-  const char* unsupported = o.shard != "none" && !o.shard.empty()      ? "--shard"
-                            : o.offload_optimizer || o.offload_layers      ? "--offload"
-                                                                           : nullptr;
-  DTRAIN_CHECK(unsupported == nullptr, "--pp_schedule=interleaved with ", unsupported ? unsupported : "",
-               " is not supported yet (a stage's chunks are not one range of the model's parameters); use "
-               "--pp_schedule=1f1b, or drop ", unsupported ? unsupported : "");
 }
 
 void check_pipeline_options(const TrainerOptions& o, const dist::Mesh& mesh) {

@@ -68,7 +68,7 @@ TEST(PipelineGpu, SpansOnTheDeviceLastAsLongAsTheDeviceWork) {
       return (x * w).sum();
     };
     const Clock::time_point begin = Clock::now();
-    step.on_span = [&](const std::string& what, int micro, Clock::time_point a, Clock::time_point b) {
+    step.on_span = [&](const std::string& what, int micro, int, Clock::time_point a, Clock::time_point b) {
       spans.push_back({what, micro, std::chrono::duration<double>(a - begin).count(),
                        std::chrono::duration<double>(b - begin).count()});
     };

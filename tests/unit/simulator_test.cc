@@ -248,9 +248,11 @@ TEST(Simulator, BadLayoutsAreRefusedNamingTheProblem) {
   EXPECT_NE(message(zero).find("replicas"), std::string::npos) << message(zero);
   // What dtrain does not run yet is priced but named.
   Layout v;
-  v.pp = 2, v.dp = 2, v.accum_steps = 4, v.schedule = PipelineSchedule::kInterleaved, v.chunks = 2, v.zero = 1;
+  v.pp = 2, v.cp = 2, v.accum_steps = 4, v.schedule = PipelineSchedule::kInterleaved, v.chunks = 2, v.zero = 1;
   EXPECT_EQ(message(v), "");
-  EXPECT_NE(dtrain_limitation(v).find("interleaved"), std::string::npos);
+  EXPECT_NE(dtrain_limitation(v).find("interleaved schedule with cp"), std::string::npos);
+  v.cp = 1, v.dp = 2;
+  EXPECT_EQ(dtrain_limitation(v), "");  // ZeRO with interleaved stages runs
   Layout bf;
   bf.dp = 4, bf.param_bf16 = true;
   EXPECT_NE(dtrain_limitation(bf).find("bf16 weights"), std::string::npos);

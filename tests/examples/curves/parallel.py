@@ -131,6 +131,12 @@ def pipeline_interleaved(args, shape, ref):
         (4, ["--pp=2", "--batch_size=4", "--accum_steps=4"], "pp 2 x dp 2, interleaved"),
         (4, ["--pp=2", "--batch_size=4", "--accum_steps=2", "--checkpoint_activations"],
          "pp 2 x dp 2, interleaved, m = P, checkpointed"),
+        # ZeRO and offload take a stage's parameters as a set, whichever chunk each belongs to.
+        (4, ["--pp=2", "--batch_size=4", "--accum_steps=4", "--shard=gradients"], "pp 2 x dp 2, interleaved, ZeRO-2"),
+        (4, ["--pp=2", "--batch_size=4", "--accum_steps=2", "--shard=parameters"], "pp 2 x dp 2, interleaved, ZeRO-3"),
+        (4, ["--pp=2", "--batch_size=4", "--accum_steps=2", "--offload=optimizer"],
+         "pp 2 x dp 2, interleaved, optimizer offload"),
+        (2, ["--pp=2", "--batch_size=8", "--accum_steps=2", "--offload=layers"], "pp 2, interleaved, layer offload"),
     ]
     for i, (ranks, flags, name) in enumerate(layouts):
         other = train(args, "train_gpt", ranks, shape + flags + ["--pp_schedule=interleaved"], f"pp-il-{i}")
@@ -152,7 +158,14 @@ def pipeline_interleaved(args, shape, ref):
     lines = [l for l in out.splitlines() if "): idle " in l]
     assert len(lines) == 2 and all("the interleaved bubble (P-1)/(vm+P-1) is 11% for P 2, v 2, m 4" in l
                                    for l in lines), out[-2000:]
-    print("ok: the interleaved timeline;", lines)
+    # One lane per virtual stage within each stage's: stage s holds virtual stages s and s + 2.
+    with open(trace) as f:
+        events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    lanes = {(e["pid"], e["args"]["name"]) for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    for pid, mine in ((0, ("virtual stage 0", "virtual stage 2")), (1, ("virtual stage 1", "virtual stage 3"))):
+        assert all((pid, lane) in lanes for lane in mine), (pid, sorted(lanes))
+    print("ok: the interleaved timeline;", lines, "and a lane per virtual stage")
     # Refusals, each naming the fix.
     for ranks, flags, message in (
             (2, ["--layers=3", "--pp=2", "--accum_steps=2"], "splits the model's 3 block(s) into 2 stages x 2 chunks = "
@@ -160,8 +173,7 @@ def pipeline_interleaved(args, shape, ref):
             (2, ["--pp=2", "--accum_steps=3", "--batch_size=6"], "runs the micro-batches 2 at a time (one per stage), "
                                                                  "but the step has 3 (--accum_steps)"),
             (4, ["--pp=2", "--cp=2", "--accum_steps=2", "--seq_len=32"], "with context parallelism (--cp=2) is not "
-                                                                         "supported yet"),
-            (2, ["--pp=2", "--accum_steps=2", "--shard=optimizer"], "with --shard is not supported yet")):
+                                                                         "supported yet")):
         flags = [f for f in shape if not f.startswith("--layers=")] + (
             [] if any(f.startswith("--layers=") for f in flags) else ["--layers=4"]) + flags
         if not any(f.startswith("--batch_size=") for f in flags):
@@ -196,6 +208,24 @@ def pipeline_interleaved(args, shape, ref):
     back = train(args, "train_gpt", 2, const + il + ["--steps=16", f"--save_dir={unsplit}", "--resume"],
                  "pp-il-unsplit-resumed")
     compare(steps_after(ref16, 8), steps_after(back, 8), "unsplit checkpoint resumed interleaved", 1e-4)
+    # An interleaved x dp 2 checkpoint with its optimizer state sharded (ZeRO-1) resumes on one rank
+    # and as interleaved x dp 2 with ZeRO-1.
+    sharded = os.path.join(args.workdir, "ck_il_zero")
+    shutil.rmtree(sharded, ignore_errors=True)
+    il_dp = il + ["--batch_size=4", "--shard=optimizer"]
+    train(args, "train_gpt", 4, [f for f in const if f != "--batch_size=8"] + il_dp + ["--steps=8", f"--save_dir={sharded}"],
+          "pp-il-zero-part")
+    for i, (ranks, flags, name) in enumerate(((1, ["--batch_size=8"], "on one rank"),
+                                              (4, il_dp, "as interleaved x dp 2, ZeRO-1"),
+                                              (4, ["--pp=2", "--accum_steps=2", "--batch_size=4", "--shard=optimizer"],
+                                               "as 1f1b x dp 2, ZeRO-1"))):
+        d = os.path.join(args.workdir, f"ck_il_zero_{i}")
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.copytree(sharded, d)
+        resumed = train(args, "train_gpt", ranks, [f for f in const if f != "--batch_size=8"] + flags +
+                        ["--steps=16", f"--save_dir={d}", "--resume"], f"pp-il-zero-resumed-{i}")
+        compare(steps_after(ref16, 8), steps_after(resumed, 8), f"interleaved x dp 2 ZeRO-1 checkpoint resumed {name}",
+                1e-4)
 
 
 def scenario_pipeline(args):

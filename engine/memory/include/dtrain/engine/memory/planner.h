@@ -214,8 +214,7 @@ struct PlanInputs {
   // over its 3 accum_steps units of work: (accum_steps + pp - 1) / accum_steps for 1F1B.
   // Interleaved (pp_chunks >= 2 chunks per stage): the stage holds up to peak_in_flight (micro,
   // chunk) pairs, each about 1/pp_chunks of the stage's held activations; only accumulation
-  // counts that are multiples of pp are candidates, and no offload or ZeRO (the trainer does
-  // not run them interleaved yet).
+  // counts that are multiples of pp are candidates.
   int pp = 1;
   int stage = 0;
   PipelineSchedule pp_schedule = PipelineSchedule::k1F1B;

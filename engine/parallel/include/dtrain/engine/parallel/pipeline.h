@@ -179,8 +179,11 @@ struct PipelineStep {
   // on the current stream around each call, read once at the end of the step (the step then
   // waits for the stage's device work) and placed on the host clock, all reported then. A wait
   // on the device is the time its stream stood still for the neighbour's message.
+  // chunk: the model chunk a forward or backward computed (0 without chunks; the timeline gives
+  // each virtual stage its lane), -1 for a wait.
   using Clock = std::chrono::steady_clock;
-  std::function<void(const std::string& what, int micro, Clock::time_point start, Clock::time_point end)> on_span;
+  std::function<void(const std::string& what, int micro, int chunk, Clock::time_point start, Clock::time_point end)>
+      on_span;
   // Whether the last stage reads the mean loss to the host at the end (a device sync); false
   // leaves PipelineStepResult::loss at 0 and only loss_sum set.
   bool read_loss = true;
