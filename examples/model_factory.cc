@@ -506,6 +506,27 @@ engine::PlanInputs plan_inputs(const Run& run, ExampleModel& m, const engine::Tr
   in.stage = run.mesh->pp_rank();
   in.pp_schedule = engine::parse_pipeline_schedule(engine::cli::flags().pp_schedule);
   in.pp_chunks = engine::cli::pipeline_chunks(engine::cli::flags());
+  if (in.pp > 1 && in.pp_schedule == engine::PipelineSchedule::kZeroBubble && (m.name == "gpt" || m.name == "llama")) {
+    // The boundary operations' output gradients, per token: each Linear's output features (its
+    // 2-D weight's rows, this rank's), each norm's width (its 1-D scale); not the embeddings,
+    // which end the first stage's graph (no boundary beyond them).
+    int64_t linear = 0, norm = 0;
+    for (const auto& item : m.module->named_modules()) {
+      const std::string& name = item.key();
+      if (name.find("wte") != std::string::npos || name.find("wpe") != std::string::npos ||
+          name.find("embed") != std::string::npos) {
+        continue;
+      }
+      for (const auto& p : item.value()->named_parameters(/*recurse=*/false)) {
+        if (p.key() != "weight" || !p.value().requires_grad()) continue;
+        if (p.value().dim() == 2) linear += p.value().size(0);
+        if (p.value().dim() == 1) norm += p.value().size(0);
+      }
+    }
+    const int64_t tokens = FLAGS_seq_len / std::max(1, run.mesh->cp_size());
+    const int64_t linear_bytes = options.amp == engine::AmpMode::kOff ? 4 : 2;
+    in.weight_grad_capture_bytes_per_row = tokens * (linear * linear_bytes + norm * 4);
+  }
   return in;
 }
 

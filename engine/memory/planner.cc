@@ -492,6 +492,20 @@ MemoryEstimate estimate(const PlanInputs& in, const ActivationProfile& profile,
     const int64_t v = in.pp_chunks, pairs = e.in_flight;
     e.gpu.activations = fit->bytes(rows) - fit->held(rows) + (pairs * fit->held(rows) + v - 1) / v + gathered_units;
     e.in_flight = static_cast<int>((pairs + v - 1) / v);  // reported in whole micro-batches
+  } else if (in.pp > 1 && in.pp_schedule == PipelineSchedule::kZeroBubble) {
+    // zb: walk the stage's list; a micro-batch holds its activations from F to W, and from B to
+    // W also the gradients its boundary operations were given (none on the first stage, whose
+    // B has no input to run for: its W is the whole backward). The peak of the two together.
+    const int64_t held = fit->held(rows);
+    const int64_t captured = in.stage == 0 ? 0 : in.weight_grad_capture_bytes_per_row * rows;
+    int64_t n_held = 0, n_captured = 0, peak = 0;
+    for (const PipelineAction& a : pipeline_actions(in.pp_schedule, in.pp, in.stage, t.accum_steps)) {
+      if (a.kind == PipelineAction::kForward) ++n_held;
+      if (a.kind == PipelineAction::kBackwardInput) ++n_captured;
+      peak = std::max(peak, (n_held - 1) * held + n_captured * captured);
+      if (a.kind == PipelineAction::kBackwardWeight) --n_held, --n_captured;
+    }
+    e.gpu.activations = fit->bytes(rows) + peak + gathered_units;
   } else {
     e.gpu.activations = fit->bytes(rows) + (e.in_flight - 1) * fit->held(rows) + gathered_units;
   }

@@ -413,7 +413,6 @@ void validate(const ModelShape& m, const Cluster& c, const Layout& l) {
 
 std::string dtrain_limitation(const Layout& l) {
   if (l.offload_layers && l.zero > 0) return "layer offload with ZeRO";
-  if (l.pp > 1 && l.schedule == PipelineSchedule::kInterleaved && l.cp > 1) return "the interleaved schedule with cp";
   if (l.pp > 1 && l.schedule == PipelineSchedule::kZeroBubble && l.offload_layers) return "zb with layer offload";
   if (l.param_bf16 && l.zero == 0 && !l.offload_optimizer) return "bf16 weights without ZeRO or optimizer offload";
   return "";
@@ -437,11 +436,14 @@ struct StepCosts {
   double first_params = 0, last_params = 0;
   double block_held_bytes = 0;      // what a block keeps for backward
   double block_input_bytes = 0;     // what a checkpointed block keeps (its input)
+  double block_capture_bytes = 0;   // zb: the gradients a block's boundary operations keep from B to W
   double ends_held_bytes = 0;       // the ends' (the logits and their gradient)
   double autocast_copy_bytes = 0;   // AMP's low-precision weight copies alive at once
   double tokens_per_row = 1;
   double flops_per_token = 0;       // 0: no MFU
 };
+
+double ff_of(const ModelShape& m) { return static_cast<double>(m.ff); }
 
 StepCosts roofline_costs(const ModelShape& m, const Cluster& c, const Layout& l) {
   StepCosts k;
@@ -470,6 +472,11 @@ StepCosts roofline_costs(const ModelShape& m, const Cluster& c, const Layout& l)
   k.last_params = static_cast<double>(m.head_parameters()) / l.tp;
   k.block_held_bytes = block_activation_bytes(m, l, t);
   k.block_input_bytes = t * h * e;
+  // Every Linear's output in the activations' dtype (column-parallel ones split over tp, the
+  // row-parallel projections back to d whole), every norm's in float32.
+  const double linear_out = m.llama() ? (h + 2.0 * static_cast<double>(m.kv_width()) + 2 * ff_of(m)) / l.tp + 2 * h
+                                      : (3 * h + ff_of(m)) / l.tp + 2 * h;
+  k.block_capture_bytes = t * (linear_out * e + 2 * h * 4);
   k.ends_held_bytes = t * static_cast<double>(m.vocab) / l.tp * (e + 4 + 4);
   k.autocast_copy_bytes = l.bf16 && !l.param_bf16 ? 2 * k.block_params * 2 : 0;
   k.tokens_per_row = S;
@@ -644,7 +651,10 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
   }
   const double stage_act = l.checkpoint ? L * k.block_input_bytes + k.block_held_bytes : L * k.block_held_bytes;
   // Interleaved: in_flight counts (micro-batch, chunk) pairs, each 1/chunks of the stage.
-  const double held = stage_act * std::max(1, in_flight) / l.chunks;
+  double held = stage_act * std::max(1, in_flight) / l.chunks;
+  // zb: a micro-batch between its B and its W also keeps its boundary operations' gradients
+  // (counted for every micro-batch in flight: an upper bound; the first stage keeps none).
+  if (l.pp > 1 && l.schedule == PipelineSchedule::kZeroBubble) held += std::max(1, in_flight) * L * k.block_capture_bytes;
   const double allocated = weights + grads + state + held + k.ends_held_bytes + k.autocast_copy_bytes;
   p.device_bytes = static_cast<int64_t>(allocated * 1.05 + d.context_bytes);
   const int ranks_per_node = std::min(c.gpus_per_node, l.ranks());

@@ -185,10 +185,9 @@ void check_param_dtype(const TrainerOptions& o) {
   DTRAIN_CHECK(o.prune.amount <= 0, "--param_dtype=bfloat16 with --prune_amount is not supported yet; drop one");
 }
 
-// The interleaved schedule, as far as the Trainer runs it so far: data parallelism beside it (each
-// chunk's gradients reduced from its own last backward: run_pipeline), with ZeRO 1-3 and offload
-// (they take the stage's parameters as a set, whatever chunk each belongs to), and no context
-// parallelism.
+// The interleaved schedule: data and context parallelism beside it (each chunk's gradients
+// reduced from its own last backward: run_pipeline), ZeRO 1-3 and offload (they take the stage's
+// parameters as a set, whatever chunk each belongs to).
 static void check_interleaved_options(const TrainerOptions& o, const dist::Mesh& mesh) {
   const int P = mesh.pp_size();
   DTRAIN_CHECK(o.pipeline.chunks >= 2 && o.pipeline.chunk_forward, "--pp_schedule=interleaved needs at least 2 model "
@@ -196,8 +195,6 @@ static void check_interleaved_options(const TrainerOptions& o, const dist::Mesh&
                ") and pipeline.chunk_forward (a trainer built from a ModelSpec sets it)");
   DTRAIN_CHECK(o.accum_steps % P == 0, "--pp_schedule=interleaved runs the micro-batches ", P, " at a time (one per "
                "stage), but the step has ", o.accum_steps, " (--accum_steps); use a multiple of ", P);
-  DTRAIN_CHECK(mesh.cp_size() == 1, "--pp_schedule=interleaved with context parallelism (--cp=", mesh.cp_size(),
-               ") is not supported yet; use --pp_schedule=1f1b with --cp");
 }
 
 void check_pipeline_options(const TrainerOptions& o, const dist::Mesh& mesh) {

@@ -250,9 +250,10 @@ TEST(Simulator, BadLayoutsAreRefusedNamingTheProblem) {
   Layout v;
   v.pp = 2, v.cp = 2, v.accum_steps = 4, v.schedule = PipelineSchedule::kInterleaved, v.chunks = 2, v.zero = 1;
   EXPECT_EQ(message(v), "");
-  EXPECT_NE(dtrain_limitation(v).find("interleaved schedule with cp"), std::string::npos);
-  v.cp = 1, v.dp = 2;
-  EXPECT_EQ(dtrain_limitation(v), "");  // ZeRO with interleaved stages runs
+  EXPECT_EQ(dtrain_limitation(v), "");  // interleaved stages with cp and ZeRO run
+  Layout lz;
+  lz.dp = 4, lz.zero = 1, lz.offload_layers = true;
+  EXPECT_NE(dtrain_limitation(lz).find("layer offload with ZeRO"), std::string::npos);
   Layout bf;
   bf.dp = 4, bf.param_bf16 = true;
   EXPECT_NE(dtrain_limitation(bf).find("bf16 weights"), std::string::npos);

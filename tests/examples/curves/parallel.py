@@ -137,6 +137,8 @@ def pipeline_interleaved(args, shape, ref):
         (4, ["--pp=2", "--batch_size=4", "--accum_steps=2", "--offload=optimizer"],
          "pp 2 x dp 2, interleaved, optimizer offload"),
         (2, ["--pp=2", "--batch_size=8", "--accum_steps=2", "--offload=layers"], "pp 2, interleaved, layer offload"),
+        # Each sequence split over 2 ranks of a context-parallel group on every stage.
+        (4, ["--pp=2", "--cp=2", "--batch_size=8", "--accum_steps=4"], "pp 2 x cp 2, interleaved"),
     ]
     for i, (ranks, flags, name) in enumerate(layouts):
         other = train(args, "train_gpt", ranks, shape + flags + ["--pp_schedule=interleaved"], f"pp-il-{i}")
@@ -171,9 +173,7 @@ def pipeline_interleaved(args, shape, ref):
             (2, ["--layers=3", "--pp=2", "--accum_steps=2"], "splits the model's 3 block(s) into 2 stages x 2 chunks = "
                                                              "4 virtual stages"),
             (2, ["--pp=2", "--accum_steps=3", "--batch_size=6"], "runs the micro-batches 2 at a time (one per stage), "
-                                                                 "but the step has 3 (--accum_steps)"),
-            (4, ["--pp=2", "--cp=2", "--accum_steps=2", "--seq_len=32"], "with context parallelism (--cp=2) is not "
-                                                                         "supported yet")):
+                                                                 "but the step has 3 (--accum_steps)")):
         flags = [f for f in shape if not f.startswith("--layers=")] + (
             [] if any(f.startswith("--layers=") for f in flags) else ["--layers=4"]) + flags
         if not any(f.startswith("--batch_size=") for f in flags):

@@ -178,8 +178,8 @@ def plan_offload_layouts(args):
 
 def plan_pipeline(args):
     """--plan=auto and dtrain-plan with --pp: each stage probes its own layers, its estimate counts the
-    micro-batches it holds in flight (1F1B min(P - s, m), GPipe m), and every rank applies the plan that
-    fits every stage."""
+    micro-batches it holds in flight (1F1B min(P - s, m), GPipe m, zb its list's peak with the gradients
+    captured between B and W), and every rank applies the plan that fits every stage."""
     shape = ["--d_model=64", "--heads=4", "--layers=4", "--seq_len=64", "--ff=256", "--vocab=97", "--batch_size=16",
              "--device=cpu", "--pp=2"]
     mpirun = shlex.split(args.mpirun) + ["-np", "2"]
@@ -193,7 +193,9 @@ def plan_pipeline(args):
                   ["--accum_steps=2", "--checkpoint_activations"], ["--accum_steps=8", "--amp=bf16"],
                   # Interleaved: (micro-batch, chunk) pairs in flight, each 1/v of the stage's held activations.
                   ["--accum_steps=4", "--pp_schedule=interleaved"],
-                  ["--accum_steps=4", "--pp_schedule=interleaved", "--checkpoint_activations"]):
+                  ["--accum_steps=4", "--pp_schedule=interleaved", "--checkpoint_activations"],
+                  # Zero bubble: from B to W a micro-batch also keeps its boundary operations' gradients.
+                  ["--accum_steps=4", "--pp_schedule=zb"], ["--accum_steps=8", "--pp_schedule=zb", "--amp=bf16"]):
         out, js = plan("--verify_steps=2", *flags)
         stages = [j for j in js if "verify_steps" in j][0]["stages"]
         assert len(stages) == 2, stages

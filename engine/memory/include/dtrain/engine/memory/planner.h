@@ -219,6 +219,10 @@ struct PlanInputs {
   int stage = 0;
   PipelineSchedule pp_schedule = PipelineSchedule::k1F1B;
   int pp_chunks = 1;
+  // zb: what a micro-batch keeps between its B and its W besides its activations, per row: the
+  // gradient each boundary operation was given (split_backward.h: every Linear's output, every
+  // norm's), which W starts from. Each micro-batch in flight on the stage is counted with it.
+  int64_t weight_grad_capture_bytes_per_row = 0;
 
   // Budgets (0: no limit). gpu_budget_bytes is the process's device memory: the allocator's
   // peak plus the workspace allowance plus the CUDA context. host_budget_bytes caps what

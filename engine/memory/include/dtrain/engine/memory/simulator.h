@@ -221,8 +221,8 @@ struct Prediction {
 // without tp, an interleaved schedule whose chunks do not divide the layers or whose accum_steps
 // is not a multiple of pp, accum_steps below pp for 1F1B and zb.
 void validate(const ModelShape& model, const Cluster& cluster, const Layout& layout);
-// What dtrain does not run yet of a valid layout ("" when it runs it): cp with the interleaved
-// schedule, layer offload with ZeRO or zb, bf16 weights without ZeRO or optimizer offload. search() keeps to what dtrain runs; simulate() prices any valid layout
+// What dtrain does not run yet of a valid layout ("" when it runs it): layer offload with ZeRO
+// or zb, bf16 weights without ZeRO or optimizer offload. search() keeps to what dtrain runs; simulate() prices any valid layout
 // (other frameworks' layouts too).
 std::string dtrain_limitation(const Layout& layout);
 // The prediction of one layout (validate()d first). fits is false, with why_not, when the peak
