@@ -429,6 +429,8 @@ std::vector<PipelineStageSummary> summarize_pipeline(const std::vector<TraceEven
     PipelineStageSummary s;
     bool pipelined = false;
     double micro_batches = 0;
+    double sum[3] = {0, 0, 0};  // forward, backward input, backward weight
+    int count[3] = {0, 0, 0};
   };
   std::map<int, PerRank> ranks;
   int stages = 0;
@@ -454,6 +456,8 @@ std::vector<PipelineStageSummary> summarize_pipeline(const std::vector<TraceEven
                stage != e.args.end()) {
       r.s.compute_ms += ms;
       if (e.name == "backward weight") r.s.zero_bubble = true;
+      const int k = e.name == "forward" ? 0 : e.name == "backward input" ? 1 : e.name == "backward weight" ? 2 : -1;
+      if (k >= 0) r.sum[k] += ms, ++r.count[k];
     } else if (e.name.rfind("wait for stage", 0) == 0) {
       r.pipelined = true;
       r.s.wait_ms += ms;
@@ -467,6 +471,9 @@ std::vector<PipelineStageSummary> summarize_pipeline(const std::vector<TraceEven
     r.s.step_ms /= r.s.steps;
     r.s.compute_ms /= r.s.steps;
     r.s.wait_ms /= r.s.steps;
+    r.s.forward_ms = r.count[0] ? r.sum[0] / r.count[0] : 0;
+    r.s.backward_input_ms = r.count[1] ? r.sum[1] / r.count[1] : 0;
+    r.s.backward_weight_ms = r.count[2] ? r.sum[2] / r.count[2] : 0;
     out.push_back(r.s);
   }
   return out;
@@ -486,7 +493,25 @@ std::string to_string(const std::vector<PipelineStageSummary>& stages) {
        << (s.chunks > 1 ? ", v " + std::to_string(s.chunks) : std::string()) << ", m "
        << std::setprecision(s.micro_batches == static_cast<int>(s.micro_batches) ? 0 : 1) << s.micro_batches;
   }
+  const std::string flag = zb_costs_flag(stages);
+  if (!flag.empty()) {
+    os << "\nzero bubble's measured costs (forward 1): " << flag
+       << " orders its lists at them (the same flag on every rank)";
+  }
   return os.str();
+}
+
+std::string zb_costs_flag(const std::vector<PipelineStageSummary>& stages) {
+  double f = 0, b = 0, w = 0;
+  const bool many = stages.size() > 1;
+  for (const PipelineStageSummary& s : stages) {
+    if (!s.zero_bubble || (many && s.stage == 0)) continue;
+    f += s.forward_ms, b += s.backward_input_ms, w += s.backward_weight_ms;
+  }
+  if (f <= 0 || b <= 0 || w <= 0) return "";
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "--pp_zb_costs=1,%.3g,%.3g", b / f, w / f);
+  return buf;
 }
 
 std::string OverlapSummary::to_string() const {

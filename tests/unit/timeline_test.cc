@@ -233,6 +233,39 @@ TEST(Timeline, PipelineSummaryMatchesClosedForm) {
             "the bubble (P-1)/(m+P-1) is 20% for P 2, m 4");
   EXPECT_TRUE(summarize_pipeline({}).empty());
   EXPECT_EQ(to_string(std::vector<PipelineStageSummary>{}), "");
+  EXPECT_EQ(zb_costs_flag(s), "");  // 1F1B: no halves
+  EXPECT_NEAR(s[1].forward_ms, 12, 1e-9);
+}
+
+// Zero bubble: the measured F, B and W of the stages after the first, as the flag that orders
+// the lists at them (the first stage's W is its whole backward, so it does not count).
+TEST(Timeline, ZeroBubbleSummaryGivesTheMeasuredCosts) {
+  std::vector<TraceEvent> events;
+  auto add = [&](int rank, const std::string& name, double ms, TraceArgs args) {
+    TraceEvent e;
+    e.rank = rank;
+    e.name = name;
+    e.cat = category::kCompute;
+    e.dur_us = ms * 1000;
+    e.args = std::move(args);
+    events.push_back(e);
+  };
+  for (int rank = 0; rank < 3; ++rank) {
+    add(rank, "step", 100, {{"accum_steps", 2}});
+    for (int i = 0; i < 2; ++i) {
+      const TraceArgs args = {{"stage", rank}, {"micro_batch", i}};
+      add(rank, "forward", 10, args);
+      add(rank, "backward input", rank == 0 ? 1 : 10 + 4 * i, args);  // B: 10 and 14 -> 12
+      add(rank, "backward weight", rank == 0 ? 25 : 7, args);
+    }
+  }
+  const std::vector<PipelineStageSummary> s = summarize_pipeline(events);
+  ASSERT_EQ(s.size(), 3u);
+  EXPECT_TRUE(s[1].zero_bubble);
+  EXPECT_NEAR(s[1].backward_input_ms, 12, 1e-9);
+  EXPECT_NEAR(s[2].backward_weight_ms, 7, 1e-9);
+  EXPECT_EQ(zb_costs_flag(s), "--pp_zb_costs=1,1.2,0.7");
+  EXPECT_NE(to_string(s).find("--pp_zb_costs=1,1.2,0.7 orders its lists at them"), std::string::npos) << to_string(s);
 }
 
 TEST(Timeline, OverlapSummaryMatchesClosedForm) {

@@ -210,6 +210,8 @@ struct PipelineStageSummary {
   double wait_ms = 0;         // per step: waiting for a neighbour stage's activation or gradient
   bool zero_bubble = false;   // the backwards came in halves ("backward input", "backward weight")
   int chunks = 1;             // model chunks per stage (the interleaved schedule: "step" arg "pp_chunks")
+  // Mean milliseconds of one "forward", "backward input" and "backward weight" span (0: none).
+  double forward_ms = 0, backward_input_ms = 0, backward_weight_ms = 0;
   // 1 - compute / step: the stage's bubble, plus what else the step does (optimizer, norm).
   double idle_fraction() const { return step_ms > 0 ? 1 - compute_ms / step_ms : 0; }
   // The schedule's bubble in theory: (P - 1) / (m + P - 1) for GPipe and 1F1B; zero bubble's
@@ -224,7 +226,13 @@ struct PipelineStageSummary {
 // One entry per rank with pipeline spans, by rank. Pure.
 std::vector<PipelineStageSummary> summarize_pipeline(const std::vector<TraceEvent>& events);
 // One line per stage: "stage 1 (rank 1): idle 24% of 113.6 ms/step (compute 86.3 ms, waiting
-// for neighbours 21.0 ms); the bubble (P-1)/(m+P-1) is 20% for P 2, m 4". "" for none.
+// for neighbours 21.0 ms); the bubble (P-1)/(m+P-1) is 20% for P 2, m 4". "" for none. Under
+// zero bubble a last line gives the stages' measured F, B and W as the flag that orders zb's
+// lists at them (zb_costs_flag).
+// "--pp_zb_costs=1,B,W" from the mean forward, backward-input and backward-weight spans of the
+// stages after the first (whose B has nothing to compute and whose W is the whole backward; the
+// first stage when it is the only one), scaled so that F is 1. "" without zero-bubble spans.
+std::string zb_costs_flag(const std::vector<PipelineStageSummary>& stages);
 std::string to_string(const std::vector<PipelineStageSummary>& stages);
 
 }  // namespace dtrain::engine
