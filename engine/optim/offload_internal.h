@@ -177,7 +177,7 @@ class DelayedUpdater {
   std::optional<Job> job_;              // guarded by mu_: queued or running
   bool stop_ = false;                   // guarded by mu_
   std::exception_ptr error_;            // guarded by mu_
-  std::optional<UpdateTiming> timing_;  // guarded by mu_
+  std::deque<UpdateTiming> timings_;    // guarded by mu_: finished updates not yet taken, oldest first
   std::thread thread_;
 };
 

@@ -58,7 +58,7 @@ void DelayedUpdater::loop() {
       std::lock_guard<std::mutex> lock(mu_);
       job_.reset();
       error_ = failure;
-      if (timing) timing_ = timing;
+      if (timing) timings_.push_back(*timing);
     }
     cv_.notify_all();
   }
@@ -112,7 +112,10 @@ void DelayedUpdater::drop() {
 
 std::optional<UpdateTiming> DelayedUpdater::take_timing() {
   std::lock_guard<std::mutex> lock(mu_);
-  return std::exchange(timing_, std::nullopt);
+  if (timings_.empty()) return std::nullopt;
+  UpdateTiming t = timings_.front();
+  timings_.pop_front();
+  return t;
 }
 
 }  // namespace dtrain::engine::offload_detail

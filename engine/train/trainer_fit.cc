@@ -396,7 +396,7 @@ void Trainer::record_step_timeline(std::chrono::steady_clock::time_point start) 
     }
   }
   // A host update (optimizer offload); a delayed one ran during this step's forward and backward.
-  if (auto t = optimizer_->take_update_timing()) {
+  while (auto t = optimizer_->take_update_timing()) {
     timeline_->add_complete(t->background ? "cpu update (delayed)" : "cpu update", category::kOptimizer,
                             lane::kOptimizer, t->start, t->end);
   }

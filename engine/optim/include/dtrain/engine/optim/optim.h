@@ -129,8 +129,9 @@ class Optimizer {
   // that live on a device (default: none on the host; the tensors of state()).
   virtual int64_t host_bytes() const { return 0; }
   virtual std::vector<at::Tensor> device_state() const;
-  // When the last update ran on the host, taken once (empty when no host update finished
-  // since the last call). Default: empty.
+  // When a host update ran, each finished one taken once, oldest first (empty when none is
+  // left): call until empty. Background updates can finish two to a step under load; none is
+  // dropped. Default: empty.
   virtual std::optional<UpdateTiming> take_update_timing() { return std::nullopt; }
   // The partitioned part of the state: its layout (shard.h) on this rank, or empty when the
   // optimizer is replicated. shard_state() returns this rank's part (tensors copied to the
