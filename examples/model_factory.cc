@@ -619,6 +619,27 @@ engine::sim::ModelShape simulator_shape(const std::string& model) {
   return m;
 }
 
+engine::sim::Layout simulator_layout(int tp, int pp, int cp, int dp) {
+  const engine::cli::Flags& f = engine::cli::flags();
+  engine::sim::Layout l;
+  l.tp = tp, l.pp = pp, l.cp = cp, l.dp = dp;
+  DTRAIN_CHECK(f.batch_size % f.accum_steps == 0, "--batch_size=", f.batch_size, " is not a multiple of --accum_steps=",
+               f.accum_steps);
+  l.accum_steps = f.accum_steps;
+  l.micro_batch_rows = f.batch_size / f.accum_steps;
+  l.zero = static_cast<int>(engine::parse_shard_mode(f.shard));
+  const engine::OffloadChoice offload = engine::parse_offload(f.offload);
+  l.offload_optimizer = offload.optimizer;
+  l.offload_layers = offload.layers;
+  l.checkpoint = f.checkpoint_activations;
+  l.sequence_parallel = f.sequence_parallel;
+  l.bf16 = f.amp != "off";
+  l.param_bf16 = engine::parse_param_dtype(f.param_dtype) == at::kBFloat16;
+  l.schedule = engine::parse_pipeline_schedule(f.pp_schedule);
+  l.chunks = engine::cli::pipeline_chunks(f);
+  return l;
+}
+
 std::function<double(const engine::Technique&)> simulator_step_time(const Run& run, const std::string& model) {
   const engine::cli::Flags& f = engine::cli::flags();
   if (f.plan_cluster.empty()) return nullptr;
@@ -626,15 +647,10 @@ std::function<double(const engine::Technique&)> simulator_step_time(const Run& r
   engine::sim::Cluster cluster = engine::sim::cluster_from_json(read_text_file(f.plan_cluster, "--plan_cluster"));
   cluster.gpus_per_node = run.world.local_size;
   cluster.nodes = run.world.size / run.world.local_size;
-  engine::sim::Layout base;
-  base.tp = run.mesh->tp_size();
-  base.pp = run.mesh->pp_size();
-  base.cp = run.mesh->cp_size();
-  base.dp = run.mesh->dp().size();
-  base.sequence_parallel = f.sequence_parallel && base.tp > 1;
-  base.param_bf16 = engine::parse_param_dtype(f.param_dtype) == at::kBFloat16;
-  base.schedule = engine::parse_pipeline_schedule(f.pp_schedule);
-  base.chunks = engine::cli::pipeline_chunks(f);
+  // The run's mesh and flags; each candidate technique replaces what it chooses.
+  engine::sim::Layout base = simulator_layout(run.mesh->tp_size(), run.mesh->pp_size(), run.mesh->cp_size(),
+                                              run.mesh->dp().size());
+  base.sequence_parallel = base.sequence_parallel && base.tp > 1;
   const int64_t rows = f.batch_size;
   return [shape, cluster, base, rows](const engine::Technique& t) {
     engine::sim::Layout l = base;

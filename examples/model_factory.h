@@ -118,6 +118,11 @@ engine::PlanInputs plan_inputs(const Run& run, ExampleModel& model, const engine
 // The step-time simulator's model of the language model the shape flags describe (--model=gpt
 // or llama); dtrain::Error naming the models it prices for another.
 engine::sim::ModelShape simulator_shape(const std::string& model);
+// The step-time simulator's layout of the flags (--batch_size and --accum_steps, --shard,
+// --offload, --checkpoint_activations, --sequence_parallel, --amp, --param_dtype, --pp_schedule,
+// --pp_chunks) on a mesh of tp x pp x cp x dp ranks. dtrain::Error for --batch_size not a
+// multiple of --accum_steps.
+engine::sim::Layout simulator_layout(int tp, int pp, int cp, int dp);
 // --plan_cluster: PlanInputs::step_time from the step-time simulator with that cluster file, this
 // run's ranks (nodes of world.local_size) and mesh, --batch_size, --amp and --param_dtype; null
 // without --plan_cluster. dtrain::Error for a model other than gpt or llama, or an unreadable file.

@@ -105,31 +105,12 @@ sim::Cluster cluster_from_flags(int nodes) {
 // The layout the standard flags describe on `ranks` ranks.
 sim::Layout layout_from_flags(int ranks) {
   const engine::cli::Flags& f = engine::cli::flags();
-  sim::Layout l;
-  l.tp = f.tp;
-  l.pp = f.pp;
-  l.cp = f.cp;
-  const int model_ranks = l.tp * l.pp * l.cp;
-  DTRAIN_CHECK(ranks % model_ranks == 0, "--tp=", l.tp, " x --pp=", l.pp, " x --cp=", l.cp, " = ", model_ranks,
+  const int model_ranks = f.tp * f.pp * f.cp;
+  DTRAIN_CHECK(ranks % model_ranks == 0, "--tp=", f.tp, " x --pp=", f.pp, " x --cp=", f.cp, " = ", model_ranks,
                " does not divide the cluster's ", ranks, " ranks (--nodes x --gpus_per_node)");
-  l.dp = ranks / model_ranks;
-  DTRAIN_CHECK(f.batch_size % f.accum_steps == 0, "--batch_size=", f.batch_size, " is not a multiple of --accum_steps=",
-               f.accum_steps);
-  l.accum_steps = f.accum_steps;
-  l.micro_batch_rows = f.batch_size / f.accum_steps;
-  l.zero = static_cast<int>(engine::parse_shard_mode(f.shard));
-  const engine::OffloadChoice offload = engine::parse_offload(f.offload);
-  l.offload_optimizer = offload.optimizer;
-  l.offload_layers = offload.layers;
-  l.checkpoint = f.checkpoint_activations;
-  l.sequence_parallel = f.sequence_parallel;
   DTRAIN_CHECK(f.amp == "off" || f.amp == "bf16", "--simulate prices --amp=bf16 or off; --amp=", f.amp,
                " (fp16) runs at bf16's speed: give --amp=bf16");
-  l.bf16 = f.amp == "bf16";
-  l.param_bf16 = engine::parse_param_dtype(f.param_dtype) == at::kBFloat16;
-  l.schedule = engine::parse_pipeline_schedule(f.pp_schedule);
-  l.chunks = engine::cli::pipeline_chunks(f);
-  return l;
+  return simulator_layout(f.tp, f.pp, f.cp, ranks / model_ranks);
 }
 
 std::vector<int> parse_counts(const std::string& text) {

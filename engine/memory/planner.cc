@@ -584,9 +584,10 @@ std::string Plan::to_json() const {
   return j.dump();
 }
 
-double estimate_step_seconds(const PlanInputs& in, const ActivationProfile& profile,
-                             const Technique& t) {
-  validate(in);
+namespace {
+
+// estimate_step_seconds without validating the inputs again (choose_plan validated them once).
+double step_seconds(const PlanInputs& in, const ActivationProfile& profile, const Technique& t) {
   if (in.step_time) {
     double s = std::numeric_limits<double>::quiet_NaN();
     try {
@@ -596,6 +597,14 @@ double estimate_step_seconds(const PlanInputs& in, const ActivationProfile& prof
     if (std::isfinite(s) && s > 0) return s;
   }
   return cost_seconds(in, profile, t);
+}
+
+}  // namespace
+
+double estimate_step_seconds(const PlanInputs& in, const ActivationProfile& profile,
+                             const Technique& t) {
+  validate(in);
+  return step_seconds(in, profile, t);
 }
 
 Plan choose_plan(const PlanInputs& in, const ActivationProfile& profile, const PlanAgreement& agree) {
@@ -623,7 +632,7 @@ Plan choose_plan(const PlanInputs& in, const ActivationProfile& profile, const P
             for (int accum : accum_candidates(in)) {
               Candidate c;
               c.estimate = estimate(in, profile, Technique{ckpt == 1, accum, amp, opt == 1, layers == 1, shard});
-              c.seconds = estimate_step_seconds(in, profile, c.estimate.technique);
+              c.seconds = step_seconds(in, profile, c.estimate.technique);
               c.gpu = c.estimate.gpu.total();
               c.host = c.estimate.host.total();
               all.push_back(std::move(c));

@@ -443,8 +443,6 @@ struct StepCosts {
   double flops_per_token = 0;       // 0: no MFU
 };
 
-double ff_of(const ModelShape& m) { return static_cast<double>(m.ff); }
-
 StepCosts roofline_costs(const ModelShape& m, const Cluster& c, const Layout& l) {
   StepCosts k;
   const double e = l.bf16 ? 2 : 4;
@@ -474,8 +472,9 @@ StepCosts roofline_costs(const ModelShape& m, const Cluster& c, const Layout& l)
   k.block_input_bytes = t * h * e;
   // Every Linear's output in the activations' dtype (column-parallel ones split over tp, the
   // row-parallel projections back to d whole), every norm's in float32.
-  const double linear_out = m.llama() ? (h + 2.0 * static_cast<double>(m.kv_width()) + 2 * ff_of(m)) / l.tp + 2 * h
-                                      : (3 * h + ff_of(m)) / l.tp + 2 * h;
+  const double ff = static_cast<double>(m.ff);
+  const double linear_out = m.llama() ? (h + 2.0 * static_cast<double>(m.kv_width()) + 2 * ff) / l.tp + 2 * h
+                                      : (3 * h + ff) / l.tp + 2 * h;
   k.block_capture_bytes = t * (linear_out * e + 2 * h * 4);
   k.ends_held_bytes = t * static_cast<double>(m.vocab) / l.tp * (e + 4 + 4);
   k.autocast_copy_bytes = l.bf16 && !l.param_bf16 ? 2 * k.block_params * 2 : 0;

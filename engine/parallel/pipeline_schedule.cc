@@ -133,7 +133,7 @@ std::vector<std::vector<PipelineAction>> zero_bubble_lists(int P, int m, const P
   std::vector<std::vector<PipelineAction>> best = list_schedule(P, m, unit);
   if (costs.forward == costs.backward_input && costs.forward == costs.backward_weight) return best;
   double best_step = simulate_pipeline(best, m, costs).step;
-  const PipelineCosts half{(1 + costs.forward / costs.forward) / 2, (1 + costs.backward_input / costs.forward) / 2,
+  const PipelineCosts half{1, (1 + costs.backward_input / costs.forward) / 2,
                            (1 + costs.backward_weight / costs.forward) / 2};
   for (const PipelineCosts& order : {costs, half}) {
     std::vector<std::vector<PipelineAction>> lists = list_schedule(P, m, order);
