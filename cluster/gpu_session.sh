@@ -107,7 +107,7 @@ for _t in gpuinfo=10/5 unpack=20/10 prebuilt=30/15 configure=60/30 build=240/120
           offload_layers=45/25 async_save=40/25 shard=75/50 shard3=70/45 \
           offload6b=280/220 offload6b_bf16=280/200 offload_largest=280/200 offload_opt=70/40 offload_delayed=70/40 offload_bf16=70/40 \
           pipeline=50/35 gpt_anchor=150/90 \
-          gpt_graph=70/40 s2s_graph=70/40 kernels=40/20 s2s_anchor=150/90 simulate=90/45 \
+          gpt_graph=110/60 s2s_graph=70/40 kernels=50/25 s2s_anchor=150/90 simulate=90/45 \
           profile_gpt=45/25 profile_s2s=45/25 profile_layers=45/30 profile_offload=70/45 profile_delayed=70/45; do
   _s=${_t%%=*} _t=${_t#*=}
   LIMIT[$_s]=${_t%/*} MIN[$_s]=${_t#*/}
@@ -125,7 +125,7 @@ _cpu_opt="offload/src/cpu_*.cc offload/src/cpu_optimizer_impl.h offload/src/kern
 _opt_offload="engine/optim/offload*.cc engine/optim/offload*.h offload/src/pinned_pool.cc $_cpu_opt $_gpt"
 declare -A HASH_DEPS=(
   [s2s]="tools/techniques.sh examples/train_seq2seq.cc engine/models/seq2seq.cc engine/models/include/dtrain/engine/models/seq2seq.h engine/optim/amp.cc engine/memory/activation_checkpoint.cc"
-  [gpt124m]="$_gpt engine/optim/amp.cc"
+  [gpt124m]="$_gpt engine/optim/amp.cc engine/parallel/fused_block_ops.cc engine/parallel/cuda/fused_block.cu"
   [nccl_allreduce]="dist/src/nccl_backend.cc dist/src/async.* tools/bench_allreduce.cc"
   [mpi_allreduce]="dist/src/mpi_backend.cc dist/src/mpi_runtime.* dist/src/async.* tools/bench_allreduce.cc"
   [cpu_adam]="$_cpu_opt tools/bench_cpu_adam.cc"
@@ -143,9 +143,9 @@ declare -A HASH_DEPS=(
   [offload_bf16]="$_opt_offload"
   [gpt_anchor]="tools/gpt_torch_bench.py tools/zero_torch_bench.py"
   [s2s_anchor]="tools/s2s_torch_bench.py"
-  [gpt_graph]="engine/train/cuda/graphed_loss.cc engine/train/trainer.cc engine/parallel/bucket_comm.cc engine/parallel/cuda/*.cu engine/parallel/fused_cross_entropy.cc $_gpt"
+  [gpt_graph]="engine/train/cuda/graphed_loss.cc engine/train/trainer.cc engine/parallel/bucket_comm.cc engine/parallel/cuda/*.cu engine/parallel/fused_cross_entropy.cc engine/parallel/fused_block_ops.cc engine/parallel/tensor_parallel.cc $_gpt"
   [s2s_graph]="engine/train/cuda/graphed_loss.cc engine/train/trainer.cc examples/train_seq2seq.cc engine/models/seq2seq.cc engine/parallel/cuda/*.cu"
-  [kernels]="engine/parallel/cuda/*.cu engine/parallel/fused_cross_entropy.cc tools/bench_*.cc"
+  [kernels]="engine/parallel/cuda/*.cu engine/parallel/fused_cross_entropy.cc engine/parallel/fused_block_ops.cc tools/bench_*.cc"
   [pipeline]="engine/parallel/pipeline.cc engine/observe/timeline.cc tools/timeline_main.cc $_gpt"
   [simulate]="engine/memory/simulator.cc examples/plan_simulate.cc engine/train/measure_model.cc $_gpt"
 )

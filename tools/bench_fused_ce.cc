@@ -50,18 +50,8 @@ void ce_sync(c10::Device device) {
   c10::impl::VirtualGuardImpl(c10::kCUDA).synchronizeDevice(device.index());
 }
 
-// Median ms of `step` over --ce_iters runs after --ce_warmup, each between two synchronizations.
 double ce_time(c10::Device device, const std::function<void()>& step) {
-  for (int i = 0; i < FLAGS_ce_warmup; ++i) step();
-  ce_sync(device);
-  std::vector<double> ms;
-  for (int i = 0; i < FLAGS_ce_iters; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    step();
-    ce_sync(device);
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-  }
-  return median(ms);
+  return cuda_median_ms(device, FLAGS_ce_warmup, FLAGS_ce_iters, step);
 }
 
 at::ScalarType ce_dtype_flag() {

@@ -13,6 +13,8 @@
 //               context-parallel size C dividing the world (exact on the CPU)
 //   fused_ce    CUDA: forward + backward of the mean cross-entropy over [8192, 32000] bf16 logits,
 //               dtrain's fused kernels vs the ATen composition (--ce_rows, --ce_vocab, --ce_dtype)
+//   fused_block CUDA: a GPT block's residual LayerNorm and bias + GELU, forward + backward, dtrain's
+//               fused kernels vs the ATen ops they replace (--fb_rows, --fb_dmodel, --fb_ff)
 #include <gflags/gflags.h>
 
 #include <cstdio>
@@ -38,9 +40,10 @@ int main(int argc, char** argv) {
       {"sparse", bench::run_sparse},
       {"pipeline", bench::run_pipeline},
       {"fused_ce", bench::run_fused_ce},
+      {"fused_block", bench::run_fused_block},
       {"context_parallel", bench::run_context_parallel},
   };
-  gflags::SetUsageMessage("dtrain-bench BENCH [flags]; BENCH is one of: allreduce, engine, cpu_adam, host_norm, sparse, pipeline, fused_ce, context_parallel");
+  gflags::SetUsageMessage("dtrain-bench BENCH [flags]; BENCH is one of: allreduce, engine, cpu_adam, host_norm, sparse, pipeline, fused_ce, fused_block, context_parallel");
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   if (argc < 2 || !benches.count(argv[1])) {
     std::fprintf(stderr, "dtrain-bench: name a benchmark: %s BENCH [flags], BENCH one of:", argv[0]);

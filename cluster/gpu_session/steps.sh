@@ -192,11 +192,18 @@ step_gpt_anchor() {
 }
 # The step without host launches (--cuda_graph) beside the eager one, each counting the host's
 # synchronizations with the device (--count_host_syncs).
+# Each of eager and --cuda_graph twice: with ATen's block ops (DTRAIN_FUSED_BLOCK_OPS=0), then with
+# dtrain's fused LayerNorm and bias + GELU kernels (the default), so the kernels' effect on the
+# whole step is a ratio of one command.
 step_gpt_graph() {
   need_build || return 1
-  SHOW="train_gpt --amp=bf16 --count_host_syncs, then with --cuda_graph" \
-    bench "gpt124m AMP bf16, eager then --cuda_graph (host syncs counted)" 'trained|MFU|host synchron|cuda_graph' \
-    bash -c '"$1" "${@:2}" && "$1" "${@:2}" --cuda_graph' _ "$BIN/train_gpt" --device=cuda --data=synthetic \
+  SHOW="train_gpt --amp=bf16 --count_host_syncs, eager then --cuda_graph, each with DTRAIN_FUSED_BLOCK_OPS=0 then fused" \
+    bench "gpt124m AMP bf16, eager then --cuda_graph, ATen block ops then fused (host syncs counted)" \
+    'trained|MFU|host synchron|cuda_graph|block ops' \
+    bash -c 'for g in "" --cuda_graph; do for f in 0 1; do
+        echo "block ops: $([[ $f == 0 ]] && echo ATen || echo fused) ${g:-eager}"
+        DTRAIN_FUSED_BLOCK_OPS=$f "$1" "${@:2}" $g || exit
+      done; done' _ "$BIN/train_gpt" --device=cuda --data=synthetic \
     --amp=bf16 --steps=30 --log_every=10 --progress=false --count_host_syncs
 }
 step_s2s_graph() {
@@ -208,8 +215,8 @@ step_s2s_graph() {
 }
 step_kernels() {
   need_build || return 1
-  bench "fused kernels against the ATen ops they replace (dtrain-bench fused_ce)" '"bench"' \
-    "$BIN/dtrain-bench" fused_ce
+  bench "fused kernels against the ATen ops they replace (dtrain-bench fused_ce, fused_block)" '"bench"' \
+    bash -c '"$1" fused_ce && "$1" fused_block' _ "$BIN/dtrain-bench"
 }
 # The step-time simulator on this GPU (issue 37): gpt124m predicted from the named devices'
 # rooflines before it runs, then the machine calibrated and measured through the model's spec,

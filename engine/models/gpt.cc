@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dtrain/dist/error.h"
+#include "dtrain/engine/parallel/fused_block_ops.h"
 
 #include "decoder_lm.h"
 
@@ -90,6 +91,15 @@ at::Tensor GptBlockImpl::norm(torch::nn::LayerNorm& ln, const at::Tensor& x) {
 }
 
 at::Tensor GptBlockImpl::forward(const at::Tensor& x) {
+  if (!sequence_parallel && fused_block_kernels_serve(x)) {
+    // CUDA: each LayerNorm in one kernel, the second with the residual add (and in backward the
+    // residual gradient's add and the weight gradients), its output already in autocast's dtype
+    // for the Linear it feeds (fused_block_ops.h); elsewhere ATen's ops as below.
+    const double eps1 = ln1->options.eps(), eps2 = ln2->options.eps();
+    const at::Tensor n1 = add_layer_norm(x, at::Tensor(), ln1->weight, ln1->bias, eps1).normed;
+    const AddLayerNorm r = add_layer_norm(x, drop->forward(attn->forward(n1)), ln2->weight, ln2->bias, eps2);
+    return r.sum + drop->forward(mlp->forward(r.normed));
+  }
   at::Tensor h = x + drop->forward(attn->forward(norm(ln1, x)));
   return h + drop->forward(mlp->forward(norm(ln2, h)));
 }

@@ -11,6 +11,7 @@
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/parallel/context_parallel.h"
 #include "dtrain/engine/parallel/cross_entropy.h"
+#include "dtrain/engine/parallel/fused_block_ops.h"
 #include "parallel_comm_internal.h"
 
 namespace dtrain::engine {
@@ -210,6 +211,15 @@ at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
   return options.gather_output ? gather_from_tensor_parallel(y, *tp) : y;
 }
 
+at::Tensor ColumnParallelLinearImpl::forward_without_bias(const at::Tensor& x) {
+  DTRAIN_CHECK(!int8_ && !options.gather_output, "ColumnParallelLinear::forward_without_bias serves a float layer "
+               "whose output stays split (no int8, no gather_output)");
+  at::Tensor in = options.sequence_parallel ? gather_from_sequence_parallel(x, *tp, 1) : copy_to_tensor_parallel(x, *tp);
+  return at::linear(in, weight);
+}
+
+bool ColumnParallelLinearImpl::serves_without_bias() const { return !int8_ && !options.gather_output && bias.defined(); }
+
 namespace {
 void check_unsplit(const dist::Communicator& tp, const char* layer) {
   DTRAIN_CHECK(tp.size() == 1, "int8 quantization of a ", layer, " split over --tp=", tp.size(), " is not supported: "
@@ -350,6 +360,11 @@ ParallelMlpImpl::ParallelMlpImpl(int64_t d_model, int64_t hidden, dist::Communic
 }
 
 at::Tensor ParallelMlpImpl::forward(const at::Tensor& x) {
+  // On CUDA the bias joins the GELU in one kernel (fused_block_ops.h); elsewhere ATen's
+  // composition, exactly as before.
+  if (fused_block_kernels_serve(x) && fc1->serves_without_bias()) {
+    return fc2->forward(bias_gelu(fc1->forward_without_bias(x), fc1->bias));
+  }
   return fc2->forward(at::gelu(fc1->forward(x), "tanh"));
 }
 

@@ -117,6 +117,10 @@ struct ParallelLinearOptions {
 struct ColumnParallelLinearImpl : torch::nn::Module, TensorParallelModule, QuantizableLinear {
   ColumnParallelLinearImpl(ParallelLinearOptions options, dist::Communicator& tp);
   at::Tensor forward(const at::Tensor& x);
+  // x W^T without the bias (for a fused bias + activation: fused_block_ops.h's bias_gelu);
+  // only where serves_without_bias(): a float layer with a bias whose output stays split.
+  at::Tensor forward_without_bias(const at::Tensor& x);
+  bool serves_without_bias() const;
   std::map<std::string, ShardSpec> shard_specs() const override;
   void reset_parameters();
   ParallelLinearOptions options;

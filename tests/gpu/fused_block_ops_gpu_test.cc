@@ -1,0 +1,212 @@
+// The fused block kernels (parallel/cuda/fused_block.cu through fused_block_ops.h) on CUDA
+// against ATen's composition computed in float64 on the CPU from the same rounded inputs:
+// every dtype combination the kernels serve, row lengths from 1 to 4099 (not multiples of the
+// warp), one row to 8192 rows, with and without the residual, the bias and a gradient reaching
+// the sum from elsewhere; the dispatch (an unserved combination falls back to ATen, still
+// right); and a GPT block on CUDA (fused) against the same block on the CPU (ATen), in float32
+// and under bfloat16 autocast.
+//
+// Tolerances, as the largest difference over the largest reference magnitude: the kernels
+// compute in float (double for float64) and round once to each output's dtype, so u + 2e-5 for
+// the unit roundoff u of that dtype (bfloat16 2^-8, float16 2^-11, float32 0), and 1e-11 for
+// float64. Column sums over 8192 rows are ordered differently from the CPU's: the same bound
+// holds with 2e-5.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "dtrain/engine/models/gpt.h"
+#include "dtrain/engine/optim/amp.h"
+#include "dtrain/engine/parallel/fused_block_ops.h"
+#include "test_util.h"
+
+namespace dtrain::engine::fused_block_gpu_cases {
+namespace {
+
+const c10::Device kCuda(c10::kCUDA, 0);
+
+double max_rel(const at::Tensor& got, const at::Tensor& ref) {
+  const at::Tensor a = got.to(at::kCPU).to(at::kDouble), b = ref.to(at::kCPU).to(at::kDouble);
+  return ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item<double>();
+}
+
+double tol(at::ScalarType t) {
+  switch (t) {
+    case at::kDouble: return 1e-11;
+    case at::kFloat: return 2e-5;
+    case at::kBFloat16: return 1.0 / 256 + 2e-5;
+    case at::kHalf: return 1.0 / 2048 + 2e-5;
+    default: return 0;
+  }
+}
+
+std::string name(at::ScalarType t) { return c10::toString(t); }
+
+struct NormCombo {
+  at::ScalarType x, y, w, o;
+};
+
+TEST(FusedBlockOpsGpu, AddLayerNormMatchesFloat64Composition) {
+  DTRAIN_SKIP_WITHOUT_CUDA();
+  const auto D = at::kDouble, F = at::kFloat, B = at::kBFloat16, H = at::kHalf;
+  const std::vector<NormCombo> combos = {{D, D, D, D}, {F, F, F, F}, {B, B, B, B}, {H, H, H, H}, {F, B, F, B},
+                                         {F, H, F, H}, {F, F, F, B}, {F, B, F, F}};
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{1, 1}, {7, 33}, {5, 4099}, {8192, 768}};
+  int64_t seed = 1;
+  for (const NormCombo& c : combos) {
+    for (const auto& [rows, cols] : shapes) {
+      for (int variant = 0; variant < 3; ++variant) {  // 0: residual, bias, sum used; 1: plain; 2: no bias
+        const bool with_y = variant != 1, with_bias = variant != 2, sum_used = variant == 0;
+        SCOPED_TRACE(name(c.x) + "/" + name(c.y) + "/" + name(c.w) + "->" + name(c.o) + " [" + std::to_string(rows) +
+                     ", " + std::to_string(cols) + "] variant " + std::to_string(variant));
+        auto g = at::make_generator<at::CPUGeneratorImpl>(seed++);
+        const at::Tensor x = (at::randn({rows, cols}, g, at::kDouble) * 2 + 0.3).to(c.x);
+        const at::Tensor y = with_y ? at::randn({rows, cols}, g, at::kDouble).to(c.y) : at::Tensor();
+        const at::Tensor w = (at::randn({cols}, g, at::kDouble) * 0.3 + 1).to(c.w);
+        const at::Tensor b = with_bias ? (at::randn({cols}, g, at::kDouble) * 0.1).to(c.w) : at::Tensor();
+        const at::ScalarType s_type = with_y ? at::promote_types(c.x, c.y) : c.x;
+        ASSERT_TRUE(fused_add_layer_norm_available(x.to(kCuda), with_y ? y.to(kCuda) : y, w.to(kCuda),
+                                                   with_bias ? b.to(kCuda) : b, c.o));
+        const at::Tensor dn = at::randn({rows, cols}, g, at::kDouble).to(c.o);
+        const at::Tensor gs = at::randn({rows, cols}, g, at::kDouble).to(s_type);
+
+        auto leaf = [](const at::Tensor& t, c10::Device d, std::optional<at::ScalarType> dt) {
+          if (!t.defined()) return t;
+          return (dt ? t.to(d, *dt) : t.to(d)).detach().requires_grad_(true);
+        };
+        // The kernels on CUDA.
+        const at::Tensor cx = leaf(x, kCuda, {}), cy = leaf(y, kCuda, {}), cw = leaf(w, kCuda, {}),
+                         cb = leaf(b, kCuda, {});
+        const AddLayerNorm got = fused_add_layer_norm(cx, cy, cw, cb, 1e-5, c.o);
+        // The reference: float64 from the same rounded values; the sum rounded to its dtype.
+        const at::Tensor rx = leaf(x, at::kCPU, at::kDouble), ry = leaf(y, at::kCPU, at::kDouble),
+                         rw = leaf(w, at::kCPU, at::kDouble), rb = leaf(b, at::kCPU, at::kDouble);
+        at::Tensor rs = with_y ? rx + ry : rx;
+        if (with_y && s_type != at::kDouble) rs = rs + ((rs.detach().to(s_type).to(at::kDouble)) - rs.detach());
+        const at::Tensor rn = at::layer_norm(rs, {cols}, rw, rb, 1e-5);
+        EXPECT_LE(max_rel(got.normed, rn), tol(c.o)) << "normed";
+        if (with_y) EXPECT_LE(max_rel(got.sum, rs), tol(s_type)) << "sum";
+
+        std::vector<at::Tensor> gi = {cx, cw}, ri = {rx, rw};
+        if (with_y) gi.push_back(cy), ri.push_back(ry);
+        if (with_bias) gi.push_back(cb), ri.push_back(rb);
+        std::vector<at::Tensor> go = {got.normed}, ro = {rn}, gg = {dn.to(kCuda)}, rg = {dn.to(at::kDouble)};
+        if (sum_used) {
+          go.push_back(got.sum), ro.push_back(rs);
+          gg.push_back(gs.to(kCuda)), rg.push_back(gs.to(at::kDouble));
+        }
+        const auto gk = torch::autograd::grad(go, gi, gg);
+        const auto gr = torch::autograd::grad(ro, ri, rg);
+        EXPECT_EQ(gk[0].scalar_type(), c.x);
+        EXPECT_LE(max_rel(gk[0], gr[0]), tol(s_type)) << "grad x";
+        EXPECT_LE(max_rel(gk[1], gr[1]), tol(c.w)) << "grad weight";
+        size_t k = 2;
+        if (with_y) {
+          EXPECT_EQ(gk[k].scalar_type(), c.y);
+          EXPECT_LE(max_rel(gk[k], gr[k]), tol(c.y)) << "grad y";
+          ++k;
+        }
+        if (with_bias) EXPECT_LE(max_rel(gk[k], gr[k]), tol(c.w)) << "grad bias";
+      }
+    }
+  }
+}
+
+TEST(FusedBlockOpsGpu, BiasGeluMatchesFloat64Composition) {
+  DTRAIN_SKIP_WITHOUT_CUDA();
+  const auto D = at::kDouble, F = at::kFloat, B = at::kBFloat16, H = at::kHalf;
+  const std::vector<std::pair<at::ScalarType, at::ScalarType>> combos = {{D, D}, {F, F}, {B, B},
+                                                                         {H, H}, {B, F}, {H, F}};
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{3, 1}, {5, 1001}, {8192, 3072}, {70000, 3}};
+  int64_t seed = 100;
+  for (const auto& [yt, bt] : combos) {
+    for (const auto& [rows, cols] : shapes) {
+      SCOPED_TRACE(name(yt) + "+" + name(bt) + " [" + std::to_string(rows) + ", " + std::to_string(cols) + "]");
+      auto g = at::make_generator<at::CPUGeneratorImpl>(seed++);
+      const at::Tensor y = (at::randn({rows, cols}, g, at::kDouble) * 3).to(yt);
+      const at::Tensor b = at::randn({cols}, g, at::kDouble).to(bt);
+      const at::Tensor dout = at::randn({rows, cols}, g, at::kDouble).to(yt);
+      ASSERT_TRUE(fused_bias_gelu_available(y.to(kCuda), b.to(kCuda)));
+      const at::Tensor cy = y.to(kCuda).requires_grad_(true), cb = b.to(kCuda).requires_grad_(true);
+      const at::Tensor out = fused_bias_gelu(cy, cb);
+      ASSERT_EQ(out.scalar_type(), yt);
+      const at::Tensor ry = y.to(at::kDouble).requires_grad_(true), rb = b.to(at::kDouble).requires_grad_(true);
+      const at::Tensor ref = at::gelu(ry + rb, "tanh");
+      EXPECT_LE(max_rel(out, ref), tol(yt)) << "forward";
+      const auto gk = torch::autograd::grad({out}, {cy, cb}, {dout.to(kCuda)});
+      const auto gr = torch::autograd::grad({ref}, {ry, rb}, {dout.to(at::kDouble)});
+      EXPECT_LE(max_rel(gk[0], gr[0]), tol(yt)) << "grad y";
+      // The bias gradient sums the rounded input gradient: against the float64 sum of the
+      // kernel's own grad y it is a float reduction; against the float64 reference it also
+      // carries the input gradient's rounding.
+      EXPECT_LE(max_rel(gk[1], gk[0].to(at::kCPU).to(at::kDouble).sum(0)), tol(bt)) << "grad bias (own)";
+      EXPECT_LE(max_rel(gk[1], gr[1]), tol(yt) + tol(bt)) << "grad bias";
+    }
+  }
+}
+
+TEST(FusedBlockOpsGpu, UnservedCombinationsFallBackToAten) {
+  DTRAIN_SKIP_WITHOUT_CUDA();
+  ASSERT_TRUE(fused_block_kernels_serve(at::zeros({1}, kCuda)));
+  // A bfloat16 weight under a float32 sum has no kernel: add_layer_norm takes ATen's ops.
+  const at::Tensor x = at::randn({4, 64}, kCuda), y = at::randn({4, 64}, kCuda);
+  const at::Tensor w = at::randn({64}, kCuda).to(at::kBFloat16), b = at::randn({64}, kCuda).to(at::kBFloat16);
+  EXPECT_FALSE(fused_add_layer_norm_available(x, y, w, b, at::kFloat));
+  const AddLayerNorm r = add_layer_norm(x, y, w, b, 1e-5);
+  EXPECT_TRUE(at::equal(r.normed, at::layer_norm(x + y, {64}, w, b, 1e-5)));
+  // A float16 y with a bfloat16 bias: the same.
+  const at::Tensor yh = at::randn({4, 64}, kCuda).to(at::kHalf);
+  EXPECT_FALSE(fused_bias_gelu_available(yh, b));
+  EXPECT_TRUE(at::equal(bias_gelu(yh, b), at::gelu(yh + b, "tanh")));
+}
+
+// A GPT block on CUDA (the fused LayerNorms and bias + GELU) against the same block on the CPU
+// (ATen's ops): output and every parameter's gradient, float32 and under bfloat16 autocast.
+TEST(FusedBlockOpsGpu, GptBlockOnCudaMatchesTheCpuBlock) {
+  DTRAIN_SKIP_WITHOUT_CUDA();
+  auto tp = testing_util::local_comm();
+  GptOptions o;
+  o.vocab = 64;
+  o.d_model = 96;
+  o.heads = 4;
+  o.layers = 1;
+  o.ff = 384;
+  o.seq_len = 32;
+  o.dropout = 0;
+  for (const bool amp : {false, true}) {
+    SCOPED_TRACE(amp ? "autocast bf16" : "float32");
+    torch::manual_seed(5);
+    GptBlock cpu(o, *tp);
+    GptBlock cuda(o, *tp);
+    {
+      torch::NoGradGuard ng;
+      auto src = cpu->named_parameters();
+      for (auto& p : cuda->named_parameters()) p.value().copy_(src[p.key()]);
+    }
+    cuda->to(kCuda);
+    const at::Tensor x0 = torch::randn({2, 32, 96}, at::kDouble).to(at::kFloat);
+    const at::Tensor w = torch::randn({2, 32, 96}, at::kDouble).to(at::kFloat);
+    at::Tensor xc = x0.clone().requires_grad_(true), xg = x0.to(kCuda).requires_grad_(true);
+    (cpu->forward(xc) * w).sum().backward();
+    at::Tensor out;
+    {
+      std::optional<AutocastGuard> ac;
+      if (amp) ac.emplace(c10::kCUDA, AmpMode::kBf16);
+      out = cuda->forward(xg);
+      (out.to(at::kFloat) * w.to(kCuda)).sum().backward();
+    }
+    const double t = amp ? 3e-2 : 2e-5;
+    EXPECT_LE(max_rel(out, cpu->forward(x0)), t) << "output";
+    EXPECT_LE(max_rel(xg.grad(), xc.grad()), t) << "input gradient";
+    auto ref = cpu->named_parameters();
+    for (const auto& p : cuda->named_parameters()) {
+      EXPECT_LE(max_rel(p.value().grad(), ref[p.key()].grad()), amp ? 5e-2 : 1e-4) << p.key();
+    }
+  }
+}
+
+}  // namespace
+}  // namespace dtrain::engine::fused_block_gpu_cases
