@@ -194,16 +194,19 @@ step_gpt_anchor() {
 # synchronizations with the device (--count_host_syncs).
 # Each of eager and --cuda_graph twice: with ATen's block ops (DTRAIN_FUSED_BLOCK_OPS=0), then with
 # dtrain's fused LayerNorm and bias + GELU kernels (the default), so the kernels' effect on the
-# whole step is a ratio of one command.
+# whole step is a ratio of one command. Last, the graph on bfloat16 weights with a float32
+# master (--param_dtype=bf16 --shard=optimizer at one rank): no per-step weight casts.
 step_gpt_graph() {
   need_build || return 1
-  SHOW="train_gpt --amp=bf16 --count_host_syncs, eager then --cuda_graph, each with DTRAIN_FUSED_BLOCK_OPS=0 then fused" \
+  SHOW="train_gpt --amp=bf16 --count_host_syncs, eager then --cuda_graph, each with DTRAIN_FUSED_BLOCK_OPS=0 then fused; then --cuda_graph --param_dtype=bf16 --shard=optimizer" \
     bench "gpt124m AMP bf16, eager then --cuda_graph, ATen block ops then fused (host syncs counted)" \
     'trained|MFU|host synchron|cuda_graph|block ops' \
     bash -c 'for g in "" --cuda_graph; do for f in 0 1; do
         echo "block ops: $([[ $f == 0 ]] && echo ATen || echo fused) ${g:-eager}"
         DTRAIN_FUSED_BLOCK_OPS=$f "$1" "${@:2}" $g || exit
-      done; done' _ "$BIN/train_gpt" --device=cuda --data=synthetic \
+      done; done
+      echo "block ops: fused --cuda_graph --param_dtype=bf16 --shard=optimizer"
+      "$1" "${@:2}" --cuda_graph --param_dtype=bf16 --shard=optimizer' _ "$BIN/train_gpt" --device=cuda --data=synthetic \
     --amp=bf16 --steps=30 --log_every=10 --progress=false --count_host_syncs
 }
 step_s2s_graph() {
