@@ -1,4 +1,5 @@
-// dtrain-bench fused_block: a GPT block's LayerNorms and MLP activation on CUDA, forward +
+// dtrain-bench fused_block: a GPT block's LayerNorms and MLP activation (and a Llama block's
+// RMSNorm and SwiGLU) on CUDA, forward +
 // backward, dtrain's fused kernels (fused_block_ops.h) against the ATen ops they replace, on the
 // same tensors at the GPT-124M AMP bf16 step's shapes (default 8192 rows: batch 8 x 1024):
 //   add_norm   x float32 [rows, --fb_dmodel] (the residual) + y bfloat16 (the branch), the
@@ -6,6 +7,9 @@
 //              sum from its other use:
 //                fused  fused_add_layer_norm(x, y, w, b, eps, bf16)
 //                aten   s = x + y; layer_norm(s) in float32; .to(bf16) (eager under autocast)
+//   add_rms_norm  the same layout through Llama's RMSNorm (no bias): fused_add_rms_norm against
+//              s = x + y; w * (s * rsqrt(mean(s^2) + eps)); .to(bf16)
+//   swiglu     gate and up bfloat16 [rows, --fb_ff]: fused_swiglu against silu(gate) * up
 //   bias_gelu  y bfloat16 [rows, --fb_ff] (a Linear's product) and its float32 bias:
 //                fused  fused_bias_gelu(y, b): the bias, the GELU, the bias gradient
 //                aten   gelu(y + b) and the bias gradient's column sum as separate ops
@@ -85,10 +89,19 @@ json fb_run(const std::string& op, const Impl& impl, const std::vector<at::Tenso
           {"gb_per_s", bytes / (ms * 1e-3) / 1e9}};
 }
 
-void fb_print(std::vector<json>& lines, const std::vector<at::Tensor>& first_grads, bool print) {
+// Every implementation of one op, one line each, the first input's gradient against the first
+// implementation's (fused).
+void fb_op(const std::string& op, const std::vector<Impl>& impls, const std::vector<at::Tensor>& inputs,
+           const std::vector<at::Tensor>& grads, double bytes, bool print) {
+  std::vector<json> lines;
+  std::vector<at::Tensor> first;
+  for (const Impl& impl : impls) {
+    at::Tensor g;
+    lines.push_back(fb_run(op, impl, inputs, grads, bytes, &g));
+    first.push_back(g);
+  }
   for (size_t i = 0; i < lines.size(); ++i) {
-    lines[i]["max_abs_diff_vs_fused"] =
-        (first_grads[i].to(at::kFloat) - first_grads[0].to(at::kFloat)).abs().max().item<double>();
+    lines[i]["max_abs_diff_vs_fused"] = (first[i].to(at::kFloat) - first[0].to(at::kFloat)).abs().max().item<double>();
     if (print) std::printf("%s\n", lines[i].dump().c_str());
   }
 }
@@ -131,14 +144,45 @@ int run_fused_block(BenchContext& ctx) {
          },
          {}},
     };
-    std::vector<json> lines;
-    std::vector<at::Tensor> first;
-    for (const Impl& impl : impls) {
-      at::Tensor g;
-      lines.push_back(fb_run("add_norm", impl, in, grads, bytes, &g));
-      first.push_back(g);
-    }
-    fb_print(lines, first, print);
+    fb_op("add_norm", impls, in, grads, bytes, print);
+  }
+  {  // Llama's RMSNorm of the residual sum (the same layout as add_norm, no bias)
+    const std::vector<at::Tensor> in = {at::randn({n, d}, on), at::randn({n, d}, on).to(at::kBFloat16),
+                                        at::randn({d}, on) * 0.2 + 1};
+    const std::vector<at::Tensor> grads = {at::randn({n, d}, on).to(at::kBFloat16), at::randn({n, d}, on)};
+    const double bytes = static_cast<double>(n * d) * (4 + 2 + 4 + 2 + 2 + 4 + 8 + 2 + 4 + 2);
+    const std::vector<Impl> impls = {
+        {"fused",
+         [](const std::vector<at::Tensor>& t) {
+           auto r = engine::fused_add_rms_norm(t[0], t[1], t[2], 1e-5, at::kBFloat16);
+           return std::vector<at::Tensor>{r.normed, r.sum};
+         },
+         {}},
+        {"aten",
+         [](const std::vector<at::Tensor>& t) {
+           at::Tensor s = t[0] + t[1];
+           at::Tensor h = s * at::rsqrt(s.pow(2).mean(-1, true) + 1e-5);
+           return std::vector<at::Tensor>{(t[2] * h).to(at::kBFloat16), s};
+         },
+         {}},
+    };
+    fb_op("add_rms_norm", impls, in, grads, bytes, print);
+  }
+  {  // SwiGLU: silu(gate) * up, bfloat16 (the Linears' outputs under autocast)
+    const std::vector<at::Tensor> in = {(at::randn({n, ff}, on) * 2).to(at::kBFloat16),
+                                        at::randn({n, ff}, on).to(at::kBFloat16)};
+    const std::vector<at::Tensor> grads = {at::randn({n, ff}, on).to(at::kBFloat16)};
+    // fused: read gate, up; write out; backward: read grad, gate, up; write both gradients.
+    const double bytes = static_cast<double>(n * ff) * 2 * 8;
+    const std::vector<Impl> impls = {
+        {"fused",
+         [](const std::vector<at::Tensor>& t) { return std::vector<at::Tensor>{engine::fused_swiglu(t[0], t[1])}; },
+         {}},
+        {"aten",
+         [](const std::vector<at::Tensor>& t) { return std::vector<at::Tensor>{at::silu(t[0]) * t[1]}; },
+         {}},
+    };
+    fb_op("swiglu", impls, in, grads, bytes, print);
   }
   {  // bias + GELU
     const std::vector<at::Tensor> in = {(at::randn({n, ff}, on) * 2).to(at::kBFloat16), at::randn({ff}, on)};
@@ -164,14 +208,7 @@ int run_fused_block(BenchContext& ctx) {
          },
          [](std::vector<at::Tensor>& g) { g[1] = g[0].sum(0, false, at::kFloat); }},
     };
-    std::vector<json> lines;
-    std::vector<at::Tensor> first;
-    for (const Impl& impl : impls) {
-      at::Tensor g;
-      lines.push_back(fb_run("bias_gelu", impl, in, grads, bytes, &g));
-      first.push_back(g);
-    }
-    fb_print(lines, first, print);
+    fb_op("bias_gelu", impls, in, grads, bytes, print);
   }
   std::fflush(stdout);
   return 0;

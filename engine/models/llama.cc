@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dtrain/dist/error.h"
+#include "dtrain/engine/parallel/fused_block_ops.h"
 
 #include "decoder_lm.h"
 
@@ -351,6 +352,8 @@ LlamaMlpImpl::LlamaMlpImpl(const LlamaOptions& o, dist::Communicator& comm) {
 }
 
 at::Tensor LlamaMlpImpl::forward(const at::Tensor& x) {
+  // On CUDA silu(gate) * up is one kernel (fused_block_ops.h); elsewhere ATen's two ops.
+  if (fused_block_kernels_serve(x)) return down->forward(swiglu(gate->forward(x), up->forward(x)));
   return down->forward(at::silu(gate->forward(x)) * up->forward(x));
 }
 
@@ -363,6 +366,13 @@ LlamaBlockImpl::LlamaBlockImpl(const LlamaOptions& o, dist::Communicator& comm, 
 }
 
 at::Tensor LlamaBlockImpl::forward(const at::Tensor& x) {
+  if (!attn_norm->sequence_parallel && fused_block_kernels_serve(x)) {
+    // CUDA: each RMSNorm in one kernel, the second with the residual add (fused_block_ops.h),
+    // the norms' outputs in autocast's dtype for the Linears they feed; elsewhere as below.
+    const at::Tensor n1 = add_rms_norm(x, at::Tensor(), attn_norm->weight, attn_norm->eps).normed;
+    const AddLayerNorm r = add_rms_norm(x, attn->forward(n1), mlp_norm->weight, mlp_norm->eps);
+    return r.sum + mlp->forward(r.normed);
+  }
   at::Tensor h = x + attn->forward(attn_norm->forward(x));
   return h + mlp->forward(mlp_norm->forward(h));
 }

@@ -39,9 +39,24 @@ DTRAIN_FB_HD A gelu_tanh_grad(A z) {
   return A(0.5) * (A(1) + t) + A(0.5) * z * (A(1) - t * t) * k0 * (A(1) + A(3) * k1 * z * z);
 }
 
+// SiLU, x * sigmoid(x), and its derivative sigmoid(x) * (1 + x * (1 - sigmoid(x))).
+DTRAIN_FB_HD float fb_exp(float v) { return expf(v); }
+DTRAIN_FB_HD double fb_exp(double v) { return ::exp(v); }
+
+template <class A>
+DTRAIN_FB_HD A silu(A z) {
+  return z / (A(1) + fb_exp(-z));
+}
+
+template <class A>
+DTRAIN_FB_HD A silu_grad(A z) {
+  const A sig = A(1) / (A(1) + fb_exp(-z));
+  return sig * (A(1) + z * (A(1) - sig));
+}
+
 // LayerNorm's input gradient for one element of a row of n, given xhat = (s - mean) * rstd,
 // gw = dn * weight, and the row's sums a = sum gw, b = sum gw * xhat:
-// ds = rstd * (gw - a / n - xhat * b / n).
+// ds = rstd * (gw - a / n - xhat * b / n). RMSNorm's is the same with a = 0 (no mean).
 template <class A>
 DTRAIN_FB_HD A layer_norm_input_grad(A gw, A xhat, A rstd, A a_over_n, A b_over_n) {
   return rstd * (gw - a_over_n - xhat * b_over_n);
@@ -52,10 +67,14 @@ DTRAIN_FB_HD A layer_norm_input_grad(A gw, A xhat, A rstd, A a_over_n, A b_over_
 // Dtypes: S for x, the sum s, its gradient and x's gradient; Y for y and y's gradient; W for the
 // weight, the bias and their gradients; O for the normalized output and its gradient. The
 // kernels serve the combinations add_norm_supported accepts.
+// rms: an RMSNorm instead (transformers' LlamaRMSNorm): no mean (stored as 0), the mean square
+// in place of the variance, no bias, and the normalized value rounded to S before the weight
+// multiplies it (Llama's ".to(input dtype)"; a no-op for float32 and float64).
 struct AddNormShape {
   int64_t rows = 0, cols = 0;
   FbDtype s = FbDtype::kFp32, y = FbDtype::kFp32, w = FbDtype::kFp32, o = FbDtype::kFp32;
   bool has_y = false;  // false: s is x itself (a plain LayerNorm)
+  bool rms = false;
 };
 
 inline FbDtype add_norm_y_key(const AddNormShape& shape) { return shape.has_y ? shape.y : shape.s; }
@@ -82,6 +101,14 @@ const char* add_norm_backward(const AddNormShape& shape, const void* grad_out, c
                               const void* s, const void* weight, const void* mean, const void* rstd,
                               void* grad_x, void* grad_y, void* grad_weight, void* grad_bias, void* workspace,
                               void* stream);
+
+// ---- SwiGLU: silu(gate) * up ---------------------------------------------------------------
+// gate, up and the output: n adjacent elements of one dtype (float64, float32, bfloat16 or
+// float16); the product is formed in the accumulation type and rounded once.
+const char* swiglu_forward(int64_t n, FbDtype dtype, const void* gate, const void* up, void* out, void* stream);
+// grad_gate = grad_out * up * silu_grad(gate), grad_up = grad_out * silu(gate), each rounded once.
+const char* swiglu_backward(int64_t n, FbDtype dtype, const void* grad_out, const void* gate, const void* up,
+                            void* grad_gate, void* grad_up, void* stream);
 
 // ---- bias + GELU --------------------------------------------------------------------------
 // y [rows, cols] (contiguous) of dtype Y plus bias [cols] of dtype B; the output and its

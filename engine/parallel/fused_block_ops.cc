@@ -113,38 +113,38 @@ AddNormShape add_norm_shape(const at::Tensor& x, const at::Tensor& y, const at::
 
 // ---- the host path: the kernels' formulas in loops ------------------------------------------
 
-// Forward on the host: sum (rounded to its dtype), then per row the mean, the biased variance
-// about it and the output, in A.
+// Forward on the host, per row: the mean (0 for an RMSNorm), the mean square about it, and
+// xhat = (s - mean) * rstd, all in A. The caller rounds xhat (RMSNorm) and applies the weight.
 template <class A>
-void add_norm_forward_host(const at::Tensor& s_acc, const at::Tensor& w_acc, const at::Tensor& b_acc, double eps,
-                           at::Tensor& out_acc, at::Tensor& mean, at::Tensor& rstd) {
+void add_norm_forward_host(const at::Tensor& s_acc, double eps, bool rms, at::Tensor& xhat_acc, at::Tensor& mean,
+                           at::Tensor& rstd) {
   const int64_t cols = s_acc.size(-1), rows = s_acc.numel() / cols;
   const A* s = s_acc.const_data_ptr<A>();
-  const A* w = w_acc.const_data_ptr<A>();
-  const A* b = b_acc.defined() ? b_acc.const_data_ptr<A>() : nullptr;
-  A* o = out_acc.data_ptr<A>();
+  A* xh = xhat_acc.data_ptr<A>();
   A* mu = mean.data_ptr<A>();
   A* rs = rstd.data_ptr<A>();
   for (int64_t r = 0; r < rows; ++r) {
     const A* row = s + r * cols;
     A total = 0;
-    for (int64_t c = 0; c < cols; ++c) total += row[c];
+    if (!rms) {
+      for (int64_t c = 0; c < cols; ++c) total += row[c];
+    }
     const A m = total / static_cast<A>(cols);
     A sq = 0;
     for (int64_t c = 0; c < cols; ++c) sq += (row[c] - m) * (row[c] - m);
     const A inv = A(1) / std::sqrt(sq / static_cast<A>(cols) + static_cast<A>(eps));
-    for (int64_t c = 0; c < cols; ++c) o[r * cols + c] = (row[c] - m) * inv * w[c] + (b ? b[c] : A(0));
+    for (int64_t c = 0; c < cols; ++c) xh[r * cols + c] = (row[c] - m) * inv;
     mu[r] = m;
     rs[r] = inv;
   }
 }
 
-// Backward on the host: ds (LayerNorm's input gradient plus grad_sum) and the weight and bias
-// gradients, in A.
+// Backward on the host: ds, the norm's input gradient (layer_norm_input_grad, without the mean
+// term for an RMSNorm) plus grad_sum, in A.
 template <class A>
 void add_norm_backward_host(const at::Tensor& dn_acc, const at::Tensor& gs_acc, const at::Tensor& s_acc,
-                            const at::Tensor& w_acc, const at::Tensor& mean, const at::Tensor& rstd, at::Tensor& ds_acc,
-                            at::Tensor& gw_acc, at::Tensor& gb_acc) {
+                            const at::Tensor& w_acc, const at::Tensor& mean, const at::Tensor& rstd, bool rms,
+                            at::Tensor& ds_acc) {
   const int64_t cols = s_acc.size(-1), rows = s_acc.numel() / cols;
   const A* dn = dn_acc.const_data_ptr<A>();
   const A* gs = gs_acc.defined() ? gs_acc.const_data_ptr<A>() : nullptr;
@@ -153,10 +153,6 @@ void add_norm_backward_host(const at::Tensor& dn_acc, const at::Tensor& gs_acc, 
   const A* mu = mean.const_data_ptr<A>();
   const A* rs = rstd.const_data_ptr<A>();
   A* ds = ds_acc.data_ptr<A>();
-  A* gw = gw_acc.data_ptr<A>();
-  A* gb = gb_acc.data_ptr<A>();
-  std::fill(gw, gw + cols, A(0));
-  std::fill(gb, gb + cols, A(0));
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t base = r * cols;
     A a = 0, bsum = 0;
@@ -166,15 +162,35 @@ void add_norm_backward_host(const at::Tensor& dn_acc, const at::Tensor& gs_acc, 
       a += g;
       bsum += g * xhat;
     }
-    a /= static_cast<A>(cols);
+    a = rms ? A(0) : a / static_cast<A>(cols);
     bsum /= static_cast<A>(cols);
     for (int64_t c = 0; c < cols; ++c) {
       const A xhat = (s[base + c] - mu[r]) * rs[r];
       ds[base + c] = detail::layer_norm_input_grad<A>(dn[base + c] * w[c], xhat, rs[r], a, bsum) +
                      (gs ? gs[base + c] : A(0));
-      gw[c] += dn[base + c] * xhat;
-      gb[c] += dn[base + c];
     }
+  }
+}
+
+template <class A>
+void swiglu_forward_host(const at::Tensor& g_acc, const at::Tensor& u_acc, at::Tensor& out_acc) {
+  const A* g = g_acc.const_data_ptr<A>();
+  const A* u = u_acc.const_data_ptr<A>();
+  A* o = out_acc.data_ptr<A>();
+  for (int64_t i = 0; i < g_acc.numel(); ++i) o[i] = detail::silu<A>(g[i]) * u[i];
+}
+
+template <class A>
+void swiglu_backward_host(const at::Tensor& d_acc, const at::Tensor& g_acc, const at::Tensor& u_acc,
+                          at::Tensor& dg_acc, at::Tensor& du_acc) {
+  const A* d = d_acc.const_data_ptr<A>();
+  const A* g = g_acc.const_data_ptr<A>();
+  const A* u = u_acc.const_data_ptr<A>();
+  A* dg = dg_acc.data_ptr<A>();
+  A* du = du_acc.data_ptr<A>();
+  for (int64_t i = 0; i < g_acc.numel(); ++i) {
+    dg[i] = d[i] * u[i] * detail::silu_grad<A>(g[i]);
+    du[i] = d[i] * detail::silu<A>(g[i]);
   }
 }
 
@@ -215,13 +231,21 @@ at::Tensor fb_host(const at::Tensor& t, at::ScalarType acc) { return t.to(acc).c
 
 // ---- the autograd functions ---------------------------------------------------------------
 
+// xhat for the weight: (s - mean) * rstd, rounded to s's dtype for an RMSNorm (host path).
+at::Tensor host_xhat_for_weight(const at::Tensor& s_acc, const at::Tensor& mean, const at::Tensor& rstd, bool rms,
+                                at::ScalarType s_type) {
+  const int64_t cols = s_acc.size(-1);
+  at::Tensor xhat = (s_acc.reshape({-1, cols}) - mean.unsqueeze(1)) * rstd.unsqueeze(1);
+  return rms ? xhat.to(s_type).to(s_acc.scalar_type()) : xhat;
+}
+
 struct FusedAddNormFn : torch::autograd::Function<FusedAddNormFn> {
-  // Returns {normed} without y, {sum, normed} with it.
+  // Returns {normed} without y, {sum, normed} with it. rms: an RMSNorm (fused_block_kernels.h).
   // y and bias as optionals: autograd takes an undefined at::Tensor for an input it must
   // describe (its device, its dtype), an empty optional for a non-input.
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x_in, const std::optional<at::Tensor>& y_opt,
                                const at::Tensor& weight_in, const std::optional<at::Tensor>& bias_opt, double eps,
-                               int64_t out_dtype) {
+                               int64_t out_dtype, bool rms) {
     const at::Tensor y_in = y_opt.value_or(at::Tensor()), bias_in = bias_opt.value_or(at::Tensor());
     const c10::DeviceGuard guard(x_in.device());
     const at::Tensor y = y_in.defined() ? y_in.contiguous() : y_in;
@@ -233,37 +257,41 @@ struct FusedAddNormFn : torch::autograd::Function<FusedAddNormFn> {
     const auto out_type = static_cast<at::ScalarType>(out_dtype);
     const at::ScalarType acc = fb_acc_of(s_type);
     const int64_t cols = x.size(-1), rows = x.numel() / cols;
+    const char* what = rms ? "RMSNorm" : "LayerNorm";
     at::Tensor sum, out, mean, rstd;
     if (x.is_cuda()) {
-      const AddNormShape sh = add_norm_shape(x, y, weight, out_type);
-      DTRAIN_CHECK(detail::add_norm_supported(sh) && detail::fused_block_kernels_built(),
-                   "the fused LayerNorm has no CUDA kernel for x ", x.scalar_type(), ", y ",
-                   y.defined() ? y.scalar_type() : x.scalar_type(), ", weight ", weight.scalar_type(), " into ",
-                   out_type, " in this build (see fused_add_layer_norm_available)");
+      AddNormShape sh = add_norm_shape(x, y, weight, out_type);
+      sh.rms = rms;
+      DTRAIN_CHECK(detail::add_norm_supported(sh) && detail::fused_block_kernels_built(), "the fused ", what,
+                   " has no CUDA kernel for x ", x.scalar_type(), ", y ", y.defined() ? y.scalar_type() : x.scalar_type(),
+                   ", weight ", weight.scalar_type(), " into ", out_type,
+                   " in this build (see fused_add_layer_norm_available)");
       sum = y.defined() ? at::empty(x.sizes(), x.options().dtype(s_type)) : at::Tensor();
       out = at::empty(x.sizes(), x.options().dtype(out_type));
       mean = at::empty({rows}, x.options().dtype(acc));
       rstd = at::empty({rows}, x.options().dtype(acc));
-      fb_check(detail::add_norm_forward(sh, x.const_data_ptr(), fb_ptr(y), weight.const_data_ptr(),
-                                            fb_ptr(bias), eps, fb_mut(sum), out.data_ptr(), mean.data_ptr(),
-                                            rstd.data_ptr(), fb_stream(x.device())),
-                   "LayerNorm forward");
+      fb_check(detail::add_norm_forward(sh, x.const_data_ptr(), fb_ptr(y), weight.const_data_ptr(), fb_ptr(bias), eps,
+                                        fb_mut(sum), out.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
+                                        fb_stream(x.device())),
+               what);
     } else {
-      DTRAIN_CHECK(x.is_cpu(), "the fused LayerNorm runs on CUDA or the CPU, not ", x.device());
+      DTRAIN_CHECK(x.is_cpu(), "the fused ", what, " runs on CUDA or the CPU, not ", x.device());
       at::Tensor s_acc = fb_host(x, acc);
       if (y.defined()) {
         sum = (s_acc + y.to(acc)).to(s_type);  // rounded to the sum's dtype, as the kernels do
         s_acc = fb_host(sum, acc);
       }
-      at::Tensor out_acc = at::empty(x.sizes(), x.options().dtype(acc));
+      at::Tensor xhat = at::empty(x.sizes(), x.options().dtype(acc));
       mean = at::empty({rows}, x.options().dtype(acc));
       rstd = at::empty({rows}, x.options().dtype(acc));
-      const at::Tensor w_acc = fb_host(weight, acc), b_acc = bias.defined() ? fb_host(bias, acc) : bias;
       if (acc == at::kDouble) {
-        add_norm_forward_host<double>(s_acc, w_acc, b_acc, eps, out_acc, mean, rstd);
+        add_norm_forward_host<double>(s_acc, eps, rms, xhat, mean, rstd);
       } else {
-        add_norm_forward_host<float>(s_acc, w_acc, b_acc, eps, out_acc, mean, rstd);
+        add_norm_forward_host<float>(s_acc, eps, rms, xhat, mean, rstd);
       }
+      if (rms) xhat = xhat.to(s_type).to(acc);  // Llama's cast back to the input's dtype
+      at::Tensor out_acc = xhat * fb_host(weight, acc);
+      if (bias.defined()) out_acc = out_acc + fb_host(bias, acc);
       out = out_acc.to(out_type);
     }
     const at::Tensor saved_s = y.defined() ? sum : x;  // the sum's dtype either way
@@ -273,6 +301,7 @@ struct FusedAddNormFn : torch::autograd::Function<FusedAddNormFn> {
     ctx->saved_data["x_dtype"] = static_cast<int64_t>(x_in.scalar_type());
     ctx->saved_data["has_bias"] = bias.defined();
     ctx->saved_data["out_dtype"] = out_dtype;
+    ctx->saved_data["rms"] = rms;
     if (y.defined()) return {sum, out};
     return {out};
   }
@@ -286,17 +315,21 @@ struct FusedAddNormFn : torch::autograd::Function<FusedAddNormFn> {
     const c10::DeviceGuard guard(s.device());
     const bool has_y = ctx->saved_data["has_y"].toBool();
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    const bool rms = ctx->saved_data["rms"].toBool();
     const auto y_type = static_cast<at::ScalarType>(ctx->saved_data["y_dtype"].toInt());
     const auto x_type = static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt());
     const auto out_type = static_cast<at::ScalarType>(ctx->saved_data["out_dtype"].toInt());
     const at::ScalarType acc = fb_acc_of(s.scalar_type());
-    const at::Tensor gs = has_y && grads[0].defined() ? grads[0].contiguous() : at::Tensor();
+    const variable_list none(7);
+    const at::Tensor gs = has_y && grads[0].defined() ? grads[0].to(s.scalar_type()).contiguous() : at::Tensor();
     at::Tensor dn = grads[has_y ? 1 : 0];
     // Nothing reached the output: the sum's gradient passes through, the weights get none.
     if (!dn.defined()) {
-      if (!gs.defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-      return {gs.to(x_type), has_y ? gs.to(y_type) : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-              at::Tensor()};
+      if (!gs.defined()) return none;
+      variable_list r = none;
+      r[0] = gs.to(x_type);
+      if (has_y) r[1] = gs.to(y_type);
+      return r;
     }
     dn = dn.to(out_type).contiguous();
     const int64_t cols = s.size(-1), rows = s.numel() / cols;
@@ -310,35 +343,90 @@ struct FusedAddNormFn : torch::autograd::Function<FusedAddNormFn> {
       sh.y = has_y ? fb_dtype_or_throw(y_type) : sh.s;
       sh.w = fb_dtype_or_throw(weight.scalar_type());
       sh.o = fb_dtype_or_throw(out_type);
+      sh.rms = rms;
       gx = at::empty(s.sizes(), s.options());
       gy = has_y ? at::empty(s.sizes(), s.options().dtype(y_type)) : at::Tensor();
       gw = at::empty_like(weight);
       gb = has_bias ? at::empty_like(weight) : at::Tensor();
       at::Tensor workspace = at::empty({2 * detail::add_norm_workspace_chunks(rows) * cols}, s.options().dtype(acc));
       fb_check(detail::add_norm_backward(sh, dn.const_data_ptr(), fb_ptr(gs), s.const_data_ptr(),
-                                             weight.const_data_ptr(), mean.const_data_ptr(), rstd.const_data_ptr(),
-                                             gx.data_ptr(), fb_mut(gy), gw.data_ptr(), fb_mut(gb),
-                                             workspace.data_ptr(), fb_stream(s.device())),
-                   "LayerNorm backward");
+                                         weight.const_data_ptr(), mean.const_data_ptr(), rstd.const_data_ptr(),
+                                         gx.data_ptr(), fb_mut(gy), gw.data_ptr(), fb_mut(gb), workspace.data_ptr(),
+                                         fb_stream(s.device())),
+               rms ? "RMSNorm backward" : "LayerNorm backward");
     } else {
       at::Tensor ds = at::empty(s.sizes(), s.options().dtype(acc));
-      at::Tensor gw_acc = at::empty({cols}, s.options().dtype(acc)), gb_acc = at::empty({cols}, s.options().dtype(acc));
       const at::Tensor gs_acc = gs.defined() ? fb_host(gs, acc) : gs;
+      const at::Tensor dn_acc = fb_host(dn, acc), s_acc = fb_host(s, acc);
       if (acc == at::kDouble) {
-        add_norm_backward_host<double>(fb_host(dn, acc), gs_acc, fb_host(s, acc), fb_host(weight, acc), mean, rstd,
-                                       ds, gw_acc, gb_acc);
+        add_norm_backward_host<double>(dn_acc, gs_acc, s_acc, fb_host(weight, acc), mean, rstd, rms, ds);
       } else {
-        add_norm_backward_host<float>(fb_host(dn, acc), gs_acc, fb_host(s, acc), fb_host(weight, acc), mean, rstd,
-                                      ds, gw_acc, gb_acc);
+        add_norm_backward_host<float>(dn_acc, gs_acc, s_acc, fb_host(weight, acc), mean, rstd, rms, ds);
       }
       gx = ds.to(s.scalar_type());
       gy = has_y ? gx.to(y_type) : at::Tensor();
-      gw = gw_acc.to(weight.scalar_type());
-      gb = has_bias ? gb_acc.to(weight.scalar_type()) : at::Tensor();
+      const at::Tensor dn_rows = dn_acc.reshape({-1, cols});
+      gw = (dn_rows * host_xhat_for_weight(s_acc, mean, rstd, rms, s.scalar_type())).sum(0).to(weight.scalar_type());
+      gb = has_bias ? dn_rows.sum(0).to(weight.scalar_type()) : at::Tensor();
     }
     // x's gradient in x's dtype (the sum's dtype is x's unless y promoted it).
     if (gx.scalar_type() != x_type) gx = gx.to(x_type);
-    return {gx, gy, gw, gb, at::Tensor(), at::Tensor()};
+    return {gx, gy, gw, gb, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+struct FusedSwigluFn : torch::autograd::Function<FusedSwigluFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate_in, const at::Tensor& up_in) {
+    const c10::DeviceGuard guard(gate_in.device());
+    const at::Tensor gate = gate_in.contiguous(), up = up_in.contiguous();
+    at::Tensor out;
+    if (gate.is_cuda()) {
+      out = at::empty_like(gate);
+      fb_check(detail::swiglu_forward(gate.numel(), fb_dtype_or_throw(gate.scalar_type()), gate.const_data_ptr(),
+                                      up.const_data_ptr(), out.data_ptr(), fb_stream(gate.device())),
+               "SwiGLU forward");
+    } else {
+      DTRAIN_CHECK(gate.is_cpu(), "the fused SwiGLU runs on CUDA or the CPU, not ", gate.device());
+      const at::ScalarType acc = fb_acc_of(gate.scalar_type());
+      at::Tensor out_acc = at::empty(gate.sizes(), gate.options().dtype(acc));
+      if (acc == at::kDouble) {
+        swiglu_forward_host<double>(fb_host(gate, acc), fb_host(up, acc), out_acc);
+      } else {
+        swiglu_forward_host<float>(fb_host(gate, acc), fb_host(up, acc), out_acc);
+      }
+      out = out_acc.to(gate.scalar_type());
+    }
+    ctx->save_for_backward({gate, up});
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor()};
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& gate = saved[0];
+    const at::Tensor& up = saved[1];
+    const c10::DeviceGuard guard(gate.device());
+    const at::Tensor d = grads[0].to(gate.scalar_type()).contiguous();
+    at::Tensor dg, du;
+    if (gate.is_cuda()) {
+      dg = at::empty_like(gate);
+      du = at::empty_like(up);
+      fb_check(detail::swiglu_backward(gate.numel(), fb_dtype_or_throw(gate.scalar_type()), d.const_data_ptr(),
+                                       gate.const_data_ptr(), up.const_data_ptr(), dg.data_ptr(), du.data_ptr(),
+                                       fb_stream(gate.device())),
+               "SwiGLU backward");
+    } else {
+      const at::ScalarType acc = fb_acc_of(gate.scalar_type());
+      at::Tensor dg_acc = at::empty(gate.sizes(), gate.options().dtype(acc)), du_acc = at::empty_like(dg_acc);
+      if (acc == at::kDouble) {
+        swiglu_backward_host<double>(fb_host(d, acc), fb_host(gate, acc), fb_host(up, acc), dg_acc, du_acc);
+      } else {
+        swiglu_backward_host<float>(fb_host(d, acc), fb_host(gate, acc), fb_host(up, acc), dg_acc, du_acc);
+      }
+      dg = dg_acc.to(gate.scalar_type());
+      du = du_acc.to(up.scalar_type());
+    }
+    return {dg, du};
   }
 };
 
@@ -449,9 +537,30 @@ AddLayerNorm fused_add_layer_norm(const at::Tensor& x, const at::Tensor& y, cons
   const at::ScalarType out = out_dtype.value_or(s_type);
   const std::optional<at::Tensor> y_opt = y.defined() ? std::optional<at::Tensor>(y) : std::nullopt;
   const std::optional<at::Tensor> b_opt = bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
-  const variable_list r = FusedAddNormFn::apply(x, y_opt, weight, b_opt, eps, static_cast<int64_t>(out));
+  const variable_list r = FusedAddNormFn::apply(x, y_opt, weight, b_opt, eps, static_cast<int64_t>(out), false);
   if (y.defined()) return {r[0], r[1]};
   return {x, r[0]};
+}
+
+AddLayerNorm fused_add_rms_norm(const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight, double eps,
+                                std::optional<at::ScalarType> out_dtype) {
+  check_add_norm_inputs(x, y, weight, at::Tensor());
+  const at::ScalarType s_type = y.defined() ? at::promote_types(x.scalar_type(), y.scalar_type()) : x.scalar_type();
+  const at::ScalarType out = out_dtype.value_or(at::promote_types(s_type, weight.scalar_type()));
+  const std::optional<at::Tensor> y_opt = y.defined() ? std::optional<at::Tensor>(y) : std::nullopt;
+  const variable_list r =
+      FusedAddNormFn::apply(x, y_opt, weight, std::optional<at::Tensor>(), eps, static_cast<int64_t>(out), true);
+  if (y.defined()) return {r[0], r[1]};
+  return {x, r[0]};
+}
+
+at::Tensor fused_swiglu(const at::Tensor& gate, const at::Tensor& up) {
+  DTRAIN_CHECK(gate.defined() && up.defined() && gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type() &&
+                   gate.device() == up.device(),
+               "the fused SwiGLU takes gate and up of one shape, dtype and device, got ",
+               gate.defined() ? gate.sizes() : at::IntArrayRef{}, " ", gate.defined() ? gate.scalar_type() : at::kFloat,
+               " and ", up.defined() ? up.sizes() : at::IntArrayRef{}, " ", up.defined() ? up.scalar_type() : at::kFloat);
+  return FusedSwigluFn::apply(gate, up);
 }
 
 at::Tensor fused_bias_gelu(const at::Tensor& y, const at::Tensor& bias) {
@@ -477,25 +586,58 @@ bool fused_block_kernels_serve(const at::Tensor& x) {
   return x.defined() && x.is_cuda() && detail::fused_block_kernels_built() && fused_block_ops_enabled();
 }
 
+namespace {
+// The dtype of a norm whose output feeds a Linear: under autocast the Linear casts a float32 norm
+// to autocast's dtype, so the kernel rounds to it directly (the same single rounding); else
+// `plain`.
+at::ScalarType norm_output_for_linear(const at::Tensor& x, at::ScalarType plain) {
+  if (at::autocast::is_autocast_enabled(x.device().type()) && plain == at::kFloat) {
+    return at::autocast::get_autocast_dtype(x.device().type());
+  }
+  return plain;
+}
+
+at::ScalarType sum_type(const at::Tensor& x, const at::Tensor& y) {
+  return y.defined() ? at::promote_types(x.scalar_type(), y.scalar_type()) : x.scalar_type();
+}
+}  // namespace
+
 AddLayerNorm add_layer_norm(const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight, const at::Tensor& bias,
                             double eps) {
   if (fused_block_kernels_serve(x)) {
-    const at::ScalarType s_type = y.defined() ? at::promote_types(x.scalar_type(), y.scalar_type()) : x.scalar_type();
-    // Under autocast the Linear this feeds casts the (float) norm to autocast's dtype: the
-    // kernel rounds to it directly, the same single rounding.
-    at::ScalarType out = s_type;
-    if (at::autocast::is_autocast_enabled(x.device().type()) && at::isFloatingType(s_type) &&
-        c10::elementSize(s_type) == 4) {
-      out = at::autocast::get_autocast_dtype(x.device().type());
-    }
+    const at::ScalarType out = norm_output_for_linear(x, sum_type(x, y));
     if (fused_add_layer_norm_available(x, y, weight, bias, out)) return fused_add_layer_norm(x, y, weight, bias, eps, out);
   }
   at::Tensor s = y.defined() ? x + y : x;
   return {s, at::layer_norm(s, {s.size(-1)}, weight, bias, eps)};
 }
 
+AddLayerNorm add_rms_norm(const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight, double eps) {
+  if (fused_block_kernels_serve(x) && weight.defined()) {
+    const at::ScalarType out = norm_output_for_linear(x, at::promote_types(sum_type(x, y), weight.scalar_type()));
+    if (fused_add_layer_norm_available(x, y, weight, at::Tensor(), out)) return fused_add_rms_norm(x, y, weight, eps, out);
+  }
+  at::Tensor s = y.defined() ? x + y : x;
+  // transformers' LlamaRMSNorm, op for op: float32, then the input's dtype, then the weight.
+  at::Tensor h = s.to(at::kFloat);
+  h = h * at::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return {s, weight * h.to(s.scalar_type())};
+}
+
+bool fused_swiglu_available(const at::Tensor& gate, const at::Tensor& up) {
+  FbDtype tmp = FbDtype::kFp32;
+  return gate.defined() && up.defined() && gate.is_cuda() && detail::fused_block_kernels_built() &&
+         gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type() && gate.device() == up.device() &&
+         fb_dtype(gate.scalar_type(), &tmp);
+}
+
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
+  if (fused_block_ops_enabled() && fused_swiglu_available(gate, up)) return fused_swiglu(gate, up);
+  return at::silu(gate) * up;
+}
+
 at::Tensor bias_gelu(const at::Tensor& y, const at::Tensor& bias) {
-  if (fused_bias_gelu_available(y, bias)) return fused_bias_gelu(y, bias);
+  if (fused_block_ops_enabled() && fused_bias_gelu_available(y, bias)) return fused_bias_gelu(y, bias);
   return at::gelu(y + bias, "tanh");
 }
 

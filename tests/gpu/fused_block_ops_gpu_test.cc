@@ -19,6 +19,7 @@
 #include <torch/torch.h>
 
 #include "dtrain/engine/models/gpt.h"
+#include "dtrain/engine/models/llama.h"
 #include "dtrain/engine/optim/amp.h"
 #include "dtrain/engine/parallel/fused_block_ops.h"
 #include "test_util.h"
@@ -115,6 +116,72 @@ TEST(FusedBlockOpsGpu, AddLayerNormMatchesFloat64Composition) {
   }
 }
 
+// RMSNorm (Llama's): the reference rounds the normalized value to the sum's dtype before the
+// weight, as the kernel and transformers' LlamaRMSNorm do.
+TEST(FusedBlockOpsGpu, AddRmsNormMatchesFloat64Composition) {
+  DTRAIN_SKIP_WITHOUT_CUDA();
+  const auto D = at::kDouble, F = at::kFloat, B = at::kBFloat16, H = at::kHalf;
+  const std::vector<NormCombo> combos = {{D, D, D, D}, {F, F, F, F}, {B, B, B, B}, {H, H, H, H}, {F, B, F, B}};
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{1, 1}, {7, 33}, {8192, 1024}};
+  int64_t seed = 500;
+  for (const NormCombo& c : combos) {
+    for (const auto& [rows, cols] : shapes) {
+      for (const bool with_y : {true, false}) {
+        SCOPED_TRACE(name(c.x) + "/" + name(c.y) + "/" + name(c.w) + "->" + name(c.o) + " [" + std::to_string(rows) +
+                     ", " + std::to_string(cols) + "] " + (with_y ? "residual" : "plain"));
+        auto g = at::make_generator<at::CPUGeneratorImpl>(seed++);
+        const at::Tensor x = (at::randn({rows, cols}, g, at::kDouble) * 2 + 0.3).to(c.x);
+        const at::Tensor y = with_y ? at::randn({rows, cols}, g, at::kDouble).to(c.y) : at::Tensor();
+        const at::Tensor w = (at::randn({cols}, g, at::kDouble) * 0.3 + 1).to(c.w);
+        const at::ScalarType s_type = with_y ? at::promote_types(c.x, c.y) : c.x;
+        const at::Tensor dn = at::randn({rows, cols}, g, at::kDouble).to(c.o);
+        const at::Tensor cx = x.to(kCuda).requires_grad_(true), cw = w.to(kCuda).requires_grad_(true);
+        const at::Tensor cy = with_y ? y.to(kCuda).requires_grad_(true) : at::Tensor();
+        ASSERT_TRUE(fused_add_layer_norm_available(cx, cy, cw, at::Tensor(), c.o));
+        const AddLayerNorm got = fused_add_rms_norm(cx, cy, cw, 1e-6, c.o);
+        const at::Tensor rx = x.to(at::kDouble).requires_grad_(true), rw = w.to(at::kDouble).requires_grad_(true);
+        const at::Tensor ry = with_y ? y.to(at::kDouble).requires_grad_(true) : at::Tensor();
+        at::Tensor rs = with_y ? rx + ry : rx;
+        if (with_y && s_type != at::kDouble) rs = rs + (rs.detach().to(s_type).to(at::kDouble) - rs.detach());
+        at::Tensor xhat = rs * at::rsqrt(rs.pow(2).mean(-1, true) + 1e-6);
+        xhat = xhat + (xhat.detach().to(s_type).to(at::kDouble) - xhat.detach());
+        const at::Tensor rn = rw * xhat;
+        EXPECT_LE(max_rel(got.normed, rn), tol(c.o) + tol(s_type)) << "normed";
+        std::vector<at::Tensor> gi = {cx, cw}, ri = {rx, rw};
+        if (with_y) gi.push_back(cy), ri.push_back(ry);
+        const auto gk = torch::autograd::grad({got.normed}, gi, {dn.to(kCuda)});
+        const auto gr = torch::autograd::grad({rn}, ri, {dn.to(at::kDouble)});
+        EXPECT_LE(max_rel(gk[0], gr[0]), tol(s_type) + tol(c.o)) << "grad x";
+        EXPECT_LE(max_rel(gk[1], gr[1]), tol(c.w) + tol(s_type)) << "grad weight";
+        if (with_y) EXPECT_LE(max_rel(gk[2], gr[2]), tol(c.y) + tol(c.o)) << "grad y";
+      }
+    }
+  }
+}
+
+TEST(FusedBlockOpsGpu, SwigluMatchesFloat64Composition) {
+  DTRAIN_SKIP_WITHOUT_CUDA();
+  int64_t seed = 700;
+  for (const at::ScalarType t : {at::kDouble, at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (const int64_t n : {int64_t{1}, int64_t{1001}, int64_t{8192} * 2816}) {
+      SCOPED_TRACE(name(t) + " n " + std::to_string(n));
+      auto g = at::make_generator<at::CPUGeneratorImpl>(seed++);
+      const at::Tensor gate = (at::randn({n}, g, at::kDouble) * 4).to(t), up = at::randn({n}, g, at::kDouble).to(t);
+      const at::Tensor d = at::randn({n}, g, at::kDouble).to(t);
+      const at::Tensor cg = gate.to(kCuda).requires_grad_(true), cu = up.to(kCuda).requires_grad_(true);
+      ASSERT_TRUE(fused_swiglu_available(cg, cu));
+      const at::Tensor out = fused_swiglu(cg, cu);
+      const at::Tensor rg = gate.to(at::kDouble).requires_grad_(true), ru = up.to(at::kDouble).requires_grad_(true);
+      const at::Tensor ref = at::silu(rg) * ru;
+      EXPECT_LE(max_rel(out, ref), tol(t)) << "forward";
+      const auto gk = torch::autograd::grad({out}, {cg, cu}, {d.to(kCuda)});
+      const auto gr = torch::autograd::grad({ref}, {rg, ru}, {d.to(at::kDouble)});
+      EXPECT_LE(max_rel(gk[0], gr[0]), tol(t)) << "grad gate";
+      EXPECT_LE(max_rel(gk[1], gr[1]), tol(t)) << "grad up";
+    }
+  }
+}
+
 TEST(FusedBlockOpsGpu, BiasGeluMatchesFloat64Composition) {
   DTRAIN_SKIP_WITHOUT_CUDA();
   const auto D = at::kDouble, F = at::kFloat, B = at::kBFloat16, H = at::kHalf;
@@ -163,6 +230,24 @@ TEST(FusedBlockOpsGpu, UnservedCombinationsFallBackToAten) {
   EXPECT_TRUE(at::equal(bias_gelu(yh, b), at::gelu(yh + b, "tanh")));
 }
 
+// `cuda` made a copy of `cpu`'s parameters and moved to the GPU.
+template <class M>
+void copy_to_cuda(M& cpu, M& cuda) {
+  {
+    torch::NoGradGuard ng;
+    auto src = cpu->named_parameters();
+    for (auto& p : cuda->named_parameters()) p.value().copy_(src[p.key()]);
+  }
+  cuda->to(kCuda);
+}
+
+// Every parameter's gradient of `cuda` within `t` of `cpu`'s.
+template <class M>
+void expect_grads_near(M& cuda, M& cpu, double t) {
+  auto want = cpu->named_parameters();
+  for (const auto& p : cuda->named_parameters()) EXPECT_LE(max_rel(p.value().grad(), want[p.key()].grad()), t) << p.key();
+}
+
 // A GPT block on CUDA (the fused LayerNorms and bias + GELU) against the same block on the CPU
 // (ATen's ops): output and every parameter's gradient, float32 and under bfloat16 autocast.
 TEST(FusedBlockOpsGpu, GptBlockOnCudaMatchesTheCpuBlock) {
@@ -181,12 +266,7 @@ TEST(FusedBlockOpsGpu, GptBlockOnCudaMatchesTheCpuBlock) {
     torch::manual_seed(5);
     GptBlock cpu(o, *tp);
     GptBlock cuda(o, *tp);
-    {
-      torch::NoGradGuard ng;
-      auto src = cpu->named_parameters();
-      for (auto& p : cuda->named_parameters()) p.value().copy_(src[p.key()]);
-    }
-    cuda->to(kCuda);
+    copy_to_cuda(cpu, cuda);
     const at::Tensor x0 = torch::randn({2, 32, 96}, at::kDouble).to(at::kFloat);
     const at::Tensor w = torch::randn({2, 32, 96}, at::kDouble).to(at::kFloat);
     at::Tensor xc = x0.clone().requires_grad_(true), xg = x0.to(kCuda).requires_grad_(true);
@@ -201,10 +281,41 @@ TEST(FusedBlockOpsGpu, GptBlockOnCudaMatchesTheCpuBlock) {
     const double t = amp ? 3e-2 : 2e-5;
     EXPECT_LE(max_rel(out, cpu->forward(x0)), t) << "output";
     EXPECT_LE(max_rel(xg.grad(), xc.grad()), t) << "input gradient";
-    auto ref = cpu->named_parameters();
-    for (const auto& p : cuda->named_parameters()) {
-      EXPECT_LE(max_rel(p.value().grad(), ref[p.key()].grad()), amp ? 5e-2 : 1e-4) << p.key();
+    expect_grads_near(cuda, cpu, amp ? 5e-2 : 1e-4);
+  }
+}
+
+// A one-block Llama on CUDA (fused RMSNorms and SwiGLU) against the same model on the CPU
+// (Llama's ops): the loss and every parameter's gradient, float32 and under bfloat16 autocast.
+TEST(FusedBlockOpsGpu, LlamaOnCudaMatchesTheCpuModel) {
+  DTRAIN_SKIP_WITHOUT_CUDA();
+  auto tp = testing_util::local_comm();
+  LlamaOptions o;
+  o.vocab = 96;
+  o.d_model = 64;
+  o.heads = 4;
+  o.kv_heads = 2;
+  o.ff = 160;
+  o.seq_len = 16;
+  o.layers = 1;
+  for (const bool amp : {false, true}) {
+    SCOPED_TRACE(amp ? "autocast bf16" : "float32");
+    torch::manual_seed(9);
+    Llama cpu(o, *tp);
+    Llama cuda(o, *tp);
+    copy_to_cuda(cpu, cuda);
+    const at::Tensor tokens = torch::randint(o.vocab, {2, 16}, at::kLong), targets = torch::randint(o.vocab, {2, 16}, at::kLong);
+    const at::Tensor ref = cpu->loss(tokens, targets);
+    ref.backward();
+    at::Tensor got;
+    {
+      std::optional<AutocastGuard> ac;
+      if (amp) ac.emplace(c10::kCUDA, AmpMode::kBf16);
+      got = cuda->loss(tokens.to(kCuda), targets.to(kCuda));
+      got.backward();
     }
+    EXPECT_NEAR(got.item<double>(), ref.item<double>(), amp ? 2e-2 : 1e-5);
+    expect_grads_near(cuda, cpu, amp ? 6e-2 : 2e-4);
   }
 }
 

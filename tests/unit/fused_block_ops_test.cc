@@ -1,6 +1,6 @@
 // The fused block operations (parallel/fused_block_ops.h) on the CPU, where they run the
 // kernels' per-element formulas on the host: against ATen's composition (x + y, layer_norm;
-// gelu(y + bias, "tanh")) through autograd in float64, forward and every input's gradient,
+// Llama's RMSNorm op for op; silu(gate) * up; gelu(y + bias, "tanh")) through autograd in float64, forward and every input's gradient,
 // with the sum's other uses sending a gradient of their own; the mixed dtypes autocast makes
 // (a float32 residual, a bfloat16 branch and output) against the composition in float32
 // rounded once; the dispatch (never the kernels on the CPU; the models' CPU path unchanged);
@@ -167,6 +167,71 @@ TEST(FusedBlockOpsCpu, BiasGeluOfBfloat16WithAFloat32Bias) {
   EXPECT_LE(max_rel(fb.grad(), fy.grad().to(at::kFloat).sum(0)), 1e-6);
 }
 
+// transformers' LlamaRMSNorm op for op on the sum: float32 statistics, the normalized value cast
+// back to the sum's dtype, then the weight.
+AddLayerNorm composed_rms(const Leaves& l, double eps) {
+  at::Tensor s = l.y.defined() ? l.x + l.y : l.x;
+  at::Tensor h = s.to(s.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
+  h = h * at::rsqrt(h.pow(2).mean(-1, true) + eps);
+  return {s, l.w * h.to(s.scalar_type())};
+}
+
+TEST(FusedBlockOpsCpu, AddRmsNormMatchesLlamasRmsNormInFloat64) {
+  const std::vector<NormCase> cases = {{{3, 5, 40}, true, false, true}, {{4, 9}, false, false, false},
+                                       {{2, 3, 256}, true, false, false}};
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const NormCase& c = cases[i];
+    SCOPED_TRACE("case " + std::to_string(i));
+    const NormInputs in = make_norm_inputs(c, 300 + i, at::kDouble, at::kDouble, at::kDouble);
+    const Leaves f = leaves_of(in), r = leaves_of(in);
+    const AddLayerNorm got = fused_add_rms_norm(f.x, f.y, f.w, 1e-6);
+    const AddLayerNorm want = composed_rms(r, 1e-6);
+    EXPECT_LE(max_rel(got.normed, want.normed), 1e-13);
+    norm_loss(got, in, c.sum_used).backward();
+    norm_loss(want, in, c.sum_used).backward();
+    EXPECT_LE(max_rel(f.x.grad(), r.x.grad()), 1e-12);
+    if (c.with_y) EXPECT_LE(max_rel(f.y.grad(), r.y.grad()), 1e-12);
+    EXPECT_LE(max_rel(f.w.grad(), r.w.grad()), 1e-12);
+  }
+}
+
+// bfloat16 weights (--param_dtype=bf16): the normalized value is rounded to bfloat16 before the
+// bfloat16 weight multiplies it, as in Llama's op-for-op composition, so the outputs agree but
+// where the float32 statistics, summed in another order, move a value across a rounding
+// boundary.
+TEST(FusedBlockOpsCpu, AddRmsNormOfBfloat16RoundsAsLlamaDoes) {
+  const NormCase c{{4, 8, 128}, true, false, true};
+  const NormInputs in = make_norm_inputs(c, 11, at::kBFloat16, at::kBFloat16, at::kBFloat16);
+  const Leaves f = leaves_of(in), r = leaves_of(in);
+  const AddLayerNorm got = fused_add_rms_norm(f.x, f.y, f.w, 1e-6);
+  const AddLayerNorm want = composed_rms(r, 1e-6);
+  ASSERT_EQ(got.normed.scalar_type(), at::kBFloat16);
+  EXPECT_TRUE(at::equal(got.sum, want.sum));
+  const at::Tensor diff = (got.normed.to(at::kDouble) - want.normed.to(at::kDouble)).abs();
+  EXPECT_TRUE((diff <= want.normed.to(at::kDouble).abs() * (1.0 / 64) + 1e-6).all().item<bool>());
+  EXPECT_LE(diff.gt(0).sum().item<int64_t>(), diff.numel() / 50) << "more than 2% of the outputs differ";
+  norm_loss(got, in, true).backward();
+  norm_loss(want, in, true).backward();
+  EXPECT_LE(max_rel(f.x.grad(), r.x.grad()), 1.0 / 64);
+  EXPECT_LE(max_rel(f.w.grad(), r.w.grad()), 1.0 / 64);
+}
+
+TEST(FusedBlockOpsCpu, SwigluMatchesTheCompositionInFloat64) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(21);
+  const at::Tensor g0 = at::randn({3, 7, 50}, g, at::kDouble) * 4, u0 = at::randn({3, 7, 50}, g, at::kDouble);
+  const at::Tensor w = at::randn({3, 7, 50}, g, at::kDouble);
+  at::Tensor fg = g0.clone().requires_grad_(true), fu = u0.clone().requires_grad_(true);
+  at::Tensor rg = g0.clone().requires_grad_(true), ru = u0.clone().requires_grad_(true);
+  const at::Tensor got = fused_swiglu(fg, fu), want = at::silu(rg) * ru;
+  EXPECT_LE(max_rel(got, want), 1e-14);
+  (got * w).sum().backward();
+  (want * w).sum().backward();
+  EXPECT_LE(max_rel(fg.grad(), rg.grad()), 1e-13);
+  EXPECT_LE(max_rel(fu.grad(), ru.grad()), 1e-13);
+  EXPECT_NE(error_of([&] { fused_swiglu(fg, fu.narrow(2, 0, 5)); }).find("one shape, dtype and device"),
+            std::string::npos);
+}
+
 TEST(FusedBlockOpsCpu, ModelsKeepAtensOpsOnTheCpu) {
   const at::Tensor x = at::randn({2, 3, 8}), y = at::randn({2, 3, 8}), w = at::randn({8}), b = at::randn({8});
   EXPECT_FALSE(fused_block_kernels_serve(x));
@@ -176,6 +241,11 @@ TEST(FusedBlockOpsCpu, ModelsKeepAtensOpsOnTheCpu) {
   EXPECT_TRUE(at::equal(r.sum, x + y));
   EXPECT_TRUE(at::equal(r.normed, at::layer_norm(x + y, {8}, w, b, 1e-5)));
   EXPECT_TRUE(at::equal(bias_gelu(x, b), at::gelu(x + b, "tanh")));
+  EXPECT_FALSE(fused_swiglu_available(x, y));
+  EXPECT_TRUE(at::equal(swiglu(x, y), at::silu(x) * y));
+  const AddLayerNorm rr = add_rms_norm(x, y, w, 1e-6);
+  at::Tensor h = (x + y) * at::rsqrt((x + y).pow(2).mean(-1, true) + 1e-6);
+  EXPECT_TRUE(at::equal(rr.normed, w * h));
 }
 
 TEST(FusedBlockOpsCpu, MismatchedShapesAreRefusedByName) {

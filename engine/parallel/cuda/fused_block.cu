@@ -10,6 +10,11 @@
 // bias gradients by a column kernel over chunks of rows into partial sums and a second kernel
 // adding the chunks in order, so every result is deterministic (no atomics).
 //
+// RMSNorm (Llama's) is the same kernels with the mean left out, no bias, and the normalized value
+// rounded to the input's dtype before the weight, as transformers' LlamaRMSNorm does.
+//
+// SwiGLU: element-wise, forward and backward (both inputs' gradients in one pass).
+//
 // Bias + GELU: the forward is element-wise over a (column, row) grid; the backward writes the
 // input gradient and sums it per column over chunks of rows in the same pass, then adds the
 // chunks as above.
@@ -75,8 +80,8 @@ const char* launch_status() {
 template <class S, class Y, class W, class O>
 __global__ void add_norm_forward_kernel(int64_t rows, int64_t cols, const typename S::Raw* x,
                                         const typename Y::Raw* y, const typename W::Raw* w,
-                                        const typename W::Raw* b, typename S::Acc eps, typename S::Raw* sum,
-                                        typename O::Raw* out, typename S::Acc* mean_out,
+                                        const typename W::Raw* b, typename S::Acc eps, bool rms,
+                                        typename S::Raw* sum, typename O::Raw* out, typename S::Acc* mean_out,
                                         typename S::Acc* rstd_out) {
   using A = typename S::Acc;
   const int lane = threadIdx.x & 31;
@@ -92,10 +97,10 @@ __global__ void add_norm_forward_kernel(int64_t rows, int64_t cols, const typena
       total += S::load(r);
     }
     src = sum + base;  // read back below by the thread that wrote each element
-  } else {
+  } else if (!rms) {
     for (int64_t c = lane; c < cols; c += 32) total += S::load(src[c]);
   }
-  const A mean = warp_sum(total) / static_cast<A>(cols);
+  const A mean = rms ? A(0) : warp_sum(total) / static_cast<A>(cols);  // RMSNorm: no mean
   A sq = 0;
   for (int64_t c = lane; c < cols; c += 32) {
     const A d = S::load(src[c]) - mean;
@@ -103,7 +108,9 @@ __global__ void add_norm_forward_kernel(int64_t rows, int64_t cols, const typena
   }
   const A rstd = inv_sqrt(warp_sum(sq) / static_cast<A>(cols) + eps);
   for (int64_t c = lane; c < cols; c += 32) {
-    A v = (S::load(src[c]) - mean) * rstd * static_cast<A>(W::load(w[c]));
+    A xhat = (S::load(src[c]) - mean) * rstd;
+    if (rms) xhat = S::load(S::store(xhat));  // Llama's cast back to the input's dtype
+    A v = xhat * static_cast<A>(W::load(w[c]));
     if (b != nullptr) v += static_cast<A>(W::load(b[c]));
     out[base + c] = O::store(static_cast<typename O::Acc>(v));
   }
@@ -117,7 +124,7 @@ template <class S, class Y, class W, class O>
 __global__ void add_norm_backward_rows_kernel(int64_t rows, int64_t cols, const typename O::Raw* dn,
                                               const typename S::Raw* gs, const typename S::Raw* s,
                                               const typename W::Raw* w, const typename S::Acc* mean,
-                                              const typename S::Acc* rstd, typename S::Raw* gx,
+                                              const typename S::Acc* rstd, bool rms, typename S::Raw* gx,
                                               typename Y::Raw* gy) {
   using A = typename S::Acc;
   const int lane = threadIdx.x & 31;
@@ -132,7 +139,8 @@ __global__ void add_norm_backward_rows_kernel(int64_t rows, int64_t cols, const 
     a += gw;
     bsum += gw * xhat;
   }
-  const A a_n = warp_sum(a) / static_cast<A>(cols), b_n = warp_sum(bsum) / static_cast<A>(cols);
+  const A a_n = rms ? A(0) : warp_sum(a) / static_cast<A>(cols);
+  const A b_n = warp_sum(bsum) / static_cast<A>(cols);
   for (int64_t c = lane; c < cols; c += 32) {
     const A xhat = (S::load(s[base + c]) - mu) * r;
     const A gw = static_cast<A>(O::load(dn[base + c])) * static_cast<A>(W::load(w[c]));
@@ -148,7 +156,7 @@ __global__ void add_norm_backward_rows_kernel(int64_t rows, int64_t cols, const 
 template <class S, class O>
 __global__ void add_norm_backward_cols_kernel(int64_t rows, int64_t cols, int64_t rows_per_chunk,
                                               const typename O::Raw* dn, const typename S::Raw* s,
-                                              const typename S::Acc* mean, const typename S::Acc* rstd,
+                                              const typename S::Acc* mean, const typename S::Acc* rstd, bool rms,
                                               typename S::Acc* part_w, typename S::Acc* part_b) {
   using A = typename S::Acc;
   __shared__ A sw[kColRows][kColTile + 1];
@@ -160,7 +168,9 @@ __global__ void add_norm_backward_cols_kernel(int64_t rows, int64_t cols, int64_
   if (c < cols) {
     for (int64_t r = r0 + threadIdx.y; r < r1; r += kColRows) {
       const A g = static_cast<A>(O::load(dn[r * cols + c]));
-      dw += g * ((S::load(s[r * cols + c]) - mean[r]) * rstd[r]);
+      A xhat = (S::load(s[r * cols + c]) - mean[r]) * rstd[r];
+      if (rms) xhat = S::load(S::store(xhat));  // the rounded value the weight multiplied
+      dw += g * xhat;
       db += g;
     }
   }
@@ -201,7 +211,7 @@ const char* add_norm_forward_t(const AddNormShape& sh, const void* x, const void
   const unsigned blocks = static_cast<unsigned>((sh.rows + kRowsPerBlock - 1) / kRowsPerBlock);
   add_norm_forward_kernel<S, Y, W, O><<<blocks, 32 * kRowsPerBlock, 0, stream>>>(
       sh.rows, sh.cols, static_cast<const typename S::Raw*>(x), static_cast<const typename Y::Raw*>(y),
-      static_cast<const typename W::Raw*>(w), static_cast<const typename W::Raw*>(b), static_cast<A>(eps),
+      static_cast<const typename W::Raw*>(w), static_cast<const typename W::Raw*>(b), static_cast<A>(eps), sh.rms,
       static_cast<typename S::Raw*>(sum), static_cast<typename O::Raw*>(out), static_cast<A*>(mean),
       static_cast<A*>(rstd));
   return launch_status();
@@ -216,7 +226,7 @@ const char* add_norm_backward_t(const AddNormShape& sh, const void* dn, const vo
   add_norm_backward_rows_kernel<S, Y, W, O><<<blocks, 32 * kRowsPerBlock, 0, stream>>>(
       sh.rows, sh.cols, static_cast<const typename O::Raw*>(dn), static_cast<const typename S::Raw*>(gs),
       static_cast<const typename S::Raw*>(s), static_cast<const typename W::Raw*>(w), static_cast<const A*>(mean),
-      static_cast<const A*>(rstd), static_cast<typename S::Raw*>(gx), static_cast<typename Y::Raw*>(gy));
+      static_cast<const A*>(rstd), sh.rms, static_cast<typename S::Raw*>(gx), static_cast<typename Y::Raw*>(gy));
   if (const char* e = launch_status()) return e;
   if (gw == nullptr && gb == nullptr) return nullptr;
   const int64_t chunks = add_norm_workspace_chunks(sh.rows);
@@ -225,11 +235,58 @@ const char* add_norm_backward_t(const AddNormShape& sh, const void* dn, const vo
   const dim3 grid(static_cast<unsigned>((sh.cols + kColTile - 1) / kColTile), static_cast<unsigned>(chunks));
   add_norm_backward_cols_kernel<S, O><<<grid, dim3(kColTile, kColRows), 0, stream>>>(
       sh.rows, sh.cols, rows_per_chunk(sh.rows, chunks), static_cast<const typename O::Raw*>(dn),
-      static_cast<const typename S::Raw*>(s), static_cast<const A*>(mean), static_cast<const A*>(rstd), part_w,
-      part_b);
+      static_cast<const typename S::Raw*>(s), static_cast<const A*>(mean), static_cast<const A*>(rstd), sh.rms,
+      part_w, part_b);
   if (const char* e = launch_status()) return e;
   sum_chunks_kernel<A, W><<<static_cast<unsigned>((sh.cols + 255) / 256), 256, 0, stream>>>(
       chunks, sh.cols, part_w, part_b, static_cast<typename W::Raw*>(gw), static_cast<typename W::Raw*>(gb));
+  return launch_status();
+}
+
+// ---- SwiGLU -------------------------------------------------------------------------------
+
+constexpr int kEltThreads = 256;
+
+unsigned elt_blocks(int64_t n) {
+  return static_cast<unsigned>(std::min<int64_t>((n + kEltThreads - 1) / kEltThreads, int64_t{1} << 20));
+}
+
+template <class T>
+__global__ void swiglu_forward_kernel(int64_t n, const typename T::Raw* g, const typename T::Raw* u,
+                                      typename T::Raw* out) {
+  using A = typename T::Acc;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kEltThreads + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * kEltThreads) {
+    out[i] = T::store(silu<A>(T::load(g[i])) * T::load(u[i]));
+  }
+}
+
+template <class T>
+__global__ void swiglu_backward_kernel(int64_t n, const typename T::Raw* d, const typename T::Raw* g,
+                                       const typename T::Raw* u, typename T::Raw* dg, typename T::Raw* du) {
+  using A = typename T::Acc;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kEltThreads + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * kEltThreads) {
+    const A z = T::load(g[i]), dd = T::load(d[i]);
+    dg[i] = T::store(dd * static_cast<A>(T::load(u[i])) * silu_grad<A>(z));
+    du[i] = T::store(dd * silu<A>(z));
+  }
+}
+
+template <class T>
+const char* swiglu_forward_t(int64_t n, const void* g, const void* u, void* out, cudaStream_t stream) {
+  swiglu_forward_kernel<T><<<elt_blocks(n), kEltThreads, 0, stream>>>(
+      n, static_cast<const typename T::Raw*>(g), static_cast<const typename T::Raw*>(u),
+      static_cast<typename T::Raw*>(out));
+  return launch_status();
+}
+
+template <class T>
+const char* swiglu_backward_t(int64_t n, const void* d, const void* g, const void* u, void* dg, void* du,
+                              cudaStream_t stream) {
+  swiglu_backward_kernel<T><<<elt_blocks(n), kEltThreads, 0, stream>>>(
+      n, static_cast<const typename T::Raw*>(d), static_cast<const typename T::Raw*>(g),
+      static_cast<const typename T::Raw*>(u), static_cast<typename T::Raw*>(dg), static_cast<typename T::Raw*>(du));
   return launch_status();
 }
 
@@ -359,6 +416,31 @@ const char* bias_gelu_backward(const BiasGeluShape& sh, const void* grad_out, co
     return bias_gelu_backward_t<TY, TB>(sh, grad_out, y, bias, grad_y, grad_bias, workspace, st);
   DTRAIN_BIAS_GELU_CASES(X)
 #undef X
+  return unsupported();
+}
+
+const char* swiglu_forward(int64_t n, FbDtype dtype, const void* gate, const void* up, void* out, void* stream) {
+  if (n == 0) return nullptr;
+  const auto st = static_cast<cudaStream_t>(stream);
+  switch (dtype) {
+    case FbDtype::kFp64: return swiglu_forward_t<Fp64>(n, gate, up, out, st);
+    case FbDtype::kFp32: return swiglu_forward_t<Fp32>(n, gate, up, out, st);
+    case FbDtype::kBf16: return swiglu_forward_t<Bf16>(n, gate, up, out, st);
+    case FbDtype::kFp16: return swiglu_forward_t<Fp16>(n, gate, up, out, st);
+  }
+  return unsupported();
+}
+
+const char* swiglu_backward(int64_t n, FbDtype dtype, const void* grad_out, const void* gate, const void* up,
+                            void* grad_gate, void* grad_up, void* stream) {
+  if (n == 0) return nullptr;
+  const auto st = static_cast<cudaStream_t>(stream);
+  switch (dtype) {
+    case FbDtype::kFp64: return swiglu_backward_t<Fp64>(n, grad_out, gate, up, grad_gate, grad_up, st);
+    case FbDtype::kFp32: return swiglu_backward_t<Fp32>(n, grad_out, gate, up, grad_gate, grad_up, st);
+    case FbDtype::kBf16: return swiglu_backward_t<Bf16>(n, grad_out, gate, up, grad_gate, grad_up, st);
+    case FbDtype::kFp16: return swiglu_backward_t<Fp16>(n, grad_out, gate, up, grad_gate, grad_up, st);
+  }
   return unsupported();
 }
 

@@ -31,4 +31,10 @@ const char* bias_gelu_backward(const BiasGeluShape&, const void*, const void*, c
   return not_built();
 }
 
+const char* swiglu_forward(int64_t, FbDtype, const void*, const void*, void*, void*) { return not_built(); }
+
+const char* swiglu_backward(int64_t, FbDtype, const void*, const void*, const void*, void*, void*, void*) {
+  return not_built();
+}
+
 }  // namespace dtrain::engine::detail

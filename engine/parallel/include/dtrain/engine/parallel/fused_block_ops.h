@@ -1,7 +1,8 @@
-// Fused operations of a transformer block: a LayerNorm of a residual sum and a bias + GELU,
-// each one kernel forward and one pass backward where eager ATen launches several (the add,
-// the norm, its weight gradients in another kernel, autocast's casts and the residual
-// gradients' adds; the GELU and the bias gradient's separate column sum).
+// Fused operations of a transformer block: a LayerNorm (or Llama's RMSNorm) of a residual sum,
+// a bias + GELU and a SwiGLU, each one kernel forward and one pass backward where eager ATen
+// launches several (the add, the norm, its weight gradients in another kernel, autocast's casts
+// and the residual gradients' adds; the GELU and the bias gradient's separate column sum; the
+// RMSNorm's six element-wise ops; the SiLU and the product).
 //
 // On CUDA, dtrain's kernels (engine/parallel/cuda/fused_block.cu) for the dtype combinations
 // they serve; on the CPU, the same per-element formulas on the host (slow loops: the reference
@@ -30,6 +31,18 @@ AddLayerNorm fused_add_layer_norm(const at::Tensor& x, const at::Tensor& y, cons
                                   const at::Tensor& bias, double eps,
                                   std::optional<at::ScalarType> out_dtype = std::nullopt);
 
+// The same for an RMSNorm, as transformers' LlamaRMSNorm computes it: sum = x + y, normed =
+// weight * round(sum * rsqrt(mean(sum^2) + eps)) where round is to sum's dtype (Llama's cast
+// back to the input's dtype), in out_dtype (default: the promoted dtype of sum and weight).
+// No bias. Availability: fused_add_layer_norm_available with an undefined bias.
+AddLayerNorm fused_add_rms_norm(const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight, double eps,
+                                std::optional<at::ScalarType> out_dtype = std::nullopt);
+
+// silu(gate) * up, rounded once, for a SwiGLU MLP; gate and up of one shape and dtype. Backward
+// gives both gradients in one pass. CUDA (with fused_swiglu_available) or CPU.
+at::Tensor fused_swiglu(const at::Tensor& gate, const at::Tensor& up);
+bool fused_swiglu_available(const at::Tensor& gate, const at::Tensor& up);
+
 // gelu(y + bias, tanh approximation) in y's dtype, rounded once; y [..., F], bias [F]. The bias
 // gradient is the column sum of the (rounded) input gradient. CUDA (with
 // fused_bias_gelu_available) or CPU.
@@ -51,6 +64,13 @@ bool fused_bias_gelu_available(const at::Tensor& y, const at::Tensor& bias);
 // (x + y, at::layer_norm). y undefined: a plain LayerNorm of x (sum is x).
 AddLayerNorm add_layer_norm(const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight,
                             const at::Tensor& bias, double eps);
+
+// add_layer_norm's RMSNorm (Llama's blocks): the fused kernel where it serves, else
+// transformers' LlamaRMSNorm op for op.
+AddLayerNorm add_rms_norm(const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight, double eps);
+
+// silu(gate) * up: the fused kernel where it serves and the ops are enabled, else ATen's.
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
 
 // gelu(y + bias, tanh) for a Linear's output computed without its bias: the fused kernel where
 // it serves, else ATen's composition.
