@@ -216,10 +216,19 @@ step_s2s_graph() {
     bash -c '"$1" "${@:2}" && "$1" "${@:2}" --cuda_graph' _ "$BIN/train_seq2seq" --device=cuda --data=synthetic \
     --amp=bf16 --steps=30 --log_every=10 --workers=2 --progress=false --count_host_syncs --eval_every=0
 }
+# The fused kernels against the ATen ops they replace, then a 124M-parameter-sized Llama (GQA,
+# SwiGLU) eager with Llama's ops (DTRAIN_FUSED_BLOCK_OPS=0) and with the fused RMSNorm and SwiGLU.
 step_kernels() {
   need_build || return 1
-  bench "fused kernels against the ATen ops they replace (dtrain-bench fused_ce, fused_block)" '"bench"' \
-    bash -c '"$1" fused_ce && "$1" fused_block' _ "$BIN/dtrain-bench"
+  bench "fused kernels against the ATen ops they replace (dtrain-bench fused_ce, fused_block); a Llama step without and with them" \
+    '"bench"|trained|MFU|block ops' \
+    bash -c '"$1/dtrain-bench" fused_ce && "$1/dtrain-bench" fused_block || exit
+      for f in 0 1; do
+        echo "block ops: $([[ $f == 0 ]] && echo ATen || echo fused) llama eager"
+        DTRAIN_FUSED_BLOCK_OPS=$f "$1/train_gpt" --device=cuda --data=synthetic --model=llama --vocab=32000 \
+          --d_model=768 --heads=12 --kv_heads=4 --layers=12 --ff=2048 --seq_len=1024 --batch_size=8 --amp=bf16 \
+          --steps=30 --log_every=10 --progress=false || exit
+      done' _ "$BIN"
 }
 # The step-time simulator on this GPU (issue 37): gpt124m predicted from the named devices'
 # rooflines before it runs, then the machine calibrated and measured through the model's spec,
