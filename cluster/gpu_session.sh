@@ -107,7 +107,7 @@ for _t in gpuinfo=10/5 unpack=20/10 prebuilt=30/15 configure=60/30 build=240/120
           offload_layers=45/25 async_save=40/25 shard=75/50 shard3=70/45 \
           offload6b=280/220 offload6b_bf16=280/200 offload_largest=280/200 offload_opt=70/40 offload_delayed=70/40 offload_bf16=70/40 \
           pipeline=50/35 gpt_anchor=150/90 \
-          gpt_graph=130/60 s2s_graph=70/40 kernels=90/40 s2s_anchor=150/90 simulate=90/45 \
+          gpt_graph=130/60 s2s_graph=90/45 kernels=90/40 s2s_anchor=150/90 simulate=90/45 \
           profile_gpt=45/25 profile_s2s=45/25 profile_layers=45/30 profile_offload=70/45 profile_delayed=70/45; do
   _s=${_t%%=*} _t=${_t#*=}
   LIMIT[$_s]=${_t%/*} MIN[$_s]=${_t#*/}
@@ -144,7 +144,7 @@ declare -A HASH_DEPS=(
   [gpt_anchor]="tools/gpt_torch_bench.py tools/zero_torch_bench.py"
   [s2s_anchor]="tools/s2s_torch_bench.py"
   [gpt_graph]="engine/train/cuda/graphed_loss.cc engine/train/trainer.cc engine/parallel/bucket_comm.cc engine/parallel/cuda/*.cu engine/parallel/fused_cross_entropy.cc engine/parallel/fused_block_ops.cc engine/parallel/tensor_parallel.cc $_gpt"
-  [s2s_graph]="engine/train/cuda/graphed_loss.cc engine/train/trainer.cc examples/train_seq2seq.cc engine/models/seq2seq.cc engine/parallel/cuda/*.cu"
+  [s2s_graph]="engine/train/cuda/graphed_loss.cc engine/train/trainer.cc examples/train_seq2seq.cc engine/models/seq2seq.cc engine/parallel/cuda/*.cu engine/parallel/fused_block_ops.cc"
   [kernels]="engine/parallel/cuda/*.cu engine/parallel/fused_cross_entropy.cc engine/parallel/fused_block_ops.cc tools/bench_*.cc engine/models/llama.cc"
   [pipeline]="engine/parallel/pipeline.cc engine/observe/timeline.cc tools/timeline_main.cc $_gpt"
   [simulate]="engine/memory/simulator.cc examples/plan_simulate.cc engine/train/measure_model.cc $_gpt"

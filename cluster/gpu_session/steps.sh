@@ -211,9 +211,12 @@ step_gpt_graph() {
 }
 step_s2s_graph() {
   need_build || return 1
-  SHOW="train_seq2seq --amp=bf16 (seed shape), then with --cuda_graph" \
-    bench "s2s AMP bf16, eager then --cuda_graph (host syncs counted)" 'trained|host synchron|cuda_graph' \
-    bash -c '"$1" "${@:2}" && "$1" "${@:2}" --cuda_graph' _ "$BIN/train_seq2seq" --device=cuda --data=synthetic \
+  SHOW="train_seq2seq --amp=bf16 (seed shape) eager with DTRAIN_FUSED_BLOCK_OPS=0, then fused, then fused with --cuda_graph" \
+    bench "s2s AMP bf16, eager (ATen block ops, then fused) then --cuda_graph (host syncs counted)" \
+    'trained|host synchron|cuda_graph|block ops' \
+    bash -c 'echo "block ops: ATen eager"; DTRAIN_FUSED_BLOCK_OPS=0 "$1" "${@:2}" || exit
+      echo "block ops: fused eager"; "$1" "${@:2}" || exit
+      echo "block ops: fused --cuda_graph"; "$1" "${@:2}" --cuda_graph' _ "$BIN/train_seq2seq" --device=cuda --data=synthetic \
     --amp=bf16 --steps=30 --log_every=10 --workers=2 --progress=false --count_host_syncs --eval_every=0
 }
 # The fused kernels against the ATen ops they replace, then a 124M-parameter-sized Llama (GQA,

@@ -7,6 +7,7 @@
 
 #include "dtrain/engine/memory/activation_checkpoint.h"
 #include "dtrain/engine/parallel/cross_entropy.h"
+#include "dtrain/engine/parallel/fused_block_ops.h"
 
 namespace dtrain::engine {
 
@@ -58,6 +59,21 @@ at::Tensor FeedForwardImpl::forward(const at::Tensor& x) {
   return fc2->forward(drop->forward(h));
 }
 
+namespace {
+// A post-norm sublayer's norm(x + y): on CUDA the fused residual LayerNorm (fused_block_ops.h),
+// its output in the sum's dtype (it is the residual stream, not only a Linear's input);
+// elsewhere ATen's ops.
+at::Tensor post_norm(torch::nn::LayerNorm& norm, const at::Tensor& x, const at::Tensor& y) {
+  if (fused_block_kernels_serve(x)) {
+    const at::ScalarType s = at::promote_types(x.scalar_type(), y.scalar_type());
+    if (fused_add_layer_norm_available(x, y, norm->weight, norm->bias, s)) {
+      return fused_add_layer_norm(x, y, norm->weight, norm->bias, norm->options.eps(), s).normed;
+    }
+  }
+  return norm->forward(x + y);
+}
+}  // namespace
+
 EncoderLayerImpl::EncoderLayerImpl(int64_t d, int64_t h, int64_t ff, double p, bool inplace) {
   self_attn = register_module("self_attn", Attention(d, h, p, true));
   ffn = register_module("ffn", FeedForward(d, ff, p, inplace));
@@ -68,8 +84,8 @@ EncoderLayerImpl::EncoderLayerImpl(int64_t d, int64_t h, int64_t ff, double p, b
 }
 
 at::Tensor EncoderLayerImpl::forward(const at::Tensor& x) {
-  at::Tensor h = norm1->forward(x + drop1->forward(self_attn->forward(x, x, false)));
-  return norm2->forward(h + drop2->forward(ffn->forward(h)));
+  at::Tensor h = post_norm(norm1, x, drop1->forward(self_attn->forward(x, x, false)));
+  return post_norm(norm2, h, drop2->forward(ffn->forward(h)));
 }
 
 DecoderLayerImpl::DecoderLayerImpl(int64_t d, int64_t h, int64_t ff, double p, bool inplace) {
@@ -85,9 +101,9 @@ DecoderLayerImpl::DecoderLayerImpl(int64_t d, int64_t h, int64_t ff, double p, b
 }
 
 at::Tensor DecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor& memory) {
-  at::Tensor h = norm1->forward(x + drop1->forward(self_attn->forward(x, x, true)));
-  h = norm2->forward(h + drop2->forward(cross_attn->forward(h, memory, false)));
-  return norm3->forward(h + drop3->forward(ffn->forward(h)));
+  at::Tensor h = post_norm(norm1, x, drop1->forward(self_attn->forward(x, x, true)));
+  h = post_norm(norm2, h, drop2->forward(cross_attn->forward(h, memory, false)));
+  return post_norm(norm3, h, drop3->forward(ffn->forward(h)));
 }
 
 Seq2SeqImpl::Seq2SeqImpl(const Seq2SeqOptions& o) : options(o) {
