@@ -6,6 +6,10 @@
 // right); and a GPT block on CUDA (fused) against the same block on the CPU (ATen), in float32
 // and under bfloat16 autocast.
 //
+// Against the CPU models: float32 within float32's differences of two implementations; under
+// bfloat16 autocast within bfloat16's (5% of the output, 10% of the largest gradient, 0.05 of
+// the loss): a kernel that dropped a term (the residual gradient, the mean) misses by far more.
+//
 // Tolerances, as the largest difference over the largest reference magnitude: the kernels
 // compute in float (double for float64) and round once to each output's dtype, so u + 2e-5 for
 // the unit roundoff u of that dtype (bfloat16 2^-8, float16 2^-11, float32 0), and 1e-11 for
@@ -280,10 +284,10 @@ TEST(FusedBlockOpsGpu, GptBlockOnCudaMatchesTheCpuBlock) {
       out = cuda->forward(xg);
       (out.to(at::kFloat) * w.to(kCuda)).sum().backward();
     }
-    const double t = amp ? 3e-2 : 2e-5;
+    const double t = amp ? 5e-2 : 2e-5;
     EXPECT_LE(max_rel(out, cpu->forward(x0)), t) << "output";
     EXPECT_LE(max_rel(xg.grad(), xc.grad()), t) << "input gradient";
-    expect_grads_near(cuda, cpu, amp ? 5e-2 : 1e-4);
+    expect_grads_near(cuda, cpu, amp ? 1e-1 : 1e-4);
   }
 }
 
@@ -316,8 +320,8 @@ TEST(FusedBlockOpsGpu, LlamaOnCudaMatchesTheCpuModel) {
       got = cuda->loss(tokens.to(kCuda), targets.to(kCuda));
       got.backward();
     }
-    EXPECT_NEAR(got.item<double>(), ref.item<double>(), amp ? 2e-2 : 1e-5);
-    expect_grads_near(cuda, cpu, amp ? 6e-2 : 2e-4);
+    EXPECT_NEAR(got.item<double>(), ref.item<double>(), amp ? 5e-2 : 5e-5);
+    expect_grads_near(cuda, cpu, amp ? 1e-1 : 2e-4);
   }
 }
 
@@ -343,8 +347,8 @@ TEST(FusedBlockOpsGpu, Seq2SeqOnCudaMatchesTheCpuModel) {
       got = cuda->loss(src.to(kCuda), tin.to(kCuda), tout.to(kCuda));
       got.backward();
     }
-    EXPECT_NEAR(got.item<double>(), ref.item<double>(), amp ? 2e-2 : 1e-5);
-    expect_grads_near(cuda, cpu, amp ? 6e-2 : 2e-4);
+    EXPECT_NEAR(got.item<double>(), ref.item<double>(), amp ? 5e-2 : 5e-5);
+    expect_grads_near(cuda, cpu, amp ? 1e-1 : 2e-4);
   }
 }
 
