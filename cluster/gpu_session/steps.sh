@@ -193,7 +193,7 @@ step_gpt_anchor() {
 # The step without host launches (--cuda_graph) beside the eager one, each counting the host's
 # synchronizations with the device (--count_host_syncs).
 # Each of eager and --cuda_graph twice: with ATen's block ops (DTRAIN_FUSED_BLOCK_OPS=0), then with
-# dtrain's fused LayerNorm and bias + GELU kernels (the default), so the kernels' effect on the
+# dtrain's fused LayerNorm and bias + GELU kernels (=1; off by default until verified), so the kernels' effect on the
 # whole step is a ratio of one command. Last, the graph on bfloat16 weights with a float32
 # master (--param_dtype=bf16 --shard=optimizer at one rank): no per-step weight casts.
 step_gpt_graph() {
@@ -206,7 +206,7 @@ step_gpt_graph() {
         DTRAIN_FUSED_BLOCK_OPS=$f "$1" "${@:2}" $g || exit
       done; done
       echo "block ops: fused --cuda_graph --param_dtype=bf16 --shard=optimizer"
-      "$1" "${@:2}" --cuda_graph --param_dtype=bf16 --shard=optimizer' _ "$BIN/train_gpt" --device=cuda --data=synthetic \
+      DTRAIN_FUSED_BLOCK_OPS=1 "$1" "${@:2}" --cuda_graph --param_dtype=bf16 --shard=optimizer' _ "$BIN/train_gpt" --device=cuda --data=synthetic \
     --amp=bf16 --steps=30 --log_every=10 --progress=false --count_host_syncs
 }
 step_s2s_graph() {
@@ -215,8 +215,8 @@ step_s2s_graph() {
     bench "s2s AMP bf16, eager (ATen block ops, then fused) then --cuda_graph (host syncs counted)" \
     'trained|host synchron|cuda_graph|block ops' \
     bash -c 'echo "block ops: ATen eager"; DTRAIN_FUSED_BLOCK_OPS=0 "$1" "${@:2}" || exit
-      echo "block ops: fused eager"; "$1" "${@:2}" || exit
-      echo "block ops: fused --cuda_graph"; "$1" "${@:2}" --cuda_graph' _ "$BIN/train_seq2seq" --device=cuda --data=synthetic \
+      echo "block ops: fused eager"; DTRAIN_FUSED_BLOCK_OPS=1 "$1" "${@:2}" || exit
+      echo "block ops: fused --cuda_graph"; DTRAIN_FUSED_BLOCK_OPS=1 "$1" "${@:2}" --cuda_graph' _ "$BIN/train_seq2seq" --device=cuda --data=synthetic \
     --amp=bf16 --steps=30 --log_every=10 --workers=2 --progress=false --count_host_syncs --eval_every=0
 }
 # The fused kernels against the ATen ops they replace, then a 124M-parameter-sized Llama (GQA,

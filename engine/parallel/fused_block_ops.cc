@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -572,14 +573,28 @@ at::Tensor fused_bias_gelu(const at::Tensor& y, const at::Tensor& bias) {
   return FusedBiasGeluFn::apply(y, bias);
 }
 
+namespace {
+// -1: as the environment says; 0 or 1: set_fused_block_ops' override.
+std::atomic<int> fused_override{-1};
+}  // namespace
+
 bool fused_block_ops_enabled() {
-  // Read once: DTRAIN_FUSED_BLOCK_OPS=0 keeps ATen's ops on CUDA too (to compare, or to rule
-  // the kernels out).
-  static const bool enabled = [] {
+  const int o = fused_override.load(std::memory_order_relaxed);
+  if (o >= 0) return o == 1;
+  // Read once. Off unless DTRAIN_FUSED_BLOCK_OPS=1 until the GPU suite has run the kernels.
+  static const bool from_env = [] {
     const char* v = std::getenv("DTRAIN_FUSED_BLOCK_OPS");
-    return v == nullptr || std::string(v) != "0";
+    if (v == nullptr || *v == '\0') return kFusedBlockOpsByDefault;
+    const std::string s(v);
+    DTRAIN_CHECK(s == "0" || s == "1", "DTRAIN_FUSED_BLOCK_OPS=", s, ": use 1 (dtrain's fused block kernels on CUDA) "
+                 "or 0 (ATen's ops)");
+    return s == "1";
   }();
-  return enabled;
+  return from_env;
+}
+
+void set_fused_block_ops(std::optional<bool> enabled) {
+  fused_override.store(enabled ? (*enabled ? 1 : 0) : -1, std::memory_order_relaxed);
 }
 
 bool fused_block_kernels_serve(const at::Tensor& x) {

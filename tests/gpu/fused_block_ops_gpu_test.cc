@@ -52,6 +52,13 @@ double tol(at::ScalarType t) {
 
 std::string name(at::ScalarType t) { return c10::toString(t); }
 
+// The models take the kernels only with the fused block ops enabled (off by default until this
+// suite has run): on for the scope.
+struct FusedOpsOn {
+  FusedOpsOn() { set_fused_block_ops(true); }
+  ~FusedOpsOn() { set_fused_block_ops(std::nullopt); }
+};
+
 struct NormCombo {
   at::ScalarType x, y, w, o;
 };
@@ -223,6 +230,7 @@ TEST(FusedBlockOpsGpu, BiasGeluMatchesFloat64Composition) {
 
 TEST(FusedBlockOpsGpu, UnservedCombinationsFallBackToAten) {
   DTRAIN_SKIP_WITHOUT_CUDA();
+  const FusedOpsOn on;
   ASSERT_TRUE(fused_block_kernels_serve(at::zeros({1}, kCuda)));
   // A bfloat16 weight under a float32 sum has no kernel: add_layer_norm takes ATen's ops.
   const at::Tensor x = at::randn({4, 64}, kCuda), y = at::randn({4, 64}, kCuda);
@@ -258,6 +266,7 @@ void expect_grads_near(M& cuda, M& cpu, double t) {
 // (ATen's ops): output and every parameter's gradient, float32 and under bfloat16 autocast.
 TEST(FusedBlockOpsGpu, GptBlockOnCudaMatchesTheCpuBlock) {
   DTRAIN_SKIP_WITHOUT_CUDA();
+  const FusedOpsOn on;
   auto tp = testing_util::local_comm();
   GptOptions o;
   o.vocab = 64;
@@ -295,6 +304,7 @@ TEST(FusedBlockOpsGpu, GptBlockOnCudaMatchesTheCpuBlock) {
 // (Llama's ops): the loss and every parameter's gradient, float32 and under bfloat16 autocast.
 TEST(FusedBlockOpsGpu, LlamaOnCudaMatchesTheCpuModel) {
   DTRAIN_SKIP_WITHOUT_CUDA();
+  const FusedOpsOn on;
   auto tp = testing_util::local_comm();
   LlamaOptions o;
   o.vocab = 96;
@@ -329,6 +339,7 @@ TEST(FusedBlockOpsGpu, LlamaOnCudaMatchesTheCpuModel) {
 // CUDA with the fused kernels against the same model on the CPU: loss and gradients.
 TEST(FusedBlockOpsGpu, Seq2SeqOnCudaMatchesTheCpuModel) {
   DTRAIN_SKIP_WITHOUT_CUDA();
+  const FusedOpsOn on;
   const Seq2SeqOptions o = model_cases::one_layer_seq2seq(101, 32, 16);
   for (const bool amp : {false, true}) {
     SCOPED_TRACE(amp ? "autocast bf16" : "float32");

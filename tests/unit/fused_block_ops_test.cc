@@ -7,6 +7,8 @@
 // and the errors for mismatched shapes. The CUDA kernels: tests/gpu/fused_block_ops_gpu_test.cc.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+
 #include <torch/torch.h>
 
 #include "dtrain/engine/parallel/fused_block_ops.h"
@@ -246,6 +248,21 @@ TEST(FusedBlockOpsCpu, ModelsKeepAtensOpsOnTheCpu) {
   const AddLayerNorm rr = add_rms_norm(x, y, w, 1e-6);
   at::Tensor h = (x + y) * at::rsqrt((x + y).pow(2).mean(-1, true) + 1e-6);
   EXPECT_TRUE(at::equal(rr.normed, w * h));
+}
+
+// Off by default until the GPU suite has run the kernels (CI sets no DTRAIN_FUSED_BLOCK_OPS);
+// the override turns them on and back; the CPU never takes them, on or off.
+TEST(FusedBlockOpsCpu, OffByDefaultAndTheOverrideSwitches) {
+  if (std::getenv("DTRAIN_FUSED_BLOCK_OPS") == nullptr) {
+    EXPECT_EQ(fused_block_ops_enabled(), kFusedBlockOpsByDefault);
+  }
+  EXPECT_FALSE(kFusedBlockOpsByDefault) << "turn the default on only after a GPU session passed FusedBlockOpsGpu.*";
+  set_fused_block_ops(true);
+  EXPECT_TRUE(fused_block_ops_enabled());
+  EXPECT_FALSE(fused_block_kernels_serve(at::ones({2, 4})));  // the CPU: ATen's ops
+  set_fused_block_ops(false);
+  EXPECT_FALSE(fused_block_ops_enabled());
+  set_fused_block_ops(std::nullopt);
 }
 
 TEST(FusedBlockOpsCpu, MismatchedShapesAreRefusedByName) {

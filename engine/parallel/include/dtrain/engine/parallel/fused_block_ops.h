@@ -7,8 +7,9 @@
 // On CUDA, dtrain's kernels (engine/parallel/cuda/fused_block.cu) for the dtype combinations
 // they serve; on the CPU, the same per-element formulas on the host (slow loops: the reference
 // the float64 tests check against ATen's composition, not a training path). The models take
-// the fused path through add_layer_norm and bias_gelu below, which fall back to ATen's
-// composition wherever the kernels do not serve, so CPU training is unchanged.
+// the fused path through add_layer_norm, add_rms_norm, bias_gelu and swiglu below when the ops
+// are enabled (fused_block_ops_enabled: off by default until verified on a GPU), and fall back to
+// ATen's composition wherever the kernels do not serve, so CPU training is unchanged.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -77,10 +78,18 @@ at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
 at::Tensor bias_gelu(const at::Tensor& y, const at::Tensor& bias);
 
 // Whether the models take the fused path (add_layer_norm's kernels, a Linear without its bias
-// then bias_gelu): CUDA inputs in a build with the kernels, unless the environment sets
-// DTRAIN_FUSED_BLOCK_OPS=0 (read once per process; ATen's ops then, to compare). Elsewhere
-// the models keep at::layer_norm, at::linear with its bias and at::gelu, bit for bit as before.
+// then bias_gelu, swiglu): CUDA inputs in a build with the kernels, with the fused block ops
+// enabled. Elsewhere the models keep at::layer_norm, at::linear with its bias, at::gelu and
+// Llama's ops, bit for bit as before.
 bool fused_block_kernels_serve(const at::Tensor& x);
+
+// Enabled: set_fused_block_ops' override if set, else the environment's DTRAIN_FUSED_BLOCK_OPS
+// (1 on, 0 off; read once per process; another value is an error), else
+// kFusedBlockOpsByDefault. The kernels are off by default until the GPU suite
+// (tests/gpu/fused_block_ops_gpu_test.cc) has run them on a GPU; that session turns the default
+// on.
+inline constexpr bool kFusedBlockOpsByDefault = false;
 bool fused_block_ops_enabled();
+void set_fused_block_ops(std::optional<bool> enabled);  // std::nullopt: back to the environment
 
 }  // namespace dtrain::engine
