@@ -194,8 +194,11 @@ step_gpt_anchor() {
 # synchronizations with the device (--count_host_syncs).
 # Each of eager and --cuda_graph twice: with ATen's block ops (DTRAIN_FUSED_BLOCK_OPS=0), then with
 # dtrain's fused LayerNorm and bias + GELU kernels (=1; off by default until verified), so the kernels' effect on the
-# whole step is a ratio of one command. Last, the graph on bfloat16 weights with a float32
-# master (--param_dtype=bf16 --shard=optimizer at one rank): no per-step weight casts.
+# whole step is a ratio of one command. Then the graph on bfloat16 weights with a float32
+# master (--param_dtype=bf16 --shard=optimizer at one rank): no per-step weight casts. Last, the
+# graph with attention by FlashAttention-2 and by FlashAttention-3 alone (DTRAIN_SDPA_BACKENDS):
+# torch 2.11 picks cuDNN's attention on the H100, whose layout copies of q, k, v, the output and
+# its gradient took about 1 ms of the H200 step (direct_copy_kernel, 103 calls per step).
 step_gpt_graph() {
   need_build || return 1
   SHOW="train_gpt --amp=bf16 --count_host_syncs, eager then --cuda_graph, each with DTRAIN_FUSED_BLOCK_OPS=0 then fused; then --cuda_graph --param_dtype=bf16 --shard=optimizer" \
@@ -206,7 +209,11 @@ step_gpt_graph() {
         DTRAIN_FUSED_BLOCK_OPS=$f "$1" "${@:2}" $g || exit
       done; done
       echo "block ops: fused --cuda_graph --param_dtype=bf16 --shard=optimizer"
-      DTRAIN_FUSED_BLOCK_OPS=1 "$1" "${@:2}" --cuda_graph --param_dtype=bf16 --shard=optimizer' _ "$BIN/train_gpt" --device=cuda --data=synthetic \
+      DTRAIN_FUSED_BLOCK_OPS=1 "$1" "${@:2}" --cuda_graph --param_dtype=bf16 --shard=optimizer || exit
+      for b in flash fa3; do
+        echo "block ops: fused --cuda_graph, attention by $b only (DTRAIN_SDPA_BACKENDS=$b)"
+        DTRAIN_SDPA_BACKENDS=$b DTRAIN_FUSED_BLOCK_OPS=1 "$1" "${@:2}" --cuda_graph || echo "block ops: $b failed"
+      done' _ "$BIN/train_gpt" --device=cuda --data=synthetic \
     --amp=bf16 --steps=30 --log_every=10 --progress=false --count_host_syncs
 }
 step_s2s_graph() {

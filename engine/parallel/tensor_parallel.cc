@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <mutex>
 #include <optional>
 #include <sstream>
 
@@ -347,6 +349,38 @@ at::Tensor ParallelSelfAttentionImpl::forward(const at::Tensor& x) {
                    : at::scaled_dot_product_attention(heads_first(parts[0]), heads_first(parts[1]),
                                                       heads_first(parts[2]), {}, 0.0, causal);
   return proj->forward(a.transpose(1, 2).reshape({-1, T, local_heads * head_dim}));
+}
+
+void apply_sdpa_backends(const std::string& list) {
+  bool flash = false, fa3 = false, efficient = false, cudnn = false, math = false;
+  size_t start = 0;
+  while (start <= list.size()) {
+    const size_t end = std::min(list.find(',', start), list.size());
+    const std::string name = list.substr(start, end - start);
+    start = end + 1;
+    if (name.empty()) continue;
+    bool* slot = name == "flash" ? &flash : name == "fa3" ? &fa3 : name == "efficient" ? &efficient
+               : name == "cudnn" ? &cudnn : name == "math" ? &math : nullptr;
+    DTRAIN_CHECK(slot != nullptr, "scaled_dot_product_attention backend '", name, "' is unknown; name some of flash, "
+                 "fa3, efficient, cudnn and math, comma-separated (DTRAIN_SDPA_BACKENDS)");
+    *slot = true;
+  }
+  DTRAIN_CHECK(flash || fa3 || efficient || cudnn || math, "no scaled_dot_product_attention backend named in '", list,
+               "'; name some of flash, fa3, efficient, cudnn and math (DTRAIN_SDPA_BACKENDS)");
+  auto& ctx = at::globalContext();
+  ctx.setSDPUseFlash(flash);
+  ctx.setSDPUseFA3(fa3);
+  ctx.setSDPUseMemEfficient(efficient);
+  ctx.setSDPUseCuDNN(cudnn);
+  ctx.setSDPUseMath(math);
+}
+
+void sdpa_backends_from_env() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    const char* v = std::getenv("DTRAIN_SDPA_BACKENDS");
+    if (v != nullptr && *v != '\0') apply_sdpa_backends(v);
+  });
 }
 
 ParallelMlpImpl::ParallelMlpImpl(int64_t d_model, int64_t hidden, dist::Communicator& tp, SequenceParallel sp) {

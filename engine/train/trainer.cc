@@ -18,6 +18,7 @@
 #include "dtrain/engine/optim/sparse_optim.h"
 #include "dtrain/engine/train/agreement.h"
 #include "dtrain/engine/train/preemption.h"
+#include "dtrain/engine/parallel/fused_block_ops.h"
 #include "dtrain/engine/parallel/tensor_parallel.h"
 #include "trainer_setup.h"
 
@@ -145,6 +146,8 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
     : model_(model), loss_(std::move(loss)), mesh_(mesh), device_(device),
       options_(std::move(options)), accum_steps_(options_.accum_steps) {
   validate(options_);
+  sdpa_backends_from_env();  // DTRAIN_SDPA_BACKENDS, once per process
+  (void)fused_block_ops_enabled();  // a bad DTRAIN_FUSED_BLOCK_OPS fails here, on any device
   // Before the first collective that depends on them (the parameter broadcast, the reducer).
   agree_on_settings(mesh_.world(), trainer_setup::settings_of(options_), "TrainerOptions");
   // Whoever promises preemption handling installs it: without the handlers SIGUSR1/SIGTERM

@@ -12,6 +12,7 @@
 #include <torch/torch.h>
 
 #include "dtrain/engine/parallel/fused_block_ops.h"
+#include "dtrain/engine/parallel/tensor_parallel.h"
 #include "test_util.h"
 
 namespace dtrain::engine::fused_block_cases {
@@ -275,6 +276,33 @@ TEST(FusedBlockOpsCpu, MismatchedShapesAreRefusedByName) {
             std::string::npos);
   EXPECT_NE(error_of([&] { fused_bias_gelu(x, at::randn({3})); }).find("takes y [..., F] and bias [F]"),
             std::string::npos);
+}
+
+// DTRAIN_SDPA_BACKENDS' switch: the named backends on, the others off, restored afterwards; the
+// math backend alone gives the same attention on the CPU; unknown names are refused by name.
+TEST(SdpaBackends, NamedBackendsAreTheOnlyOnesEnabled) {
+  auto& ctx = at::globalContext();
+  const bool flash = ctx.userEnabledFlashSDP(), fa3 = ctx.userEnabledFA3SDP(),
+             efficient = ctx.userEnabledMemEfficientSDP(), cudnn = ctx.userEnabledCuDNNSDP(),
+             math = ctx.userEnabledMathSDP();
+  const at::Tensor q = at::randn({2, 3, 16, 8}), k = at::randn({2, 3, 16, 8}), v = at::randn({2, 3, 16, 8});
+  const at::Tensor before = at::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
+  apply_sdpa_backends("math");
+  EXPECT_TRUE(ctx.userEnabledMathSDP());
+  EXPECT_FALSE(ctx.userEnabledFlashSDP() || ctx.userEnabledMemEfficientSDP() || ctx.userEnabledCuDNNSDP() ||
+               ctx.userEnabledFA3SDP());
+  EXPECT_LE((at::scaled_dot_product_attention(q, k, v, {}, 0.0, true) - before).abs().max().item<double>(), 1e-5);
+  apply_sdpa_backends("flash,cudnn");
+  EXPECT_TRUE(ctx.userEnabledFlashSDP() && ctx.userEnabledCuDNNSDP());
+  EXPECT_FALSE(ctx.userEnabledMathSDP() || ctx.userEnabledMemEfficientSDP());
+  EXPECT_NE(error_of([] { apply_sdpa_backends("flash,triton"); }).find("'triton' is unknown"), std::string::npos);
+  EXPECT_NE(error_of([] { apply_sdpa_backends(","); }).find("no scaled_dot_product_attention backend"),
+            std::string::npos);
+  ctx.setSDPUseFlash(flash);
+  ctx.setSDPUseFA3(fa3);
+  ctx.setSDPUseMemEfficient(efficient);
+  ctx.setSDPUseCuDNN(cudnn);
+  ctx.setSDPUseMath(math);
 }
 
 }  // namespace

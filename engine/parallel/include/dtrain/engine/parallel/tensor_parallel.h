@@ -199,6 +199,15 @@ struct ParallelSelfAttentionImpl : torch::nn::Module {
 };
 TORCH_MODULE(ParallelSelfAttention);
 
+// The scaled_dot_product_attention backends this process may use, as a comma-separated list of
+// flash, fa3, efficient, cudnn and math (torch.backends.cuda.enable_*_sdp): each named one
+// enabled, the others disabled; ATen picks among the enabled ones by its priority. An unknown
+// name is an error naming the known ones. sdpa_backends_from_env() applies the environment's
+// DTRAIN_SDPA_BACKENDS once per process when it is set (the Trainer calls it; unset: ATen's
+// defaults). Process-wide, as PyTorch's switches are.
+void apply_sdpa_backends(const std::string& list);
+void sdpa_backends_from_env();
+
 // Two-layer MLP (GELU) with the hidden features split: column- then row-parallel.
 // SequenceParallel::kOn: x and the result are this rank's [B, S/T, d] of the sequence.
 struct ParallelMlpImpl : torch::nn::Module {
