@@ -56,6 +56,7 @@ DEPS="$BUILD/deps"
 BIN="$BUILD/bin"                                # becomes $BUILD/prebuilt/bin when a prebuilt archive is used
 OUT="${OUT:-$ROOT/gpu-out}"
 RECORD="${GPU_SESSION_RECORD:-$ROOT/docs/gpu/measured.tsv}"
+NEXT="${GPU_SESSION_NEXT:-$ROOT/docs/gpu/next.txt}"  # steps to run first, one per line (bench_order)
 PREBUILT="${GPU_SESSION_PREBUILT:-$ROOT/.gpu-build/prebuilt.tgz}"
 PACK_BUILD="${GPU_SESSION_PACK_BUILD:-$ROOT/build-gpu-pack}"
 FAKE="${GPU_SESSION_FAKE:-0}"

@@ -19,6 +19,7 @@ sum_limits() {  # sum_limits STEP...: "TOTAL|a 10 + b 20"
 plan() {
   local fails=0 must must_parts second second_parts avail1 avail2 total1 total2 s tier date h n=0 bsum
   check_limits || return 1
+  check_next
   IFS='|' read -r must must_parts <<<"$(sum_limits gpuinfo unpack prebuilt configure build test_np1 test_np2)"
   IFS='|' read -r second second_parts <<<"$(sum_limits gpuinfo unpack prebuilt)"
   avail1=$((DEADLINE_S - RESERVE_S)) avail2=$((SECOND_S - RESERVE_S))
@@ -71,6 +72,7 @@ plan() {
 
 order() {
   local s tier date h
+  check_next
   load_record
   printf '%-16s %-30s %-16s %s\n' step priority "hash now" "recorded hash"
   while read -r s tier date h; do

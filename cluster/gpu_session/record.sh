@@ -69,10 +69,21 @@ load_record() {
 
 # bench_order: the benchmark steps by priority, one per line:
 # "STEP TIER DATE HASH". TIER 0: never measured; 1: its hash changed since its last figure;
-# 2: unchanged. Within a tier the oldest figure first (rotation), then declaration order.
+# 2: unchanged; prefixed with "n" when $NEXT (docs/gpu/next.txt) names the step: those come first,
+# in that file's order (the session that prepared a change names the steps that measure it).
+# Otherwise within a tier the oldest figure first (rotation), then declaration order.
 bench_order() {
-  local s i=0 h tier date
+  local s i=0 h tier date first pos
+  local -A next_pos=()
   load_record
+  if [[ -r $NEXT ]]; then
+    pos=0
+    while read -r s _; do
+      [[ -z $s || $s == \#* || -z ${KIND[$s]:-} || ${KIND[$s]} != bench ]] && continue  # check_next refuses those
+      pos=$((pos + 1))
+      [[ -n ${next_pos[$s]:-} ]] || next_pos[$s]=$pos
+    done <"$NEXT"
+  fi
   step_hashes "${BENCH_STEPS[@]}"
   for s in "${BENCH_STEPS[@]}"; do
     i=$((i + 1))
@@ -84,13 +95,32 @@ bench_order() {
     else
       tier=2 date=${REC_DATE[$s]}
     fi
-    printf '%s\t%s\t%05d\t%s\t%s\n' "$tier" "$date" "$i" "$s" "$h"
-  done | LC_ALL=C sort -t$'\t' -k1,1n -k2,2 -k3,3n | awk -F'\t' '{ print $4, $1, $2, $5 }'
+    if [[ -n ${next_pos[$s]:-} ]]; then
+      first=0 pos=${next_pos[$s]} tier=n$tier
+    else
+      first=1 pos=0
+    fi
+    printf '%s\t%05d\t%s\t%s\t%05d\t%s\t%s\n' "$first" "$pos" "${tier#n}" "$date" "$i" "$s" "$h|$tier"
+  done | LC_ALL=C sort -t$'\t' -k1,1n -k2,2n -k3,3n -k4,4 -k5,5n |
+    awk -F'\t' '{ split($7, a, "|"); print $6, a[2], $4, a[1] }'
+}
+
+# check_next: every step $NEXT names is a benchmark step (run in the calling shell: bench_order
+# runs in a pipeline, where an error could not stop the script).
+check_next() {
+  local s
+  [[ -r $NEXT ]] || return 0
+  while read -r s _; do
+    [[ -z $s || $s == \#* ]] && continue
+    [[ -n ${KIND[$s]:-} && ${KIND[$s]} == bench ]] ||
+      die "${NEXT#"$ROOT/"} names '$s', which is no benchmark step (steps: ${BENCH_STEPS[*]})"
+  done <"$NEXT"
 }
 
 bench_order_into() {  # bench_order_into ARRAY: the steps by priority into ARRAY, their hashes into HASH_OF
   local -n into=$1
   local s tier date h
+  check_next
   into=()
   while read -r s tier date h; do
     into+=("$s")
@@ -99,6 +129,10 @@ bench_order_into() {  # bench_order_into ARRAY: the steps by priority into ARRAY
 }
 
 tier_text() {  # tier_text TIER DATE
+  if [[ $1 == n* ]]; then
+    echo "first (${NEXT#"$ROOT/"}): $(tier_text "${1#n}" "$2")"
+    return
+  fi
   case $1 in
     0) echo "never measured" ;;
     1) echo "code changed since $2" ;;

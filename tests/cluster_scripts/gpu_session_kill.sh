@@ -34,6 +34,7 @@ for v in $(compgen -v | grep -E '^GPU_(LIMIT|MIN)_|^GPU_SESSION_FAKE_'); do unse
 export GPU_SESSION_FAKE=1 GPU_SESSION_FAKE_SLEEP=0.02 GPU_SESSION_GRACE_S=1
 # A record in the test's own folder (a copy of the repository's), so nothing here writes the tree's.
 export GPU_SESSION_RECORD="$tmp/measured.tsv"
+export GPU_SESSION_NEXT="$tmp/next.txt"  # none: the tier order below; section 6 writes one
 cp "$(dirname "$script")/../docs/gpu/measured.tsv" "$GPU_SESSION_RECORD" 2>/dev/null || : >"$GPU_SESSION_RECORD"
 export GPU_SESSION_PREBUILT="$tmp/no-prebuilt.tgz"
 
@@ -395,6 +396,19 @@ else
   if [[ $got != "$want" ]]; then fail "order after record: '$got', expected '$want'"; else
     pass "record: ok benchmark steps recorded (no .git there: this commit), others not; order: never, changed, oldest"
   fi
+  # Steps named in next.txt come first, in its order; the rest as before; a name that is no
+  # benchmark step is refused.
+  printf '# comment\nkernels\n\ncopies  # unchanged, still first\n' >"$tmp/next.txt"
+  got=$(GPU_SESSION_RECORD="$rec" bash "$script" order | awk 'NR > 1 { print $1 }' | tr '\n' ' ')
+  want_next="kernels copies nccl_allreduce mpi_allreduce cpu_adam host_norm offload_layers async_save shard shard3 offload6b offload6b_bf16 offload_largest offload_opt offload_delayed offload_bf16 gpt_anchor gpt_graph s2s_graph s2s_anchor simulate pipeline gpt124m s2s "
+  printf 'kernels\nbuild\n' >"$tmp/next.txt"
+  bad=$(GPU_SESSION_RECORD="$rec" bash "$script" order 2>&1)
+  bad_rc=$?
+  rm -f "$tmp/next.txt"
+  if [[ $got != "$want_next" ]]; then fail "order with next.txt: '$got', expected '$want_next'"
+  elif ((bad_rc == 0)) || ! grep -q "names 'build', which is no benchmark step" <<<"$bad"; then
+    fail "next.txt naming 'build' was not refused (exit $bad_rc): $bad"
+  else pass "next.txt: its steps first, in its order; a step that is no benchmark refused"; fi
 fi
 
 # A step's hash follows its sources and its own command: in a copy of the script (and of its

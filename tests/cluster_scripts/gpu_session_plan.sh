@@ -34,7 +34,7 @@ for s in gpuinfo unpack prebuilt configure build test_np1 test_np2; do
   grep -qE "^  build and GPU tests, .*(\\(|\\+ )$s [0-9]+[ ;]" <<<"$out" || fail "the build-and-tests line does not count $s"
 done
 # Every benchmark step listed once, in priority order.
-nb=$(grep -cE '^ +[0-9]+\. [a-z0-9_]+ +(never measured|code changed since|measured) ' <<<"$out")
+nb=$(grep -cE '^ +[0-9]+\. [a-z0-9_]+ +(first \([^)]*\): )?(never measured|code changed since|measured) ' <<<"$out")
 ((nb == $(bash "$script" steps | grep -c ' bench '))) || fail "the plan lists $nb benchmark steps"
 # command 2 and the second command's setup.
 read -r worst2 < <(sed -nE 's/^command 2, optional: OUT=\$OUT bash cluster\/gpu_session.sh rest STEP\.\.\. \| carry \[".deps", ".gpu-build"\] \| timeout_s [0-9]+ \| worst ([0-9]+) s$/\1/p' <<<"$out")
