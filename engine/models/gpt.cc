@@ -145,7 +145,11 @@ at::Tensor GptImpl::embed(const at::Tensor& tokens) {
 }
 
 at::Tensor GptImpl::logits(const at::Tensor& x) {
-  at::Tensor h = options.sequence_parallel ? sequence_parallel_layer_norm(ln_f, x, *tp) : ln_f->forward(x);
+  // The final norm feeds the head's Linear: on CUDA the fused kernel (see GptBlockImpl::forward).
+  at::Tensor h = options.sequence_parallel ? sequence_parallel_layer_norm(ln_f, x, *tp)
+                 : fused_block_kernels_serve(x)
+                     ? add_layer_norm(x, at::Tensor(), ln_f->weight, ln_f->bias, ln_f->options.eps()).normed
+                     : ln_f->forward(x);
   return decoder_lm::head_logits(head, tied_head, h);
 }
 

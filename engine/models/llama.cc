@@ -429,7 +429,11 @@ void LlamaImpl::reset_parameters() {
 at::Tensor LlamaImpl::embed(const at::Tensor& tokens) { return embed_tokens->forward(decoder_lm::cp_local(tokens, cp)); }
 
 at::Tensor LlamaImpl::logits(const at::Tensor& x) {
-  return decoder_lm::head_logits(head, tied_head, norm->forward(x));
+  // The final norm feeds the head's Linear: on CUDA the fused kernel (see LlamaBlockImpl::forward).
+  const at::Tensor h = !norm->sequence_parallel && fused_block_kernels_serve(x)
+                           ? add_rms_norm(x, at::Tensor(), norm->weight, norm->eps).normed
+                           : norm->forward(x);
+  return decoder_lm::head_logits(head, tied_head, h);
 }
 
 at::Tensor LlamaImpl::head_loss(const at::Tensor& x, const at::Tensor& targets) {
