@@ -6,6 +6,7 @@
 #include "dtrain/engine/parallel/fused_block_ops.h"
 
 #include <ATen/ATen.h>
+#include <ATen/TracerMode.h>
 #include <ATen/autocast_mode.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -598,7 +599,9 @@ void set_fused_block_ops(std::optional<bool> enabled) {
 }
 
 bool fused_block_kernels_serve(const at::Tensor& x) {
-  return x.defined() && x.is_cuda() && detail::fused_block_kernels_built() && fused_block_ops_enabled();
+  // Not while TorchScript traces (dtrain-export): the tracer records ATen's ops, not raw kernels.
+  return x.defined() && x.is_cuda() && detail::fused_block_kernels_built() && fused_block_ops_enabled() &&
+         !at::tracer::impl::is_dispatch_enabled();
 }
 
 namespace {

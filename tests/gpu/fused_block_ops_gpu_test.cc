@@ -232,6 +232,10 @@ TEST(FusedBlockOpsGpu, UnservedCombinationsFallBackToAten) {
   DTRAIN_SKIP_WITHOUT_CUDA();
   const FusedOpsOn on;
   ASSERT_TRUE(fused_block_kernels_serve(at::zeros({1}, kCuda)));
+  {  // While TorchScript traces (dtrain-export) the models keep ATen's ops, which a trace records.
+    const c10::impl::IncludeDispatchKeyGuard tracing(c10::DispatchKey::Tracer);
+    EXPECT_FALSE(fused_block_kernels_serve(at::zeros({1}, kCuda)));
+  }
   // A bfloat16 weight under a float32 sum has no kernel: add_layer_norm takes ATen's ops.
   const at::Tensor x = at::randn({4, 64}, kCuda), y = at::randn({4, 64}, kCuda);
   const at::Tensor w = at::randn({64}, kCuda).to(at::kBFloat16), b = at::randn({64}, kCuda).to(at::kBFloat16);

@@ -79,7 +79,7 @@ at::Tensor bias_gelu(const at::Tensor& y, const at::Tensor& bias);
 
 // Whether the models take the fused path (add_layer_norm's kernels, a Linear without its bias
 // then bias_gelu, swiglu): CUDA inputs in a build with the kernels, with the fused block ops
-// enabled. Elsewhere the models keep at::layer_norm, at::linear with its bias, at::gelu and
+// enabled, and no TorchScript trace recording (a trace records ATen's ops). Elsewhere the models keep at::layer_norm, at::linear with its bias, at::gelu and
 // Llama's ops, bit for bit as before.
 bool fused_block_kernels_serve(const at::Tensor& x);
 
