@@ -8,12 +8,36 @@ Prints, for the profiled window (the first "dtrain step N" range's start to the 
 device activity): wall time per step; the union of device activity (busy vs idle, the idle
 being launch gaps, host waits and host-side work the device waited for); per stream, kernel,
 copy (by direction, with bytes and GB/s) and memset time; the host's time blocked in CUDA
-synchronization calls; and the kernels and host operators that took the most time.
+synchronization calls; the kernel time per step by kind (matrix multiplies, attention, norms,
+dtrain's fused kernels, copies and casts, element-wise, reductions, the optimizer, NCCL); and the
+kernels and host operators that took the most time.
 """
 import collections
 import gzip
 import json
+import re
 import sys
+
+# Kernel kinds, first match wins (lower-case kernel names): what a step's device time went to.
+KINDS = [
+    ("NCCL collectives", r"nccl"),
+    ("dtrain's own kernels (fused block ops, cross-entropy, norm)", r"dtrain::"),
+    ("attention", r"sdpa|flash|fmha|attention|softmax"),
+    ("optimizer (multi-tensor)", r"multi_tensor_apply|adam|foreach"),
+    ("norms", r"layer_norm|layernorm|gammabeta|rms_?norm"),
+    ("copies and casts", r"copy_kernel|direct_copy|_copy|cat_|catarray"),
+    ("matrix multiplies", r"nvjet|gemm|cutlass|xmma|sm\d+_.*(nn|nt|tn|tt)|cublas"),
+    ("reductions", r"reduce_kernel|reduce"),
+    ("element-wise", r"elementwise|unrolled|vectorized"),
+]
+
+
+def kind_of(name):
+    low = name.lower()
+    for kind, pattern in KINDS:
+        if re.search(pattern, low):
+            return kind
+    return "other"
 
 
 def load(path):
@@ -95,6 +119,15 @@ def main():
             kernels[e["name"][:90]] += e["dur"]
             counts[e["name"][:90]] += 1
     if kernels:
+        n_steps = len({s["name"] for s in steps})
+        by_kind = collections.Counter()
+        for e in device:
+            if e["cat"] == "kernel":
+                by_kind[kind_of(e["name"])] += e["dur"]
+        total = sum(by_kind.values())
+        print(f"kernel time by kind (ms per step over {n_steps} step(s); share of kernel time):")
+        for kind, dur in by_kind.most_common():
+            print(f"  {dur / 1e3 / n_steps:8.2f}  {100 * dur / total:5.1f}%  {kind}")
         print(f"top kernels (ms, calls):")
         for name, dur in kernels.most_common(top):
             print(f"  {dur / 1e3:8.2f} {counts[name]:5d}  {name}")
