@@ -109,7 +109,7 @@ for _t in gpuinfo=10/5 unpack=20/10 prebuilt=30/15 configure=60/30 build=240/120
           offload6b=280/220 offload6b_bf16=280/200 offload_largest=280/200 offload_opt=70/40 offload_delayed=70/40 offload_bf16=70/40 \
           pipeline=50/35 gpt_anchor=150/90 \
           gpt_graph=170/60 s2s_graph=90/45 kernels=90/40 s2s_anchor=150/90 simulate=90/45 \
-          profile_gpt=45/25 profile_s2s=45/25 profile_layers=45/30 profile_offload=70/45 profile_delayed=70/45; do
+          profile_gpt=80/40 profile_s2s=45/25 profile_layers=45/30 profile_offload=70/45 profile_delayed=70/45; do
   _s=${_t%%=*} _t=${_t#*=}
   LIMIT[$_s]=${_t%/*} MIN[$_s]=${_t#*/}
   _v="GPU_LIMIT_$_s"; [[ -n ${!_v:-} ]] && LIMIT[$_s]=${!_v}

@@ -425,9 +425,18 @@ profile_run() {  # profile_run NAME TITLE TRAIN_GPT_ARGS...: the run, then its t
       gzip -f "$1" "${1%.json}-timeline.json"' _ "$trace" \
     "$BIN/train_gpt" "$@" --profile_out="$trace" --timeline="${trace%.json}-timeline.json"
 }
+# gpt124m profiled twice in one command: with ATen's block ops, then with dtrain's fused kernels
+# (DTRAIN_FUSED_BLOCK_OPS=0, then 1): the before and after of issue 34's kernels on one machine.
 step_profile_gpt() {
   need_build || return 1
-  profile_run gpt "gpt124m AMP bf16, steps 4-5" --device=cuda --data=synthetic --amp=bf16 \
+  SHOW="train_gpt --amp=bf16 --profile_steps=4-5, DTRAIN_FUSED_BLOCK_OPS=0 then 1; tools/profile_summary.py of each" \
+    bench "gpt124m AMP bf16, steps 4-5, ATen's block ops then fused" '.' bash -c 'mkdir -p "$1" || exit
+      for f in 0 1; do
+        t="$1/gpt-fused$f.json"
+        echo "block ops: $([[ $f == 0 ]] && echo ATen || echo fused)"
+        DTRAIN_FUSED_BLOCK_OPS=$f "${@:2}" --profile_out="$t" --timeline="${t%.json}-timeline.json" &&
+          python3 tools/profile_summary.py "$t" --top=25 && gzip -f "$t" "${t%.json}-timeline.json" || exit
+      done' _ "$FILES/profiles" "$BIN/train_gpt" --device=cuda --data=synthetic --amp=bf16 \
     --steps=5 --log_every=5 --progress=false --profile_steps=4-5
 }
 step_profile_s2s() {
