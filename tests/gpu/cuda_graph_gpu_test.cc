@@ -14,6 +14,7 @@
 #include "dtrain/dist/communicator.h"
 #include "dtrain/dist/mesh.h"
 #include "dtrain/engine/models/gpt.h"
+#include "dtrain/engine/parallel/fused_block_ops.h"
 #include "dtrain/engine/train/graphed_loss.h"
 #include "dtrain/engine/train/trainer.h"
 #include "test_util.h"
@@ -106,6 +107,22 @@ TEST(CudaGraphGpu, ReplayedBf16StepsTrainAsTheEagerOnes) {
   const GraphRun eager = train_gpt(false, AmpMode::kBf16, 8, 4);
   const GraphRun graphed = train_gpt(true, AmpMode::kBf16, 8, 4);
   expect_same_training(eager, graphed, 1e-3);
+}
+
+// dtrain's fused block kernels (fused_block_ops.h, on for the test) captured and replayed: the
+// workspaces come from the graph's private pool, the kernels run on the capturing stream.
+TEST(CudaGraphGpu, FusedBlockKernelsReplayAsTheEagerOnes) {
+  DTRAIN_SKIP_WITHOUT_CUDA();
+  set_fused_block_ops(true);
+  struct Restore {
+    ~Restore() { set_fused_block_ops(std::nullopt); }
+  } restore;
+  for (const AmpMode amp : {AmpMode::kOff, AmpMode::kBf16}) {
+    const GraphRun eager = train_gpt(false, amp, 8, 4);
+    const GraphRun graphed = train_gpt(true, amp, 8, 4);
+    expect_same_training(eager, graphed, amp == AmpMode::kOff ? 1e-5 : 1e-3);
+    EXPECT_NE(graphed.losses.front(), graphed.losses.back());
+  }
 }
 
 // Every third batch has 2 rows instead of 4: those run eagerly, the others replay.
