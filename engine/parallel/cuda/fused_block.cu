@@ -2,7 +2,8 @@
 // headers. The per-element arithmetic (GELU and its derivative, LayerNorm's input gradient)
 // is the header's, shared with the host path that the float64 CPU tests check.
 //
-// LayerNorm of a residual sum: one warp per row, four rows per block. Forward: the sum is
+// LayerNorm of a residual sum: one warp per row, four rows per block; the loops over a row are
+// unrolled four times so each lane has several loads in flight. Forward: the sum is
 // formed, rounded to its dtype and written once, then read back by the same thread for the
 // variance about the mean (two passes over the row, the second from cache) and the output.
 // Backward: the rows' input gradient in one kernel (the row's two sums by warp shuffles, the
@@ -91,6 +92,7 @@ __global__ void add_norm_forward_kernel(int64_t rows, int64_t cols, const typena
   const typename S::Raw* src = x + base;
   A total = 0;
   if (y != nullptr) {
+#pragma unroll 4
     for (int64_t c = lane; c < cols; c += 32) {
       const typename S::Raw r = S::store(S::load(x[base + c]) + static_cast<A>(Y::load(y[base + c])));
       sum[base + c] = r;
@@ -98,15 +100,18 @@ __global__ void add_norm_forward_kernel(int64_t rows, int64_t cols, const typena
     }
     src = sum + base;  // read back below by the thread that wrote each element
   } else if (!rms) {
+#pragma unroll 4
     for (int64_t c = lane; c < cols; c += 32) total += S::load(src[c]);
   }
   const A mean = rms ? A(0) : warp_sum(total) / static_cast<A>(cols);  // RMSNorm: no mean
   A sq = 0;
+#pragma unroll 4
   for (int64_t c = lane; c < cols; c += 32) {
     const A d = S::load(src[c]) - mean;
     sq += d * d;
   }
   const A rstd = inv_sqrt(warp_sum(sq) / static_cast<A>(cols) + eps);
+#pragma unroll 4
   for (int64_t c = lane; c < cols; c += 32) {
     A xhat = (S::load(src[c]) - mean) * rstd;
     if (rms) xhat = S::load(S::store(xhat));  // Llama's cast back to the input's dtype
@@ -133,6 +138,7 @@ __global__ void add_norm_backward_rows_kernel(int64_t rows, int64_t cols, const 
   const int64_t base = row * cols;
   const A mu = mean[row], r = rstd[row];
   A a = 0, bsum = 0;
+#pragma unroll 4
   for (int64_t c = lane; c < cols; c += 32) {
     const A xhat = (S::load(s[base + c]) - mu) * r;
     const A gw = static_cast<A>(O::load(dn[base + c])) * static_cast<A>(W::load(w[c]));
@@ -141,6 +147,7 @@ __global__ void add_norm_backward_rows_kernel(int64_t rows, int64_t cols, const 
   }
   const A a_n = rms ? A(0) : warp_sum(a) / static_cast<A>(cols);
   const A b_n = warp_sum(bsum) / static_cast<A>(cols);
+#pragma unroll 4
   for (int64_t c = lane; c < cols; c += 32) {
     const A xhat = (S::load(s[base + c]) - mu) * r;
     const A gw = static_cast<A>(O::load(dn[base + c])) * static_cast<A>(W::load(w[c]));
@@ -166,6 +173,7 @@ __global__ void add_norm_backward_cols_kernel(int64_t rows, int64_t cols, int64_
   const int64_t r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
   A dw = 0, db = 0;
   if (c < cols) {
+#pragma unroll 4
     for (int64_t r = r0 + threadIdx.y; r < r1; r += kColRows) {
       const A g = static_cast<A>(O::load(dn[r * cols + c]));
       A xhat = (S::load(s[r * cols + c]) - mean[r]) * rstd[r];
@@ -318,6 +326,7 @@ __global__ void bias_gelu_backward_kernel(int64_t rows, int64_t cols, int64_t ro
   A db = 0;
   if (c < cols) {
     const A bias = static_cast<A>(B::load(b[c]));
+#pragma unroll 4
     for (int64_t r = r0 + threadIdx.y; r < r1; r += kColRows) {
       const int64_t i = r * cols + c;
       const typename Y::Raw d = Y::store(Y::load(g[i]) * gelu_tanh_grad<A>(Y::load(y[i]) + bias));
