@@ -16,6 +16,8 @@ check 2 "unknown AMP mode 'fp8'" "$bin/train_mlp" --amp=fp8
 check 2 "unknown optimizer name 'lamb'" "$bin/train_mlp" --optimizer=lamb
 check 2 'lr=nan must be a positive finite number' "$bin/train_mlp" --lr=nan
 check 2 'no usable CUDA GPU' env CUDA_VISIBLE_DEVICES= "$bin/train_mlp" --device=cuda
+check 2 'DTRAIN_FUSED_BLOCK_OPS=yes: use 1' env DTRAIN_FUSED_BLOCK_OPS=yes "$bin/train_mlp" --steps=1
+check 2 "backend 'triton' is unknown" env DTRAIN_SDPA_BACKENDS=flash,triton "$bin/train_mlp" --steps=1
 check 2 'offload=disk is not one of' "$bin/train_mlp" --offload=disk
 check 2 'host_mem_limit_gb=-1 must be >= 0' "$bin/train_mlp" --offload=optimizer --host_mem_limit_gb=-1
 check 2 'offload_stream_gradients=sometimes is not one of: auto, on, off' "$bin/train_mlp" --offload=optimizer --offload_stream_gradients=sometimes
