@@ -348,8 +348,9 @@ struct FusedAddNormFn : torch::autograd::Function<FusedAddNormFn> {
       sh.rms = rms;
       gx = at::empty(s.sizes(), s.options());
       gy = has_y ? at::empty(s.sizes(), s.options().dtype(y_type)) : at::Tensor();
-      gw = at::empty_like(weight);
-      gb = has_bias ? at::empty_like(weight) : at::Tensor();
+      // No rows: the kernels return at once, so the weight gradients must start at zero.
+      gw = rows == 0 ? at::zeros_like(weight) : at::empty_like(weight);
+      gb = !has_bias ? at::Tensor() : rows == 0 ? at::zeros_like(weight) : at::empty_like(weight);
       at::Tensor workspace = at::empty({2 * detail::add_norm_workspace_chunks(rows) * cols}, s.options().dtype(acc));
       fb_check(detail::add_norm_backward(sh, dn.const_data_ptr(), fb_ptr(gs), s.const_data_ptr(),
                                          weight.const_data_ptr(), mean.const_data_ptr(), rstd.const_data_ptr(),
@@ -571,6 +572,7 @@ at::Tensor fused_bias_gelu(const at::Tensor& y, const at::Tensor& bias) {
                " and ", bias.defined() ? bias.sizes() : at::IntArrayRef{});
   DTRAIN_CHECK(bias.device() == y.device(), "the fused bias + GELU's bias must be on y's device (", y.device(),
                "), got ", bias.device());
+  if (y.numel() == 0) return at::gelu(y + bias, "tanh");  // nothing to fuse (and no row width to divide by)
   return FusedBiasGeluFn::apply(y, bias);
 }
 

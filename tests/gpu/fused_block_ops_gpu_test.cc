@@ -242,6 +242,14 @@ TEST(FusedBlockOpsGpu, UnservedCombinationsFallBackToAten) {
   EXPECT_FALSE(fused_add_layer_norm_available(x, y, w, b, at::kFloat));
   const AddLayerNorm r = add_layer_norm(x, y, w, b, 1e-5);
   EXPECT_TRUE(at::equal(r.normed, at::layer_norm(x + y, {64}, w, b, 1e-5)));
+  // No rows: empty results, zero weight gradients.
+  {
+    const at::Tensor e = at::randn({0, 64}, kCuda).requires_grad_(true);
+    const at::Tensor we = at::randn({64}, kCuda).requires_grad_(true), be = at::randn({64}, kCuda).requires_grad_(true);
+    fused_add_layer_norm(e, at::Tensor(), we, be, 1e-5).normed.sum().backward();
+    EXPECT_TRUE(at::equal(we.grad().cpu(), at::zeros({64})));
+    EXPECT_TRUE(at::equal(be.grad().cpu(), at::zeros({64})));
+  }
   // A float16 y with a bfloat16 bias: the same.
   const at::Tensor yh = at::randn({4, 64}, kCuda).to(at::kHalf);
   EXPECT_FALSE(fused_bias_gelu_available(yh, b));

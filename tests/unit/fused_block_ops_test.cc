@@ -266,6 +266,20 @@ TEST(FusedBlockOpsCpu, OffByDefaultAndTheOverrideSwitches) {
   set_fused_block_ops(std::nullopt);
 }
 
+// Empty inputs: empty outputs and gradients, no division by a zero row width.
+TEST(FusedBlockOpsCpu, EmptyInputsGiveEmptyResults) {
+  const at::Tensor y = at::randn({0, 0}).requires_grad_(true), b = at::randn({0}).requires_grad_(true);
+  const at::Tensor out = fused_bias_gelu(y, b);
+  EXPECT_EQ(out.numel(), 0);
+  const at::Tensor x = at::randn({0, 8}).requires_grad_(true), w = at::randn({8}).requires_grad_(true);
+  const AddLayerNorm r = fused_add_layer_norm(x, at::Tensor(), w, at::Tensor(), 1e-5);
+  EXPECT_EQ(r.normed.sizes(), x.sizes());
+  r.normed.sum().backward();
+  EXPECT_EQ(x.grad().sizes(), x.sizes());
+  EXPECT_TRUE(at::equal(w.grad(), at::zeros({8})));
+  EXPECT_EQ(fused_swiglu(at::randn({0, 4}), at::randn({0, 4})).numel(), 0);
+}
+
 TEST(FusedBlockOpsCpu, MismatchedShapesAreRefusedByName) {
   const at::Tensor x = at::randn({2, 8});
   EXPECT_NE(error_of([&] { fused_add_layer_norm(x, at::Tensor(), at::randn({7}), at::Tensor(), 1e-5); })
