@@ -63,25 +63,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-void sync(c10::Device device) {
-  if (device.is_cuda()) torch::cuda::synchronize(device.index());
-}
-
-// Median seconds of `reps` calls of fn (after one warm-up), the device synchronized.
-template <typename F>
-double median_seconds(c10::Device device, int reps, F fn) {
-  fn();
-  sync(device);
-  std::vector<double> s;
-  for (int i = 0; i < reps; ++i) {
-    const auto t0 = Clock::now();
-    fn();
-    sync(device);
-    s.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-  }
-  std::sort(s.begin(), s.end());
-  return s[s.size() / 2];
-}
+// Timing: engine::synchronize_device, median_seconds and median_of (measure_model.h), the rules
+// the model measurement uses too.
+using engine::median_seconds;
 
 bool given(const char* flag) {
   gflags::CommandLineFlagInfo info;
@@ -355,13 +339,12 @@ void calibrate(const Run& run, ExampleModel& m, const engine::TrainerOptions& op
   engine::Batch full = m.synthetic_batch(f.batch_size);
   std::vector<double> steps;
   for (int s = 0; s < 6; ++s) {
-    sync(dev);
+    engine::synchronize_device(dev);
     const auto t0 = Clock::now();
     trainer->step(full);
-    sync(dev);
+    engine::synchronize_device(dev);
     if (s > 0) steps.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
   }
-  std::sort(steps.begin(), steps.end());
   sim::Layout layout;
   layout.dp = n;
   layout.micro_batch_rows = rows;
@@ -369,7 +352,7 @@ void calibrate(const Run& run, ExampleModel& m, const engine::TrainerOptions& op
   layout.bf16 = one.bf16;
   layout.checkpoint = one.checkpoint;
   const sim::Prediction before = sim::simulate(shape, c, layout);
-  const double measured = steps[steps.size() / 2];
+  const double measured = engine::median_of(steps);
   c.step_overhead_s = std::max(0.0, measured - before.step_s);
   if (run.world.rank != 0) return;
   std::ofstream out(path);

@@ -101,16 +101,27 @@ void check_add_norm_inputs(const at::Tensor& x, const at::Tensor& y, const at::T
   }
 }
 
-AddNormShape add_norm_shape(const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight, at::ScalarType out) {
+// The kernels' description of a norm over rows of `sum` (the sum's dtype s; y's dtype when
+// there is a y), the weight's dtype w and the output's o.
+AddNormShape add_norm_shape(const at::Tensor& sum, at::ScalarType s, std::optional<at::ScalarType> y,
+                            at::ScalarType w, at::ScalarType o, bool rms) {
   AddNormShape sh;
-  sh.cols = x.size(-1);
-  sh.rows = x.numel() / sh.cols;
-  sh.s = fb_dtype_or_throw(y.defined() ? at::promote_types(x.scalar_type(), y.scalar_type()) : x.scalar_type());
-  sh.has_y = y.defined();
-  sh.y = y.defined() ? fb_dtype_or_throw(y.scalar_type()) : sh.s;
-  sh.w = fb_dtype_or_throw(weight.scalar_type());
-  sh.o = fb_dtype_or_throw(out);
+  sh.cols = sum.size(-1);
+  sh.rows = sum.numel() / sh.cols;
+  sh.s = fb_dtype_or_throw(s);
+  sh.has_y = y.has_value();
+  sh.y = y ? fb_dtype_or_throw(*y) : sh.s;
+  sh.w = fb_dtype_or_throw(w);
+  sh.o = fb_dtype_or_throw(o);
+  sh.rms = rms;
   return sh;
+}
+
+AddNormShape add_norm_shape(const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight, at::ScalarType out,
+                            bool rms = false) {
+  return add_norm_shape(x, y.defined() ? at::promote_types(x.scalar_type(), y.scalar_type()) : x.scalar_type(),
+                        y.defined() ? std::optional<at::ScalarType>(y.scalar_type()) : std::nullopt,
+                        weight.scalar_type(), out, rms);
 }
 
 // ---- the host path: the kernels' formulas in loops ------------------------------------------
@@ -262,8 +273,7 @@ struct FusedAddNormFn : torch::autograd::Function<FusedAddNormFn> {
     const char* what = rms ? "RMSNorm" : "LayerNorm";
     at::Tensor sum, out, mean, rstd;
     if (x.is_cuda()) {
-      AddNormShape sh = add_norm_shape(x, y, weight, out_type);
-      sh.rms = rms;
+      const AddNormShape sh = add_norm_shape(x, y, weight, out_type, rms);
       DTRAIN_CHECK(detail::add_norm_supported(sh) && detail::fused_block_kernels_built(), "the fused ", what,
                    " has no CUDA kernel for x ", x.scalar_type(), ", y ", y.defined() ? y.scalar_type() : x.scalar_type(),
                    ", weight ", weight.scalar_type(), " into ", out_type,
@@ -337,15 +347,9 @@ struct FusedAddNormFn : torch::autograd::Function<FusedAddNormFn> {
     const int64_t cols = s.size(-1), rows = s.numel() / cols;
     at::Tensor gx, gy, gw, gb;
     if (s.is_cuda()) {
-      AddNormShape sh;
-      sh.rows = rows;
-      sh.cols = cols;
-      sh.s = fb_dtype_or_throw(s.scalar_type());
-      sh.has_y = has_y;
-      sh.y = has_y ? fb_dtype_or_throw(y_type) : sh.s;
-      sh.w = fb_dtype_or_throw(weight.scalar_type());
-      sh.o = fb_dtype_or_throw(out_type);
-      sh.rms = rms;
+      const AddNormShape sh =
+          add_norm_shape(s, s.scalar_type(), has_y ? std::optional<at::ScalarType>(y_type) : std::nullopt,
+                         weight.scalar_type(), out_type, rms);
       gx = at::empty(s.sizes(), s.options());
       gy = has_y ? at::empty(s.sizes(), s.options().dtype(y_type)) : at::Tensor();
       // No rows: the kernels return at once, so the weight gradients must start at zero.

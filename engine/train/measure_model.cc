@@ -14,19 +14,20 @@
 
 namespace dtrain::engine {
 
-namespace {
-
-void sync(c10::Device device) {
+void synchronize_device(c10::Device device) {
   if (device.is_cuda()) torch::cuda::synchronize(device.index());
 }
 
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+double median_of(std::vector<double> samples) {
+  DTRAIN_CHECK(!samples.empty(), "median_of: no samples");
+  std::sort(samples.begin(), samples.end());
+  return samples[samples.size() / 2];
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
+namespace {
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 int64_t parameters_of(const std::vector<at::Tensor>& params) {
@@ -60,10 +61,10 @@ Sample measure_at(ModelSpec spec, c10::Device device, const Batch& batch, const 
     at::Tensor x, y, loss;
     {
       AutocastGuard autocast(device.type(), o.amp);
-      sync(device);
+      synchronize_device(device);
       double t0 = now_s();
       x = spec.pre(batch);
-      sync(device);
+      synchronize_device(device);
       if (r) pre_f.push_back(now_s() - t0);
     }
     s.activation_bytes = static_cast<double>(x.nbytes());
@@ -71,10 +72,10 @@ Sample measure_at(ModelSpec spec, c10::Device device, const Batch& batch, const 
     {
       AutocastGuard autocast(device.type(), o.amp);
       const double before = memory_stats(device).requested_mb;
-      sync(device);
+      synchronize_device(device);
       double t0 = now_s();
       y = spec.blocks->run_block(0, xin);
-      sync(device);
+      synchronize_device(device);
       if (r) block_f.push_back(now_s() - t0);
       s.block_held = std::max(0.0, (memory_stats(device).requested_mb - before) * mib);
     }
@@ -82,36 +83,36 @@ Sample measure_at(ModelSpec spec, c10::Device device, const Batch& batch, const 
     {
       AutocastGuard autocast(device.type(), o.amp);
       const double before = memory_stats(device).requested_mb;
-      sync(device);
+      synchronize_device(device);
       double t0 = now_s();
       loss = spec.post(yin, batch);
-      sync(device);
+      synchronize_device(device);
       if (r) post_f.push_back(now_s() - t0);
       s.post_held = std::max(0.0, (memory_stats(device).requested_mb - before) * mib);
     }
     DTRAIN_CHECK(loss.numel() == 1, "measure_model: the spec's post returned ", loss.sizes(),
                  "; it must return the (scalar) loss");
-    sync(device);
+    synchronize_device(device);
     double t0 = now_s();
     loss.backward();
-    sync(device);
+    synchronize_device(device);
     if (r) post_b.push_back(now_s() - t0);
     t0 = now_s();
     y.backward(yin.grad().defined() ? yin.grad() : at::ones_like(y));
-    sync(device);
+    synchronize_device(device);
     if (r) block_b.push_back(now_s() - t0);
     t0 = now_s();
     if (x.requires_grad()) x.backward(xin.grad().defined() ? xin.grad() : at::ones_like(x));
-    sync(device);
+    synchronize_device(device);
     if (r) pre_b.push_back(now_s() - t0);
   }
-  s.pre_f = median(pre_f), s.pre_b = median(pre_b), s.block_f = median(block_f), s.block_b = median(block_b);
-  s.post_f = median(post_f), s.post_b = median(post_b);
+  s.pre_f = median_of(pre_f), s.pre_b = median_of(pre_b), s.block_f = median_of(block_f), s.block_b = median_of(block_b);
+  s.post_f = median_of(post_f), s.post_b = median_of(post_b);
   // The whole forward and backward in one pass: timed piece by piece, each piece pays its own
   // synchronization and autograd start; the pieces keep their shares of the whole's time.
   std::vector<double> whole;
   for (int r = 0; r <= o.repeats; ++r) {
-    sync(device);
+    synchronize_device(device);
     const double t0 = now_s();
     at::Tensor loss;
     {
@@ -119,12 +120,12 @@ Sample measure_at(ModelSpec spec, c10::Device device, const Batch& batch, const 
       loss = spec.post(spec.blocks->forward(spec.pre(batch)), batch);
     }
     loss.backward();
-    sync(device);
+    synchronize_device(device);
     if (r) whole.push_back(now_s() - t0);
   }
   const double blocks = static_cast<double>(spec.blocks->size());
   const double pieces = s.pre_f + s.pre_b + blocks * (s.block_f + s.block_b) + s.post_f + s.post_b;
-  const double k = pieces > 0 ? median(whole) / pieces : 1.0;
+  const double k = pieces > 0 ? median_of(whole) / pieces : 1.0;
   for (double* v : {&s.pre_f, &s.pre_b, &s.block_f, &s.block_b, &s.post_f, &s.post_b}) *v *= k;
   return s;
 }
@@ -159,6 +160,20 @@ sim::MeasuredModel measure_model(const ModelSpec& spec, c10::Device device,
   m.block_held_bytes_per_row = std::max(a.block_held / r0, b.block_held / r1);
   m.post_held_bytes_per_row = std::max(a.post_held / r0, b.post_held / r1);
   return m;
+}
+
+double median_seconds(c10::Device device, int reps, const std::function<void()>& fn) {
+  DTRAIN_CHECK(reps >= 1, "median_seconds: reps must be >= 1, got ", reps);
+  fn();
+  synchronize_device(device);
+  std::vector<double> samples;
+  for (int i = 0; i < reps; ++i) {
+    const double t0 = now_s();
+    fn();
+    synchronize_device(device);
+    samples.push_back(now_s() - t0);
+  }
+  return median_of(std::move(samples));
 }
 
 }  // namespace dtrain::engine

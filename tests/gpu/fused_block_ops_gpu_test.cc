@@ -274,6 +274,24 @@ void expect_grads_near(M& cuda, M& cpu, double t) {
   for (const auto& p : cuda->named_parameters()) EXPECT_LE(max_rel(p.value().grad(), want[p.key()].grad()), t) << p.key();
 }
 
+// `loss(model, device)` on the CPU model in float32 and on its CUDA copy (under bfloat16
+// autocast when amp), each followed by backward: the losses and every parameter's gradient
+// within the tolerances of the header.
+template <class M, class LossOf>
+void expect_cuda_loss_matches_cpu(M& cpu, M& cuda, bool amp, LossOf loss) {
+  const at::Tensor ref = loss(cpu, c10::Device(c10::kCPU));
+  ref.backward();
+  at::Tensor got;
+  {
+    std::optional<AutocastGuard> ac;
+    if (amp) ac.emplace(c10::kCUDA, AmpMode::kBf16);
+    got = loss(cuda, kCuda);
+    got.backward();
+  }
+  EXPECT_NEAR(got.item<double>(), ref.item<double>(), amp ? 5e-2 : 5e-5);
+  expect_grads_near(cuda, cpu, amp ? 1e-1 : 2e-4);
+}
+
 // A GPT block on CUDA (the fused LayerNorms and bias + GELU) against the same block on the CPU
 // (ATen's ops): output and every parameter's gradient, float32 and under bfloat16 autocast.
 TEST(FusedBlockOpsGpu, GptBlockOnCudaMatchesTheCpuBlock) {
@@ -333,17 +351,9 @@ TEST(FusedBlockOpsGpu, LlamaOnCudaMatchesTheCpuModel) {
     Llama cuda(o, *tp);
     copy_to_cuda(cpu, cuda);
     const at::Tensor tokens = torch::randint(o.vocab, {2, 16}, at::kLong), targets = torch::randint(o.vocab, {2, 16}, at::kLong);
-    const at::Tensor ref = cpu->loss(tokens, targets);
-    ref.backward();
-    at::Tensor got;
-    {
-      std::optional<AutocastGuard> ac;
-      if (amp) ac.emplace(c10::kCUDA, AmpMode::kBf16);
-      got = cuda->loss(tokens.to(kCuda), targets.to(kCuda));
-      got.backward();
-    }
-    EXPECT_NEAR(got.item<double>(), ref.item<double>(), amp ? 5e-2 : 5e-5);
-    expect_grads_near(cuda, cpu, amp ? 1e-1 : 2e-4);
+    expect_cuda_loss_matches_cpu(cpu, cuda, amp, [&](Llama& m, c10::Device d) {
+      return m->loss(tokens.to(d), targets.to(d));
+    });
   }
 }
 
@@ -361,17 +371,9 @@ TEST(FusedBlockOpsGpu, Seq2SeqOnCudaMatchesTheCpuModel) {
     copy_to_cuda(cpu, cuda);
     const at::Tensor src = torch::randint(o.vocab, {3, 7}, at::kLong), tgt = torch::randint(o.vocab, {3, 6}, at::kLong);
     const at::Tensor tin = tgt.narrow(1, 0, 5), tout = tgt.narrow(1, 1, 5);
-    const at::Tensor ref = cpu->loss(src, tin, tout);
-    ref.backward();
-    at::Tensor got;
-    {
-      std::optional<AutocastGuard> ac;
-      if (amp) ac.emplace(c10::kCUDA, AmpMode::kBf16);
-      got = cuda->loss(src.to(kCuda), tin.to(kCuda), tout.to(kCuda));
-      got.backward();
-    }
-    EXPECT_NEAR(got.item<double>(), ref.item<double>(), amp ? 5e-2 : 5e-5);
-    expect_grads_near(cuda, cpu, amp ? 1e-1 : 2e-4);
+    expect_cuda_loss_matches_cpu(cpu, cuda, amp, [&](Seq2Seq& m, c10::Device d) {
+      return m->loss(src.to(d), tin.to(d), tout.to(d));
+    });
   }
 }
 

@@ -15,6 +15,7 @@
 #include <c10/core/Device.h>
 
 #include <functional>
+#include <vector>
 
 #include "dtrain/engine/data/data.h"
 #include "dtrain/engine/memory/simulator.h"
@@ -46,5 +47,13 @@ struct MeasureOptions {
 // rows_small, repeats < 1, or a post that does not return a scalar.
 sim::MeasuredModel measure_model(const ModelSpec& spec, c10::Device device,
                                  const std::function<Batch(int64_t rows)>& batch_of, const MeasureOptions& options = {});
+
+// The timing rules of these measurements, shared with dtrain-plan --calibrate: waits for the
+// device's work (nothing on the CPU); the median of samples (the upper middle one for an even
+// count; at least one sample); the median seconds of `reps` calls of fn after one untimed call,
+// each timed between two synchronizations.
+void synchronize_device(c10::Device device);
+double median_of(std::vector<double> samples);
+double median_seconds(c10::Device device, int reps, const std::function<void()>& fn);
 
 }  // namespace dtrain::engine
