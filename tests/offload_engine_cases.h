@@ -142,7 +142,8 @@ inline void expect_owner_reduce_matches_all_reduce(dist::Communicator& comm, c10
 // of the whole global batch at the weights the model had, its result made visible to the
 // model one step late (after `warmup` ordinary steps).
 inline void expect_delayed_update_matches_reference(dist::Communicator& comm, c10::Device device,
-                                                    const std::string& stream) {
+                                                    const std::string& stream,
+                                                    const ReducerOptions& ro = small_buckets()) {
   const int64_t rows = 4 * comm.size();
   const int64_t warmup = 2, steps = 8;
   OptimizerOptions oo;
@@ -152,7 +153,7 @@ inline void expect_delayed_update_matches_reference(dist::Communicator& comm, c1
   OffloadOptions off;
   off.stream_gradients = stream;
   off.delayed_update_after = warmup;
-  Run run(comm, device, oo, off, small_buckets());
+  Run run(comm, device, oo, off, ro);
 
   torch::nn::Sequential ref = offload_net(0, device);  // the weights the model should see
   std::vector<at::Tensor> master;

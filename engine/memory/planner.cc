@@ -403,8 +403,15 @@ void add_optimizer_and_host(const PlanInputs& in, const Technique& t, int64_t ns
     e.host.optimizer_state = range * 4 * (1 + nstate);
     const bool delayed = in.offload_delayed_update && t.shard < 3;
     // The gradients' host buffers, in the weights' dtype: the one the stream fills (GPU), or,
-    // delayed, the one filling and the one updated from. ZeRO-3's: one float32 buffer always.
-    const int64_t buffers = t.shard == 3 ? 1 : delayed ? 2 : in.offload_to_device ? 1 : 0;
+    // delayed, the one filling and the one updated from; none for one rank's host parameters,
+    // whose delayed update takes autograd's gradients as they are. ZeRO-3's: one float32
+    // buffer always.
+    const bool takes_gradients = delayed && !in.offload_to_device && in.dp == 1;
+    const int64_t buffers = t.shard == 3         ? 1
+                            : takes_gradients    ? 0
+                            : delayed            ? 2
+                            : in.offload_to_device ? 1
+                                                   : 0;
     e.host.gradients = buffers * range * (t.shard == 3 ? 4 : std::min<int64_t>(bpp, 4));
     e.host.other = in.offload_to_device ? kOffloadStagingBytes : 0;
     if (delayed) e.gpu.optimizer_state += range * bpp;  // the update's new weights, published next step

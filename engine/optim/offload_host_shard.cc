@@ -101,12 +101,14 @@ HostShard::HostShard(std::vector<at::Tensor>& params, const OptimizerOptions& op
     at::NoGradGuard no_grad;
     int64_t offset = 0;
     for (at::Tensor& p : params) {
-      at::Tensor view = flat_.narrow(0, offset, p.numel()).view(p.sizes());
-      view.copy_(p.detach());
-      p.set_data(view);
+      flat_.narrow(0, offset, p.numel()).view(p.sizes()).copy_(p.detach());
       offset += p.numel();
     }
   }
+  params_ = params;
+  offsets_.push_back(0);
+  for (const at::Tensor& p : params) offsets_.push_back(offsets_.back() + p.numel());
+  point_params_at_flat();
   cpu_ = std::make_unique<offload::CpuOptimizer>(params, cpu_options(options, dp.rank(), dp.size(), offload.threads),
                                                  *pool_);
   cpu_->set_output(flat_);
@@ -114,8 +116,6 @@ HostShard::HostShard(std::vector<at::Tensor>& params, const OptimizerOptions& op
   chunk_ = cpu_->options().chunk_elems;
   lo_ = std::min(cpu_->shard().begin, numel_);
   hi_ = std::min(cpu_->shard().end, numel_);
-  offsets_.push_back(0);
-  for (const at::Tensor& p : params) offsets_.push_back(offsets_.back() + p.numel());
   const at::ScalarType dtype = first.scalar_type();
   host_dtype_ = dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf ? dtype : at::kFloat;
 }
@@ -151,6 +151,39 @@ void HostShard::update(const HostGrads& g, double multiplier, double lr) {
   for_each_piece(0, hi_ - lo_, [&](size_t c, int64_t in, int64_t n, int64_t at_) {
     cpu_->step_range(lo_ + at_, lo_ + at_ + n, g.chunks[c].narrow(0, in, n));
   });
+  cpu_->end_step();
+}
+
+void HostShard::point_params_at_flat() {
+  for (size_t j = 0; j < params_.size(); ++j) {
+    at::Tensor& p = params_[j];
+    p.set_data(flat_.narrow(0, offsets_[j], p.numel()).view(p.sizes()));
+  }
+}
+
+void HostShard::swap_flat(at::Tensor& other) {
+  DTRAIN_CHECK(host_local(), "optimizer offload: swapping the weight buffers needs host parameters of one rank");
+  DTRAIN_CHECK(other.numel() == flat_.numel() && other.scalar_type() == flat_.scalar_type() && other.is_cpu() &&
+                   other.is_contiguous(),
+               "optimizer offload: the new weights (", other.toString(), ", ", other.numel(),
+               " elements) cannot replace the flat buffer (", flat_.toString(), ", ", flat_.numel(), ")");
+  std::swap(flat_, other);
+  point_params_at_flat();
+}
+
+void HostShard::update_from(const std::vector<at::Tensor>& grads, double multiplier, double lr) {
+  DTRAIN_CHECK(grads.size() + 1 == offsets_.size(), "optimizer offload: ", grads.size(), " gradients for ",
+               offsets_.size() - 1, " parameters");
+  cpu_->set_lr(lr);
+  cpu_->begin_step(multiplier);
+  for (size_t j = 0; j < grads.size(); ++j) {
+    const int64_t a = std::max(offsets_[j], lo_), b = std::min(offsets_[j + 1], hi_);
+    if (a >= b) continue;
+    const at::Tensor& g = grads[j];
+    cpu_->step_range(a, b,
+                     g.defined() ? g.reshape({-1}).narrow(0, a - offsets_[j], b - a)
+                                 : at::zeros({b - a}, at::TensorOptions().dtype(host_dtype_)));
+  }
   cpu_->end_step();
 }
 

@@ -69,10 +69,20 @@ class HostShard {
   }
   // The shard's part of each parameter's .grad into g (undefined gradients as zeros).
   void copy_grads_from_params(HostGrads& g, const std::vector<at::Tensor>& params) const;
-  // One CPU update of the shard, from g or from the parameters' .grad, each gradient times
+  // One CPU update of the shard, from g, from the parameters' .grad, or from `grads` (one
+  // tensor per parameter, in the parameters' order, undefined as zeros), each gradient times
   // multiplier; the new weights go to the output (set_output()).
   void update(const HostGrads& g, double multiplier, double lr);
   void update_from_params(double multiplier, double lr);
+  void update_from(const std::vector<at::Tensor>& grads, double multiplier, double lr);
+  // Host parameters of one rank (no device, no other shard): the delayed update may hand the
+  // parameters' own gradients to the update and publish by swapping buffers instead of
+  // copying (see swap_flat()).
+  bool host_local() const { return !device_ && dp_->size() == 1; }
+  // host_local() only: `other` (a tensor of flat()'s size and dtype holding new weights)
+  // becomes flat() and the parameters become views of it; `other` then holds the old flat().
+  // Nothing may read or write either buffer meanwhile (no update in flight).
+  void swap_flat(at::Tensor& other);
   // Where updates write the new weights: flat() (the default) or a shard-sized device buffer.
   void set_output(const at::Tensor& target);
   // Every rank's shard of `shard` into flat() (all-gather over dp; a copy with one rank).
@@ -80,7 +90,10 @@ class HostShard {
   at::Tensor own_part_of_flat() const;  // this rank's slice of the padded flat buffer
 
  private:
+  void point_params_at_flat();
+
   dist::Communicator* dp_;
+  std::vector<at::Tensor> params_;  // the parameters (views of flat_)
   std::unique_ptr<offload::PinnedPool> pool_;
   std::unique_ptr<offload::CpuOptimizer> cpu_;
   at::Tensor flat_;    // the parameters' storage, padded_numel elements
@@ -147,11 +160,15 @@ class DelayedUpdater {
   // Starts updating from g (which must stay untouched until the update is published or
   // dropped) in the background. Nothing may be in flight.
   void start(const HostGrads& g, double multiplier, double lr);
+  // The same from the parameters' own gradient tensors (HostShard::update_from), which the
+  // update keeps until it is done: the caller hands them over (and drops them from .grad).
+  void start(std::vector<at::Tensor> grads, double multiplier, double lr);
   bool in_flight() const { return in_flight_; }
   // The host waits for the update in flight and rethrows its failure (nothing is in flight
   // after a failure). The result stays unpublished.
   void wait();
-  // wait(), then the update's weights into the parameters (collective over dp). No-op when
+  // wait(), then the update's weights into the parameters (collective over dp; one rank's
+  // host parameters: a swap of the two weight buffers, HostShard::swap_flat). No-op when
   // nothing is in flight.
   void publish();
   // wait(), and forget the result (a loaded state replaces it).
@@ -160,11 +177,13 @@ class DelayedUpdater {
 
  private:
   struct Job {
-    const HostGrads* grads = nullptr;
+    const HostGrads* grads = nullptr;   // or
+    std::vector<at::Tensor> taken;      // one per parameter (grads == nullptr)
     double multiplier = 1.0;
     double lr = 0.0;
   };
   void loop();
+  void queue(Job job);
 
   HostShard& shard_;
   at::Tensor next_;  // the update's new weights: this rank's shard, on the parameters' device

@@ -37,7 +37,7 @@ void DelayedUpdater::loop() {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] { return stop_ || job_.has_value(); });
       if (stop_) return;
-      job = *job_;
+      job = *job_;  // the gradients stay referenced by job_ until it is reset below
     }
     std::exception_ptr failure;
     std::optional<UpdateTiming> timing;
@@ -48,7 +48,11 @@ void DelayedUpdater::loop() {
         published_->block(*update_stream_);  // next_ was read by the last all-gather
       }
       const auto start = std::chrono::steady_clock::now();
-      shard_.update(*job.grads, job.multiplier, job.lr);
+      if (job.grads) {
+        shard_.update(*job.grads, job.multiplier, job.lr);
+      } else {
+        shard_.update_from(job.taken, job.multiplier, job.lr);
+      }
       if (update_stream_) update_done_->record(*update_stream_);
       timing = UpdateTiming{start, std::chrono::steady_clock::now(), true};
     } catch (...) {
@@ -65,6 +69,22 @@ void DelayedUpdater::loop() {
 }
 
 void DelayedUpdater::start(const HostGrads& g, double multiplier, double lr) {
+  Job job;
+  job.grads = &g;
+  job.multiplier = multiplier;
+  job.lr = lr;
+  queue(std::move(job));
+}
+
+void DelayedUpdater::start(std::vector<at::Tensor> grads, double multiplier, double lr) {
+  Job job;
+  job.taken = std::move(grads);
+  job.multiplier = multiplier;
+  job.lr = lr;
+  queue(std::move(job));
+}
+
+void DelayedUpdater::queue(Job job) {
   DTRAIN_CHECK(!in_flight_, "delayed update: an update is still in flight; publish() it first");
   shard_.set_output(next_);  // on this thread: no update is running now
   if (published_) {
@@ -73,7 +93,7 @@ void DelayedUpdater::start(const HostGrads& g, double multiplier, double lr) {
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    job_ = Job{&g, multiplier, lr};
+    job_ = std::move(job);
   }
   cv_.notify_all();
   in_flight_ = true;
@@ -102,7 +122,13 @@ void DelayedUpdater::publish() {
     c10::impl::VirtualGuardImpl impl(shard_.device()->type());
     update_done_->block(impl.getStream(*shard_.device()));
   }
-  shard_.all_gather(next_);
+  // One rank's host parameters: next_ becomes the weights (the parameters are pointed at it)
+  // and the old weights' buffer takes the next update, instead of a copy of every weight.
+  if (shard_.host_local()) {
+    shard_.swap_flat(next_);
+  } else {
+    shard_.all_gather(next_);
+  }
 }
 
 void DelayedUpdater::drop() {

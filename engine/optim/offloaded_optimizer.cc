@@ -15,6 +15,27 @@
 
 namespace dtrain::engine {
 
+namespace {
+
+// Whether the delayed update may take the parameters' gradients as they are: autograd's own
+// tensors (which a one-rank reducer leaves in place and drops at zero_grad; not views of its
+// buckets, which it zeroes and refills), on the host, dense, in a dtype the CPU kernels read.
+bool gradients_can_be_taken(const std::vector<at::Tensor>& params, const GradReducer* reducer) {
+  if (reducer == nullptr || !reducer->keeps_autograd_gradients()) return false;
+  for (const at::Tensor& p : params) {
+    const at::Tensor& g = p.grad();
+    if (!g.defined()) continue;
+    const at::ScalarType t = g.scalar_type();
+    if (!g.is_cpu() || g.is_sparse() || !g.is_contiguous() || g.numel() != p.numel() ||
+        (t != at::kFloat && t != at::kBFloat16 && t != at::kHalf)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
 OffloadChoice parse_offload(const std::string& text) {
   if (text == "none") return {false, false};
   if (text == "optimizer") return {true, false};
@@ -50,6 +71,7 @@ struct OffloadedOptimizer::Impl {
   int fill = 0;
   std::unique_ptr<offload_detail::DelayedUpdater> updater;    // with the delayed update
   std::unique_ptr<offload_detail::GradientStreamer> streamer;  // after attach(), when streaming
+  const GradReducer* reducer = nullptr;                         // attach()'s
   double lr;
   int64_t steps = 0;                   // steps taken (the one in flight included)
   std::optional<UpdateTiming> timing;  // of the last synchronous update
@@ -63,8 +85,12 @@ OffloadedOptimizer::OffloadedOptimizer(std::vector<at::Tensor> params, const Opt
   impl_ = std::make_unique<Impl>(params_, options_, dp, offload_options);
   Impl& s = *impl_;
   if (offload_options.delayed_update_after >= 0) {
-    s.grads[0] = s.shard.allocate_grads();
-    s.grads[1] = s.shard.allocate_grads();
+    // One rank's host parameters hand their own gradients to the update (step()): the
+    // buffers are allocated only if a step has to copy instead.
+    if (!s.shard.host_local()) {
+      s.grads[0] = s.shard.allocate_grads();
+      s.grads[1] = s.shard.allocate_grads();
+    }
     s.updater = std::make_unique<offload_detail::DelayedUpdater>(s.shard);
   }
   const offload::CpuOptimizer& cpu = s.shard.cpu();
@@ -85,10 +111,12 @@ void OffloadedOptimizer::attach(GradReducer& reducer) {
   DTRAIN_CHECK(!s.updater || !s.updater->in_flight(),
                "OffloadedOptimizer::attach while an update is in flight; flush() first");
   s.streamer.reset();
+  s.reducer = &reducer;
   const bool stream = s.stream_mode == StreamGradients::kOn ||
                       (s.stream_mode == StreamGradients::kAuto && s.shard.device().has_value());
   if (!stream) return;
   if (s.grads[0].chunks.empty()) s.grads[0] = s.shard.allocate_grads();
+  if (s.updater && s.grads[1].chunks.empty()) s.grads[1] = s.shard.allocate_grads();  // the stream fills both
   s.streamer = std::make_unique<offload_detail::GradientStreamer>(s.shard, params_, reducer, &s.grads[s.fill]);
 }
 
@@ -124,8 +152,25 @@ void OffloadedOptimizer::step(const at::Tensor& grad_multiplier) {
     return;
   }
   // Delayed: this step's gradients into a host buffer of their own (streamed already, or
-  // copied now), publish the update in flight, then start this step's update and return.
-  if (!streamed) s.shard.copy_grads_from_params(grads, params_);
+  // copied now, or, for one rank's host parameters whose gradients are autograd's own, those
+  // tensors handed to the update), publish the update in flight, then start this step's update
+  // and return.
+  if (!streamed && s.shard.host_local() && gradients_can_be_taken(params_, s.reducer)) {
+    std::vector<at::Tensor> taken;
+    taken.reserve(params_.size());
+    for (const at::Tensor& p : params_) {
+      taken.push_back(p.grad());
+      p.mutable_grad().reset();  // the next backward makes new ones; nobody may zero these
+    }
+    s.updater->publish();
+    s.updater->start(std::move(taken), multiplier, s.lr);
+    ++s.steps;
+    return;
+  }
+  if (!streamed) {
+    if (grads.chunks.empty()) grads = s.shard.allocate_grads();
+    s.shard.copy_grads_from_params(grads, params_);
+  }
   s.updater->publish();
   s.updater->start(grads, multiplier, s.lr);
   s.fill ^= 1;

@@ -663,6 +663,11 @@ void GradReducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   state_->launch_in_order();
 }
 
+bool GradReducer::keeps_autograd_gradients() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->local();
+}
+
 void GradReducer::zero_grad() {
   std::lock_guard<std::mutex> lock(state_->mutex);
   State& s = *state_;

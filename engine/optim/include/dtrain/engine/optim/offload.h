@@ -13,6 +13,13 @@
 //
 // The parameters become views of one flat device buffer (their values and autograd identity
 // are kept), so the all-gather writes them in place. Not thread-safe. Collective over dp.
+//
+// One rank with host parameters (CPU training; layer offload's streamed blocks) and the
+// delayed update: no gradient or weight is copied. The update takes the parameters' own
+// gradient tensors when the attached reducer leaves them as autograd's (.grad is undefined
+// after step(); the next backward makes new ones), and the new weights are published by
+// swapping two buffers: the parameters (same identity) are views of one or the other, so a
+// tensor taken of a parameter's data before a step is not the parameter after it.
 #pragma once
 
 #include <chrono>

@@ -158,6 +158,10 @@ class GradReducer {
   // gradients are then autograd's own tensors, not added into zeroed buckets, and a parameter
   // that gets none in a synchronized backward gets zeros.
   void zero_grad();
+  // Whether the gradients are autograd's own tensors, as above (one rank, plain averaging, no
+  // bucket observer), not views of the buckets: a consumer may then take a .grad tensor and
+  // leave .grad undefined (the one-rank delayed update of optimizer offload does).
+  bool keeps_autograd_gradients() const;
 
   // After a failure on this rank (e.g. CUDA out of memory) during a step: unless this step's
   // synchronized backward already completed, issues the bucket all-reduces this rank still
