@@ -1,9 +1,20 @@
-// The optimizer of --offload=all on a GPU: the parameters still on the device go through an
-// OffloadedOptimizer (partitioned, host-updated), those layer offload keeps on the host
-// through the fused CPU kernels of make_optimizer(). The trainer sees one Optimizer: the
-// partitioned, streaming and asynchronous parts of the contract are the device part's, the
-// replicated state the host part's (under the indices of the whole parameter list).
+// Optimizers over two parts of the parameters: those that live on the device, and those layer
+// offload keeps on the host (the streamed blocks').
+//  * --offload=all on a GPU: the device part is an OffloadedOptimizer (partitioned,
+//    host-updated); the host part goes through the fused CPU kernels of make_optimizer(), or,
+//    with the delayed update, through an OffloadedOptimizer of its own on one rank, so that
+//    both parts take the update one step late as they do in one OffloadedOptimizer.
+//  * --offload=layers with the delayed update: the device part is make_optimizer()'s (updated
+//    as the step ends), the host part an OffloadedOptimizer with the delayed update (dtrain's
+//    CPU kernels, overlapped with the next step's forward and backward).
+// The trainer sees one Optimizer: the partitioned, streaming and asynchronous parts of the
+// contract are the device part's when it is offloaded; the replicated state is both parts'
+// under the indices of the whole parameter list. A host part of its own OffloadedOptimizer
+// shows its (whole, one-rank) state as replicated entries "<index>.<name>", the names
+// make_optimizer() gives, so checkpoints move between the two.
 #include <map>
+
+#include <ATen/ATen.h>
 
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/optim/offload.h"
@@ -11,13 +22,86 @@
 namespace dtrain::engine {
 namespace {
 
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+// "<j>.<rest>" of a part's own state under the whole list's index: index[j].
+NamedTensors renumbered(const NamedTensors& state, const std::vector<size_t>& index) {
+  NamedTensors out;
+  for (auto& [name, t] : state) {
+    const auto dot = name.find('.');
+    out.emplace_back(std::to_string(index.at(std::stoul(name.substr(0, dot)))) + name.substr(dot), t);
+  }
+  return out;
+}
+
+// An OffloadedOptimizer's whole state (one rank) as replicated per-parameter entries: its arrays
+// cut at the parameters, "master" left out (the weights are the master: a checkpoint loads them
+// first), "step" repeated for each.
+NamedTensors replicated_of(const OffloadedOptimizer& opt) {
+  const std::vector<at::Tensor>& params = opt.params();
+  const ShardState whole = opt.shard_state();
+  NamedTensors out;
+  int64_t offset = 0;
+  for (size_t j = 0; j < params.size(); ++j) {
+    const at::Tensor& p = params[j];
+    for (const auto& [name, t] : whole.tensors) {
+      if (name == "master") continue;
+      out.emplace_back(std::to_string(j) + "." + name,
+                       name == "step" ? t.reshape({}).to(at::kFloat)
+                                      : t.narrow(0, offset, p.numel()).view(p.sizes()));
+    }
+    offset += p.numel();
+  }
+  return out;
+}
+
+// The inverse: per-parameter entries (make_optimizer()'s names, or replicated_of()'s) into the
+// optimizer's whole state, the master from the parameters' values.
+void load_replicated(OffloadedOptimizer& opt, const NamedTensors& state) {
+  const std::vector<at::Tensor>& params = opt.params();
+  std::map<std::string, std::vector<at::Tensor>> arrays;
+  std::map<std::string, size_t> count;
+  at::Tensor step;
+  for (size_t j = 0; j < params.size(); ++j) {
+    const std::string prefix = std::to_string(j) + ".";
+    for (auto& [name, t] : state) {
+      if (name.compare(0, prefix.size(), prefix) != 0) continue;
+      const std::string slot = name.substr(prefix.size());
+      if (slot == "step") {
+        if (!step.defined()) step = t.detach().cpu().reshape({}).to(at::kLong);
+        continue;
+      }
+      DTRAIN_CHECK(t.numel() == params[j].numel(), "optimizer state '", name, "' has ", t.numel(),
+                   " elements; parameter ", j, " of the host part has ", params[j].numel());
+      arrays[slot].resize(params.size());
+      arrays[slot][j] = t.detach().to(at::kCPU, at::kFloat).reshape({-1});
+      ++count[slot];
+    }
+  }
+  DTRAIN_CHECK(step.defined(), "the optimizer state has no 'step' for the host-resident parameters");
+  ShardState whole;
+  whole.layout = *opt.shard_layout();
+  whole.tensors.emplace_back("step", step);
+  std::vector<at::Tensor> master;
+  for (const at::Tensor& p : params) master.push_back(p.detach().to(at::kCPU, at::kFloat).reshape({-1}));
+  whole.tensors.emplace_back("master", at::cat(master));
+  for (auto& [slot, parts] : arrays) {
+    DTRAIN_CHECK(count[slot] == params.size(), "the optimizer state has '", slot, "' for ", count[slot], " of the ",
+                 params.size(), " host-resident parameters");
+    whole.tensors.emplace_back(slot, at::cat(parts));
+  }
+  opt.load_shard_state(whole);
+}
+
 class CompositeOptimizer final : public Optimizer {
  public:
-  CompositeOptimizer(std::vector<at::Tensor> all, std::unique_ptr<OffloadedOptimizer> device_part,
-                     std::unique_ptr<Optimizer> host_part, std::vector<size_t> host_index,
-                     const OptimizerOptions& options)
+  CompositeOptimizer(std::vector<at::Tensor> all, std::unique_ptr<Optimizer> device_part, std::vector<size_t> device_index,
+                     std::unique_ptr<Optimizer> host_part, std::vector<size_t> host_index, const OptimizerOptions& options)
       : all_(std::move(all)), device_(std::move(device_part)), host_(std::move(host_part)),
-        host_index_(std::move(host_index)), options_(options) {}
+        device_index_(std::move(device_index)), host_index_(std::move(host_index)), options_(options) {
+    device_offloaded_ = dynamic_cast<OffloadedOptimizer*>(device_.get());
+    host_offloaded_ = dynamic_cast<OffloadedOptimizer*>(host_.get());
+  }
   using Optimizer::step;
   void step(const at::Tensor& grad_multiplier) override {
     device_->step(grad_multiplier);
@@ -38,69 +122,144 @@ class CompositeOptimizer final : public Optimizer {
   }
   double lr() const override { return options_.lr; }
   const OptimizerOptions& options() const override { return options_; }
-  std::vector<std::pair<std::string, at::Tensor>> state() const override {
-    std::vector<std::pair<std::string, at::Tensor>> out;
-    for (auto& [name, t] : host_->state()) {
-      auto dot = name.find('.');
-      size_t j = std::stoul(name.substr(0, dot));
-      out.emplace_back(std::to_string(host_index_.at(j)) + name.substr(dot), t);
+  NamedTensors state() const override {
+    NamedTensors out = device_offloaded_ ? NamedTensors{} : renumbered(device_->state(), device_index_);
+    for (auto& entry : renumbered(host_offloaded_ ? replicated_of(*host_offloaded_) : host_->state(), host_index_)) {
+      out.push_back(std::move(entry));
     }
     return out;
   }
-  void load_state(const std::vector<std::pair<std::string, at::Tensor>>& state) override {
-    std::map<size_t, size_t> local;
-    for (size_t j = 0; j < host_index_.size(); ++j) local[host_index_[j]] = j;
-    std::vector<std::pair<std::string, at::Tensor>> mine;
+  void load_state(const NamedTensors& state) override {
+    std::map<size_t, std::pair<bool, size_t>> local;  // whole index -> (host part?, its index)
+    for (size_t j = 0; j < host_index_.size(); ++j) local[host_index_[j]] = {true, j};
+    if (!device_offloaded_) {
+      for (size_t j = 0; j < device_index_.size(); ++j) local[device_index_[j]] = {false, j};
+    }
+    NamedTensors device_state, host_state;
     for (auto& [name, t] : state) {
       auto dot = name.find('.');
-      auto it = local.find(std::stoul(name.substr(0, dot)));
-      DTRAIN_CHECK(it != local.end(), "optimizer state '", name, "' is not of a host-resident parameter");
-      mine.emplace_back(std::to_string(it->second) + name.substr(dot), t);
+      auto it = dot == std::string::npos ? local.end() : local.find(std::stoul(name.substr(0, dot)));
+      DTRAIN_CHECK(it != local.end(), "optimizer state '", name, "' is not of a ",
+                   device_offloaded_ ? "host-resident " : "", "parameter of this optimizer");
+      (it->second.first ? host_state : device_state)
+          .emplace_back(std::to_string(it->second.second) + name.substr(dot), t);
     }
-    host_->load_state(mine);
+    if (!device_offloaded_) device_->load_state(device_state);
+    if (host_offloaded_) {
+      load_replicated(*host_offloaded_, host_state);
+    } else {
+      host_->load_state(host_state);
+    }
   }
   const std::vector<at::Tensor>& params() const override { return all_; }
 
   // The parameters live on two devices: every rank reads every gradient (no owner ranges).
-  void attach(GradReducer& reducer) override { device_->attach(reducer); }
-  void flush() override { device_->flush(); }
-  int64_t host_bytes() const override { return device_->host_bytes(); }
-  std::vector<at::Tensor> device_state() const override { return {}; }
-  std::optional<UpdateTiming> take_update_timing() override { return device_->take_update_timing(); }
-  // The device part's flat space (the device parameters end to end).
-  std::optional<ShardLayout> shard_layout() const override { return device_->shard_layout(); }
-  ShardState shard_state() const override { return device_->shard_state(); }
-  void load_shard_state(const ShardState& state) override { device_->load_shard_state(state); }
+  void attach(GradReducer& reducer) override {
+    device_->attach(reducer);
+    host_->attach(reducer);
+  }
+  void flush() override {
+    device_->flush();
+    host_->flush();
+  }
+  int64_t host_bytes() const override { return device_->host_bytes() + host_->host_bytes(); }
+  std::vector<at::Tensor> device_state() const override {
+    return device_offloaded_ ? std::vector<at::Tensor>{} : device_->device_state();
+  }
+  std::optional<UpdateTiming> take_update_timing() override {
+    if (auto t = device_->take_update_timing()) return t;
+    return host_->take_update_timing();
+  }
+  // The device part's flat space (the device parameters end to end) when it is partitioned.
+  std::optional<ShardLayout> shard_layout() const override {
+    return device_offloaded_ ? device_->shard_layout() : std::nullopt;
+  }
+  ShardState shard_state() const override { return device_offloaded_ ? device_->shard_state() : ShardState{}; }
+  void load_shard_state(const ShardState& state) override {
+    if (device_offloaded_) {
+      device_->load_shard_state(state);
+    } else {
+      Optimizer::load_shard_state(state);
+    }
+  }
 
  private:
   std::vector<at::Tensor> all_;
-  std::unique_ptr<OffloadedOptimizer> device_;
+  std::unique_ptr<Optimizer> device_;
   std::unique_ptr<Optimizer> host_;
+  std::vector<size_t> device_index_;
   std::vector<size_t> host_index_;
   OptimizerOptions options_;
+  OffloadedOptimizer* device_offloaded_ = nullptr;  // device_, when it is one
+  OffloadedOptimizer* host_offloaded_ = nullptr;    // host_, when it is one
 };
+
+bool listed(const at::Tensor& p, const std::vector<at::Tensor>& list) {
+  for (const at::Tensor& q : list) {
+    if (q.unsafeGetTensorImpl() == p.unsafeGetTensorImpl()) return true;
+  }
+  return false;
+}
+
+struct Split {
+  std::vector<at::Tensor> on_device, on_host;
+  std::vector<size_t> device_index, host_index;
+};
+
+Split split(const std::vector<at::Tensor>& params, c10::Device device, const std::vector<at::Tensor>& streamed) {
+  Split s;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if ((!device.is_cpu() && params[i].device().is_cpu()) || listed(params[i], streamed)) {
+      s.on_host.push_back(params[i]);
+      s.host_index.push_back(i);
+    } else {
+      s.on_device.push_back(params[i]);
+      s.device_index.push_back(i);
+    }
+  }
+  return s;
+}
+
+// The host part's delayed update is one rank's: the parts of more ranks would each take the
+// update at another step, and make_optimizer()'s replicated update is not delayed.
+void check_one_rank_for_delayed_host_part(const dist::Communicator& dp, const char* flags) {
+  DTRAIN_CHECK(dp.size() == 1, flags, " with the delayed update (--offload_delayed_update_after) on ", dp.size(),
+               " data-parallel ranks: the streamed blocks' update on the host is delayed only on one rank; train on "
+               "one data-parallel rank, or without --offload_delayed_update_after");
+}
 
 }  // namespace
 
 std::unique_ptr<Optimizer> make_offload_optimizer(std::vector<at::Tensor> params, const OptimizerOptions& options,
                                                   dist::Communicator& dp, const OffloadOptions& offload,
                                                   c10::Device device) {
-  std::vector<at::Tensor> on_device, on_host;
-  std::vector<size_t> host_index;
-  for (size_t i = 0; i < params.size(); ++i) {
-    if (!device.is_cpu() && params[i].device().is_cpu()) {
-      on_host.push_back(params[i]);
-      host_index.push_back(i);
-    } else {
-      on_device.push_back(params[i]);
-    }
-  }
-  if (on_host.empty()) return std::make_unique<OffloadedOptimizer>(std::move(params), options, dp, offload);
-  DTRAIN_CHECK(!on_device.empty(), "optimizer offload: every parameter already lives on the host");
-  auto device_part = std::make_unique<OffloadedOptimizer>(on_device, options, dp, offload);
-  auto host_part = make_optimizer(on_host, options);
-  return std::make_unique<CompositeOptimizer>(std::move(params), std::move(device_part), std::move(host_part),
-                                              std::move(host_index), options);
+  Split s = split(params, device, {});
+  if (s.on_host.empty()) return std::make_unique<OffloadedOptimizer>(std::move(params), options, dp, offload);
+  DTRAIN_CHECK(!s.on_device.empty(), "optimizer offload: every parameter already lives on the host");
+  const bool delayed = offload.delayed_update_after >= 0;
+  if (delayed) check_one_rank_for_delayed_host_part(dp, "--offload=all");
+  auto device_part = std::make_unique<OffloadedOptimizer>(s.on_device, options, dp, offload);
+  std::unique_ptr<Optimizer> host_part = delayed ? std::make_unique<OffloadedOptimizer>(s.on_host, options, dp, offload)
+                                                 : make_optimizer(s.on_host, options);
+  return std::make_unique<CompositeOptimizer>(std::move(params), std::move(device_part), std::move(s.device_index),
+                                              std::move(host_part), std::move(s.host_index), options);
+}
+
+std::unique_ptr<Optimizer> make_layer_offload_optimizer(std::vector<at::Tensor> params,
+                                                        const std::vector<at::Tensor>& streamed,
+                                                        const OptimizerOptions& options, dist::Communicator& dp,
+                                                        const OffloadOptions& offload, c10::Device device) {
+  DTRAIN_CHECK(offload.delayed_update_after >= 0, "make_layer_offload_optimizer is the delayed update's optimizer: "
+               "set OffloadOptions::delayed_update_after (--offload_delayed_update_after), or use make_optimizer()");
+  check_one_rank_for_delayed_host_part(dp, "--offload=layers");
+  Split s = split(params, device, streamed);
+  DTRAIN_CHECK(!s.on_host.empty(), "--offload=layers with --offload_delayed_update_after: no parameter is streamed "
+               "from the host (the model has no blocks to stream, or they were not given)");
+  auto host_part = std::make_unique<OffloadedOptimizer>(s.on_host, options, dp, offload);
+  if (s.on_device.empty()) return host_part;
+  auto device_part = make_optimizer(s.on_device, options);
+  return std::make_unique<CompositeOptimizer>(std::move(params), std::move(device_part), std::move(s.device_index),
+                                              std::move(host_part), std::move(s.host_index), options);
 }
 
 }  // namespace dtrain::engine

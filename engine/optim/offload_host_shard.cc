@@ -96,7 +96,11 @@ HostShard::HostShard(std::vector<at::Tensor>& params, const OptimizerOptions& op
   pool_ = std::make_unique<offload::PinnedPool>(po);
   // The parameters become views of one flat buffer laid out as the CPU optimizer's flat space.
   for (const at::Tensor& p : params) numel_ += p.numel();
-  flat_ = at::zeros({offload::padded_numel(numel_, dp.size())}, first.options().requires_grad(false));
+  // Host parameters in page-locked memory (layer offload streams them to a GPU from there) stay
+  // page-locked: the copies to the device read the flat buffers.
+  pinned_ = !device_ && at::hasCUDA() && first.is_pinned();
+  flat_ = at::zeros({offload::padded_numel(numel_, dp.size())},
+                    first.options().requires_grad(false).pinned_memory(pinned_ ? std::optional<bool>(true) : std::nullopt));
   {
     at::NoGradGuard no_grad;
     int64_t offset = 0;

@@ -51,6 +51,9 @@ class HostShard {
   const std::vector<int64_t>& offsets() const { return offsets_; }  // flat offset of each parameter
   const std::optional<c10::Device>& device() const { return device_; }  // unset on the CPU
   const at::Tensor& flat() const { return flat_; }
+  // Host parameters that were page-locked (layer offload on a GPU): flat() is, and so must be a
+  // buffer swapped in (swap_flat()).
+  bool pinned() const { return pinned_; }
   offload::CpuOptimizer& cpu() { return *cpu_; }
   const offload::CpuOptimizer& cpu() const { return *cpu_; }
   int64_t host_bytes() const { return pool_->used_bytes(); }
@@ -101,6 +104,7 @@ class HostShard {
   int64_t numel_ = 0, lo_ = 0, hi_ = 0;
   int64_t chunk_ = 0;  // elements per host chunk (the CPU optimizer's chunk_elems)
   at::ScalarType host_dtype_ = at::kFloat;
+  bool pinned_ = false;
   std::optional<c10::Device> device_;
   std::vector<int64_t> offsets_;
 };

@@ -10,7 +10,8 @@
 namespace dtrain::engine::offload_detail {
 
 DelayedUpdater::DelayedUpdater(HostShard& shard) : shard_(shard) {
-  next_ = at::zeros({shard.cpu().shard().size()}, shard.flat().options());
+  next_ = at::zeros({shard.cpu().shard().size()},
+                    shard.flat().options().pinned_memory(shard.pinned() ? std::optional<bool>(true) : std::nullopt));
   if (const auto& device = shard.device()) {
     c10::impl::VirtualGuardImpl impl(device->type());
     update_stream_ = impl.getStreamFromGlobalPool(*device, /*isHighPriority=*/false);

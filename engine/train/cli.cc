@@ -167,7 +167,7 @@ std::vector<Spec> memory_checkpoint_and_observability_specs() {
          "with --offload=optimizer: reduce each gradient only to the rank that updates it",
          &Flags::offload_reduce_to_owner),
     spec(kMemory, "offload_delayed_update_after",
-         "with --offload=optimizer: after N steps overlap the CPU update with the next step (-1: off)",
+         "with --offload=optimizer, all or layers: after N steps overlap the CPU update with the next step (-1: off)",
          &Flags::offload_delayed_update_after),
     spec(kMemory, "host_mem_limit_gb", "cap of pinned host memory for offload (0: none)", &Flags::host_mem_limit_gb),
     spec(kMemory, "plan", "none, or auto: choose checkpointing/accumulation/offload to fit --gpu_mem_limit_gb",
@@ -325,8 +325,8 @@ void validate(const Flags& f) {
   parse_stream_gradients(f.offload_stream_gradients);
   DTRAIN_CHECK(f.offload_delayed_update_after >= -1, "--offload_delayed_update_after=",
                f.offload_delayed_update_after, " must be >= 0 (warm-up steps) or -1 (off)");
-  DTRAIN_CHECK(f.offload_delayed_update_after < 0 || offload.optimizer,
-               "--offload_delayed_update_after needs --offload=optimizer or --offload=all");
+  DTRAIN_CHECK(f.offload_delayed_update_after < 0 || offload.optimizer || offload.layers,
+               "--offload_delayed_update_after needs --offload=optimizer, --offload=all or --offload=layers");
   DTRAIN_CHECK(f.save_every >= 0, "--save_every=", f.save_every, " must be >= 0");
   DTRAIN_CHECK(f.keep_last >= 0, "--keep_last=", f.keep_last, " must be >= 0");
   parse_resume(f.resume);

@@ -85,6 +85,12 @@ Trainer::Applied Trainer::apply_to_spec(ModelSpec spec, dist::Mesh& mesh, c10::D
   Applied a;
   a.model = std::make_shared<AppliedModel>(spec, t);
   a.model->start_streaming();  // before the trainer takes the parameters: the blocks' live on the host
+  if (options.offload_layers) {
+    options.offload_streamed.clear();
+    for (size_t i = 0; i < spec.blocks->size(); ++i) {
+      for (const at::Tensor& p : spec.blocks->block(i)->parameters()) options.offload_streamed.push_back(p);
+    }
+  }
   std::shared_ptr<AppliedModel> model = a.model;
   a.loss = [model](const Batch& b) { return model->loss(b); };
   if (mesh.pp_size() > 1) {

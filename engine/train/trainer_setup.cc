@@ -228,6 +228,12 @@ UpdateParts build_update(const UpdateInputs& in, ReducerOptions reducer_options)
     build_parameter_sharding(in, reducer_options, parts);
   } else if (o.offload_optimizer) {
     parts.optimizer = make_offload_optimizer(params, o.optimizer, in.mesh.replicas(), o.offload, in.device);
+  } else if (o.offload_layers && o.offload.delayed_update_after >= 0) {
+    DTRAIN_CHECK(shard == ShardMode::kNone, "--offload=layers --offload_delayed_update_after with --shard=", o.shard,
+                 " is not supported: the streamed blocks' delayed update is one rank's; drop --shard, or use "
+                 "--offload=all");
+    parts.optimizer = make_layer_offload_optimizer(params, o.offload_streamed, o.optimizer, in.mesh.replicas(),
+                                                   o.offload, in.device);
   } else if (shard != ShardMode::kNone) {
     parts.optimizer = std::make_unique<ShardedOptimizer>(params, o.optimizer, in.mesh.replicas());
   } else {
@@ -244,7 +250,7 @@ UpdateParts build_update(const UpdateInputs& in, ReducerOptions reducer_options)
                                                 reducer_options);
   parts.optimizer->attach(*parts.reducer);
   if (o.prune.amount > 0) {
-    DTRAIN_CHECK(!o.offload_optimizer || o.offload.delayed_update_after < 0,
+    DTRAIN_CHECK(!(o.offload_optimizer || o.offload_layers) || o.offload.delayed_update_after < 0,
                  "--prune_amount with --offload_delayed_update_after: the delayed update writes the weights after the "
                  "masks are applied; prune without the delayed update");
     parts.pruner = std::make_unique<Pruner>(in.model, o.prune, in.specs, in.mesh.tp());

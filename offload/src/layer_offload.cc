@@ -18,7 +18,11 @@ namespace dtrain::offload {
 struct LayerStreamer::Impl {
   struct Layer {
     std::vector<at::Tensor> params;  // the modules' parameters (their data switches)
-    std::vector<at::Tensor> host;    // the host copies (the parameters' home)
+    // The parameters' home is their data whenever the layer is not acquired: host memory, which
+    // an optimizer may replace between steps (the delayed update swaps two buffers). The
+    // copies' sources are taken there at prefetch() (host_of_copy), and restored by release().
+    std::vector<at::Tensor> host;          // while acquired: the home to restore
+    std::vector<const void*> host_of_copy;  // the sources of `device`
     std::vector<at::Tensor> device;  // device copies while fetched / acquired
     std::optional<c10::Event> ready;
     bool acquired = false;
@@ -51,7 +55,6 @@ LayerStreamer::LayerStreamer(std::vector<std::shared_ptr<torch::nn::Module>> lay
       host.copy_(p.detach());
       p.set_data(host);
       layer.params.push_back(p);
-      layer.host.push_back(host);
       impl_->host_bytes += static_cast<int64_t>(host.nbytes());
     }
     impl_->layers.push_back(std::move(layer));
@@ -71,16 +74,22 @@ void LayerStreamer::prefetch(size_t i) {
   if (i >= impl_->layers.size() || !impl_->streaming()) return;
   Impl::Layer& layer = impl_->layers[i];
   if (!layer.device.empty()) return;
+  DTRAIN_CHECK(!layer.acquired, "layer offload: layer ", i, " is prefetched while acquired");
   c10::DeviceGuard device_guard(impl_->device);
   // The copy may overwrite memory just freed by kernels on the compute stream: order it after.
   c10::Event compute_done(impl_->device.type());
   compute_done.record(impl_->current_stream());
   compute_done.block(*impl_->copy_stream);
   c10::StreamGuard stream_guard(*impl_->copy_stream);
-  for (const at::Tensor& h : layer.host) {
+  layer.host_of_copy.clear();
+  for (const at::Tensor& p : layer.params) {
+    const at::Tensor h = p.detach();  // the home (not acquired)
+    DTRAIN_CHECK(h.is_cpu(), "layer offload: a parameter of layer ", i, " is on ", h.device(),
+                 " between its uses; its home is host memory");
     at::Tensor d = at::empty(h.sizes(), h.options().device(impl_->device).pinned_memory(false));
     d.copy_(h, /*non_blocking=*/true);
     layer.device.push_back(d);
+    layer.host_of_copy.push_back(h.data_ptr());
   }
   layer.ready.emplace(impl_->device.type());
   layer.ready->record(*impl_->copy_stream);
@@ -90,12 +99,22 @@ void LayerStreamer::acquire(size_t i, size_t next) {
   DTRAIN_CHECK(i < impl_->layers.size(), "layer offload: no layer ", i);
   Impl::Layer& layer = impl_->layers[i];
   if (!impl_->streaming()) return;  // CPU training: the parameters already live on the host
+  DTRAIN_CHECK(!layer.acquired, "layer offload: layer ", i, " is acquired twice");
+  // A copy made before the home moved (an optimizer published new weights since) is stale.
+  for (size_t k = 0; k < layer.params.size() && !layer.device.empty(); ++k) {
+    if (layer.params[k].data_ptr() != layer.host_of_copy[k]) {
+      layer.device.clear();
+      layer.ready.reset();
+    }
+  }
   prefetch(i);
   layer.ready->block(impl_->current_stream());
   // The copies were allocated on the copy stream and are used on the compute stream.
   auto* allocator = c10::getDeviceAllocator(impl_->device.type());
+  layer.host.clear();
   for (size_t k = 0; k < layer.params.size(); ++k) {
     allocator->recordStream(layer.device[k].storage().data_ptr(), impl_->current_stream());
+    layer.host.push_back(layer.params[k].detach());
     layer.params[k].set_data(layer.device[k]);
   }
   layer.acquired = true;
@@ -112,8 +131,14 @@ void LayerStreamer::release(size_t i) {
   DTRAIN_CHECK(i < impl_->layers.size(), "layer offload: no layer ", i);
   Impl::Layer& layer = impl_->layers[i];
   if (!impl_->streaming()) return;
-  if (layer.acquired) at::autocast::set_autocast_cache_enabled(layer.autocast_cache_before);
+  if (!layer.acquired) {  // a prefetch (or a failed acquire) only: drop its copies
+    layer.device.clear();
+    layer.ready.reset();
+    return;
+  }
+  at::autocast::set_autocast_cache_enabled(layer.autocast_cache_before);
   for (size_t k = 0; k < layer.params.size(); ++k) layer.params[k].set_data(layer.host[k]);
+  layer.host.clear();
   layer.device.clear();  // freed once the compute stream's work on them is done (recordStream)
   layer.ready.reset();
   layer.acquired = false;

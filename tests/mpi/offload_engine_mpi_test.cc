@@ -45,6 +45,17 @@ TEST(OffloadEngineMpi, DelayedUpdateWithStreamedGradients) {
   expect_delayed_update_matches_reference(world_comm(), kCpu, "on");
 }
 
+// Layer offload's delayed update is one rank's: on more it is refused, naming the way out.
+TEST(OffloadEngineMpi, LayerOffloadDelayedUpdateNeedsOneRank) {
+  auto net = offload_net(0, kCpu);
+  OffloadOptions off;
+  off.delayed_update_after = 1;
+  std::vector<at::Tensor> params = net->parameters();
+  EXPECT_TRUE(testing_util::throws_error_with(
+      [&] { make_layer_offload_optimizer(params, {params[2], params[3]}, OptimizerOptions{}, world_comm(), off, kCpu); },
+      "one data-parallel rank"));
+}
+
 TEST(OffloadEngineMpi, BadStreamingModeIsNamed) {
   auto net = offload_net(0, kCpu);
   OffloadOptions off;

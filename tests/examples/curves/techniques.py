@@ -143,6 +143,28 @@ def scenario_offload_stream(args):
     res = train(args, "train_gpt", 2, shape + clip + delay + ["--batch_size=4", f"--save_dir={ck}", "--resume"],
                 "gpt-delay-resumed")
     compare(steps_after(full, 8), steps_after(res, 8), "delayed update resumed from a checkpoint", 1e-5)
+    # Layer offload's delayed update: the streamed blocks' update one step late (dtrain's CPU
+    # kernels), the embeddings' and head's at once. The warm-up equals the ordinary run, the
+    # curve then departs from it and from optimizer offload's (which delays every update), still
+    # falls, and a run resumed from its checkpoint (the blocks' state saved as make_optimizer's
+    # names) continues as the saving run.
+    layers = ["--offload=layers", "--offload_delayed_update_after=4"]
+    dl = train(args, "train_gpt", 1, shape + clip + layers + ["--batch_size=8", "--save_every=8",
+                                                              f"--save_dir={os.path.join(args.workdir, 'ck_ldelay_full')}"],
+               "gpt-layers-delay")
+    compare(ref[:4], dl[:4], "layer offload's delayed update: the 4 warm-up steps", 1e-5)
+    for other, what in ((ref, "the ordinary run"), (d1, "optimizer offload's delayed update")):
+        gap = max(abs(a["loss"] - b["loss"]) / abs(a["loss"]) for a, b in zip(other[5:], dl[5:]))
+        assert gap > 1e-4, f"layer offload's delayed update follows {what} after the warm-up ({gap:.2e})"
+    assert dl[-1]["loss"] < 0.8 * dl[0]["loss"], f"layer offload's delayed update: loss did not fall: {dl[0]['loss']} -> {dl[-1]['loss']}"
+    ck = os.path.join(args.workdir, "ck_ldelay")
+    train(args, "train_gpt", 1, shape[:-1] + clip + layers + ["--steps=8", "--batch_size=8", f"--save_dir={ck}"],
+          "gpt-layers-delay-part")
+    res = train(args, "train_gpt", 1, shape + clip + layers + ["--batch_size=8", f"--save_dir={ck}", "--resume"],
+                "gpt-layers-delay-resumed")
+    compare(steps_after(dl, 8), steps_after(res, 8), "layer offload's delayed update resumed from a checkpoint", 1e-5)
+    print(f"ok: layer offload's delayed update departs after the warm-up and falls {dl[0]['loss']:.4f} -> "
+          f"{dl[-1]['loss']:.4f}; its checkpoint resumes as the saving run")
 
 
 def scenario_plan(args):

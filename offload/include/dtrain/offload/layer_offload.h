@@ -4,6 +4,10 @@
 // (engine::checkpoint with CheckpointHooks), which recomputes the layer in backward, so
 // neither the layer's weights nor its activations stay on the device between uses.
 // Gradients of the host parameters come back to the host (the optimizer updates them there).
+// A parameter's home is its data whenever its layer is not acquired: an optimizer may point it
+// at other host memory between uses (the one-rank delayed update of optimizer offload swaps
+// two page-locked buffers), and the next prefetch copies from there; a copy prefetched before
+// such a move is made again at acquire().
 //
 // Streams: copies run on a copy stream of the device; acquire() makes the calling thread's
 // current stream wait for them, release() records the current stream on the device copies

@@ -130,11 +130,27 @@ class OffloadedOptimizer : public Optimizer {
 
 // The optimizer of --offload: an OffloadedOptimizer over params, or, where some parameters
 // already live on the host (layer offload of --offload=all on a GPU), a composite of an
-// OffloadedOptimizer over the device parameters and the fused CPU optimizer over the host
-// ones (composite_optimizer.h).
+// OffloadedOptimizer over the device parameters and, over the host ones, the fused CPU
+// optimizer of make_optimizer() or, with the delayed update, an OffloadedOptimizer of their own
+// (both parts then take the update one step late; one data-parallel rank: dtrain::Error
+// otherwise). The composite's replicated state() holds the host part's as make_optimizer()
+// names it either way (composite_optimizer.cc).
 std::unique_ptr<Optimizer> make_offload_optimizer(std::vector<at::Tensor> params, const OptimizerOptions& options,
                                                   dist::Communicator& dp, const OffloadOptions& offload,
                                                   c10::Device device);
+
+// The optimizer of layer offload with the delayed update (--offload=layers
+// --offload_delayed_update_after=N): the streamed blocks' parameters (`streamed`, and on a
+// device every parameter living on the host) are updated by an OffloadedOptimizer with the
+// delayed update (dtrain's CPU kernels, step t's update running beside step t + 1's forward and
+// backward, which stream the weights of step t - 1), the others by make_optimizer() as each
+// step ends (as ZenFlow splits the update: the resident part at once, the streamed part late).
+// One data-parallel rank. Throws dtrain::Error without delayed_update_after, on more ranks, or
+// when no parameter is streamed.
+std::unique_ptr<Optimizer> make_layer_offload_optimizer(std::vector<at::Tensor> params,
+                                                        const std::vector<at::Tensor>& streamed,
+                                                        const OptimizerOptions& options, dist::Communicator& dp,
+                                                        const OffloadOptions& offload, c10::Device device);
 
 }  // namespace dtrain::engine
 

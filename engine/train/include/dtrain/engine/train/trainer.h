@@ -215,6 +215,12 @@ struct TrainerOptions {
   bool checkpoint_activations = false;
   bool offload_layers = false;
   std::string pp_blocks;
+  // Layer offload with the delayed update (offload_layers, offload.delayed_update_after >= 0,
+  // no offload_optimizer): the streamed blocks' parameters, updated on the host one step late
+  // (make_layer_offload_optimizer). A trainer built from a ModelSpec sets it; with a module
+  // and a LossFn, list the parameters your own offload::LayerStreamer streams (on a GPU those
+  // living on the host are found without it).
+  std::vector<at::Tensor> offload_streamed;
   // Magnitude pruning (optim/prune.h; --prune_amount, --prune_scope, --prune_at_step,
   // --prune_from_step/--prune_to_step/--prune_every): masks chosen before the scheduled steps'
   // forward, applied to gradients before and weights after every update, saved in checkpoints.

@@ -1,0 +1,141 @@
+// Layer offload's delayed update (make_layer_offload_optimizer): the streamed parameters (here
+// the middle Linear of offload_net, named streamed as the trainer names a model's blocks) are
+// updated by the CPU kernels one step late, the others by make_optimizer() as the step ends.
+// Checked against a hand-driven reference (ATen's optimizer over master copies, the streamed
+// part's result shown one step late, the rest at once), and its checkpoint state against
+// make_optimizer()'s names and a resumed run.
+#include <gtest/gtest.h>
+
+#include <set>
+
+#include "dtrain/dist/error.h"
+#include "offload_engine_cases.h"
+
+namespace dtrain::engine::offload_engine_cases {
+namespace {
+
+const c10::Device kCpu(c10::kCPU);
+
+OffloadOptions delayed_after(int64_t warmup) {
+  OffloadOptions o;
+  o.delayed_update_after = warmup;
+  return o;
+}
+
+// Parameters 2 and 3 (the second Linear's weight and bias) are the streamed ones.
+std::vector<at::Tensor> streamed_of(torch::nn::Sequential& net) {
+  std::vector<at::Tensor> p = net->parameters();
+  return {p[2], p[3]};
+}
+
+struct LayersRun {
+  torch::nn::Sequential net = offload_net(0, kCpu);
+  std::unique_ptr<GradReducer> reducer;
+  std::unique_ptr<Optimizer> opt;
+
+  LayersRun(dist::Communicator& comm, const OptimizerOptions& oo, int64_t warmup) {
+    reducer = std::make_unique<GradReducer>(net->parameters(), comm, small_buckets());
+    opt = make_layer_offload_optimizer(net->parameters(), streamed_of(net), oo, comm, delayed_after(warmup), kCpu);
+    opt->attach(*reducer);
+  }
+  void step(int64_t step, dist::Communicator& comm) {
+    auto [x, y] = offload_batch(step, 4, kCpu);
+    torch::mse_loss(net->forward(x), y).backward();
+    opt->step();
+    reducer->zero_grad();
+  }
+};
+
+OptimizerOptions adamw() {
+  OptimizerOptions oo;
+  oo.name = "adamw";
+  oo.lr = 0.02;
+  oo.weight_decay = 0.05;
+  return oo;
+}
+
+TEST(OffloadLayersDelayed, StreamedPartOneStepLateTheRestAtOnce) {
+  std::unique_ptr<dist::Communicator> comm = testing_util::local_comm();
+  const int64_t warmup = 2, steps = 8;
+  LayersRun run(*comm, adamw(), warmup);
+  torch::nn::Sequential ref = offload_net(0, kCpu);  // the weights the model should see
+  std::vector<at::Tensor> master;
+  for (auto& p : ref->parameters()) master.push_back(p.detach().clone().requires_grad_(true));
+  auto ref_opt = make_optimizer(master, adamw());
+  const std::set<size_t> streamed = {2, 3};
+  for (int64_t step = 1; step <= steps; ++step) {
+    auto [x, y] = offload_batch(step, 4, kCpu);
+    ref->zero_grad();
+    torch::mse_loss(ref->forward(x), y).backward();
+    auto ps = ref->parameters();
+    for (size_t i = 0; i < ps.size(); ++i) master[i].mutable_grad() = ps[i].grad().clone();
+    std::vector<at::Tensor> before;  // the streamed part's weights before this step's update
+    for (size_t i = 0; i < ps.size(); ++i) before.push_back(master[i].detach().clone());
+    ref_opt->step();
+    {
+      torch::NoGradGuard no_grad;
+      // Warm-up steps show every update at once; later the streamed part's update of step t
+      // becomes visible at step t + 1 (what it shows now is the update of the step before).
+      for (size_t i = 0; i < ps.size(); ++i) ps[i].copy_(step > warmup && streamed.count(i) ? before[i] : master[i]);
+    }
+    run.step(step, *comm);
+    EXPECT_LE(max_rel_error(run.net->parameters(), ref->parameters()), 1e-5) << "weights after step " << step;
+  }
+  // The delay is visible: the streamed weights are not the reference master's yet, the others are.
+  EXPECT_GT(rel_error(run.net->parameters()[2], master[2].detach()), 1e-7);
+  EXPECT_LE(rel_error(run.net->parameters()[0], master[0].detach()), 1e-5);
+  run.opt->flush();
+  for (size_t i = 0; i < master.size(); ++i) {
+    EXPECT_LE(rel_error(run.net->parameters()[i], master[i].detach()), 1e-5) << "parameter " << i << " after flush";
+  }
+}
+
+// The state holds both parts under make_optimizer()'s names (so checkpoints move between the
+// two), and a run resumed from it (weights first, then the state) continues as the saving run.
+TEST(OffloadLayersDelayed, StateHasTheReplicatedNamesAndResumes) {
+  std::unique_ptr<dist::Communicator> comm = testing_util::local_comm();
+  LayersRun saving(*comm, adamw(), 1);
+  for (int64_t step = 0; step < 5; ++step) saving.step(step, *comm);
+  saving.opt->flush();  // as the trainer does before it saves
+  std::vector<std::pair<std::string, at::Tensor>> state = saving.opt->state();
+  std::set<std::string> names, want;
+  for (auto& [name, t] : state) names.insert(name);
+  torch::nn::Sequential plain_net = offload_net(0, kCpu);
+  for (auto& [name, t] : make_optimizer(plain_net->parameters(), adamw())->state()) want.insert(name);
+  EXPECT_EQ(names, want);
+
+  LayersRun resumed(*comm, adamw(), 1);
+  {
+    torch::NoGradGuard no_grad;
+    auto from = saving.net->parameters(), to = resumed.net->parameters();
+    for (size_t i = 0; i < from.size(); ++i) to[i].copy_(from[i]);
+  }
+  std::vector<std::pair<std::string, at::Tensor>> copied;
+  for (auto& [name, t] : state) copied.emplace_back(name, t.clone());
+  resumed.opt->load_state(copied);
+  for (int64_t step = 5; step < 9; ++step) {
+    saving.step(step, *comm);
+    resumed.step(step, *comm);
+  }
+  EXPECT_EQ(max_rel_error(resumed.net->parameters(), saving.net->parameters()), 0.0);
+  // A state without the streamed part's moments is refused, naming what is missing.
+  std::vector<std::pair<std::string, at::Tensor>> partial;
+  for (auto& [name, t] : state) {
+    if (name != "2.exp_avg") partial.emplace_back(name, t);
+  }
+  EXPECT_TRUE(testing_util::throws_error_with([&] { resumed.opt->load_state(partial); }, "exp_avg"));
+}
+
+TEST(OffloadLayersDelayed, RefusesWhatItCannotDo) {
+  std::unique_ptr<dist::Communicator> comm = testing_util::local_comm();
+  torch::nn::Sequential net = offload_net(0, kCpu);
+  EXPECT_TRUE(testing_util::throws_error_with(
+      [&] { make_layer_offload_optimizer(net->parameters(), streamed_of(net), adamw(), *comm, OffloadOptions{}, kCpu); },
+      "delayed_update_after"));
+  EXPECT_TRUE(testing_util::throws_error_with(
+      [&] { make_layer_offload_optimizer(net->parameters(), {}, adamw(), *comm, delayed_after(1), kCpu); },
+      "no parameter is streamed"));
+}
+
+}  // namespace
+}  // namespace dtrain::engine::offload_engine_cases
