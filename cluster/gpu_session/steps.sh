@@ -301,8 +301,17 @@ print(f"pinned H2D {gbs(d, h):.1f} GB/s, D2H {gbs(h, d):.1f} GB/s")'
 }
 step_offload_layers() {
   need_build || return 1
-  bench "layer offload, gpt124m (--offload=layers)" 'trained|MFU|offload' \
-    "$BIN/train_gpt" --device=cuda --data=synthetic --amp=bf16 --offload=layers --steps=10 --log_every=5 \
+  # The resident step is the same command's anchor (issue 35: within 1.2x of max(compute,
+  # bytes / 55 GB/s)); the delayed update moves the streamed blocks' CPU update beside the next
+  # forward and backward. Each run's timeline gives the host work after backward.
+  SHOW="train_gpt gpt124m --amp=bf16: resident, then --offload=layers, then --offload=layers --offload_delayed_update_after=2, each with dtrain-timeline summary's offload line" \
+    bench "layer offload, gpt124m: resident, --offload=layers, and with the delayed update" \
+    'trained|MFU|offload|layers:' \
+    bash -c 'for v in "" "--offload=layers" "--offload=layers --offload_delayed_update_after=2"; do
+        echo "layers: ${v:-resident}"
+        "$1" "${@:3}" $v --timeline="$2/layers.json" || exit
+        "$(dirname "$1")/dtrain-timeline" summary "$2/layers.json" | grep -E "offload" || true
+      done' _ "$BIN/train_gpt" "$STATE" --device=cuda --data=synthetic --amp=bf16 --steps=10 --log_every=5 \
     --progress=false
 }
 step_async_save() {

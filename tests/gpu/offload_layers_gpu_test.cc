@@ -13,6 +13,8 @@
 #include "dtrain/engine/memory/activation_checkpoint.h"
 #include "dtrain/engine/memory/memory.h"
 #include "dtrain/engine/optim/amp.h"
+#include "dtrain/engine/optim/offload.h"
+#include "dtrain/engine/parallel/reducer.h"
 #include "dtrain/engine/parallel/grad_norm.h"
 #include "dtrain/offload/layer_offload.h"
 #include "test_util.h"
@@ -191,6 +193,82 @@ TEST(LayerOffloadGpu, StreamedBlocksUnderAmpKeepNoCastWeights) {
       EXPECT_TRUE(pb[k].grad().device().is_cpu());
       EXPECT_LT(testing_util::rel_error(pb[k].grad(), pa[k].grad()), 1e-3);
     }
+  }
+}
+
+// A parameter's home may move between its uses (the one-rank delayed update swaps two host
+// buffers): the next acquire streams it from where it is now, and a copy prefetched from the
+// old place is made again.
+TEST(LayerOffloadGpu, AHomeMovedBetweenUsesIsStreamedFromItsNewPlace) {
+  DTRAIN_SKIP_WITHOUT_CUDA();
+  const c10::Device dev(c10::kCUDA, 0);
+  auto blocks = make_blocks(2, 64, dev);
+  offload::LayerStreamer streamer(blocks, dev);
+  at::Tensor w = blocks[1]->parameters()[0];
+  streamer.prefetch(1);  // from the first home
+  at::Tensor moved = at::full(w.sizes(), 0.25, w.options().pinned_memory(true));
+  w.set_data(moved);
+  streamer.acquire(1, 2);
+  EXPECT_TRUE(w.is_cuda());
+  EXPECT_EQ(w.detach().cpu().eq(0.25).all().item<bool>(), true) << "streamed the stale prefetched copy";
+  streamer.release(1);
+  EXPECT_EQ(w.data_ptr(), moved.data_ptr()) << "released to the old home";
+}
+
+// Layer offload's delayed update on a GPU (the streamed blocks' update by the CPU kernels one
+// step late, the resident head's at once) trains as the same optimizer on the CPU, where the
+// blocks are named streamed; the blocks' weights stay page-locked as the update swaps their
+// buffers (what their copies to the device read).
+TEST(LayerOffloadDelayedGpu, TrainsAsOnTheCpuAndKeepsTheWeightsPageLocked) {
+  DTRAIN_SKIP_WITHOUT_CUDA();
+  const int64_t d = 64, warmup = 2, steps = 7;
+  auto comm = testing_util::local_comm();
+  engine::OptimizerOptions oo;
+  oo.name = "adamw";
+  oo.lr = 0.01;
+  oo.weight_decay = 0.1;
+  engine::OffloadOptions off;
+  off.delayed_update_after = warmup;
+  auto train = [&](c10::Device dev) {
+    auto blocks = make_blocks(3, d, dev);
+    torch::manual_seed(4);
+    torch::nn::Linear head(d, 1);
+    head->to(dev);
+    std::unique_ptr<offload::LayerStreamer> streamer;
+    std::vector<at::Tensor> params, streamed;
+    for (auto& b : blocks) {
+      for (auto& p : b->parameters()) streamed.push_back(p);
+    }
+    if (dev.is_cuda()) streamer = std::make_unique<offload::LayerStreamer>(blocks, dev);
+    params = streamed;
+    for (auto& p : head->parameters()) params.push_back(p);
+    engine::GradReducer reducer(params, *comm);
+    auto opt = engine::make_layer_offload_optimizer(params, dev.is_cuda() ? std::vector<at::Tensor>{} : streamed, oo,
+                                                    *comm, off, dev);
+    opt->attach(reducer);
+    std::vector<double> losses;
+    for (int64_t step = 0; step < steps; ++step) {
+      torch::manual_seed(100 + step);
+      at::Tensor x = at::randn({16, d}).to(dev), y = at::randn({16, 1}).to(dev);
+      at::Tensor loss = torch::mse_loss(head->forward(run(blocks, streamer.get(), x.requires_grad_(true))), y);
+      loss.backward();
+      losses.push_back(loss.item<double>());
+      opt->step();
+      reducer.zero_grad();
+      if (dev.is_cuda()) {
+        for (auto& p : streamed) EXPECT_TRUE(p.is_cpu() && p.is_pinned()) << "step " << step;
+      }
+    }
+    opt->flush();
+    std::vector<at::Tensor> out;
+    for (auto& p : params) out.push_back(p.detach().cpu().clone());
+    return std::make_pair(losses, out);
+  };
+  auto [gpu_losses, gpu_weights] = train(c10::Device(c10::kCUDA, 0));
+  auto [cpu_losses, cpu_weights] = train(c10::Device(c10::kCPU));
+  for (int64_t s = 0; s < steps; ++s) EXPECT_NEAR(gpu_losses[s], cpu_losses[s], 1e-4 * std::abs(cpu_losses[s])) << s;
+  for (size_t i = 0; i < gpu_weights.size(); ++i) {
+    EXPECT_LT(testing_util::rel_error(gpu_weights[i], cpu_weights[i]), 1e-4) << "parameter " << i;
   }
 }
 
