@@ -17,6 +17,7 @@
 #include <glog/logging.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/engine.h>
 
 #include "dtrain/dist/error.h"
 
@@ -176,6 +177,40 @@ std::vector<c10::Device> cuda_devices_of(at::TensorList a, at::TensorList b) {
 
 constexpr const char* kStateKey = "dtrain_checkpoint_state";
 
+// Copies to the host whose wait is left to the end of the autograd backward that made them
+// (CheckpointHooks::defer_host_gradient_wait): each queues an engine callback that waits for
+// every one recorded by then (any thread's; the first callback of a backward takes them all, the
+// others find none; copies of a backward that failed before its callbacks ran are waited for by
+// the next one).
+struct DeferredCopies {
+  std::mutex mu;
+  std::vector<c10::Event> pending;  // guarded by mu
+};
+
+DeferredCopies& deferred_copies() {
+  static DeferredCopies* d = new DeferredCopies();  // never destroyed: callbacks may run at exit
+  return *d;
+}
+
+void wait_for_deferred_copies() {
+  std::vector<c10::Event> events;
+  {
+    DeferredCopies& d = deferred_copies();
+    std::lock_guard<std::mutex> lock(d.mu);
+    events.swap(d.pending);
+  }
+  for (c10::Event& e : events) e.synchronize();
+}
+
+void defer_until_backward_ends(c10::Event copied) {
+  DeferredCopies& d = deferred_copies();
+  {
+    std::lock_guard<std::mutex> lock(d.mu);
+    d.pending.push_back(std::move(copied));
+  }
+  torch::autograd::Engine::get_default_engine().queue_callback(wait_for_deferred_copies);
+}
+
 // Gradient slots returned by CheckpointFunction::backward: [state (none), inputs..., params...].
 struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
   static variable_list forward(AutogradContext* ctx, c10::intrusive_ptr<CheckpointState> state,
@@ -248,7 +283,13 @@ variable_list CheckpointFunction::backward(AutogradContext* ctx, variable_list g
     c10::impl::VirtualGuardImpl impl(copied_from->type());
     c10::Event copied(copied_from->type());
     copied.record(impl.getStream(*copied_from));
-    copied.synchronize();
+    bool adopted = state->hooks.defer_host_gradient_wait;  // autograd takes the copies as they are
+    for (const at::Tensor& p : state->params) adopted = adopted && !(p.defined() && p.grad().defined());
+    if (adopted) {
+      defer_until_backward_ends(std::move(copied));
+    } else {
+      copied.synchronize();
+    }
   }
   return result;
 }

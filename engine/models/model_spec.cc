@@ -212,6 +212,7 @@ class TechniqueRunner : public BlockRunner {
         hooks.after_forward = [streamer, i] { streamer->release(i); };
         hooks.before_recompute = [streamer, i, n] { streamer->acquire(i, i > 0 ? i - 1 : n); };
         hooks.after_recompute = [streamer, i] { streamer->release(i); };
+        hooks.defer_host_gradient_wait = model_.defer_host_gradient_waits_;
         x = checkpoint(fn, x, stack.block(i)->parameters(), hooks);
       } else {
         x = ckpt ? checkpoint(fn, x, stack.block(i)->parameters()) : stack.run_block(i, x);

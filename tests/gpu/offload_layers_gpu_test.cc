@@ -33,7 +33,8 @@ std::vector<std::shared_ptr<torch::nn::Module>> make_blocks(int n, int64_t d, c1
   return blocks;
 }
 
-at::Tensor run(std::vector<std::shared_ptr<torch::nn::Module>>& blocks, offload::LayerStreamer* s, at::Tensor x) {
+at::Tensor run(std::vector<std::shared_ptr<torch::nn::Module>>& blocks, offload::LayerStreamer* s, at::Tensor x,
+               bool defer_waits = false) {
   const size_t n = blocks.size();
   for (size_t i = 0; i < n; ++i) {
     auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(blocks[i].get());
@@ -47,6 +48,7 @@ at::Tensor run(std::vector<std::shared_ptr<torch::nn::Module>>& blocks, offload:
     h.after_forward = [s, i] { s->release(i); };
     h.before_recompute = [s, i, n] { s->acquire(i, i > 0 ? i - 1 : n); };
     h.after_recompute = [s, i] { s->release(i); };
+    h.defer_host_gradient_wait = defer_waits;
     x = engine::checkpoint(fn, x, blocks[i]->parameters(), h);
   }
   return x;
@@ -192,6 +194,34 @@ TEST(LayerOffloadGpu, StreamedBlocksUnderAmpKeepNoCastWeights) {
       ASSERT_TRUE(pb[k].grad().defined());
       EXPECT_TRUE(pb[k].grad().device().is_cpu());
       EXPECT_LT(testing_util::rel_error(pb[k].grad(), pa[k].grad()), 1e-3);
+    }
+  }
+}
+
+// With the host waits left to backward's end, the gradients are complete when backward returns:
+// the first backward's adopted copies (waited for by the engine callback) and a second's, added
+// into them (which waits per block again, since autograd adds on the CPU at once), equal the
+// resident blocks'. Large blocks, so a copy still in flight would show.
+TEST(LayerOffloadGpu, GradientWaitsAtBackwardsEndGiveCompleteGradients) {
+  DTRAIN_SKIP_WITHOUT_CUDA();
+  const c10::Device dev(c10::kCUDA, 0);
+  const int64_t d = 2048;
+  auto resident = make_blocks(4, d, dev);
+  auto streamed = make_blocks(4, d, dev);
+  offload::LayerStreamer streamer(streamed, dev);
+  for (int64_t pass = 1; pass <= 2; ++pass) {
+    torch::manual_seed(pass);
+    at::Tensor x = at::randn({64, d}, at::TensorOptions().device(dev));
+    at::Tensor probe = at::randn({64, d}, at::TensorOptions().device(dev));
+    (run(resident, nullptr, x.clone().requires_grad_(true)) * probe).sum().backward();
+    (run(streamed, &streamer, x.clone().requires_grad_(true), /*defer_waits=*/true) * probe).sum().backward();
+    for (size_t i = 0; i < resident.size(); ++i) {
+      auto pa = resident[i]->parameters(), pb = streamed[i]->parameters();
+      for (size_t k = 0; k < pa.size(); ++k) {
+        ASSERT_TRUE(pb[k].grad().defined() && pb[k].grad().is_cpu());
+        if (pass == 1) EXPECT_TRUE(pb[k].grad().is_pinned()) << "the copy was not adopted";
+        EXPECT_LT(testing_util::rel_error(pb[k].grad(), pa[k].grad()), 1e-5) << "pass " << pass << ", block " << i;
+      }
     }
   }
 }

@@ -50,6 +50,15 @@ std::vector<at::Tensor> checkpoint(const TensorFn& fn, const std::vector<at::Ten
 // after_recompute (so host-resident parameters get host gradients).
 struct CheckpointHooks {
   std::function<void()> before_forward, after_forward, before_recompute, after_recompute;
+  // Host parameters' gradients (copied from the device to page-locked memory): by default the
+  // host waits for each block's copies before its backward returns, since autograd may add
+  // them into a gradient on the CPU at once. true: where none of the block's host parameters
+  // has a gradient yet (autograd then adopts the copy without reading it), the wait is left to
+  // the end of the autograd backward (one engine callback waits for every such copy), so the
+  // copies overlap the backward of the blocks before. Only where nothing reads a gradient
+  // during backward: a one-rank reducer that keeps autograd's gradients (not one that copies
+  // them into buckets), no hook reading them.
+  bool defer_host_gradient_wait = false;
 };
 std::vector<at::Tensor> checkpoint(const TensorFn& fn, const std::vector<at::Tensor>& inputs,
                                    const std::vector<at::Tensor>& params, const CheckpointHooks& hooks);

@@ -132,6 +132,10 @@ class AppliedModel {
   void stream_blocks();
   // Switches activation checkpointing of the blocks (a memory probe measures both).
   void set_checkpoint_activations(bool on) { t_.checkpoint_activations = on; }
+  // Layer offload: the streamed blocks' host gradients waited for at backward's end instead of
+  // after each block (CheckpointHooks::defer_host_gradient_wait: only where nothing reads them
+  // during backward; the trainer decides).
+  void set_defer_host_gradient_waits(bool on) { defer_host_gradient_waits_ = on; }
   // Installs this object's runner around the blocks again (another AppliedModel of the same
   // blocks replaced it).
   void install();
@@ -161,6 +165,7 @@ class AppliedModel {
   ModelSpec spec_;
   ModelTechniques t_;
   std::shared_ptr<offload::LayerStreamer> streamer_;
+  bool defer_host_gradient_waits_ = false;
   std::shared_ptr<BlockRunner> runner_;
   ParameterUnits* units_ = nullptr;
   // The unit of each piece: [0] pre's modules, [1 + i] this stage's block i, [blocks + 1]
