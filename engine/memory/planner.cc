@@ -433,6 +433,14 @@ void add_optimizer_and_host(const PlanInputs& in, const Technique& t, int64_t ns
     e.host.parameters = offloaded_layers * bpp;
     e.host.gradients += offloaded_layers * bpp;
     e.host.other = kOffloadStagingBytes;
+    if (in.offload_delayed_update) {
+      // The streamed blocks' delayed update (one rank): a second page-locked weight buffer that
+      // the update writes while the next step streams the first. --offload=layers: the update
+      // holds the gradients it took while the next backward makes new ones (--offload=all: their
+      // two host copies out of the reducer's buckets are the optimizer's two buffers above).
+      e.host.parameters += offloaded_layers * bpp;
+      if (!t.offload_optimizer) e.host.gradients += offloaded_layers * bpp;
+    }
   }
 }
 

@@ -254,6 +254,32 @@ TEST(PlannerEstimate, DelayedOffloadUpdateAndTheCpuInClosedForm) {
   EXPECT_EQ(z3.gpu.optimizer_state, 1000000 * 4);
 }
 
+// Layer offload's delayed update: a second host weight buffer of the streamed blocks, and their
+// gradients twice (held by the update while the next backward makes new ones); with
+// --offload=all the optimizer's second host gradient buffer.
+TEST(PlannerEstimate, LayerOffloadDelayedUpdateInClosedForm) {
+  PlanInputs in = inputs();
+  in.parameters = 1000000;
+  in.layer_parameters = 800000;
+  in.layers = 8;
+  Technique t;
+  t.offload_layers = true;
+  const MemoryEstimate now = estimate(in, profile(), t);
+  in.offload_delayed_update = true;
+  const MemoryEstimate late = estimate(in, profile(), t);
+  EXPECT_EQ(late.host.parameters - now.host.parameters, 800000 * 4);
+  EXPECT_EQ(late.host.gradients - now.host.gradients, 800000 * 4);
+  EXPECT_EQ(late.gpu.allocated_peak(), now.gpu.allocated_peak());
+  t.offload_optimizer = true;
+  in.offload_delayed_update = false;
+  const MemoryEstimate all_now = estimate(in, profile(), t);
+  in.offload_delayed_update = true;
+  const MemoryEstimate all_late = estimate(in, profile(), t);
+  EXPECT_EQ(all_late.host.parameters - all_now.host.parameters, 800000 * 4);
+  // The host copies of every gradient, the streamed blocks' included: the optimizer's two buffers.
+  EXPECT_EQ(all_late.host.gradients - all_now.host.gradients, 1000000 * 4);
+}
+
 TEST(PlannerEstimate, LayerOffloadKeepsTwoLayersOnTheGpu) {
   PlanInputs in = inputs();
   in.parameters = 1000000;
