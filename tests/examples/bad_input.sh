@@ -23,6 +23,7 @@ check 2 'host_mem_limit_gb=-1 must be >= 0' "$bin/train_mlp" --offload=optimizer
 check 2 'offload_stream_gradients=sometimes is not one of: auto, on, off' "$bin/train_mlp" --offload=optimizer --offload_stream_gradients=sometimes
 check 2 'offload_delayed_update_after=-2 must be >= 0' "$bin/train_mlp" --offload=optimizer --offload_delayed_update_after=-2
 check 2 'offload_delayed_update_after needs --offload=optimizer' "$bin/train_mlp" --offload_delayed_update_after=3
+check 2 'offload=layers --offload_delayed_update_after with --shard=optimizer is not supported' "$bin/train_gpt" --device=cpu --d_model=64 --heads=4 --layers=1 --seq_len=16 --vocab=96 --steps=1 --offload=layers --offload_delayed_update_after=1 --shard=optimizer
 check 2 'cap' "$bin/train_gpt" --device=cpu --d_model=64 --heads=4 --layers=1 --seq_len=16 --vocab=96 --offload=optimizer --host_mem_limit_gb=0.0001
 check 2 'param_dtype=float16 is not one of: float32 .fp32., bfloat16 .bf16.; float16 weights need loss scaling' "$bin/train_mlp" --param_dtype=float16
 check 2 'param_dtype=bfloat16 with a replicated optimizer would update the bfloat16 weights themselves' "$bin/train_mlp" --device=cpu --param_dtype=bf16
