@@ -20,6 +20,7 @@
 #include <torch/csrc/autograd/engine.h>
 
 #include "dtrain/dist/error.h"
+#include "dtrain/engine/parallel/grad_norm.h"
 
 namespace dtrain::engine {
 namespace {
@@ -265,6 +266,28 @@ variable_list CheckpointFunction::backward(AutogradContext* ctx, variable_list g
   // pageable copy per parameter. The host must wait here: autograd accumulates a CPU gradient
   // on the CPU as soon as this returns.
   const size_t first_param = 1 + inputs.size();
+  // Whether autograd adopts the host copies as the parameters' gradients without reading them
+  // (none has a gradient yet) and the caller lets the wait for them wait (see the hooks).
+  bool adopted = state->hooks.defer_host_gradient_wait;
+  for (const at::Tensor& p : state->params) adopted = adopted && !(p.defined() && p.grad().defined());
+  std::vector<size_t> to_host;  // the slots copied to the host
+  for (size_t j = 0; j < state->params.size(); ++j) {
+    const at::Tensor& g = result[first_param + j];
+    const at::Tensor& p = state->params[j];
+    if (g.defined() && p.defined() && p.device().is_cpu() && g.is_cuda()) to_host.push_back(j);
+  }
+  // Adopted copies: their norms taken on the device now, so the gradient norm after backward
+  // reads none of them on the host (note_device_norm; a later change of one makes it read).
+  std::vector<at::Tensor> norms;
+  if (adopted && !to_host.empty()) {
+    std::vector<at::Tensor> device_grads;
+    bool any_double = false;
+    for (size_t j : to_host) {
+      device_grads.push_back(result[first_param + j]);
+      any_double = any_double || device_grads.back().scalar_type() == at::kDouble;
+    }
+    norms = at::_foreach_norm(device_grads, 2, any_double ? at::kDouble : at::kFloat);
+  }
   std::optional<c10::Device> copied_from;
   for (size_t j = 0; j < state->params.size(); ++j) {
     at::Tensor& g = result[first_param + j];
@@ -279,12 +302,11 @@ variable_list CheckpointFunction::backward(AutogradContext* ctx, variable_list g
       g = g.to(p.device());
     }
   }
+  for (size_t k = 0; k < norms.size(); ++k) note_device_norm(result[first_param + to_host[k]], norms[k]);
   if (copied_from) {
     c10::impl::VirtualGuardImpl impl(copied_from->type());
     c10::Event copied(copied_from->type());
     copied.record(impl.getStream(*copied_from));
-    bool adopted = state->hooks.defer_host_gradient_wait;  // autograd takes the copies as they are
-    for (const at::Tensor& p : state->params) adopted = adopted && !(p.defined() && p.grad().defined());
     if (adopted) {
       defer_until_backward_ends(std::move(copied));
     } else {

@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 
 #include <mutex>
+#include <unordered_map>
 
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/parallel/sparse_reducer.h"
@@ -128,12 +129,63 @@ bool host_kernel_applies(const std::vector<at::Tensor>& list) {
   return total >= kParallelHostNormElems;
 }
 
+// note_device_norm()'s entries, keyed by storage: the weak reference tells a storage freed
+// (and its address reused) from the one noted.
+struct NotedNorm {
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+  int64_t numel = 0;
+  int64_t version = 0;
+  at::Tensor norm;
+};
+
+struct NotedNorms {
+  std::mutex mu;
+  std::unordered_map<const c10::StorageImpl*, NotedNorm> by_storage;  // guarded by mu
+};
+
+NotedNorms& noted_norms() {
+  static NotedNorms* n = new NotedNorms();  // never destroyed: gradients may outlive statics
+  return *n;
+}
+
+// The noted norm of g, when g is the whole noted storage at the noted version.
+std::optional<at::Tensor> noted_norm_of(const at::Tensor& g) {
+  if (!g.is_cpu() || !g.has_storage() || g.storage_offset() != 0) return std::nullopt;
+  NotedNorms& n = noted_norms();
+  std::lock_guard<std::mutex> lock(n.mu);
+  auto it = n.by_storage.find(g.storage().unsafeGetStorageImpl());
+  if (it == n.by_storage.end()) return std::nullopt;
+  const NotedNorm& e = it->second;
+  if (e.storage.expired()) {
+    n.by_storage.erase(it);
+    return std::nullopt;
+  }
+  if (e.numel != g.numel() || e.version != g._version()) return std::nullopt;
+  return e.norm;
+}
+
 }  // namespace
+
+void note_device_norm(const at::Tensor& host_copy, at::Tensor norm) {
+  DTRAIN_CHECK(host_copy.is_cpu() && host_copy.has_storage() && host_copy.storage_offset() == 0 &&
+                   norm.numel() == 1 && (norm.scalar_type() == at::kFloat || norm.scalar_type() == at::kDouble),
+               "note_device_norm: a host tensor of its own storage and a one-element float norm, got ",
+               host_copy.toString(), " and ", norm.toString());
+  NotedNorms& n = noted_norms();
+  std::lock_guard<std::mutex> lock(n.mu);
+  for (auto it = n.by_storage.begin(); it != n.by_storage.end();) {  // drop the freed ones
+    it = it->second.storage.expired() ? n.by_storage.erase(it) : std::next(it);
+  }
+  c10::StorageImpl* storage = host_copy.storage().unsafeGetStorageImpl();
+  n.by_storage.insert_or_assign(storage, NotedNorm{host_copy.storage().getWeakStorageImpl(), host_copy.numel(),
+                                                  host_copy._version(), norm.reshape({})});
+}
 
 at::Tensor grad_norm(const std::vector<at::Tensor>& grads) {
   at::NoGradGuard no_grad;
   // Per (device, dtype): the per-tensor norms in one multi-tensor launch.
   std::map<std::pair<std::string, at::ScalarType>, std::vector<at::Tensor>> groups;
+  std::vector<at::Tensor> noted;  // norms taken on a device before the gradients' copies
   c10::optional<c10::Device> first_device;
   for (const at::Tensor& grad : grads) {
     const at::Tensor g = gradient_values(grad);  // a sparse gradient's rows
@@ -141,11 +193,16 @@ at::Tensor grad_norm(const std::vector<at::Tensor>& grads) {
     DTRAIN_CHECK(g.layout() == at::kStrided && at::isFloatingType(g.scalar_type()),
                  "grad_norm: gradients must be dense floating-point tensors, got ", g.toString());
     if (!first_device) first_device = g.device();
+    if (std::optional<at::Tensor> n = g.is_cpu() && !grad.is_sparse() ? noted_norm_of(g) : std::nullopt) {
+      noted.push_back(*n);
+      continue;
+    }
     groups[{g.device().str(), g.scalar_type()}].push_back(g);
   }
   if (!first_device) return at::zeros(c10::IntArrayRef{}, at::kFloat);
   const at::ScalarType acc = accumulation_type(grads);
   std::vector<at::Tensor> norms;
+  for (const at::Tensor& n : noted) norms.push_back(n.to(*first_device, acc, /*non_blocking=*/!first_device->is_cpu()));
   for (auto& [key, list] : groups) {
     for (at::Tensor& n : host_kernel_applies(list) ? host_norms(list, acc) : at::_foreach_norm(list, 2, acc)) {
       // Asynchronous unless the copy lands on the host (the CPU ops after it would race).

@@ -201,7 +201,8 @@ TEST(LayerOffloadGpu, StreamedBlocksUnderAmpKeepNoCastWeights) {
 // With the host waits left to backward's end, the gradients are complete when backward returns:
 // the first backward's adopted copies (waited for by the engine callback) and a second's, added
 // into them (which waits per block again, since autograd adds on the CPU at once), equal the
-// resident blocks'. Large blocks, so a copy still in flight would show.
+// resident blocks', and so does their norm (noted on the device for the adopted copies). Large
+// blocks, so a copy still in flight would show.
 TEST(LayerOffloadGpu, GradientWaitsAtBackwardsEndGiveCompleteGradients) {
   DTRAIN_SKIP_WITHOUT_CUDA();
   const c10::Device dev(c10::kCUDA, 0);
@@ -223,6 +224,15 @@ TEST(LayerOffloadGpu, GradientWaitsAtBackwardsEndGiveCompleteGradients) {
         EXPECT_LT(testing_util::rel_error(pb[k].grad(), pa[k].grad()), 1e-5) << "pass " << pass << ", block " << i;
       }
     }
+    // The norm: of the first pass from the norms noted on the device before the copies, of the
+    // second (added into in place) read on the host again; the resident blocks' either way.
+    std::vector<at::Tensor> ga, gb;
+    for (size_t i = 0; i < resident.size(); ++i) {
+      for (auto& p : resident[i]->parameters()) ga.push_back(p.grad());
+      for (auto& p : streamed[i]->parameters()) gb.push_back(p.grad());
+    }
+    const double want = engine::grad_norm(ga).item<double>(), got = engine::grad_norm(gb).item<double>();
+    EXPECT_NEAR(got, want, 1e-5 * want) << "pass " << pass;
   }
 }
 

@@ -750,6 +750,24 @@ TEST(GradClip, ClosedFormNormAndScaling) {
   EXPECT_THROW(clip_grads(g, at::ones({2}), 1.0), dtrain::Error);
 }
 
+// A host gradient whose norm was taken on a device before its copy (note_device_norm; here a
+// value no host read would give, to see which one counts) counts with that norm, also through a
+// tensor sharing its storage at the same version (the gradient autograd adopts); changed in
+// place, or another storage, it is read on the host again.
+TEST(GradClip, NotedDeviceNormsCountUntilTheGradientChanges) {
+  at::Tensor copy = at::tensor({3.0f, 4.0f});  // read on the host: norm 5
+  at::Tensor other = at::tensor({12.0f});
+  note_device_norm(copy, at::tensor(7.0f).reshape({}));
+  at::Tensor adopted = copy.detach();  // as AccumulateGrad adopts it
+  EXPECT_NEAR(grad_norm({adopted, other}).item<double>(), std::sqrt(49.0 + 144.0), 1e-5);
+  EXPECT_NEAR(grad_norm({other}).item<double>(), 12.0, 1e-6);
+  EXPECT_NEAR(grad_norm({adopted.narrow(0, 1, 1)}).item<double>(), 4.0, 1e-6) << "a part of the storage";
+  adopted.mul_(2);  // accumulation, masking or zeroing in place
+  EXPECT_NEAR(grad_norm({adopted, other}).item<double>(), std::sqrt(100.0 + 144.0), 1e-5);
+  EXPECT_TRUE(testing_util::throws_error_with([&] { note_device_norm(copy.narrow(0, 1, 1), at::tensor(1.0f)); },
+                                              "of its own storage"));
+}
+
 // Host gradients of 4 Mi elements or more (layer offload's streamed blocks) take dtrain's
 // threaded host norm instead of ATen's one-thread _foreach_norm: the same norm as float64 ATen
 // on the concatenation, per dtype, with pieces that split tensors and tensors under a piece.

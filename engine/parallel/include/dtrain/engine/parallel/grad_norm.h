@@ -14,7 +14,17 @@ namespace dtrain::engine {
 // Global L2 norm of the given gradients (undefined ones skipped), accumulated in float32
 // (float64 for float64 gradients) and returned as a 0-dim float32 tensor on the first
 // defined gradient's device (CPU and 0 when none is defined). Enqueues work, no host sync.
+// A host gradient whose norm was noted with note_device_norm() (and not changed since) counts
+// with that norm instead of being read on the host.
 at::Tensor grad_norm(const std::vector<at::Tensor>& grads);
+
+// Layer offload: `host_copy` (a host tensor of its own storage, e.g. the page-locked copy of a
+// streamed block's gradient) has the 2-norm `norm` (0-dim, float32 or float64, on the device the
+// copy came from, computed there before the copy). grad_norm() then takes it instead of reading
+// the host memory, for as long as the copy is alive and unchanged: any tensor sharing its
+// storage (the gradient autograd adopted from it) counts while its version counter is the one
+// noted here, so an in-place change (accumulation, masking, zeroing) makes it read again.
+void note_device_norm(const at::Tensor& host_copy, at::Tensor norm);
 
 // Where this rank's gradients sit in the whole model's.
 struct GradNormLayout {
