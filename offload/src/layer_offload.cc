@@ -132,6 +132,8 @@ void LayerStreamer::release(size_t i) {
   Impl::Layer& layer = impl_->layers[i];
   if (!impl_->streaming()) return;
   if (!layer.acquired) {  // a prefetch (or a failed acquire) only: drop its copies
+    for (size_t k = 0; k < layer.host.size(); ++k) layer.params[k].set_data(layer.host[k]);  // a half-done acquire's
+    layer.host.clear();
     layer.device.clear();
     layer.ready.reset();
     return;
