@@ -1,5 +1,6 @@
 // Optimizer offload: this rank's shard on the host (see offload_internal.h).
 #include <map>
+#include <mutex>
 #include <string>
 
 #include <ATen/ATen.h>
@@ -7,6 +8,7 @@
 #include <glog/logging.h>
 
 #include "dtrain/dist/error.h"
+#include "dtrain/offload/thread_pool.h"
 #include "offload_internal.h"
 
 namespace dtrain::engine::offload_detail {
@@ -133,20 +135,50 @@ HostGrads HostShard::allocate_grads() const {
 }
 
 void HostShard::copy_grads_from_params(HostGrads& g, const std::vector<at::Tensor>& params) const {
+  // Host gradients are copied in pieces of 1 Mi elements by a thread team (ATen's CPU copy runs
+  // on one thread in dtrain's builds: its OpenMP region is inline in ATen's headers); others
+  // (device gradients, small copies) by ATen.
+  constexpr int64_t kPiece = int64_t{1} << 20;
+  struct Piece {
+    at::Tensor dst, src;  // src undefined: zeros
+  };
+  std::vector<Piece> host, other;
+  int64_t host_elems = 0;
   for (size_t j = 0; j < params.size(); ++j) {
     const int64_t p_lo = offsets_[j];
     const int64_t a = std::max(p_lo, lo_), b = std::min(offsets_[j + 1], hi_);
     if (a >= b) continue;
     at::Tensor grad = params[j].grad();
     for_each_piece(a - lo_, b - lo_, [&](size_t c, int64_t in, int64_t n, int64_t at_) {
-      at::Tensor dst = g.chunks[c].narrow(0, in, n);
-      if (grad.defined()) {
-        dst.copy_(grad.detach().reshape({-1}).narrow(0, at_ + lo_ - p_lo, n));
-      } else {
-        dst.zero_();
+      for (int64_t k = 0; k < n; k += kPiece) {
+        const int64_t m = std::min(kPiece, n - k);
+        Piece piece{g.chunks[c].narrow(0, in + k, m),
+                    grad.defined() ? grad.detach().reshape({-1}).narrow(0, at_ + lo_ - p_lo + k, m) : at::Tensor()};
+        const bool on_host = !piece.src.defined() || piece.src.is_cpu();
+        if (on_host) host_elems += m;
+        (on_host ? host : other).push_back(std::move(piece));
       }
     });
   }
+  for (Piece& piece : other) piece.dst.copy_(piece.src);
+  auto copy = [](Piece& piece) {
+    if (piece.src.defined()) {
+      piece.dst.copy_(piece.src);
+    } else {
+      piece.dst.zero_();
+    }
+  };
+  if (host_elems < 4 * kPiece) {
+    for (Piece& piece : host) copy(piece);
+    return;
+  }
+  static std::mutex team_mutex;
+  static offload::ThreadPool team(offload::default_thread_count());
+  std::lock_guard<std::mutex> lock(team_mutex);
+  const int64_t count = static_cast<int64_t>(host.size());
+  team.run([&](int member) {
+    for (int64_t q = member; q < count; q += team.size()) copy(host[q]);
+  });
 }
 
 void HostShard::update(const HostGrads& g, double multiplier, double lr) {

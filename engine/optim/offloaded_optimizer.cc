@@ -167,11 +167,13 @@ void OffloadedOptimizer::step(const at::Tensor& grad_multiplier) {
     ++s.steps;
     return;
   }
+  // The update in flight is published first (it reads the other buffer): the copy then has the
+  // host's cores to itself.
+  s.updater->publish();
   if (!streamed) {
     if (grads.chunks.empty()) grads = s.shard.allocate_grads();
     s.shard.copy_grads_from_params(grads, params_);
   }
-  s.updater->publish();
   s.updater->start(grads, multiplier, s.lr);
   s.fill ^= 1;
   if (s.streamer) s.streamer->set_target(&s.grads[s.fill]);
