@@ -414,7 +414,9 @@ void add_optimizer_and_host(const PlanInputs& in, const Technique& t, int64_t ns
                                                    : 0;
     e.host.gradients = buffers * range * (t.shard == 3 ? 4 : std::min<int64_t>(bpp, 4));
     e.host.other = in.offload_to_device ? kOffloadStagingBytes : 0;
-    if (delayed) e.gpu.optimizer_state += range * bpp;  // the update's new weights, published next step
+    // The update's new weights, published next step: on the device, but for the streamed blocks'
+    // (layer offload, one rank), whose update writes a second host buffer (counted below).
+    if (delayed) e.gpu.optimizer_state += std::max<int64_t>(0, range - offloaded_layers) * bpp;
     // ZeRO-3's offloaded layout keeps the range's gradients in fp32 on the device for the copy
     // (fp32 weights read the reducer's buckets in place).
     if (t.shard == 3 && bpp == 2) e.gpu.optimizer_state = range * 4;

@@ -276,8 +276,10 @@ TEST(PlannerEstimate, LayerOffloadDelayedUpdateInClosedForm) {
   in.offload_delayed_update = true;
   const MemoryEstimate all_late = estimate(in, profile(), t);
   EXPECT_EQ(all_late.host.parameters - all_now.host.parameters, 800000 * 4);
-  // The host copies of every gradient, the streamed blocks' included: the optimizer's two buffers.
+  // The host copies of every gradient, the streamed blocks' included: the optimizer's two buffers;
+  // the new weights' buffer on the device only for the parameters that stay there.
   EXPECT_EQ(all_late.host.gradients - all_now.host.gradients, 1000000 * 4);
+  EXPECT_EQ(all_late.gpu.optimizer_state - all_now.gpu.optimizer_state, (1000000 - 800000) * 4);
 }
 
 TEST(PlannerEstimate, LayerOffloadKeepsTwoLayersOnTheGpu) {
