@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <map>
 #include <sstream>
 
 #include "dtrain/dist/error.h"
@@ -173,6 +174,67 @@ ShardState assemble_shard(const std::vector<ShardState>& pieces, const ShardLayo
       });
     }
     out.tensors.emplace_back(name, assembled);
+  }
+  return out;
+}
+
+ShardState shard_of_replicated(const std::vector<at::Tensor>& params, const NamedTensors& replicated,
+                               const ShardLayout& layout) {
+  // Each state array is the parameters' tensors end to end (the flat space); the range of it.
+  std::map<std::string, std::vector<at::Tensor>> arrays;  // slot -> one tensor per parameter
+  at::Tensor step;
+  for (const auto& [name, t] : replicated) {
+    const size_t dot = name.find('.');
+    size_t i = params.size();
+    if (dot != std::string::npos && dot > 0 && name.find_first_not_of("0123456789") == dot) {
+      i = std::stoul(name.substr(0, dot));
+    }
+    DTRAIN_CHECK(i < params.size(), "the saved optimizer state has '", name, "', which is of none of the ",
+                 params.size(), " parameters");
+    const std::string slot = name.substr(dot + 1);
+    if (slot == "step") {
+      if (!step.defined()) step = t.detach().cpu();
+      continue;
+    }
+    std::vector<at::Tensor>& parts = arrays[slot];
+    parts.resize(params.size());
+    parts[i] = t.detach().reshape({-1});
+  }
+  std::vector<at::Tensor> weights;
+  for (const at::Tensor& p : params) weights.push_back(p.detach().reshape({-1}));
+  arrays["master"] = weights;
+  ShardState out;
+  out.layout = layout;
+  if (step.defined()) out.tensors.emplace_back("step", step);
+  for (auto& [slot, parts] : arrays) {
+    const size_t have = static_cast<size_t>(std::count_if(parts.begin(), parts.end(), [](const at::Tensor& t) { return t.defined(); }));
+    DTRAIN_CHECK(have == params.size(), "the saved optimizer state has '", slot, "' for ", have, " of the ",
+                 params.size(), " parameters");
+    const at::Tensor flat = at::cat(parts);
+    std::vector<at::Tensor> pieces;
+    for (const FlatRange& r : layout.ranges) pieces.push_back(flat.narrow(0, r.begin, r.size()));
+    const at::Tensor mine = pieces.empty() ? flat.narrow(0, 0, 0) : pieces.size() == 1 ? pieces[0] : at::cat(pieces);
+    out.tensors.emplace_back(slot, mine.to(at::TensorOptions().device(at::kCPU), false, true));
+  }
+  return out;
+}
+
+NamedTensors replicated_of_shard(const std::vector<at::Tensor>& params, const ShardState& whole,
+                                 bool to_param_options) {
+  NamedTensors out;
+  int64_t offset = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
+    for (const auto& [name, t] : whole.tensors) {
+      if (name == "master") continue;
+      if (name == "step") {
+        out.emplace_back(std::to_string(i) + "." + name, t.reshape({}));
+        continue;
+      }
+      at::Tensor slice = t.narrow(0, offset, p.numel()).view(p.sizes());
+      out.emplace_back(std::to_string(i) + "." + name, to_param_options ? slice.to(p.options(), false, true) : slice);
+    }
+    offset += p.numel();
   }
   return out;
 }

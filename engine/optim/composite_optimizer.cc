@@ -11,8 +11,10 @@
 // contract are the device part's when it is offloaded; the replicated state is both parts'
 // under the indices of the whole parameter list. A host part of its own OffloadedOptimizer
 // shows its (whole, one-rank) state as replicated entries "<index>.<name>", the names
-// make_optimizer() gives, so checkpoints move between the two.
+// make_optimizer() gives (replicated_of_shard / shard_of_replicated, core/shard.h), so
+// checkpoints move between the two.
 #include <map>
+#include <unordered_set>
 
 #include <ATen/ATen.h>
 
@@ -32,65 +34,6 @@ NamedTensors renumbered(const NamedTensors& state, const std::vector<size_t>& in
     out.emplace_back(std::to_string(index.at(std::stoul(name.substr(0, dot)))) + name.substr(dot), t);
   }
   return out;
-}
-
-// An OffloadedOptimizer's whole state (one rank) as replicated per-parameter entries: its arrays
-// cut at the parameters, "master" left out (the weights are the master: a checkpoint loads them
-// first), "step" repeated for each.
-NamedTensors replicated_of(const OffloadedOptimizer& opt) {
-  const std::vector<at::Tensor>& params = opt.params();
-  const ShardState whole = opt.shard_state();
-  NamedTensors out;
-  int64_t offset = 0;
-  for (size_t j = 0; j < params.size(); ++j) {
-    const at::Tensor& p = params[j];
-    for (const auto& [name, t] : whole.tensors) {
-      if (name == "master") continue;
-      out.emplace_back(std::to_string(j) + "." + name,
-                       name == "step" ? t.reshape({}).to(at::kFloat)
-                                      : t.narrow(0, offset, p.numel()).view(p.sizes()));
-    }
-    offset += p.numel();
-  }
-  return out;
-}
-
-// The inverse: per-parameter entries (make_optimizer()'s names, or replicated_of()'s) into the
-// optimizer's whole state, the master from the parameters' values.
-void load_replicated(OffloadedOptimizer& opt, const NamedTensors& state) {
-  const std::vector<at::Tensor>& params = opt.params();
-  std::map<std::string, std::vector<at::Tensor>> arrays;
-  std::map<std::string, size_t> count;
-  at::Tensor step;
-  for (size_t j = 0; j < params.size(); ++j) {
-    const std::string prefix = std::to_string(j) + ".";
-    for (auto& [name, t] : state) {
-      if (name.compare(0, prefix.size(), prefix) != 0) continue;
-      const std::string slot = name.substr(prefix.size());
-      if (slot == "step") {
-        if (!step.defined()) step = t.detach().cpu().reshape({}).to(at::kLong);
-        continue;
-      }
-      DTRAIN_CHECK(t.numel() == params[j].numel(), "optimizer state '", name, "' has ", t.numel(),
-                   " elements; parameter ", j, " of the host part has ", params[j].numel());
-      arrays[slot].resize(params.size());
-      arrays[slot][j] = t.detach().to(at::kCPU, at::kFloat).reshape({-1});
-      ++count[slot];
-    }
-  }
-  DTRAIN_CHECK(step.defined(), "the optimizer state has no 'step' for the host-resident parameters");
-  ShardState whole;
-  whole.layout = *opt.shard_layout();
-  whole.tensors.emplace_back("step", step);
-  std::vector<at::Tensor> master;
-  for (const at::Tensor& p : params) master.push_back(p.detach().to(at::kCPU, at::kFloat).reshape({-1}));
-  whole.tensors.emplace_back("master", at::cat(master));
-  for (auto& [slot, parts] : arrays) {
-    DTRAIN_CHECK(count[slot] == params.size(), "the optimizer state has '", slot, "' for ", count[slot], " of the ",
-                 params.size(), " host-resident parameters");
-    whole.tensors.emplace_back(slot, at::cat(parts));
-  }
-  opt.load_shard_state(whole);
 }
 
 class CompositeOptimizer final : public Optimizer {
@@ -124,7 +67,11 @@ class CompositeOptimizer final : public Optimizer {
   const OptimizerOptions& options() const override { return options_; }
   NamedTensors state() const override {
     NamedTensors out = device_offloaded_ ? NamedTensors{} : renumbered(device_->state(), device_index_);
-    for (auto& entry : renumbered(host_offloaded_ ? replicated_of(*host_offloaded_) : host_->state(), host_index_)) {
+    // An offloaded host part (one rank): its whole state as per-parameter entries (core/shard.h).
+    const NamedTensors host = host_offloaded_ ? replicated_of_shard(host_->params(), host_->shard_state(),
+                                                                    /*to_param_options=*/false)
+                                              : host_->state();
+    for (auto& entry : renumbered(host, host_index_)) {
       out.push_back(std::move(entry));
     }
     return out;
@@ -145,8 +92,8 @@ class CompositeOptimizer final : public Optimizer {
           .emplace_back(std::to_string(it->second.second) + name.substr(dot), t);
     }
     if (!device_offloaded_) device_->load_state(device_state);
-    if (host_offloaded_) {
-      load_replicated(*host_offloaded_, host_state);
+    if (host_offloaded_) {  // the master from the weights, loaded first (core/shard.h)
+      host_->load_shard_state(shard_of_replicated(host_->params(), host_state, *host_->shard_layout()));
     } else {
       host_->load_state(host_state);
     }
@@ -194,22 +141,17 @@ class CompositeOptimizer final : public Optimizer {
   OffloadedOptimizer* host_offloaded_ = nullptr;    // host_, when it is one
 };
 
-bool listed(const at::Tensor& p, const std::vector<at::Tensor>& list) {
-  for (const at::Tensor& q : list) {
-    if (q.unsafeGetTensorImpl() == p.unsafeGetTensorImpl()) return true;
-  }
-  return false;
-}
-
 struct Split {
   std::vector<at::Tensor> on_device, on_host;
   std::vector<size_t> device_index, host_index;
 };
 
 Split split(const std::vector<at::Tensor>& params, c10::Device device, const std::vector<at::Tensor>& streamed) {
+  std::unordered_set<const c10::TensorImpl*> listed;
+  for (const at::Tensor& p : streamed) listed.insert(p.unsafeGetTensorImpl());
   Split s;
   for (size_t i = 0; i < params.size(); ++i) {
-    if ((!device.is_cpu() && params[i].device().is_cpu()) || listed(params[i], streamed)) {
+    if ((!device.is_cpu() && params[i].device().is_cpu()) || listed.count(params[i].unsafeGetTensorImpl())) {
       s.on_host.push_back(params[i]);
       s.host_index.push_back(i);
     } else {

@@ -1,6 +1,5 @@
 // Optimizer offload: this rank's shard on the host (see offload_internal.h).
 #include <map>
-#include <mutex>
 #include <string>
 
 #include <ATen/ATen.h>
@@ -172,12 +171,9 @@ void HostShard::copy_grads_from_params(HostGrads& g, const std::vector<at::Tenso
     for (Piece& piece : host) copy(piece);
     return;
   }
-  static std::mutex team_mutex;
-  static offload::ThreadPool team(offload::default_thread_count());
-  std::lock_guard<std::mutex> lock(team_mutex);
   const int64_t count = static_cast<int64_t>(host.size());
-  team.run([&](int member) {
-    for (int64_t q = member; q < count; q += team.size()) copy(host[q]);
+  offload::run_on_shared_team([&](int member, int members) {
+    for (int64_t q = member; q < count; q += members) copy(host[q]);
   });
 }
 

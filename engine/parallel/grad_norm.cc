@@ -101,13 +101,11 @@ std::vector<at::Tensor> host_norms(const std::vector<at::Tensor>& list, at::Scal
   std::vector<double> partial(pieces.size(), 0.0);
   // dtrain's own team (at::parallel_for's OpenMP region is inline in ATen's headers, and this
   // library is not built with -fopenmp: it would run on one thread), sized once for the
-  // machine; at::get_num_threads() of its members take part. One caller at a time.
-  static std::mutex team_mutex;
-  static offload::ThreadPool team(offload::default_thread_count());
-  std::lock_guard<std::mutex> lock(team_mutex);
-  const int members = std::max(1, std::min(team.size(), at::get_num_threads()));
+  // machine; at::get_num_threads() of its members take part.
+  const int threads = std::max(1, at::get_num_threads());
   const int64_t count = static_cast<int64_t>(pieces.size());
-  team.run([&](int member) {
+  offload::run_on_shared_team([&](int member, int team) {
+    const int members = std::min(team, threads);
     if (member >= members) return;
     for (int64_t q = member; q < count; q += members) {
       partial[q] = sum_squares(list[pieces[q].tensor], pieces[q].begin, pieces[q].n);

@@ -85,56 +85,6 @@ at::Tensor slot_of(const ShardState& state, const std::string& slot, const std::
                              "' (the ranks' files disagree)"));
 }
 
-// Optimizer state between layouts: a replicated state's ranges of the flat parameter space
-// (its arrays end to end, the weights as "master"), the ranges end to end.
-ShardState shard_of_replicated(const TrainingState& s, const NamedTensors& replicated, const ShardLayout& layout) {
-  // Each state array is the parameters' tensors end to end (the flat space); the range of it.
-  std::map<std::string, std::vector<at::Tensor>> arrays;
-  at::Tensor step;
-  for (const auto& [name, t] : replicated) {
-    const std::string slot = name.substr(name.find('.') + 1);
-    if (slot == "step") {
-      if (!step.defined()) step = t.detach().cpu();
-      continue;
-    }
-    arrays[slot].push_back(t.detach().reshape({-1}));
-  }
-  std::vector<at::Tensor> weights;
-  for (const at::Tensor& p : s.params) weights.push_back(p.detach().reshape({-1}));
-  arrays["master"] = weights;
-  ShardState out;
-  out.layout = layout;
-  if (step.defined()) out.tensors.emplace_back("step", step);
-  for (auto& [slot, parts] : arrays) {
-    DTRAIN_CHECK(parts.size() == s.params.size(), "the saved optimizer state has '", slot, "' for ", parts.size(),
-                 " of the ", s.params.size(), " parameters");
-    const at::Tensor flat = at::cat(parts);
-    std::vector<at::Tensor> pieces;
-    for (const FlatRange& r : layout.ranges) pieces.push_back(flat.narrow(0, r.begin, r.size()));
-    const at::Tensor mine = pieces.empty() ? flat.narrow(0, 0, 0) : pieces.size() == 1 ? pieces[0] : at::cat(pieces);
-    out.tensors.emplace_back(slot, mine.to(at::TensorOptions().device(at::kCPU), false, true));
-  }
-  return out;
-}
-
-// A whole flat space's arrays split back into "<param>.<slot>" per parameter.
-NamedTensors replicated_of_shard(const TrainingState& s, const ShardState& whole) {
-  // Every parameter's "step" is the shard's; each array's slice of it, shaped as the parameter.
-  NamedTensors out;
-  int64_t offset = 0;
-  for (size_t i = 0; i < s.params.size(); ++i) {
-    const at::Tensor& p = s.params[i];
-    for (const auto& [name, t] : whole.tensors) {
-      if (name == "master") continue;
-      out.emplace_back(std::to_string(i) + "." + name,
-                       name == "step" ? t.reshape({})
-                                      : t.narrow(0, offset, p.numel()).view(p.sizes()).to(p.options(), false, true));
-    }
-    offset += p.numel();
-  }
-  return out;
-}
-
 // A ZeRO-3 checkpoint's flat space (meta "model.partitioned": names and sizes) checked
 // against this model's parameters (a pipeline stage: its own, by name).
 void check_partitioned_layout(const TrainingState& s, const std::string& layout, const std::string& source,
@@ -347,13 +297,14 @@ void restore_optimizer(const TrainingState& s, const CheckpointStore& store, con
       DTRAIN_CHECK(layout->numel == numel, "the partitioned optimizer covers ", layout->numel, " of the ", numel,
                    " parameter elements (some parameters live on the host); resume with the optimizer the "
                    "checkpoint was saved with");
-      optimizer.load_shard_state(shard_of_replicated(s, replicated, *layout));
+      optimizer.load_shard_state(shard_of_replicated(s.params, replicated, *layout));
     } else if (saved_partitioned) {
       // An unsharded run from a partitioned checkpoint: the whole flat space, split per parameter.
       replicated = replicated_of_shard(
-          s, whole ? *whole
+          s.params, whole ? *whole
                    : load_resharded_optimizer(store, data, s.mesh.tp_rank(), shard_layout_of(numel, 1, 0),
-                                              stage_space(s, numel)));
+                                              stage_space(s, numel)),
+          /*to_param_options=*/true);
     }
     // The replicated part (e.g. the host parameters' state of --offload=all), unless it was
     // just cut into this rank's range.

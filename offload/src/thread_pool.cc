@@ -129,4 +129,12 @@ std::pair<int64_t, int64_t> ThreadPool::part(int64_t begin, int64_t end, int mem
   return {boundary(member), boundary(member + 1)};
 }
 
+void run_on_shared_team(const std::function<void(int member, int members)>& fn) {
+  static std::mutex mutex;
+  static ThreadPool* team = new ThreadPool(default_thread_count());  // never joined: used until exit
+  std::lock_guard<std::mutex> lock(mutex);
+  const int members = team->size();
+  team->run([&](int member) { fn(member, members); });
+}
+
 }  // namespace dtrain::offload

@@ -264,17 +264,18 @@ TEST(PlannerEstimate, LayerOffloadDelayedUpdateInClosedForm) {
   in.layers = 8;
   Technique t;
   t.offload_layers = true;
-  const MemoryEstimate now = estimate(in, profile(), t);
-  in.offload_delayed_update = true;
-  const MemoryEstimate late = estimate(in, profile(), t);
+  auto without_and_with_delay = [&] {  // the estimate without the delayed update, then with it
+    in.offload_delayed_update = false;
+    const MemoryEstimate without = estimate(in, profile(), t);
+    in.offload_delayed_update = true;
+    return std::make_pair(without, estimate(in, profile(), t));
+  };
+  const auto [now, late] = without_and_with_delay();
   EXPECT_EQ(late.host.parameters - now.host.parameters, 800000 * 4);
   EXPECT_EQ(late.host.gradients - now.host.gradients, 800000 * 4);
   EXPECT_EQ(late.gpu.allocated_peak(), now.gpu.allocated_peak());
   t.offload_optimizer = true;
-  in.offload_delayed_update = false;
-  const MemoryEstimate all_now = estimate(in, profile(), t);
-  in.offload_delayed_update = true;
-  const MemoryEstimate all_late = estimate(in, profile(), t);
+  const auto [all_now, all_late] = without_and_with_delay();
   EXPECT_EQ(all_late.host.parameters - all_now.host.parameters, 800000 * 4);
   // The host copies of every gradient, the streamed blocks' included: the optimizer's two buffers;
   // the new weights' buffer on the device only for the parameters that stay there.

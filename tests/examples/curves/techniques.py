@@ -70,6 +70,14 @@ def scenario_bf16_master(args):
             "device's master at 1 rank", tol)
 
 
+def resumed_at_8(args, ranks, shape, flags, ck, name):
+    """A run of `shape` + flags (shape ends with its --steps) saved at step 8 into a directory of its
+    own, then resumed there to the end: the resumed run's metrics."""
+    ck = os.path.join(args.workdir, ck)
+    train(args, "train_gpt", ranks, shape[:-1] + flags + ["--steps=8", f"--save_dir={ck}"], name + "-part")
+    return train(args, "train_gpt", ranks, shape + flags + [f"--save_dir={ck}", "--resume"], name + "-resumed")
+
+
 def scenario_offload_stream(args):
     """Optimizer offload with gradients streamed per bucket during backward (forced on the CPU)
     and the one-step-delayed update."""
@@ -137,11 +145,7 @@ def scenario_offload_stream(args):
     ck_full = os.path.join(args.workdir, "ck_delay_full")
     full = train(args, "train_gpt", 2, shape + clip + delay + ["--batch_size=4", "--save_every=8",
                                                                f"--save_dir={ck_full}"], "gpt-delay-full")
-    ck = os.path.join(args.workdir, "ck_delay")
-    train(args, "train_gpt", 2, shape[:-1] + clip + delay + ["--steps=8", "--batch_size=4", f"--save_dir={ck}"],
-          "gpt-delay-part")
-    res = train(args, "train_gpt", 2, shape + clip + delay + ["--batch_size=4", f"--save_dir={ck}", "--resume"],
-                "gpt-delay-resumed")
+    res = resumed_at_8(args, 2, shape, clip + delay + ["--batch_size=4"], "ck_delay", "gpt-delay")
     compare(steps_after(full, 8), steps_after(res, 8), "delayed update resumed from a checkpoint", 1e-5)
     # Layer offload's delayed update: the streamed blocks' update one step late (dtrain's CPU
     # kernels), the embeddings' and head's at once. The warm-up equals the ordinary run, the
@@ -157,11 +161,7 @@ def scenario_offload_stream(args):
         gap = max(abs(a["loss"] - b["loss"]) / abs(a["loss"]) for a, b in zip(other[5:], dl[5:]))
         assert gap > 1e-4, f"layer offload's delayed update follows {what} after the warm-up ({gap:.2e})"
     assert dl[-1]["loss"] < 0.8 * dl[0]["loss"], f"layer offload's delayed update: loss did not fall: {dl[0]['loss']} -> {dl[-1]['loss']}"
-    ck = os.path.join(args.workdir, "ck_ldelay")
-    train(args, "train_gpt", 1, shape[:-1] + clip + layers + ["--steps=8", "--batch_size=8", f"--save_dir={ck}"],
-          "gpt-layers-delay-part")
-    res = train(args, "train_gpt", 1, shape + clip + layers + ["--batch_size=8", f"--save_dir={ck}", "--resume"],
-                "gpt-layers-delay-resumed")
+    res = resumed_at_8(args, 1, shape, clip + layers + ["--batch_size=8"], "ck_ldelay", "gpt-layers-delay")
     compare(steps_after(dl, 8), steps_after(res, 8), "layer offload's delayed update resumed from a checkpoint", 1e-5)
     print(f"ok: layer offload's delayed update departs after the warm-up and falls {dl[0]['loss']:.4f} -> "
           f"{dl[-1]['loss']:.4f}; its checkpoint resumes as the saving run")

@@ -24,6 +24,12 @@ namespace dtrain::offload {
 // else the cores this process may run on (sched_getaffinity), else hardware_concurrency().
 int default_thread_count();
 
+// A process-wide team of default_thread_count() threads for host work outside the CPU
+// optimizer's own team (the gradient norm of host gradients, the offloaded update's gradient
+// copies): calls fn(member, members) on each, as ThreadPool::run does; one caller at a time
+// (the others wait). Started at its first use.
+void run_on_shared_team(const std::function<void(int member, int members)>& fn);
+
 class ThreadPool {
  public:
   // threads >= 1 (the caller counts as one: threads - 1 workers are started). Throws

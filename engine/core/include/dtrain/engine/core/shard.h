@@ -83,6 +83,19 @@ std::vector<int> overlapping_shards(int64_t numel, int old_ranks, const std::vec
 // entries, 0-dim entries that differ.
 ShardState assemble_shard(const std::vector<ShardState>& pieces, const ShardLayout& target);
 
+// Optimizer state between a partitioned and a replicated layout, over `params` (their flat space:
+// the parameters end to end). shard_of_replicated: the replicated entries "<i>.<array>" (i an
+// index into params; "step" from the first) laid end to end per array, the weights as "master",
+// cut to layout's ranges, on the host in their dtypes; throws dtrain::Error naming an array that
+// not every parameter has, or an entry of no parameter. replicated_of_shard: the state of the
+// whole flat space back into "<i>.<array>" per parameter (slices shaped as the parameters; with
+// to_param_options copied to the parameter's device and dtype), "step" for each, "master" left
+// out (the weights are the master).
+ShardState shard_of_replicated(const std::vector<at::Tensor>& params, const NamedTensors& replicated,
+                               const ShardLayout& layout);
+NamedTensors replicated_of_shard(const std::vector<at::Tensor>& params, const ShardState& whole,
+                                 bool to_param_options);
+
 }  // namespace dtrain::engine
 
 #include "dtrain/dist/glog_compat.h"  // last: keeps glog's LOG macros whatever the include order
