@@ -106,7 +106,7 @@ declare -A LIMIT=() MIN=()
 for _t in gpuinfo=10/5 unpack=20/10 prebuilt=30/15 configure=60/30 build=240/120 save_build=20/10 \
           test_np1=70/30 test_np2=80/35 \
           s2s=100/60 gpt124m=45/25 nccl_allreduce=30/15 mpi_allreduce=45/25 cpu_adam=60/30 host_norm=30/10 copies=25/15 \
-          offload_layers=90/40 async_save=40/25 shard=75/50 shard3=70/45 \
+          offload_layers=110/40 async_save=40/25 shard=75/50 shard3=70/45 \
           offload6b=280/220 offload6b_bf16=280/200 offload_largest=280/200 offload_opt=70/40 offload_delayed=70/40 offload_bf16=70/40 \
           pipeline=50/35 gpt_anchor=150/90 \
           gpt_graph=170/60 s2s_graph=90/45 kernels=90/40 s2s_anchor=150/90 simulate=90/45 \

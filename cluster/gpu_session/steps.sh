@@ -303,11 +303,14 @@ step_offload_layers() {
   need_build || return 1
   # The resident step is the same command's anchor (issue 35: within 1.2x of max(compute,
   # bytes / 55 GB/s)); the delayed update moves the streamed blocks' CPU update beside the next
-  # forward and backward. Each run's timeline gives the host work after backward.
-  SHOW="train_gpt gpt124m --amp=bf16: resident, then --offload=layers, then --offload=layers --offload_delayed_update_after=2, each with dtrain-timeline summary's offload line" \
-    bench "layer offload, gpt124m: resident, --offload=layers, and with the delayed update" \
+  # forward and backward; --offload=all's delayed update does it beside the device part's
+  # gradient stream (the blocks' gradients taken, not added into the reducer's host buckets).
+  # Each run's timeline gives the host work after backward.
+  SHOW="train_gpt gpt124m --amp=bf16: resident, then --offload=layers, then --offload=layers --offload_delayed_update_after=2, then --offload=all --offload_delayed_update_after=2, each with dtrain-timeline summary's offload line" \
+    bench "layer offload, gpt124m: resident, --offload=layers, with the delayed update, and --offload=all delayed" \
     'trained|MFU|offload|layers:' \
-    bash -c 'for v in "" "--offload=layers" "--offload=layers --offload_delayed_update_after=2"; do
+    bash -c 'for v in "" "--offload=layers" "--offload=layers --offload_delayed_update_after=2" \
+        "--offload=all --offload_delayed_update_after=2"; do
         echo "layers: ${v:-resident}"
         "$1" "${@:3}" $v --timeline="$2/layers.json" || exit
         "$(dirname "$1")/dtrain-timeline" summary "$2/layers.json" | grep -E "offload" || true

@@ -26,7 +26,10 @@ GradientStreamer::GradientStreamer(const HostShard& shard, const std::vector<at:
     copy_stream_ = impl.getStreamFromGlobalPool(*device, /*isHighPriority=*/false);
     copied_.emplace(device->type());
   }
-  worker_ = std::thread([this] { loop(); });
+  // Only the buckets of this shard's parameters: on one rank the others (layer offload's
+  // host-resident blocks beside it) keep autograd's gradients.
+  std::vector<char> observed(reducer_index_.size());
+  for (size_t i = 0; i < observed.size(); ++i) observed[i] = reducer_index_[i] >= 0;
   // Runs under the reducer's lock on autograd's thread: only hand the bucket on.
   reducer.set_bucket_observer([this](const LaunchedBucket& bucket) {
     {
@@ -40,7 +43,8 @@ GradientStreamer::GradientStreamer(const HostShard& shard, const std::vector<at:
       queue_.push_back(bucket);
     }
     cv_.notify_all();
-  });
+  }, std::move(observed));
+  worker_ = std::thread([this] { loop(); });  // after the observer: a refused one leaves no thread
 }
 
 GradientStreamer::~GradientStreamer() {

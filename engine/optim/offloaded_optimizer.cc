@@ -20,8 +20,10 @@ namespace {
 // Whether the delayed update may take the parameters' gradients as they are: autograd's own
 // tensors (which a one-rank reducer leaves in place and drops at zero_grad; not views of its
 // buckets, which it zeroes and refills), on the host, dense, in a dtype the CPU kernels read.
+// The reducer is asked about these parameters only: --offload=all's host part keeps
+// autograd's gradients beside the device part's gradient stream.
 bool gradients_can_be_taken(const std::vector<at::Tensor>& params, const GradReducer* reducer) {
-  if (reducer == nullptr || !reducer->keeps_autograd_gradients()) return false;
+  if (reducer == nullptr || !reducer->keeps_autograd_gradients(params)) return false;
   for (const at::Tensor& p : params) {
     const at::Tensor& g = p.grad();
     if (!g.defined()) continue;

@@ -5,6 +5,7 @@
 #include <mutex>
 #include <set>
 #include <sstream>
+#include <unordered_map>
 #include <unordered_set>
 
 #include <ATen/ATen.h>
@@ -38,6 +39,10 @@ struct Bucket {
   // and false for every bucket of a strategy that keeps no gradients (ZeRO-3's): its storage is
   // allocated at its first gradient of a step and released once it is reduced.
   bool keep = true;
+  // Whether a bucket observer reads one of its parameters (GradReducer::set_bucket_observer's
+  // `observed`), and this bucket's place among those that are (LaunchedBucket::index).
+  bool observed = true;
+  size_t observed_index = 0;
   int pending = 0;
   bool ready = false;
   std::vector<dist::WorkPtr> works;  // one all-reduce, or one reduce per owner
@@ -109,6 +114,8 @@ struct GradReducer::State {
   ReducerStepStats stats;
   ReducerStepStats last_stats;
   std::function<void(const LaunchedBucket&)> observer;
+  std::vector<char> observed;  // by parameter: whether the observer reads it (all, by default)
+  size_t observed_buckets = 0;  // buckets with an observed parameter
 
   void build(const std::vector<std::vector<size_t>>& assignment);
   void zero_buckets();
@@ -126,12 +133,22 @@ struct GradReducer::State {
   int64_t kept_begin = 0;        // its first element's flat-space offset
   FlatRange mine;                // this rank's owned range (release_unowned)
   std::vector<int64_t> flat_offsets;  // consecutive buckets: each parameter's flat-space offset
-  // One rank, plain averaging, no bucket observer: the gradients stay autograd's own (not added
-  // into zeroed bucket views: 1.7 ms of a GPT-124M step on the H100); zero_buckets() drops them.
-  bool local() const {
-    return comm.size() == 1 && !options.compress && options.owned.empty() && !observer && !release_reduced &&
-           !release_unowned && dynamic_cast<const AllReduceBuckets*>(bucket_comm.get()) != nullptr;
+  // One rank, plain averaging: nothing to reduce.
+  bool one_rank_plain() const {
+    return comm.size() == 1 && !options.compress && options.owned.empty() && !release_reduced && !release_unowned &&
+           dynamic_cast<const AllReduceBuckets*>(bucket_comm.get()) != nullptr;
   }
+  // A bucket of one_rank_plain() that no bucket observer reads: its gradients stay autograd's
+  // own (not added into zeroed bucket views: 1.7 ms of a GPT-124M step on the H100);
+  // zero_buckets() drops them. With an observer (optimizer offload's gradient stream) only
+  // the buckets holding a parameter it reads are views, so layer offload's host-resident
+  // blocks keep autograd's gradients beside it (--offload=all).
+  bool local(const Bucket& b) const { return one_rank_plain() && !(observer && b.observed); }
+  bool local_param(size_t i) const { return local(buckets[where[i].first]); }
+  // Every bucket local(b).
+  bool local() const { return one_rank_plain() && (!observer || observed_buckets == 0); }
+  // Each bucket's `observed` and `observed_index` from `observed`.
+  void mark_observed();
   void start_step();
   void mark_ready(size_t i);
   void launch_in_order();
@@ -162,6 +179,7 @@ void GradReducer::State::build(const std::vector<std::vector<size_t>>& assignmen
     }
     if (release_reduced) bucket.keep = false;
   }
+  mark_observed();
   // Consecutive buckets: the kept ones (all, unless release_unowned) are one run of the flat
   // space; one allocation holds them end to end in flat order, so a range of it is one view
   // (flat_gradients()).
@@ -186,21 +204,35 @@ void GradReducer::State::build(const std::vector<std::vector<size_t>>& assignmen
     // A released bucket is allocated by its first gradient, unless a gradient exists already.
     bool has_grad = false;
     for (size_t i : buckets[b].params) has_grad = has_grad || params[i].grad().defined();
+    // Local buckets too: until the first zero_grad() their views are the gradients (what the
+    // planner counts as a step's gradients from its start).
     if (buckets[b].keep || has_grad) allocate(b);
   }
 }
 
-void GradReducer::State::zero_buckets() {
-  if (local()) {
-    for (at::Tensor& p : params) p.mutable_grad().reset();
-    for (Bucket& b : buckets) b.flat = b.wire = at::Tensor();
-    for (at::Tensor& v : views) v.reset();
-    kept.reset();
-    return;
+void GradReducer::State::mark_observed() {
+  observed_buckets = 0;
+  for (Bucket& b : buckets) {
+    b.observed = false;
+    for (size_t i : b.params) b.observed = b.observed || observed.empty() || observed[i];
+    b.observed_index = observed_buckets;
+    if (b.observed) ++observed_buckets;
   }
+}
+
+void GradReducer::State::zero_buckets() {
+  if (local()) kept.reset();
   if (kept.defined()) kept.zero_();  // every kept bucket, one launch
   for (Bucket& b : buckets) {
-    if (b.flat.defined() && !(b.keep && kept.defined())) b.flat.zero_();
+    if (local(b)) {
+      for (size_t i : b.params) {
+        params[i].mutable_grad().reset();
+        views[i].reset();
+      }
+      b.flat = b.wire = at::Tensor();
+    } else if (b.flat.defined() && !(b.keep && kept.defined())) {
+      b.flat.zero_();
+    }
   }
 }
 
@@ -267,7 +299,7 @@ void GradReducer::State::launch_in_order() {
 }
 
 void GradReducer::State::launch(size_t b) {
-  if (local()) {  // nothing to reduce: the gradients are final
+  if (local(buckets[b])) {  // nothing to reduce: the gradients are final
     stats.bucket_launch.push_back(Clock::now());
     stats.hooks_before_launch.push_back(hooks_fired), stats.bucket_bytes.push_back(0);
     return;
@@ -282,11 +314,11 @@ void GradReducer::State::launch(size_t b) {
   BucketLaunch launched = bucket_comm->launch(bucket.wire, bucket.flat_begin, comm);
   bucket.works = std::move(launched.works);
   bucket.mine = std::move(launched.mine);
-  if (observer) {
+  if (observer && bucket.observed) {
     LaunchedBucket event;
     event.backward = synced_backwards;
-    event.index = b;
-    event.count = buckets.size();
+    event.index = bucket.observed_index;
+    event.count = observed_buckets;
     event.params = bucket.params;
     event.offsets = bucket.offsets;
     event.values = bucket.wire;
@@ -340,7 +372,7 @@ std::exception_ptr GradReducer::State::complete_until(size_t end) {
 
 void GradReducer::State::on_hook(size_t i) {
   std::lock_guard<std::mutex> lock(mutex);
-  if (!local()) {
+  if (!local_param(i)) {
     // The gradient must live in its bucket; if someone replaced .grad, copy it back.
     allocate(where[i].first);  // the first gradient of a released bucket
     at::Tensor& grad = params[i].mutable_grad();
@@ -376,7 +408,7 @@ void GradReducer::State::finish_step(bool abandoned) {
   }
   for (size_t i : missing) {
     mark_ready(i);  // and, local(), zeros as the gradient (what its zeroed bucket view held)
-    if (local() && !params[i].grad().defined()) params[i].mutable_grad() = at::zeros_like(params[i]);
+    if (local_param(i) && !params[i].grad().defined()) params[i].mutable_grad() = at::zeros_like(params[i]);
   }
   launch_in_order();
   stats.unused_parameters += static_cast<int>(missing.size());
@@ -668,6 +700,19 @@ bool GradReducer::keeps_autograd_gradients() const {
   return state_->local();
 }
 
+bool GradReducer::keeps_autograd_gradients(const std::vector<at::Tensor>& params) const {
+  std::unordered_map<const void*, size_t> index;
+  for (size_t i = 0; i < params_.size(); ++i) index[params_[i].unsafeGetTensorImpl()] = i;
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  for (const at::Tensor& p : params) {
+    auto it = index.find(p.unsafeGetTensorImpl());
+    DTRAIN_CHECK(it != index.end(), "GradReducer::keeps_autograd_gradients: a tensor of shape ", p.sizes(),
+                 " is not one of the reducer's parameters");
+    if (!state_->local_param(it->second)) return false;
+  }
+  return true;
+}
+
 void GradReducer::zero_grad() {
   std::lock_guard<std::mutex> lock(state_->mutex);
   State& s = *state_;
@@ -706,9 +751,23 @@ void GradReducer::forget_step() {
   if (failure) std::rethrow_exception(failure);
 }
 
-void GradReducer::set_bucket_observer(std::function<void(const LaunchedBucket&)> observer) {
+void GradReducer::set_bucket_observer(std::function<void(const LaunchedBucket&)> observer,
+                                      std::vector<char> observed) {
+  DTRAIN_CHECK(observed.empty() || observed.size() == params_.size(), "GradReducer::set_bucket_observer: `observed` ",
+               "has ", observed.size(), " entries for ", params_.size(), " parameters (empty: every parameter)");
   std::lock_guard<std::mutex> lock(state_->mutex);
-  state_->observer = std::move(observer);
+  State& s = *state_;
+  // Removing one is safe at any time (a teardown): the buckets left to launch are one rank's
+  // final gradients already, or are reduced as before.
+  DTRAIN_CHECK(!observer || !s.in_step,
+               "GradReducer::set_bucket_observer during a synchronized backward; set it between steps");
+  s.observer = std::move(observer);
+  s.observed = s.observer ? std::move(observed) : std::vector<char>();
+  s.mark_observed();
+  // A bucket that stops being local holds its gradients again (autograd's own are copied in).
+  for (size_t b = 0; b < s.buckets.size(); ++b) {
+    if (!s.local(s.buckets[b]) && s.buckets[b].keep) s.allocate(b);
+  }
 }
 
 const BucketComm& GradReducer::bucket_comm() const { return *state_->bucket_comm; }

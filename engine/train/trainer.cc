@@ -115,11 +115,12 @@ Trainer::Trainer(Applied applied, dist::Mesh& mesh, c10::Device device)
   applied_ = std::move(applied.model);
   // ZeRO-3: the units the trainer cut run around the model's pieces.
   if (units_) applied_->use_units(units_.get(), options_.shard_unit_starts, names_);
-  // Layer offload's delayed update on one rank: nothing reads a streamed block's gradient during
-  // backward (the reducer keeps autograd's, the update takes them after it), so the host waits
+  // Layer offload's delayed update on one rank (--offload=layers or =all): nothing reads a
+  // streamed block's gradient during backward (the reducer keeps autograd's, beside optimizer
+  // offload's stream of the device part's; the update takes them after it), so the host waits
   // for their copies once, at backward's end, not after each block.
-  if (options_.offload_layers && !options_.offload_optimizer && options_.offload.delayed_update_after >= 0 &&
-      reducer_ && reducer_->keeps_autograd_gradients()) {
+  if (options_.offload_layers && options_.offload.delayed_update_after >= 0 && !options_.offload_streamed.empty() &&
+      reducer_ && reducer_->keeps_autograd_gradients(options_.offload_streamed)) {
     applied_->set_defer_host_gradient_waits(true);
   }
   if (applied_->techniques().chunks > 1 && mesh_.pp_size() > 1) number_interleaved_parameters();

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <limits>
 
 #include <torch/csrc/autograd/function_hook.h>
@@ -259,57 +260,127 @@ TEST(LayerOffloadGpu, AHomeMovedBetweenUsesIsStreamedFromItsNewPlace) {
 // step late, the resident head's at once) trains as the same optimizer on the CPU, where the
 // blocks are named streamed; the blocks' weights stay page-locked as the update swaps their
 // buffers (what their copies to the device read).
-TEST(LayerOffloadDelayedGpu, TrainsAsOnTheCpuAndKeepsTheWeightsPageLocked) {
-  DTRAIN_SKIP_WITHOUT_CUDA();
-  const int64_t d = 64, warmup = 2, steps = 7;
-  auto comm = testing_util::local_comm();
-  engine::OptimizerOptions oo;
-  oo.name = "adamw";
-  oo.lr = 0.01;
-  oo.weight_decay = 0.1;
-  engine::OffloadOptions off;
-  off.delayed_update_after = warmup;
-  auto train = [&](c10::Device dev) {
-    auto blocks = make_blocks(3, d, dev);
+// Three streamed blocks (on a GPU: their weights on the host, streamed) and a resident head.
+struct StreamedNet {
+  std::vector<std::shared_ptr<torch::nn::Module>> blocks;
+  torch::nn::Linear head{nullptr};
+  std::unique_ptr<offload::LayerStreamer> streamer;  // on a GPU
+  std::vector<at::Tensor> params, streamed;          // all (the blocks' first), the blocks'
+  StreamedNet(int64_t d, c10::Device dev) : blocks(make_blocks(3, d, dev)) {
     torch::manual_seed(4);
-    torch::nn::Linear head(d, 1);
+    head = torch::nn::Linear(d, 1);
     head->to(dev);
-    std::unique_ptr<offload::LayerStreamer> streamer;
-    std::vector<at::Tensor> params, streamed;
     for (auto& b : blocks) {
       for (auto& p : b->parameters()) streamed.push_back(p);
     }
     if (dev.is_cuda()) streamer = std::make_unique<offload::LayerStreamer>(blocks, dev);
     params = streamed;
     for (auto& p : head->parameters()) params.push_back(p);
-    engine::GradReducer reducer(params, *comm);
-    auto opt = engine::make_layer_offload_optimizer(params, dev.is_cuda() ? std::vector<at::Tensor>{} : streamed, oo,
-                                                    *comm, off, dev);
-    opt->attach(reducer);
-    std::vector<double> losses;
-    for (int64_t step = 0; step < steps; ++step) {
-      torch::manual_seed(100 + step);
-      at::Tensor x = at::randn({16, d}).to(dev), y = at::randn({16, 1}).to(dev);
-      at::Tensor loss = torch::mse_loss(head->forward(run(blocks, streamer.get(), x.requires_grad_(true))), y);
-      loss.backward();
-      losses.push_back(loss.item<double>());
-      opt->step();
-      reducer.zero_grad();
-      if (dev.is_cuda()) {
-        for (auto& p : streamed) EXPECT_TRUE(p.is_cpu() && p.is_pinned()) << "step " << step;
+  }
+};
+
+// A run of StreamedNet's: losses of each step, then the weights after flush().
+using RunResult = std::pair<std::vector<double>, std::vector<at::Tensor>>;
+
+// Trains StreamedNet(64) for 7 steps with the optimizer `make` gives, attached to a one-rank
+// reducer (AdamW's lr 0.01 and weight decay 0.1 in `oo`); `check(net, reducer, step,
+// stepped)` runs after each backward (stepped false) and after each update (true).
+using MakeOptimizer = std::function<std::unique_ptr<engine::Optimizer>(StreamedNet&, c10::Device)>;
+using CheckStep = std::function<void(StreamedNet&, engine::GradReducer&, int64_t, bool)>;
+RunResult train_streamed(dist::Communicator& comm, c10::Device dev, const MakeOptimizer& make, bool defer_waits,
+                         const CheckStep& check) {
+  const int64_t d = 64, steps = 7;
+  StreamedNet net(d, dev);
+  engine::GradReducer reducer(net.params, comm);
+  auto opt = make(net, dev);
+  opt->attach(reducer);
+  std::vector<double> losses;
+  for (int64_t step = 0; step < steps; ++step) {
+    torch::manual_seed(100 + step);
+    at::Tensor x = at::randn({16, d}).to(dev), y = at::randn({16, 1}).to(dev);
+    at::Tensor out = run(net.blocks, net.streamer.get(), x.requires_grad_(true), defer_waits && dev.is_cuda());
+    at::Tensor loss = torch::mse_loss(net.head->forward(out), y);
+    loss.backward();
+    losses.push_back(loss.item<double>());
+    check(net, reducer, step, false);
+    opt->step();
+    check(net, reducer, step, true);
+    reducer.zero_grad();
+  }
+  opt->flush();
+  std::vector<at::Tensor> weights;
+  for (auto& p : net.params) weights.push_back(p.detach().cpu().clone());
+  return {losses, weights};
+}
+
+void expect_same_run(const RunResult& gpu, const RunResult& cpu) {
+  for (size_t s = 0; s < cpu.first.size(); ++s) {
+    EXPECT_NEAR(gpu.first[s], cpu.first[s], 1e-4 * std::abs(cpu.first[s])) << "step " << s;
+  }
+  for (size_t i = 0; i < gpu.second.size(); ++i) {
+    EXPECT_LT(testing_util::rel_error(gpu.second[i], cpu.second[i]), 1e-4) << "parameter " << i;
+  }
+}
+
+engine::OptimizerOptions streamed_adamw() {
+  engine::OptimizerOptions oo;
+  oo.name = "adamw";
+  oo.lr = 0.01;
+  oo.weight_decay = 0.1;
+  return oo;
+}
+
+engine::OffloadOptions delayed_after(int64_t steps) {
+  engine::OffloadOptions off;
+  off.delayed_update_after = steps;
+  return off;
+}
+
+TEST(LayerOffloadDelayedGpu, TrainsAsOnTheCpuAndKeepsTheWeightsPageLocked) {
+  DTRAIN_SKIP_WITHOUT_CUDA();
+  const engine::OffloadOptions off = delayed_after(2);
+  auto comm = testing_util::local_comm();
+  const MakeOptimizer make = [&](StreamedNet& net, c10::Device dev) {
+    return engine::make_layer_offload_optimizer(net.params, dev.is_cuda() ? std::vector<at::Tensor>{} : net.streamed,
+                                                streamed_adamw(), *comm, off, dev);
+  };
+  const CheckStep page_locked = [](StreamedNet& net, engine::GradReducer&, int64_t step, bool stepped) {
+    if (!stepped || net.streamer == nullptr) return;
+    for (auto& p : net.streamed) EXPECT_TRUE(p.is_cpu() && p.is_pinned()) << "step " << step;
+  };
+  expect_same_run(train_streamed(*comm, c10::Device(c10::kCUDA, 0), make, false, page_locked),
+                  train_streamed(*comm, c10::Device(c10::kCPU), make, false, page_locked));
+}
+
+// --offload=all's delayed update on a GPU: the head's optimizer offload streams its
+// gradients, while the streamed blocks' gradients (pinned host copies, waited for once at
+// backward's end) stay autograd's own beside it and are taken by their update; the run equals
+// the CPU's, where one delayed OffloadedOptimizer updates every parameter.
+TEST(AllOffloadDelayedGpu, TheBlocksTakeTheirGradientsBesideTheStream) {
+  DTRAIN_SKIP_WITHOUT_CUDA();
+  const engine::OffloadOptions off = delayed_after(2);
+  auto comm = testing_util::local_comm();
+  const MakeOptimizer make = [&](StreamedNet& net, c10::Device dev) {
+    return engine::make_offload_optimizer(net.params, streamed_adamw(), *comm, off, dev);
+  };
+  const CheckStep taken = [&](StreamedNet& net, engine::GradReducer& reducer, int64_t step, bool stepped) {
+    const bool gpu = net.streamer != nullptr;
+    if (step == 0 && !stepped) {
+      EXPECT_TRUE(reducer.keeps_autograd_gradients(net.streamed));
+      EXPECT_EQ(reducer.keeps_autograd_gradients(), !gpu) << "the head's gradients are streamed on a GPU";
+    }
+    if (!gpu) return;
+    for (auto& p : net.streamed) {
+      if (!stepped) {
+        ASSERT_TRUE(p.grad().defined()) << "step " << step;
+        EXPECT_TRUE(p.grad().is_pinned() && !p.grad().is_view()) << "step " << step << ": not the adopted copy";
+      } else if (step >= off.delayed_update_after) {
+        EXPECT_FALSE(p.grad().defined()) << "step " << step << ": not taken by the delayed update";
       }
     }
-    opt->flush();
-    std::vector<at::Tensor> out;
-    for (auto& p : params) out.push_back(p.detach().cpu().clone());
-    return std::make_pair(losses, out);
   };
-  auto [gpu_losses, gpu_weights] = train(c10::Device(c10::kCUDA, 0));
-  auto [cpu_losses, cpu_weights] = train(c10::Device(c10::kCPU));
-  for (int64_t s = 0; s < steps; ++s) EXPECT_NEAR(gpu_losses[s], cpu_losses[s], 1e-4 * std::abs(cpu_losses[s])) << s;
-  for (size_t i = 0; i < gpu_weights.size(); ++i) {
-    EXPECT_LT(testing_util::rel_error(gpu_weights[i], cpu_weights[i]), 1e-4) << "parameter " << i;
-  }
+  expect_same_run(train_streamed(*comm, c10::Device(c10::kCUDA, 0), make, true, taken),
+                  train_streamed(*comm, c10::Device(c10::kCPU), make, true, taken));
 }
 
 // The gradient norm of a layer-offload run: host gradients (float32 and float64, one not

@@ -102,8 +102,8 @@ struct ReducerStepStats {
 struct LaunchedBucket {
   int64_t backward = 0;          // which synchronized backward: 0, 1, ... (as counted by
                                  // synchronized_backwards() before it ends)
-  size_t index = 0;              // launch position in this backward
-  size_t count = 0;              // buckets launched by every synchronized backward now
+  size_t index = 0;              // launch position in this backward (among the observed buckets)
+  size_t count = 0;              // observed buckets launched by every synchronized backward now
   std::vector<size_t> params;    // parameter indices, in bucket order
   std::vector<int64_t> offsets;  // element offset of each parameter in values
   // The averaged gradients once work completes (after work->wait(), ordered as a
@@ -153,15 +153,19 @@ class GradReducer {
 
   // Zeroes every gradient (the flat buckets) in place. Call once per step, after the
   // optimizer: it also marks the start of the next step for abandon_step(). On a one-rank
-  // communicator with plain averaging and no bucket observer (nothing to reduce) it drops the
-  // gradients instead (undefined, as torch's zero_grad(set_to_none=True)): the next backward's
-  // gradients are then autograd's own tensors, not added into zeroed buckets, and a parameter
-  // that gets none in a synchronized backward gets zeros.
+  // communicator with plain averaging (nothing to reduce) it drops the gradients instead
+  // (undefined, as torch's zero_grad(set_to_none=True)) of every bucket no bucket observer
+  // reads: the next backward's gradients are then autograd's own tensors, not added into
+  // zeroed buckets, and a parameter that gets none in a synchronized backward gets zeros.
   void zero_grad();
   // Whether the gradients are autograd's own tensors, as above (one rank, plain averaging, no
   // bucket observer), not views of the buckets: a consumer may then take a .grad tensor and
   // leave .grad undefined (the one-rank delayed update of optimizer offload does).
   bool keeps_autograd_gradients() const;
+  // The same for some of the parameters (each must be one of params()): true where the
+  // buckets holding them are not read by the bucket observer either (one rank, plain
+  // averaging). Throws dtrain::Error for a tensor that is not a parameter of the reducer.
+  bool keeps_autograd_gradients(const std::vector<at::Tensor>& params) const;
 
   // After a failure on this rank (e.g. CUDA out of memory) during a step: unless this step's
   // synchronized backward already completed, issues the bucket all-reduces this rank still
@@ -183,8 +187,13 @@ class GradReducer {
   // end of backward) under the reducer's lock: the observer must only hand the event on
   // (e.g. queue it for a thread of its own), not block, and not call the reducer. Used by
   // optimizer offload to copy each bucket's gradients to the host while backward runs.
-  // An empty function removes the observer.
-  void set_bucket_observer(std::function<void(const LaunchedBucket&)> observer);
+  // An empty function removes the observer. `observed`, by parameter index (empty: all):
+  // the parameters the observer reads. Only the buckets holding one of them are reported
+  // (LaunchedBucket::index and ::count number those), and on one rank with plain averaging
+  // only those are views: the others keep autograd's own gradients, as without an observer.
+  // Set it between steps (not during a synchronized backward: dtrain::Error); removing it
+  // is allowed at any time.
+  void set_bucket_observer(std::function<void(const LaunchedBucket&)> observer, std::vector<char> observed = {});
 
   const std::vector<at::Tensor>& params() const { return params_; }
   const BucketComm& bucket_comm() const;

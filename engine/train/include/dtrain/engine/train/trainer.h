@@ -215,9 +215,11 @@ struct TrainerOptions {
   bool checkpoint_activations = false;
   bool offload_layers = false;
   std::string pp_blocks;
-  // Layer offload with the delayed update (offload_layers, offload.delayed_update_after >= 0,
-  // no offload_optimizer): the streamed blocks' parameters, updated on the host one step late
-  // (make_layer_offload_optimizer). A trainer built from a ModelSpec sets it; with a module
+  // Layer offload with the delayed update (offload_layers, offload.delayed_update_after >= 0):
+  // the streamed blocks' parameters, updated on the host one step late
+  // (make_layer_offload_optimizer; with offload_optimizer, make_offload_optimizer's host part).
+  // On one rank the trainer then waits for their gradients' copies to the host once per
+  // backward, not after each block. A trainer built from a ModelSpec sets it; with a module
   // and a LossFn, list the parameters your own offload::LayerStreamer streams (on a GPU those
   // living on the host are found without it).
   std::vector<at::Tensor> offload_streamed;
