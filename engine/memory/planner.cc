@@ -394,14 +394,29 @@ namespace {
 // Where the optimizer's state (and, with offload, the weights' host copies) lives: on the
 // host for optimizer offload (the range's fp32 master, state and gradient copy) and for the
 // streamed blocks; this rank's range under --shard; everything else on the device.
+//
+// Layer offload on a GPU updates the streamed blocks on the host with an optimizer of their
+// own (make_offload_optimizer / make_layer_offload_optimizer's host part): make_optimizer()'s
+// (the state in the weights' dtype, no master), or, with the delayed update (one rank), an
+// OffloadedOptimizer (fp32 master and state, a second weight buffer, the gradients it took held
+// while the next backward makes new ones). --offload=all's optimizer offload then covers only
+// the parameters that stay on the device.
 void add_optimizer_and_host(const PlanInputs& in, const Technique& t, int64_t nstate, int64_t local, int64_t range,
                             int64_t offloaded_layers, MemoryEstimate& e) {
   const int64_t bpp = in.bytes_per_parameter;
+  const bool delayed = in.offload_delayed_update && t.shard < 3;
+  // The streamed blocks' optimizer of their own (--offload=all on the CPU has one
+  // OffloadedOptimizer of every parameter: no block is on another device there).
+  const bool host_part = offloaded_layers > 0 && (!t.offload_optimizer || in.offload_to_device);
+  const int64_t host_part_state = !host_part ? 0
+                                  : delayed  ? offloaded_layers * 4 * (1 + nstate)
+                                             : offloaded_layers * bpp * nstate;
   if (t.offload_optimizer) {
+    // The range the offloaded optimizer partitions: the parameters on the device, with a host part.
+    const int64_t mine = host_part ? (local - offloaded_layers + in.dp - 1) / in.dp : range;
     // The CPU optimizer's shard: fp32 master weights and state; the gradients' host copy in the
     // weights' dtype (bf16/fp16 weights: ZeRO-Offload's layout; float64 ones go as float32).
-    e.host.optimizer_state = range * 4 * (1 + nstate);
-    const bool delayed = in.offload_delayed_update && t.shard < 3;
+    e.host.optimizer_state = mine * 4 * (1 + nstate) + host_part_state;
     // The gradients' host buffers, in the weights' dtype: the one the stream fills (GPU), or,
     // delayed, the one filling and the one updated from; none for one rank's host parameters,
     // whose delayed update takes autograd's gradients as they are. ZeRO-3's: one float32
@@ -412,11 +427,11 @@ void add_optimizer_and_host(const PlanInputs& in, const Technique& t, int64_t ns
                             : delayed            ? 2
                             : in.offload_to_device ? 1
                                                    : 0;
-    e.host.gradients = buffers * range * (t.shard == 3 ? 4 : std::min<int64_t>(bpp, 4));
+    e.host.gradients = buffers * mine * (t.shard == 3 ? 4 : std::min<int64_t>(bpp, 4));
     e.host.other = in.offload_to_device ? kOffloadStagingBytes : 0;
-    // The update's new weights, published next step: on the device, but for the streamed blocks'
-    // (layer offload, one rank), whose update writes a second host buffer (counted below).
-    if (delayed) e.gpu.optimizer_state += std::max<int64_t>(0, range - offloaded_layers) * bpp;
+    // The update's new weights, published next step: on the device (a host part's are its
+    // second weight buffer, counted below).
+    if (delayed) e.gpu.optimizer_state += mine * bpp;
     // ZeRO-3's offloaded layout keeps the range's gradients in fp32 on the device for the copy
     // (fp32 weights read the reducer's buckets in place).
     if (t.shard == 3 && bpp == 2) e.gpu.optimizer_state = range * 4;
@@ -428,8 +443,7 @@ void add_optimizer_and_host(const PlanInputs& in, const Technique& t, int64_t ns
     e.gpu.optimizer_state = range * master_bytes * nstate + (bpp == 2 ? range * 4 * 2 : 0);
   } else {
     e.gpu.optimizer_state = (local - offloaded_layers) * bpp * nstate;
-    // The streamed blocks' update runs on the host: master weights + state there.
-    e.host.optimizer_state = offloaded_layers * 4 * (1 + nstate);
+    e.host.optimizer_state = host_part_state;
   }
   if (offloaded_layers > 0) {
     e.host.parameters = offloaded_layers * bpp;
@@ -437,11 +451,11 @@ void add_optimizer_and_host(const PlanInputs& in, const Technique& t, int64_t ns
     e.host.other = kOffloadStagingBytes;
     if (in.offload_delayed_update) {
       // The streamed blocks' delayed update (one rank): a second page-locked weight buffer that
-      // the update writes while the next step streams the first. --offload=layers: the update
-      // holds the gradients it took while the next backward makes new ones (--offload=all: their
-      // two host copies out of the reducer's buckets are the optimizer's two buffers above).
+      // the update writes while the next step streams the first, and the gradients it took held
+      // while the next backward makes new ones (the reducer keeps autograd's gradients for them,
+      // beside --offload=all's stream of the device part's).
       e.host.parameters += offloaded_layers * bpp;
-      if (!t.offload_optimizer) e.host.gradients += offloaded_layers * bpp;
+      e.host.gradients += offloaded_layers * bpp;
     }
   }
 }

@@ -271,15 +271,25 @@ TEST(PlannerEstimate, LayerOffloadDelayedUpdateInClosedForm) {
     return std::make_pair(without, estimate(in, profile(), t));
   };
   const auto [now, late] = without_and_with_delay();
+  // The blocks' second weight buffer and the gradients the update holds; their optimizer
+  // (make_optimizer's AdamW: two moments in the weights' dtype) becomes an OffloadedOptimizer
+  // (an fp32 master besides).
   EXPECT_EQ(late.host.parameters - now.host.parameters, 800000 * 4);
   EXPECT_EQ(late.host.gradients - now.host.gradients, 800000 * 4);
+  EXPECT_EQ(now.host.optimizer_state, 800000 * 4 * 2);
+  EXPECT_EQ(late.host.optimizer_state, 800000 * 4 * 3);
   EXPECT_EQ(late.gpu.allocated_peak(), now.gpu.allocated_peak());
   t.offload_optimizer = true;
   const auto [all_now, all_late] = without_and_with_delay();
   EXPECT_EQ(all_late.host.parameters - all_now.host.parameters, 800000 * 4);
-  // The host copies of every gradient, the streamed blocks' included: the optimizer's two buffers;
-  // the new weights' buffer on the device only for the parameters that stay there.
-  EXPECT_EQ(all_late.host.gradients - all_now.host.gradients, 1000000 * 4);
+  // --offload=all: optimizer offload of the 200000 parameters on the device (its gradient
+  // buffers: one the stream fills, two delayed), the blocks' own optimizer beside it; the blocks'
+  // gradients are autograd's (and, delayed, the ones the update took).
+  EXPECT_EQ(all_now.host.gradients, (200000 + 800000) * 4);
+  EXPECT_EQ(all_late.host.gradients, (2 * 200000 + 2 * 800000) * 4);
+  EXPECT_EQ(all_now.host.optimizer_state, 200000 * 4 * 3 + 800000 * 4 * 2);
+  EXPECT_EQ(all_late.host.optimizer_state, 1000000 * 4 * 3);
+  // The new weights' buffer on the device only for the parameters that stay there.
   EXPECT_EQ(all_late.gpu.optimizer_state - all_now.gpu.optimizer_state, (1000000 - 800000) * 4);
 }
 
@@ -299,12 +309,18 @@ TEST(PlannerEstimate, LayerOffloadKeepsTwoLayersOnTheGpu) {
             200000 * 4);  // the resident parameters' sum; the rest on the host
   EXPECT_EQ(e.host.parameters, 800000 * 4);
   EXPECT_EQ(e.host.gradients, 800000 * 4);
-  EXPECT_EQ(e.host.optimizer_state, 800000 * 4 * 2);
+  EXPECT_EQ(e.host.optimizer_state, 800000 * 4);  // make_optimizer's Adagrad sum, no master
   t.offload_optimizer = true;
   MemoryEstimate all = estimate(in, profile(), t);
   EXPECT_EQ(all.gpu.optimizer_state, 0);
-  EXPECT_EQ(all.host.optimizer_state, 1000000 * 4 * 2);
+  // The device's 200000 offloaded (fp32 master + sum), the blocks' Adagrad beside it (the sum).
+  EXPECT_EQ(all.host.optimizer_state, 200000 * 4 * 2 + 800000 * 4);
+  EXPECT_EQ(all.host.gradients, (200000 + 800000) * 4);  // the stream's buffer, the blocks' own
   EXPECT_EQ(all.host.parameters, 800000 * 4);
+  in.dp = 2;  // the device part partitioned, the blocks' optimizer on every rank
+  MemoryEstimate two = estimate(in, profile(), t);
+  EXPECT_EQ(two.host.optimizer_state, 100000 * 4 * 2 + 800000 * 4);
+  EXPECT_EQ(two.host.gradients, (100000 + 800000) * 4);
 }
 
 TEST(PlannerEstimate, BadInputIsAClearError) {
