@@ -99,9 +99,13 @@ void verify(const examples::Run& run, examples::ExampleModel& m, const engine::P
   engine::reset_peak_memory(run.device);
   for (int64_t s = 0; s < FLAGS_verify_steps; ++s) trainer.step(batch);
   // On the CPU the allocator also counts an offloaded optimizer's host memory, which a GPU run
-  // holds outside the device: the comparison is with the device's part.
-  const double host_measured = trainer.memory_report().host_offload_mb * kMiBf;
-  const double host_offload = run.device.is_cpu() ? host_measured : 0.0;
+  // holds outside the device: the comparison is with the device's part. On a GPU the host
+  // side is the report's host rows (optimizer offload's pool, layer offload's parameters,
+  // gradients and the optimizer state beside them).
+  const engine::MemoryReport report = trainer.memory_report();
+  const double host_offload = run.device.is_cpu() ? report.host_offload_mb * kMiBf : 0.0;
+  const double host_measured =
+      run.device.is_cpu() ? host_offload : (report.host_total_mb() - report.host_staging_mb) * kMiBf;
   const double measured =
       engine::memory_stats(run.device).peak_mb * kMiBf - static_cast<double>(baseline_bytes) - host_offload;
   const double predicted = static_cast<double>(e.gpu.allocated_peak());
@@ -125,7 +129,8 @@ void verify(const examples::Run& run, examples::ExampleModel& m, const engine::P
       static_cast<long long>(FLAGS_verify_steps),
       e.technique.flags().empty() ? "the plain step" : e.technique.flags().c_str(),
       capped ? " under the GPU cap" : "", measured / kMiBf, predicted / kMiBf, 100 * error);
-  // The host: what offload keeps there (master weights, state, gradient buffers, staging).
+  // The host: what offload keeps there (master weights, state, gradient buffers, staging;
+  // layer offload's weights and gradients).
   const double host_predicted = static_cast<double>(e.host.total());
   if (host_measured > 0 || host_predicted > 0) {
     std::printf("verify: host memory of offload %.1f MiB, estimated %.1f MiB (%+.1f%%)\n", host_measured / kMiBf,

@@ -75,6 +75,10 @@ double MemoryReport::total_mb() const {
          allocator_cache_mb + cuda_context_mb;
 }
 
+double MemoryReport::host_total_mb() const {
+  return host_offload_mb + host_staging_mb + host_parameters_mb + host_gradients_mb + host_optimizer_state_mb;
+}
+
 MemoryReport build_memory_report(c10::Device device, const std::vector<at::Tensor>& params,
                                  const std::vector<at::Tensor>& grads,
                                  const std::vector<at::Tensor>& optimizer_state,
@@ -88,6 +92,13 @@ MemoryReport build_memory_report(c10::Device device, const std::vector<at::Tenso
   r.parameters_mb = count_storages(params, &device, seen) / kBytesPerMiB;
   r.gradients_mb = count_storages(grads, &device, seen) / kBytesPerMiB;
   r.optimizer_state_mb = count_storages(optimizer_state, &device, seen) / kBytesPerMiB;
+  if (!device.is_cpu()) {  // layer offload's host side
+    const c10::Device cpu(c10::kCPU);
+    std::unordered_set<const c10::StorageImpl*> host_seen;
+    r.host_parameters_mb = count_storages(params, &cpu, host_seen) / kBytesPerMiB;
+    r.host_gradients_mb = count_storages(grads, &cpu, host_seen) / kBytesPerMiB;
+    r.host_optimizer_state_mb = count_storages(optimizer_state, &cpu, host_seen) / kBytesPerMiB;
+  }
   const double model_state = r.parameters_mb + r.gradients_mb + r.optimizer_state_mb;
   r.allocated_peak_mb = step_peak_mb;
   r.other_mb = step_start_allocated_mb - model_state;
@@ -159,6 +170,11 @@ std::string MemoryReport::to_string() const {
   }
   if (host_offload_mb > 0) {
     add_row(os, "host: optimizer offload (master, state, buffers)", host_offload_mb, p, "host_offload");
+  }
+  if (host_parameters_mb > 0) add_row(os, "host: parameters (layer offload, pinned)", host_parameters_mb, p, "host_parameters");
+  if (host_gradients_mb > 0) add_row(os, "host: gradients (layer offload)", host_gradients_mb, p, "host_gradients");
+  if (host_optimizer_state_mb > 0) {
+    add_row(os, "host: optimizer state (beside optimizer offload)", host_optimizer_state_mb, p, "host_optimizer_state");
   }
   if (host_staging_mb > 0) {
     add_row(os, "host: checkpoint staging (pinned, --async_save)", host_staging_mb, p, "host_staging");

@@ -110,8 +110,11 @@ class CompositeOptimizer final : public Optimizer {
     host_->flush();
   }
   int64_t host_bytes() const override { return device_->host_bytes() + host_->host_bytes(); }
+  // Both parts' (the memory report sorts them by device: the host part's are host memory).
   std::vector<at::Tensor> device_state() const override {
-    return device_offloaded_ ? std::vector<at::Tensor>{} : device_->device_state();
+    std::vector<at::Tensor> out = device_->device_state();
+    for (at::Tensor& t : host_->device_state()) out.push_back(std::move(t));
+    return out;
   }
   std::optional<UpdateTiming> take_update_timing() override {
     if (auto t = device_->take_update_timing()) return t;

@@ -178,6 +178,7 @@ class DelayedUpdater {
   // wait(), and forget the result (a loaded state replaces it).
   void drop();
   std::optional<UpdateTiming> take_timing();
+  const at::Tensor& next() const { return next_; }  // the new weights' buffer (see below)
 
  private:
   struct Job {

@@ -212,6 +212,11 @@ double OffloadedOptimizer::lr() const { return impl_->lr; }
 
 int64_t OffloadedOptimizer::host_bytes() const { return impl_->shard.host_bytes(); }
 
+std::vector<at::Tensor> OffloadedOptimizer::device_state() const {
+  if (!impl_->updater || !impl_->updater->next().defined()) return {};
+  return {impl_->updater->next()};
+}
+
 std::vector<FlatRange> OffloadedOptimizer::gradient_owners() const {
   const int ranks = impl_->dp->size();
   if (!impl_->offload.reduce_to_owner || ranks == 1) return {};

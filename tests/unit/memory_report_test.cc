@@ -151,6 +151,32 @@ TEST(MemoryReport, GradientsAllocatedDuringTheStepAreNotActivations) {
   EXPECT_DOUBLE_EQ(twice.gradients_mb, 0.0);
 }
 
+// Layer offload's host side, beside a device that is not the CPU (here the meta device, which
+// allocates nothing): the CPU tensors go to rows of their own, each storage once, and the
+// device's rows count only the device's.
+TEST(MemoryReport, HostResidentTensorsOfAnotherDeviceHaveRowsOfTheirOwn) {
+  const c10::Device meta(c10::kMeta);
+  const at::Tensor on_device = at::empty({1 << 18}, at::TensorOptions().device(meta));  // 1 MiB
+  const at::Tensor host_flat = at::zeros({3 << 18});                                     // 3 MiB
+  const at::Tensor w1 = host_flat.narrow(0, 0, 1 << 18), w2 = host_flat.narrow(0, 1 << 18, 2 << 18);
+  const at::Tensor g = at::zeros({1 << 18}), moment = at::zeros({1 << 19}), next = at::zeros({3 << 18});
+  MemoryReport r = build_memory_report(meta, {on_device, w1, w2}, {g, on_device}, {moment, next, g}, 1.0, 1.0);
+  EXPECT_DOUBLE_EQ(r.parameters_mb, 1.0);
+  EXPECT_DOUBLE_EQ(r.gradients_mb, 0.0);  // the device tensor was counted as a parameter
+  EXPECT_DOUBLE_EQ(r.host_parameters_mb, 3.0);
+  EXPECT_DOUBLE_EQ(r.host_gradients_mb, 1.0);
+  EXPECT_DOUBLE_EQ(r.host_optimizer_state_mb, 2.0 + 3.0);  // g counted once, as a gradient
+  r.host_offload_mb = 10.0;
+  EXPECT_DOUBLE_EQ(r.host_total_mb(), 19.0);
+  const std::string table = r.to_string();
+  EXPECT_NE(table.find("host: parameters (layer offload, pinned)"), std::string::npos) << table;
+  EXPECT_NE(table.find("host: optimizer state (beside optimizer offload)"), std::string::npos) << table;
+  // On the CPU the same tensors are the device's.
+  const MemoryReport cpu = build_memory_report(c10::Device(c10::kCPU), {w1, w2}, {g}, {moment}, 6.0, 6.0);
+  EXPECT_DOUBLE_EQ(cpu.parameters_mb, 3.0);
+  EXPECT_DOUBLE_EQ(cpu.host_parameters_mb + cpu.host_gradients_mb + cpu.host_optimizer_state_mb, 0.0);
+}
+
 TEST(MemoryReport, GpuSummaryLine) {
   EXPECT_EQ(gpu_summary_line(c10::Device(c10::kCPU)), "");
   EXPECT_FALSE(gpu_status(c10::Device(c10::kCPU)).available);

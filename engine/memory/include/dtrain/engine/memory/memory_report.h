@@ -47,6 +47,15 @@ struct MemoryReport {
   // Pinned host buffers that a background checkpoint save keeps for reuse (HostStaging: about
   // the size of the device-resident weights and optimizer state, from the first save on).
   double host_staging_mb = 0;
+  // On a device other than the CPU, what lives in host memory beside it (layer offload): the
+  // parameters, gradients and optimizer state tensors on the CPU (storages not counted above;
+  // the optimizer's state outside host_offload_mb, e.g. the streamed blocks' own optimizer and
+  // the delayed update's second weight buffer). Rows of their own after the device's total.
+  double host_parameters_mb = 0;
+  double host_gradients_mb = 0;
+  double host_optimizer_state_mb = 0;
+  // The host rows together: offload, staging, parameters, gradients, optimizer state.
+  double host_total_mb() const;
   std::vector<std::string> notes;  // caveats: NVML missing, CPU memory untracked, ...
   // What a planner predicted, by key: "parameters", "gradients", "optimizer_state",
   // "activations", "other", "allocated", "allocator_cache", "reserved", "cuda_context",
@@ -70,8 +79,10 @@ int64_t tensor_bytes(const std::vector<at::Tensor>& tensors, c10::Device device)
 // allocated_mb at the start of forward (after the previous step's optimizer and zero_grad,
 // so gradients and optimizer state are already allocated), step_peak_mb = memory_stats().
 // peak_mb after backward, with reset_peak_memory() at the start (ActivationProbe does
-// both). Only tensors on `device` are counted; a storage shared by two lists counts in the
-// first (parameters, then gradients, then optimizer state); cuda without an index is
+// both). Only tensors on `device` are counted in the device's rows; with a device other than
+// the CPU, the tensors on the CPU go to the host rows (host_parameters_mb, ...). A storage
+// shared by two lists counts in the first (parameters, then gradients, then optimizer
+// state); cuda without an index is
 // cuda:0. Reads memory_stats() for
 // reserved and NVML for the process total (CUDA). Synchronous, no device sync.
 MemoryReport build_memory_report(c10::Device device, const std::vector<at::Tensor>& params,

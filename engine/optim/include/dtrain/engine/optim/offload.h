@@ -112,7 +112,9 @@ class OffloadedOptimizer : public Optimizer {
   void flush() override;
   bool update_in_flight() const;
   int64_t host_bytes() const override;  // pinned host memory held (master, state, buffers)
-  std::vector<at::Tensor> device_state() const override { return {}; }
+  // Outside host_bytes(): the delayed update's buffer of new weights (on the parameters'
+  // device: the device for a GPU's parameters, the host for host ones), once made.
+  std::vector<at::Tensor> device_state() const override;
   std::optional<UpdateTiming> take_update_timing() override;
   // This rank's shard: "master", the rule's arrays ("exp_avg", ...) as 1-D fp32 tensors of
   // its real elements, and "step" (0-dim). shard_state() waits for an update in flight
