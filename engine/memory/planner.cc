@@ -105,7 +105,9 @@ std::pair<double, double> compute_rates(const PlanInputs& in, const ActivationPr
 
 double cost_seconds(const PlanInputs& in, const ActivationProfile& profile, const Technique& t) {
   auto [per_row, per_micro] = compute_rates(in, profile, t.amp);
-  double seconds = in.batch_size * per_row * (t.checkpoint ? kCheckpointComputeFactor : 1.0);
+  // Layer offload recomputes every streamed block in backward, as checkpointing does.
+  const bool recomputed = t.checkpoint || t.offload_layers;
+  double seconds = in.batch_size * per_row * (recomputed ? kCheckpointComputeFactor : 1.0);
   seconds += t.accum_steps * per_micro;
   // A pipeline's step: the schedule's simulated step over its work (1F1B: accum_steps + pp - 1
   // micro-batch times), the bubble among them.
@@ -402,15 +404,15 @@ namespace {
 // while the next backward makes new ones). --offload=all's optimizer offload then covers only
 // the parameters that stay on the device.
 void add_optimizer_and_host(const PlanInputs& in, const Technique& t, int64_t nstate, int64_t local, int64_t range,
-                            int64_t offloaded_layers, MemoryEstimate& e) {
+                            int64_t offloaded_layers, int64_t streamed, MemoryEstimate& e) {
   const int64_t bpp = in.bytes_per_parameter;
   const bool delayed = in.offload_delayed_update && t.shard < 3;
   // The streamed blocks' optimizer of their own (--offload=all on the CPU has one
   // OffloadedOptimizer of every parameter: no block is on another device there).
-  const bool host_part = offloaded_layers > 0 && (!t.offload_optimizer || in.offload_to_device);
+  const bool host_part = streamed > 0 && (!t.offload_optimizer || in.offload_to_device);
   const int64_t host_part_state = !host_part ? 0
-                                  : delayed  ? offloaded_layers * 4 * (1 + nstate)
-                                             : offloaded_layers * bpp * nstate;
+                                  : delayed  ? streamed * 4 * (1 + nstate)
+                                             : streamed * bpp * nstate;
   if (t.offload_optimizer) {
     // The range the offloaded optimizer partitions: the parameters on the device, with a host part.
     const int64_t mine = host_part ? (local - offloaded_layers + in.dp - 1) / in.dp : range;
@@ -441,9 +443,16 @@ void add_optimizer_and_host(const PlanInputs& in, const Technique& t, int64_t ns
     // reducer's buckets in place).
     const int64_t master_bytes = bpp == 2 ? 4 : bpp;
     e.gpu.optimizer_state = range * master_bytes * nstate + (bpp == 2 ? range * 4 * 2 : 0);
-  } else {
+  } else if (in.offload_to_device) {
     e.gpu.optimizer_state = (local - offloaded_layers) * bpp * nstate;
     e.host.optimizer_state = host_part_state;
+  } else {
+    // The CPU: the blocks stay in the same memory. make_optimizer()'s state is the device's;
+    // delayed, the blocks' OffloadedOptimizer holds its master and state in its host pool (as
+    // optimizer offload does on the CPU) and the second weight buffer beside the weights (the
+    // gradients it takes are released before the next backward's peak there).
+    e.gpu.optimizer_state = (local - streamed) * bpp * nstate + (delayed ? streamed * bpp : host_part_state);
+    if (delayed) e.host.optimizer_state = host_part_state;
   }
   if (offloaded_layers > 0) {
     e.host.parameters = offloaded_layers * bpp;
@@ -468,10 +477,13 @@ MemoryEstimate estimate(const PlanInputs& in, const ActivationProfile& profile,
   DTRAIN_CHECK(t.accum_steps >= 1 && in.batch_size % t.accum_steps == 0,
                "accum_steps=", t.accum_steps, " does not divide the batch of ", in.batch_size,
                " rows");
-  const ActivationFit* fit = profile.find(t.checkpoint, t.amp);
+  // Layer offload recomputes every streamed block in backward (engine::checkpoint around each):
+  // the blocks keep what checkpointing keeps.
+  const bool recomputed = t.checkpoint || t.offload_layers;
+  const ActivationFit* fit = profile.find(recomputed, t.amp);
   DTRAIN_CHECK(fit, "the activation profile has no measurement for checkpoint ",
-               t.checkpoint ? "on" : "off", " with amp ", engine::to_string(t.amp), "; add {",
-               t.checkpoint ? "true" : "false", ", ", engine::to_string(t.amp),
+               recomputed ? "on" : "off", " with amp ", engine::to_string(t.amp), "; add {",
+               recomputed ? "true" : "false", ", ", engine::to_string(t.amp),
                "} to ProbeOptions::techniques");
   MemoryEstimate e;
   e.technique = t;
@@ -480,11 +492,16 @@ MemoryEstimate estimate(const PlanInputs& in, const ActivationProfile& profile,
   const int64_t local = local_parameters(in);
   // Parameters whose weights and gradients live on the GPU: with layer offload, all but the
   // streamed blocks, plus a working set of two blocks (the one in use and the next, prefetched).
-  int64_t on_gpu = local, offloaded_layers = 0;
+  // On the CPU nothing is streamed: the blocks stay where they are (only their recompute and,
+  // delayed, their optimizer differ).
+  int64_t on_gpu = local, offloaded_layers = 0, streamed = 0;
   if (t.offload_layers && in.layers > 0) {
-    offloaded_layers = local_layer_parameters(in);
-    const int64_t per_layer = offloaded_layers / in.layers;
-    on_gpu = local - offloaded_layers + std::min(in.layers, 2) * per_layer;
+    streamed = local_layer_parameters(in);
+    if (in.offload_to_device) {
+      offloaded_layers = streamed;
+      const int64_t per_layer = offloaded_layers / in.layers;
+      on_gpu = local - offloaded_layers + std::min(in.layers, 2) * per_layer;
+    }
   }
   e.gpu.parameters = on_gpu * bpp;
   e.gpu.gradients = on_gpu * bpp;
@@ -512,7 +529,7 @@ MemoryEstimate estimate(const PlanInputs& in, const ActivationProfile& profile,
     e.gpu.parameters = range * bpp;
     gathered_units = 2 * std::min(in.largest_unit_parameters, local) * bpp;
   }
-  add_optimizer_and_host(in, t, nstate, local, range, offloaded_layers, e);
+  add_optimizer_and_host(in, t, nstate, local, range, offloaded_layers, streamed, e);
   // A pipeline stage: the micro-batch in backward at its peak, the others in flight holding
   // what their forward left for their backward.
   e.in_flight = pipeline_in_flight(in, t.accum_steps);
@@ -659,7 +676,8 @@ Plan choose_plan(const PlanInputs& in, const ActivationProfile& profile, const P
           }
           if (shard == 3 && in.largest_unit_parameters == 0) continue;
           for (int ckpt : {0, 1}) {
-            if ((ckpt && !in.can_checkpoint) || !profile.find(ckpt, amp)) continue;
+            if ((ckpt && !in.can_checkpoint) || !profile.find(ckpt || layers, amp)) continue;
+            if (ckpt && layers) continue;  // layer offload recomputes the blocks already
             for (int accum : accum_candidates(in)) {
               Candidate c;
               c.estimate = estimate(in, profile, Technique{ckpt == 1, accum, amp, opt == 1, layers == 1, shard});

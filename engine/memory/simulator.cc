@@ -516,6 +516,9 @@ void validate_layout(int64_t layers, const Cluster& c, const Layout& l) {
 Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
   Prediction p;
   p.layout = l;
+  // Layer offload recomputes every streamed block in backward (engine::checkpoint fetches its
+  // weights again), as activation checkpointing does.
+  const bool recomputed = l.checkpoint || l.offload_layers;
   const Device& d = c.device;
   const int M = l.accum_steps;
   const BlockTimes& b = k.block;
@@ -529,7 +532,7 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
   // The layers of the largest stage (for memory; dtrain gives the remainder to the later stages).
   const int64_t stage_layers = (k.layers + l.pp - 1) / l.pp;
   const double tp_per_block = k.tp_per_block, cp_fwd = k.cp_fwd, cp_bwd = k.cp_bwd;
-  const double recompute = l.checkpoint ? b.forward + tp_per_block + cp_fwd : 0;
+  const double recompute = recomputed ? b.forward + tp_per_block + cp_fwd : 0;
   // Each stage's work per micro-batch (dtrain's split: pipeline_stage_bounds; the first stage
   // also runs what comes before the blocks, the last the head and the loss): forward,
   // input-gradient and weight-gradient halves of backward, and its compute alone.
@@ -549,7 +552,7 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
     w.f = w.layers * (b.forward + tp_per_block + cp_fwd) + end_f;
     w.bw = w.layers * b.backward_weight;
     w.bi = w.layers * (b.backward_input + tp_per_block + cp_bwd + recompute) + end_b;
-    w.compute = w.layers * (b.forward + b.backward_input + b.backward_weight + (l.checkpoint ? b.forward : 0)) +
+    w.compute = w.layers * (b.forward + b.backward_input + b.backward_weight + (recomputed ? b.forward : 0)) +
                 end_f + end_b;
     avg.f += w.f / l.pp, avg.bi += w.bi / l.pp, avg.bw += w.bw / l.pp;
     if (w.total() > stages[slowest].total()) slowest = s;
@@ -564,8 +567,8 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
     if (copy > worst.total()) p.parts.offload += M * (copy - worst.total());
   }
   p.parts.compute = M * worst.compute;
-  p.parts.tensor_parallel = M * L * (l.checkpoint ? 3 : 2) * tp_per_block;
-  p.parts.context_parallel = M * L * (cp_fwd + cp_bwd + (l.checkpoint ? cp_fwd : 0));
+  p.parts.tensor_parallel = M * L * (recomputed ? 3 : 2) * tp_per_block;
+  p.parts.context_parallel = M * L * (cp_fwd + cp_bwd + (recomputed ? cp_fwd : 0));
   double pipeline = M * worst.total();
   int in_flight = 1;
   if (l.pp > 1) {
@@ -648,7 +651,7 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
     weights -= streamed * 4 - 2 * block_p * 4;
     grads -= streamed * 4 - 2 * block_p * 4;
   }
-  const double stage_act = l.checkpoint ? L * k.block_input_bytes + k.block_held_bytes : L * k.block_held_bytes;
+  const double stage_act = recomputed ? L * k.block_input_bytes + k.block_held_bytes : L * k.block_held_bytes;
   // Interleaved: in_flight counts (micro-batch, chunk) pairs, each 1/chunks of the stage.
   double held = stage_act * std::max(1, in_flight) / l.chunks;
   // zb: a micro-batch between its B and its W also keeps its boundary operations' gradients

@@ -6,7 +6,9 @@ counting allocator):
    its estimate fits the budget and the current flags do not;
 2. training the plan's technique (--verify_steps) peaks within 10% of the estimate and within
    the budget; so do the plain, checkpointed, accumulated and bf16 steps;
-3. a budget nothing fits: exit 2 naming the smallest estimate; bad flags: exit 2.
+3. a budget nothing fits: exit 2 naming the smallest estimate; bad flags: exit 2;
+4. the example GPT with layer offload (--offload=layers and =all, with and without the
+   delayed update): device and host estimates within 2% of the measurement.
 
 usage: plan_cli.py BIN_DIR
 """
@@ -75,6 +77,22 @@ def main():
     check(rc == 2 and "--model=resnet is not one of: seq2seq, gpt, llama, mlp, cnn" in err, "unknown model refused", err)
     rc, out, err = run(bin_dir, "--allow_offload=disk")
     check(rc == 2 and "--allow_offload=disk is not one of" in err, "unknown offload refused", err)
+
+    # 4. Layer offload on the CPU (nothing streamed: the blocks recomputed, delayed their own
+    # OffloadedOptimizer): the device and the host estimates within 2% of the measurement.
+    gpt = ["--model=gpt", "--d_model=64", "--heads=4", "--ff=256", "--layers=2", "--vocab=512"]
+    for variant in ["--offload=layers", "--offload=layers --offload_delayed_update_after=1",
+                    "--offload=layers --offload_delayed_update_after=1 --amp=bf16 --accum_steps=2",
+                    "--offload=all", "--offload=all --offload_delayed_update_after=1"]:
+        rc, out, err = run(bin_dir, *gpt, "--verify_steps=3", *variant.split())
+        check(rc == 0, "verify gpt '%s'" % variant, out + err)
+        v = [j for j in json_lines(out) if "verify_steps" in j][0]
+        print("verify gpt %-60s device %+.1f%%, host %7.2f MiB estimated %7.2f MiB" %
+              ("'%s'" % variant, 100 * v["relative_error"], v["measured_host_bytes"] / MIB,
+               v["estimated_host_bytes"] / MIB))
+        check(abs(v["relative_error"]) < 0.02, "device estimate within 2%% for gpt '%s'" % variant, out)
+        check(abs(v["estimated_host_bytes"] - v["measured_host_bytes"]) <= 0.02 * max(v["measured_host_bytes"], MIB),
+              "host estimate within 2%% for gpt '%s'" % variant, out)
     print("dtrain-plan: plans, estimates within 10% and errors as expected")
 
 

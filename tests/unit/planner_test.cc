@@ -712,9 +712,13 @@ TEST(PlannerCost, ClosedFormsOfTheCostModel) {
   Technique layers;
   layers.offload_layers = true;
   layers.accum_steps = 2;
-  // Per micro-batch: the streamed parameters in forward and backward, their gradients back.
+  // The blocks recomputed in backward, as checkpointing does; per micro-batch: the streamed
+  // parameters in forward and backward, their gradients back.
   EXPECT_NEAR(estimate_step_seconds(in, p, layers),
-              16 * 0.010 + 2 * 0.005 + 2 * 3.0 * 8 * kMB * 4 / 55e9, 1e-12);
+              16 * 0.010 * 4 / 3 + 2 * 0.005 + 2 * 3.0 * 8 * kMB * 4 / 55e9, 1e-12);
+  layers.checkpoint = true;  // the same step
+  EXPECT_NEAR(estimate_step_seconds(in, p, layers),
+              16 * 0.010 * 4 / 3 + 2 * 0.005 + 2 * 3.0 * 8 * kMB * 4 / 55e9, 1e-12);
   // PlanInputs' own figures override the profile's; without either, 1 ms per row and per
   // micro-batch.
   in.compute_seconds_per_row = 0.1;

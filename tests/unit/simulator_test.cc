@@ -261,6 +261,20 @@ TEST(Simulator, BadLayoutsAreRefusedNamingTheProblem) {
   EXPECT_EQ(dtrain_limitation(bf), "");
 }
 
+// Layer offload runs every streamed block through engine::checkpoint: its compute and the
+// activations it keeps are the checkpointed step's.
+TEST(Simulator, LayerOffloadRecomputesTheBlocksAsCheckpointingDoes) {
+  const ModelShape m = gpt_shape(12, 768, 12, 3072, 50304, 1024, true);
+  const Cluster c = h100s(1, 1);
+  Layout plain, ckpt, streamed;
+  ckpt.checkpoint = true;
+  streamed.offload_layers = true;
+  const Prediction p = simulate(m, c, plain), k = simulate(m, c, ckpt), s = simulate(m, c, streamed);
+  EXPECT_DOUBLE_EQ(s.parts.compute, k.parts.compute);
+  EXPECT_GT(s.parts.compute, p.parts.compute * 1.2);
+  EXPECT_LT(s.device_bytes, p.device_bytes);
+}
+
 TEST(Simulator, SearchRanksWhatFitsAndDtrainRuns) {
   const ModelShape m = gpt_shape(24, 2048, 16, 8192, 50304, 2048, false);
   const Cluster c = h100s(2, 8);
