@@ -95,7 +95,7 @@ TEST_STEPS=(test_np1 test_np2)
 # Declaration order = the tie-break of the priority order (bench_order).
 BENCH_STEPS=(s2s gpt124m nccl_allreduce mpi_allreduce cpu_adam host_norm copies offload_layers async_save shard shard3
              offload6b offload6b_bf16 offload_largest offload_opt offload_delayed offload_bf16 pipeline gpt_anchor gpt_graph s2s_graph
-             kernels s2s_anchor simulate)
+             kernels s2s_anchor simulate plan_offload)
 PROFILE_STEPS=(profile_gpt profile_s2s profile_layers profile_offload profile_delayed)
 # STEP=LIMIT/MIN in seconds. LIMIT: the most a step may take; MIN: below this it is not worth
 # starting (SKIPPED). GPU_LIMIT_<step>=S and GPU_MIN_<step>=S override them (the plan sees the
@@ -109,7 +109,7 @@ for _t in gpuinfo=10/5 unpack=20/10 prebuilt=30/15 configure=60/30 build=240/120
           offload_layers=110/40 async_save=40/25 shard=75/50 shard3=70/45 \
           offload6b=280/220 offload6b_bf16=280/200 offload_largest=280/200 offload_opt=70/40 offload_delayed=70/40 offload_bf16=70/40 \
           pipeline=50/35 gpt_anchor=150/90 \
-          gpt_graph=170/60 s2s_graph=90/45 kernels=90/40 s2s_anchor=150/90 simulate=90/45 \
+          gpt_graph=170/60 s2s_graph=90/45 kernels=90/40 s2s_anchor=150/90 simulate=90/45 plan_offload=60/30 \
           profile_gpt=80/40 profile_s2s=45/25 profile_layers=45/30 profile_offload=70/45 profile_delayed=70/45; do
   _s=${_t%%=*} _t=${_t#*=}
   LIMIT[$_s]=${_t%/*} MIN[$_s]=${_t#*/}
@@ -150,6 +150,7 @@ declare -A HASH_DEPS=(
   [kernels]="engine/parallel/cuda/*.cu engine/parallel/fused_cross_entropy.cc engine/parallel/fused_block_ops.cc tools/bench_*.cc engine/models/llama.cc"
   [pipeline]="engine/parallel/pipeline.cc engine/observe/timeline.cc tools/timeline_main.cc $_gpt"
   [simulate]="engine/memory/simulator.cc examples/plan_simulate.cc engine/train/measure_model.cc $_gpt"
+  [plan_offload]="engine/memory/planner.cc engine/memory/memory_report.cc examples/plan_main.cc engine/optim/offload*.cc engine/optim/composite_optimizer.cc offload/src/layer_offload.cc $_gpt"
 )
 declare -A HASH_FUNCS=([shard]=zero_runs [shard3]=zero_runs [offload_opt]=gpt13b [offload_delayed]=gpt13b
                        [offload_bf16]=gpt13b)

@@ -141,15 +141,15 @@ run_to_end full GPU_LIMIT_offload6b=600 GPU_MIN_offload6b=600
 full_ms=$DUR_MS
 if check_out "whole run" "$D"; then
   ok_steps=$(grep -cE '^\| [a-z0-9_]+ \| ok \|' "$D/out/summary.md")
-  ((RC == 0 && ok_steps == 30)) || fail "whole run: exit $RC, $ok_steps steps ok (expected 0 and 30: $(head -4 "$D/out/summary.md"))"
+  ((RC == 0 && ok_steps == 31)) || fail "whole run: exit $RC, $ok_steps steps ok (expected 0 and 31: $(head -4 "$D/out/summary.md"))"
   [[ $(status_of "$D" offload6b) == SKIPPED && $(note_of "$D" offload6b) == "needs at least 600 s, "* ]] ||
     fail "whole run: offload6b is '$(status_of "$D" offload6b)' ($(note_of "$D" offload6b)), not SKIPPED for its minimum"
   after=$(sed -nE 's/^\| ([a-z0-9_]+) \|.*/\1/p' "$D/out/summary.md" | sed -n '/^offload6b$/,$p' | sed -n 2p)
   [[ -n $after && $(status_of "$D" "$after") == ok ]] || fail "whole run: the step after offload6b ($after) did not run"
   grep -q '^`OUT=$OUT bash cluster/gpu_session.sh rest offload6b`' "$D/out/summary.md" ||
     fail "whole run: the summary does not name the second command for offload6b"
-  [[ $(grep -c $'\tbench\tok\t' "$D/out/results.tsv") == 23 ]] || fail "whole run: results.tsv has not the 23 benchmark steps ok"
-  pass "whole run: 30 steps ok, offload6b SKIPPED for its minimum, $DUR_MS ms, at most $MAXF files"
+  [[ $(grep -c $'\tbench\tok\t' "$D/out/results.tsv") == 24 ]] || fail "whole run: results.tsv has not the 24 benchmark steps ok"
+  pass "whole run: 31 steps ok, offload6b SKIPPED for its minimum, $DUR_MS ms, at most $MAXF files"
 fi
 
 # The trials run 4 benchmark steps (12 of the 22 steps) to keep the test short.
@@ -392,7 +392,7 @@ else
   # Never measured first (declaration order), then changed (pipeline's hash is not today's),
   # then unchanged, oldest first: copies (01-01), gpt124m (01-02), s2s (02-01).
   got=$(GPU_SESSION_RECORD="$rec" bash "$script" order | awk 'NR > 1 { print $1 }' | tr '\n' ' ')
-  want="nccl_allreduce mpi_allreduce cpu_adam host_norm offload_layers async_save shard shard3 offload6b offload6b_bf16 offload_largest offload_opt offload_delayed offload_bf16 gpt_anchor gpt_graph s2s_graph kernels s2s_anchor simulate pipeline copies gpt124m s2s "
+  want="nccl_allreduce mpi_allreduce cpu_adam host_norm offload_layers async_save shard shard3 offload6b offload6b_bf16 offload_largest offload_opt offload_delayed offload_bf16 gpt_anchor gpt_graph s2s_graph kernels s2s_anchor simulate plan_offload pipeline copies gpt124m s2s "
   if [[ $got != "$want" ]]; then fail "order after record: '$got', expected '$want'"; else
     pass "record: ok benchmark steps recorded (no .git there: this commit), others not; order: never, changed, oldest"
   fi
@@ -400,7 +400,7 @@ else
   # benchmark step is refused.
   printf '# comment\nkernels\n\ncopies  # unchanged, still first\n' >"$tmp/next.txt"
   got=$(GPU_SESSION_RECORD="$rec" bash "$script" order | awk 'NR > 1 { print $1 }' | tr '\n' ' ')
-  want_next="kernels copies nccl_allreduce mpi_allreduce cpu_adam host_norm offload_layers async_save shard shard3 offload6b offload6b_bf16 offload_largest offload_opt offload_delayed offload_bf16 gpt_anchor gpt_graph s2s_graph s2s_anchor simulate pipeline gpt124m s2s "
+  want_next="kernels copies nccl_allreduce mpi_allreduce cpu_adam host_norm offload_layers async_save shard shard3 offload6b offload6b_bf16 offload_largest offload_opt offload_delayed offload_bf16 gpt_anchor gpt_graph s2s_graph s2s_anchor simulate plan_offload pipeline gpt124m s2s "
   printf 'kernels\nbuild\n' >"$tmp/next.txt"
   bad=$(GPU_SESSION_RECORD="$rec" bash "$script" order 2>&1)
   bad_rc=$?
