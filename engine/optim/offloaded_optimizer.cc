@@ -23,7 +23,12 @@ namespace {
 // The reducer is asked about these parameters only: --offload=all's host part keeps
 // autograd's gradients beside the device part's gradient stream.
 bool gradients_can_be_taken(const std::vector<at::Tensor>& params, const GradReducer* reducer) {
-  if (reducer == nullptr || !reducer->keeps_autograd_gradients(params)) return false;
+  if (reducer == nullptr) return false;
+  try {
+    if (!reducer->keeps_autograd_gradients(params)) return false;
+  } catch (const Error&) {
+    return false;  // parameters the attached reducer does not hold: copied, as always correct
+  }
   for (const at::Tensor& p : params) {
     const at::Tensor& g = p.grad();
     if (!g.defined()) continue;

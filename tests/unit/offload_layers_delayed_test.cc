@@ -9,6 +9,9 @@
 #include <set>
 
 #include "dtrain/dist/error.h"
+#include "dtrain/dist/mesh.h"
+#include "dtrain/engine/models/gpt.h"
+#include "dtrain/engine/train/trainer.h"
 #include "offload_engine_cases.h"
 
 namespace dtrain::engine::offload_engine_cases {
@@ -135,6 +138,38 @@ TEST(OffloadLayersDelayed, RefusesWhatItCannotDo) {
   EXPECT_TRUE(testing_util::throws_error_with(
       [&] { make_layer_offload_optimizer(net->parameters(), {}, adamw(), *comm, delayed_after(1), kCpu); },
       "no parameter is streamed"));
+}
+
+// The trainer of a ModelSpec lists every block parameter as streamed, frozen ones too; the
+// reducer holds only the trained ones. A frozen weight in a block stays as it was, and the
+// others train (the end-of-backward wait for the streamed gradients asks the reducer about the
+// parameters it holds only).
+TEST(OffloadLayersDelayed, ASpecTrainerWithAFrozenBlockWeightTrainsTheRest) {
+  std::unique_ptr<dist::Communicator> comm = testing_util::local_comm(), tp = testing_util::local_comm();
+  GptOptions o;
+  o.vocab = 97, o.d_model = 32, o.heads = 4, o.ff = 64, o.seq_len = 16, o.layers = 2;
+  torch::manual_seed(5);
+  auto gpt = std::make_shared<GptImpl>(o, *tp);
+  ModelSpec spec = gpt_spec(gpt);
+  std::vector<at::Tensor> block = spec.blocks->block(0)->parameters();
+  ASSERT_GE(block.size(), 2u);
+  block[0].requires_grad_(false);
+  const at::Tensor frozen = block[0].detach().clone(), trained = block[1].detach().clone();
+  dist::Mesh mesh(*comm, 1);
+  TrainerOptions to;
+  to.optimizer.name = "adamw";
+  to.optimizer.lr = 0.01;
+  to.offload_layers = true;
+  to.offload.delayed_update_after = 1;
+  Trainer trainer(std::move(spec), mesh, kCpu, to);
+  for (int64_t step = 0; step < 4; ++step) {
+    Batch b;
+    b.fields = {at::randint(o.vocab, {4, o.seq_len + 1}, at::kLong)};
+    trainer.step(b);
+  }
+  trainer.flush_updates();
+  EXPECT_TRUE(at::equal(block[0].detach(), frozen));
+  EXPECT_GT(rel_error(block[1].detach(), trained), 1e-6);
 }
 
 }  // namespace
