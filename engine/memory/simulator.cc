@@ -626,7 +626,12 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
     p.parts.optimizer = updated_here * 28 / host_bw;
     p.parts.offload += updated_here * 4 / c.pcie_bytes_per_s + (stage_params * 4 / c.pcie_bytes_per_s) / 2;
   } else {
-    p.parts.optimizer = share * c.compute_scale * streaming_seconds(d, updated * 28, 4);
+    // Layer offload: the streamed blocks are updated on the host (their weights live there),
+    // after backward; the rest on the device.
+    const double streamed = l.offload_layers ? static_cast<double>(stage_layers) * block_p : 0.0;
+    const int ranks_per_node = std::min(c.gpus_per_node, l.ranks());
+    p.parts.optimizer = share * c.compute_scale * streaming_seconds(d, (updated - streamed / shard) * 28, 4) +
+                        streamed * 28 / (c.host_bytes_per_s / ranks_per_node);
   }
   p.step_s = pipeline + p.parts.data_parallel + p.parts.optimizer + p.parts.offload + p.parts.overhead;
   const double tokens = static_cast<double>(l.global_batch_rows()) * k.tokens_per_row;
@@ -646,10 +651,17 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
     state = 0;
   }
   if (l.offload_layers) {
+    // The streamed blocks' weights and gradients on the host, two blocks on the device (the one
+    // in use and the next); without optimizer offload their own optimizer's state is there too.
     const double streamed = static_cast<double>(stage_layers) * block_p;
-    host += streamed * 8;
-    weights -= streamed * 4 - 2 * block_p * 4;
-    grads -= streamed * 4 - 2 * block_p * 4;
+    host += streamed * 2 * wbytes;
+    weights -= (streamed - 2 * block_p) * wbytes;
+    grads -= (streamed - 2 * block_p) * wbytes;
+    if (!l.offload_optimizer) {
+      const double blocks_state = state * streamed / stage_params;
+      host += blocks_state;
+      state -= blocks_state;
+    }
   }
   const double stage_act = recomputed ? L * k.block_input_bytes + k.block_held_bytes : L * k.block_held_bytes;
   // Interleaved: in_flight counts (micro-batch, chunk) pairs, each 1/chunks of the stage.

@@ -273,6 +273,10 @@ TEST(Simulator, LayerOffloadRecomputesTheBlocksAsCheckpointingDoes) {
   EXPECT_DOUBLE_EQ(s.parts.compute, k.parts.compute);
   EXPECT_GT(s.parts.compute, p.parts.compute * 1.2);
   EXPECT_LT(s.device_bytes, p.device_bytes);
+  // The blocks' fp32 weights, gradients and AdamW moments on the host (4 + 4 + 8 bytes), and
+  // their update there, slower than the device's.
+  EXPECT_EQ(s.host_bytes, 12 * m.block_parameters() * 16);
+  EXPECT_GT(s.parts.optimizer, p.parts.optimizer);
 }
 
 TEST(Simulator, SearchRanksWhatFitsAndDtrainRuns) {
