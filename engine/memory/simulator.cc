@@ -560,6 +560,11 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
   const StageWork& worst = stages[slowest];
   const double L = worst.layers;
   const double block_p = k.block_params;
+  // Layer offload: the stage's blocks, streamed from the host.
+  const double streamed = l.offload_layers ? static_cast<double>(stage_layers) * block_p : 0.0;
+  // The ranks sharing a node's host (its memory bandwidth for host-side updates, its memory).
+  const int ranks_per_node = std::min(c.gpus_per_node, l.ranks());
+  const double host_bw = c.host_bytes_per_s / ranks_per_node;
   // Layer offload: each block's weights come in twice and its gradients go out once, behind
   // its compute (a micro-batch's copies against its compute, whichever is longer).
   if (l.offload_layers) {
@@ -620,18 +625,14 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
   const double shard = l.zero >= 1 ? replicas : 1;
   const double updated = stage_params / shard;
   if (l.offload_optimizer) {
-    const int ranks_per_node = std::min(c.gpus_per_node, l.ranks());
-    const double host_bw = c.host_bytes_per_s / ranks_per_node;
     const double updated_here = stage_params / replicas;  // the offloaded state is split over replicas
     p.parts.optimizer = updated_here * 28 / host_bw;
     p.parts.offload += updated_here * 4 / c.pcie_bytes_per_s + (stage_params * 4 / c.pcie_bytes_per_s) / 2;
   } else {
     // Layer offload: the streamed blocks are updated on the host (their weights live there),
     // after backward; the rest on the device.
-    const double streamed = l.offload_layers ? static_cast<double>(stage_layers) * block_p : 0.0;
-    const int ranks_per_node = std::min(c.gpus_per_node, l.ranks());
     p.parts.optimizer = share * c.compute_scale * streaming_seconds(d, (updated - streamed / shard) * 28, 4) +
-                        streamed * 28 / (c.host_bytes_per_s / ranks_per_node);
+                        streamed * 28 / host_bw;
   }
   p.step_s = pipeline + p.parts.data_parallel + p.parts.optimizer + p.parts.offload + p.parts.overhead;
   const double tokens = static_cast<double>(l.global_batch_rows()) * k.tokens_per_row;
@@ -653,7 +654,6 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
   if (l.offload_layers) {
     // The streamed blocks' weights and gradients on the host, two blocks on the device (the one
     // in use and the next); without optimizer offload their own optimizer's state is there too.
-    const double streamed = static_cast<double>(stage_layers) * block_p;
     host += streamed * 2 * wbytes;
     weights -= (streamed - 2 * block_p) * wbytes;
     grads -= (streamed - 2 * block_p) * wbytes;
@@ -671,7 +671,6 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
   if (l.pp > 1 && l.schedule == PipelineSchedule::kZeroBubble) held += std::max(1, in_flight) * L * k.block_capture_bytes;
   const double allocated = weights + grads + state + held + k.ends_held_bytes + k.autocast_copy_bytes;
   p.device_bytes = static_cast<int64_t>(allocated * 1.05 + d.context_bytes);
-  const int ranks_per_node = std::min(c.gpus_per_node, l.ranks());
   p.host_bytes = static_cast<int64_t>(host * ranks_per_node);
   if (static_cast<double>(p.device_bytes) > d.memory_bytes) {
     p.fits = false;

@@ -115,6 +115,7 @@ struct GradReducer::State {
   ReducerStepStats last_stats;
   std::function<void(const LaunchedBucket&)> observer;
   std::vector<char> observed;  // by parameter: whether the observer reads it (all, by default)
+  std::unordered_map<const c10::TensorImpl*, size_t> index_of;  // parameter -> its index (fixed)
   size_t observed_buckets = 0;  // buckets with an observed parameter
 
   void build(const std::vector<std::vector<size_t>>& assignment);
@@ -536,6 +537,7 @@ GradReducer::GradReducer(std::vector<at::Tensor> params, dist::Communicator& com
   state_ = std::make_shared<State>(comm, std::move(options));
   state_->shared_from_state = state_;
   state_->params = params_;
+  for (size_t i = 0; i < params_.size(); ++i) state_->index_of.emplace(params_[i].unsafeGetTensorImpl(), i);
   state_->bucket_comm = std::move(bucket_comm);
   if (state_->bucket_comm->consecutive_buckets()) {
     std::vector<std::pair<int, int>> owner_spans;
@@ -701,12 +703,10 @@ bool GradReducer::keeps_autograd_gradients() const {
 }
 
 bool GradReducer::keeps_autograd_gradients(const std::vector<at::Tensor>& params) const {
-  std::unordered_map<const void*, size_t> index;
-  for (size_t i = 0; i < params_.size(); ++i) index[params_[i].unsafeGetTensorImpl()] = i;
   std::lock_guard<std::mutex> lock(state_->mutex);
   for (const at::Tensor& p : params) {
-    auto it = index.find(p.unsafeGetTensorImpl());
-    DTRAIN_CHECK(it != index.end(), "GradReducer::keeps_autograd_gradients: a tensor of shape ", p.sizes(),
+    auto it = state_->index_of.find(p.unsafeGetTensorImpl());
+    DTRAIN_CHECK(it != state_->index_of.end(), "GradReducer::keeps_autograd_gradients: a tensor of shape ", p.sizes(),
                  " is not one of the reducer's parameters");
     if (!state_->local_param(it->second)) return false;
   }
