@@ -4,12 +4,16 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 
 
 def run(cmd, env=None):
     print("$", " ".join(shlex.quote(c) for c in cmd), flush=True)
+    start = time.monotonic()
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=600)
     print(p.stdout[-3000:], flush=True)
+    # The seconds each command took: what to look at when the suite's time grows.
+    print(f"[{time.monotonic() - start:.1f} s]", flush=True)
     if p.returncode != 0:
         sys.exit(f"FAIL: exit status {p.returncode}")
     return p.stdout
