@@ -412,6 +412,8 @@ void validate(const ModelShape& m, const Cluster& c, const Layout& l) {
 }
 
 std::string dtrain_limitation(const Layout& l) {
+  // A GPU's layer offload keeps parameters on two devices, and ZeRO's flat shards are one
+  // device's (a CPU run, where nothing is streamed, does run them together).
   if (l.offload_layers && l.zero > 0) return "layer offload with ZeRO";
   if (l.pp > 1 && l.schedule == PipelineSchedule::kZeroBubble && l.offload_layers) return "zb with layer offload";
   if (l.param_bf16 && l.zero == 0 && !l.offload_optimizer) return "bf16 weights without ZeRO or optimizer offload";
@@ -565,10 +567,13 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
   // The ranks sharing a node's host (its memory bandwidth for host-side updates, its memory).
   const int ranks_per_node = std::min(c.gpus_per_node, l.ranks());
   const double host_bw = c.host_bytes_per_s / ranks_per_node;
-  // Layer offload: each block's weights come in twice and its gradients go out once, behind
-  // its compute (a micro-batch's copies against its compute, whichever is longer).
+  // Gradients and weights in the weights' dtype.
+  const double wbytes = l.param_bf16 ? 2 : 4;
+  // Layer offload: each block's weights come in twice (forward and the recompute) and its
+  // gradients go out once, behind its compute (a micro-batch's copies against its compute,
+  // whichever is longer).
   if (l.offload_layers) {
-    const double copy = L * block_p * (2 * 4 + 4) / c.pcie_bytes_per_s;
+    const double copy = L * block_p * 3 * wbytes / c.pcie_bytes_per_s;
     if (copy > worst.total()) p.parts.offload += M * (copy - worst.total());
   }
   p.parts.compute = M * worst.compute;
@@ -606,7 +611,6 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
   const double stage_params = static_cast<double>(stage_layers) * block_p + std::max(k.first_params, k.last_params) +
                               (l.pp == 1 ? std::min(k.first_params, k.last_params) : 0);
   // Gradient reduction over the replicas, in the weights' dtype.
-  const double wbytes = l.param_bf16 ? 2 : 4;
   const double grad_bytes = stage_params * wbytes;
   const double last_backward = worst.bi + worst.bw;
   if (l.zero == 3) {
@@ -617,7 +621,14 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
     const double first_unit = allgather_seconds(block_p * wbytes, replicas, dp_link);
     p.parts.data_parallel = M * std::max(0.0, per_micro - (worst.f + last_backward)) + first_unit;
   } else if (replicas > 1) {
-    const double comm = allreduce_seconds(grad_bytes, replicas, dp_link);
+    // Layer offload's streamed gradients are host tensors: the partner CPU communicator (MPI)
+    // reduces them, through host memory inside a node (at most the rank's share of the node's
+    // bandwidth) and over the network between nodes; the rest goes over the device's link.
+    const double host_grad_bytes = streamed * wbytes;
+    Link host_link = dp_link;
+    if (&dp_link == &c.intra) host_link.bytes_per_s = std::min(c.intra.bytes_per_s, host_bw);
+    const double comm = allreduce_seconds(grad_bytes - host_grad_bytes, replicas, dp_link) +
+                        (host_grad_bytes > 0 ? allreduce_seconds(host_grad_bytes, replicas, host_link) : 0.0);
     const double bucket = allreduce_seconds(std::min(grad_bytes, 25.0 * (1 << 20)), replicas, dp_link);
     p.parts.data_parallel = std::max(comm - last_backward, bucket);
   }
@@ -625,9 +636,15 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
   const double shard = l.zero >= 1 ? replicas : 1;
   const double updated = stage_params / shard;
   if (l.offload_optimizer) {
-    const double updated_here = stage_params / replicas;  // the offloaded state is split over replicas
-    p.parts.optimizer = updated_here * 28 / host_bw;
-    p.parts.offload += updated_here * 4 / c.pcie_bytes_per_s + (stage_params * 4 / c.pcie_bytes_per_s) / 2;
+    // The offloaded state is split over the replicas. With layer offload (--offload=all) it
+    // covers the parameters on the device, and every rank updates the streamed blocks (already
+    // on the host: nothing of theirs crosses PCIe for the update) with an optimizer of their own.
+    const double on_device = stage_params - streamed;
+    const double updated_here = on_device / replicas;
+    p.parts.optimizer = (updated_here + streamed) * 28 / host_bw;
+    // The gradients down and the updated weights up, in the weights' dtype (bf16 weights:
+    // ZeRO-Offload's layout).
+    p.parts.offload += updated_here * wbytes / c.pcie_bytes_per_s + (on_device * wbytes / c.pcie_bytes_per_s) / 2;
   } else {
     // Layer offload: the streamed blocks are updated on the host (their weights live there),
     // after backward; the rest on the device.
@@ -648,20 +665,21 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
   if (l.zero >= 3) weights = weights / replicas + 2 * block_p * wbytes;
   double host = 0;
   if (l.offload_optimizer) {
-    host += stage_params / replicas * (12 + wbytes);  // fp32 master, moments, the gradients' host copy
+    // fp32 master, moments, the gradients' host copy (of the parameters on the device, with
+    // layer offload: the streamed blocks' state is their own optimizer's, below).
+    host += (stage_params - streamed) / replicas * (12 + wbytes);
     state = 0;
   }
   if (l.offload_layers) {
     // The streamed blocks' weights and gradients on the host, two blocks on the device (the one
-    // in use and the next); without optimizer offload their own optimizer's state is there too.
+    // in use and the next), and their own optimizer's state (make_optimizer's: the moments in
+    // the weights' dtype) there too.
     host += streamed * 2 * wbytes;
     weights -= (streamed - 2 * block_p) * wbytes;
     grads -= (streamed - 2 * block_p) * wbytes;
-    if (!l.offload_optimizer) {
-      const double blocks_state = state * streamed / stage_params;
-      host += blocks_state;
-      state -= blocks_state;
-    }
+    const double blocks_state = streamed * 2 * wbytes;
+    host += blocks_state;
+    if (!l.offload_optimizer) state -= state * streamed / stage_params;  // their share leaves the device
   }
   const double stage_act = recomputed ? L * k.block_input_bytes + k.block_held_bytes : L * k.block_held_bytes;
   // Interleaved: in_flight counts (micro-batch, chunk) pairs, each 1/chunks of the stage.
@@ -762,13 +780,19 @@ std::vector<Prediction> search_layouts(int64_t layers, bool split_blocks, const 
           }
           for (auto [schedule, chunks] : schedules) {
             for (int zero = 0; zero <= 3; ++zero) {
-              for (int offload = 0; offload <= (o.allow_offload ? 1 : 0); ++offload) {
+              // offload: bit 0 the optimizer, bit 1 the layers (3: --offload=all).
+              // A CPU "device" (Device::cores) is the host: offload moves nothing off it, so the
+              // search leaves it out there (simulate() still prices such a layout).
+              for (int offload = 0; offload <= (o.allow_offload && c.device.cores == 0 ? 3 : 0); ++offload) {
                 for (int ckpt = 0; ckpt <= 1; ++ckpt) {
+                  // Layer offload recomputes its blocks: with checkpointing it is the same step.
+                  if ((offload & 2) && ckpt == 1) continue;
                   for (int sp = 0; sp <= (tp > 1 ? 1 : 0); ++sp) {
                     for (int pb = 0; pb <= (o.param_bf16 ? 1 : 0); ++pb) {
                       Layout l;
                       l.dp = dp, l.tp = tp, l.pp = pp, l.cp = cp, l.zero = zero;
-                      l.offload_optimizer = offload == 1;
+                      l.offload_optimizer = (offload & 1) != 0;
+                      l.offload_layers = (offload & 2) != 0;
                       l.checkpoint = ckpt == 1;
                       l.sequence_parallel = sp == 1;
                       l.bf16 = o.bf16;

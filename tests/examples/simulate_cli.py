@@ -3,6 +3,7 @@
 
 1. one layout (GPT-124M's shape on one H100): exit 0, the prediction line and its JSON;
 2. a model no single GPU holds: exit 1, "does not fit", naming both sizes;
+   ... and --search finds it a layout with its blocks streamed from the host (--offload=all).
 3. --search on 8 A100s: the best layout's flags, priced again alone with --simulate, give the
    same step time; --scaling_nodes gives one JSON line per node count;
 4. --calibrate on this CPU writes a cluster file that --cluster reads, and the prediction of the
@@ -52,6 +53,13 @@ def main():
                        "--gpus_per_node=1")
     check(rc == 1 and "does not fit" in out and "GiB per rank" in out, "a 70B model on one GPU does not fit",
           out + err)
+    # ... but it trains with its blocks streamed from the host: the search ranks layer offload.
+    llama70b = ["--model=llama", "--layers=80", "--d_model=8192", "--heads=64", "--kv_heads=8", "--ff=28672",
+                "--vocab=128256", "--seq_len=4096", "--gpus_per_node=1", "--amp=bf16"]
+    rc, out, err = run(b, "--simulate", "--search", *llama70b, "--global_batch=8")
+    best = json_lines(out)[-1] if rc == 0 else {}
+    check(rc == 0 and "--offload=all" in best.get("flags", "") and best["host_bytes"] > 0,
+          "a 70B model on one GPU: the search streams its blocks from the host", out + err)
 
     # 3. The search, and its best layout priced alone.
     a100 = ["--gpus_per_node=8", "--gpu=a100", "--amp=bf16"]

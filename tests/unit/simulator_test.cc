@@ -279,6 +279,73 @@ TEST(Simulator, LayerOffloadRecomputesTheBlocksAsCheckpointingDoes) {
   EXPECT_GT(s.parts.optimizer, p.parts.optimizer);
 }
 
+// --offload=all: the offloaded optimizer holds the fp32 master, moments and gradient copy of the
+// parameters on the device; the streamed blocks' weights, gradients and their own optimizer's
+// moments (make_optimizer's, in the weights' dtype) are on the host. Their weights come in twice
+// and their gradients go out once per micro-batch, in the weights' dtype.
+TEST(Simulator, AllOffloadSplitsTheHostStateAsDtrainKeepsIt) {
+  const ModelShape m = gpt_shape(12, 768, 12, 3072, 50304, 1024, false);
+  const Cluster c = h100s(1, 1);
+  const double streamed = 12.0 * m.block_parameters(), rest = m.parameters() - streamed;
+  for (bool bf16 : {false, true}) {
+    Layout all;
+    all.offload_optimizer = all.offload_layers = true;
+    all.param_bf16 = bf16;
+    const double w = bf16 ? 2 : 4;
+    const Prediction p = simulate(m, c, all);
+    EXPECT_NEAR(static_cast<double>(p.host_bytes), rest * (12 + w) + streamed * 4 * w, 1.0) << "bf16 " << bf16;
+  }
+  // Copies longer than the compute (a slow link): the exposed time is the blocks' weights twice
+  // and gradients once, in the weights' dtype, less the compute they run behind.
+  Cluster slow = c;
+  slow.pcie_bytes_per_s = 1e9;
+  for (bool bf16 : {false, true}) {
+    Layout layers;
+    layers.offload_layers = true;
+    layers.param_bf16 = bf16;
+    const Prediction p = simulate(m, slow, layers);
+    const double copy = streamed * 3 * (bf16 ? 2 : 4) / slow.pcie_bytes_per_s;
+    EXPECT_NEAR(p.parts.offload, copy - p.parts.compute, 1e-9 * copy) << "bf16 " << bf16;
+  }
+}
+
+// Data parallelism with layer offload: the streamed blocks' gradients are host tensors, reduced
+// by the CPU communicator at no more than the rank's share of the node's memory bandwidth.
+TEST(Simulator, StreamedGradientsAreReducedThroughHostMemory) {
+  const ModelShape m = gpt_shape(12, 768, 12, 3072, 50304, 1024, false);
+  Cluster c = h100s(1, 8);
+  Layout plain, streamed;
+  plain.dp = streamed.dp = 8;
+  streamed.offload_layers = true;
+  const Prediction p = simulate(m, c, plain);
+  c.host_bytes_per_s = 8 * 2e9;  // 2 GB/s per rank: the host's reduction of 12 blocks is exposed
+  const Prediction s = simulate(m, c, streamed);
+  const double host_part = allreduce_seconds(12.0 * m.block_parameters() * 4, 8, Link{2e9, c.intra.latency_s});
+  EXPECT_GT(s.parts.data_parallel, p.parts.data_parallel + 0.5 * host_part);
+  EXPECT_GT(s.parts.data_parallel, host_part - s.parts.compute);
+}
+
+// A model whose bf16 weights and gradients alone exceed the device: only layer offload (weights
+// on the host, a few blocks on the device) fits, and the search finds it and names its flags.
+TEST(Simulator, SearchFindsLayerOffloadWhenNothingElseFits) {
+  const ModelShape m = gpt_shape(48, 6144, 48, 24576, 50304, 2048, false);  // about 22B
+  ASSERT_GT(m.parameters() * 4.0, 80.0 * (1 << 30));
+  SearchOptions o;
+  o.global_batch_rows = 8;
+  o.param_bf16 = true;
+  const std::vector<Prediction> ranked = search(m, h100s(1, 1), o);
+  ASSERT_FALSE(ranked.empty());
+  for (const Prediction& p : ranked) {
+    EXPECT_TRUE(p.layout.offload_layers) << p.to_string();
+    EXPECT_FALSE(p.layout.checkpoint) << "layer offload recomputes already: " << p.to_string();
+    EXPECT_EQ(p.layout.zero, 0) << p.to_string();
+    EXPECT_LE(static_cast<double>(p.device_bytes), 80.0 * (1 << 30));
+  }
+  EXPECT_NE(ranked[0].flags().find("--offload="), std::string::npos) << ranked[0].flags();
+  o.allow_offload = false;
+  EXPECT_TRUE(search(m, h100s(1, 1), o).empty());
+}
+
 TEST(Simulator, SearchRanksWhatFitsAndDtrainRuns) {
   const ModelShape m = gpt_shape(24, 2048, 16, 8192, 50304, 2048, false);
   const Cluster c = h100s(2, 8);

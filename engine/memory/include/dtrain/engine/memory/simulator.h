@@ -29,8 +29,10 @@
 //             and a reduce-scatter per micro-batch, prefetched behind compute.
 //   optimizer the update at device bandwidth (28 bytes per parameter of the rank's share), or
 //             with optimizer offload on the host (the node's bandwidth shared by its ranks) plus
-//             gradients down and weights up over PCIe; layer offload streams each block's
-//             weights twice and gradients once per micro-batch behind its compute.
+//             gradients down and weights up over PCIe (in the weights' dtype); layer offload
+//             streams each block's weights twice and gradients once per micro-batch behind its
+//             compute, updates the blocks on the host with an optimizer of their own, and
+//             reduces their (host) gradients through host memory or the network.
 //   overheads per micro-batch and per step, from the calibration.
 // Collectives take the alpha-beta time of a ring over the group's slowest link: inside a node
 // when the group's ranks are all on one (mesh order pp, dp, cp, tp: tp innermost; ranks fill
@@ -236,7 +238,7 @@ Prediction simulate(const MeasuredModel& model, const Cluster& cluster, const La
 struct SearchOptions {
   int64_t global_batch_rows = 0;   // required: sequences per optimizer step
   int64_t max_micro_batch_rows = 16;
-  bool allow_offload = true;
+  bool allow_offload = true;      // optimizer and layer offload (none on a CPU device: it frees nothing)
   bool allow_context_parallel = true;
   bool bf16 = true;
   bool param_bf16 = false;  // also price --param_dtype=bf16 layouts
