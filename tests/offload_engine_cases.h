@@ -8,6 +8,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include <torch/torch.h>
 
 #include "dtrain/engine/optim/offload.h"
@@ -206,6 +208,74 @@ inline void expect_delayed_update_matches_reference(dist::Communicator& comm, c1
   EXPECT_FALSE(run.opt->update_in_flight());
   publish();
   EXPECT_LE(max_rel_error(flat_params(*run.net), ref->parameters()), 1e-5) << "after flush";
+}
+
+// --offload=all with bfloat16 weights (--param_dtype=bf16): the streamed blocks' optimizer of
+// their own (make_offload_optimizer's host part; `streamed` gives the CPU the GPU's split)
+// keeps a float32 master, as the device part's does. Each step's bfloat16 weights against the
+// rule written out in float64 on the same reduced gradients (AdamW on a float64 master, the
+// weights its rounding). The learning rate is below half a bfloat16 step of most weights: an
+// update of the bfloat16 weights themselves (make_optimizer()'s, no master) leaves them where
+// they were, and the check that they moved fails. On more ranks every rank's copy is the same.
+inline void expect_bf16_host_part_keeps_a_master(dist::Communicator& comm) {
+  const c10::Device cpu(c10::kCPU);
+  const double lr = 3e-4, wd = 0.1, b1 = 0.9, b2 = 0.999, eps = 1e-8;
+  const int64_t rows = 4 * comm.size(), steps = 20;
+  torch::nn::Sequential net = offload_net(0, cpu);
+  net->to(at::kBFloat16);
+  std::vector<at::Tensor> params = net->parameters();
+  const std::vector<at::Tensor> streamed = {params[0], params[1], params[2], params[3]};
+  OptimizerOptions oo;
+  oo.name = "adamw";
+  oo.lr = lr;
+  oo.weight_decay = wd;
+  GradReducer reducer(params, comm, small_buckets());
+  std::unique_ptr<Optimizer> opt = make_offload_optimizer(params, oo, comm, OffloadOptions{}, cpu, streamed);
+  opt->attach(reducer);
+  std::vector<at::Tensor> initial, master, m, v;
+  for (const at::Tensor& p : params) {
+    initial.push_back(p.detach().clone());
+    master.push_back(p.detach().to(at::kDouble));
+    m.push_back(at::zeros_like(master.back()));
+    v.push_back(at::zeros_like(master.back()));
+  }
+  for (int64_t t = 1; t <= steps; ++t) {
+    auto [x, y] = offload_batch(t, rows, cpu);
+    torch::mse_loss(net->forward(offload_rows(x, comm.rank(), comm.size()).to(at::kBFloat16)),
+                    offload_rows(y, comm.rank(), comm.size()).to(at::kBFloat16))
+        .backward();
+    const double bc1 = 1 - std::pow(b1, t), bc2 = 1 - std::pow(b2, t);
+    for (size_t i = 0; i < params.size(); ++i) {  // the rule on the gradients the reducer averaged
+      const at::Tensor g = params[i].grad().to(at::kDouble);
+      m[i].mul_(b1).add_(g, 1 - b1);
+      v[i].mul_(b2).addcmul_(g, g, 1 - b2);
+      master[i].mul_(1 - lr * wd).sub_(lr * (m[i] / bc1) / ((v[i] / bc2).sqrt() + eps));
+    }
+    opt->step();
+    reducer.zero_grad();
+  }
+  int64_t differ = 0, moved = 0, streamed_numel = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    ASSERT_EQ(params[i].scalar_type(), at::kBFloat16) << "parameter " << i;
+    const at::Tensor got = params[i].detach().to(at::kDouble), want = master[i].to(at::kBFloat16).to(at::kDouble);
+    const at::Tensor ulp = want.abs().clamp_min(1e-30) * std::ldexp(1.0, -7);  // one bfloat16 step, about
+    EXPECT_TRUE((got - want).abs().le(ulp * 1.01).all().item<bool>()) << "parameter " << i;
+    differ += got.ne(want).sum().item<int64_t>();
+    if (i < streamed.size()) {
+      moved += params[i].detach().ne(initial[i]).sum().item<int64_t>();
+      streamed_numel += params[i].numel();
+    }
+  }
+  EXPECT_LE(differ, 2) << differ << " bfloat16 weights differ from the float64 master's rounding";
+  EXPECT_GT(moved, streamed_numel / 2) << "only " << moved << " of the streamed blocks' " << streamed_numel
+                                       << " bfloat16 weights moved: updated without a float32 master";
+  // Every rank holds the same weights (the host part's update is each rank's whole copy).
+  for (const at::Tensor& p : params) {
+    at::Tensor mine = p.detach().to(at::kFloat).reshape({-1}).contiguous(), lo = mine.clone(), hi = mine.clone();
+    comm.all_reduce(lo, dist::ReduceOp::kMin)->wait();
+    comm.all_reduce(hi, dist::ReduceOp::kMax)->wait();
+    EXPECT_TRUE(at::equal(lo, hi)) << "the ranks' weights differ";
+  }
 }
 
 }  // namespace dtrain::engine::offload_engine_cases

@@ -399,10 +399,11 @@ namespace {
 //
 // Layer offload on a GPU updates the streamed blocks on the host with an optimizer of their
 // own (make_offload_optimizer / make_layer_offload_optimizer's host part): make_optimizer()'s
-// (the state in the weights' dtype, no master), or, with the delayed update (one rank), an
-// OffloadedOptimizer (fp32 master and state, a second weight buffer, the gradients it took held
-// while the next backward makes new ones). --offload=all's optimizer offload then covers only
-// the parameters that stay on the device.
+// (the state in the weights' dtype, no master) for float32 weights, or an OffloadedOptimizer
+// (fp32 master and state) for bf16/fp16 ones and with the delayed update (one rank: also a
+// second weight buffer, and the gradients it took held while the next backward makes new
+// ones). --offload=all's optimizer offload then covers only the parameters that stay on the
+// device.
 void add_optimizer_and_host(const PlanInputs& in, const Technique& t, int64_t nstate, int64_t local, int64_t range,
                             int64_t offloaded_layers, int64_t streamed, MemoryEstimate& e) {
   const int64_t bpp = in.bytes_per_parameter;
@@ -410,9 +411,9 @@ void add_optimizer_and_host(const PlanInputs& in, const Technique& t, int64_t ns
   // The streamed blocks' optimizer of their own (--offload=all on the CPU has one
   // OffloadedOptimizer of every parameter: no block is on another device there).
   const bool host_part = streamed > 0 && (!t.offload_optimizer || in.offload_to_device);
-  const int64_t host_part_state = !host_part ? 0
-                                  : delayed  ? streamed * 4 * (1 + nstate)
-                                             : streamed * bpp * nstate;
+  const int64_t host_part_state = !host_part                ? 0
+                                  : delayed || bpp == 2 ? streamed * 4 * (1 + nstate)
+                                                        : streamed * bpp * nstate;
   if (t.offload_optimizer) {
     // The range the offloaded optimizer partitions: the parameters on the device, with a host part.
     const int64_t mine = host_part ? (local - offloaded_layers + in.dp - 1) / in.dp : range;

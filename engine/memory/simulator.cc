@@ -672,12 +672,12 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
   }
   if (l.offload_layers) {
     // The streamed blocks' weights and gradients on the host, two blocks on the device (the one
-    // in use and the next), and their own optimizer's state (make_optimizer's: the moments in
-    // the weights' dtype) there too.
+    // in use and the next), and their own optimizer's state there too: float32 moments, and
+    // with bf16 weights a float32 master besides.
     host += streamed * 2 * wbytes;
     weights -= (streamed - 2 * block_p) * wbytes;
     grads -= (streamed - 2 * block_p) * wbytes;
-    const double blocks_state = streamed * 2 * wbytes;
+    const double blocks_state = streamed * (l.param_bf16 ? 12 : 8);
     host += blocks_state;
     if (!l.offload_optimizer) state -= state * streamed / stage_params;  // their share leaves the device
   }

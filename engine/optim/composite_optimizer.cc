@@ -1,9 +1,13 @@
 // Optimizers over two parts of the parameters: those that live on the device, and those layer
 // offload keeps on the host (the streamed blocks').
 //  * --offload=all on a GPU: the device part is an OffloadedOptimizer (partitioned,
-//    host-updated); the host part goes through the fused CPU kernels of make_optimizer(), or,
-//    with the delayed update, through an OffloadedOptimizer of its own on one rank, so that
-//    both parts take the update one step late as they do in one OffloadedOptimizer.
+//    host-updated); the host part goes through the fused CPU kernels of make_optimizer(), or
+//    through an OffloadedOptimizer of its own: with the delayed update (one rank), so that both
+//    parts take the update one step late as they do in one OffloadedOptimizer, and for
+//    bfloat16/float16 weights, whose update needs the float32 master make_optimizer() does not
+//    keep (--param_dtype=bf16: ZeRO-Offload's layout for the streamed blocks too). On more ranks
+//    that one is each rank's whole copy over a one-rank communicator: the gradients are the
+//    reduced average already, so every rank's update is the same, as make_optimizer()'s is.
 //  * --offload=layers with the delayed update: the device part is make_optimizer()'s (updated
 //    as the step ends), the host part an OffloadedOptimizer with the delayed update (dtrain's
 //    CPU kernels, overlapped with the next step's forward and backward).
@@ -39,9 +43,11 @@ NamedTensors renumbered(const NamedTensors& state, const std::vector<size_t>& in
 class CompositeOptimizer final : public Optimizer {
  public:
   CompositeOptimizer(std::vector<at::Tensor> all, std::unique_ptr<Optimizer> device_part, std::vector<size_t> device_index,
-                     std::unique_ptr<Optimizer> host_part, std::vector<size_t> host_index, const OptimizerOptions& options)
-      : all_(std::move(all)), device_(std::move(device_part)), host_(std::move(host_part)),
-        device_index_(std::move(device_index)), host_index_(std::move(host_index)), options_(options) {
+                     std::unique_ptr<Optimizer> host_part, std::vector<size_t> host_index, const OptimizerOptions& options,
+                     std::unique_ptr<dist::Communicator> host_comm = nullptr)
+      : all_(std::move(all)), host_comm_(std::move(host_comm)), device_(std::move(device_part)),
+        host_(std::move(host_part)), device_index_(std::move(device_index)), host_index_(std::move(host_index)),
+        options_(options) {
     device_offloaded_ = dynamic_cast<OffloadedOptimizer*>(device_.get());
     host_offloaded_ = dynamic_cast<OffloadedOptimizer*>(host_.get());
   }
@@ -135,6 +141,7 @@ class CompositeOptimizer final : public Optimizer {
 
  private:
   std::vector<at::Tensor> all_;
+  std::unique_ptr<dist::Communicator> host_comm_;  // the host part's one-rank communicator (outlives it)
   std::unique_ptr<Optimizer> device_;
   std::unique_ptr<Optimizer> host_;
   std::vector<size_t> device_index_;
@@ -143,6 +150,21 @@ class CompositeOptimizer final : public Optimizer {
   OffloadedOptimizer* device_offloaded_ = nullptr;  // device_, when it is one
   OffloadedOptimizer* host_offloaded_ = nullptr;    // host_, when it is one
 };
+
+// The host part's OffloadedOptimizer: its own copies of the gradients are never streamed from
+// the reducer (the device part's stream is the reducer's one observer; host parameters hand
+// their gradients over as they are).
+OffloadOptions host_part_offload(OffloadOptions offload) {
+  offload.stream_gradients = "off";
+  return offload;
+}
+
+bool reduced_precision(const std::vector<at::Tensor>& params) {
+  for (const at::Tensor& p : params) {
+    if (p.scalar_type() == at::kBFloat16 || p.scalar_type() == at::kHalf) return true;
+  }
+  return false;
+}
 
 struct Split {
   std::vector<at::Tensor> on_device, on_host;
@@ -177,17 +199,25 @@ void check_one_rank_for_delayed_host_part(const dist::Communicator& dp, const ch
 
 std::unique_ptr<Optimizer> make_offload_optimizer(std::vector<at::Tensor> params, const OptimizerOptions& options,
                                                   dist::Communicator& dp, const OffloadOptions& offload,
-                                                  c10::Device device) {
-  Split s = split(params, device, {});
+                                                  c10::Device device, const std::vector<at::Tensor>& streamed) {
+  Split s = split(params, device, streamed);
   if (s.on_host.empty()) return std::make_unique<OffloadedOptimizer>(std::move(params), options, dp, offload);
   DTRAIN_CHECK(!s.on_device.empty(), "optimizer offload: every parameter already lives on the host");
   const bool delayed = offload.delayed_update_after >= 0;
   if (delayed) check_one_rank_for_delayed_host_part(dp, "--offload=all");
   auto device_part = std::make_unique<OffloadedOptimizer>(s.on_device, options, dp, offload);
-  std::unique_ptr<Optimizer> host_part = delayed ? std::make_unique<OffloadedOptimizer>(s.on_host, options, dp, offload)
-                                                 : make_optimizer(s.on_host, options);
+  std::unique_ptr<Optimizer> host_part;
+  std::unique_ptr<dist::Communicator> host_comm;
+  if (delayed || reduced_precision(s.on_host)) {
+    if (dp.size() > 1) host_comm = dist::create_communicator("local", dist::World{}, c10::Device(c10::kCPU));
+    host_part = std::make_unique<OffloadedOptimizer>(s.on_host, options, host_comm ? *host_comm : dp,
+                                                     host_part_offload(offload));
+  } else {
+    host_part = make_optimizer(s.on_host, options);
+  }
   return std::make_unique<CompositeOptimizer>(std::move(params), std::move(device_part), std::move(s.device_index),
-                                              std::move(host_part), std::move(s.host_index), options);
+                                              std::move(host_part), std::move(s.host_index), options,
+                                              std::move(host_comm));
 }
 
 std::unique_ptr<Optimizer> make_layer_offload_optimizer(std::vector<at::Tensor> params,
@@ -200,7 +230,7 @@ std::unique_ptr<Optimizer> make_layer_offload_optimizer(std::vector<at::Tensor> 
   Split s = split(params, device, streamed);
   DTRAIN_CHECK(!s.on_host.empty(), "--offload=layers with --offload_delayed_update_after: no parameter is streamed "
                "from the host (the model has no blocks to stream, or they were not given)");
-  auto host_part = std::make_unique<OffloadedOptimizer>(s.on_host, options, dp, offload);
+  auto host_part = std::make_unique<OffloadedOptimizer>(s.on_host, options, dp, host_part_offload(offload));
   if (s.on_device.empty()) return host_part;
   auto device_part = make_optimizer(s.on_device, options);
   return std::make_unique<CompositeOptimizer>(std::move(params), std::move(device_part), std::move(s.device_index),

@@ -45,6 +45,10 @@ TEST(OffloadEngineMpi, DelayedUpdateWithStreamedGradients) {
   expect_delayed_update_matches_reference(world_comm(), kCpu, "on");
 }
 
+TEST(OffloadEngineMpi, AllOffloadBf16StreamedBlocksKeepAFloat32MasterOnEveryRank) {
+  expect_bf16_host_part_keeps_a_master(world_comm());
+}
+
 // Layer offload's delayed update is one rank's: on more it is refused, naming the way out.
 TEST(OffloadEngineMpi, LayerOffloadDelayedUpdateNeedsOneRank) {
   auto net = offload_net(0, kCpu);

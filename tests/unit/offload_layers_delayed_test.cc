@@ -3,7 +3,9 @@
 // updated by the CPU kernels one step late, the others by make_optimizer() as the step ends.
 // Checked against a hand-driven reference (ATen's optimizer over master copies, the streamed
 // part's result shown one step late, the rest at once), and its checkpoint state against
-// make_optimizer()'s names and a resumed run.
+// make_optimizer()'s names and a resumed run. Also --offload=all's host part
+// (make_offload_optimizer with the streamed blocks listed): a float32 master for bfloat16
+// weights, and no gradient stream of its own beside the device part's.
 #include <gtest/gtest.h>
 
 #include <set>
@@ -170,6 +172,46 @@ TEST(OffloadLayersDelayed, ASpecTrainerWithAFrozenBlockWeightTrainsTheRest) {
   trainer.flush_updates();
   EXPECT_TRUE(at::equal(block[0].detach(), frozen));
   EXPECT_GT(rel_error(block[1].detach(), trained), 1e-6);
+}
+
+TEST(OffloadAll, Bf16StreamedBlocksKeepAFloat32Master) {
+  std::unique_ptr<dist::Communicator> comm = testing_util::local_comm();
+  expect_bf16_host_part_keeps_a_master(*comm);
+}
+
+// --offload_stream_gradients=on streams the device part's gradients; the host part (delayed
+// here, an OffloadedOptimizer of its own) reads its parameters' own and must not take the
+// reducer's one observer from it: the run trains as with streaming off.
+TEST(OffloadAll, TheHostPartLeavesTheGradientStreamToTheDevicePart) {
+  std::unique_ptr<dist::Communicator> comm = testing_util::local_comm();
+  auto train = [&](const std::string& stream) {
+    torch::nn::Sequential net = offload_net(0, kCpu);
+    std::vector<at::Tensor> params = net->parameters();
+    ReducerOptions one_each;  // a bucket per parameter, as a GPU's buckets never mix the two devices
+    one_each.first_bucket_bytes = one_each.bucket_bytes = 1;
+    GradReducer reducer(params, *comm, one_each);
+    OffloadOptions off = delayed_after(2);
+    off.stream_gradients = stream;
+    std::unique_ptr<Optimizer> opt = make_offload_optimizer(params, adamw(), *comm, off, kCpu, streamed_of(net));
+    opt->attach(reducer);
+    if (stream == "on") {  // the reducer's observer reads the device part's buckets, not the host part's
+      EXPECT_FALSE(reducer.keeps_autograd_gradients({params[4], params[5]}));
+      EXPECT_TRUE(reducer.keeps_autograd_gradients(streamed_of(net)));
+    }
+    for (int64_t step = 1; step <= 6; ++step) {
+      auto [x, y] = offload_batch(step, 4, kCpu);
+      torch::mse_loss(net->forward(x), y).backward();
+      opt->step();
+      reducer.zero_grad();
+    }
+    opt->flush();
+    std::vector<at::Tensor> out;
+    for (const at::Tensor& p : params) out.push_back(p.detach().clone());
+    return out;
+  };
+  const std::vector<at::Tensor> off = train("off"), on = train("on");
+  EXPECT_LE(max_rel_error(on, off), 1e-6);
+  EXPECT_GT(rel_error(off[0], offload_net(0, kCpu)->parameters()[0]), 1e-3);  // it trained
 }
 
 }  // namespace

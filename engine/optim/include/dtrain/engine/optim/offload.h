@@ -131,15 +131,17 @@ class OffloadedOptimizer : public Optimizer {
 };
 
 // The optimizer of --offload: an OffloadedOptimizer over params, or, where some parameters
-// already live on the host (layer offload of --offload=all on a GPU), a composite of an
-// OffloadedOptimizer over the device parameters and, over the host ones, the fused CPU
-// optimizer of make_optimizer() or, with the delayed update, an OffloadedOptimizer of their own
-// (both parts then take the update one step late; one data-parallel rank: dtrain::Error
-// otherwise). The composite's replicated state() holds the host part's as make_optimizer()
-// names it either way (composite_optimizer.cc).
+// already live on the host (layer offload of --offload=all on a GPU; `streamed` lists more to
+// treat so, as layer offload's blocks are on a GPU), a composite of an OffloadedOptimizer over
+// the device parameters and, over the host ones, the fused CPU optimizer of make_optimizer()
+// or an OffloadedOptimizer of their own: with the delayed update (both parts then take the
+// update one step late; one data-parallel rank: dtrain::Error otherwise), and for bfloat16 or
+// float16 weights (their float32 master; on more ranks each rank's whole copy, the same
+// update everywhere). The composite's replicated state() holds the host part's as
+// make_optimizer() names it either way (composite_optimizer.cc).
 std::unique_ptr<Optimizer> make_offload_optimizer(std::vector<at::Tensor> params, const OptimizerOptions& options,
                                                   dist::Communicator& dp, const OffloadOptions& offload,
-                                                  c10::Device device);
+                                                  c10::Device device, const std::vector<at::Tensor>& streamed = {});
 
 // The optimizer of layer offload with the delayed update (--offload=layers
 // --offload_delayed_update_after=N): the streamed blocks' parameters (`streamed`, and on a
