@@ -631,6 +631,7 @@ engine::sim::Layout simulator_layout(int tp, int pp, int cp, int dp) {
   const engine::OffloadChoice offload = engine::parse_offload(f.offload);
   l.offload_optimizer = offload.optimizer;
   l.offload_layers = offload.layers;
+  l.delayed_update = f.offload_delayed_update_after >= 0;
   l.checkpoint = f.checkpoint_activations;
   l.sequence_parallel = f.sequence_parallel;
   l.bf16 = f.amp != "off";
@@ -660,6 +661,7 @@ std::function<double(const engine::Technique&)> simulator_step_time(const Run& r
     l.bf16 = t.amp != engine::AmpMode::kOff;
     l.offload_optimizer = t.offload_optimizer;
     l.offload_layers = t.offload_layers;
+    l.delayed_update = base.delayed_update && (t.offload_optimizer || t.offload_layers);
     l.zero = t.shard;
     return engine::sim::simulate(shape, cluster, l).step_s;
   };

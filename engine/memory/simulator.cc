@@ -350,6 +350,7 @@ std::string Layout::to_string() const {
   if (sequence_parallel) s << " sp";
   if (offload_optimizer) s << " offload-opt";
   if (offload_layers) s << " offload-layers";
+  if (delayed_update) s << " delayed";
   if (!bf16) s << " fp32";
   if (param_bf16) s << " bf16-weights";
   return s.str();
@@ -370,6 +371,8 @@ std::string Layout::flags() const {
   if (zero > 0) add(std::string("--shard=") + kShard[zero]);
   if (offload_optimizer || offload_layers)
     add(std::string("--offload=") + (offload_optimizer && offload_layers ? "all" : offload_optimizer ? "optimizer" : "layers"));
+  // Two ordinary steps first (as the GPU session runs it); the figures are the steady state's.
+  if (delayed_update) add("--offload_delayed_update_after=2");
   if (checkpoint) add("--checkpoint_activations");
   if (sequence_parallel) add("--sequence_parallel");
   if (bf16) add("--amp=bf16");
@@ -417,6 +420,10 @@ std::string dtrain_limitation(const Layout& l) {
   if (l.offload_layers && l.zero > 0) return "layer offload with ZeRO";
   if (l.pp > 1 && l.schedule == PipelineSchedule::kZeroBubble && l.offload_layers) return "zb with layer offload";
   if (l.param_bf16 && l.zero == 0 && !l.offload_optimizer) return "bf16 weights without ZeRO or optimizer offload";
+  if (l.delayed_update && l.pp > 1) return "the delayed update with pipeline stages";
+  if (l.delayed_update && l.zero == 3 && l.offload_optimizer) return "the delayed update with ZeRO-3 offload";
+  // The streamed blocks' own update is one rank's.
+  if (l.delayed_update && l.offload_layers && l.dp * l.cp > 1) return "layer offload's delayed update on more than one replica";
   return "";
 }
 
@@ -498,6 +505,8 @@ void validate_layout(int64_t layers, const Cluster& c, const Layout& l) {
   DTRAIN_CHECK(l.zero >= 0 && l.zero <= 3, "zero ", l.zero, " is not a ZeRO stage (0-3)");
   DTRAIN_CHECK(l.zero == 0 || l.dp * l.cp > 1, "zero ", l.zero, " shards over the replicas, and there is one");
   DTRAIN_CHECK(!(l.sequence_parallel && l.tp == 1), "sequence parallelism needs tp > 1");
+  DTRAIN_CHECK(!l.delayed_update || l.offload_optimizer || l.offload_layers,
+               "the delayed update is the host update's: it needs optimizer or layer offload");
   if (l.pp > 1) {
     if (l.schedule == PipelineSchedule::kInterleaved) {
       DTRAIN_CHECK(l.chunks >= 2, "the interleaved schedule needs chunks >= 2");
@@ -635,22 +644,37 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
   // The optimizer: the rank's share of the update.
   const double shard = l.zero >= 1 ? replicas : 1;
   const double updated = stage_params / shard;
+  double host_update = 0;           // seconds of the update on the host
+  double upload_beyond_update = 0;  // the new weights' copy to the device past the update's end
   if (l.offload_optimizer) {
     // The offloaded state is split over the replicas. With layer offload (--offload=all) it
     // covers the parameters on the device, and every rank updates the streamed blocks (already
     // on the host: nothing of theirs crosses PCIe for the update) with an optimizer of their own.
     const double on_device = stage_params - streamed;
     const double updated_here = on_device / replicas;
-    p.parts.optimizer = (updated_here + streamed) * 28 / host_bw;
+    host_update = (updated_here + streamed) * 28 / host_bw;
     // The gradients down and the updated weights up, in the weights' dtype (bf16 weights:
-    // ZeRO-Offload's layout).
-    p.parts.offload += updated_here * wbytes / c.pcie_bytes_per_s + (on_device * wbytes / c.pcie_bytes_per_s) / 2;
+    // ZeRO-Offload's layout). The gradients stream to the host bucket by bucket during the last
+    // micro-batch's backward (ZeRO-3's shard is copied after it); the CPU updates in chunks,
+    // each chunk's new weights going up while the next one updates; with more replicas the
+    // device part's new weights are then all-gathered over them.
+    const double down = updated_here * wbytes / c.pcie_bytes_per_s, up = updated_here * wbytes / c.pcie_bytes_per_s;
+    p.parts.offload += (l.zero == 3 ? down : std::max(0.0, down - last_backward)) +
+                       std::max(0.0, up - host_update) +
+                       (l.zero == 3 ? 0.0 : allgather_seconds(on_device * wbytes, replicas, dp_link));
+    upload_beyond_update = std::max(0.0, up - host_update);
   } else {
     // Layer offload: the streamed blocks are updated on the host (their weights live there),
     // after backward; the rest on the device.
-    p.parts.optimizer = share * c.compute_scale * streaming_seconds(d, (updated - streamed / shard) * 28, 4) +
-                        streamed * 28 / host_bw;
+    p.parts.optimizer = share * c.compute_scale * streaming_seconds(d, (updated - streamed / shard) * 28, 4);
+    host_update = streamed * 28 / host_bw;
   }
+  // The delayed update runs the host's part beside the next step's forward and backward; a CPU
+  // device's compute and update share its cores, so nothing hides there.
+  const double hidden = l.delayed_update && d.cores == 0 ? std::min(host_update + upload_beyond_update, pipeline) : 0.0;
+  const double hidden_update = std::min(hidden, host_update);
+  p.parts.optimizer += host_update - hidden_update;
+  p.parts.offload -= hidden - hidden_update;  // the weights' upload past the update, hidden as well
   p.step_s = pipeline + p.parts.data_parallel + p.parts.optimizer + p.parts.offload + p.parts.overhead;
   const double tokens = static_cast<double>(l.global_batch_rows()) * k.tokens_per_row;
   p.tokens_per_s = tokens / p.step_s;
@@ -669,6 +693,12 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
     // layer offload: the streamed blocks' state is their own optimizer's, below).
     host += (stage_params - streamed) / replicas * (12 + wbytes);
     state = 0;
+    if (l.delayed_update) {
+      // The update's new weights, published next step (on the device), and the gradient buffer
+      // the next backward fills while the update reads the other (on the host).
+      state += (stage_params - streamed) / replicas * wbytes;
+      host += (stage_params - streamed) / replicas * wbytes;
+    }
   }
   if (l.offload_layers) {
     // The streamed blocks' weights and gradients on the host, two blocks on the device (the one
@@ -677,7 +707,11 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
     host += streamed * 2 * wbytes;
     weights -= (streamed - 2 * block_p) * wbytes;
     grads -= (streamed - 2 * block_p) * wbytes;
-    const double blocks_state = streamed * (l.param_bf16 ? 12 : 8);
+    // Delayed, it is an OffloadedOptimizer (float32 master and moments) with a second page-locked
+    // weight buffer for the update to write and the gradients it took held while the next
+    // backward makes new ones.
+    const double blocks_state = streamed * (l.param_bf16 || l.delayed_update ? 12 : 8);
+    if (l.delayed_update) host += streamed * 2 * wbytes;
     host += blocks_state;
     if (!l.offload_optimizer) state -= state * streamed / stage_params;  // their share leaves the device
   }
@@ -759,7 +793,7 @@ std::vector<Prediction> search_layouts(int64_t layers, bool split_blocks, const 
   std::vector<Prediction> out;
   auto complexity = [](const Layout& l) {
     return (l.tp > 1) + (l.pp > 1) + (l.cp > 1) + l.zero + l.offload_optimizer + l.offload_layers + l.checkpoint +
-           (l.chunks > 1) + l.sequence_parallel + l.param_bf16;
+           (l.chunks > 1) + l.sequence_parallel + l.param_bf16 + l.delayed_update;
   };
   for (int tp = 1; tp <= (split_blocks ? c.gpus_per_node : 1); tp *= 2) {
     for (int pp = 1; pp <= N / tp && pp <= layers; ++pp) {
@@ -789,21 +823,24 @@ std::vector<Prediction> search_layouts(int64_t layers, bool split_blocks, const 
                   if ((offload & 2) && ckpt == 1) continue;
                   for (int sp = 0; sp <= (tp > 1 ? 1 : 0); ++sp) {
                     for (int pb = 0; pb <= (o.param_bf16 ? 1 : 0); ++pb) {
-                      Layout l;
-                      l.dp = dp, l.tp = tp, l.pp = pp, l.cp = cp, l.zero = zero;
-                      l.offload_optimizer = (offload & 1) != 0;
-                      l.offload_layers = (offload & 2) != 0;
-                      l.checkpoint = ckpt == 1;
-                      l.sequence_parallel = sp == 1;
-                      l.bf16 = o.bf16;
-                      l.param_bf16 = pb == 1;
-                      l.micro_batch_rows = mb;
-                      l.accum_steps = accum;
-                      l.schedule = schedule;
-                      l.chunks = chunks;
-                      if (!dtrain_limitation(l).empty()) continue;
-                      std::optional<Prediction> p = priced(l);
-                      if (p && p->fits) out.push_back(std::move(*p));
+                      for (int delayed = 0; delayed <= (offload != 0 ? 1 : 0); ++delayed) {
+                        Layout l;
+                        l.dp = dp, l.tp = tp, l.pp = pp, l.cp = cp, l.zero = zero;
+                        l.offload_optimizer = (offload & 1) != 0;
+                        l.offload_layers = (offload & 2) != 0;
+                        l.checkpoint = ckpt == 1;
+                        l.sequence_parallel = sp == 1;
+                        l.bf16 = o.bf16;
+                        l.param_bf16 = pb == 1;
+                        l.micro_batch_rows = mb;
+                        l.accum_steps = accum;
+                        l.schedule = schedule;
+                        l.chunks = chunks;
+                        l.delayed_update = delayed == 1;
+                        if (!dtrain_limitation(l).empty()) continue;
+                        std::optional<Prediction> p = priced(l);
+                        if (p && p->fits) out.push_back(std::move(*p));
+                      }
                     }
                   }
                 }

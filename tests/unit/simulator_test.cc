@@ -326,6 +326,80 @@ TEST(Simulator, StreamedGradientsAreReducedThroughHostMemory) {
   EXPECT_GT(s.parts.data_parallel, host_part - s.parts.compute);
 }
 
+// ZeRO-Offload's delayed update: step t's host update runs beside step t + 1's forward and
+// backward, so only what exceeds them is on the step; it costs the device a buffer of the new
+// weights and the host a second gradient buffer (optimizer offload), or the blocks a master,
+// a second weight buffer and held gradients (layer offload). A CPU device hides nothing.
+TEST(Simulator, DelayedUpdateHidesTheHostUpdateBehindTheNextStep) {
+  const ModelShape m = gpt_shape(32, 4096, 32, 16384, 50304, 1024, false);  // about 6.9B
+  const Cluster c = h100s(1, 1);
+  Layout ordinary;
+  ordinary.offload_optimizer = true, ordinary.param_bf16 = true;
+  ordinary.micro_batch_rows = 4;
+  Layout delayed = ordinary;
+  delayed.delayed_update = true;
+  const Prediction o = simulate(m, c, ordinary), d = simulate(m, c, delayed);
+  ASSERT_TRUE(o.fits && d.fits) << o.to_string() << " / " << d.to_string();
+  EXPECT_GT(o.parts.optimizer, 0.5 * o.parts.compute) << "a host update of 7B parameters is long";
+  EXPECT_NEAR(d.parts.optimizer, std::max(0.0, o.parts.optimizer - o.parts.compute), 1e-9 * o.step_s);
+  EXPECT_LT(d.step_s, o.step_s);
+  const double p = static_cast<double>(m.parameters());
+  EXPECT_NEAR(static_cast<double>(d.device_bytes - o.device_bytes), p * 2 * 1.05, 1e-6 * p);
+  EXPECT_NEAR(static_cast<double>(d.host_bytes - o.host_bytes), p * 2, 1e-6 * p);
+  EXPECT_NE(d.flags().find("--offload_delayed_update_after="), std::string::npos) << d.flags();
+  // Layer offload's: the blocks' update hidden; their master and moments (12 bytes), second
+  // weight buffer and held gradients (4 + 4) on the host instead of make_optimizer's moments.
+  const ModelShape small = gpt_shape(12, 768, 12, 3072, 50304, 1024, false);
+  Layout layers;
+  layers.offload_layers = true;
+  Layout layers_delayed = layers;
+  layers_delayed.delayed_update = true;
+  const Prediction lo = simulate(small, c, layers), ld = simulate(small, c, layers_delayed);
+  const double streamed = 12.0 * small.block_parameters();
+  EXPECT_NEAR(static_cast<double>(ld.host_bytes - lo.host_bytes), streamed * (12 + 8 - 8), 1.0);
+  EXPECT_LT(ld.parts.optimizer, lo.parts.optimizer);
+  // A CPU "device": the update and the compute share the cores.
+  Cluster cpu = c;
+  cpu.device.cores = 2;
+  EXPECT_DOUBLE_EQ(simulate(m, cpu, delayed).parts.optimizer, simulate(m, cpu, ordinary).parts.optimizer);
+  // What dtrain refuses, named; no offload: not a layout.
+  Layout pp = delayed;
+  pp.pp = 2, pp.dp = 1, pp.accum_steps = 2;
+  EXPECT_NE(dtrain_limitation(pp).find("pipeline"), std::string::npos);
+  Layout two = layers_delayed;
+  two.dp = 2;
+  EXPECT_NE(dtrain_limitation(two).find("more than one replica"), std::string::npos);
+  Layout z3 = delayed;
+  z3.dp = 2, z3.zero = 3;
+  EXPECT_NE(dtrain_limitation(z3).find("ZeRO-3"), std::string::npos);
+  Layout none;
+  none.delayed_update = true;
+  EXPECT_THROW(simulate(small, c, none), dtrain::Error);
+}
+
+// Optimizer offload's copies: the gradients stream to the host during the last backward and
+// the new weights go up while the CPU updates the next chunk, so at a batch whose backward
+// outlasts the gradients' copy neither is on the step; ZeRO-3's shard is copied after backward.
+TEST(Simulator, OffloadCopiesRunBehindBackwardAndTheUpdate) {
+  const ModelShape m = gpt_shape(24, 2048, 16, 8192, 50304, 1024, false);  // about 1.3B
+  Layout l;
+  l.offload_optimizer = true;
+  l.micro_batch_rows = 16;
+  const Prediction p = simulate(m, h100s(1, 1), l);
+  EXPECT_DOUBLE_EQ(p.parts.offload, 0.0) << p.to_string();
+  EXPECT_GT(p.parts.optimizer, 0.0);
+  Cluster slow = h100s(1, 1);
+  slow.pcie_bytes_per_s = 1e9;  // the gradients' copy (5 s) outlasts backward, the weights' the update
+  const Prediction q = simulate(m, slow, l);
+  const double copy = static_cast<double>(m.parameters()) * 4 / slow.pcie_bytes_per_s;
+  EXPECT_GT(q.parts.offload, copy - q.parts.compute + copy - q.parts.optimizer);
+  EXPECT_LT(q.parts.offload, 2 * copy);
+  Layout z3 = l;
+  z3.dp = 2, z3.zero = 3, z3.micro_batch_rows = 8;
+  const Prediction r = simulate(m, h100s(1, 2), z3);
+  EXPECT_GE(r.parts.offload, static_cast<double>(m.parameters()) / 2 * 4 / 55e9 * 0.999) << r.to_string();
+}
+
 // A model whose bf16 weights and gradients alone exceed the device: only layer offload (weights
 // on the host, a few blocks on the device) fits, and the search finds it and names its flags.
 TEST(Simulator, SearchFindsLayerOffloadWhenNothingElseFits) {

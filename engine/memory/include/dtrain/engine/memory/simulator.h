@@ -29,7 +29,11 @@
 //             and a reduce-scatter per micro-batch, prefetched behind compute.
 //   optimizer the update at device bandwidth (28 bytes per parameter of the rank's share), or
 //             with optimizer offload on the host (the node's bandwidth shared by its ranks) plus
-//             gradients down and weights up over PCIe (in the weights' dtype); layer offload
+//             gradients down over PCIe behind the last micro-batch's backward (streamed by
+//             bucket; ZeRO-3's after it) and weights up behind the chunked host update, in the
+//             weights' dtype, then all-gathered over the replicas; the host update (and upload)
+//             hidden behind the next step's forward and backward with the delayed update
+//             (not on a CPU device, whose cores the two share); layer offload
 //             streams each block's weights twice and gradients once per micro-batch behind its
 //             compute, updates the blocks on the host with an optimizer of their own, and
 //             reduces their (host) gradients through host memory or the network.
@@ -170,6 +174,9 @@ struct Layout {
   int zero = 0;                 // 0 none, 1 optimizer state, 2 + gradients, 3 + weights
   bool offload_optimizer = false;
   bool offload_layers = false;
+  // --offload_delayed_update_after: ZeRO-Offload's one-step delayed update, the host update of
+  // step t beside step t + 1's forward and backward (with optimizer or layer offload).
+  bool delayed_update = false;
   bool checkpoint = false;
   bool sequence_parallel = false;
   bool bf16 = true;             // AMP bf16 (else float32 matrix multiplies)
@@ -224,7 +231,8 @@ struct Prediction {
 // is not a multiple of pp, accum_steps below pp for 1F1B and zb.
 void validate(const ModelShape& model, const Cluster& cluster, const Layout& layout);
 // What dtrain does not run yet of a valid layout ("" when it runs it): layer offload with ZeRO
-// or zb, bf16 weights without ZeRO or optimizer offload. search() keeps to what dtrain runs; simulate() prices any valid layout
+// or zb, bf16 weights without ZeRO or optimizer offload, the delayed update with pipeline stages
+// or ZeRO-3 offload, layer offload's delayed update on more than one replica. search() keeps to what dtrain runs; simulate() prices any valid layout
 // (other frameworks' layouts too).
 std::string dtrain_limitation(const Layout& layout);
 // The prediction of one layout (validate()d first). fits is false, with why_not, when the peak
