@@ -485,7 +485,11 @@ StepCosts roofline_costs(const ModelShape& m, const Cluster& c, const Layout& l)
   const double linear_out = m.llama() ? (h + 2.0 * static_cast<double>(m.kv_width()) + 2 * ff) / l.tp + 2 * h
                                       : (3 * h + ff) / l.tp + 2 * h;
   k.block_capture_bytes = t * (linear_out * e + 2 * h * 4);
-  k.ends_held_bytes = t * static_cast<double>(m.vocab) / l.tp * (e + 4 + 4);
+  // The logits and the loss: on a GPU dtrain's fused cross-entropy (cross_entropy.h) keeps the
+  // logits and writes their gradient in their dtype; elsewhere ATen's composition adds a float32
+  // copy and the softmax it keeps.
+  const bool fused_loss = c.device.cores == 0;
+  k.ends_held_bytes = t * static_cast<double>(m.vocab) / l.tp * (fused_loss ? 2 * e : e + 4 + 4);
   k.autocast_copy_bytes = l.bf16 && !l.param_bf16 ? 2 * k.block_params * 2 : 0;
   k.tokens_per_row = S;
   k.flops_per_token = m.flops_per_token();

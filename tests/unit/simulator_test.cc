@@ -400,6 +400,20 @@ TEST(Simulator, OffloadCopiesRunBehindBackwardAndTheUpdate) {
   EXPECT_GE(r.parts.offload, static_cast<double>(m.parameters()) / 2 * 4 / 55e9 * 0.999) << r.to_string();
 }
 
+// The loss's memory: on a GPU the fused cross-entropy keeps the bf16 logits and writes their
+// gradient in bf16 (2 + 2 bytes a logit); ATen's composition on a CPU adds a float32 copy and
+// the softmax (2 + 4 + 4).
+TEST(Simulator, TheFusedLossKeepsTheLogitsInTheirDtype) {
+  const ModelShape m = gpt_shape(12, 768, 12, 3072, 32000, 1024, false);
+  Layout l;
+  l.micro_batch_rows = 8;
+  Cluster gpu = h100s(1, 1), cpu = gpu;
+  cpu.device.cores = 1;
+  const double logits = 8.0 * 1024 * 32000;
+  EXPECT_NEAR(static_cast<double>(simulate(m, cpu, l).device_bytes - simulate(m, gpu, l).device_bytes),
+              logits * (2 + 4 + 4 - 2 - 2) * 1.05, 2.0);
+}
+
 // A model whose bf16 weights and gradients alone exceed the device: only layer offload (weights
 // on the host, a few blocks on the device) fits, and the search finds it and names its flags.
 TEST(Simulator, SearchFindsLayerOffloadWhenNothingElseFits) {
