@@ -662,11 +662,10 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
     // micro-batch's backward (ZeRO-3's shard is copied after it); the CPU updates in chunks,
     // each chunk's new weights going up while the next one updates; with more replicas the
     // device part's new weights are then all-gathered over them.
-    const double down = updated_here * wbytes / c.pcie_bytes_per_s, up = updated_here * wbytes / c.pcie_bytes_per_s;
-    p.parts.offload += (l.zero == 3 ? down : std::max(0.0, down - last_backward)) +
-                       std::max(0.0, up - host_update) +
+    const double copy = updated_here * wbytes / c.pcie_bytes_per_s;  // each way
+    upload_beyond_update = std::max(0.0, copy - host_update);
+    p.parts.offload += (l.zero == 3 ? copy : std::max(0.0, copy - last_backward)) + upload_beyond_update +
                        (l.zero == 3 ? 0.0 : allgather_seconds(on_device * wbytes, replicas, dp_link));
-    upload_beyond_update = std::max(0.0, up - host_update);
   } else {
     // Layer offload: the streamed blocks are updated on the host (their weights live there),
     // after backward; the rest on the device.

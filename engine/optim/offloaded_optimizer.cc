@@ -24,11 +24,11 @@ namespace {
 // autograd's gradients beside the device part's gradient stream.
 bool gradients_can_be_taken(const std::vector<at::Tensor>& params, const GradReducer* reducer) {
   if (reducer == nullptr) return false;
-  try {
-    if (!reducer->keeps_autograd_gradients(params)) return false;
-  } catch (const Error&) {
-    return false;  // parameters the attached reducer does not hold: copied, as always correct
+  // Parameters the attached reducer does not hold: copied, as always correct.
+  for (const at::Tensor& p : params) {
+    if (!reducer->holds(p)) return false;
   }
+  if (!reducer->keeps_autograd_gradients(params)) return false;
   for (const at::Tensor& p : params) {
     const at::Tensor& g = p.grad();
     if (!g.defined()) continue;

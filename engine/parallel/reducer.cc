@@ -702,6 +702,10 @@ bool GradReducer::keeps_autograd_gradients() const {
   return state_->local();
 }
 
+bool GradReducer::holds(const at::Tensor& param) const {
+  return state_->index_of.count(param.unsafeGetTensorImpl()) > 0;  // fixed at construction: no lock
+}
+
 bool GradReducer::keeps_autograd_gradients(const std::vector<at::Tensor>& params) const {
   std::lock_guard<std::mutex> lock(state_->mutex);
   for (const at::Tensor& p : params) {

@@ -5,7 +5,6 @@
 #include <cmath>
 #include <limits>
 #include <sstream>
-#include <unordered_set>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -122,11 +121,9 @@ Trainer::Trainer(Applied applied, dist::Mesh& mesh, c10::Device device)
   // for their copies once, at backward's end, not after each block.
   if (options_.offload_layers && options_.offload.delayed_update_after >= 0 && reducer_) {
     // The streamed parameters the reducer holds (frozen ones have no gradient to wait for).
-    std::unordered_set<const c10::TensorImpl*> reduced;
-    for (const at::Tensor& p : reducer_->params()) reduced.insert(p.unsafeGetTensorImpl());
     std::vector<at::Tensor> streamed;
     for (const at::Tensor& p : options_.offload_streamed) {
-      if (reduced.count(p.unsafeGetTensorImpl())) streamed.push_back(p);
+      if (reducer_->holds(p)) streamed.push_back(p);
     }
     if (!streamed.empty() && reducer_->keeps_autograd_gradients(streamed)) applied_->set_defer_host_gradient_waits(true);
   }

@@ -104,6 +104,8 @@ TEST(OneRankReducer, AnObserverMakesViewsOfTheBucketsItReadsOnly) {
   EXPECT_FALSE(reducer.keeps_autograd_gradients({params[1]}));
   EXPECT_TRUE(reducer.keeps_autograd_gradients({params[2], params[3], params[5]}));
   EXPECT_THROW(reducer.keeps_autograd_gradients({at::zeros({3})}), Error);
+  EXPECT_TRUE(reducer.holds(params[5]));
+  EXPECT_FALSE(reducer.holds(params[5].detach().clone()));  // an equal tensor is not the parameter
   EXPECT_THROW(reducer.set_bucket_observer([](const LaunchedBucket&) {}, std::vector<char>(2, 1)), Error);
   for (int64_t step = 0; step < 3; ++step) {  // the buckets are rebuilt after the first
     seen.clear();

@@ -166,6 +166,8 @@ class GradReducer {
   // buckets holding them are not read by the bucket observer either (one rank, plain
   // averaging). Throws dtrain::Error for a tensor that is not a parameter of the reducer.
   bool keeps_autograd_gradients(const std::vector<at::Tensor>& params) const;
+  // Whether `param` is one of params() (the same tensor, not an equal one).
+  bool holds(const at::Tensor& param) const;
 
   // After a failure on this rank (e.g. CUDA out of memory) during a step: unless this step's
   // synchronized backward already completed, issues the bucket all-reduces this rank still
