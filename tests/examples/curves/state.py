@@ -38,7 +38,10 @@ def scenario_observability(args):
     print(f"ok: mem_counter 'cpu tensors', allocated {m[-1]['mem_allocated_mb']:.1f} MB <= peak "
           f"{m[-1]['mem_peak_mb']:.1f} MB on every line")
     # The merged timeline is valid Chrome-trace JSON with backward and all-reduce events, and
-    # some all-reduce starts before the backward of its step ends (overlap).
+    # the reducer launches (enqueues) some all-reduce while the backward of its step still runs
+    # (overlap). When the communication thread then starts it depends on the scheduler (ctest
+    # runs two of these jobs on two cores), so the starts inside backward are reported, not
+    # asserted.
     with open(tl) as f:
         trace = json.load(f)["traceEvents"]
     spans = [e for e in trace if e.get("ph") == "X"]
@@ -46,12 +49,17 @@ def scenario_observability(args):
     assert ranks == {0, 1}, ranks
     backward = [e for e in spans if e["name"] == "backward"]
     comm = [e for e in spans if e["name"] == "all_reduce"]
-    assert backward and comm, "no backward or all_reduce events"
-    overlapping = sum(1 for c in comm for b in backward
-                      if b["pid"] == c["pid"] and c["ts"] < b["ts"] + b["dur"] and c["ts"] >= b["ts"])
-    assert overlapping > 0, "no all-reduce started inside a backward span"
+    enqueued = [e for e in trace if e.get("ph") == "i" and e.get("name") == "enqueue all_reduce"]
+    assert backward and comm and enqueued, "no backward, all_reduce or enqueue all_reduce events"
+
+    def inside(t, pid):
+        return any(b["pid"] == pid and b["ts"] <= t < b["ts"] + b["dur"] for b in backward)
+
+    launched = sum(1 for e in enqueued if inside(e["ts"], e["pid"]))
+    started = sum(1 for c in comm if inside(c["ts"], c["pid"]))
+    assert launched > 0, "no all-reduce was enqueued inside a backward span: the reduction does not overlap backward"
     print(f"ok: timeline has {len(backward)} backward and {len(comm)} all_reduce spans on ranks {sorted(ranks)}; "
-          f"{overlapping} all-reduces start during backward")
+          f"{launched} of {len(enqueued)} all-reduces enqueued during backward ({started} started during it)")
 
 
 def scenario_checkpoint(args):
