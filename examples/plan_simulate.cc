@@ -328,7 +328,10 @@ void calibrate(const Run& run, ExampleModel& m, const engine::TrainerOptions& op
   c.compute_scale = c.compute_scale_points.back().second;
   // The trainer's step of the flags' technique against the prediction: the rest is overhead.
   engine::TrainerOptions o = options;
-  o.steps = 6;
+  // Two warm-up steps, then the median of nine (five varied by a fifth between runs on a
+  // shared CPU).
+  constexpr int kWarmup = 2, kTimed = 9;
+  o.steps = kWarmup + kTimed;
   o.progress = false;
   o.metrics_path.clear();
   o.tensorboard_dir.clear();
@@ -338,12 +341,12 @@ void calibrate(const Run& run, ExampleModel& m, const engine::TrainerOptions& op
   std::unique_ptr<engine::Trainer> trainer = make_trainer(run, m, o);
   engine::Batch full = m.synthetic_batch(f.batch_size);
   std::vector<double> steps;
-  for (int s = 0; s < 6; ++s) {
+  for (int s = 0; s < kWarmup + kTimed; ++s) {
     engine::synchronize_device(dev);
     const auto t0 = Clock::now();
     trainer->step(full);
     engine::synchronize_device(dev);
-    if (s > 0) steps.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    if (s >= kWarmup) steps.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
   }
   sim::Layout layout;
   layout.dp = n;

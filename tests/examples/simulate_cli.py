@@ -98,19 +98,25 @@ def main():
         predicted = json_lines(out)[-1]["step_s"]
         check(abs(predicted - measured) <= 0.3 * measured,
               "the calibrated prediction %.4f s within 30%% of the measured %.4f s" % (predicted, measured), out)
-        # A model measured through its ModelSpec (the path of a user's own model).
+        # A model measured through its ModelSpec (the path of a user's own model). The blocks are
+        # timed in another process than the calibration's trainer step, at another moment of a
+        # machine ctest shares with a second job: the median of three measurements is compared.
         measured_file = os.path.join(w, "measured.json")
-        rc, out, err = run(b, *small, "--measure=" + measured_file, timeout=300)
-        check(rc == 0 and "measure: wrote" in out, "--measure writes the measured model", out + err)
-        mm = json.load(open(measured_file))
-        check(mm["blocks"] == 2 and mm["block_parameters"] > 0 and mm["activation_bytes_per_row"] == 64 * 64 * 4,
-              "the measured model's blocks, parameters and message", json.dumps(mm))
-        rc, out, err = run(b, "--simulate", "--cluster=" + cluster, "--measured=" + measured_file, "--gpus_per_node=1",
-                           *small)
-        check(rc == 0, "--simulate --measured", out + err)
-        by_spec = json_lines(out)[-1]["step_s"]
-        check(abs(by_spec - measured) <= 0.3 * measured,
-              "the measured model's prediction %.4f s within 30%% of the trainer's %.4f s" % (by_spec, measured), out)
+        by_spec = []
+        for _ in range(3):
+            rc, out, err = run(b, *small, "--measure=" + measured_file, timeout=300)
+            check(rc == 0 and "measure: wrote" in out, "--measure writes the measured model", out + err)
+            mm = json.load(open(measured_file))
+            check(mm["blocks"] == 2 and mm["block_parameters"] > 0 and mm["activation_bytes_per_row"] == 64 * 64 * 4,
+                  "the measured model's blocks, parameters and message", json.dumps(mm))
+            rc, out, err = run(b, "--simulate", "--cluster=" + cluster, "--measured=" + measured_file,
+                               "--gpus_per_node=1", *small)
+            check(rc == 0, "--simulate --measured", out + err)
+            by_spec.append(json_lines(out)[-1]["step_s"])
+        median = sorted(by_spec)[1]
+        check(abs(median - measured) <= 0.3 * measured,
+              "the measured model's prediction %.4f s (median of %s) within 30%% of the trainer's %.4f s" %
+              (median, ", ".join("%.4f" % t for t in by_spec), measured), out)
         rc, out, err = run(b, "--simulate", "--measured=" + measured_file, "--gpus_per_node=2", "--tp=2", *small)
         check(rc == 2 and "without tensor and context" in err, "--measured with --tp=2: exit 2", out + err)
         rc, out, err = run(b, "--model=seq2seq", "--device=cpu", "--measure=" + measured_file)

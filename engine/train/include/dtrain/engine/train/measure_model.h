@@ -27,7 +27,7 @@ namespace dtrain::engine {
 struct MeasureOptions {
   // The two micro-batch sizes (rows) each time is measured at: a line through them.
   int64_t rows_small = 2, rows_large = 4;
-  int repeats = 3;              // timed runs of each piece (the median), after one warm-up
+  int repeats = 5;              // timed runs of each piece (the median), after one warm-up
   AmpMode amp = AmpMode::kOff;  // the pieces run under this autocast
   double tokens_per_row = 1;    // MeasuredModel::tokens_per_row
   double flops_per_row = 0;     // MeasuredModel::flops_per_row (0: no MFU)
