@@ -22,9 +22,18 @@ void check_one_flat_space(const std::vector<at::Tensor>& params, const std::stri
   DTRAIN_CHECK(!params.empty(), who, " needs at least one parameter");
   const at::Tensor& first = params.front();
   for (size_t i = 0; i < params.size(); ++i) {
+    // Layer offload is how a GPU model gets parameters on two devices: its streamed blocks'
+    // weights live on the host. Name the layout that takes both.
+    const bool split = params[i].device() != first.device() && (params[i].is_cpu() || first.is_cpu());
     DTRAIN_CHECK(params[i].scalar_type() == first.scalar_type() && params[i].device() == first.device(), who,
                  " needs all parameters in one dtype and device; parameter ", i, " is ", params[i].scalar_type(),
-                 " on ", params[i].device(), ", parameter 0 ", first.scalar_type(), " on ", first.device());
+                 " on ", params[i].device(), ", parameter 0 ", first.scalar_type(), " on ", first.device(),
+                 split ? ". Layer offload (--offload=layers) keeps the streamed blocks' weights on the host and the "
+                         "rest on the device: for a sharded or offloaded optimizer with it use --offload=all (the "
+                         "device part partitioned and updated on the host, the streamed blocks updated on the host), "
+                         "or drop "
+                       : "",
+                 split ? who : "");
   }
 }
 

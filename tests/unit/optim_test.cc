@@ -816,5 +816,27 @@ TEST(GradClip, MatchesTorchClipGradNorm) {
   }
 }
 
+// Parameters on two devices (a GPU model under layer offload keeps its streamed blocks' weights
+// on the host; the meta device stands in for the GPU here): a sharded optimizer refuses them and
+// names the layout that takes both.
+TEST(ShardedOptimizer, ParametersOnTheHostAndTheDeviceNameOffloadAll) {
+  std::unique_ptr<dist::Communicator> comm = testing_util::local_comm();
+  std::vector<at::Tensor> params = {at::empty({4}, at::device(at::kMeta)), at::zeros({4})};
+  OptimizerOptions o;
+  o.name = "adamw";
+  EXPECT_TRUE(testing_util::throws_error_with([&] { ShardedOptimizer(params, o, *comm); },
+                                              "parameter 1 is Float on cpu, parameter 0 Float on meta"));
+  EXPECT_TRUE(testing_util::throws_error_with([&] { ShardedOptimizer(params, o, *comm); },
+                                              "use --offload=all"));
+  // Another dtype on one device is not layer offload's doing: no such advice.
+  std::vector<at::Tensor> mixed = {at::zeros({4}), at::zeros({4}, at::kDouble)};
+  EXPECT_TRUE(testing_util::throws_error_with([&] { ShardedOptimizer(mixed, o, *comm); }, "one dtype and device"));
+  try {
+    ShardedOptimizer(mixed, o, *comm);
+  } catch (const std::exception& e) {
+    EXPECT_EQ(std::string(e.what()).find("--offload=all"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace dtrain::engine
