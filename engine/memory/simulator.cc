@@ -390,12 +390,17 @@ double allgather_seconds(double bytes, int n, const Link& link) {
   return static_cast<double>(n - 1) / n * bytes / link.bytes_per_s + (n - 1) * link.latency_s;
 }
 
-const Link& group_link(const Cluster& cluster, int n, int stride) {
+namespace {
+// Whether a group of n ranks, stride apart, lies inside one node.
+bool group_in_node(const Cluster& cluster, int n, int stride) {
   const int64_t span = static_cast<int64_t>(n - 1) * stride + 1;
-  return span <= cluster.gpus_per_node && cluster.gpus_per_node % std::min<int64_t>(cluster.gpus_per_node,
-                                                                                   int64_t{n} * stride) == 0
-             ? cluster.intra
-             : cluster.inter;
+  return span <= cluster.gpus_per_node &&
+         cluster.gpus_per_node % std::min<int64_t>(cluster.gpus_per_node, int64_t{n} * stride) == 0;
+}
+}  // namespace
+
+const Link& group_link(const Cluster& cluster, int n, int stride) {
+  return group_in_node(cluster, n, stride) ? cluster.intra : cluster.inter;
 }
 
 namespace {
@@ -639,7 +644,7 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
     // bandwidth) and over the network between nodes; the rest goes over the device's link.
     const double host_grad_bytes = streamed * wbytes;
     Link host_link = dp_link;
-    if (&dp_link == &c.intra) host_link.bytes_per_s = std::min(c.intra.bytes_per_s, host_bw);
+    if (group_in_node(c, replicas, l.tp)) host_link.bytes_per_s = std::min(c.intra.bytes_per_s, host_bw);
     const double comm = allreduce_seconds(grad_bytes - host_grad_bytes, replicas, dp_link) +
                         (host_grad_bytes > 0 ? allreduce_seconds(host_grad_bytes, replicas, host_link) : 0.0);
     const double bucket = allreduce_seconds(std::min(grad_bytes, 25.0 * (1 << 20)), replicas, dp_link);
@@ -785,19 +790,11 @@ std::string Prediction::to_json() const {
 
 namespace {
 
-// Every layout of the cluster's ranks for a model of `layers` blocks (tp and cp only when
-// `split_blocks`) that `priced` validates and prices (nullopt: not valid) and that fits,
-// fastest first.
-std::vector<Prediction> search_layouts(int64_t layers, bool split_blocks, const Cluster& c, const SearchOptions& o,
-                                       const std::function<std::optional<Prediction>(const Layout&)>& priced) {
-  DTRAIN_CHECK(o.global_batch_rows >= 1, "the search needs the global batch (sequences per step), >= 1");
-  DTRAIN_CHECK(o.max_micro_batch_rows >= 1, "max_micro_batch_rows must be >= 1");
+// The meshes of the cluster's ranks (dp x tp x pp x cp, tp and cp only when `split_blocks`)
+// with each micro-batch size that divides a replica's rows: layouts with no technique yet.
+std::vector<Layout> mesh_layouts(int64_t layers, bool split_blocks, const Cluster& c, const SearchOptions& o) {
   const int N = c.ranks();
-  std::vector<Prediction> out;
-  auto complexity = [](const Layout& l) {
-    return (l.tp > 1) + (l.pp > 1) + (l.cp > 1) + l.zero + l.offload_optimizer + l.offload_layers + l.checkpoint +
-           (l.chunks > 1) + l.sequence_parallel + l.param_bf16 + l.delayed_update;
-  };
+  std::vector<Layout> out;
   for (int tp = 1; tp <= (split_blocks ? c.gpus_per_node : 1); tp *= 2) {
     for (int pp = 1; pp <= N / tp && pp <= layers; ++pp) {
       if ((N / tp) % pp != 0) continue;
@@ -809,49 +806,76 @@ std::vector<Prediction> search_layouts(int64_t layers, bool split_blocks, const 
         const int64_t rows = o.global_batch_rows / dp;
         for (int64_t mb = 1; mb <= std::min(rows, o.max_micro_batch_rows); mb *= 2) {
           if (rows % mb != 0) continue;
-          const int accum = static_cast<int>(rows / mb);
-          std::vector<std::pair<PipelineSchedule, int>> schedules = {{PipelineSchedule::k1F1B, 1}};
-          if (pp > 1) {
-            schedules.push_back({PipelineSchedule::kZeroBubble, 1});
-            schedules.push_back({PipelineSchedule::kInterleaved, 2});
-          }
-          for (auto [schedule, chunks] : schedules) {
-            for (int zero = 0; zero <= 3; ++zero) {
-              // offload: bit 0 the optimizer, bit 1 the layers (3: --offload=all).
-              // A CPU "device" (Device::cores) is the host: offload moves nothing off it, so the
-              // search leaves it out there (simulate() still prices such a layout).
-              for (int offload = 0; offload <= (o.allow_offload && c.device.cores == 0 ? 3 : 0); ++offload) {
-                for (int ckpt = 0; ckpt <= 1; ++ckpt) {
-                  // Layer offload recomputes its blocks: with checkpointing it is the same step.
-                  if ((offload & 2) && ckpt == 1) continue;
-                  for (int sp = 0; sp <= (tp > 1 ? 1 : 0); ++sp) {
-                    for (int pb = 0; pb <= (o.param_bf16 ? 1 : 0); ++pb) {
-                      for (int delayed = 0; delayed <= (offload != 0 ? 1 : 0); ++delayed) {
-                        Layout l;
-                        l.dp = dp, l.tp = tp, l.pp = pp, l.cp = cp, l.zero = zero;
-                        l.offload_optimizer = (offload & 1) != 0;
-                        l.offload_layers = (offload & 2) != 0;
-                        l.checkpoint = ckpt == 1;
-                        l.sequence_parallel = sp == 1;
-                        l.bf16 = o.bf16;
-                        l.param_bf16 = pb == 1;
-                        l.micro_batch_rows = mb;
-                        l.accum_steps = accum;
-                        l.schedule = schedule;
-                        l.chunks = chunks;
-                        l.delayed_update = delayed == 1;
-                        if (!dtrain_limitation(l).empty()) continue;
-                        std::optional<Prediction> p = priced(l);
-                        if (p && p->fits) out.push_back(std::move(*p));
-                      }
-                    }
-                  }
-                }
+          Layout l;
+          l.dp = dp, l.tp = tp, l.pp = pp, l.cp = cp;
+          l.bf16 = o.bf16;
+          l.micro_batch_rows = mb;
+          l.accum_steps = static_cast<int>(rows / mb);
+          out.push_back(l);
+        }
+      }
+    }
+  }
+  return out;
+}
+
+// The techniques tried on one mesh: pipeline schedule, ZeRO stage, offload, checkpointing,
+// sequence parallelism, bf16 weights and the delayed update, each combination dtrain can run.
+std::vector<Layout> technique_layouts(const Layout& mesh, const Cluster& c, const SearchOptions& o) {
+  std::vector<std::pair<PipelineSchedule, int>> schedules = {{PipelineSchedule::k1F1B, 1}};
+  if (mesh.pp > 1) {
+    schedules.push_back({PipelineSchedule::kZeroBubble, 1});
+    schedules.push_back({PipelineSchedule::kInterleaved, 2});
+  }
+  // offload: bit 0 the optimizer, bit 1 the layers (3: --offload=all). A CPU "device"
+  // (Device::cores) is the host: offload moves nothing off it, so the search leaves it out
+  // there (simulate() still prices such a layout).
+  const int offloads = o.allow_offload && c.device.cores == 0 ? 3 : 0;
+  std::vector<Layout> out;
+  for (auto [schedule, chunks] : schedules) {
+    for (int zero = 0; zero <= 3; ++zero) {
+      for (int offload = 0; offload <= offloads; ++offload) {
+        for (int ckpt = 0; ckpt <= 1; ++ckpt) {
+          if ((offload & 2) && ckpt == 1) continue;  // layer offload recomputes its blocks: the same step
+          for (int sp = 0; sp <= (mesh.tp > 1 ? 1 : 0); ++sp) {
+            for (int pb = 0; pb <= (o.param_bf16 ? 1 : 0); ++pb) {
+              for (int delayed = 0; delayed <= (offload != 0 ? 1 : 0); ++delayed) {
+                Layout l = mesh;
+                l.schedule = schedule;
+                l.chunks = chunks;
+                l.zero = zero;
+                l.offload_optimizer = (offload & 1) != 0;
+                l.offload_layers = (offload & 2) != 0;
+                l.checkpoint = ckpt == 1;
+                l.sequence_parallel = sp == 1;
+                l.param_bf16 = pb == 1;
+                l.delayed_update = delayed == 1;
+                if (dtrain_limitation(l).empty()) out.push_back(l);
               }
             }
           }
         }
       }
+    }
+  }
+  return out;
+}
+
+// Every layout of the cluster's ranks for a model of `layers` blocks that `priced` validates
+// and prices (nullopt: not valid) and that fits, fastest first (the simpler of two equal ones).
+std::vector<Prediction> search_layouts(int64_t layers, bool split_blocks, const Cluster& c, const SearchOptions& o,
+                                       const std::function<std::optional<Prediction>(const Layout&)>& priced) {
+  DTRAIN_CHECK(o.global_batch_rows >= 1, "the search needs the global batch (sequences per step), >= 1");
+  DTRAIN_CHECK(o.max_micro_batch_rows >= 1, "max_micro_batch_rows must be >= 1");
+  auto complexity = [](const Layout& l) {
+    return (l.tp > 1) + (l.pp > 1) + (l.cp > 1) + l.zero + l.offload_optimizer + l.offload_layers + l.checkpoint +
+           (l.chunks > 1) + l.sequence_parallel + l.param_bf16 + l.delayed_update;
+  };
+  std::vector<Prediction> out;
+  for (const Layout& mesh : mesh_layouts(layers, split_blocks, c, o)) {
+    for (const Layout& l : technique_layouts(mesh, c, o)) {
+      std::optional<Prediction> p = priced(l);
+      if (p && p->fits) out.push_back(std::move(*p));
     }
   }
   std::stable_sort(out.begin(), out.end(), [&](const Prediction& a, const Prediction& b) {
