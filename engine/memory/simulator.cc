@@ -547,7 +547,8 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
   const double share = d.cores > 0 && c.gpus_per_node > d.cores ? static_cast<double>(c.gpus_per_node) / d.cores : 1.0;
   // The mesh (pp, dp, cp, tp from the outside in): each axis's stride and link.
   const int replicas = l.dp * l.cp;
-  const Link& dp_link = group_link(c, replicas, l.tp);  // dp x cp: tp-strided ranks of a stage
+  const bool dp_in_node = group_in_node(c, replicas, l.tp);  // dp x cp: tp-strided ranks of a stage
+  const Link& dp_link = dp_in_node ? c.intra : c.inter;
   const Link& pp_link = group_link(c, 2, l.tp * l.cp * l.dp);
   // The layers of the largest stage (for memory; dtrain gives the remainder to the later stages).
   const int64_t stage_layers = (k.layers + l.pp - 1) / l.pp;
@@ -644,7 +645,7 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
     // bandwidth) and over the network between nodes; the rest goes over the device's link.
     const double host_grad_bytes = streamed * wbytes;
     Link host_link = dp_link;
-    if (group_in_node(c, replicas, l.tp)) host_link.bytes_per_s = std::min(c.intra.bytes_per_s, host_bw);
+    if (dp_in_node) host_link.bytes_per_s = std::min(c.intra.bytes_per_s, host_bw);
     const double comm = allreduce_seconds(grad_bytes - host_grad_bytes, replicas, dp_link) +
                         (host_grad_bytes > 0 ? allreduce_seconds(host_grad_bytes, replicas, host_link) : 0.0);
     const double bucket = allreduce_seconds(std::min(grad_bytes, 25.0 * (1 << 20)), replicas, dp_link);

@@ -18,22 +18,25 @@ namespace dtrain::engine {
 
 void validate(const OptimizerOptions& options) { offload::validate_rule(options, "optimizer"); }
 
+namespace {
+// Layer offload is how a GPU model gets parameters on two devices (its streamed blocks' weights
+// live on the host): the advice that names the layout taking both, or nothing.
+std::string two_devices_advice(const at::Tensor& a, const at::Tensor& b, const std::string& who) {
+  if (a.device() == b.device() || !(a.is_cpu() || b.is_cpu())) return "";
+  return ". Layer offload (--offload=layers) keeps the streamed blocks' weights on the host and the rest on the "
+         "device: for a sharded or offloaded optimizer with it use --offload=all (the device part partitioned and "
+         "updated on the host, the streamed blocks updated on the host), or drop " + who;
+}
+}  // namespace
+
 void check_one_flat_space(const std::vector<at::Tensor>& params, const std::string& who) {
   DTRAIN_CHECK(!params.empty(), who, " needs at least one parameter");
   const at::Tensor& first = params.front();
   for (size_t i = 0; i < params.size(); ++i) {
-    // Layer offload is how a GPU model gets parameters on two devices: its streamed blocks'
-    // weights live on the host. Name the layout that takes both.
-    const bool split = params[i].device() != first.device() && (params[i].is_cpu() || first.is_cpu());
     DTRAIN_CHECK(params[i].scalar_type() == first.scalar_type() && params[i].device() == first.device(), who,
                  " needs all parameters in one dtype and device; parameter ", i, " is ", params[i].scalar_type(),
                  " on ", params[i].device(), ", parameter 0 ", first.scalar_type(), " on ", first.device(),
-                 split ? ". Layer offload (--offload=layers) keeps the streamed blocks' weights on the host and the "
-                         "rest on the device: for a sharded or offloaded optimizer with it use --offload=all (the "
-                         "device part partitioned and updated on the host, the streamed blocks updated on the host), "
-                         "or drop "
-                       : "",
-                 split ? who : "");
+                 two_devices_advice(params[i], first, who));
   }
 }
 
