@@ -6,6 +6,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -13,6 +14,7 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/core/ivalue.h>
 #include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <glog/logging.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -203,6 +205,22 @@ void wait_for_deferred_copies() {
   for (c10::Event& e : events) e.synchronize();
 }
 
+// The stream the streamed blocks' gradients leave the device on, one per device, taken from the
+// pool once: beside the compute stream, so the next blocks' backward kernels do not queue
+// behind the copies (the link runs both ways at once: the weights' prefetch comes in on the
+// layer streamer's own stream).
+c10::Stream gradient_copy_stream(c10::Device device) {
+  static std::mutex mu;
+  static std::vector<std::pair<c10::Device, c10::Stream>> streams;
+  std::lock_guard<std::mutex> lock(mu);
+  for (const auto& [d, s] : streams) {
+    if (d == device) return s;
+  }
+  c10::impl::VirtualGuardImpl impl(device.type());
+  streams.emplace_back(device, impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false));
+  return streams.back().second;
+}
+
 void defer_until_backward_ends(c10::Event copied) {
   DeferredCopies& d = deferred_copies();
   {
@@ -288,15 +306,32 @@ variable_list CheckpointFunction::backward(AutogradContext* ctx, variable_list g
     }
     norms = at::_foreach_norm(device_grads, 2, any_double ? at::kDouble : at::kFloat);
   }
+  // The copies run on a side stream that first waits for the compute stream (which made the
+  // gradients); each device gradient is marked used there, so the caching allocator does not
+  // hand its memory to the next block's kernels before its copy has read it.
   std::optional<c10::Device> copied_from;
+  std::optional<c10::Stream> side;
   for (size_t j = 0; j < state->params.size(); ++j) {
     at::Tensor& g = result[first_param + j];
     const at::Tensor& p = state->params[j];
     if (!g.defined() || !p.defined() || g.device() == p.device()) continue;
     if (p.device().is_cpu() && g.is_cuda()) {
+      c10::impl::VirtualGuardImpl impl(g.device().type());
+      if (!side) {
+        copied_from = g.device();
+        side = gradient_copy_stream(g.device());
+        c10::Event produced(g.device().type());
+        produced.record(impl.getStream(g.device()));
+        produced.block(*side);
+      }
+      DTRAIN_CHECK(g.device() == *copied_from, "checkpoint: a block's parameter gradients are on ", *copied_from,
+                   " and ", g.device(), "; keep a checkpointed block's computation on one device");
       at::Tensor host = at::empty(g.sizes(), g.options().device(c10::kCPU).pinned_memory(true));
-      host.copy_(g, /*non_blocking=*/true);
-      copied_from = g.device();
+      {
+        c10::StreamGuard on_side(*side);
+        host.copy_(g, /*non_blocking=*/true);
+      }
+      impl.recordDataPtrOnStream(g.storage().data_ptr(), *side);
       g = host;
     } else {
       g = g.to(p.device());
@@ -304,9 +339,8 @@ variable_list CheckpointFunction::backward(AutogradContext* ctx, variable_list g
   }
   for (size_t k = 0; k < norms.size(); ++k) note_device_norm(result[first_param + to_host[k]], norms[k]);
   if (copied_from) {
-    c10::impl::VirtualGuardImpl impl(copied_from->type());
     c10::Event copied(copied_from->type());
-    copied.record(impl.getStream(*copied_from));
+    copied.record(*side);
     if (adopted) {
       defer_until_backward_ends(std::move(copied));
     } else {

@@ -80,19 +80,27 @@ void LayerStreamer::prefetch(size_t i) {
   c10::Event compute_done(impl_->device.type());
   compute_done.record(impl_->current_stream());
   compute_done.block(*impl_->copy_stream);
-  c10::StreamGuard stream_guard(*impl_->copy_stream);
-  layer.host_of_copy.clear();
-  for (const at::Tensor& p : layer.params) {
-    const at::Tensor h = p.detach();  // the home (not acquired)
-    DTRAIN_CHECK(h.is_cpu(), "layer offload: a parameter of layer ", i, " is on ", h.device(),
-                 " between its uses; its home is host memory");
-    at::Tensor d = at::empty(h.sizes(), h.options().device(impl_->device).pinned_memory(false));
-    d.copy_(h, /*non_blocking=*/true);
-    layer.device.push_back(d);
-    layer.host_of_copy.push_back(h.data_ptr());
+  // Everything is built aside and committed at the end: a copy that throws (out of memory at
+  // the two-blocks-resident peak) leaves the layer without a half-made prefetch.
+  std::vector<at::Tensor> device;
+  std::vector<const void*> sources;
+  {
+    c10::StreamGuard stream_guard(*impl_->copy_stream);
+    for (const at::Tensor& p : layer.params) {
+      const at::Tensor h = p.detach();  // the home (not acquired)
+      DTRAIN_CHECK(h.is_cpu(), "layer offload: a parameter of layer ", i, " is on ", h.device(),
+                   " between its uses; its home is host memory");
+      at::Tensor d = at::empty(h.sizes(), h.options().device(impl_->device).pinned_memory(false));
+      d.copy_(h, /*non_blocking=*/true);
+      device.push_back(std::move(d));
+      sources.push_back(h.data_ptr());
+    }
   }
-  layer.ready.emplace(impl_->device.type());
-  layer.ready->record(*impl_->copy_stream);
+  c10::Event ready(impl_->device.type());
+  ready.record(*impl_->copy_stream);
+  layer.device = std::move(device);
+  layer.host_of_copy = std::move(sources);
+  layer.ready.emplace(std::move(ready));
 }
 
 void LayerStreamer::acquire(size_t i, size_t next) {
@@ -124,7 +132,16 @@ void LayerStreamer::acquire(size_t i, size_t next) {
   // acquired: its weights are cast where they are used (each once per forward).
   layer.autocast_cache_before = at::autocast::is_autocast_cache_enabled();
   at::autocast::set_autocast_cache_enabled(false);
-  if (next < impl_->layers.size() && next != i) prefetch(next);
+  // A prefetch that throws (out of memory) leaves layer i as it was before acquire(), so the
+  // caller's back-off can retry: its parameters on their home, the autocast cache restored.
+  if (next < impl_->layers.size() && next != i) {
+    try {
+      prefetch(next);
+    } catch (...) {
+      release(i);
+      throw;
+    }
+  }
 }
 
 void LayerStreamer::release(size_t i) {

@@ -7,6 +7,7 @@
 #include <functional>
 #include <limits>
 
+#include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
@@ -17,6 +18,7 @@
 #include "dtrain/engine/optim/offload.h"
 #include "dtrain/engine/parallel/reducer.h"
 #include "dtrain/engine/parallel/grad_norm.h"
+#include "dtrain/dist/error.h"
 #include "dtrain/offload/layer_offload.h"
 #include "test_util.h"
 
@@ -256,6 +258,29 @@ TEST(LayerOffloadGpu, AHomeMovedBetweenUsesIsStreamedFromItsNewPlace) {
   EXPECT_EQ(w.data_ptr(), moved.data_ptr()) << "released to the old home";
 }
 
+// A prefetch that fails (here: a parameter of the next layer found on the device between its
+// uses; on a real run, out of memory at the two-blocks peak) leaves the layer being acquired as
+// it was and no half-made copy behind: the caller's back-off can acquire both again.
+TEST(LayerOffloadGpu, AFailedPrefetchLeavesNothingAcquired) {
+  DTRAIN_SKIP_WITHOUT_CUDA();
+  const c10::Device dev(c10::kCUDA, 0);
+  auto blocks = make_blocks(2, 64, dev);
+  offload::LayerStreamer streamer(blocks, dev);
+  at::Tensor bias = blocks[1]->parameters()[1];
+  const at::Tensor home = bias.detach();
+  bias.set_data(home.to(dev));  // prefetch(1) copies the weight, then refuses the bias
+  EXPECT_THROW(streamer.acquire(0, 1), dtrain::Error);
+  for (auto& p : blocks[0]->parameters()) EXPECT_TRUE(p.is_cpu()) << "block 0 was left acquired";
+  EXPECT_TRUE(at::autocast::is_autocast_cache_enabled());
+  bias.set_data(home);
+  streamer.acquire(1, 2);
+  for (auto& p : blocks[1]->parameters()) EXPECT_TRUE(p.is_cuda());
+  streamer.release(1);
+  streamer.acquire(0, 2);
+  streamer.release(0);
+  for (auto& p : blocks[0]->parameters()) EXPECT_TRUE(p.is_cpu());
+}
+
 // Layer offload's delayed update on a GPU (the streamed blocks' update by the CPU kernels one
 // step late, the resident head's at once) trains as the same optimizer on the CPU, where the
 // blocks are named streamed; the blocks' weights stay page-locked as the update swaps their
@@ -348,8 +373,12 @@ TEST(LayerOffloadDelayedGpu, TrainsAsOnTheCpuAndKeepsTheWeightsPageLocked) {
     if (!stepped || net.streamer == nullptr) return;
     for (auto& p : net.streamed) EXPECT_TRUE(p.is_cpu() && p.is_pinned()) << "step " << step;
   };
-  expect_same_run(train_streamed(*comm, c10::Device(c10::kCUDA, 0), make, false, page_locked),
-                  train_streamed(*comm, c10::Device(c10::kCPU), make, false, page_locked));
+  const RunResult cpu = train_streamed(*comm, c10::Device(c10::kCPU), make, false, page_locked);
+  // The host waits per block, and left to backward's end (what the trainer does here).
+  for (const bool defer : {false, true}) {
+    SCOPED_TRACE(defer ? "waits at backward's end" : "waits per block");
+    expect_same_run(train_streamed(*comm, c10::Device(c10::kCUDA, 0), make, defer, page_locked), cpu);
+  }
 }
 
 // --offload=all's delayed update on a GPU: the head's optimizer offload streams its
