@@ -259,6 +259,9 @@ struct FusedAddNormFn : torch::autograd::Function<FusedAddNormFn> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x_in, const std::optional<at::Tensor>& y_opt,
                                const at::Tensor& weight_in, const std::optional<at::Tensor>& bias_opt, double eps,
                                int64_t out_dtype, bool rms) {
+    // An output nothing used (the sum of a post-norm sublayer, whose next residual is the norm)
+    // reaches backward undefined instead of as a tensor of zeros the kernel would read.
+    ctx->set_materialize_grads(false);
     const at::Tensor y_in = y_opt.value_or(at::Tensor()), bias_in = bias_opt.value_or(at::Tensor());
     const c10::DeviceGuard guard(x_in.device());
     const at::Tensor y = y_in.defined() ? y_in.contiguous() : y_in;

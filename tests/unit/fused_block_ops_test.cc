@@ -101,6 +101,29 @@ TEST(FusedBlockOpsCpu, AddLayerNormMatchesTheCompositionInFloat64) {
   }
 }
 
+// An output nothing uses reaches backward undefined (no tensor of zeros made and read): the
+// norm unused, the sum's gradient passes to x and y and the weights get none; the sum unused
+// (a post-norm sublayer), the gradients are the norm's alone.
+TEST(FusedBlockOpsCpu, AnUnusedOutputPassesNoGradient) {
+  const NormCase c{{3, 8}, true, true, true};
+  const NormInputs in = make_norm_inputs(c, 7, at::kDouble, at::kDouble, at::kDouble);
+  {
+    const Leaves f = leaves_of(in);
+    const AddLayerNorm got = fused_add_layer_norm(f.x, f.y, f.w, f.b, 1e-5);
+    (got.sum * in.r2).sum().backward();
+    EXPECT_TRUE(at::equal(f.x.grad(), in.r2));
+    EXPECT_TRUE(at::equal(f.y.grad(), in.r2));
+    EXPECT_FALSE(f.w.grad().defined());
+    EXPECT_FALSE(f.b.grad().defined());
+  }
+  const Leaves f = leaves_of(in), r = leaves_of(in);
+  norm_loss(fused_add_layer_norm(f.x, f.y, f.w, f.b, 1e-5), in, false).backward();
+  norm_loss(composed(r, 1e-5), in, false).backward();
+  EXPECT_LE(max_rel(f.x.grad(), r.x.grad()), 1e-12);
+  EXPECT_LE(max_rel(f.y.grad(), r.y.grad()), 1e-12);
+  EXPECT_LE(max_rel(f.w.grad(), r.w.grad()), 1e-12);
+}
+
 // Autocast's layout: a float32 residual x, a bfloat16 branch y, float32 weights, the norm
 // rounded to bfloat16 for the Linear it feeds. The composition: x + y in float32, layer_norm
 // in float32, then the cast; the fused output is the same single rounding of a float32 norm
