@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 #include <glog/logging.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -683,13 +684,19 @@ void GradReducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
       if (edge.function && !seen.count(edge.function.get())) stack.push_back(edge.function.get());
     }
   }
+  // The parameters the graph accumulates into, by tensor: not by the parameter's current
+  // AccumulateGrad node, which set_data() to another device or dtype forgets (layer offload
+  // moves each streamed block's weights to the GPU and back inside its forward, so the node in
+  // the graph is no longer the one the parameter names).
+  std::unordered_set<const c10::TensorImpl*> reached;
+  for (torch::autograd::Node* n : seen) {
+    if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(n)) reached.insert(acc->variable.unsafeGetTensorImpl());
+  }
   std::lock_guard<std::mutex> lock(state_->mutex);
   if (!state_->sync) return;
   if (!state_->in_step) state_->start_step();
   for (size_t i = 0; i < params_.size(); ++i) {
-    // The parameter's current AccumulateGrad node (the graph just built made it, if it uses it).
-    auto acc = torch::autograd::impl::try_get_grad_accumulator(params_[i]);
-    if ((!acc || !seen.count(acc.get())) && !state_->param_ready[i]) {
+    if (!reached.count(params_[i].unsafeGetTensorImpl()) && !state_->param_ready[i]) {
       state_->mark_ready(i);
       ++state_->stats.unused_parameters;
     }
