@@ -1,6 +1,7 @@
 #include "dtrain/offload/layer_offload.h"
 
 #include <optional>
+#include <unordered_map>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -47,8 +48,20 @@ LayerStreamer::LayerStreamer(std::vector<std::shared_ptr<torch::nn::Module>> lay
   impl_->device = device;
   at::NoGradGuard no_grad;
   const bool pin = device.is_cuda();
+  // Each parameter streamed by one layer: one shared by two would be moved to the device by
+  // the second while the first still uses it, and its gradient (a host copy autograd adopts)
+  // added on the host while the copy may still be in flight.
+  std::unordered_map<const c10::TensorImpl*, size_t> owner;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    DTRAIN_CHECK(layers[i] != nullptr, "layer offload: layer ", i, " is null");
+    for (const at::Tensor& p : layers[i]->parameters()) {
+      const auto [it, fresh] = owner.emplace(p.unsafeGetTensorImpl(), i);
+      DTRAIN_CHECK(fresh, "layer offload: a parameter of shape ", p.sizes(), " belongs to layers ", it->second,
+                   " and ", i, "; each streamed parameter must belong to one layer (untie it, or keep the "
+                   "shared module resident on the device, outside the streamed layers)");
+    }
+  }
   for (auto& module : layers) {
-    DTRAIN_CHECK(module != nullptr, "layer offload: a layer is null");
     Impl::Layer layer;
     for (at::Tensor& p : module->parameters()) {
       at::Tensor host = at::empty(p.sizes(), p.options().device(c10::kCPU).pinned_memory(pin));

@@ -14,6 +14,7 @@
 #include "dtrain/dist/mesh.h"
 #include "dtrain/engine/models/gpt.h"
 #include "dtrain/engine/train/trainer.h"
+#include "dtrain/offload/layer_offload.h"
 #include "offload_engine_cases.h"
 
 namespace dtrain::engine::offload_engine_cases {
@@ -212,6 +213,19 @@ TEST(OffloadAll, TheHostPartLeavesTheGradientStreamToTheDevicePart) {
   const std::vector<at::Tensor> off = train("off"), on = train("on");
   EXPECT_LE(max_rel_error(on, off), 1e-6);
   EXPECT_GT(rel_error(off[0], offload_net(0, kCpu)->parameters()[0]), 1e-3);  // it trained
+}
+
+// A parameter in two streamed layers (a tied weight) is refused when the streamer is built,
+// naming both layers: the second layer's acquire would move it while the first still uses it.
+TEST(OffloadLayers, AParameterInTwoStreamedLayersIsRefused) {
+  auto a = std::make_shared<torch::nn::LinearImpl>(4, 4);
+  auto b = std::make_shared<torch::nn::SequentialImpl>(torch::nn::Linear(4, 4));
+  b->register_module("shared", a);
+  const std::vector<std::shared_ptr<torch::nn::Module>> layers = {a, b};
+  EXPECT_TRUE(testing_util::throws_error_with([&] { offload::LayerStreamer s(layers, c10::Device(c10::kCPU)); },
+                                              "belongs to layers 0 and 1"));
+  const std::vector<std::shared_ptr<torch::nn::Module>> apart = {a, std::make_shared<torch::nn::LinearImpl>(4, 4)};
+  EXPECT_NO_THROW(offload::LayerStreamer(apart, c10::Device(c10::kCPU)));
 }
 
 }  // namespace
