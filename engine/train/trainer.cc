@@ -536,6 +536,13 @@ void Trainer::back_off(int64_t batch_rows) {
                  << " (the global batch is unchanged)";
   }
   accum_steps_ = next;
+  // A captured step (--cuda_graph) holds its memory pool, sized for the old micro-batch, and no
+  // longer matches: dropped, so the smaller retry does not have to fit beside it; the new shape
+  // is captured again.
+  if (graph_) {
+    graph_.reset();
+    graph_shape_noted_ = false;
+  }
 }
 
 void Trainer::apply_update(StepMetrics& m, bool& skipped, const at::Tensor& loss_sum) {

@@ -7,6 +7,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -121,6 +122,26 @@ void warm_up(const GraphedLoss::Fn& fn, const Batch& batch, const std::vector<at
   }
 }
 
+// Ends a capture that failed (fn threw, or a host synchronization invalidated it). A capture
+// that cannot end leaves the allocator routing this thread's allocations to the graph's pool and
+// the pool held: CUDAGraph::capture_end throws before it stops the routing (when the stream's
+// capture was invalidated) and the graph's reset() releases only a capture that ended. Both
+// are undone here, so the eager fallback gets that memory back and no later allocation is
+// filtered for a graph that no longer exists.
+void end_failed_capture(at::cuda::CUDAGraph& graph, at::cuda::MempoolId_t pool) {
+  try {
+    graph.capture_end();
+    return;  // ended: the graph's reset() releases the pool
+  } catch (...) {
+  }
+  const c10::DeviceIndex dev = c10::cuda::current_device();
+  try {
+    c10::cuda::CUDACachingAllocator::endAllocateToPool(dev, pool);
+  } catch (...) {  // capture_end stopped the routing before it threw (instantiation failed)
+  }
+  c10::cuda::CUDACachingAllocator::releasePool(dev, pool);
+}
+
 void capture_into(CudaGraphedLoss& g, const GraphedLoss::Fn& fn, AmpMode amp) {
   Batch batch;
   batch.fields = g.inputs;
@@ -137,10 +158,7 @@ void capture_into(CudaGraphedLoss& g, const GraphedLoss::Fn& fn, AmpMode amp) {
     }
     g.forward_graph.capture_end();
   } catch (...) {
-    try {
-      g.forward_graph.capture_end();
-    } catch (...) {
-    }
+    end_failed_capture(g.forward_graph, pool);
     throw;
   }
   DTRAIN_CHECK(loss.requires_grad(), "--cuda_graph: the loss does not depend on any trained parameter");
@@ -153,10 +171,7 @@ void capture_into(CudaGraphedLoss& g, const GraphedLoss::Fn& fn, AmpMode amp) {
                                     /*create_graph=*/false, /*allow_unused=*/true);
     g.backward_graph.capture_end();
   } catch (...) {
-    try {
-      g.backward_graph.capture_end();
-    } catch (...) {
-    }
+    end_failed_capture(g.backward_graph, pool);
     throw;
   }
   g.loss = loss.detach();
