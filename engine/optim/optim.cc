@@ -213,7 +213,11 @@ void MultiTensorOptimizer::step(const at::Tensor& grad_multiplier) {
       group.host_steps[k] = ++host_steps_[group.indices[k]];
       group.grads.push_back(params_[group.indices[k]].grad());
     }
-    if (skip_.defined()) group.skip = skip_.reshape({}).to(group.device, at::kFloat, /*non_blocking=*/true);
+    // Asynchronous unless it lands on the host (the CPU kernels would read pinned memory that a
+    // device copy has not filled yet), as the multiplier below.
+    if (skip_.defined()) {
+      group.skip = skip_.reshape({}).to(group.device, at::kFloat, /*non_blocking=*/!group.device.is_cpu());
+    }
     if (device_steps_) {
       // A dropped update does not count: + (1 - skip).
       if (group.skip.defined()) {
@@ -257,7 +261,11 @@ void MultiTensorOptimizer::step_unless(const at::Tensor& grad_multiplier, const 
 }
 
 bool MultiTensorOptimizer::dropped(const ParamGroup& group) {
-  return group.skip.defined() && group.skip.item<float>() != 0.0f;
+  if (!group.skip.defined() || group.skip.item<float>() == 0.0f) return false;
+  // A dropped update does not count, as the device step counts do not count it: the next
+  // update's bias correction takes the number of updates taken (torch's skipped step).
+  for (size_t index : group.indices) --host_steps_[index];
+  return true;
 }
 
 void MultiTensorOptimizer::zero_grad() {

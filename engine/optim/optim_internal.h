@@ -85,7 +85,7 @@ class MultiTensorOptimizer : public Optimizer {
   virtual bool fused_kernels_skip() const { return false; }
   // For update()'s paths other than a fused kernel: whether this step's update is dropped
   // (reads group.skip on the host: a synchronization, on the rare groups without a fused kernel).
-  static bool dropped(const ParamGroup& group);
+  bool dropped(const ParamGroup& group);
 
   OptimizerOptions options_;
 

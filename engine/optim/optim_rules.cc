@@ -189,8 +189,9 @@ class Adagrad final : public MultiTensorOptimizer {
     at::_foreach_addcdiv_(group.params, d, std_dev, neg_clrs);
   }
 
-  // CUDA has no fused Adagrad: the _foreach_ path drops a flagged update itself, which needs a
-  // learning rate that does not count host steps (lr_decay 0, the default).
+  // The fused kernel (CPU and CUDA) drops a flagged update itself; the _foreach_ path (fused
+  // off, or a dtype without a fused kernel) drops it by where(), which needs a learning rate
+  // that does not count host steps (lr_decay 0, the default).
   bool skips_on_device() const override { return options_.lr_decay == 0.0; }
 
  private:

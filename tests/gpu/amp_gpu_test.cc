@@ -16,6 +16,7 @@
 #include "dtrain/dist/communicator.h"
 #include "dtrain/engine/memory/activation_checkpoint.h"
 #include "dtrain/engine/optim/amp.h"
+#include "dtrain/engine/optim/optim.h"
 #include "gradscaler_cases.h"
 #include "test_util.h"
 
@@ -166,6 +167,40 @@ void expect_checkpoint_matches_plain(at::ScalarType dtype, AmpMode amp) {
   for (size_t i = 0; i < plain.size(); ++i) {
     EXPECT_TRUE(at::equal(ckpt[i], plain[i]))
         << "item " << i << " rel error " << testing_util::rel_error(ckpt[i], plain[i]);
+  }
+}
+
+// A host parameter group (layer offload's streamed blocks under the ordinary optimizer) with
+// the drop flag on the GPU (the non-finite watch keeps it there): the host kernels read the
+// flag only after it has landed. The flag is made at the end of long device work, so an
+// asynchronous copy into page-locked memory would still be in flight when the CPU update
+// reads it: a NaN step would then be taken (NaN weights), or a finite one dropped.
+TEST(OptimSkipOnDeviceGpu, AHostGroupReadsTheDeviceFlagAfterItLands) {
+  DTRAIN_SKIP_WITHOUT_CUDA();
+  OptimizerOptions o;
+  o.name = "adamw";
+  o.lr = 0.01;
+  std::vector<at::Tensor> params = {at::randn({1 << 16}).requires_grad_(true),
+                                    at::randn({64}, at::TensorOptions().device(kCuda)).requires_grad_(true)};
+  std::unique_ptr<Optimizer> opt = make_optimizer(params, o);
+  ASSERT_TRUE(opt->skips_on_device());
+  const at::Tensor busy = at::randn({4096, 4096}, at::TensorOptions().device(kCuda));
+  for (int trial = 0; trial < 8; ++trial) {
+    const bool drop = trial % 2 == 0;
+    SCOPED_TRACE("trial " + std::to_string(trial) + (drop ? " (dropped)" : ""));
+    params[0].mutable_grad() = drop ? at::full({1 << 16}, std::nan("")) : at::ones({1 << 16});
+    params[1].mutable_grad() = at::ones({64}, at::TensorOptions().device(kCuda));
+    const at::Tensor before = params[0].detach().clone();
+    at::Tensor work = busy;
+    for (int k = 0; k < 20; ++k) work = at::matmul(work, busy).mul_(1e-3);
+    const at::Tensor flag = (work.sum() * 0 + (drop ? 1.0 : 0.0)).reshape({1}).to(at::kFloat);
+    opt->step_unless(at::Tensor(), flag);
+    if (drop) {
+      EXPECT_TRUE(at::equal(params[0].detach(), before)) << "a flagged update changed the host weights";
+    } else {
+      EXPECT_FALSE(at::equal(params[0].detach(), before)) << "an update that was not flagged was dropped";
+      EXPECT_TRUE(params[0].detach().isfinite().all().item<bool>());
+    }
   }
 }
 

@@ -143,7 +143,7 @@ TEST(CudaGraphGpu, AccumulatedMicroBatchesReplayAsTheEagerOnes) {
 
 // The host's synchronizations with the device inside steps 4-8 (batches made beforehand), eager
 // and replayed: none (the non-finite watch reads nothing on the host with AdamW, whose fused
-// kernel drops a flagged update, nor with Adagrad, whose _foreach_ path does on CUDA).
+// kernel drops a flagged update, nor with Adagrad, whose fused kernel does too).
 int64_t syncs_in_steps(bool graph, const std::string& optimizer) {
   SmallGpt small(graph, AmpMode::kBf16, 8, 1, optimizer);
   const GptOptions& go = small.go;

@@ -212,8 +212,8 @@ TEST(UnitStarts, PrefixesCutWholeLayers) {
 
 // step_unless(): a set flag leaves parameters and state (step counts included) as they were,
 // an unset one is step(); the sequence equals step() on the kept steps and skip_step() on the
-// dropped ones. The fused Adam/AdamW kernels and Adagrad (fused on the CPU, _foreach_ with a
-// where() on CUDA; only without lr_decay) drop an update without a host read. Dropped steps'
+// dropped ones. The fused Adam/AdamW kernels and Adagrad (fused, or its _foreach_ path with a
+// where(); only without lr_decay) drop an update without a host read. Dropped steps'
 // gradients hold NaN and Inf, as the non-finite steps that get dropped do.
 TEST(OptimSkipOnDevice, AFlaggedUpdateIsDroppedAndTheOthersAreStep) {
   for (const std::string name : {"adam", "adamw", "adagrad", "adagrad_foreach"}) {
