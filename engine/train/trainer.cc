@@ -334,6 +334,14 @@ std::string Trainer::cuda_graph_refusal() const {
 }
 
 at::Tensor Trainer::micro_batch_loss(const Batch& micro) {
+  if (graph_) {
+    const std::string stale = graph_->stale();
+    if (!stale.empty()) {
+      LOG(WARNING) << "--cuda_graph: " << stale << " since the capture; the step is captured again";
+      graph_.reset();
+      graph_shape_noted_ = false;
+    }
+  }
   if (options_.cuda_graph && !graph_ && !graph_given_up_ && step_ >= options_.cuda_graph_after_steps) {
     const std::string refusal = cuda_graph_refusal();
     if (!refusal.empty()) {

@@ -59,7 +59,9 @@ struct SmallGpt {
 
 // `steps` steps on fixed random batches of `rows` rows (`odd_rows` > 0: every third batch has
 // that many rows instead).
-GraphRun train_gpt(bool graph, AmpMode amp, int steps, int64_t rows, int64_t odd_rows = 0, int accum = 1) {
+// `move_at` > 0: before that step every parameter's data moves to new memory (set_data).
+GraphRun train_gpt(bool graph, AmpMode amp, int steps, int64_t rows, int64_t odd_rows = 0, int accum = 1,
+                   int move_at = 0) {
   SmallGpt small(graph, amp, steps, accum);
   const GptOptions& go = small.go;
   Trainer& trainer = *small.trainer;
@@ -71,6 +73,10 @@ GraphRun train_gpt(bool graph, AmpMode amp, int steps, int64_t rows, int64_t odd
     at::Tensor tokens = at::randint(go.vocab, {n, go.seq_len + 1}, g, at::kLong).to(kCuda);
     Batch b;
     b.fields = {tokens.narrow(1, 0, go.seq_len).contiguous(), tokens.narrow(1, 1, go.seq_len).contiguous()};
+    if (s + 1 == move_at) {
+      at::NoGradGuard no_grad;
+      for (at::Tensor& p : model->parameters()) p.set_data(p.detach().clone());
+    }
     trainer.step(b);
     run.losses.push_back(trainer.last_loss());
   }
@@ -130,6 +136,15 @@ TEST(CudaGraphGpu, ABatchOfOtherShapesRunsEagerly) {
   DTRAIN_SKIP_WITHOUT_CUDA();
   const GraphRun eager = train_gpt(false, AmpMode::kOff, 9, 4, 2);
   const GraphRun graphed = train_gpt(true, AmpMode::kOff, 9, 4, 2);
+  expect_same_training(eager, graphed, 1e-5);
+}
+
+// Parameters moved to new memory after the capture (step 3): the graphs, which read the old
+// addresses, are captured again at step 6 instead of replaying stale (freed) memory.
+TEST(CudaGraphGpu, ParametersMovedAfterTheCaptureAreCapturedAgain) {
+  DTRAIN_SKIP_WITHOUT_CUDA();
+  const GraphRun eager = train_gpt(false, AmpMode::kOff, 9, 4, 0, 1, 6);
+  const GraphRun graphed = train_gpt(true, AmpMode::kOff, 9, 4, 0, 1, 6);
   expect_same_training(eager, graphed, 1e-5);
 }
 

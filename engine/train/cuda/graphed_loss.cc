@@ -49,7 +49,23 @@ class CudaGraphedLoss final : public GraphedLoss {
   at::Tensor loss;                       // written by forward_graph
   at::Tensor grad_out;                   // d(result)/d(loss), read by backward_graph
   std::vector<at::Tensor> grads;         // written by backward_graph (undefined: no gradient)
-  std::vector<at::Tensor> params;
+  std::vector<at::Tensor> params;        // those requiring a gradient at the capture
+  std::vector<at::Tensor> all_params;    // every parameter given, with at the capture:
+  std::vector<const void*> data_at_capture;
+  std::vector<bool> requires_grad_at_capture;
+
+  std::string stale() const override {
+    for (size_t i = 0; i < all_params.size(); ++i) {
+      const at::Tensor& p = all_params[i];
+      if (p.data_ptr() != data_at_capture[i]) {
+        return "parameter " + std::to_string(i) + " (shape " + c10::str(p.sizes()) + ") moved to other memory";
+      }
+      if (p.requires_grad() != requires_grad_at_capture[i]) {
+        return "parameter " + std::to_string(i) + (p.requires_grad() ? " was unfrozen" : " was frozen");
+      }
+    }
+    return "";
+  }
 
   bool matches(const Batch& batch) const override {
     if (batch.fields.size() != inputs.size()) return false;
@@ -215,6 +231,9 @@ std::unique_ptr<GraphedLoss> GraphedLoss::capture(const Fn& fn, const Batch& sam
   auto g = std::make_unique<CudaGraphedLoss>();
   for (const at::Tensor& p : params) {
     if (p.requires_grad()) g->params.push_back(p);
+    g->all_params.push_back(p);
+    g->data_at_capture.push_back(p.data_ptr());
+    g->requires_grad_at_capture.push_back(p.requires_grad());
   }
   DTRAIN_CHECK(!g->params.empty(), "--cuda_graph: no parameter requires a gradient");
   for (const at::Tensor& f : sample.fields) {

@@ -8,7 +8,8 @@
 //
 // Capture needs: a CUDA device; a loss function with no host synchronization, no host-side
 // decision on tensor values and no collective inside; fixed batch shapes (a batch of other
-// shapes runs eagerly); parameters updated in place (their storage fixed). Dropout draws from
+// shapes runs eagerly); parameters updated in place (one that moved to other memory, or was
+// frozen or unfrozen, since the capture is noticed by stale(): the trainer captures again). Dropout draws from
 // the CUDA generator registered with the graph: fresh masks each replay, from another
 // position of the random stream than an eager run.
 #include <cstdint>
@@ -36,6 +37,11 @@ class GraphedLoss {
                                               int warmup);
   // Whether `batch` has the captured batch's field shapes and dtypes.
   virtual bool matches(const Batch& batch) const = 0;
+  // Why the graphs no longer describe the step ("" while they do): a parameter's storage moved
+  // (set_data, a loaded state that replaced a tensor) or its requires_grad changed since the
+  // capture. The graphs read the captured addresses: replayed, they would train the old memory
+  // without a word, so the caller captures again.
+  virtual std::string stale() const = 0;
   // The loss of `batch` (copied into the graph's inputs), connected to the parameters.
   virtual at::Tensor run(const Batch& batch) = 0;
 };
