@@ -254,6 +254,10 @@ std::unique_ptr<GraphedLoss> GraphedLoss::capture(const Fn& fn, const Batch& sam
     batch.fields = g->inputs;
     warm_up(fn, batch, g->params, amp, std::max(warmup, 1));
     side.synchronize();
+    // The warm-up's blocks are cached for the side stream, which nothing allocates on after the
+    // capture (a whole step's activations kept reserved for nothing): returned, as
+    // torch.cuda.graph does before it captures.
+    c10::cuda::CUDACachingAllocator::emptyCache();
     capture_into(*g, fn, amp);
   }
   at::cuda::CUDAEvent captured;
