@@ -3,6 +3,7 @@
 #include <string>
 
 #include <ATen/ATen.h>
+#include <ATen/core/CachingHostAllocator.h>
 #include <ATen/core/grad_mode.h>
 #include <glog/logging.h>
 
@@ -114,6 +115,10 @@ HostShard::HostShard(std::vector<at::Tensor>& params, const OptimizerOptions& op
   offsets_.push_back(0);
   for (const at::Tensor& p : params) offsets_.push_back(offsets_.back() + p.numel());
   point_params_at_flat();
+  // The parameters' former page-locked homes (the layer streamer's, one per parameter) are free
+  // now, but PyTorch's host allocator keeps a freed block page-locked for a later request of
+  // the same rounded size, which none makes: returned to the system.
+  if (pinned_) at::getHostAllocator(at::kCUDA)->empty_cache();
   cpu_ = std::make_unique<offload::CpuOptimizer>(params, cpu_options(options, dp.rank(), dp.size(), offload.threads),
                                                  *pool_);
   cpu_->set_output(flat_);
