@@ -230,7 +230,8 @@ step_s2s_graph() {
 # SwiGLU) eager with Llama's ops (DTRAIN_FUSED_BLOCK_OPS=0) and with the fused RMSNorm and SwiGLU.
 step_kernels() {
   need_build || return 1
-  bench "fused kernels against the ATen ops they replace (dtrain-bench fused_ce, fused_block); a Llama step without and with them" \
+  SHOW="dtrain-bench fused_ce; dtrain-bench fused_block; DTRAIN_FUSED_BLOCK_OPS=0 then 1 train_gpt --model=llama (124M, GQA) --amp=bf16" \
+    bench "fused kernels against the ATen ops they replace (dtrain-bench fused_ce, fused_block); a Llama step without and with them" \
     '"bench"|trained|MFU|block ops' \
     bash -c '"$1/dtrain-bench" fused_ce && "$1/dtrain-bench" fused_block || exit
       for f in 0 1; do
