@@ -63,6 +63,6 @@ int main(int argc, char** argv) {
     return benches.at(argv[1])(ctx);
   } catch (const Error& e) {
     std::fprintf(stderr, "dtrain-bench: %s\n", e.what());
-    return kExitUsage;
+    return exit_code_of(e);
   }
 }

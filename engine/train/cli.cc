@@ -582,7 +582,7 @@ int run_main(const std::string& program, const std::function<int()>& body) {
     return kExitRequeue;
   } catch (const Error& e) {
     std::fprintf(stderr, "%s: %s\n", program.c_str(), e.what());
-    return kExitUsage;
+    return exit_code_of(e);  // 1 for a library's failure (CUDA, NCCL, MPI), 2 for a user's mistake
   } catch (const c10::Error& e) {
     std::fprintf(stderr, "%s: %s\n", program.c_str(), e.what_without_backtrace());
     return kExitFailure;

@@ -3,8 +3,9 @@
 //  * User mistakes (a bad flag, a shape that does not divide, a missing file) throw
 //    dtrain::Error from DTRAIN_CHECK with a message that names the bad value and the fix.
 //    Programs catch it in main(), print it and exit with kExitUsage.
-//  * Library failures (CUDA, NCCL, MPI) throw dtrain::Error from the backend's check macro,
-//    whose message adds file:line, rank, host and the library's version.
+//  * Library failures (CUDA, NCCL, MPI) throw dtrain::LibraryError (a dtrain::Error) from the
+//    backend's check macro, whose message adds file:line, rank, host and the library's
+//    version. Programs exit with kExitFailure (exit_code_of()).
 //  * A collective that does not finish within its timeout ends the process with
 //    kExitCollectiveTimeout after logging what timed out (no exception: the peer is gone).
 //  * Expected failures (no checkpoint yet) are returned as values, not thrown.
@@ -27,6 +28,20 @@ class Error : public std::runtime_error {
  public:
   explicit Error(const std::string& what) : std::runtime_error(what) {}
 };
+
+// A failure of a library dtrain calls (CUDA, NCCL, MPI), thrown by DTRAIN_LIBRARY_FAILURE: not
+// the user's input, so programs exit with kExitFailure (a scheduler may retry) instead of
+// kExitUsage.
+class LibraryError : public Error {
+ public:
+  using Error::Error;
+};
+
+// The exit code of a program that stops on `e`: kExitFailure for a library failure,
+// kExitUsage for the rest (a user mistake, whose message names the fix).
+inline int exit_code_of(const Error& e) {
+  return dynamic_cast<const LibraryError*>(&e) != nullptr ? kExitFailure : kExitUsage;
+}
 
 namespace detail {
 inline void append(std::ostringstream&) {}
@@ -57,9 +72,9 @@ void set_process_identity(int rank, int world_size, const std::string& host);
     }                                                                   \
   } while (0)
 
-// Throws dtrain::Error tagged with where and who, for failures of libraries we call.
+// Throws dtrain::LibraryError tagged with where and who, for failures of libraries we call.
 #define DTRAIN_LIBRARY_FAILURE(library, ...)                                            \
-  throw ::dtrain::Error(::dtrain::detail::concat(library, " failure at ", __FILE__, ":", \
+  throw ::dtrain::LibraryError(::dtrain::detail::concat(library, " failure at ", __FILE__, ":", \
                                                  __LINE__, " (", ::dtrain::process_identity(), \
                                                  "): ", __VA_ARGS__))
 
