@@ -19,7 +19,9 @@
 #include <nccl.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <mutex>
+#include <string>
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAEvent.h>
@@ -574,6 +576,13 @@ std::string gpu_pci_bus_id(c10::Device device) {
 std::unique_ptr<Communicator> make_nccl_communicator(const World& world, c10::Device device,
                                                      CommOptions options,
                                                      std::unique_ptr<Communicator> partner) {
+  // dtrain drives blocking communicators: each NCCL call has completed or failed when it
+  // returns (ncclInProgress is not polled). NCCL_COMM_BLOCKING=0 overrides the configuration
+  // and makes calls return ncclInProgress, which would read as a failure after start-up.
+  const char* blocking = std::getenv("NCCL_COMM_BLOCKING");
+  DTRAIN_CHECK(blocking == nullptr || std::string(blocking) != "0", "--backend=nccl drives blocking NCCL "
+               "communicators, but the environment sets NCCL_COMM_BLOCKING=0; unset it (dtrain's watchdog "
+               "already bounds every collective by --collective_timeout_s)");
   DTRAIN_CHECK(device.is_cuda(), "the nccl backend needs a CUDA device, but this rank uses ",
                device, "; use --backend=mpi for CPU training");
   CommOptions cpu_options = options;

@@ -86,6 +86,19 @@ TEST(Registry, NcclNeedsACudaDevice) {
   }
 }
 
+// NCCL_COMM_BLOCKING=0 would turn every NCCL call into ncclInProgress, which dtrain does not
+// poll: refused before NCCL starts, naming the variable.
+TEST(Registry, NcclRefusesNonBlockingCommunicatorsFromTheEnvironment) {
+  auto names = available_backends();
+  if (std::find(names.begin(), names.end(), "nccl") == names.end()) GTEST_SKIP() << "built without NCCL";
+  setenv("NCCL_COMM_BLOCKING", "0", 1);
+  struct Unset {
+    ~Unset() { unsetenv("NCCL_COMM_BLOCKING"); }
+  } unset;
+  EXPECT_TRUE(testing_util::throws_error_with([] { create_communicator("nccl", World{}, c10::Device(c10::kCPU)); },
+                                              "NCCL_COMM_BLOCKING=0; unset it"));
+}
+
 TEST(Registry, AutoChoosesMpiWhenRanksShareAGpu) {
   World w;
   w.size = 4;
