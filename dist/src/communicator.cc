@@ -71,6 +71,21 @@ void check_pair(const Communicator& comm, const char* op, const at::Tensor& in, 
                " but output on ", out.device());
 }
 
+// An all_gather's input (a reduce_scatter's output) may share memory with the whole buffer only
+// as this rank's own slice of it, the one in-place form NCCL and MPI define; any other overlap
+// gives undefined, silently wrong data.
+void check_rank_slice(const Communicator& comm, const char* op, const char* part_name, const at::Tensor& part,
+                      const at::Tensor& whole) {
+  const auto* p = static_cast<const char*>(part.data_ptr());
+  const auto* w = static_cast<const char*>(whole.data_ptr());
+  const int64_t pn = static_cast<int64_t>(part.nbytes()), wn = static_cast<int64_t>(whole.nbytes());
+  if (pn == 0 || wn == 0 || p >= w + wn || w >= p + pn) return;  // apart
+  DTRAIN_CHECK(p == w + comm.rank() * pn, comm.name(), ".", op, ": the ", part_name,
+               " overlaps the other buffer but is not this rank's slice of it (rank ", comm.rank(), ": elements [",
+               comm.rank() * part.numel(), ", ", (comm.rank() + 1) * part.numel(), ")); pass that slice for an "
+               "in-place operation, or separate buffers");
+}
+
 void check_reduce(const Communicator& comm, const char* op, ReduceOp r, const at::Tensor& t) {
   DTRAIN_CHECK(r != ReduceOp::kAvg || at::isFloatingType(t.scalar_type()), comm.name(), ".", op,
                ": avg needs a floating-point tensor, got ", t.scalar_type(),
@@ -333,6 +348,7 @@ WorkPtr Communicator::all_gather(const at::Tensor& input, const at::Tensor& outp
   DTRAIN_CHECK(output.numel() == input.numel() * size_, name(), ".all_gather: output has ",
                output.numel(), " elements; it needs size() x input = ", size_, " x ",
                input.numel(), " = ", input.numel() * size_);
+  check_rank_slice(*this, "all_gather", "input", input, output);
   return submit(Op{OpType::kAllGather, input, output, ReduceOp::kSum, 0, 0});
 }
 
@@ -379,6 +395,7 @@ WorkPtr Communicator::reduce_scatter(const at::Tensor& input, const at::Tensor& 
   DTRAIN_CHECK(input.numel() == output.numel() * size_, name(), ".reduce_scatter: input has ",
                input.numel(), " elements; it needs size() x output = ", size_, " x ",
                output.numel(), " = ", output.numel() * size_);
+  check_rank_slice(*this, "reduce_scatter", "output", output, input);
   return submit(Op{OpType::kReduceScatter, input, output, op, 0, 0});
 }
 

@@ -99,6 +99,22 @@ TEST(Registry, NcclRefusesNonBlockingCommunicatorsFromTheEnvironment) {
                                               "NCCL_COMM_BLOCKING=0; unset it"));
 }
 
+// all_gather's input and reduce_scatter's output may share the other buffer's memory only as
+// this rank's slice (in place); another overlap is refused before the backend reads either.
+TEST(Collectives, AnOverlapThatIsNotTheRanksSliceIsRefused) {
+  auto comm = create_communicator("local", World{}, c10::Device(c10::kCPU));
+  at::Tensor buf = at::arange(8, at::kFloat);
+  const at::Tensor whole = buf.narrow(0, 0, 4), shifted = buf.narrow(0, 1, 4);
+  EXPECT_TRUE(testing_util::throws_error_with([&] { comm->all_gather(shifted, whole); },
+                                              "is not this rank's slice of it (rank 0: elements [0, 4))"));
+  EXPECT_TRUE(testing_util::throws_error_with([&] { comm->reduce_scatter(whole, shifted); },
+                                              "the output overlaps the other buffer"));
+  comm->all_gather(whole, whole)->wait();  // in place: this rank's slice
+  EXPECT_TRUE(at::equal(whole, at::arange(4, at::kFloat)));
+  comm->reduce_scatter(buf.narrow(0, 4, 4), buf.narrow(0, 0, 4))->wait();  // apart
+  EXPECT_TRUE(at::equal(buf.narrow(0, 0, 4), at::arange(4, 8, at::kFloat)));
+}
+
 TEST(Registry, AutoChoosesMpiWhenRanksShareAGpu) {
   World w;
   w.size = 4;
