@@ -68,7 +68,9 @@ DTRAIN_HOST_NORM_CLONES double sum_squares_f64(const double* p, int64_t n) {
 DTRAIN_HOST_NORM_CLONES double sum_squares_bf16(const c10::BFloat16* p, int64_t n) {
   return sum_squares_blocks<c10::BFloat16, float>(p, n);
 }
-double sum_squares_f16(const c10::Half* p, int64_t n) { return sum_squares_blocks<c10::Half, float>(p, n); }
+DTRAIN_HOST_NORM_CLONES double sum_squares_f16(const c10::Half* p, int64_t n) {
+  return sum_squares_blocks<c10::Half, float>(p, n);
+}
 
 double sum_squares(const at::Tensor& t, int64_t begin, int64_t n) {
   switch (t.scalar_type()) {
