@@ -136,6 +136,16 @@ void Watchdog::unwatch(uint64_t token) {
   watched_.erase(token);
 }
 
+WatchedCall::WatchedCall(std::string what, std::chrono::milliseconds timeout) {
+  Watchdog::Entry entry;
+  entry.what = std::move(what);
+  entry.timeout = timeout;
+  entry.done = [] { return false; };  // done when the scope ends (unwatch)
+  token_ = Watchdog::instance().watch(std::move(entry));
+}
+
+WatchedCall::~WatchedCall() { Watchdog::instance().unwatch(token_); }
+
 void Watchdog::set_timeout_handler_for_testing(std::function<void(const std::string&)> handler) {
   std::lock_guard<std::mutex> lock(mutex_);
   on_timeout_ = std::move(handler);

@@ -13,7 +13,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-#include <vector>
 
 #include "dtrain/dist/communicator.h"
 
@@ -153,6 +152,22 @@ class Watchdog {
   bool stopped_ = false;                 // guarded by mutex_
   std::function<void(const std::string&)> on_timeout_;  // guarded by mutex_
   std::shared_ptr<std::function<void(const std::string&)>> on_warning_;  // guarded by mutex_
+};
+
+// A blocking call nothing can interrupt from outside (ncclCommInitRank, ncclCommSplit,
+// MPI_Comm_split: each waits for every member to arrive), bounded like a collective: while the
+// scope lives the watchdog watches it, and past `timeout` the process ends with the timeout
+// message naming `what` (a peer that died before arriving would otherwise hang the rest for
+// good). The scope's end marks it done.
+class WatchedCall {
+ public:
+  WatchedCall(std::string what, std::chrono::milliseconds timeout);
+  ~WatchedCall();
+  WatchedCall(const WatchedCall&) = delete;
+  WatchedCall& operator=(const WatchedCall&) = delete;
+
+ private:
+  uint64_t token_ = 0;
 };
 
 // Describes an operation for messages: "all_reduce #3 on 'world' (mpi, rank 0/2, float32[4,4], sum)";

@@ -361,6 +361,10 @@ class MpiCommunicator final : public Communicator {
   std::unique_ptr<Communicator> do_split(int color, int key, CommOptions child) override {
     std::unique_ptr<Communicator> result;
     executor_->run_sync([&] {
+      // The split and the health service's registration wait for every member.
+      WatchedCall bounded(detail::concat("MPI_Comm_split of '", name(), "' into '", child.name, "' (mpi, rank ",
+                                         rank(), "/", size(), ")"),
+                          options().timeout);
       MPI_Comm sub = MPI_COMM_NULL;
       {
         auto lock = runtime_->lock();
@@ -635,6 +639,10 @@ std::unique_ptr<Communicator> make_mpi_communicator(const World& world, c10::Dev
   MPI_Comm comm = MPI_COMM_NULL;
   int rank = 0, size = 0;
   std::shared_ptr<HealthTicket> health;
+  // MPI_Comm_dup and the health service's registration wait for every rank.
+  WatchedCall bounded(detail::concat("MPI_Comm_dup of MPI_COMM_WORLD for '", options.name, "' (mpi, rank ",
+                                     world.rank, "/", world.size, ")"),
+                      options.timeout);
   {
     auto lock = runtime->lock();
     MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm));

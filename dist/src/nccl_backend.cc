@@ -393,6 +393,9 @@ class NcclCommunicator final : public Communicator {
     ncclComm_t sub = nullptr;
     {
       std::lock_guard<std::mutex> lock(issue_mutex_);
+      WatchedCall bounded(
+          detail::concat("ncclCommSplit of '", name(), "' into '", child.name, "' (nccl, rank ", rank(), "/", size(), ")"),
+          options().timeout);
       checked(ncclCommSplit(handle_->comm(), color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &sub, nullptr),
               "ncclCommSplit");
     }
@@ -597,7 +600,12 @@ std::unique_ptr<Communicator> make_nccl_communicator(const World& world, c10::De
   cpu->broadcast(id_bytes, 0)->wait();
   c10::cuda::CUDAGuard guard(device);
   ncclComm_t comm = nullptr;
-  NCCL_CHECK(ncclCommInitRank(&comm, cpu->size(), id, cpu->rank()));
+  {
+    WatchedCall bounded(detail::concat("ncclCommInitRank of '", options.name, "' (nccl, rank ", cpu->rank(), "/",
+                                       cpu->size(), ")"),
+                        options.timeout);
+    NCCL_CHECK(ncclCommInitRank(&comm, cpu->size(), id, cpu->rank()));
+  }
   // The watchdog stops polling at exit before the CUDA runtime (initialized by now, so its
   // teardown handler was registered earlier and runs later) is torn down.
   static std::once_flag stop_watchdog_at_exit;

@@ -5,6 +5,8 @@
 //                    promptly, non-zero, with rank 1's message (not hang, not wait for the timeout)
 //   --mode=p2p_stall rank 0 sends a large message that rank 1 never receives: the watchdog must
 //                    end the job by the timeout, naming the send and the peer
+//   --mode=split_stall  rank 1 never joins a split of the communicator; rank 0's split (a
+//                    blocking MPI_Comm_split) must end the job by the timeout, naming the split
 //   --mode=drain     the other ranks' health services do not answer (as if stopped) and they
 //                    join rank 0's all-reduce after its stall check; the job must finish
 //                    normally, the unanswered question drained before MPI_Finalize
@@ -20,7 +22,7 @@
 #include "dtrain/dist/error.h"
 #include "dtrain/dist/logging.h"
 
-DEFINE_string(mode, "timeout", "timeout, mismatch, lone_failure, p2p_stall or drain");
+DEFINE_string(mode, "timeout", "timeout, mismatch, lone_failure, p2p_stall, split_stall or drain");
 DEFINE_double(timeout_s, 2.0, "collective timeout");
 
 namespace {
@@ -69,6 +71,16 @@ int main(int argc, char** argv) {
         return 0;
       }
       std::this_thread::sleep_for(options.timeout * 10);
+      return 0;
+    }
+    if (FLAGS_mode == "split_stall") {
+      comm->barrier()->wait();
+      if (comm->rank() != 0) {
+        std::this_thread::sleep_for(options.timeout * 10);  // a rank that died before the split
+        return 0;
+      }
+      auto child = comm->split(0, 0, "tp");
+      std::printf("split returned although rank 1 never joined it\n");
       return 0;
     }
     if (FLAGS_mode == "drain") {

@@ -315,5 +315,31 @@ TEST(WatchdogDeathTest, TimeoutExitsWithTheTimeoutCode) {
       testing::ExitedWithCode(kExitCollectiveTimeout), "collective timeout: barrier #7");
 }
 
+// A blocking call bounded by WatchedCall (a communicator's creation waiting for a peer that
+// died) is reported at its timeout; one that returns in time is not.
+TEST(Watchdog, AWatchedCallIsBoundedByItsTimeout) {
+  std::mutex m;
+  std::vector<std::string> messages;
+  Watchdog::instance().set_timeout_handler_for_testing([&](const std::string& msg) {
+    std::lock_guard<std::mutex> lock(m);
+    messages.push_back(msg);
+  });
+  {
+    WatchedCall quick("ncclCommInitRank of 'quick' (fake)", std::chrono::milliseconds(300));
+  }
+  {
+    WatchedCall stuck("ncclCommInitRank of 'world' (fake nccl, rank 0/2)", std::chrono::milliseconds(300));
+    std::this_thread::sleep_for(std::chrono::milliseconds(900));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(400));  // the quick one, had it stayed watched
+  Watchdog::instance().set_timeout_handler_for_testing(nullptr);
+  std::lock_guard<std::mutex> lock(m);
+  ASSERT_EQ(messages.size(), 1u);
+  EXPECT_NE(messages[0].find("collective timeout: ncclCommInitRank of 'world' (fake nccl, rank 0/2) did not complete "
+                             "within 0.3 s"),
+            std::string::npos)
+      << messages[0];
+}
+
 }  // namespace
 }  // namespace dtrain::dist
