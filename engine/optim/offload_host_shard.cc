@@ -8,6 +8,7 @@
 #include <glog/logging.h>
 
 #include "dtrain/dist/error.h"
+#include "dtrain/offload/page_locked.h"
 #include "dtrain/offload/thread_pool.h"
 #include "offload_internal.h"
 
@@ -101,10 +102,14 @@ HostShard::HostShard(std::vector<at::Tensor>& params, const OptimizerOptions& op
   // Host parameters in page-locked memory (layer offload streams them to a GPU from there) stay
   // page-locked: the copies to the device read the flat buffers.
   pinned_ = !device_ && at::hasCUDA() && first.is_pinned();
-  flat_ = at::zeros({offload::padded_numel(numel_, dp.size())},
-                    first.options().requires_grad(false).pinned_memory(pinned_ ? std::optional<bool>(true) : std::nullopt));
+  const int64_t padded = offload::padded_numel(numel_, dp.size());
+  // Page-locked at its exact size: PyTorch's pinned tensors round up to a power of two (a 40 GiB
+  // model's weights would lock 64 GiB).
+  flat_ = pinned_ ? offload::page_locked_empty({padded}, first.scalar_type())
+                  : at::empty({padded}, first.options().requires_grad(false));
   {
     at::NoGradGuard no_grad;
+    flat_.narrow(0, numel_, padded - numel_).zero_();  // the padding; the parameters fill the rest
     int64_t offset = 0;
     for (at::Tensor& p : params) {
       flat_.narrow(0, offset, p.numel()).view(p.sizes()).copy_(p.detach());

@@ -5,13 +5,15 @@
 #include <glog/logging.h>
 
 #include "dtrain/dist/error.h"
+#include "dtrain/offload/page_locked.h"
 #include "offload_internal.h"
 
 namespace dtrain::engine::offload_detail {
 
 DelayedUpdater::DelayedUpdater(HostShard& shard) : shard_(shard) {
-  next_ = at::zeros({shard.cpu().shard().size()},
-                    shard.flat().options().pinned_memory(shard.pinned() ? std::optional<bool>(true) : std::nullopt));
+  const int64_t n = shard.cpu().shard().size();
+  next_ = shard.pinned() ? offload::page_locked_empty({n}, shard.flat().scalar_type()).zero_()  // exact size
+                         : at::zeros({n}, shard.flat().options());
   if (const auto& device = shard.device()) {
     c10::impl::VirtualGuardImpl impl(device->type());
     update_stream_ = impl.getStreamFromGlobalPool(*device, /*isHighPriority=*/false);

@@ -13,6 +13,7 @@
 #include <glog/logging.h>
 
 #include "dtrain/dist/error.h"
+#include "dtrain/offload/page_locked.h"
 
 namespace dtrain::offload {
 
@@ -64,7 +65,10 @@ LayerStreamer::LayerStreamer(std::vector<std::shared_ptr<torch::nn::Module>> lay
   for (auto& module : layers) {
     Impl::Layer layer;
     for (at::Tensor& p : module->parameters()) {
-      at::Tensor host = at::empty(p.sizes(), p.options().device(c10::kCPU).pinned_memory(pin));
+      // Page-locked at its exact size when large (page_locked.h: PyTorch's pinned blocks are
+      // powers of two, up to twice the weights).
+      at::Tensor host = pin ? page_locked_empty(p.sizes(), p.scalar_type())
+                            : at::empty(p.sizes(), p.options().device(c10::kCPU));
       host.copy_(p.detach());
       p.set_data(host);
       layer.params.push_back(p);

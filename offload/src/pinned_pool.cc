@@ -46,12 +46,6 @@ void advise_huge_pages(void* data, int64_t bytes) {
   if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
 }
 
-int64_t next_power_of_two(int64_t x) {
-  int64_t p = 1;
-  while (p < x) p <<= 1;
-  return p;
-}
-
 }  // namespace
 
 int64_t host_limit_bytes_from_gb(double gib, const std::string& flag) {
@@ -78,6 +72,7 @@ int64_t read_mem_available(const std::string& meminfo_path) {
 struct PinnedPool::State {
   PinnedPoolOptions options;
   bool pin = false;
+  std::shared_ptr<HostPageLocker> locker;  // where pinned blocks are locked (pin only)
   mutable std::mutex mutex;
   int64_t used = 0;                // GUARDED_BY(mutex)
   int64_t peak = 0;                // GUARDED_BY(mutex)
@@ -94,14 +89,17 @@ PinnedPool::PinnedPool(PinnedPoolOptions options) : state_(std::make_shared<Stat
                " must be >= 0 (0: no cap); check ", options.limit_flag);
   DTRAIN_CHECK(options.min_free_bytes >= 0,
                "pinned host pool: min_free_bytes = ", options.min_free_bytes, " must be >= 0");
-  state_->pin = options.pin && at::hasCUDA();
+  DTRAIN_CHECK(options.exact_pin_min_bytes >= 1, "pinned host pool: exact_pin_min_bytes = ",
+               options.exact_pin_min_bytes, " must be >= 1");
+  state_->locker = options.page_locker ? options.page_locker : cuda_page_locker();
+  state_->pin = options.pin && state_->locker != nullptr;
   state_->options = std::move(options);
 }
 
 PinnedPool::~PinnedPool() = default;
 
 int64_t PinnedPool::charged_bytes(int64_t bytes) const {
-  return state_->pin ? next_power_of_two(bytes) : bytes;
+  return state_->pin ? page_locked_footprint(bytes, state_->options.exact_pin_min_bytes) : bytes;
 }
 
 at::Tensor PinnedPool::allocate(int64_t bytes) { return allocate_bytes(bytes, state_->pin); }
@@ -148,7 +146,8 @@ at::Tensor PinnedPool::allocate_bytes(int64_t bytes, bool pin) {
   }
   at::Tensor raw;
   try {
-    raw = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(pin));
+    raw = pin ? page_locked_empty({bytes}, at::kByte, state_->locker, opt.exact_pin_min_bytes)
+              : at::empty({bytes}, at::TensorOptions().dtype(at::kByte));
   } catch (const std::exception& e) {
     state_->release(charge);
     throw Error("pinned host pool: allocating " + format_bytes(charge) + " of " + what +

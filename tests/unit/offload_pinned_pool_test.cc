@@ -6,12 +6,16 @@
 
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <mutex>
 #include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "dtrain/dist/error.h"
+#include "dtrain/offload/page_locked.h"
 #include "dtrain/offload/pinned_pool.h"
 #include "test_util.h"
 
@@ -42,6 +46,121 @@ class FakeMeminfo {
 
 using testing_util::error_of;
 
+// A page locker without a GPU: ordinary aligned memory, each block's size recorded, releases
+// counted, and a failure on demand. It stands in for the CUDA runtime's cudaHostAlloc path.
+class FakeLocker final : public HostPageLocker {
+ public:
+  void* allocate(int64_t bytes) override {
+    if (fail) throw Error("fake locker: cannot lock " + std::to_string(bytes) + " bytes");
+    void* p = std::aligned_alloc(64, static_cast<size_t>((bytes + 63) / 64 * 64));
+    std::lock_guard<std::mutex> lock(mutex);
+    live[p] = bytes;
+    ++allocations;
+    return p;
+  }
+  void release(void* p) noexcept override {
+    std::lock_guard<std::mutex> lock(mutex);
+    released_sizes.push_back(live.count(p) ? live[p] : -1);  // -1: not one of ours
+    live.erase(p);
+    std::free(p);
+  }
+  bool fail = false;
+  std::mutex mutex;
+  std::map<void*, int64_t> live;
+  std::vector<int64_t> released_sizes;
+  int allocations = 0;
+};
+
+TEST(PageLocked, FootprintIsThePagesOfALargeRequestAndAPowerOfTwoOfASmallOne) {
+  EXPECT_EQ(page_locked_footprint(3000), 4096);          // PyTorch's cache: a power of two
+  EXPECT_EQ(page_locked_footprint(9 * kMiB), 16 * kMiB);  // still under the exact threshold
+  EXPECT_EQ(page_locked_footprint(kExactPinMinBytes), kExactPinMinBytes);
+  // 40 GiB of streamed weights take 40 GiB and a page, not the 64 GiB of the next power of two.
+  EXPECT_EQ(page_locked_footprint((int64_t{40} << 30) + 1), (int64_t{40} << 30) + 4096);
+  EXPECT_EQ(page_locked_footprint(6000000, kMiB), 1465 * 4096);  // pages, rounded up
+}
+
+TEST(PageLocked, ALargeRequestIsLockedAtItsExactSizeAndReturnedWithItsLastView) {
+  auto locker = std::make_shared<FakeLocker>();
+  at::Tensor view;
+  {
+    at::Tensor t = page_locked_empty({5, 300000}, at::kFloat, locker, kMiB);
+    ASSERT_EQ(locker->allocations, 1);
+    EXPECT_EQ(locker->live.begin()->second, 6000000) << "exactly the tensor's bytes, no rounding";
+    EXPECT_EQ(t.data_ptr(), locker->live.begin()->first);
+    EXPECT_EQ(t.sizes(), (std::vector<int64_t>{5, 300000}));
+    EXPECT_EQ(t.scalar_type(), at::kFloat);
+    EXPECT_TRUE(t.is_cpu() && t.is_contiguous());
+    t.fill_(0.5f);
+    EXPECT_EQ(t.sum().item<double>(), 750000.0);
+    view = t.narrow(1, 10, 4);
+  }
+  EXPECT_TRUE(locker->released_sizes.empty()) << "a view keeps the block";
+  EXPECT_EQ(view.sum().item<float>(), 10.0f);
+  view = at::Tensor();
+  EXPECT_EQ(locker->released_sizes, (std::vector<int64_t>{6000000})) << "returned once, when the last view died";
+  EXPECT_TRUE(locker->live.empty());
+}
+
+TEST(PageLocked, WithoutADeviceOrWhenLockingFailsItSaysSo) {
+  std::string msg = error_of([] { page_locked_empty({4 * kMiB}, at::kFloat, nullptr, kMiB); });
+  EXPECT_NE(msg.find("needs a CUDA device"), std::string::npos) << msg;
+  auto locker = std::make_shared<FakeLocker>();
+  locker->fail = true;
+  msg = error_of([&] { page_locked_empty({4 * kMiB}, at::kFloat, locker, kMiB); });
+  EXPECT_NE(msg.find("cannot lock 16777216 bytes"), std::string::npos) << msg;
+  EXPECT_TRUE(locker->live.empty());
+  EXPECT_TRUE(locker->released_sizes.empty());
+}
+
+// The pool's large pinned blocks take their pages, not a power of two: 5 MiB + 1 byte under a
+// 6 MiB cap fits (PyTorch's cache would take 8 MiB and be refused), is charged its pages, and
+// is uncharged and returned when its last view dies, also after the pool is gone.
+TEST(OffloadPinnedPool, LargePinnedBlocksAreChargedTheirPagesNotAPowerOfTwo) {
+  auto locker = std::make_shared<FakeLocker>();
+  PinnedPoolOptions options;
+  options.page_locker = locker;
+  options.exact_pin_min_bytes = 1;  // every request exact: the small ones' cache needs CUDA
+  options.limit_bytes = 6 * kMiB;
+  at::Tensor kept;
+  {
+    PinnedPool pool(options);
+    EXPECT_TRUE(pool.pinned()) << "a locker of the test's own pins without a device";
+    const int64_t bytes = 5 * kMiB + 1;
+    EXPECT_EQ(pool.charged_bytes(bytes), 5 * kMiB + 4096);
+    at::Tensor a = pool.allocate(bytes);
+    EXPECT_EQ(a.numel(), bytes);
+    ASSERT_EQ(locker->allocations, 1);
+    EXPECT_EQ(locker->live.begin()->second, bytes);
+    EXPECT_EQ(pool.used_bytes(), 5 * kMiB + 4096);
+    a.fill_(1);
+    EXPECT_EQ(a.sum().item<int64_t>(), bytes);
+    // Over the cap: refused before the locker is asked.
+    const std::string msg = error_of([&] { pool.allocate(kMiB); });
+    EXPECT_NE(msg.find("cap is in use"), std::string::npos) << msg;
+    EXPECT_EQ(locker->allocations, 1);
+    a = at::Tensor();
+    EXPECT_EQ(pool.used_bytes(), 0);
+    EXPECT_EQ(locker->released_sizes, (std::vector<int64_t>{bytes}));
+    // A failure of the locker: a clear error, nothing charged.
+    locker->fail = true;
+    const std::string failed = error_of([&] { pool.allocate(2 * kMiB); });
+    EXPECT_NE(failed.find("pinned host pool: allocating 2.00 MiB (2097152 bytes) of pinned host memory failed"),
+              std::string::npos)
+        << failed;
+    EXPECT_NE(failed.find("fake locker: cannot lock 2097152 bytes"), std::string::npos) << failed;
+    EXPECT_EQ(pool.used_bytes(), 0);
+    locker->fail = false;
+    kept = pool.allocate(1000, at::kFloat);
+    EXPECT_EQ(pool.used_bytes(), 4096);
+  }
+  kept.fill_(2.0f);  // outlives the pool
+  EXPECT_EQ(kept.sum().item<float>(), 2000.0f);
+  kept = at::Tensor();
+  EXPECT_TRUE(locker->live.empty());
+  EXPECT_EQ(locker->released_sizes.size(), 2u);
+}
+
 TEST(OffloadPinnedPool, AllocatesAndAccounts) {
   PinnedPool pool;
   EXPECT_EQ(pool.pinned(), at::hasCUDA());
@@ -70,7 +189,7 @@ TEST(OffloadPinnedPool, AllocatesAndAccounts) {
   }
   EXPECT_EQ(pool.used_bytes(), 0);
   EXPECT_EQ(pool.peak_bytes(), pool.charged_bytes(1000) + pool.charged_bytes(1200));
-  // Pageable memory is charged as asked; pinned blocks as the power of two PyTorch takes.
+  // Pageable memory is charged as asked; small pinned blocks as the power of two PyTorch takes.
   EXPECT_EQ(pool.charged_bytes(3000), pool.pinned() ? 4096 : 3000);
 }
 

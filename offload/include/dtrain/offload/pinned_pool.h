@@ -2,19 +2,19 @@
 // optimizer state, copy-back staging buffers, offloaded layers.
 //
 // allocate() returns a 1-D uint8 CPU tensor. When a CUDA device is present (and
-// options.pin), the memory is page-locked (at::empty(..., pinned_memory(true)), PyTorch's
-// CachingHostAllocator) so device copies from and to it run asynchronously at full PCIe
-// speed. Without a CUDA device page-locking is not possible through libtorch, and ordinary
-// host memory is returned (pinned() says which); everything else behaves the same.
+// options.pin), the memory is page-locked (page_locked.h: large requests at their exact size,
+// small ones from PyTorch's caching host allocator) so device copies from and to it run
+// asynchronously at full PCIe speed. Without a CUDA device there is nothing to lock for, and
+// ordinary host memory is returned (pinned() says which); everything else behaves the same.
 //
 // Two checks run before any memory is taken, each a dtrain::Error that names the request,
 // what is in use and the fix, so a job stops with a message instead of the node's
 // out-of-memory killer ending it:
 //  * the cap (options.limit_bytes, from --host_mem_limit_gb): used + request > cap;
 //  * the machine: request > MemAvailable (/proc/meminfo) - options.min_free_bytes.
-// A request counts what it really takes: pinned blocks are rounded up to a power of two by
-// PyTorch's allocator, so that rounded size is charged (charged_bytes()). Freed pinned blocks
-// stay cached by that allocator for reuse, and are not returned to the system.
+// A request counts what it really takes (charged_bytes()): a large pinned block its pages, a
+// small one the power of two PyTorch's allocator rounds it to. Freed large blocks go back to the
+// system; freed small ones stay cached by PyTorch's allocator for reuse.
 //
 // The memory is released (and uncharged) when the last tensor sharing it is destroyed, which
 // may be after the pool itself is gone. Contents are uninitialized.
@@ -26,6 +26,8 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+
+#include "dtrain/offload/page_locked.h"
 
 namespace dtrain::offload {
 
@@ -46,6 +48,13 @@ struct PinnedPoolOptions {
   // pages (madvise MADV_HUGEPAGE; a hint, ignored where THP is off): fewer TLB misses when
   // the optimizer streams through gigabytes (~10% faster steps measured on the CPU).
   bool huge_pages = true;
+  // Pinned requests of at least this many bytes are page-locked at their exact size; smaller
+  // ones come from PyTorch's caching host allocator (page_locked_empty()).
+  int64_t exact_pin_min_bytes = kExactPinMinBytes;
+  // Where the exact page-locked blocks come from; null: the CUDA runtime (cuda_page_locker()).
+  // One of a test's own also makes the pool pin without a CUDA device (then every request
+  // must be at least exact_pin_min_bytes: the small ones' cache needs CUDA).
+  std::shared_ptr<HostPageLocker> page_locker;
 };
 
 // GiB (2^30 bytes) as given to --host_mem_limit_gb -> bytes (0 stays 0: no cap). Throws
@@ -75,7 +84,7 @@ class PinnedPool {
   // and lock memory the system could otherwise page. Charged exactly, under the same checks.
   at::Tensor allocate_pageable(int64_t numel, at::ScalarType dtype);
 
-  // What allocate(bytes) charges: bytes, or the next power of two when pinning.
+  // What allocate(bytes) charges: bytes, or when pinning page_locked_footprint(bytes).
   int64_t charged_bytes(int64_t bytes) const;
   int64_t used_bytes() const;   // charged and not yet released
   int64_t peak_bytes() const;   // the most used_bytes() has been
