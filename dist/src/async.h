@@ -154,8 +154,8 @@ class Watchdog {
   std::shared_ptr<std::function<void(const std::string&)>> on_warning_;  // guarded by mutex_
 };
 
-// A blocking call nothing can interrupt from outside (ncclCommInitRank, ncclCommSplit,
-// MPI_Comm_split: each waits for every member to arrive), bounded like a collective: while the
+// A blocking call nothing can interrupt from outside (ncclCommInitRank, MPI_Comm_dup of WORLD,
+// Communicator::split: each waits for every member to arrive), bounded like a collective: while the
 // scope lives the watchdog watches it, and past `timeout` the process ends with the timeout
 // message naming `what` (a peer that died before arriving would otherwise hang the rest for
 // good). The scope's end marks it done.

@@ -408,6 +408,12 @@ std::unique_ptr<Communicator> Communicator::split(int color, int key, const std:
   child.name = options_.name + "/" + suffix;
   GroupTurn turn(group_->mutex, group_->mine());
   std::lock_guard<std::mutex> lock(*submit_mutex_);
+  // Every member must arrive (MPI_Comm_split, ncclCommSplit, the health service's registration)
+  // and nothing interrupts the wait: bounded like a collective, so a peer that died between
+  // start-up and the split ends the job with the timeout message instead of hanging the rest.
+  WatchedCall bounded(detail::concat("split of '", name(), "' into '", child.name, "' (", backend(), ", rank ", rank_,
+                                     "/", size_, ")"),
+                      options_.timeout);
   return do_split(color, key, std::move(child));
 }
 

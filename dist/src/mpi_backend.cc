@@ -361,10 +361,8 @@ class MpiCommunicator final : public Communicator {
   std::unique_ptr<Communicator> do_split(int color, int key, CommOptions child) override {
     std::unique_ptr<Communicator> result;
     executor_->run_sync([&] {
-      // The split and the health service's registration wait for every member.
-      WatchedCall bounded(detail::concat("MPI_Comm_split of '", name(), "' into '", child.name, "' (mpi, rank ",
-                                         rank(), "/", size(), ")"),
-                          options().timeout);
+      // The split and the health service's registration wait for every member (bounded by
+      // Communicator::split's watch).
       MPI_Comm sub = MPI_COMM_NULL;
       {
         auto lock = runtime_->lock();

@@ -392,10 +392,7 @@ class NcclCommunicator final : public Communicator {
     c10::cuda::CUDAGuard guard(device_);
     ncclComm_t sub = nullptr;
     {
-      std::lock_guard<std::mutex> lock(issue_mutex_);
-      WatchedCall bounded(
-          detail::concat("ncclCommSplit of '", name(), "' into '", child.name, "' (nccl, rank ", rank(), "/", size(), ")"),
-          options().timeout);
+      std::lock_guard<std::mutex> lock(issue_mutex_);  // bounded by Communicator::split's watch
       checked(ncclCommSplit(handle_->comm(), color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &sub, nullptr),
               "ncclCommSplit");
     }

@@ -176,7 +176,8 @@ class Communicator {
 
   // Collective and synchronous: ranks passing the same color form a new communicator,
   // ranked by (key, rank). Returns nullptr for color < 0 (the rank joins no group). The
-  // child inherits options (timeout, debug) and is named "<name>/<suffix>".
+  // child inherits options (timeout, debug) and is named "<name>/<suffix>". Bounded by the
+  // timeout like a collective: a member that never arrives ends the process (exit 124).
   std::unique_ptr<Communicator> split(int color, int key, const std::string& suffix);
 
   // For benchmarks only: the backend's own blocking all-reduce (sum) of input into output
