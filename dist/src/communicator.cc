@@ -404,6 +404,14 @@ WorkPtr Communicator::barrier() {
 }
 
 std::unique_ptr<Communicator> Communicator::split(int color, int key, const std::string& suffix) {
+  return split_as(color, key, suffix, /*host_only=*/false);
+}
+
+std::unique_ptr<Communicator> Communicator::split_host(int color, int key, const std::string& suffix) {
+  return split_as(color, key, suffix, /*host_only=*/true);
+}
+
+std::unique_ptr<Communicator> Communicator::split_as(int color, int key, const std::string& suffix, bool host_only) {
   CommOptions child = options_;
   child.name = options_.name + "/" + suffix;
   GroupTurn turn(group_->mutex, group_->mine());
@@ -414,7 +422,7 @@ std::unique_ptr<Communicator> Communicator::split(int color, int key, const std:
   WatchedCall bounded(detail::concat("split of '", name(), "' into '", child.name, "' (", backend(), ", rank ", rank_,
                                      "/", size_, ")"),
                       options_.timeout);
-  return do_split(color, key, std::move(child));
+  return host_only ? do_split_host(color, key, std::move(child)) : do_split(color, key, std::move(child));
 }
 
 CommGroup::~CommGroup() {

@@ -400,6 +400,11 @@ class NcclCommunicator final : public Communicator {
     return std::make_unique<NcclCommunicator>(sub, std::move(cpu_child), device_, std::move(child));
   }
 
+  // Host tensors only: the MPI partner's split, no NCCL communicator.
+  std::unique_ptr<Communicator> do_split_host(int color, int key, CommOptions child) override {
+    return cpu_->split(color, key, child.name.substr(child.name.rfind('/') + 1));
+  }
+
   std::vector<int64_t> exchange(const std::vector<int64_t>& mine) override {
     at::Tensor in = at::tensor(mine, at::kLong);
     at::Tensor out = at::empty({static_cast<int64_t>(mine.size()) * size()}, at::kLong);

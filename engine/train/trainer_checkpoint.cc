@@ -52,7 +52,8 @@ std::string Trainer::save_checkpoint(const DataLoader* loader) {
 void Trainer::save_checkpoint_async(const DataLoader* loader) {
   wait_for_save();
   // Collective on every rank at the same step (the first periodic save), so the split agrees.
-  if (!save_comm_) save_comm_ = mesh_.world().split(0, mesh_.world().rank(), "checkpoint");
+  // The save agrees over host tensors only: no NCCL communicator of its own.
+  if (!save_comm_) save_comm_ = mesh_.world().split_host(0, mesh_.world().rank(), "checkpoint");
   auto save = std::make_shared<PreparedCheckpoint>(prepare_save(loader, /*own_copies=*/true));
   last_saved_step_ = step_;
   // The writer thread works on this rank's device (a new thread's current CUDA device is GPU

@@ -163,6 +163,14 @@ TEST(GpuCollectives, NcclBackendAtThisWorldSize) {
   auto sub = c->split(0, testing_util::world().rank, "all");
   ASSERT_NE(sub, nullptr);
   check_all_collectives(*sub, *dev);
+  // A host-only split makes no NCCL communicator: its partner's (MPI, local alone), for host tensors.
+  auto host = c->split_host(0, testing_util::world().rank, "host");
+  ASSERT_NE(host, nullptr);
+  EXPECT_STRNE(host->backend(), "nccl");  // mpi, or local for a lone process
+  EXPECT_EQ(host->size(), testing_util::world().size);
+  at::Tensor flag = at::ones({1}, at::kLong);
+  host->all_reduce(flag)->wait();
+  EXPECT_EQ(flag.item<int64_t>(), testing_util::world().size);
 }
 
 // Send and receive of CUDA tensors: each rank sends to the next (itself at one rank) inside

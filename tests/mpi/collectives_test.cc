@@ -267,6 +267,18 @@ TEST(MpiCollectives, SplitGroupsRankByKeyAndReduceWithinGroup) {
   ASSERT_NE(nested, nullptr);
   EXPECT_EQ(nested->size(), sub->size());
   EXPECT_EQ(nested->name(), "world/parity/all");
+  // A host-only split (the MPI backend's is split()'s): the same groups, host collectives.
+  auto host = c.split_host(r % 2, -r, "parity_host");
+  ASSERT_NE(host, nullptr);
+  EXPECT_EQ(host->size(), sub->size());
+  EXPECT_EQ(host->rank(), sub->rank());
+  EXPECT_EQ(host->name(), "world/parity_host");
+  at::Tensor h = at::full({3}, r + 1, at::kLong);
+  host->all_reduce(h)->wait();
+  int64_t want = 0;
+  for (int q : members) want += q + 1;
+  EXPECT_EQ(h[2].item<int64_t>(), want);
+  EXPECT_EQ(c.split_host(r == 0 ? -1 : 0, r, "host_no0") == nullptr, r == 0);
 }
 
 TEST(MpiCollectives, MeshSplitsTensorThenDataParallel) {

@@ -179,6 +179,11 @@ class Communicator {
   // child inherits options (timeout, debug) and is named "<name>/<suffix>". Bounded by the
   // timeout like a collective: a member that never arrives ends the process (exit 124).
   std::unique_ptr<Communicator> split(int color, int key, const std::string& suffix);
+  // split() for a communicator that will carry host (CPU) tensors only, such as a background
+  // checkpoint's agreement: the NCCL backend splits only the MPI communicator beside it, so no
+  // NCCL communicator is made (no GPU buffers, no NCCL set-up); the others split as split().
+  // Give the child host tensors only: over NCCL it is the MPI (or lone local) partner's.
+  std::unique_ptr<Communicator> split_host(int color, int key, const std::string& suffix);
 
   // For benchmarks only: the backend's own blocking all-reduce (sum) of input into output
   // (in place when they are the same tensor) from the calling thread, bypassing the queue,
@@ -209,6 +214,10 @@ class Communicator {
   };
   virtual WorkPtr enqueue_p2p(P2pOp op);
   virtual std::unique_ptr<Communicator> do_split(int color, int key, CommOptions child) = 0;
+  // split_host()'s: split() unless the backend has a host partner to split instead.
+  virtual std::unique_ptr<Communicator> do_split_host(int color, int key, CommOptions child) {
+    return do_split(color, key, std::move(child));
+  }
   // A group's begin and end as the backend sees them, on the group's thread (the base class
   // keeps the thread ownership). Defaults: nothing (operations run one by one).
   virtual void do_begin_group() {}
@@ -220,6 +229,7 @@ class Communicator {
  private:
   WorkPtr submit(Op op);
   WorkPtr submit_p2p(OpType type, const at::Tensor& tensor, int peer);
+  std::unique_ptr<Communicator> split_as(int color, int key, const std::string& suffix, bool host_only);
   void check_matching(const Op& op);
 
   int rank_;
