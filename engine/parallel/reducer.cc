@@ -670,8 +670,12 @@ void GradReducer::set_sync(bool enabled) {
 
 void GradReducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   if (!state_->options.find_unused_parameters) return;
-  // Every node reachable from the outputs' graph.
+  // Every node reachable from the outputs' graph, and the parameters it accumulates into, by
+  // tensor: not by the parameter's current AccumulateGrad node, which set_data() to another
+  // device or dtype forgets (layer offload moves each streamed block's weights to the GPU and
+  // back inside its forward, so the node in the graph is no longer the one the parameter names).
   std::unordered_set<torch::autograd::Node*> seen;
+  std::unordered_set<const c10::TensorImpl*> reached;
   std::vector<torch::autograd::Node*> stack;
   for (const at::Tensor& out : outputs) {
     if (out.defined() && out.grad_fn()) stack.push_back(out.grad_fn().get());
@@ -680,17 +684,10 @@ void GradReducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
     torch::autograd::Node* n = stack.back();
     stack.pop_back();
     if (!seen.insert(n).second) continue;
+    if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(n)) reached.insert(acc->variable.unsafeGetTensorImpl());
     for (const auto& edge : n->next_edges()) {
       if (edge.function && !seen.count(edge.function.get())) stack.push_back(edge.function.get());
     }
-  }
-  // The parameters the graph accumulates into, by tensor: not by the parameter's current
-  // AccumulateGrad node, which set_data() to another device or dtype forgets (layer offload
-  // moves each streamed block's weights to the GPU and back inside its forward, so the node in
-  // the graph is no longer the one the parameter names).
-  std::unordered_set<const c10::TensorImpl*> reached;
-  for (torch::autograd::Node* n : seen) {
-    if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(n)) reached.insert(acc->variable.unsafeGetTensorImpl());
   }
   std::lock_guard<std::mutex> lock(state_->mutex);
   if (!state_->sync) return;
