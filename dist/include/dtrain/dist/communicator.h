@@ -144,17 +144,19 @@ class Communicator {
 
   // Point to point (pipeline stages), not collective: only this rank and `peer` take part.
   // send: `tensor` goes to rank `peer` of this communicator. recv: `tensor`, whose shape and
-  // dtype the receiver fixes, is filled from `peer`; a message of another size is an error
-  // at wait(). A rank's sends to one peer match that peer's receives from it one to one, in
-  // issue order, whatever else either issues in between; a rank may send to itself. Both are
+  // dtype the receiver fixes, is filled from `peer`; over MPI and local a message of another
+  // size is an error at wait(), while NCCL cannot tell (the pair never completes, and the
+  // timeout below names it). A rank's sends to one peer match that peer's receives from it one
+  // to one, in issue order, whatever else either issues in between; a rank may send to itself
+  // (over NCCL inside a group with the matching receive). Both are
   // asynchronous: the Work's sequence() counts the operations of that direction with that
   // peer (send #3 to rank 1). The MPI and local backends do not order them with this
   // communicator's collectives; NCCL runs both on one stream in issue order (see the top of
   // this file: issue them so that no rank can wait for a peer that waits for it).
   // The timeout, the stall warning and the watchdog's exit apply as to collectives, naming
   // the peer ("send #3 to rank 1 on 'world' (mpi, rank 0/2, float32[8,1024])"). With
-  // DTRAIN_DEBUG_COLLECTIVES=1 each message carries its dtype and shape, and a receive that
-  // expected another is reported naming both sides. Backends without point to point (none
+  // DTRAIN_DEBUG_COLLECTIVES=1 each MPI or local message carries its dtype and shape, and a
+  // receive that expected another is reported naming both sides. Backends without point to point (none
   // of the built-in ones) throw dtrain::Error.
   WorkPtr send(const at::Tensor& tensor, int peer);
   WorkPtr recv(const at::Tensor& tensor, int peer);
