@@ -3,6 +3,9 @@
 #include "dtrain/offload/page_locked.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/accumulate.h>
+
+#include <algorithm>
 
 #include "dtrain/dist/error.h"
 
@@ -26,11 +29,9 @@ int64_t page_locked_footprint(int64_t bytes, int64_t exact_min_bytes) {
 
 at::Tensor page_locked_empty(at::IntArrayRef sizes, at::ScalarType dtype, const std::shared_ptr<HostPageLocker>& locker,
                              int64_t exact_min_bytes) {
-  int64_t numel = 1;
-  for (int64_t s : sizes) {
-    DTRAIN_CHECK(s >= 0, "page-locked host memory: negative size in ", sizes);
-    numel *= s;
-  }
+  DTRAIN_CHECK(std::all_of(sizes.begin(), sizes.end(), [](int64_t s) { return s >= 0; }),
+               "page-locked host memory: negative size in ", sizes);
+  const int64_t numel = c10::multiply_integers(sizes);
   DTRAIN_CHECK(locker != nullptr, "page-locked host memory of ", sizes, " ", dtype,
                " needs a CUDA device to lock it for (none is visible, or dtrain was built without CUDA)");
   const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
