@@ -19,6 +19,10 @@
 
 namespace dtrain::engine::offload_engine_cases {
 
+// The host device, for the CPU tests of these cases (one definition: the test binaries compile
+// their files in unity batches).
+inline const c10::Device kCpu(c10::kCPU);
+
 using testing_util::rel_error;
 
 // Odd sizes, so the shards of 2 or 4 ranks cut through parameters (223 elements).

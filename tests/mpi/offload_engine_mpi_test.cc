@@ -9,7 +9,6 @@ namespace dtrain::engine::offload_engine_cases {
 namespace {
 
 using testing_util::world_comm;
-const c10::Device kCpu(c10::kCPU);
 
 TEST(OffloadEngineMpi, StreamedGradientsUpdateAsGradientsReadAfterBackward) {
   expect_streaming_matches_reading_grad(world_comm(), kCpu, streaming_adamw(), small_buckets(), 1.0);

@@ -16,7 +16,6 @@
 namespace dtrain::engine::offload_engine_cases {
 namespace {
 
-const c10::Device kCpu(c10::kCPU);
 
 TEST(OffloadDelayedLocal, MatchesTheReferenceOnOneRank) {
   std::unique_ptr<dist::Communicator> comm = testing_util::local_comm();

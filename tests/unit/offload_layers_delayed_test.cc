@@ -20,7 +20,6 @@
 namespace dtrain::engine::offload_engine_cases {
 namespace {
 
-const c10::Device kCpu(c10::kCPU);
 
 OffloadOptions delayed_after(int64_t warmup) {
   OffloadOptions o;
