@@ -62,6 +62,7 @@ ExampleModel seq2seq(const Run& run) {
   mo.max_len = S;
   mo.inplace = FLAGS_inplace;
   mo.checkpoint_activations = engine::cli::flags().checkpoint_activations;
+  mo.checkpoint_layers = engine::cli::flags().checkpoint_blocks;
   torch::manual_seed(engine::cli::flags().seed);
   auto model = engine::Seq2Seq(mo).ptr();
   model->to(run.device);
@@ -78,7 +79,10 @@ ExampleModel seq2seq(const Run& run) {
     b.fields.push_back(random_tokens(rows, 2 * S + 1, device));
     return b;
   };
-  m.set_checkpointing = [model](bool on) { model->options.checkpoint_activations = on; };
+  m.set_checkpointing = [model](bool on, int blocks) {
+    model->options.checkpoint_activations = on;
+    model->options.checkpoint_layers = blocks;
+  };
   m.block_prefixes = {"encoder.", "decoder."};
   m.blocks = 2 * FLAGS_layers;
   m.input_bytes_per_row = (2 * S + 1) * 8;
@@ -207,6 +211,7 @@ ExampleModel decoder_lm(const Run& run, const std::string& name, std::shared_ptr
   if (load) load(*model);
   model->to(run.device);
   t.checkpoint_activations = engine::cli::flags().checkpoint_activations;
+  t.checkpoint_blocks = engine::cli::flags().checkpoint_blocks;
   t.device = run.device;
   m.spec = spec;
   // For what runs outside the trainer (memory probes, a teacher): the spec with checkpointing
@@ -227,7 +232,7 @@ ExampleModel decoder_lm(const Run& run, const std::string& name, std::shared_ptr
     b.fields.push_back(random_tokens(rows, S + 1, device));
     return b;
   };
-  m.set_checkpointing = [a = m.applied](bool on) { a->set_checkpoint_activations(on); };
+  m.set_checkpointing = [a = m.applied](bool on, int blocks) { a->set_checkpoint_activations(on, blocks); };
   m.block_prefixes = {"blocks."};
   m.blocks = static_cast<int>(model->blocks->size());  // a pipeline stage's own
   // ZeRO-3's units: --shard_units, else the embeddings, each block, the head (a stage's own).
@@ -453,6 +458,9 @@ ExampleModel build_example_model(const std::string& model, const Run& run) {
                    : model == "llama" ? llama(run)
                    : model == "cnn"   ? cnn(run)
                                       : mlp(run);
+  DTRAIN_CHECK(engine::cli::flags().checkpoint_blocks == -1 || m.set_checkpointing, "--checkpoint_blocks=",
+               engine::cli::flags().checkpoint_blocks, ": the ", model, " model has no blocks to choose from; drop "
+               "--checkpoint_blocks");
   m.module->train();
   return m;
 }
@@ -482,6 +490,8 @@ engine::PlanInputs plan_inputs(const Run& run, ExampleModel& m, const engine::Tr
   in.tp = tp;
   in.dp = run.mesh->replicas().size();  // the ranks the optimizer state splits over (dp x cp)
   in.layers = m.blocks;
+  // The library's decoders stack one block type; the seq2seq's encoder and decoder layers differ.
+  in.uniform_blocks = m.spec.has_value();
   in.input_bytes_per_row = m.input_bytes_per_row;
   in.input_batches = 1 + engine::cli::flags().prefetch;  // the step's batch and the loader's prefetched ones
   in.optimizer = options.optimizer.name;
@@ -547,7 +557,7 @@ engine::ActivationProfile probe_example_model(const Run& run, ExampleModel& m,
   try {
     profile = engine::probe_activations(
         [&](int64_t rows, bool checkpoint) {
-          if (m.set_checkpointing) m.set_checkpointing(checkpoint);
+          if (m.set_checkpointing) m.set_checkpointing(checkpoint, -1);
           if (!m.stage_forward) return m.loss(m.synthetic_batch(rows));
           // A pipeline stage: the activation it would receive (a leaf that needs its gradient,
           // as the trainer's), its forward, and for all but the last stage a backward seeded
@@ -561,11 +571,15 @@ engine::ActivationProfile probe_example_model(const Run& run, ExampleModel& m,
         },
         m.module->parameters(), run.device, po);
   } catch (...) {
-    if (m.set_checkpointing) m.set_checkpointing(engine::cli::flags().checkpoint_activations);
+    if (m.set_checkpointing) {
+      m.set_checkpointing(engine::cli::flags().checkpoint_activations, engine::cli::flags().checkpoint_blocks);
+    }
     m.module->train(was_training);
     throw;
   }
-  if (m.set_checkpointing) m.set_checkpointing(engine::cli::flags().checkpoint_activations);
+  if (m.set_checkpointing) {
+    m.set_checkpointing(engine::cli::flags().checkpoint_activations, engine::cli::flags().checkpoint_blocks);
+  }
   m.module->train(was_training);
   return profile;
 }
@@ -633,6 +647,7 @@ engine::sim::Layout simulator_layout(int tp, int pp, int cp, int dp) {
   l.offload_layers = offload.layers;
   l.delayed_update = f.offload_delayed_update_after >= 0;
   l.checkpoint = f.checkpoint_activations;
+  l.checkpoint_blocks = f.checkpoint_activations ? f.checkpoint_blocks : -1;
   l.sequence_parallel = f.sequence_parallel;
   l.bf16 = f.amp != "off";
   l.param_bf16 = engine::parse_param_dtype(f.param_dtype) == at::kBFloat16;
@@ -658,6 +673,7 @@ std::function<double(const engine::Technique&)> simulator_step_time(const Run& r
     l.accum_steps = t.accum_steps;
     l.micro_batch_rows = rows / t.accum_steps;
     l.checkpoint = t.checkpoint;
+    l.checkpoint_blocks = t.checkpoint ? t.checkpoint_blocks : -1;
     l.bf16 = t.amp != engine::AmpMode::kOff;
     l.offload_optimizer = t.offload_optimizer;
     l.offload_layers = t.offload_layers;
@@ -700,8 +716,9 @@ void plan_and_apply(const Run& run, ExampleModel& model, engine::TrainerOptions&
     // Every rank applies the plan that fits on every rank (measurements differ slightly
     // between data-parallel ranks, and a pipeline's stages hold different layers).
     engine::Plan plan = engine::choose_plan(in, profile, engine::agreement_over(*run.comm));
-    if (model.set_checkpointing) model.set_checkpointing(plan.technique.checkpoint);
+    if (model.set_checkpointing) model.set_checkpointing(plan.technique.checkpoint, plan.technique.checkpoint_blocks);
     options.checkpoint_activations = plan.technique.checkpoint;
+    options.checkpoint_blocks = plan.technique.checkpoint ? plan.technique.checkpoint_blocks : -1;
     options.accum_steps = plan.technique.accum_steps;
     offload.optimizer = offload.optimizer || plan.technique.offload_optimizer;
     offload.layers = offload.layers || plan.technique.offload_layers;

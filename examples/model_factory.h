@@ -32,8 +32,9 @@ struct ExampleModel {
   // A batch of `rows` random rows on the device, shaped as the example's batches. Draws from
   // the default generators.
   std::function<engine::Batch(int64_t rows)> synthetic_batch;
-  // Switches activation checkpointing of every block; null for a model without blocks.
-  std::function<void(bool)> set_checkpointing;
+  // Switches activation checkpointing of the blocks (on, and how many: the first N of the rank's
+  // blocks, -1 all, as --checkpoint_blocks); null for a model without blocks.
+  std::function<void(bool on, int blocks)> set_checkpointing;
   // Parameter-name prefixes of the blocks (what layer offload would stream) and their number.
   std::vector<std::string> block_prefixes;
   int blocks = 0;

@@ -85,7 +85,9 @@ void verify(const examples::Run& run, examples::ExampleModel& m, const engine::P
   o.timeline_path.clear();
   o.save_dir.clear();
   o.memory_report_step = 0;
-  if (m.set_checkpointing) m.set_checkpointing(engine::cli::flags().checkpoint_activations);
+  if (m.set_checkpointing) {
+    m.set_checkpointing(engine::cli::flags().checkpoint_activations, engine::cli::flags().checkpoint_blocks);
+  }
   engine::release_cached_memory(run.device);
   bool capped = false;
   if (engine::cli::flags().gpu_mem_limit_gb > 0) {
@@ -194,6 +196,7 @@ int plan_main(int argc, char** argv) {
 
   engine::Technique current;
   current.checkpoint = engine::cli::flags().checkpoint_activations;
+  current.checkpoint_blocks = engine::cli::flags().checkpoint_blocks;
   current.accum_steps = engine::cli::flags().accum_steps;
   current.amp = in.amp;
   current.offload_optimizer = engine::cli::flags().offload == "optimizer" || engine::cli::flags().offload == "all";

@@ -302,10 +302,11 @@ void calibrate(const Run& run, ExampleModel& m, const engine::TrainerOptions& op
   one.micro_batch_rows = rows;
   one.bf16 = f.amp == "bf16";
   one.checkpoint = f.checkpoint_activations;
+  one.checkpoint_blocks = f.checkpoint_activations ? f.checkpoint_blocks : -1;
   sim::Cluster single = c;
   single.nodes = 1;
   single.gpus_per_node = 1;
-  if (m.set_checkpointing) m.set_checkpointing(f.checkpoint_activations);
+  if (m.set_checkpointing) m.set_checkpointing(f.checkpoint_activations, f.checkpoint_blocks);
   // At the micro-batch and at a quarter of it (caches make small ones faster per token on a CPU).
   double fb = 0, fb_predicted = 0;
   for (int64_t r : {std::max<int64_t>(1, rows / 4), rows}) {
@@ -354,6 +355,7 @@ void calibrate(const Run& run, ExampleModel& m, const engine::TrainerOptions& op
   layout.accum_steps = f.accum_steps;
   layout.bf16 = one.bf16;
   layout.checkpoint = one.checkpoint;
+  layout.checkpoint_blocks = one.checkpoint_blocks;
   const sim::Prediction before = sim::simulate(shape, c, layout);
   const double measured = engine::median_of(steps);
   c.step_overhead_s = std::max(0.0, measured - before.step_s);

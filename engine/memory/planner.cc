@@ -76,6 +76,20 @@ std::vector<int> accum_candidates(const PlanInputs& in) {
   return out;
 }
 
+// Checkpointing's candidates: 0 (off), -1 (every block) and, with L = PlanInputs::layers >= 2
+// uniform blocks and no pipeline stages (whose stages hold different blocks), the first k for k
+// at the eighths of L (every k from 1 to L - 1 when L <= 8). The same list on every rank of one
+// model, so a PlanAgreement compares like with like.
+std::vector<int> checkpoint_candidates(const PlanInputs& in) {
+  std::vector<int> out = {0, -1};
+  if (!in.can_checkpoint || !in.uniform_blocks || in.layers < 2 || in.pp > 1) return out;
+  for (int j = 1; j <= 7; ++j) {
+    const int k = std::clamp((j * in.layers + 4) / 8, 1, in.layers - 1);
+    if (out.back() != k) out.push_back(k);
+  }
+  return out;
+}
+
 // Compute seconds per row and per micro-batch for an AMP mode: PlanInputs' figures where
 // given, else the line through the probe's two timings, else the defaults.
 std::pair<double, double> compute_rates(const PlanInputs& in, const ActivationProfile& profile,
@@ -103,11 +117,19 @@ std::pair<double, double> compute_rates(const PlanInputs& in, const ActivationPr
   return {per_row, per_micro};
 }
 
+// The share of the blocks recomputed in backward: checkpointing's (all, or the first
+// checkpoint_blocks of PlanInputs::layers), and every streamed block with layer offload.
+double recomputed_share(const PlanInputs& in, const Technique& t) {
+  if (t.offload_layers) return 1;
+  if (!t.checkpoint || t.checkpoint_blocks == 0) return 0;
+  if (t.checkpoint_blocks < 0 || t.checkpoint_blocks >= in.layers) return 1;
+  return static_cast<double>(t.checkpoint_blocks) / in.layers;
+}
+
 double cost_seconds(const PlanInputs& in, const ActivationProfile& profile, const Technique& t) {
   auto [per_row, per_micro] = compute_rates(in, profile, t.amp);
-  // Layer offload recomputes every streamed block in backward, as checkpointing does.
-  const bool recomputed = t.checkpoint || t.offload_layers;
-  double seconds = in.batch_size * per_row * (recomputed ? kCheckpointComputeFactor : 1.0);
+  const double recompute = 1.0 + (kCheckpointComputeFactor - 1.0) * recomputed_share(in, t);
+  double seconds = in.batch_size * per_row * recompute;
   seconds += t.accum_steps * per_micro;
   // A pipeline's step: the schedule's simulated step over its work (1F1B: accum_steps + pp - 1
   // micro-batch times), the bubble among them.
@@ -261,6 +283,7 @@ std::string plan_reason(const PlanInputs& in, const std::vector<Candidate>& all,
 std::string Technique::flags() const {
   std::vector<std::string> parts;
   if (checkpoint) parts.push_back("--checkpoint_activations");
+  if (checkpoint && checkpoint_blocks >= 0) parts.push_back("--checkpoint_blocks=" + std::to_string(checkpoint_blocks));
   if (accum_steps > 1) parts.push_back("--accum_steps=" + std::to_string(accum_steps));
   if (amp != AmpMode::kOff) parts.push_back(std::string("--amp=") + engine::to_string(amp));
   if (offload_optimizer && offload_layers) {
@@ -280,7 +303,9 @@ std::string Technique::flags() const {
 
 std::string Technique::to_string() const {
   std::ostringstream os;
-  os << "checkpoint " << (checkpoint ? "on" : "off") << ", accum " << accum_steps << ", amp "
+  os << "checkpoint " << (!checkpoint ? "off" : checkpoint_blocks < 0 ? "on" : "on (the first " +
+                                               std::to_string(checkpoint_blocks) + " blocks)")
+     << ", accum " << accum_steps << ", amp "
      << engine::to_string(amp) << ", offload "
      << (offload_optimizer && offload_layers ? "all"
          : offload_optimizer                 ? "optimizer"
@@ -480,12 +505,22 @@ MemoryEstimate estimate(const PlanInputs& in, const ActivationProfile& profile,
                " rows");
   // Layer offload recomputes every streamed block in backward (engine::checkpoint around each):
   // the blocks keep what checkpointing keeps.
-  const bool recomputed = t.checkpoint || t.offload_layers;
-  const ActivationFit* fit = profile.find(recomputed, t.amp);
-  DTRAIN_CHECK(fit, "the activation profile has no measurement for checkpoint ",
-               recomputed ? "on" : "off", " with amp ", engine::to_string(t.amp), "; add {",
-               recomputed ? "true" : "false", ", ", engine::to_string(t.amp),
-               "} to ProbeOptions::techniques");
+  const double share = recomputed_share(in, t);
+  const bool partial = share > 0 && share < 1;
+  DTRAIN_CHECK(t.checkpoint_blocks >= -1, "Technique.checkpoint_blocks=", t.checkpoint_blocks,
+               " must be -1 (every block) or a count >= 0");
+  DTRAIN_CHECK(!partial || in.pp == 1, "Technique.checkpoint_blocks=", t.checkpoint_blocks,
+               ": recomputing some of the blocks is estimated without pipeline stages only");
+  // The fit of the technique; with some blocks recomputed, both (off and on).
+  auto fit_of = [&](bool on) {
+    const ActivationFit* f = profile.find(on, t.amp);
+    DTRAIN_CHECK(f, "the activation profile has no measurement for checkpoint ", on ? "on" : "off", " with amp ",
+                 engine::to_string(t.amp), "; add {", on ? "true" : "false", ", ", engine::to_string(t.amp),
+                 "} to ProbeOptions::techniques");
+    return f;
+  };
+  const ActivationFit* fit = fit_of(share > 0);
+  const ActivationFit* off_fit = partial ? fit_of(false) : nullptr;
   MemoryEstimate e;
   e.technique = t;
   e.micro_batch_rows = in.batch_size / t.accum_steps;
@@ -535,17 +570,27 @@ MemoryEstimate estimate(const PlanInputs& in, const ActivationProfile& profile,
   // what their forward left for their backward.
   e.in_flight = pipeline_in_flight(in, t.accum_steps);
   const int64_t rows = e.micro_batch_rows;
+  // The micro-batch's peak and what it holds between forward and backward. The first k of the
+  // L blocks recomputed: each saves what the off fit holds beyond the on fit, over L (exact for
+  // equal blocks while the peak is backward's start, where every block's activations are), never
+  // below checkpointing all of them (the peak of the last recompute).
+  int64_t act_bytes = fit->bytes(rows), act_held = fit->held(rows);
+  if (partial) {
+    const double saved = share * static_cast<double>(std::max<int64_t>(0, off_fit->held(rows) - fit->held(rows)));
+    act_bytes = std::max(fit->bytes(rows), off_fit->bytes(rows) - ceil_bytes(saved));
+    act_held = std::max(fit->held(rows), off_fit->held(rows) - ceil_bytes(saved));
+  }
   if (interleaved(in)) {
     // Pairs of (micro-batch, chunk), each about 1/v of the stage's held activations; the
     // backward at the peak runs one chunk's blocks with the other pairs held.
     const int64_t v = in.pp_chunks, pairs = e.in_flight;
-    e.gpu.activations = fit->bytes(rows) - fit->held(rows) + (pairs * fit->held(rows) + v - 1) / v + gathered_units;
+    e.gpu.activations = act_bytes - act_held + (pairs * act_held + v - 1) / v + gathered_units;
     e.in_flight = static_cast<int>((pairs + v - 1) / v);  // reported in whole micro-batches
   } else if (in.pp > 1 && in.pp_schedule == PipelineSchedule::kZeroBubble) {
     // zb: walk the stage's list; a micro-batch holds its activations from F to W, and from B to
     // W also the gradients its boundary operations were given (none on the first stage, whose
     // B has no input to run for: its W is the whole backward). The peak of the two together.
-    const int64_t held = fit->held(rows);
+    const int64_t held = act_held;
     const int64_t captured = in.stage == 0 ? 0 : in.weight_grad_capture_bytes_per_row * rows;
     int64_t n_held = 0, n_captured = 0, peak = 0;
     for (const PipelineAction& a : pipeline_actions(in.pp_schedule, in.pp, in.stage, t.accum_steps)) {
@@ -554,9 +599,9 @@ MemoryEstimate estimate(const PlanInputs& in, const ActivationProfile& profile,
       peak = std::max(peak, (n_held - 1) * held + n_captured * captured);
       if (a.kind == PipelineAction::kBackwardWeight) --n_held, --n_captured;
     }
-    e.gpu.activations = fit->bytes(rows) + peak + gathered_units;
+    e.gpu.activations = act_bytes + peak + gathered_units;
   } else {
-    e.gpu.activations = fit->bytes(rows) + (e.in_flight - 1) * fit->held(rows) + gathered_units;
+    e.gpu.activations = act_bytes + (e.in_flight - 1) * act_held + gathered_units;
   }
   e.gpu.transient = std::max(e.gpu.transient, in.optimizer_transient_bytes);
   e.gpu.stale_gradients = in.reducer_rebuild ? e.gpu.gradients : 0;
@@ -611,6 +656,7 @@ std::string Plan::to_json() const {
   nlohmann::json j;
   j["flags"] = technique.flags();
   j["checkpoint"] = technique.checkpoint;
+  j["checkpoint_blocks"] = technique.checkpoint ? technique.checkpoint_blocks : -1;
   j["accum_steps"] = technique.accum_steps;
   j["amp"] = engine::to_string(technique.amp);
   j["offload"] = technique.offload_optimizer && technique.offload_layers ? "all"
@@ -676,12 +722,16 @@ Plan choose_plan(const PlanInputs& in, const ActivationProfile& profile, const P
             continue;
           }
           if (shard == 3 && in.largest_unit_parameters == 0) continue;
-          for (int ckpt : {0, 1}) {
+          for (int blocks : checkpoint_candidates(in)) {  // 0: off, -1: every block
+            const bool ckpt = blocks != 0;
             if ((ckpt && !in.can_checkpoint) || !profile.find(ckpt || layers, amp)) continue;
+            if (blocks > 0 && !profile.find(false, amp)) continue;  // some blocks: both fits
             if (ckpt && layers) continue;  // layer offload recomputes the blocks already
             for (int accum : accum_candidates(in)) {
+              Technique t{ckpt, accum, amp, opt == 1, layers == 1, shard};
+              t.checkpoint_blocks = ckpt ? blocks : -1;
               Candidate c;
-              c.estimate = estimate(in, profile, Technique{ckpt == 1, accum, amp, opt == 1, layers == 1, shard});
+              c.estimate = estimate(in, profile, t);
               c.seconds = step_seconds(in, profile, c.estimate.technique);
               c.gpu = c.estimate.gpu.total();
               c.host = c.estimate.host.total();

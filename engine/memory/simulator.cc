@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <map>
 #include <optional>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -346,7 +347,7 @@ std::string Layout::to_string() const {
   s << "dp " << dp << " tp " << tp << " pp " << pp << " cp " << cp << " zero " << zero << " mb " << micro_batch_rows
     << "x" << accum_steps;
   if (pp > 1) s << " " << engine::to_string(schedule) << (chunks > 1 ? "/" + std::to_string(chunks) : "");
-  if (checkpoint) s << " ckpt";
+  if (checkpoint) s << " ckpt" << (checkpoint_blocks >= 0 ? " " + std::to_string(checkpoint_blocks) : "");
   if (sequence_parallel) s << " sp";
   if (offload_optimizer) s << " offload-opt";
   if (offload_layers) s << " offload-layers";
@@ -374,6 +375,7 @@ std::string Layout::flags() const {
   // Two ordinary steps first (as the GPU session runs it); the figures are the steady state's.
   if (delayed_update) add("--offload_delayed_update_after=2");
   if (checkpoint) add("--checkpoint_activations");
+  if (checkpoint && checkpoint_blocks >= 0) add("--checkpoint_blocks=" + std::to_string(checkpoint_blocks));
   if (sequence_parallel) add("--sequence_parallel");
   if (bf16) add("--amp=bf16");
   if (param_bf16) add("--param_dtype=bf16");
@@ -516,6 +518,12 @@ void validate_layout(int64_t layers, const Cluster& c, const Layout& l) {
   DTRAIN_CHECK(!(l.sequence_parallel && l.tp == 1), "sequence parallelism needs tp > 1");
   DTRAIN_CHECK(!l.delayed_update || l.offload_optimizer || l.offload_layers,
                "the delayed update is the host update's: it needs optimizer or layer offload");
+  DTRAIN_CHECK(l.checkpoint_blocks >= -1, "checkpoint_blocks ", l.checkpoint_blocks,
+               " must be -1 (every block) or a count >= 0");
+  DTRAIN_CHECK(l.checkpoint || l.checkpoint_blocks == -1, "checkpoint_blocks ", l.checkpoint_blocks,
+               " chooses the blocks checkpointing recomputes, and it is off");
+  DTRAIN_CHECK(l.checkpoint_blocks <= layers / l.pp, "checkpoint_blocks ", l.checkpoint_blocks,
+               " is more than the smallest stage's ", layers / l.pp, " blocks");
   if (l.pp > 1) {
     if (l.schedule == PipelineSchedule::kInterleaved) {
       DTRAIN_CHECK(l.chunks >= 2, "the interleaved schedule needs chunks >= 2");
@@ -536,9 +544,13 @@ void validate_layout(int64_t layers, const Cluster& c, const Layout& l) {
 Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
   Prediction p;
   p.layout = l;
-  // Layer offload recomputes every streamed block in backward (engine::checkpoint fetches its
-  // weights again), as activation checkpointing does.
-  const bool recomputed = l.checkpoint || l.offload_layers;
+  // The blocks of a stage of `layers` recomputed in backward: checkpointing's (the first
+  // checkpoint_blocks, or all), and every streamed block with layer offload (engine::checkpoint
+  // fetches its weights again).
+  auto recomputed_blocks = [&l](double layers) {
+    if (l.offload_layers || (l.checkpoint && l.checkpoint_blocks < 0)) return layers;
+    return l.checkpoint ? std::min<double>(layers, l.checkpoint_blocks) : 0.0;
+  };
   const Device& d = c.device;
   const int M = l.accum_steps;
   const BlockTimes& b = k.block;
@@ -553,13 +565,13 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
   // The layers of the largest stage (for memory; dtrain gives the remainder to the later stages).
   const int64_t stage_layers = (k.layers + l.pp - 1) / l.pp;
   const double tp_per_block = k.tp_per_block, cp_fwd = k.cp_fwd, cp_bwd = k.cp_bwd;
-  const double recompute = recomputed ? b.forward + tp_per_block + cp_fwd : 0;
+  const double recompute = b.forward + tp_per_block + cp_fwd;  // one recomputed block's
   // Each stage's work per micro-batch (dtrain's split: pipeline_stage_bounds; the first stage
   // also runs what comes before the blocks, the last the head and the loss): forward,
   // input-gradient and weight-gradient halves of backward, and its compute alone.
   const std::vector<int> bounds = pipeline_stage_bounds(static_cast<int>(k.layers), l.pp);
   struct StageWork {
-    double f = 0, bi = 0, bw = 0, compute = 0, layers = 0;
+    double f = 0, bi = 0, bw = 0, compute = 0, layers = 0, recomputed = 0;
     double total() const { return f + bi + bw; }
   };
   std::vector<StageWork> stages(l.pp);
@@ -568,18 +580,18 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
   for (int s = 0; s < l.pp; ++s) {
     StageWork& w = stages[s];
     w.layers = bounds[s + 1] - bounds[s];
+    w.recomputed = recomputed_blocks(w.layers);
     const double end_f = (s == 0 ? k.first_f : 0) + (s == l.pp - 1 ? k.last_f : 0);
     const double end_b = (s == 0 ? k.first_b : 0) + (s == l.pp - 1 ? k.last_b : 0);
     w.f = w.layers * (b.forward + tp_per_block + cp_fwd) + end_f;
     w.bw = w.layers * b.backward_weight;
-    w.bi = w.layers * (b.backward_input + tp_per_block + cp_bwd + recompute) + end_b;
-    w.compute = w.layers * (b.forward + b.backward_input + b.backward_weight + (recomputed ? b.forward : 0)) +
-                end_f + end_b;
+    w.bi = w.layers * (b.backward_input + tp_per_block + cp_bwd) + w.recomputed * recompute + end_b;
+    w.compute = w.layers * (b.forward + b.backward_input + b.backward_weight) + w.recomputed * b.forward + end_f + end_b;
     avg.f += w.f / l.pp, avg.bi += w.bi / l.pp, avg.bw += w.bw / l.pp;
     if (w.total() > stages[slowest].total()) slowest = s;
   }
   const StageWork& worst = stages[slowest];
-  const double L = worst.layers;
+  const double L = worst.layers, R = worst.recomputed;
   const double block_p = k.block_params;
   // Layer offload: the stage's blocks, streamed from the host.
   const double streamed = l.offload_layers ? static_cast<double>(stage_layers) * block_p : 0.0;
@@ -596,8 +608,8 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
     if (copy > worst.total()) p.parts.offload += M * (copy - worst.total());
   }
   p.parts.compute = M * worst.compute;
-  p.parts.tensor_parallel = M * L * (recomputed ? 3 : 2) * tp_per_block;
-  p.parts.context_parallel = M * L * (cp_fwd + cp_bwd + (recomputed ? cp_fwd : 0));
+  p.parts.tensor_parallel = M * (2 * L + R) * tp_per_block;
+  p.parts.context_parallel = M * (L * (cp_fwd + cp_bwd) + R * cp_fwd);
   double pipeline = M * worst.total();
   int in_flight = 1;
   if (l.pp > 1) {
@@ -724,7 +736,11 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
     host += blocks_state;
     if (!l.offload_optimizer) state -= state * streamed / stage_params;  // their share leaves the device
   }
-  const double stage_act = recomputed ? L * k.block_input_bytes + k.block_held_bytes : L * k.block_held_bytes;
+  // A recomputed block keeps its input; the others what they keep for backward. With every
+  // block recomputed the peak is one block's recompute on top of the inputs; with only the
+  // first ones, it is the start of backward (their recompute comes after the others' are freed).
+  const double Rm = recomputed_blocks(L);
+  const double stage_act = Rm * k.block_input_bytes + (L - Rm) * k.block_held_bytes + (Rm >= L ? k.block_held_bytes : 0);
   // Interleaved: in_flight counts (micro-batch, chunk) pairs, each 1/chunks of the stage.
   double held = stage_act * std::max(1, in_flight) / l.chunks;
   // zb: a micro-batch between its B and its W also keeps its boundary operations' gradients
@@ -862,10 +878,34 @@ std::vector<Layout> technique_layouts(const Layout& mesh, const Cluster& c, cons
   return out;
 }
 
+using Pricer = std::function<std::optional<Prediction>(const Layout&)>;
+
+// `l` (which checkpoints every block and fits) with the fewest first blocks of each stage
+// recomputed that fit, when that is fewer than all (nullopt: none fewer fit). `none` is `l`
+// without checkpointing, which does not fit. A block recomputed keeps its input instead of its
+// activations: the device's bytes fall by the same amount with each, so one block's price gives
+// the count, and a price or two checks it (instead of a bisection of the blocks).
+std::optional<Prediction> fewest_recomputed(const Layout& l, const Prediction& none, int max_blocks, double device_bytes,
+                                            const Pricer& priced) {
+  Layout partial = l;
+  partial.checkpoint_blocks = 1;
+  std::optional<Prediction> p = priced(partial);
+  if (!p || p->fits) return p;
+  const double per_block = static_cast<double>(none.device_bytes - p->device_bytes);
+  if (per_block <= 0) return std::nullopt;
+  const double over = static_cast<double>(p->device_bytes) - device_bytes;
+  for (int k = std::max(2, 1 + static_cast<int>(std::ceil(over / per_block))); k <= max_blocks; ++k) {
+    partial.checkpoint_blocks = k;
+    p = priced(partial);
+    if (p && p->fits) return p;
+  }
+  return std::nullopt;
+}
+
 // Every layout of the cluster's ranks for a model of `layers` blocks that `priced` validates
 // and prices (nullopt: not valid) and that fits, fastest first (the simpler of two equal ones).
 std::vector<Prediction> search_layouts(int64_t layers, bool split_blocks, const Cluster& c, const SearchOptions& o,
-                                       const std::function<std::optional<Prediction>(const Layout&)>& priced) {
+                                       const Pricer& priced) {
   DTRAIN_CHECK(o.global_batch_rows >= 1, "the search needs the global batch (sequences per step), >= 1");
   DTRAIN_CHECK(o.max_micro_batch_rows >= 1, "max_micro_batch_rows must be >= 1");
   auto complexity = [](const Layout& l) {
@@ -874,9 +914,34 @@ std::vector<Prediction> search_layouts(int64_t layers, bool split_blocks, const 
   };
   std::vector<Prediction> out;
   for (const Layout& mesh : mesh_layouts(layers, split_blocks, c, o)) {
-    for (const Layout& l : technique_layouts(mesh, c, o)) {
-      std::optional<Prediction> p = priced(l);
-      if (p && p->fits) out.push_back(std::move(*p));
+    const std::vector<Layout> layouts = technique_layouts(mesh, c, o);
+    std::vector<std::optional<Prediction>> prices;
+    std::map<std::string, size_t> index;  // a layout's text -> its price
+    for (const Layout& l : layouts) {
+      index[l.to_string()] = prices.size();
+      prices.push_back(priced(l));
+    }
+    for (size_t i = 0; i < layouts.size(); ++i) {
+      std::optional<Prediction>& p = prices[i];
+      if (!p || !p->fits) continue;
+      const Layout& l = layouts[i];
+      if (l.checkpoint && l.checkpoint_blocks < 0) {
+        // Checkpointing every block fits. When the layout without it does not (it is faster than
+        // recomputing any block, and among these), recompute only as many blocks as it takes.
+        Layout twin = l;
+        twin.checkpoint = false;
+        auto it = index.find(twin.to_string());
+        const std::optional<Prediction> none = it != index.end() ? prices[it->second] : priced(twin);
+        if (none && !none->fits) {
+          std::optional<Prediction> fewer =
+              fewest_recomputed(l, *none, static_cast<int>(layers / l.pp) - 1, c.device.memory_bytes, priced);
+          if (fewer) {
+            out.push_back(std::move(*fewer));
+            continue;
+          }
+        }
+      }
+      out.push_back(*p);
     }
   }
   std::stable_sort(out.begin(), out.end(), [&](const Prediction& a, const Prediction& b) {

@@ -171,7 +171,9 @@ class TechniqueRunner : public BlockRunner {
   explicit TechniqueRunner(AppliedModel& model) : model_(model) {}
   at::Tensor run(BlockStackImpl& stack, const at::Tensor& input, size_t begin, size_t end) override {
     const ModelTechniques& t = model_.t_;
-    const bool ckpt = t.checkpoint_activations && stack.is_training();
+    const bool ckpt_on = t.checkpoint_activations && stack.is_training();
+    // The first checkpoint_blocks of the stack's blocks (-1: all).
+    const size_t ckpt_end = t.checkpoint_blocks < 0 ? end : static_cast<size_t>(t.checkpoint_blocks);
     const size_t n = end;  // blocks [begin, end): the stack, or an interleaved stage's chunk
     BlockStackImpl* s = &stack;
     at::Tensor x = input;
@@ -191,7 +193,7 @@ class TechniqueRunner : public BlockRunner {
           for (size_t b = i; b < last; ++b) h = s->run_block(b, h);
           return h;
         };
-        if (ckpt) {
+        if (ckpt_on && i < ckpt_end) {
           CheckpointHooks hooks;
           hooks.before_forward = [u, k] { u->before_forward(k); };
           hooks.after_forward = [u, k] { u->after_forward(k); };
@@ -215,7 +217,7 @@ class TechniqueRunner : public BlockRunner {
         hooks.defer_host_gradient_wait = model_.defer_host_gradient_waits_;
         x = checkpoint(fn, x, stack.block(i)->parameters(), hooks);
       } else {
-        x = ckpt ? checkpoint(fn, x, stack.block(i)->parameters()) : stack.run_block(i, x);
+        x = ckpt_on && i < ckpt_end ? checkpoint(fn, x, stack.block(i)->parameters()) : stack.run_block(i, x);
       }
     }
     return x;
@@ -227,6 +229,7 @@ class TechniqueRunner : public BlockRunner {
 
 AppliedModel::AppliedModel(ModelSpec spec, ModelTechniques t) : spec_(std::move(spec)), t_(t) {
   validate(spec_);
+  check_checkpoint_blocks(t_.checkpoint_blocks);
   runner_ = std::make_shared<TechniqueRunner>(*this);
   spec_.blocks->set_runner(runner_);
 }
@@ -237,6 +240,20 @@ AppliedModel::~AppliedModel() {
 }
 
 void AppliedModel::install() { spec_.blocks->set_runner(runner_); }
+
+void AppliedModel::check_checkpoint_blocks(int blocks) const {
+  const int n = static_cast<int>(spec_.blocks->size());
+  DTRAIN_CHECK(blocks >= -1, "--checkpoint_blocks=", blocks, " must be -1 (every block) or a count >= 0");
+  DTRAIN_CHECK(blocks <= n, "--checkpoint_blocks=", blocks, " is more blocks than the ", n,
+               t_.stages > 1 ? " of this pipeline stage" : " of the model", "; give at most ", n,
+               " (or -1: every block)");
+}
+
+void AppliedModel::set_checkpoint_activations(bool on, int blocks) {
+  check_checkpoint_blocks(blocks);
+  t_.checkpoint_activations = on;
+  t_.checkpoint_blocks = blocks;
+}
 
 void AppliedModel::stream_blocks() {
   t_.offload_layers = true;

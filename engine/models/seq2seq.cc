@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <torch/nn/functional/loss.h>
 
+#include "dtrain/dist/error.h"
 #include "dtrain/engine/memory/activation_checkpoint.h"
 #include "dtrain/engine/parallel/cross_entropy.h"
 #include "dtrain/engine/parallel/fused_block_ops.h"
@@ -130,10 +131,15 @@ Seq2SeqImpl::Seq2SeqImpl(const Seq2SeqOptions& o) : options(o) {
 at::Tensor Seq2SeqImpl::forward(const at::Tensor& src, const at::Tensor& tgt_in) {
   const double scale = std::sqrt(static_cast<double>(options.d_model));
   at::Tensor x = drop->forward(src_embed->forward(src) * scale + positions.narrow(0, 0, src.size(1)));
-  const bool ckpt = options.checkpoint_activations && is_training();
+  const bool ckpt_on = options.checkpoint_activations && is_training();
+  DTRAIN_CHECK(options.checkpoint_layers >= -1 && options.checkpoint_layers <= 2 * options.layers,
+               "--checkpoint_blocks=", options.checkpoint_layers, " must be -1 (every layer) or at most the model's ",
+               2 * options.layers, " layers (encoder and decoder)");
+  int layer_index = 0;  // the encoder's layers first, then the decoder's
+  auto ckpt = [&] { return ckpt_on && (options.checkpoint_layers < 0 || layer_index++ < options.checkpoint_layers); };
   for (auto& m : *encoder) {
     auto* layer = m->as<EncoderLayerImpl>();
-    if (ckpt) {
+    if (ckpt()) {
       x = checkpoint([layer](const at::Tensor& in) { return layer->forward(in); }, x,
                              layer->parameters());
     } else {
@@ -144,7 +150,7 @@ at::Tensor Seq2SeqImpl::forward(const at::Tensor& src, const at::Tensor& tgt_in)
   at::Tensor y = drop->forward(tgt_embed->forward(tgt_in) * scale + positions.narrow(0, 0, tgt_in.size(1)));
   for (auto& m : *decoder) {
     auto* layer = m->as<DecoderLayerImpl>();
-    if (ckpt) {
+    if (ckpt()) {
       y = checkpoint(
           [layer](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{layer->forward(in[0], in[1])}; },
           {y, memory}, layer->parameters())[0];

@@ -182,6 +182,10 @@ std::vector<Spec> memory_checkpoint_and_observability_specs() {
          &Flags::memory_report_step),
     spec(kMemory, "checkpoint_activations", "recompute each block's activations in backward",
          &Flags::checkpoint_activations, kToTrainer | kToRun),
+    spec(kMemory, "checkpoint_blocks",
+         "with --checkpoint_activations: recompute only the first N blocks of each pipeline stage, keep the "
+         "others' activations (a faster step that keeps more memory; -1: every block)",
+         &Flags::checkpoint_blocks, kToTrainer | kToRun),
     spec(kCheckpoints, "save_dir", "save checkpoints to this directory (one run per directory)", &Flags::save_dir),
     spec(kCheckpoints, "save_every", "also save every N steps (0: at the end and on preemption only)",
          &Flags::save_every),
@@ -318,6 +322,11 @@ void validate(const Flags& f) {
   DTRAIN_CHECK(f.shard_units.empty() || f.shard == "parameters" || f.plan == "auto", "--shard_units=",
                f.shard_units, " names ZeRO-3's units: it needs --shard=parameters (or --plan=auto, which may choose it)");
   engine::validate(prune_options(f));
+  DTRAIN_CHECK(f.checkpoint_blocks >= -1, "--checkpoint_blocks=", f.checkpoint_blocks,
+               " must be -1 (every block) or a count >= 0");
+  DTRAIN_CHECK(f.checkpoint_blocks == -1 || f.checkpoint_activations, "--checkpoint_blocks=", f.checkpoint_blocks,
+               " chooses which blocks --checkpoint_activations recomputes, and it is off; add "
+               "--checkpoint_activations (or drop --checkpoint_blocks)");
   DTRAIN_CHECK(f.plan == "none" || f.plan == "auto", "--plan=", f.plan, " is not one of: none, auto");
   DTRAIN_CHECK(f.gpu_mem_limit_gb >= 0, "--gpu_mem_limit_gb=", f.gpu_mem_limit_gb, " must be >= 0");
   DTRAIN_CHECK(f.plan != "auto" || f.gpu_mem_limit_gb > 0, "--plan=auto needs --gpu_mem_limit_gb (the budget to fit)");
@@ -498,6 +507,7 @@ TrainerOptions trainer_options(const Flags& f, const std::string& default_optimi
   o.offload_optimizer = parse_offload(f.offload).optimizer;
   o.shard = f.shard;
   o.checkpoint_activations = f.checkpoint_activations;
+  o.checkpoint_blocks = f.checkpoint_blocks;
   o.offload_layers = parse_offload(f.offload).layers;
   o.pp_blocks = f.pp_blocks;
   if (!f.shard_units.empty()) o.shard_unit_starts = split_list(f.shard_units, "--shard_units");
@@ -539,6 +549,7 @@ RunOptions run_options(const Flags& f) {
   o.batch_size = f.batch_size;
   o.seed = static_cast<uint64_t>(f.seed);
   o.checkpoint_activations = f.checkpoint_activations;
+  o.checkpoint_blocks = f.checkpoint_blocks;
   o.offload_layers = parse_offload(f.offload).layers;
   o.plan = f.plan;
   o.plan_cluster = f.plan_cluster;

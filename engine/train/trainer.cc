@@ -70,6 +70,7 @@ Trainer::Applied Trainer::apply_to_spec(ModelSpec spec, dist::Mesh& mesh, c10::D
                "the model with &mesh.cp()");
   ModelTechniques t;
   t.checkpoint_activations = options.checkpoint_activations;
+  t.checkpoint_blocks = options.checkpoint_blocks;
   t.offload_layers = options.offload_layers;
   t.device = device;
   const bool interleaved = options.pipeline.schedule == PipelineSchedule::kInterleaved;
@@ -328,7 +329,7 @@ std::string Trainer::cuda_graph_refusal() const {
   if (mesh_.cp_size() > 1) return "context parallelism (ring attention's exchanges)";
   if (units_) return "ZeRO-3's parameter units (the gathers in forward)";
   if (options_.offload_layers) return "layer offload (the host copies in forward)";
-  if (options_.checkpoint_activations) return "activation checkpointing (the recomputation's random state)";
+  if (options_.checkpoint_activations && options_.checkpoint_blocks != 0) return "activation checkpointing (the recomputation's random state)";
   if (sparse_reducer_) return "sparse gradients";
   return "";
 }

@@ -8,7 +8,11 @@ counting allocator):
    the budget; so do the plain, checkpointed, accumulated and bf16 steps;
 3. a budget nothing fits: exit 2 naming the smallest estimate; bad flags: exit 2;
 4. the example GPT with layer offload (--offload=layers and =all, with and without the
-   delayed update): device and host estimates within 2% of the measurement.
+   delayed update): device and host estimates within 2% of the measurement;
+5. the example GPT with some of its blocks recomputed (--checkpoint_blocks): each count's
+   estimate within 2% of the measurement; a budget between checkpointing off and on gets the
+   fewest recomputed blocks that fit, and training them stays within it; the count without
+   --checkpoint_activations is refused.
 
 usage: plan_cli.py BIN_DIR
 """
@@ -22,6 +26,9 @@ from example_util import check, json_lines
 SHAPE = ["--model=seq2seq", "--device=cpu", "--d_model=64", "--heads=4", "--ff=256", "--layers=2",
          "--seq_len=32", "--vocab=512", "--batch_size=8", "--progress=false"]
 MIB = 1 << 20
+# The example GPT with 4 blocks at one row a step (accumulation has nothing to split).
+GPT4 = ["--model=gpt", "--d_model=64", "--heads=4", "--ff=256", "--layers=4", "--vocab=512", "--seq_len=128",
+        "--batch_size=1"]
 
 
 def run(bin_dir, *flags):
@@ -29,6 +36,17 @@ def run(bin_dir, *flags):
     p = subprocess.run([os.path.join(bin_dir, "dtrain-plan"), *SHAPE, *flags], capture_output=True, text=True,
                        env=env, timeout=120)
     return p.returncode, p.stdout, p.stderr
+
+
+def verify(bin_dir, label, *flags):
+    """--verify_steps=3 of the flags: its JSON line, its figures printed."""
+    rc, out, err = run(bin_dir, "--verify_steps=3", *flags)
+    check(rc == 0, "verify %s'%s'" % (label, " ".join(flags)), out + err)
+    v = [j for j in json_lines(out) if "verify_steps" in j][0]
+    print("verify %s%-45s measured %7.2f MiB, estimated %7.2f MiB (%+.1f%%)" %
+          (label, "'%s'" % " ".join(f for f in flags if f not in GPT4), v["measured_peak_bytes"] / MIB,
+           v["estimated_peak_bytes"] / MIB, 100 * v["relative_error"]))
+    return v, out
 
 
 def main():
@@ -58,12 +76,7 @@ def main():
     # 2. Train the plan's technique and the seed variants; the estimate is within 10% of the peak.
     variants = [flags] + [v for v in ["", "--checkpoint_activations", "--accum_steps=4", "--amp=bf16"] if v != flags]
     for variant in variants:
-        rc, out, err = run(bin_dir, "--verify_steps=3", *variant.split())
-        check(rc == 0, "verify '%s'" % variant, out + err)
-        v = [j for j in json_lines(out) if "verify_steps" in j][0]
-        print("verify %-45s measured %7.2f MiB, estimated %7.2f MiB (%+.1f%%)" %
-              ("'%s'" % variant, v["measured_peak_bytes"] / MIB, v["estimated_peak_bytes"] / MIB,
-               100 * v["relative_error"]))
+        v, out = verify(bin_dir, "", *variant.split())
         check(abs(v["relative_error"]) < 0.10, "estimate within 10%% of the measured peak for '%s'" % variant, out)
         if variant == flags:
             check(v["measured_peak_bytes"] <= budget_gb * (1 << 30), "the plan's measured peak is within the budget",
@@ -93,6 +106,35 @@ def main():
         check(abs(v["relative_error"]) < 0.02, "device estimate within 2%% for gpt '%s'" % variant, out)
         check(abs(v["estimated_host_bytes"] - v["measured_host_bytes"]) <= 0.02 * max(v["measured_host_bytes"], MIB),
               "host estimate within 2%% for gpt '%s'" % variant, out)
+    # 5. Some blocks recomputed.
+    for k in (1, 2, 3):
+        variant = "--checkpoint_activations --checkpoint_blocks=%d" % k
+        v, out = verify(bin_dir, "gpt ", *GPT4, *variant.split())
+        check(abs(v["relative_error"]) < 0.02, "device estimate within 2%% for gpt '%s'" % variant, out)
+    totals = {}
+    for variant in ["", "--checkpoint_activations"]:
+        rc, out, err = run(bin_dir, *GPT4, *variant.split())
+        check(rc == 0, "gpt '%s'" % variant, out + err)
+        totals[variant] = json_lines(out)[0]["current_flags_gpu_bytes"]
+    check(totals[""] > totals["--checkpoint_activations"], "checkpointing lowers the estimate", str(totals))
+    budget = (totals[""] + totals["--checkpoint_activations"]) / 2
+    rc, out, err = run(bin_dir, *GPT4, "--gpu_mem_limit_gb=%.9f" % (budget / (1 << 30)))
+    check(rc == 0, "gpt plan between off and on", out + err)
+    plan = json_lines(out)[0]
+    check(plan["checkpoint_blocks"] in (1, 2, 3) and "--checkpoint_blocks=" in plan["flags"],
+          "a budget between off and on recomputes some of the blocks, got '%s'" % plan["flags"], out)
+    check(plan["gpu_bytes"] <= budget, "the plan's estimate fits the budget", out)
+    v, out = verify(bin_dir, "gpt plan ", *GPT4, *plan["flags"].split())
+    check(abs(v["relative_error"]) < 0.02, "the plan's estimate within 2% when trained", out)
+    print("gpt budget %.2f MiB (off %.2f, on %.2f): plan '%s', trained at %.2f MiB" %
+          (budget / MIB, totals[""] / MIB, totals["--checkpoint_activations"] / MIB, plan["flags"],
+           v["measured_peak_bytes"] / MIB))
+    rc, out, err = run(bin_dir, *GPT4, "--checkpoint_blocks=2")
+    check(rc == 2 and "--checkpoint_blocks=2 chooses which blocks --checkpoint_activations recomputes, and it is off"
+          in err, "--checkpoint_blocks without --checkpoint_activations refused", out + err)
+    rc, out, err = run(bin_dir, *GPT4, "--checkpoint_activations", "--checkpoint_blocks=5")
+    check(rc == 2 and "--checkpoint_blocks=5 is more blocks than the 4 of the model" in err,
+          "more blocks than the model has refused", out + err)
     print("dtrain-plan: plans, estimates within 10% and errors as expected")
 
 

@@ -131,6 +131,9 @@ std::map<std::string, Probe> memory_checkpoint_and_observability_probes() {
     {"checkpoint_activations",
      {"true", {}, kToTrainer | kToRun,
       [](const Built& b) { return text(b.trainer.checkpoint_activations) + text(b.run.checkpoint_activations); }}},
+    {"checkpoint_blocks",
+     {"3", {{"checkpoint_activations", "true"}}, kToTrainer | kToRun,
+      [](const Built& b) { return text(b.trainer.checkpoint_blocks) + text(b.run.checkpoint_blocks); }}},
     // kCheckpoints
     {"save_dir", {"/tmp/x", {}, kToTrainer, [](const Built& b) { return b.trainer.save_dir; }}},
     {"save_every", {"5", {}, kToTrainer, [](const Built& b) { return text(b.trainer.save_every); }}},

@@ -61,6 +61,12 @@ struct Technique {
   // stay whole until the last micro-batch, so 2 then saves what 1 does), 3 parameters (also
   // the weights, two units whole during forward and backward).
   int shard = 0;
+  // With checkpoint: the first N of the rank's PlanInputs::layers blocks recomputed, the others
+  // keeping their activations (--checkpoint_blocks); -1 (or N >= layers): every block. Estimated
+  // from the two probed fits (checkpointing off and on), not probed itself: a block's saving is
+  // what the off fit holds after forward beyond the on fit, over the blocks (blocks of equal
+  // size), taken off the off fit's peak, never below the on fit's.
+  int checkpoint_blocks = -1;
   // The example flags that select this technique, e.g. "--checkpoint_activations
   // --accum_steps=4 --amp=bf16 --offload=optimizer --shard=gradients" ("" for the plain step).
   std::string flags() const;
@@ -168,7 +174,13 @@ struct PlanInputs {
   int64_t buffer_bytes = 0;         // per rank: buffers and frozen tensors on the device
   // Layer offload streams `layers` blocks holding layer_parameters of the parameters (whole
   // model, sharded like the rest); the other parameters (embeddings, head) stay on the GPU.
+  // Activation checkpointing recomputes them (this rank's: a pipeline stage's own).
   int layers = 0;
+  // The blocks keep equal activations (a stack of one block type, as the library's GPT and
+  // Llama): choose_plan then also tries recomputing only the first of them (layers >= 2, pp ==
+  // 1). Blocks of unequal size would make that estimate low for a smaller first block; estimate()
+  // still prices a Technique that asks for it.
+  bool uniform_blocks = false;
   int64_t layer_parameters = 0;
   // Input data: bytes of one row of the batch and how many whole batches are on the device
   // at once (the step's plus the loader's prefetched ones).

@@ -178,6 +178,9 @@ struct Layout {
   // step t beside step t + 1's forward and backward (with optimizer or layer offload).
   bool delayed_update = false;
   bool checkpoint = false;
+  // With checkpoint: the first N blocks of each stage recomputed, the others keeping their
+  // activations (--checkpoint_blocks; -1: every block). At most the smallest stage's blocks.
+  int checkpoint_blocks = -1;
   bool sequence_parallel = false;
   bool bf16 = true;             // AMP bf16 (else float32 matrix multiplies)
   // --param_dtype=bf16: weights and gradients in bf16 on the device (gathered and reduced at 2
@@ -252,7 +255,8 @@ struct SearchOptions {
   bool param_bf16 = false;  // also price --param_dtype=bf16 layouts
 };
 // Every layout of all the cluster's ranks that validates, dtrain runs and fits, fastest first
-// (ties: fewer techniques). Empty when nothing fits.
+// (ties: fewer techniques). A checkpointed layout recomputes the fewest blocks that fit
+// (--checkpoint_blocks; every block only when no fewer fit). Empty when nothing fits.
 std::vector<Prediction> search(const ModelShape& model, const Cluster& cluster, const SearchOptions& options);
 // The same over dp x pp layouts (tp = cp = 1) of a measured model.
 std::vector<Prediction> search(const MeasuredModel& model, const Cluster& cluster, const SearchOptions& options);

@@ -85,6 +85,12 @@ void validate(const ModelSpec& spec);
 // What the techniques need of a spec, applied. One per trainer; the trainer owns it.
 struct ModelTechniques {
   bool checkpoint_activations = false;
+  // With checkpoint_activations: how many blocks are recomputed, the first of this rank's stack
+  // (its pipeline stage; an interleaved stage's chunks in order); the others keep their
+  // activations (Megatron's --recompute-method=block). -1: every block. Fewer recomputed blocks
+  // are a faster step that keeps more memory: the planner's and the simulator's knob between
+  // none and all. A ZeRO-3 unit of several blocks is recomputed whole when its first block is.
+  int checkpoint_blocks = -1;
   bool offload_layers = false;  // stream the blocks' weights from host memory
   c10::Device device{c10::kCPU};
   // Pipeline stage (stages > 1): this stage keeps blocks [first_block, end_block).
@@ -130,8 +136,10 @@ class AppliedModel {
   // device. stream_blocks() switches offload_layers on first.
   void start_streaming();
   void stream_blocks();
-  // Switches activation checkpointing of the blocks (a memory probe measures both).
-  void set_checkpoint_activations(bool on) { t_.checkpoint_activations = on; }
+  // Switches activation checkpointing of the blocks (a memory probe measures both); `blocks`
+  // as ModelTechniques::checkpoint_blocks (-1: all). dtrain::Error for blocks < -1 or more
+  // than the stack's blocks (the constructor checks ModelTechniques's the same way).
+  void set_checkpoint_activations(bool on, int blocks = -1);
   // Layer offload: the streamed blocks' host gradients waited for at backward's end instead of
   // after each block (CheckpointHooks::defer_host_gradient_wait: only where nothing reads them
   // during backward; the trainer decides).
@@ -162,6 +170,7 @@ class AppliedModel {
   friend class TechniqueRunner;
   at::Tensor run_pre(const Batch& batch);
   at::Tensor run_post(const at::Tensor& h, const Batch& batch);
+  void check_checkpoint_blocks(int blocks) const;
   ModelSpec spec_;
   ModelTechniques t_;
   std::shared_ptr<offload::LayerStreamer> streamer_;

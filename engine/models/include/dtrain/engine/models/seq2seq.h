@@ -66,6 +66,9 @@ struct Seq2SeqOptions {
   double dropout = 0.1;
   bool inplace = true;
   bool checkpoint_activations = false;  // each layer recomputed in backward (training only)
+  // With checkpoint_activations: only the first N of the 2 x layers layers (the encoder's, then
+  // the decoder's) recomputed, the others keeping their activations; -1: every layer.
+  int checkpoint_layers = -1;
   bool sparse_embedding = false;  // the token embeddings' gradients sparse (the rows a batch touched)
 };
 

@@ -110,6 +110,7 @@ struct Flags {
   std::string plan_cluster;  // --plan=auto: the simulator's cluster file (RunOptions::plan_cluster)
   int64_t memory_report_step = TrainerOptions().memory_report_step;
   bool checkpoint_activations = false;
+  int32_t checkpoint_blocks = -1;  // with checkpoint_activations: the first N blocks (-1: all)
   // kCheckpoints
   std::string save_dir;
   int64_t save_every = TrainerOptions().save_every;

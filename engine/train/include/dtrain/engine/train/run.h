@@ -32,6 +32,7 @@ struct RunOptions {
   int64_t batch_size = 64;           // per data-parallel rank (the loader's batch)
   uint64_t seed = 0;                 // torch's generators, seeded before the model is built
   bool checkpoint_activations = false;  // TrainerOptions::checkpoint_activations
+  int checkpoint_blocks = -1;           // TrainerOptions::checkpoint_blocks
   bool offload_layers = false;       // TrainerOptions::offload_layers
   std::string plan = "none";         // none or auto: the memory planner, within gpu_mem_limit_gb
   double gpu_mem_limit_gb = 0;

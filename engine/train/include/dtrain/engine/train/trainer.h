@@ -213,6 +213,7 @@ struct TrainerOptions {
   // under a pipeline (mesh pp > 1) the blocks per stage ("a,b,...": pipeline_stage_bounds; "":
   // the even rule). A trainer built from a module and a LossFn leaves them to the model.
   bool checkpoint_activations = false;
+  int checkpoint_blocks = -1;  // with it: the first N blocks of each stage recomputed (-1: all)
   bool offload_layers = false;
   std::string pp_blocks;
   // Layer offload with the delayed update (offload_layers, offload.delayed_update_after >= 0):
