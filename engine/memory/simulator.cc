@@ -8,6 +8,7 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <tuple>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -541,6 +542,24 @@ void validate_layout(int64_t layers, const Cluster& c, const Layout& l) {
   }
 }
 
+// simulate_pipeline of a schedule at these costs (zb: its lists ordered at them), remembered: a
+// search prices hundreds of layouts per mesh whose techniques (ZeRO stage, offload, sequence
+// parallelism, the weights' dtype) leave the stages' costs as they are, and the schedule's
+// simulation is most of a pipeline layout's price. Per thread; forgotten past 4096 entries.
+SimulatedPipeline simulated_pipeline(PipelineSchedule schedule, int stages, int micro_batches, const PipelineCosts& costs,
+                                     int chunks) {
+  using Key = std::tuple<int, int, int, int, double, double, double>;
+  thread_local std::map<Key, SimulatedPipeline> memo;
+  const Key key{static_cast<int>(schedule), stages, micro_batches, chunks, costs.forward, costs.backward_input,
+                costs.backward_weight};
+  auto it = memo.find(key);
+  if (it != memo.end()) return it->second;
+  if (memo.size() >= 4096) memo.clear();
+  const bool zb = schedule == PipelineSchedule::kZeroBubble;
+  return memo.emplace(key, simulate_pipeline(schedule, stages, micro_batches, costs, chunks, zb ? &costs : nullptr))
+      .first->second;
+}
+
 Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
   Prediction p;
   p.layout = l;
@@ -622,7 +641,7 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
     costs.backward_input = (avg.bi + p2p) / chunks;
     costs.backward_weight = avg.bw / chunks;
     const bool zb = l.schedule == PipelineSchedule::kZeroBubble;
-    const SimulatedPipeline sp = simulate_pipeline(l.schedule, l.pp, M, costs, l.chunks, zb ? &costs : nullptr);
+    const SimulatedPipeline sp = simulated_pipeline(l.schedule, l.pp, M, costs, l.chunks);
     if (zb) p.zb_costs = costs;
     pipeline = sp.step + M * (worst.total() - avg.total());
     in_flight = sp.peak_in_flight.empty() ? 1 : sp.peak_in_flight[0];
