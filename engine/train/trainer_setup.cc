@@ -27,6 +27,10 @@ Settings settings_of(const TrainerOptions& o) {
       {"clip_grad_norm", setting_text(o.clip_grad_norm)}, {"report_grad_norm", setting_text(o.report_grad_norm)},
       {"eval_every", setting_text(o.eval_every)}, {"eval_samples", setting_text(o.eval_samples)},
       {"oom_backoff", setting_text(o.oom_backoff)}, {"offload_optimizer", setting_text(o.offload_optimizer)},
+      // Under ZeRO-3 a recomputed block gathers its unit again: ranks that recompute different
+      // blocks would issue different collectives.
+      {"checkpoint_activations", setting_text(o.checkpoint_activations)},
+      {"checkpoint_blocks", setting_text(o.checkpoint_blocks)},
       {"offload.stream_gradients", o.offload.stream_gradients},
       {"offload.delayed_update_after", setting_text(o.offload.delayed_update_after)},
       {"offload.reduce_to_owner", setting_text(o.offload.reduce_to_owner)},

@@ -85,6 +85,26 @@ TEST(Agreement, TrainersWithDifferentStepsRefuseBeforeAnyParameterMoves) {
   EXPECT_TRUE(at::equal(model->weight, before));  // rank 0's weights were not broadcast
 }
 
+// Under ZeRO-3 a recomputed block gathers its unit again: ranks that recompute different blocks
+// would issue different collectives, so the trainers refuse first, naming the setting.
+TEST(Agreement, TrainersRecomputingDifferentBlocksRefuse) {
+  auto& comm = world_comm();
+  if (comm.size() == 1) GTEST_SKIP();
+  dist::Mesh mesh(comm, 1);
+  torch::nn::Linear model(4, 2);
+  TrainerOptions o;
+  o.progress = false;
+  o.checkpoint_activations = true;
+  o.checkpoint_blocks = comm.rank() == 0 ? 1 : 2;
+  LossFn loss = [&](const Batch& b) { return model->forward(b.fields[0]).sum(); };
+  try {
+    Trainer trainer(*model, loss, mesh, c10::Device(c10::kCPU), o);
+    ADD_FAILURE() << "different checkpoint_blocks accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("checkpoint_blocks: rank 0 has 1, rank"), std::string::npos) << e.what();
+  }
+}
+
 // A data set with one poisoned sample (NaN): the global batch of step 3 holds it on one rank only.
 struct PoisonedRun {
   torch::nn::Linear model{4, 1};
