@@ -92,9 +92,12 @@ struct Layout {
   std::string shard = "none";
   bool checkpoint = false, layers = false;
   int chunks = 1;  // > 1: the interleaved schedule, each stage's blocks in that many chunks
+  int checkpoint_blocks = -1;  // with checkpoint: the first N of each stage's blocks (-1: all)
   std::string name() const {
     return "tp " + std::to_string(tp) + " pp " + std::to_string(pp) + " --shard=" + shard +
-           (checkpoint ? " checkpointed" : "") + (layers ? " --offload=layers" : "") +
+           (checkpoint ? " checkpointed" : "") +
+           (checkpoint_blocks >= 0 ? " --checkpoint_blocks=" + std::to_string(checkpoint_blocks) : "") +
+           (layers ? " --offload=layers" : "") +
            (chunks > 1 ? " interleaved x " + std::to_string(chunks) : "");
   }
 };
@@ -110,6 +113,7 @@ std::vector<double> curve(dist::Communicator& comm, const Layout& layout) {
   model->to(at::kDouble);
   TrainerOptions o = spec_curve_cases::curve_options(layout.shard, layout.checkpoint, layout.pp);
   o.offload_layers = layout.layers;
+  o.checkpoint_blocks = layout.checkpoint_blocks;
   if (layout.chunks > 1) {
     // Stage s keeps virtual stages s and s + P of the 2P: blocks {s} and {s + 2} at P 2.
     EXPECT_EQ(spec.blocks->size(), 2u);
@@ -120,10 +124,16 @@ std::vector<double> curve(dist::Communicator& comm, const Layout& layout) {
   }
   const std::vector<double> losses = spec_curve_cases::fit_token_windows(spec, mesh, o, kVocab, kSeq, kRows);
   // The techniques ran: checkpointing recomputes each block in backward (one more forward per
-  // micro-batch; layer offload recomputes too), ZeRO-3 keeps no unit's weights between steps.
+  // micro-batch; layer offload recomputes too), or only the first checkpoint_blocks of the
+  // stage's; ZeRO-3 keeps no unit's weights between steps.
+  const size_t n = spec.blocks->size();
+  for (size_t b : {size_t{0}, n - 1}) {
+    const bool recomputed =
+        layout.layers || (layout.checkpoint && (layout.checkpoint_blocks < 0 || b < static_cast<size_t>(layout.checkpoint_blocks)));
+    EXPECT_EQ(spec.blocks->block(b)->as<TinyBlockImpl>()->calls, o.steps * o.accum_steps * (recomputed ? 2 : 1))
+        << "forwards of the stage's block " << b;
+  }
   auto* first = spec.blocks->block(0)->as<TinyBlockImpl>();
-  const int64_t forwards = o.steps * o.accum_steps * ((layout.checkpoint || layout.layers) ? 2 : 1);
-  EXPECT_EQ(first->calls, forwards) << "forwards of the stage's first block";
   if (layout.shard == "parameters" && mesh.dp_size() > 1) {
     EXPECT_EQ(first->mlp->fc1->weight.storage().nbytes(), 0u) << "a unit's weights stayed gathered after the step";
   }
@@ -138,7 +148,8 @@ TEST(ModelSpec, APlainModelGetsEveryTechniqueAndFollowsItsOneRankRun) {
   EXPECT_LT(want.back(), want.front()) << "the loss does not fall";
   std::vector<Layout> layouts = {
       {1, 1, "none", true, false}, {1, 1, "none", false, true}, {1, 1, "parameters", false, false},
-      {1, 1, "parameters", true, false}, {1, 1, "optimizer", false, false}};
+      {1, 1, "parameters", true, false}, {1, 1, "optimizer", false, false},
+      {1, 1, "none", true, false, 1, 2}, {1, 1, "parameters", true, false, 1, 1}};
   const int W = comm.size();
   if (W % 2 == 0) {
     layouts.push_back({2, 1, "none", false, false});
@@ -148,6 +159,7 @@ TEST(ModelSpec, APlainModelGetsEveryTechniqueAndFollowsItsOneRankRun) {
     layouts.push_back({1, 2, "none", false, true});
     layouts.push_back({1, 2, "none", false, false, 2});  // interleaved (x dp W / 2)
     layouts.push_back({1, 1, "parameters", true, false});  // dp W
+    layouts.push_back({1, 2, "none", true, false, 1, 1});  // each stage's first block recomputed
   }
   if (W % 4 == 0) {
     layouts.push_back({2, 2, "none", false, false});
