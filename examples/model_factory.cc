@@ -514,6 +514,12 @@ engine::PlanInputs plan_inputs(const Run& run, ExampleModel& m, const engine::Tr
   }
   in.pp = run.mesh->pp_size();  // the counts above are this stage's: `module` is the stage
   in.stage = run.mesh->pp_rank();
+  if (in.pp > 1 && m.spec) {
+    // The fewest blocks a stage holds, as the trainer splits the model (--pp_blocks or evenly).
+    const std::vector<int> bounds = engine::pipeline_stage_bounds(FLAGS_layers, in.pp, engine::cli::flags().pp_blocks);
+    in.fewest_stage_layers = FLAGS_layers;
+    for (int s = 0; s < in.pp; ++s) in.fewest_stage_layers = std::min(in.fewest_stage_layers, bounds[s + 1] - bounds[s]);
+  }
   in.pp_schedule = engine::parse_pipeline_schedule(engine::cli::flags().pp_schedule);
   in.pp_chunks = engine::cli::pipeline_chunks(engine::cli::flags());
   if (in.pp > 1 && in.pp_schedule == engine::PipelineSchedule::kZeroBubble && (m.name == "gpt" || m.name == "llama")) {

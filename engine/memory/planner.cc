@@ -76,15 +76,16 @@ std::vector<int> accum_candidates(const PlanInputs& in) {
   return out;
 }
 
-// Checkpointing's candidates: 0 (off), -1 (every block) and, with L = PlanInputs::layers >= 2
-// uniform blocks and no pipeline stages (whose stages hold different blocks), the first k for k
-// at the eighths of L (every k from 1 to L - 1 when L <= 8). The same list on every rank of one
-// model, so a PlanAgreement compares like with like.
+// Checkpointing's candidates: 0 (off), -1 (every block) and, with L >= 2 uniform blocks (the
+// model's, or with pipeline stages the fewest a stage holds; not interleaved), the first k for k
+// at the eighths of L (every k from 1 to L - 1 when L <= 8). The same list on every rank, so a
+// PlanAgreement compares like with like.
 std::vector<int> checkpoint_candidates(const PlanInputs& in) {
   std::vector<int> out = {0, -1};
-  if (!in.can_checkpoint || !in.uniform_blocks || in.layers < 2 || in.pp > 1) return out;
+  const int L = in.pp > 1 ? in.fewest_stage_layers : in.layers;
+  if (!in.can_checkpoint || !in.uniform_blocks || L < 2 || interleaved(in)) return out;
   for (int j = 1; j <= 7; ++j) {
-    const int k = std::clamp((j * in.layers + 4) / 8, 1, in.layers - 1);
+    const int k = std::clamp((j * L + 4) / 8, 1, L - 1);
     if (out.back() != k) out.push_back(k);
   }
   return out;
@@ -324,6 +325,8 @@ void validate(const PlanInputs& in) {
                "PlanInputs.layer_parameters=", in.layer_parameters,
                " must be in [0, parameters=", in.parameters, "]");
   DTRAIN_CHECK(in.layers >= 0, "PlanInputs.layers must be >= 0, got ", in.layers);
+  DTRAIN_CHECK(in.fewest_stage_layers >= 0, "PlanInputs.fewest_stage_layers must be >= 0, got ",
+               in.fewest_stage_layers);
   DTRAIN_CHECK(in.largest_unit_parameters >= 0, "PlanInputs.largest_unit_parameters must be >= 0, got ",
                in.largest_unit_parameters);
   DTRAIN_CHECK(in.tp >= 1 && in.dp >= 1, "PlanInputs.tp=", in.tp, " and dp=", in.dp,
@@ -509,8 +512,6 @@ MemoryEstimate estimate(const PlanInputs& in, const ActivationProfile& profile,
   const bool partial = share > 0 && share < 1;
   DTRAIN_CHECK(t.checkpoint_blocks >= -1, "Technique.checkpoint_blocks=", t.checkpoint_blocks,
                " must be -1 (every block) or a count >= 0");
-  DTRAIN_CHECK(!partial || in.pp == 1, "Technique.checkpoint_blocks=", t.checkpoint_blocks,
-               ": recomputing some of the blocks is estimated without pipeline stages only");
   // The fit of the technique; with some blocks recomputed, both (off and on).
   auto fit_of = [&](bool on) {
     const ActivationFit* f = profile.find(on, t.amp);

@@ -192,9 +192,6 @@ TEST(CheckpointBlocks, PlannerEstimatesEachCountFromTheTwoFits) {
   all.checkpoint = true;
   const double s_off = estimate_step_seconds(in, profile, off), s_all = estimate_step_seconds(in, profile, all);
   EXPECT_NEAR(estimate_step_seconds(in, profile, half), (s_off + s_all) / 2, 1e-12);
-  // Pipeline stages hold different blocks: not estimated there.
-  in.pp = 2;
-  EXPECT_THROW(estimate(in, profile, half), Error);
 }
 
 TEST(CheckpointBlocks, PlannerChoosesTheFewestRecomputedBlocksThatFit) {
@@ -208,12 +205,35 @@ TEST(CheckpointBlocks, PlannerChoosesTheFewestRecomputedBlocksThatFit) {
   const Plan plan = choose_plan(in, profile);
   EXPECT_EQ(plan.flags(), "--checkpoint_activations --checkpoint_blocks=2") << plan.reason;
   EXPECT_NE(plan.to_json().find("\"checkpoint_blocks\":2"), std::string::npos) << plan.to_json();
-  // Blocks of unequal size, no blocks' count, or pipeline stages: only off and every block.
+  // Blocks of unequal size, or no blocks' count: only off and every block.
   in.uniform_blocks = false;
   EXPECT_EQ(choose_plan(in, profile).flags(), "--checkpoint_activations");
   in.uniform_blocks = true;
   in.layers = 0;
   EXPECT_EQ(choose_plan(in, profile).flags(), "--checkpoint_activations");
+}
+
+TEST(CheckpointBlocks, PipelineStagesTryCountsBelowTheFewestBlocksAStageHolds) {
+  const ActivationProfile profile = given_profile();
+  PlanInputs in = given_inputs();  // this stage: 4 blocks
+  in.pp = 2;
+  in.accum_candidates = {2};
+  Technique one;
+  one.checkpoint = true;
+  one.checkpoint_blocks = 1;
+  one.accum_steps = 2;
+  // 1F1B on stage 0 of 2 holds both micro-batches: the partial held line counts for the other.
+  const MemoryEstimate e = estimate(in, profile, one);
+  constexpr int64_t kMiB = 1 << 20;
+  EXPECT_EQ(e.in_flight, 2);
+  EXPECT_EQ(e.gpu.activations, 2 * kMiB * (100 - 15) + 2 * kMiB * (80 - 15)) << "peak and one more held, 2 rows";
+  in.gpu_budget_bytes = e.gpu.total();
+  // The other stage holds 2 blocks: counts below 2 are tried, and 1 fits.
+  in.fewest_stage_layers = 2;
+  EXPECT_EQ(choose_plan(in, profile).flags(), "--checkpoint_activations --checkpoint_blocks=1 --accum_steps=2");
+  // Not knowing the stages' blocks, or interleaved: only off and every block.
+  in.fewest_stage_layers = 0;
+  EXPECT_EQ(choose_plan(in, profile).flags(), "--checkpoint_activations --accum_steps=2");
 }
 
 sim::ModelShape gpt_shape() {

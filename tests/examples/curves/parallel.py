@@ -249,6 +249,8 @@ def scenario_pipeline(args):
         (4, ["--pp=2", "--tp=2", "--batch_size=8", "--accum_steps=2", "--pp_schedule=gpipe", "--sequence_parallel"],
          "pp 2 x tp 2 sequence-parallel, gpipe"),
         (2, ["--pp=2", "--batch_size=8", "--accum_steps=4", "--checkpoint_activations"], "pp 2, checkpointed"),
+        (2, ["--pp=2", "--batch_size=8", "--accum_steps=4", "--checkpoint_activations", "--checkpoint_blocks=1"],
+         "pp 2, each stage's first block checkpointed"),
         (2, ["--pp=2", "--batch_size=8", "--accum_steps=2", "--pp_blocks=1,3"], "pp 2, --pp_blocks=1,3"),
         # Each stage's optimizer partitioned over its data-parallel group, or offloaded to the host.
         (2, ["--pp=2", "--batch_size=8", "--accum_steps=4", "--offload=optimizer"], "pp 2, --offload=optimizer"),
@@ -275,6 +277,18 @@ def scenario_pipeline(args):
     # Three stages of four blocks: the even rule gives the extra block to stage 1.
     three = train(args, "train_gpt", 3, shape + ["--pp=3", "--batch_size=8", "--accum_steps=2"], "pp-three")
     compare(ref, three, "pp 3 (blocks 1, 2, 1), 2 micro-batches", 1e-4)
+    # Each stage's first block recomputed: the planner's estimate of every stage (the two probed
+    # fits; 1F1B holds two micro-batches on stage 0) against the stage's trained peak.
+    out = run(shlex.split(args.mpirun) + ["-np", "2", os.path.join(args.bin, "dtrain-plan"), "--model=gpt",
+                                          "--device=cpu", "--pp=2", "--batch_size=16", "--accum_steps=4",
+                                          "--checkpoint_activations", "--checkpoint_blocks=1", "--verify_steps=3"] +
+              [f for f in shape if f.startswith(("--d_model", "--heads", "--layers", "--ff", "--vocab", "--seq_len"))])
+    verified = [json.loads(l) for l in out.splitlines() if l.startswith("{") and "verify_steps" in l]
+    assert len(verified) == 1 and len(verified[0]["stages"]) == 2, out[-2000:]
+    errors = [s["relative_error"] for s in verified[0]["stages"]]
+    assert all(abs(e) < 0.03 for e in errors), verified
+    print("ok: dtrain-plan --pp=2 --checkpoint_blocks=1: stage estimates " +
+          ", ".join(f"{e:+.1%}" for e in errors) + " of the trained peaks")
     # Mixed precision: bf16 against one bf16 rank, fp16's loss scale agreed over the stages.
     for amp in ("bf16", "fp16"):
         base = train(args, "train_gpt", 1, shape + ["--batch_size=8", f"--amp={amp}"], f"pp-ref-{amp}")

@@ -61,8 +61,9 @@ struct Technique {
   // stay whole until the last micro-batch, so 2 then saves what 1 does), 3 parameters (also
   // the weights, two units whole during forward and backward).
   int shard = 0;
-  // With checkpoint: the first N of the rank's PlanInputs::layers blocks recomputed, the others
-  // keeping their activations (--checkpoint_blocks); -1 (or N >= layers): every block. Estimated
+  // With checkpoint: the first N of the rank's PlanInputs::layers blocks (its pipeline stage's)
+  // recomputed, the others keeping their activations (--checkpoint_blocks); -1 (or N >= layers):
+  // every block. Estimated
   // from the two probed fits (checkpointing off and on), not probed itself: a block's saving is
   // what the off fit holds after forward beyond the on fit, over the blocks (blocks of equal
   // size), taken off the off fit's peak, never below the on fit's.
@@ -177,10 +178,14 @@ struct PlanInputs {
   // Activation checkpointing recomputes them (this rank's: a pipeline stage's own).
   int layers = 0;
   // The blocks keep equal activations (a stack of one block type, as the library's GPT and
-  // Llama): choose_plan then also tries recomputing only the first of them (layers >= 2, pp ==
-  // 1). Blocks of unequal size would make that estimate low for a smaller first block; estimate()
-  // still prices a Technique that asks for it.
+  // Llama): choose_plan then also tries recomputing only the first of them (Technique::
+  // checkpoint_blocks; not with the interleaved schedule). Blocks of unequal size would make that
+  // estimate low for a smaller first block; estimate() still prices a Technique that asks for it.
   bool uniform_blocks = false;
+  // With pp > 1: the fewest blocks any stage holds (pipeline_stage_bounds; the same on every
+  // rank). The counts choose_plan tries stay below it, so every stage can take them and every
+  // rank tries the same list (0: no counts tried with pipeline stages).
+  int fewest_stage_layers = 0;
   int64_t layer_parameters = 0;
   // Input data: bytes of one row of the batch and how many whole batches are on the device
   // at once (the step's plus the loader's prefetched ones).
