@@ -577,17 +577,19 @@ engine::ActivationProfile probe_example_model(const Run& run, ExampleModel& m,
         },
         m.module->parameters(), run.device, po);
   } catch (...) {
-    if (m.set_checkpointing) {
-      m.set_checkpointing(engine::cli::flags().checkpoint_activations, engine::cli::flags().checkpoint_blocks);
-    }
+    checkpoint_as_flags(m);
     m.module->train(was_training);
     throw;
   }
+  checkpoint_as_flags(m);
+  m.module->train(was_training);
+  return profile;
+}
+
+void checkpoint_as_flags(ExampleModel& m) {
   if (m.set_checkpointing) {
     m.set_checkpointing(engine::cli::flags().checkpoint_activations, engine::cli::flags().checkpoint_blocks);
   }
-  m.module->train(was_training);
-  return profile;
 }
 
 std::vector<std::vector<double>> per_stage(const Run& run, const std::vector<double>& mine) {
@@ -653,7 +655,7 @@ engine::sim::Layout simulator_layout(int tp, int pp, int cp, int dp) {
   l.offload_layers = offload.layers;
   l.delayed_update = f.offload_delayed_update_after >= 0;
   l.checkpoint = f.checkpoint_activations;
-  l.checkpoint_blocks = f.checkpoint_activations ? f.checkpoint_blocks : -1;
+  l.checkpoint_blocks = f.checkpoint_blocks;  // -1 unless checkpointing (the flags' validation)
   l.sequence_parallel = f.sequence_parallel;
   l.bf16 = f.amp != "off";
   l.param_bf16 = engine::parse_param_dtype(f.param_dtype) == at::kBFloat16;

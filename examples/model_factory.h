@@ -129,10 +129,14 @@ engine::sim::Layout simulator_layout(int tp, int pp, int cp, int dp);
 // without --plan_cluster. dtrain::Error for a model other than gpt or llama, or an unreadable file.
 std::function<double(const engine::Technique&)> simulator_step_time(const Run& run, const std::string& model);
 
+// Switches the model's checkpointing to what --checkpoint_activations and --checkpoint_blocks
+// say (after a probe or a measurement switched it); nothing for a model without blocks.
+void checkpoint_as_flags(ExampleModel& model);
+
 // probe_activations() of `model` on synthetic batches of probe_rows and 2 * probe_rows rows,
 // checkpointing off and (for a model with blocks) on, under each AMP mode of `amps`. Call
 // before the Trainer exists; collective when the model is tensor-parallel (every rank of the
-// group probes). Leaves the model's checkpointing as --checkpoint_activations says.
+// group probes). Leaves the model's checkpointing as the flags say (checkpoint_as_flags).
 engine::ActivationProfile probe_example_model(const Run& run, ExampleModel& model,
                                               const std::vector<engine::AmpMode>& amps,
                                               int64_t probe_rows);

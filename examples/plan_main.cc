@@ -85,9 +85,7 @@ void verify(const examples::Run& run, examples::ExampleModel& m, const engine::P
   o.timeline_path.clear();
   o.save_dir.clear();
   o.memory_report_step = 0;
-  if (m.set_checkpointing) {
-    m.set_checkpointing(engine::cli::flags().checkpoint_activations, engine::cli::flags().checkpoint_blocks);
-  }
+  examples::checkpoint_as_flags(m);
   engine::release_cached_memory(run.device);
   bool capped = false;
   if (engine::cli::flags().gpu_mem_limit_gb > 0) {

@@ -302,11 +302,11 @@ void calibrate(const Run& run, ExampleModel& m, const engine::TrainerOptions& op
   one.micro_batch_rows = rows;
   one.bf16 = f.amp == "bf16";
   one.checkpoint = f.checkpoint_activations;
-  one.checkpoint_blocks = f.checkpoint_activations ? f.checkpoint_blocks : -1;
+  one.checkpoint_blocks = f.checkpoint_blocks;  // -1 unless checkpointing (the flags' validation)
   sim::Cluster single = c;
   single.nodes = 1;
   single.gpus_per_node = 1;
-  if (m.set_checkpointing) m.set_checkpointing(f.checkpoint_activations, f.checkpoint_blocks);
+  checkpoint_as_flags(m);
   // At the micro-batch and at a quarter of it (caches make small ones faster per token on a CPU).
   double fb = 0, fb_predicted = 0;
   for (int64_t r : {std::max<int64_t>(1, rows / 4), rows}) {

@@ -935,9 +935,9 @@ std::vector<Prediction> search_layouts(int64_t layers, bool split_blocks, const 
   for (const Layout& mesh : mesh_layouts(layers, split_blocks, c, o)) {
     const std::vector<Layout> layouts = technique_layouts(mesh, c, o);
     std::vector<std::optional<Prediction>> prices;
-    std::map<std::string, size_t> index;  // a layout's text -> its price
+    std::map<std::string, size_t> index;  // an uncheckpointed layout's text -> its price
     for (const Layout& l : layouts) {
-      index[l.to_string()] = prices.size();
+      if (!l.checkpoint) index[l.to_string()] = prices.size();
       prices.push_back(priced(l));
     }
     for (size_t i = 0; i < layouts.size(); ++i) {
