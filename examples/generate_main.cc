@@ -7,10 +7,15 @@
 //       --prompt_tokens=128000,791,6864 --max_new_tokens=32 --temperature=0
 //   mpirun -np 2 dtrain-generate --tp=2 --model=llama [shape flags] --checkpoint=runs/llama --prompt_file=ids.txt
 //
-// Token ids in, token ids out: stdout holds one line per sequence, its new ids separated by
-// commas; the summary (tokens/s) goes to stderr. No tokenizer is linked in (SentencePiece's
-// bundled protobuf clashes with the engine's, see tools/CMakeLists.txt): tokenize and detokenize
-// outside, e.g. with the tokenizer dtrain-prepare uses.
+// Text in, text out with --tokenizer (a SentencePiece model, engine::Tokenizer): --prompt="..."
+// or --prompt_file (one prompt a line), each prompt after the tokenizer's BOS (--bos), ended at
+// its EOS (--eos defaults to it); stdout holds each sequence's text (--output=text) or one JSON
+// object per sequence (--output=jsonl: prompt, ids, text, completion). Token ids in and out
+// without it (--prompt_tokens, or --prompt_file of ids): one line per sequence, its new ids
+// separated by commas (--output=ids). The summary (tokens/s) goes to stderr.
+//
+//   dtrain-generate --init_from_hf=Llama-2-7b-hf --hf_config=Llama-2-7b-hf/config.json
+//       --tokenizer=Llama-2-7b-hf/tokenizer.model --prompt="The capital of France is" --temperature=0
 //
 // Under mpirun with --tp, every rank runs the same steps on its shard of the model; the full
 // logits are gathered, tensor-parallel rank 0 draws the next tokens and broadcasts them, so the
@@ -19,6 +24,8 @@
 #include <chrono>
 #include <cstdio>
 #include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -29,6 +36,7 @@
 
 #include "common.h"
 #include "dtrain/dist/error.h"
+#include "dtrain/engine/data/tokenizer.h"
 #include "dtrain/engine/models/llama.h"
 #include "dtrain/engine/models/sampling.h"
 #include "dtrain/engine/parallel/tensor_parallel.h"
@@ -39,14 +47,23 @@
 DEFINE_string(model, "llama", "the model: llama (the only one with a key/value cache for now)");
 DEFINE_string(checkpoint, "", "the weights of a training run: its --save_dir (the newest good checkpoint, any layout)");
 DEFINE_string(prompt_tokens, "", "the prompt as token ids, comma-separated (e.g. 1,15043,3186)");
-DEFINE_string(prompt_file, "", "a file of prompts as token ids (separated by commas or spaces), one prompt per line, all of one length");
+DEFINE_string(prompt_file, "", "a file of prompts, one per line, all of one length in tokens: text with --tokenizer, else token "
+              "ids (separated by commas or spaces)");
+DEFINE_string(tokenizer, "", "a SentencePiece model (tokenizer.model, e.g. Llama 2's or dtrain-prepare's): text prompts "
+              "(--prompt, --prompt_file) and text output");
+DEFINE_string(prompt, "", "the prompt as text (needs --tokenizer)");
+DEFINE_bool(bos, true, "with --tokenizer: start each text prompt with the tokenizer's BOS id (as Llama's training did)");
+DEFINE_string(output, "auto", "stdout: ids (the new ids of each sequence, a line each), text (each sequence's text, "
+              "prompt and continuation; needs --tokenizer), jsonl (a JSON object per sequence); auto: text with "
+              "--tokenizer, else ids");
 DEFINE_int64(max_new_tokens, 32, "tokens to generate per sequence (the prompt and these must fit --seq_len / max_position_embeddings)");
 DEFINE_double(temperature, 1.0, "sampling temperature; 0: greedy (the most likely token)");
 DEFINE_int64(top_k, 0, "sample among the k most likely tokens (0: all)");
 DEFINE_double(top_p, 1.0, "sample from the nucleus: the most likely tokens whose probability reaches p (1: all)");
 DEFINE_int64(seed, 0, "the sampler's seed: the same seed, prompt and weights give the same tokens");
 DEFINE_int64(batch, 1, "sequences per prompt (a lone prompt is repeated; with several prompts: 1 or their number)");
-DEFINE_int64(eos, -1, "a token id that ends a sequence (it is printed; the run ends when every sequence has ended); -1: none");
+DEFINE_int64(eos, -1, "a token id that ends a sequence (it is printed; the run ends when every sequence has ended); -1: "
+             "none, or with --tokenizer its EOS id when the flag is not given");
 DEFINE_string(dtype, "float32", "the weights' and activations' dtype: float32, bfloat16, float16 or float64");
 DEFINE_bool(use_cache, true, "decode with the key/value cache; false: run the whole sequence again for every token (for comparison)");
 
@@ -71,39 +88,70 @@ std::vector<int64_t> parse_ids(const std::string& text, const std::string& where
       used = 0;
     }
     DTRAIN_CHECK(used == word.size() && id >= 0, where, ": '", word, "' is not a token id (ids are non-negative "
-                 "integers; ", kProgram, " reads token ids only, no text)");
+                 "integers; for a text prompt give --tokenizer=tokenizer.model and --prompt=TEXT or a --prompt_file of "
+                 "text)");
     ids.push_back(id);
   }
   return ids;
 }
 
-// The prompts of --prompt_tokens or --prompt_file, each row one sequence (--batch applied),
-// checked against the vocabulary.
+// --tokenizer's model, loaded once (nullopt without the flag).
+const std::optional<engine::Tokenizer>& tokenizer() {
+  static const std::optional<engine::Tokenizer> tok =
+      FLAGS_tokenizer.empty() ? std::nullopt : std::optional<engine::Tokenizer>(engine::Tokenizer::load(FLAGS_tokenizer));
+  return tok;
+}
+
+// The ids of one text prompt: the tokenizer's BOS (--bos) and the text's ids.
+std::vector<int64_t> encode_prompt(const std::string& text) {
+  const engine::Tokenizer& tok = *tokenizer();
+  std::vector<int64_t> ids;
+  if (FLAGS_bos && tok.bos_id() >= 0) ids.push_back(tok.bos_id());
+  const std::vector<int64_t> body = tok.encode(text);
+  ids.insert(ids.end(), body.begin(), body.end());
+  return ids;
+}
+
+// The prompts of --prompt, --prompt_tokens or --prompt_file, each row one sequence (--batch
+// applied), checked against the vocabulary.
 std::vector<std::vector<int64_t>> read_prompts() {
-  DTRAIN_CHECK(FLAGS_prompt_tokens.empty() != FLAGS_prompt_file.empty(),
-               FLAGS_prompt_tokens.empty() ? "no prompt: give --prompt_tokens=ID,ID,... or --prompt_file=FILE"
-                                           : "--prompt_tokens and --prompt_file both given: give one of them");
+  const int given = !FLAGS_prompt.empty() + !FLAGS_prompt_tokens.empty() + !FLAGS_prompt_file.empty();
+  DTRAIN_CHECK(given == 1, given == 0 ? "no prompt: give --prompt=TEXT (with --tokenizer), --prompt_tokens=ID,ID,... "
+                                        "or --prompt_file=FILE"
+                                      : "more than one of --prompt, --prompt_tokens and --prompt_file given: give one");
+  const bool text = tokenizer().has_value();
+  DTRAIN_CHECK(text || FLAGS_prompt.empty(), "--prompt is text: give --tokenizer=tokenizer.model (the SentencePiece "
+               "model of the weights) to encode it, or the ids as --prompt_tokens");
   std::vector<std::vector<int64_t>> prompts;
-  if (!FLAGS_prompt_tokens.empty()) {
+  if (!FLAGS_prompt.empty()) {
+    prompts.push_back(encode_prompt(FLAGS_prompt));
+  } else if (!FLAGS_prompt_tokens.empty()) {
     prompts.push_back(parse_ids(FLAGS_prompt_tokens, "--prompt_tokens"));
   } else {
     std::istringstream lines(examples::read_text_file(FLAGS_prompt_file, "--prompt_file"));
     int line_no = 0;
     for (std::string line; std::getline(lines, line);) {
       ++line_no;
-      auto ids = parse_ids(line, "--prompt_file=" + FLAGS_prompt_file + " line " + std::to_string(line_no));
+      if (text && !line.empty() && line.back() == '\r') line.pop_back();
+      if (text && line.find_first_not_of(" \t") == std::string::npos) continue;
+      auto ids = text ? encode_prompt(line)
+                      : parse_ids(line, "--prompt_file=" + FLAGS_prompt_file + " line " + std::to_string(line_no));
       if (!ids.empty()) prompts.push_back(ids);
     }
   }
-  const std::string source = FLAGS_prompt_tokens.empty() ? "--prompt_file=" + FLAGS_prompt_file : "--prompt_tokens";
+  const std::string source = !FLAGS_prompt.empty()       ? std::string("--prompt")
+                             : !FLAGS_prompt_tokens.empty() ? std::string("--prompt_tokens")
+                                                            : "--prompt_file=" + FLAGS_prompt_file;
   DTRAIN_CHECK(!prompts.empty() && !prompts[0].empty(), source, " holds no token ids");
   for (size_t r = 0; r < prompts.size(); ++r) {
     DTRAIN_CHECK(prompts[r].size() == prompts[0].size(), source, ": prompt ", r + 1, " has ", prompts[r].size(),
-                 " tokens, prompt 1 has ", prompts[0].size(), "; the prompts of one run must be of one length "
-                 "(no padding): run the others separately");
+                 " tokens, prompt 1 has ", prompts[0].size(), "; the prompts of one run must be of one length in "
+                 "tokens (no padding): run the others separately");
     for (int64_t id : prompts[r]) {
       DTRAIN_CHECK(id < FLAGS_vocab, source, ": token ", id, " is not below the vocabulary size ", FLAGS_vocab,
                    " (--vocab / --hf_config's vocab_size)");
+      DTRAIN_CHECK(!text || id < tokenizer()->vocab_size(), source, ": token ", id, " is not below the tokenizer's ",
+                   tokenizer()->vocab_size(), " pieces (", FLAGS_tokenizer, ")");
     }
   }
   DTRAIN_CHECK(FLAGS_batch >= 1, "--batch=", FLAGS_batch, " must be >= 1");
@@ -140,6 +188,33 @@ engine::SamplingOptions sampling_of_flags() {
   return s;
 }
 
+enum class Output { kIds, kText, kJsonl };
+
+Output output_mode() {
+  if (FLAGS_output == "auto") return tokenizer() ? Output::kText : Output::kIds;
+  if (FLAGS_output == "ids") return Output::kIds;
+  if (FLAGS_output == "jsonl") return Output::kJsonl;
+  DTRAIN_CHECK(FLAGS_output == "text", "--output=", FLAGS_output, " is not one of: auto, ids, text, jsonl");
+  DTRAIN_CHECK(tokenizer().has_value(), "--output=text decodes the tokens: give --tokenizer=tokenizer.model (or "
+               "--output=ids)");
+  return Output::kText;
+}
+
+// --tokenizer against the model's vocabulary; its EOS as --eos when the flag was not given.
+void check_tokenizer_flags() {
+  output_mode();
+  if (!tokenizer()) {
+    DTRAIN_CHECK(gflags::GetCommandLineFlagInfoOrDie("bos").is_default, "--bos adds the tokenizer's BOS to a text "
+                 "prompt: give --tokenizer too (with --prompt_tokens, write the BOS id yourself)");
+    return;
+  }
+  const engine::Tokenizer& tok = *tokenizer();
+  DTRAIN_CHECK(tok.vocab_size() <= FLAGS_vocab, "--tokenizer=", FLAGS_tokenizer, " has ", tok.vocab_size(),
+               " pieces, more than the model's vocabulary of ", FLAGS_vocab, " (--vocab / --hf_config's vocab_size): "
+               "the weights were trained with another tokenizer; give the tokenizer.model that came with them");
+  if (gflags::GetCommandLineFlagInfoOrDie("eos").is_default && tok.eos_id() >= 0) FLAGS_eos = tok.eos_id();
+}
+
 // Every check of the flags, before any communicator exists (the same on every rank).
 void check_generate_flags() {
   const auto& f = engine::cli::flags();
@@ -156,6 +231,7 @@ void check_generate_flags() {
                "sequence; drop it (the checkpoint loads at any layout)");
   parse_dtype(FLAGS_dtype);
   sampling_of_flags();
+  check_tokenizer_flags();
   DTRAIN_CHECK(FLAGS_eos >= -1 && FLAGS_eos < FLAGS_vocab, "--eos=", FLAGS_eos, " is not a token id below the "
                "vocabulary size ", FLAGS_vocab, " (or -1: none)");
   const auto prompts = read_prompts();
@@ -242,14 +318,42 @@ Generated generate(const examples::Run& run, engine::LlamaImpl& model, const std
   return g;
 }
 
-void print(const examples::Run& run, const Generated& g, const std::string& source, int64_t prompt_len) {
-  if (run.world.rank != 0) return;
-  int64_t tokens = 0;
-  for (const auto& row : g.rows) {
+// One sequence as --output asks: its new ids, its text (the prompt's and the new tokens' decoded
+// together, so the first new word keeps its space), or a JSON object with both.
+void print_sequence(const std::vector<int64_t>& prompt, const std::vector<int64_t>& row, int64_t r, int64_t rows) {
+  const Output mode = output_mode();
+  if (mode == Output::kIds) {
     std::string line;
     for (size_t i = 0; i < row.size(); ++i) line += (i ? "," : "") + std::to_string(row[i]);
     std::printf("%s\n", line.c_str());
-    tokens += static_cast<int64_t>(row.size());
+    return;
+  }
+  std::vector<int64_t> all = prompt;
+  all.insert(all.end(), row.begin(), row.end());
+  if (mode == Output::kText) {
+    if (rows > 1) std::printf("--- sequence %lld of %lld ---\n", static_cast<long long>(r + 1), static_cast<long long>(rows));
+    const std::string text = tokenizer()->decode(all);
+    std::printf("%s\n", text.c_str());
+    return;
+  }
+  nlohmann::json j = {{"sequence", r}, {"prompt_ids", prompt}, {"ids", row}};
+  if (tokenizer()) {
+    const std::string head = tokenizer()->decode(prompt), text = tokenizer()->decode(all);
+    j["prompt"] = head;
+    j["text"] = text;
+    j["completion"] = text.compare(0, head.size(), head) == 0 ? text.substr(head.size()) : tokenizer()->decode(row);
+  }
+  std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
+}
+
+void print(const examples::Run& run, const Generated& g, const std::string& source,
+           const std::vector<std::vector<int64_t>>& prompts) {
+  if (run.world.rank != 0) return;
+  const int64_t prompt_len = static_cast<int64_t>(prompts[0].size());
+  int64_t tokens = 0;
+  for (size_t r = 0; r < g.rows.size(); ++r) {
+    print_sequence(prompts[r], g.rows[r], static_cast<int64_t>(r), static_cast<int64_t>(g.rows.size()));
+    tokens += static_cast<int64_t>(g.rows[r].size());
   }
   std::fflush(stdout);
   const double decode_s = g.total_s - g.prefill_s;
@@ -269,9 +373,9 @@ int generate_main(int argc, char** argv) {
   const std::string model_name = examples::flag_from_argv(argc, argv, "model", "llama");
   DTRAIN_CHECK(model_name == "llama", "--model=", model_name, ": the program generates with --model=llama only "
                "for now (the Llama model has the key/value cache; the GPT has none yet)");
-  engine::cli::describe_flags("Generation", {"model", "checkpoint", "prompt_tokens", "prompt_file", "max_new_tokens",
-                                             "temperature", "top_k", "top_p", "seed", "batch", "eos", "dtype",
-                                             "use_cache"});
+  engine::cli::describe_flags("Generation", {"model", "checkpoint", "tokenizer", "prompt", "prompt_tokens",
+                                             "prompt_file", "bos", "output", "max_new_tokens", "temperature", "top_k",
+                                             "top_p", "seed", "batch", "eos", "dtype", "use_cache"});
   std::map<std::string, std::string> defaults;  // the Llama's shape defaults (not its training ones)
   const std::vector<std::string> shape = examples::model_flag_names("llama");
   for (const auto& [flag, value] : examples::model_flag_defaults("llama")) {
@@ -288,12 +392,11 @@ int generate_main(int argc, char** argv) {
   examples::Run run = examples::init_run(
       argc, argv,
       "dtrain-generate --model=llama [shape flags | --hf_config=config.json] --checkpoint=DIR | --init_from_hf=DIR\n"
-      "    --prompt_tokens=ID,ID,... | --prompt_file=FILE [--max_new_tokens=N] [--temperature=T --top_k=K --top_p=P "
-      "--seed=S]\n"
-      "Continues the prompt with the Llama model and prints the new token ids, one line per sequence (the summary "
-      "goes to stderr).\nToken ids only: no tokenizer is linked in (its bundled protobuf clashes with the engine's); "
-      "tokenize outside, e.g. with dtrain-prepare's SentencePiece model.\nUnder mpirun with --tp=N (N ranks) the "
-      "model is split; every rank runs the same steps and rank 0 prints.",
+      "    --tokenizer=tokenizer.model --prompt=TEXT | --prompt_tokens=ID,ID,... | --prompt_file=FILE\n"
+      "    [--max_new_tokens=N] [--temperature=T --top_k=K --top_p=P --seed=S] [--output=ids|text|jsonl]\n"
+      "Continues the prompt with the Llama model and prints each sequence's text (with --tokenizer, a SentencePiece "
+      "model) or its new token ids, one line per sequence (the summary goes to stderr).\nUnder mpirun with --tp=N (N "
+      "ranks) the model is split; every rank runs the same steps and rank 0 prints.",
       defaults,
       [&] {
         base_checks();
@@ -307,7 +410,7 @@ int generate_main(int argc, char** argv) {
   std::string source;
   auto model = load_model(run, source);
   const Generated g = generate(run, *model, prompts);
-  print(run, g, source, static_cast<int64_t>(prompts[0].size()));
+  print(run, g, source, prompts);
   return 0;
 }
 

@@ -6,7 +6,7 @@
 #   3. dtrain-prepare: the text into llm.c token shards (a validation shard and training shards);
 #   4. train_gpt --model=llama on the shards for MINUTES minutes of steps, evaluating on the
 #      validation shard;
-#   5. dtrain-generate: a sample from the trained checkpoint, decoded back to text.
+#   5. dtrain-generate: a sample from the trained checkpoint, the prompt and the output as text.
 # usage: tools/lm_demo.sh WORK_DIR [BUILD_DIR] [STEPS]      (prints the losses and the sample)
 set -euo pipefail
 WORK="${1:?usage: lm_demo.sh WORK_DIR [BUILD_DIR] [STEPS]}"
@@ -50,9 +50,8 @@ SHAPE=(--model=llama --vocab=8000 --d_model=256 --heads=8 --kv_heads=4 --layers=
   --batch_size=16 --steps="$STEPS" --lr=1e-3 --schedule=cosine --warmup_steps=$((STEPS / 10)) --log_every=50 \
   --save_dir="$WORK/run" --resume=auto --progress=false --metrics="$WORK/metrics.jsonl" 2>&1 | tail -25
 
-# 5. A sample: the prompt encoded and the output decoded by the same tokenizer.
-PROMPT=$("$PY" -c "import sentencepiece as s,sys;p=s.SentencePieceProcessor(model_file=sys.argv[1]);print(','.join(map(str,[1]+p.encode(sys.argv[2]))))" "$WORK/tok.model" "def main(")
-OUT=$("$BIN/dtrain-generate" "${SHAPE[@]}" --device=cpu --checkpoint="$WORK/run" --prompt_tokens="$PROMPT" \
-  --max_new_tokens=120 --temperature=0.8 --top_k=40 --seed=1 2>/dev/null)
-"$PY" -c "import sentencepiece as s,sys;p=s.SentencePieceProcessor(model_file=sys.argv[1]);print('--- sample (prompt \"def main(\"):');print('def main(' + p.decode([int(t) for t in sys.argv[2].split(',') if t]))" \
-  "$WORK/tok.model" "$OUT"
+# 5. A sample: the prompt encoded and the output decoded by the same tokenizer (the engine's
+#    SentencePiece Tokenizer), after the BOS the shards put before each document, up to its EOS.
+echo '--- sample (prompt "def main("):'
+"$BIN/dtrain-generate" "${SHAPE[@]}" --device=cpu --checkpoint="$WORK/run" --tokenizer="$WORK/tok.model" \
+  --prompt="def main(" --max_new_tokens=120 --temperature=0.8 --top_k=40 --seed=1 2>/dev/null

@@ -9,15 +9,20 @@
   * Sampling: the same --seed gives the same tokens, another seed others; --top_k=1 is greedy.
   * A train_gpt --model=llama checkpoint (--checkpoint): greedy tokens at 1 rank and --tp 2 equal
     transformers' on the same weights (exported with dtrain-export --format=hf; float64).
+  * Text (--tokenizer, a SentencePiece model Python's sentencepiece trained): --prompt's ids are
+    Python's encoding after the BOS, the new ids transformers' greedy generate of them (ending
+    at the tokenizer's EOS), and the printed text Python's decoding of both (--output=text and
+    jsonl; a --prompt_file of text lines; at --tp 2 under mpirun too).
   * Bad input exits non-zero naming the problem: no weights, both sources, a prompt token beyond
-    the vocabulary, --max_new_tokens beyond the positions, --model=gpt, ranks other than --tp.
+    the vocabulary, --max_new_tokens beyond the positions, --model=gpt, ranks other than --tp,
+    a text prompt or --output=text without a tokenizer, a tokenizer larger than the vocabulary.
 
 usage: generate.py --bin BUILD/bin --mpirun "mpirun ..." --python PYTHON
 """
 import json
 import os
 
-from example_util import python_example_args, run
+from example_util import json_lines, python_example_args, run
 
 VOCAB, NEW = 96, 8
 PROMPTS = [[5, 17, 33, 2, 90, 41], [60, 3, 3, 71, 12, 8]]
@@ -61,6 +66,47 @@ with torch.no_grad():
                          min_new_tokens=new, eos_token_id=None, pad_token_id=0)
 print(json.dumps({"tokens": out[:, prompts.shape[1]:].tolist()}))
 """
+
+
+# A SentencePiece BPE model trained on licence text, a tiny Llama of its vocabulary (the seed
+# chosen for a clear greedy margin, as MAKE), and transformers' greedy continuation of each text
+# prompt (Python's encoding after the BOS), cut after the tokenizer's EOS as generate stops there.
+# argv: the directory, the prompts (JSON), the new tokens. Prints {"tokenizer", "hf", "prompt_ids",
+# "tokens", "texts": Python's decoding of prompt and new ids together, "margin"}.
+MAKE_TEXT = r"""
+import glob, json, os, sys, torch
+os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+import sentencepiece as spm
+from transformers import LlamaConfig, LlamaForCausalLM
+out, prompts, new = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+lines = [l.strip() for n in ("GPL-3", "Apache-2.0") for l in open("/usr/share/common-licenses/" + n) if l.strip()]
+spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=out + "/tok", vocab_size=320,
+                               model_type="bpe", unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1,
+                               shuffle_input_sentence=False, input_sentence_size=0, minloglevel=2)
+sp = spm.SentencePieceProcessor(model_file=out + "/tok.model")
+ids = [[sp.bos_id()] + sp.encode(p) for p in prompts]
+for seed in range(40):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=sp.get_piece_size(), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
+                      initializer_range=0.2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(cfg).float().eval()
+    tokens, margin = [], 1.0
+    with torch.no_grad():
+        for p in ids:
+            t = torch.tensor([p])
+            g = model.generate(t, attention_mask=torch.ones_like(t), do_sample=False, max_new_tokens=new,
+                               eos_token_id=sp.eos_id(), pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+            margin = min([margin] + [(s.topk(2, dim=-1).values[:, 0] - s.topk(2, dim=-1).values[:, 1]).min().item()
+                                     for s in g.scores])
+            tokens.append(g.sequences[0, len(p):].tolist())
+    if margin > 1e-3:
+        break
+model.save_pretrained(out + "/hf", safe_serialization=True)
+print(json.dumps({"tokenizer": out + "/tok.model", "hf": out + "/hf", "prompt_ids": ids, "tokens": tokens,
+                  "margin": margin, "texts": [sp.decode(p + t) for p, t in zip(ids, tokens)]}))
+"""
+TEXT_PROMPTS = ["Everyone is permitted to copy", "The GNU General Public License is a free"]
 
 
 def last_json(out):
@@ -130,7 +176,42 @@ def check_checkpoint(args, mpirun, tmp, gen):
     return shape, ck
 
 
-def check_bad_input(mpirun, gen, hf, source, shape, ck):
+def stdout_of(cmd):
+    """The standard output alone (the logs go to stderr), for the text checks."""
+    import subprocess
+    print("$", " ".join(cmd), flush=True)
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return p.stdout
+
+
+def check_text(args, mpirun, tmp, gen):
+    text_dir = os.path.join(tmp, "text")
+    os.makedirs(text_dir)
+    made = last_json(run([args.python, "-c", MAKE_TEXT, text_dir, json.dumps(TEXT_PROMPTS), str(NEW + 4)]))
+    print(f"transformers' greedy continuations (smallest top-2 gap {made['margin']:.2e}): {made['texts']}")
+    hf, tok = made["hf"], made["tokenizer"]
+    source = [f"--init_from_hf={hf}", f"--hf_config={hf}/config.json", f"--tokenizer={tok}",
+              f"--max_new_tokens={NEW + 4}", "--temperature=0"]
+    for i, prompt in enumerate(TEXT_PROMPTS):
+        for ranks, extra in ((1, []), (2, ["--tp=2"])):
+            got = json_lines(generate(mpirun, ranks, gen, source + extra + [f"--prompt={prompt}", "--output=jsonl"]))
+            assert len(got) == 1, got
+            assert got[0]["prompt_ids"] == made["prompt_ids"][i], f"prompt {i}: {got[0]['prompt_ids']}"
+            assert got[0]["ids"] == made["tokens"][i], f"prompt {i} np {ranks}: {got[0]['ids']} != {made['tokens'][i]}"
+            assert got[0]["text"] == made["texts"][i], f"prompt {i}: {got[0]['text']!r} != {made['texts'][i]!r}"
+            assert got[0]["prompt"] == prompt and made["texts"][i] == prompt + got[0]["completion"], got[0]
+        text = stdout_of([gen, "--device=cpu"] + source + [f"--prompt={prompt}"])
+        assert text == made["texts"][i] + "\n", f"--output=text: {text!r} != {made['texts'][i]!r}"
+    prompt_file = os.path.join(tmp, "text_prompts.txt")
+    with open(prompt_file, "w") as f:
+        f.write("\n  \n" + TEXT_PROMPTS[0] + "\r\n\n")
+    got = json_lines(generate(mpirun, 1, gen, source + [f"--prompt_file={prompt_file}", "--output=jsonl"]))
+    assert [g["ids"] for g in got] == [made["tokens"][0]], f"--prompt_file of text: {got}"
+    return source
+
+
+def check_bad_input(mpirun, gen, hf, source, shape, ck, text_source):
     prompt = ["--prompt_tokens=1,2,3,4"]
     cases = [
         (shape + prompt, "no weights: give --checkpoint=DIR"),
@@ -141,6 +222,14 @@ def check_bad_input(mpirun, gen, hf, source, shape, ck):
          "--max_new_tokens=13: the prompt's 4 tokens and 13 new ones need 17 positions, the model has 16"),
         (["--model=gpt", f"--checkpoint={ck}"] + prompt, "generates with --model=llama only"),
         (source + prompt + ["--top_k=5"], "--temperature=0 is greedy"),
+        (source + ["--prompt=Hello"], "--prompt is text: give --tokenizer=tokenizer.model"),
+        (source + prompt + ["--output=text"], "--output=text decodes the tokens: give --tokenizer"),
+        (source + prompt + ["--bos"], "--bos adds the tokenizer's BOS to a text prompt: give --tokenizer too"),
+        (source + ["--prompt=Hello", text_source[2]], f"has 320 pieces, more than the model's vocabulary of {VOCAB}"),
+        (text_source + ["--prompt=Hello", "--prompt_tokens=1,2"], "more than one of --prompt, --prompt_tokens"),
+        (text_source + ["--prompt=Hello", "--output=xml"], "--output=xml is not one of: auto, ids, text, jsonl"),
+        (text_source[:2] + ["--tokenizer=" + hf + "/config.json", "--prompt=Hello"],
+         "is a JSON file (a Hugging Face tokenizer.json?), not a SentencePiece model"),
     ]
     for flags, want in cases:
         out = generate(mpirun, 1, gen, flags, expect=2)
@@ -155,7 +244,8 @@ def main():
     hf, source = check_hf(args, mpirun, tmp, gen)
     check_sampling(mpirun, gen, hf)
     shape, ck = check_checkpoint(args, mpirun, tmp, gen)
-    check_bad_input(mpirun, gen, hf, source, shape, ck)
+    text_source = check_text(args, mpirun, tmp, gen)
+    check_bad_input(mpirun, gen, hf, source, shape, ck, text_source)
     print("OK")
 
 

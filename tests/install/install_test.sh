@@ -31,6 +31,13 @@ install_log=$(cd "$work" && "$cmake_bin" --install "$build" --prefix prefix)
 prefix=$(sed -n 's/^-- dtrain installed: configure consumers with -DCMAKE_PREFIX_PATH=//p' <<<"$install_log")
 [[ $prefix == "$work/prefix" ]] || fail "the install printed prefix '$prefix', expected $work/prefix"
 with_cuda=$(grep -c '^set(DTRAIN_WITH_CUDA ON)' "$prefix"/lib*/cmake/dtrain/dtrainConfig.cmake || true)
+# The engine's Tokenizer loads libdtrain_sentencepiece.so from the directory of libdtrain_engine.so.
+if [[ -f $build/lib/libdtrain_sentencepiece.so ]]; then
+  for engine_lib in "$prefix"/lib*/libdtrain_engine.so; do
+    [[ -f $(dirname "$engine_lib")/libdtrain_sentencepiece.so ]] ||
+      fail "the install has no libdtrain_sentencepiece.so beside $engine_lib (the Tokenizer looks there)"
+  done
+fi
 
 # consumer NAME SOURCE_DIR PROGRAM [cmake args]: configure, build and run under $consumer_env.
 consumer_env=()
