@@ -1,4 +1,4 @@
-// Small models the tests share: the Llama the tensor-parallel tests split and the reference
+// Small models the tests share: the Llama (and GPT) the tensor-parallel tests split and the reference
 // weights they give it (tests/mpi/llama_mpi_test.cc, tests/mpi/llama_generate_mpi_test.cc,
 // tests/unit/llama_generate_test.cc), and a one-layer seq2seq (the cross-entropy tests).
 #pragma once
@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include "dtrain/dist/communicator.h"
+#include "dtrain/engine/models/gpt.h"
 #include "dtrain/engine/models/llama.h"
 #include "dtrain/engine/models/seq2seq.h"
 #include "dtrain/engine/parallel/tensor_parallel.h"
@@ -34,13 +35,34 @@ inline LlamaOptions split_llama_options(int64_t seq_len, bool sequence_parallel,
   return o;
 }
 
+// The GPT the generation tests split: 8 heads over 2 and 4 ranks, a vocabulary of 51 (padded
+// at both group sizes), no dropout.
+inline GptOptions split_gpt_options(int64_t seq_len, bool tied) {
+  GptOptions o;
+  o.vocab = 51;
+  o.d_model = 64;
+  o.heads = 8;
+  o.ff = 96;
+  o.seq_len = seq_len;
+  o.layers = 2;
+  o.tie_embeddings = tied;
+  return o;
+}
+
 // Norm weights other than 1: normal(1, 0.2) from a generator of `seed`, so the same on every
-// rank (the model's initial norms are all 1).
+// rank (the model's initial norms are all 1); the GPT's layer norms (ln1, ln2, ln_f) too, and
+// their biases normal(0, 0.2).
 inline void draw_norm_weights(torch::nn::Module& model, uint64_t seed) {
   at::NoGradGuard no_grad;
   auto g = at::make_generator<at::CPUGeneratorImpl>(seed);
   for (auto& item : model.named_parameters()) {
-    if (item.key().find("norm.weight") != std::string::npos) item.value().normal_(1.0, 0.2, g);
+    const std::string& name = item.key();
+    const bool layer_norm = name.rfind("ln", 0) == 0 || name.find(".ln") != std::string::npos;
+    if (name.find("norm.weight") != std::string::npos || (layer_norm && name.find(".weight") != std::string::npos)) {
+      item.value().normal_(1.0, 0.2, g);
+    } else if (layer_norm && name.find(".bias") != std::string::npos) {
+      item.value().normal_(0.0, 0.2, g);
+    }
   }
 }
 

@@ -8,6 +8,8 @@
 
 #include <ATen/ATen.h>
 
+#include "dtrain/engine/models/blocks.h"
+#include "dtrain/engine/models/kv_cache.h"
 #include "dtrain/engine/models/model_spec.h"
 #include "dtrain/engine/models/tied_head.h"
 #include "dtrain/dist/error.h"
@@ -54,6 +56,62 @@ inline at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& ta
   const int64_t local = logits.size(-1);
   return vocab_parallel_cross_entropy(logits.reshape({-1, local}), targets.reshape({-1}), local * tp.rank(), vocab,
                                       tp);
+}
+
+// ---- incremental decoding (forward_cached) ---------------------------------------------------
+
+// The stack's i-th block as the model's Block type (named `kind` in errors); the whole model's
+// stack only, not a pipeline stage's.
+template <class Block>
+Block& decoding_block(BlockStackImpl& stack, size_t i, const char* kind) {
+  DTRAIN_CHECK(static_cast<int>(stack.size()) == stack.whole_size(), "incremental decoding needs the whole model; "
+               "this one is a pipeline stage (blocks ", stack.index(0), "..", stack.index(stack.size() - 1), " of ",
+               stack.whole_size(), "): generate with --pp=1");
+  auto block = std::dynamic_pointer_cast<Block>(stack.block(i));
+  DTRAIN_CHECK(block != nullptr, "incremental decoding: block ", stack.index(i), " is not a ", kind);
+  return *block;
+}
+
+// An empty cache for `layers` layers of `kv_heads` heads (this rank's) of head_dim, `batch`
+// rows and max_len positions, in `options`' dtype and device. Not context-parallel.
+inline KvCache empty_kv_cache(size_t layers, int64_t batch, int64_t kv_heads, int64_t max_len, int64_t head_dim,
+                              const at::TensorOptions& options, dist::Communicator* cp) {
+  DTRAIN_CHECK(cp == nullptr, "incremental decoding: the model is context-parallel (over ", cp ? cp->size() : 0,
+               " ranks), and decoding feeds a few tokens at a time; build the model without a context-parallel "
+               "group to generate (its weights are the same)");
+  DTRAIN_CHECK(batch >= 1 && max_len >= 1, "make_kv_cache: batch (", batch, ") and max_len (", max_len,
+               ") must be positive");
+  KvCache cache;
+  for (size_t i = 0; i < layers; ++i) {
+    cache.k.push_back(at::empty({batch, kv_heads, max_len, head_dim}, options));
+    cache.v.push_back(at::empty({batch, kv_heads, max_len, head_dim}, options));
+  }
+  return cache;
+}
+
+// Every check of a forward_cached(tokens, cache) call before anything runs: not context- or
+// sequence-parallel, integer tokens [B, T_new], a cache of this model (layers, this rank's
+// kv_heads, head_dim) with B rows and room for T_new more positions.
+inline void check_cached_call(const at::Tensor& tokens, const KvCache& cache, size_t layers, int64_t kv_heads,
+                              int64_t head_dim, dist::Communicator* cp, bool sequence_parallel) {
+  DTRAIN_CHECK(cp == nullptr, "forward_cached: the model is context-parallel; build it without a context-parallel "
+               "group to generate (its weights are the same)");
+  DTRAIN_CHECK(!sequence_parallel, "forward_cached: the model is sequence-parallel (it splits every sequence over the "
+               "tensor-parallel group), and incremental decoding feeds a few tokens at a time; build the model "
+               "without sequence_parallel to generate (its weights are the same)");
+  DTRAIN_CHECK(tokens.dim() == 2 && tokens.size(1) >= 1 && !at::isFloatingType(tokens.scalar_type()),
+               "forward_cached: tokens must be integer ids [B, T_new] with T_new >= 1, got ", tokens.scalar_type(),
+               " ", tokens.sizes());
+  DTRAIN_CHECK(cache.k.size() == layers && cache.v.size() == layers &&
+                   (cache.k.empty() || (cache.k[0].size(1) == kv_heads && cache.k[0].size(3) == head_dim)),
+               "forward_cached: the cache was not made for this model (", cache.k.size(), " layers; the model has ",
+               layers, " with ", kv_heads, " key/value heads per rank): use its make_kv_cache()");
+  DTRAIN_CHECK(tokens.size(0) == cache.batch(), "forward_cached: ", tokens.size(0), " rows of tokens, the cache holds ",
+               cache.batch(), " (make_kv_cache's batch)");
+  const int64_t T = tokens.size(1);
+  DTRAIN_CHECK(cache.length >= 0 && cache.length + T <= cache.max_len(), "forward_cached: ", T, " new tokens after ",
+               cache.length, " cached positions need ", cache.length + T, " positions; the cache holds ",
+               cache.max_len(), " (make_kv_cache's max_len)");
 }
 
 // The ModelSpec of a decoder model (GptImpl, LlamaImpl: options.seq_len, .sequence_parallel,

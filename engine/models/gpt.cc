@@ -104,6 +104,11 @@ at::Tensor GptBlockImpl::forward(const at::Tensor& x) {
   return h + drop->forward(mlp->forward(norm(ln2, h)));
 }
 
+at::Tensor GptBlockImpl::forward_cached(const at::Tensor& x, at::Tensor& k_cache, at::Tensor& v_cache, int64_t start) {
+  at::Tensor h = x + drop->forward(attn->forward_cached(ln1->forward(x), k_cache, v_cache, start));
+  return h + drop->forward(mlp->forward(ln2->forward(h)));
+}
+
 GptImpl::GptImpl(const GptOptions& o, dist::Communicator& comm, dist::Communicator* context)
     : options(o), tp(&comm), cp(decoder_lm::active_cp(context)) {
   decoder_lm::check_context_parallel(o.seq_len, cp, o.sequence_parallel && comm.size() > 1, comm);
@@ -168,6 +173,29 @@ int64_t GptImpl::parameter_count() const {
   const int64_t per_block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d);
   return options.vocab * d + options.seq_len * d + options.layers * per_block + 2 * d +
          (options.tie_embeddings ? 0 : options.vocab * d);
+}
+
+KvCache GptImpl::make_kv_cache(int64_t batch, int64_t max_len) {
+  for (size_t i = 0; i < blocks->size(); ++i) decoder_lm::decoding_block<GptBlockImpl>(*blocks, i, "GptBlock");
+  DTRAIN_CHECK(max_len <= options.seq_len, "make_kv_cache: max_len ", max_len, " is more positions than the GPT's ",
+               options.seq_len, " learned ones (--seq_len, or config.json's n_positions)");
+  return decoder_lm::empty_kv_cache(blocks->size(), batch, options.heads / tp->size(), max_len,
+                                    options.d_model / options.heads, wte->weight.options(), cp);
+}
+
+at::Tensor GptImpl::forward_cached(const at::Tensor& tokens, KvCache& cache) {
+  at::NoGradGuard no_grad;
+  decoder_lm::check_cached_call(tokens, cache, blocks->size(), options.heads / tp->size(),
+                                options.d_model / options.heads, cp, options.sequence_parallel);
+  const int64_t T = tokens.size(1);
+  at::Tensor h = drop->forward(wte->forward(tokens) + wpe->forward(at::arange(cache.length, cache.length + T,
+                                                                             tokens.options().dtype(at::kLong))));
+  for (size_t i = 0; i < blocks->size(); ++i) {
+    h = decoder_lm::decoding_block<GptBlockImpl>(*blocks, i, "GptBlock")
+            .forward_cached(h, cache.k[i], cache.v[i], cache.length);
+  }
+  cache.length += T;
+  return logits(h);
 }
 
 ModelSpec gpt_spec(const std::shared_ptr<GptImpl>& model) {

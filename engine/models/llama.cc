@@ -318,7 +318,7 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x) {
 
 at::Tensor LlamaAttentionImpl::forward_cached(const at::Tensor& x, at::Tensor& k_cache, at::Tensor& v_cache,
                                               int64_t start) {
-  const int64_t B = x.size(0), T = x.size(1), end = start + T;
+  const int64_t B = x.size(0), T = x.size(1);
   auto heads_first = [&](const at::Tensor& t, int64_t n) { return t.view({B, T, n, head_dim}).transpose(1, 2); };
   at::Tensor qh = heads_first(q->forward(x), local_heads);
   at::Tensor kh = heads_first(k->forward(x), local_kv_heads);
@@ -329,19 +329,8 @@ at::Tensor LlamaAttentionImpl::forward_cached(const at::Tensor& x, at::Tensor& k
   at::Tensor cos = cos_all.narrow(0, start, T), sin = sin_all.narrow(0, start, T);
   qh = qh * cos + rotate_half(qh) * sin;
   kh = kh * cos + rotate_half(kh) * sin;
-  k_cache.narrow(2, start, T).copy_(kh);
-  v_cache.narrow(2, start, T).copy_(vh);
-  // From position 0 the new tokens attend causally as in forward(); after cached positions each
-  // new query sees every cached position and the new ones up to its own (one new token: all).
-  std::optional<at::Tensor> mask;
-  if (start > 0 && T > 1) {
-    const auto positions = at::TensorOptions().dtype(at::kLong).device(x.device());
-    mask = at::arange(end, positions).unsqueeze(0) <= at::arange(start, end, positions).unsqueeze(1);  // [T, end]
-  }
   const double scale = std::pow(static_cast<double>(head_dim), -0.5);
-  at::Tensor a = at::scaled_dot_product_attention(qh, k_cache.narrow(2, 0, end), v_cache.narrow(2, 0, end), mask, 0.0,
-                                                  /*is_causal=*/start == 0 && T > 1, scale,
-                                                  /*enable_gqa=*/local_heads != local_kv_heads);
+  at::Tensor a = cached_causal_attention(qh, kh, vh, k_cache, v_cache, start, scale);
   return o->forward(a.transpose(1, 2).reshape({B, T, local_heads * head_dim}));
 }
 
@@ -448,63 +437,22 @@ at::Tensor LlamaImpl::loss(const at::Tensor& inputs, const at::Tensor& targets) 
 
 // ---- incremental decoding ----------------------------------------------------------------
 
-namespace {
-
-// The stack's i-th block as the Llama's block; the whole model's stack only.
-LlamaBlockImpl& llama_block(BlockStackImpl& stack, size_t i) {
-  DTRAIN_CHECK(static_cast<int>(stack.size()) == stack.whole_size(), "incremental decoding needs the whole model; "
-               "this one is a pipeline stage (blocks ", stack.index(0), "..", stack.index(stack.size() - 1), " of ",
-               stack.whole_size(), "): generate with --pp=1");
-  auto block = std::dynamic_pointer_cast<LlamaBlockImpl>(stack.block(i));
-  DTRAIN_CHECK(block != nullptr, "incremental decoding: block ", stack.index(i), " is not a LlamaBlock");
-  return *block;
-}
-
-}  // namespace
-
 LlamaKvCache LlamaImpl::make_kv_cache(int64_t batch, int64_t max_len) {
-  DTRAIN_CHECK(cp == nullptr, "incremental decoding: the model is context-parallel (over ", cp ? cp->size() : 0,
-               " ranks), and decoding feeds a few tokens at a time; build the model without a context-parallel "
-               "group to generate (its weights are the same)");
-  DTRAIN_CHECK(batch >= 1 && max_len >= 1, "make_kv_cache: batch (", batch, ") and max_len (", max_len,
-               ") must be positive");
-  const int64_t kv_heads = options.kv_heads / tp->size(), head_dim = options.d_model / options.heads;
-  LlamaKvCache cache;
-  for (size_t i = 0; i < blocks->size(); ++i) {
-    llama_block(*blocks, i);  // the whole model's Llama blocks
-    for (auto* part : {&cache.k, &cache.v}) {
-      part->push_back(at::empty({batch, kv_heads, max_len, head_dim}, embed_tokens->weight.options()));
-    }
-  }
-  return cache;
+  for (size_t i = 0; i < blocks->size(); ++i) decoder_lm::decoding_block<LlamaBlockImpl>(*blocks, i, "LlamaBlock");
+  return decoder_lm::empty_kv_cache(blocks->size(), batch, options.kv_heads / tp->size(), max_len,
+                                    options.d_model / options.heads, embed_tokens->weight.options(), cp);
 }
 
 at::Tensor LlamaImpl::forward_cached(const at::Tensor& tokens, LlamaKvCache& cache) {
   at::NoGradGuard no_grad;
-  DTRAIN_CHECK(cp == nullptr, "forward_cached: the model is context-parallel; build it without a context-parallel "
-               "group to generate (its weights are the same)");
-  DTRAIN_CHECK(!options.sequence_parallel, "forward_cached: the model is sequence-parallel (it splits every "
-               "sequence over the tensor-parallel group), and incremental decoding feeds a few tokens at a time; "
-               "build the model without sequence_parallel to generate (its weights are the same)");
-  DTRAIN_CHECK(tokens.dim() == 2 && tokens.size(1) >= 1 && !at::isFloatingType(tokens.scalar_type()),
-               "forward_cached: tokens must be integer ids [B, T_new] with T_new >= 1, got ", tokens.scalar_type(),
-               " ", tokens.sizes());
-  const int64_t T = tokens.size(1), kv_heads = options.kv_heads / tp->size();
-  DTRAIN_CHECK(cache.k.size() == blocks->size() && cache.v.size() == blocks->size() &&
-                   (cache.k.empty() || (cache.k[0].size(1) == kv_heads &&
-                                        cache.k[0].size(3) == options.d_model / options.heads)),
-               "forward_cached: the cache was not made for this model (", cache.k.size(), " layers; the model has ",
-               blocks->size(), " with ", kv_heads, " key/value heads per rank): use its make_kv_cache()");
-  DTRAIN_CHECK(tokens.size(0) == cache.batch(), "forward_cached: ", tokens.size(0), " rows of tokens, the cache holds ",
-               cache.batch(), " (make_kv_cache's batch)");
-  DTRAIN_CHECK(cache.length >= 0 && cache.length + T <= cache.max_len(), "forward_cached: ", T, " new tokens after ",
-               cache.length, " cached positions need ", cache.length + T, " positions; the cache holds ",
-               cache.max_len(), " (make_kv_cache's max_len)");
+  decoder_lm::check_cached_call(tokens, cache, blocks->size(), options.kv_heads / tp->size(),
+                                options.d_model / options.heads, cp, options.sequence_parallel);
   at::Tensor h = embed(tokens);
   for (size_t i = 0; i < blocks->size(); ++i) {
-    h = llama_block(*blocks, i).forward_cached(h, cache.k[i], cache.v[i], cache.length);
+    h = decoder_lm::decoding_block<LlamaBlockImpl>(*blocks, i, "LlamaBlock")
+            .forward_cached(h, cache.k[i], cache.v[i], cache.length);
   }
-  cache.length += T;
+  cache.length += tokens.size(1);
   return logits(h);
 }
 

@@ -1,5 +1,6 @@
-// Incremental decoding of the Llama model (LlamaImpl::forward_cached with a LlamaKvCache) and the
-// sampling rules (models/sampling.h). In float64, a prompt's prefill and then one token per step
+// Incremental decoding of the Llama model (LlamaImpl::forward_cached with a LlamaKvCache), of the
+// GPT (GptImpl::forward_cached: the same contract with learned positions), and the sampling
+// rules (models/sampling.h). In float64, a prompt's prefill and then one token per step
 // (and a chunk of several after cached positions) give the logits the plain forward gives on the
 // whole sequence, to 1e-12, for grouped-query and tied configurations, batch 2; greedy
 // generation from Hugging Face LlamaForCausalLMs saved by save_pretrained gives exactly the
@@ -19,6 +20,7 @@
 #include "dtrain/dist/communicator.h"
 #include "dtrain/dist/error.h"
 #include "dtrain/dist/world.h"
+#include "dtrain/engine/models/gpt.h"
 #include "dtrain/engine/models/llama.h"
 #include "dtrain/engine/models/sampling.h"
 #include "dtrain/engine/train/hf_llama.h"
@@ -64,8 +66,8 @@ std::shared_ptr<LlamaImpl> float64_model(const LlamaOptions& o, dist::Communicat
 }
 
 // The cached logits of `tokens` fed in chunks of the given sizes, concatenated along positions.
-at::Tensor cached_logits(LlamaImpl& model, LlamaKvCache& cache, const at::Tensor& tokens,
-                         const std::vector<int64_t>& chunks) {
+template <class Model>
+at::Tensor cached_logits(Model& model, KvCache& cache, const at::Tensor& tokens, const std::vector<int64_t>& chunks) {
   std::vector<at::Tensor> parts;
   int64_t at = 0;
   for (int64_t n : chunks) {
@@ -136,6 +138,42 @@ TEST(LlamaGenerate, ErrorsNameTheProblem) {
   EXPECT_NE(error_of([&] { split.forward_cached(tokens, sp_cache); }).find("build the model without sequence_parallel"),
             std::string::npos);
   EXPECT_NE(error_of([&] { model->make_kv_cache(0, 6); }).find("must be positive"), std::string::npos);
+}
+
+TEST(GptGenerate, CachedLogitsEqualTheWholeSequenceForward) {
+  auto tp = testing_util::local_comm();
+  for (bool tied : {false, true}) {
+    SCOPED_TRACE(tied ? "tied" : "untied");
+    const GptOptions o = model_cases::split_gpt_options(12, tied);  // 8 heads of 8, 2 layers
+    torch::manual_seed(3);
+    GptImpl model(o, *tp);
+    model.to(at::kDouble);
+    model.eval();
+    model_cases::draw_norm_weights(model, 4);  // layer norms' weights and biases
+    auto g = at::make_generator<at::CPUGeneratorImpl>(9);
+    at::Tensor tokens = at::randint(o.vocab, {2, 12}, g, at::kLong);
+    at::Tensor want;
+    {
+      at::NoGradGuard no_grad;
+      want = model.forward(tokens);
+    }
+    KvCache cache = model.make_kv_cache(2, 12);
+    EXPECT_EQ(cache.k[0].sizes(), (std::vector<int64_t>{2, 8, 12, 8}));
+    at::Tensor got = cached_logits(model, cache, tokens, {5, 1, 1, 1, 1, 2, 1});
+    ASSERT_EQ(got.sizes(), want.sizes());
+    EXPECT_LT(max_abs(got, want), 1e-12) << "max |diff| " << max_abs(got, want);
+    cache.clear();
+    at::Tensor again = cached_logits(model, cache, tokens, std::vector<int64_t>(12, 1));
+    EXPECT_LT(max_abs(again, want), 1e-12) << "max |diff| " << max_abs(again, want);
+    std::cout << "[ generate ] gpt " << (tied ? "tied" : "untied") << ": cached vs whole-sequence logits max |diff| "
+              << max_abs(got, want) << " (chunks), " << max_abs(again, want) << " (one token a step)\n";
+    EXPECT_NE(error_of([&] { model.make_kv_cache(2, 13); }).find("max_len 13 is more positions than the GPT's 12"),
+              std::string::npos);
+    KvCache short_cache = model.make_kv_cache(2, 4);
+    EXPECT_NE(error_of([&] { model.forward_cached(tokens.narrow(1, 0, 5), short_cache); })
+                  .find("5 new tokens after 0 cached positions need 5 positions; the cache holds 4"),
+              std::string::npos);
+  }
 }
 
 // The greedy continuation of `prompt` [B, P]: [B, n] new tokens.

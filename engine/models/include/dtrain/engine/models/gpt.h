@@ -17,6 +17,8 @@
 // over cp: average their gradients over dp x cp (Mesh::replicas()). Without cp, or with a group
 // of one rank, the plain model.
 //
+// Incremental decoding (generation): forward_cached() with a KvCache (kv_cache.h), as the Llama's.
+//
 // A plain model: its forward is embeddings, its BlockStack, final norm and head. Pipeline
 // stages, ZeRO-3 units, activation checkpointing and layer offload are applied from outside
 // through gpt_spec() (models/model_spec.h).
@@ -30,6 +32,7 @@
 #include <torch/nn/modules/normalization.h>
 
 #include "dtrain/engine/models/blocks.h"
+#include "dtrain/engine/models/kv_cache.h"
 #include "dtrain/engine/models/model_spec.h"
 #include "dtrain/engine/models/tied_head.h"
 #include "dtrain/engine/parallel/tensor_parallel.h"
@@ -63,6 +66,8 @@ GptOptions gpt_options_from_hf_config(const std::string& json_text);
 struct GptBlockImpl : torch::nn::Module {
   GptBlockImpl(const GptOptions& o, dist::Communicator& tp, dist::Communicator* cp = nullptr);
   at::Tensor forward(const at::Tensor& x);  // [B, S, d], or [B, S/T, d] when sequence-parallel
+  // forward() with the attention's forward_cached (ParallelSelfAttentionImpl).
+  at::Tensor forward_cached(const at::Tensor& x, at::Tensor& k_cache, at::Tensor& v_cache, int64_t start);
   at::Tensor norm(torch::nn::LayerNorm& ln, const at::Tensor& x);
   bool sequence_parallel;
   dist::Communicator* tp;
@@ -87,6 +92,16 @@ struct GptImpl : torch::nn::Module {
   at::Tensor logits(const at::Tensor& h);
   at::Tensor head_loss(const at::Tensor& h, const at::Tensor& targets);
   int64_t parameter_count() const;  // of the full (unsplit) model
+  // Incremental decoding, as LlamaImpl's (llama.h): make_kv_cache gives an empty cache of
+  // `batch` rows and max_len positions (at most options.seq_len: the positions are learned) in
+  // the token embedding's dtype and device; forward_cached takes tokens [B, T_new] at positions
+  // cache.length..cache.length+T_new-1 and returns this rank's logits for them [B, T_new,
+  // padded_vocab / tp], as forward() on the whole sequence gives them, appending the new keys and
+  // values. No autograd; the blocks one by one; collective over tp; dtrain::Error for a
+  // sequence- or context-parallel model, a pipeline stage, or a cache of another model, batch or
+  // too short.
+  KvCache make_kv_cache(int64_t batch, int64_t max_len);
+  at::Tensor forward_cached(const at::Tensor& tokens, KvCache& cache);
   GptOptions options;
   dist::Communicator* tp;
   dist::Communicator* cp;  // the context-parallel group; null without one (or of one rank)

@@ -41,6 +41,7 @@
 #include <torch/nn/module.h>
 
 #include "dtrain/engine/models/blocks.h"
+#include "dtrain/engine/models/kv_cache.h"
 #include "dtrain/engine/models/model_spec.h"
 #include "dtrain/engine/models/tied_head.h"
 #include "dtrain/engine/parallel/tensor_parallel.h"
@@ -156,17 +157,8 @@ struct LlamaBlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(LlamaBlock);
 
-// The keys and values of the positions a LlamaImpl::forward_cached() has seen, per layer: this
-// rank's key/value heads, [B, local_kv_heads, max_len, head_dim] each (keys after the rotary
-// embedding), positions 0..length-1 filled. Made by LlamaImpl::make_kv_cache(); clear() starts
-// it over for new sequences of the same batch size (nothing is freed or zeroed).
-struct LlamaKvCache {
-  std::vector<at::Tensor> k, v;  // one per layer
-  int64_t length = 0;            // positions filled
-  int64_t batch() const { return k.empty() ? 0 : k.front().size(0); }
-  int64_t max_len() const { return k.empty() ? 0 : k.front().size(2); }
-  void clear() { length = 0; }
-};
+// The Llama's key/value cache: kv_cache.h's, keys after the rotary embedding.
+using LlamaKvCache = KvCache;
 
 struct LlamaImpl : torch::nn::Module {
   // cp: a context-parallel group, as GptImpl takes it (gpt.h): embed() and the losses take whole
