@@ -1,7 +1,8 @@
-// dtrain-generate: continues prompts with the Llama model, a token at a time with a key/value
-// cache (LlamaImpl::forward_cached), from a training run's checkpoint (--checkpoint, whatever
-// its layout) or a Hugging Face checkpoint (--init_from_hf, with its config.json as
-// --hf_config), greedy or sampled (models/sampling.h).
+// dtrain-generate: continues prompts with the Llama model (--model=llama, the default) or the GPT
+// (--model=gpt), a token at a time with a key/value cache (forward_cached, models/kv_cache.h),
+// from a training run's checkpoint (--checkpoint, whatever its layout) or a Hugging Face
+// checkpoint (--init_from_hf, with its config.json as --hf_config: a Llama's or GPT-2's), greedy
+// or sampled (models/sampling.h).
 //
 //   dtrain-generate --init_from_hf=Llama-3.2-1B --hf_config=Llama-3.2-1B/config.json
 //       --prompt_tokens=128000,791,6864 --max_new_tokens=32 --temperature=0
@@ -23,6 +24,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -37,6 +39,8 @@
 #include "common.h"
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/data/tokenizer.h"
+#include "dtrain/engine/models/gpt.h"
+#include "dtrain/engine/models/kv_cache.h"
 #include "dtrain/engine/models/llama.h"
 #include "dtrain/engine/models/sampling.h"
 #include "dtrain/engine/parallel/tensor_parallel.h"
@@ -44,7 +48,7 @@
 #include "dtrain/engine/train/load.h"
 #include "model_factory.h"
 
-DEFINE_string(model, "llama", "the model: llama (the only one with a key/value cache for now)");
+DEFINE_string(model, "llama", "the model: llama or gpt");
 DEFINE_string(checkpoint, "", "the weights of a training run: its --save_dir (the newest good checkpoint, any layout)");
 DEFINE_string(prompt_tokens, "", "the prompt as token ids, comma-separated (e.g. 1,15043,3186)");
 DEFINE_string(prompt_file, "", "a file of prompts, one per line, all of one length in tokens: text with --tokenizer, else token "
@@ -215,6 +219,10 @@ void check_tokenizer_flags() {
   if (gflags::GetCommandLineFlagInfoOrDie("eos").is_default && tok.eos_id() >= 0) FLAGS_eos = tok.eos_id();
 }
 
+// The positions the model has: the GPT's learned ones (--seq_len, which --hf_config's n_positions
+// sets), the Llama's --seq_len or --hf_config's max_position_embeddings.
+int64_t max_positions() { return FLAGS_model == "gpt" ? FLAGS_seq_len : examples::llama_max_positions(); }
+
 // Every check of the flags, before any communicator exists (the same on every rank).
 void check_generate_flags() {
   const auto& f = engine::cli::flags();
@@ -235,7 +243,7 @@ void check_generate_flags() {
   DTRAIN_CHECK(FLAGS_eos >= -1 && FLAGS_eos < FLAGS_vocab, "--eos=", FLAGS_eos, " is not a token id below the "
                "vocabulary size ", FLAGS_vocab, " (or -1: none)");
   const auto prompts = read_prompts();
-  const int64_t P = static_cast<int64_t>(prompts[0].size()), positions = examples::llama_max_positions();
+  const int64_t P = static_cast<int64_t>(prompts[0].size()), positions = max_positions();
   DTRAIN_CHECK(FLAGS_max_new_tokens >= 1, "--max_new_tokens=", FLAGS_max_new_tokens, " must be >= 1");
   DTRAIN_CHECK(P + FLAGS_max_new_tokens <= positions, "--max_new_tokens=", FLAGS_max_new_tokens, ": the prompt's ", P,
                " tokens and ", FLAGS_max_new_tokens, " new ones need ", P + FLAGS_max_new_tokens,
@@ -243,19 +251,37 @@ void check_generate_flags() {
                "ask for at most ", positions - P, " new tokens");
 }
 
+// A decoder's two ways to run (the Llama and the GPT have both): on the whole sequence, and
+// incrementally with a key/value cache.
+struct Decoder {
+  std::shared_ptr<torch::nn::Module> module;
+  std::function<at::Tensor(const at::Tensor&)> forward;
+  std::function<engine::KvCache(int64_t, int64_t)> make_kv_cache;
+  std::function<at::Tensor(const at::Tensor&, engine::KvCache&)> forward_cached;
+};
+
+template <class Impl>
+Decoder decoder_of(const std::shared_ptr<Impl>& m) {
+  return {m, [m](const at::Tensor& t) { return m->forward(t); },
+          [m](int64_t batch, int64_t len) { return m->make_kv_cache(batch, len); },
+          [m](const at::Tensor& t, engine::KvCache& c) { return m->forward_cached(t, c); }};
+}
+
 // The model with its weights, converted to --dtype, in eval mode.
-std::shared_ptr<engine::LlamaImpl> load_model(const examples::Run& run, std::string& source) {
-  examples::ExampleModel m = examples::build_example_model("llama", run);  // --init_from_hf: loaded here
-  auto model = std::dynamic_pointer_cast<engine::LlamaImpl>(m.module);
-  DTRAIN_CHECK(model != nullptr, "the example factory did not build a Llama model");
+Decoder load_model(const examples::Run& run, std::string& source) {
+  examples::ExampleModel m = examples::build_example_model(FLAGS_model, run);  // --init_from_hf: loaded here
+  Decoder model;
+  if (auto llama = std::dynamic_pointer_cast<engine::LlamaImpl>(m.module)) model = decoder_of(llama);
+  if (auto gpt = std::dynamic_pointer_cast<engine::GptImpl>(m.module)) model = decoder_of(gpt);
+  DTRAIN_CHECK(model.module != nullptr, "the example factory built neither a Llama nor a GPT for --model=", FLAGS_model);
   if (!FLAGS_checkpoint.empty()) {
-    const int64_t step = engine::load_weights(FLAGS_checkpoint, *model, *run.mesh, run.device);
+    const int64_t step = engine::load_weights(FLAGS_checkpoint, *model.module, *run.mesh, run.device);
     source = FLAGS_checkpoint + " (step " + std::to_string(step) + ")";
   } else {
     source = FLAGS_init_from_hf;
   }
-  model->to(parse_dtype(FLAGS_dtype));
-  model->eval();
+  model.module->to(parse_dtype(FLAGS_dtype));
+  model.module->eval();
   return model;
 }
 
@@ -279,7 +305,7 @@ struct Generated {
   double prefill_s = 0, total_s = 0;
 };
 
-Generated generate(const examples::Run& run, engine::LlamaImpl& model, const std::vector<std::vector<int64_t>>& prompts) {
+Generated generate(const examples::Run& run, const Decoder& model, const std::vector<std::vector<int64_t>>& prompts) {
   torch::NoGradGuard no_grad;
   const int64_t B = static_cast<int64_t>(prompts.size()), P = static_cast<int64_t>(prompts[0].size());
   at::Tensor sequence = at::empty({B, P}, at::kLong);
@@ -287,7 +313,7 @@ Generated generate(const examples::Run& run, engine::LlamaImpl& model, const std
   sequence = sequence.to(run.device);
   const engine::SamplingOptions s = sampling_of_flags();
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(FLAGS_seed));
-  engine::LlamaKvCache cache;
+  engine::KvCache cache;
   if (FLAGS_use_cache) cache = model.make_kv_cache(B, P + FLAGS_max_new_tokens);
   Generated g;
   g.rows.resize(B);
@@ -371,30 +397,31 @@ void print(const examples::Run& run, const Generated& g, const std::string& sour
 
 int generate_main(int argc, char** argv) {
   const std::string model_name = examples::flag_from_argv(argc, argv, "model", "llama");
-  DTRAIN_CHECK(model_name == "llama", "--model=", model_name, ": the program generates with --model=llama only "
-               "for now (the Llama model has the key/value cache; the GPT has none yet)");
+  DTRAIN_CHECK(model_name == "llama" || model_name == "gpt", "--model=", model_name, ": the program generates with "
+               "--model=llama or --model=gpt (the models with a key/value cache)");
   engine::cli::describe_flags("Generation", {"model", "checkpoint", "tokenizer", "prompt", "prompt_tokens",
                                              "prompt_file", "bos", "output", "max_new_tokens", "temperature", "top_k",
                                              "top_p", "seed", "batch", "eos", "dtype", "use_cache"});
-  std::map<std::string, std::string> defaults;  // the Llama's shape defaults (not its training ones)
-  const std::vector<std::string> shape = examples::model_flag_names("llama");
-  for (const auto& [flag, value] : examples::model_flag_defaults("llama")) {
+  std::map<std::string, std::string> defaults;  // the model's shape defaults (not its training ones)
+  const std::vector<std::string> shape = examples::model_flag_names(model_name);
+  for (const auto& [flag, value] : examples::model_flag_defaults(model_name)) {
     if (std::find(shape.begin(), shape.end(), flag) != shape.end()) defaults[flag] = value;
   }
-  defaults["dropout"] = "0";  // the Llama has none (model_checks refuses --dropout with --tp otherwise)
-  // With --hf_config, the positions default to its max_position_embeddings.
+  defaults["dropout"] = "0";  // none when generating (model_checks refuses --dropout with --tp otherwise)
+  // With --hf_config, the positions default to its max_position_embeddings (GPT-2: n_positions).
   const std::string hf_config = examples::flag_from_argv(argc, argv, "hf_config");
   if (!hf_config.empty()) {
     const std::string text = examples::read_text_file(hf_config, "--hf_config");
-    defaults["seq_len"] = std::to_string(engine::llama_options_from_hf_config(text).seq_len);
+    defaults["seq_len"] = std::to_string(model_name == "gpt" ? engine::gpt_options_from_hf_config(text).seq_len
+                                                             : engine::llama_options_from_hf_config(text).seq_len);
   }
-  const auto base_checks = examples::model_checks("llama");
+  const auto base_checks = examples::model_checks(model_name);
   examples::Run run = examples::init_run(
       argc, argv,
-      "dtrain-generate --model=llama [shape flags | --hf_config=config.json] --checkpoint=DIR | --init_from_hf=DIR\n"
+      "dtrain-generate --model=llama|gpt [shape flags | --hf_config=config.json] --checkpoint=DIR | --init_from_hf=DIR\n"
       "    --tokenizer=tokenizer.model --prompt=TEXT | --prompt_tokens=ID,ID,... | --prompt_file=FILE\n"
       "    [--max_new_tokens=N] [--temperature=T --top_k=K --top_p=P --seed=S] [--output=ids|text|jsonl]\n"
-      "Continues the prompt with the Llama model and prints each sequence's text (with --tokenizer, a SentencePiece "
+      "Continues the prompt with the Llama model or the GPT and prints each sequence's text (with --tokenizer, a SentencePiece "
       "model) or its new token ids, one line per sequence (the summary goes to stderr).\nUnder mpirun with --tp=N (N "
       "ranks) the model is split; every rank runs the same steps and rank 0 prints.",
       defaults,
@@ -409,7 +436,7 @@ int generate_main(int argc, char** argv) {
   const auto prompts = read_prompts();
   std::string source;
   auto model = load_model(run, source);
-  const Generated g = generate(run, *model, prompts);
+  const Generated g = generate(run, model, prompts);
   print(run, g, source, prompts);
   return 0;
 }

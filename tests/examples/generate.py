@@ -9,6 +9,8 @@
   * Sampling: the same --seed gives the same tokens, another seed others; --top_k=1 is greedy.
   * A train_gpt --model=llama checkpoint (--checkpoint): greedy tokens at 1 rank and --tp 2 equal
     transformers' on the same weights (exported with dtrain-export --format=hf; float64).
+  * --model=gpt: a transformers-made GPT2LMHeadModel (--init_from_hf) and a train_gpt --model=gpt
+    checkpoint give transformers' greedy tokens, at 1 rank and --tp 2, cached and recomputing.
   * Text (--tokenizer, a SentencePiece model Python's sentencepiece trained): --prompt's ids are
     Python's encoding after the BOS, the new ids transformers' greedy generate of them (ending
     at the tokenizer's EOS), and the printed text Python's decoding of both (--output=text and
@@ -28,21 +30,16 @@ VOCAB, NEW = 96, 8
 PROMPTS = [[5, 17, 33, 2, 90, 41], [60, 3, 3, 71, 12, 8]]
 
 # Runs with the .venv's Python (torch, transformers); no dtrain code. argv: the directory to save
-# into, the prompts (JSON), the new tokens. Prints {"seed", "tokens": new tokens per prompt,
-# "margin": the smallest gap between a step's two largest logits}.
-MAKE = r"""
+# into, the prompts (JSON), the new tokens. The model of the first seed whose greedy steps all have
+# a clear winner is saved. Prints {"seed", "tokens": new tokens per prompt, "margin": the smallest
+# gap between a step's two largest logits}. MAKE_MODEL (below) defines make_model().
+MAKE_LOOP = r"""
 import json, os, sys, torch
 os.environ["TRANSFORMERS_VERBOSITY"] = "error"
-from transformers import LlamaConfig, LlamaForCausalLM
 hf_dir, prompts, new = sys.argv[1], torch.tensor(json.loads(sys.argv[2])), int(sys.argv[3])
 for seed in range(20):
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=500000.0,
-                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
-                      initializer_range=0.2, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
-    model = LlamaForCausalLM(cfg).float().eval()
+    model = make_model().float().eval()
     with torch.no_grad():
         out = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=new,
                              min_new_tokens=new, eos_token_id=None, pad_token_id=0, output_scores=True,
@@ -54,12 +51,41 @@ model.save_pretrained(hf_dir, safe_serialization=True)
 print(json.dumps({"seed": seed, "margin": margin, "tokens": out.sequences[:, prompts.shape[1]:].tolist()}))
 """
 
-# Transformers' greedy tokens of a from_pretrained directory, in float64.
+# A LlamaForCausalLM with grouped-query attention and Llama 3.1 rope scaling.
+MAKE = r"""
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+def make_model():
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=500000.0,
+                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+                      initializer_range=0.2, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+    return LlamaForCausalLM(cfg)
+""" + MAKE_LOOP
+
+# A GPT2LMHeadModel (learned positions, GELU tanh, layer norms with weights and biases drawn).
+MAKE_GPT2 = r"""
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+def make_model():
+    cfg = GPT2Config(vocab_size=96, n_embd=32, n_head=4, n_layer=2, n_positions=64, n_inner=64,
+                     initializer_range=0.2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+    model = GPT2LMHeadModel(cfg)
+    with torch.no_grad():
+        for ln in [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]:
+            ln.weight.normal_(1.0, 0.2)
+            ln.bias.normal_(0.0, 0.2)
+    return model
+""" + MAKE_LOOP
+
+# Transformers' greedy tokens of a from_pretrained directory (a Llama's or a GPT-2's), in float64.
 GREEDY = r"""
 import json, os, sys, torch
 os.environ["TRANSFORMERS_VERBOSITY"] = "error"
-from transformers import LlamaForCausalLM
-model = LlamaForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float64).eval()
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float64).eval()
 prompts, new = torch.tensor(json.loads(sys.argv[2])), int(sys.argv[3])
 with torch.no_grad():
     out = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=new,
@@ -124,11 +150,17 @@ def generate(mpirun, ranks, binary, args, expect=0):
     return run(cmd + ["--device=cpu"] + args, expect=expect)
 
 
+def make_hf(args, script, hf, what):
+    """Runs a MAKE script into the directory hf; its JSON (seed, margin, greedy tokens)."""
+    made = last_json(run([args.python, "-c", script, hf, json.dumps(PROMPTS), str(NEW)]))
+    print(f"transformers' {what} greedy tokens (model seed {made['seed']}, smallest top-2 gap "
+          f"{made['margin']:.2e}): {made['tokens']}")
+    return made
+
+
 def check_hf(args, mpirun, tmp, gen):
     hf = os.path.join(tmp, "hf")
-    made = last_json(run([args.python, "-c", MAKE, hf, json.dumps(PROMPTS), str(NEW)]))
-    print(f"transformers' greedy tokens (model seed {made['seed']}, smallest top-2 gap {made['margin']:.2e}): "
-          f"{made['tokens']}")
+    made = make_hf(args, MAKE, hf, "Llama")
     prompt_file = os.path.join(tmp, "prompts.txt")
     with open(prompt_file, "w") as f:
         f.write("\n".join(",".join(map(str, p)) for p in PROMPTS) + "\n")
@@ -157,10 +189,13 @@ def check_sampling(mpirun, gen, hf):
     assert top1 == greedy, "top_k=1 is not greedy"
 
 
-def check_checkpoint(args, mpirun, tmp, gen):
+def check_checkpoint(args, mpirun, tmp, gen, model="llama"):
     shape = ["--model=llama", f"--vocab={VOCAB}", "--d_model=32", "--heads=4", "--kv_heads=2", "--layers=2",
              "--ff=48", "--seq_len=16"]
-    ck, out_dir = os.path.join(tmp, "ck"), os.path.join(tmp, "export")
+    if model == "gpt":
+        shape = ["--model=gpt", f"--vocab={VOCAB}", "--d_model=32", "--heads=4", "--layers=2", "--ff=64",
+                 "--seq_len=16"]
+    ck, out_dir = os.path.join(tmp, "ck_" + model), os.path.join(tmp, "export_" + model)
     os.makedirs(out_dir)
     run([os.path.join(args.bin, "train_gpt")] + shape + ["--device=cpu", "--data=synthetic", "--batch_size=4",
                                                          "--steps=4", "--lr=0.02", f"--save_dir={ck}",
@@ -172,8 +207,20 @@ def check_checkpoint(args, mpirun, tmp, gen):
         got = [token_lines(generate(mpirun, ranks, gen, shape + extra + [
             f"--checkpoint={ck}", "--prompt_tokens=" + ",".join(map(str, p)), f"--max_new_tokens={NEW}",
             "--temperature=0", "--dtype=float64"]))[0] for p in prompts]
-        assert got == want, f"from the checkpoint, np {ranks}: {got} != transformers' {want}"
+        assert got == want, f"{model} from the checkpoint, np {ranks}: {got} != transformers' {want}"
     return shape, ck
+
+
+def check_gpt(args, mpirun, tmp, gen):
+    hf = os.path.join(tmp, "hf_gpt2")
+    made = make_hf(args, MAKE_GPT2, hf, "GPT-2")
+    prompt_file = os.path.join(tmp, "prompts.txt")
+    source = ["--model=gpt", f"--init_from_hf={hf}", f"--hf_config={hf}/config.json", f"--max_new_tokens={NEW}",
+              "--temperature=0", f"--prompt_file={prompt_file}"]
+    for ranks, extra in ((1, []), (2, ["--tp=2"]), (1, ["--use_cache=false"])):
+        out = generate(mpirun, ranks, gen, source + extra)
+        assert token_lines(out) == made["tokens"], f"gpt np {ranks} {extra}: {token_lines(out)} != {made['tokens']}"
+    check_checkpoint(args, mpirun, tmp, gen, model="gpt")
 
 
 def stdout_of(cmd):
@@ -220,7 +267,7 @@ def check_bad_input(mpirun, gen, hf, source, shape, ck, text_source):
         (source + ["--prompt_tokens=1,x,3"], "'x' is not a token id"),
         (shape + prompt + [f"--checkpoint={ck}", "--max_new_tokens=13"],
          "--max_new_tokens=13: the prompt's 4 tokens and 13 new ones need 17 positions, the model has 16"),
-        (["--model=gpt", f"--checkpoint={ck}"] + prompt, "generates with --model=llama only"),
+        (["--model=cnn", f"--checkpoint={ck}"] + prompt, "generates with --model=llama or --model=gpt"),
         (source + prompt + ["--top_k=5"], "--temperature=0 is greedy"),
         (source + ["--prompt=Hello"], "--prompt is text: give --tokenizer=tokenizer.model"),
         (source + prompt + ["--output=text"], "--output=text decodes the tokens: give --tokenizer"),
@@ -244,6 +291,7 @@ def main():
     hf, source = check_hf(args, mpirun, tmp, gen)
     check_sampling(mpirun, gen, hf)
     shape, ck = check_checkpoint(args, mpirun, tmp, gen)
+    check_gpt(args, mpirun, tmp, gen)
     text_source = check_text(args, mpirun, tmp, gen)
     check_bad_input(mpirun, gen, hf, source, shape, ck, text_source)
     print("OK")
