@@ -51,8 +51,8 @@
 DEFINE_string(model, "llama", "the model: llama or gpt");
 DEFINE_string(checkpoint, "", "the weights of a training run: its --save_dir (the newest good checkpoint, any layout)");
 DEFINE_string(prompt_tokens, "", "the prompt as token ids, comma-separated (e.g. 1,15043,3186)");
-DEFINE_string(prompt_file, "", "a file of prompts, one per line, all of one length in tokens: text with --tokenizer, else token "
-              "ids (separated by commas or spaces)");
+DEFINE_string(prompt_file, "", "a file of prompts, one per line, generated as one batch (shorter ones left-padded): text "
+              "with --tokenizer, else token ids (separated by commas or spaces)");
 DEFINE_string(tokenizer, "", "a SentencePiece model (tokenizer.model, e.g. Llama 2's or dtrain-prepare's): text prompts "
               "(--prompt, --prompt_file) and text output");
 DEFINE_string(prompt, "", "the prompt as text (needs --tokenizer)");
@@ -148,9 +148,10 @@ std::vector<std::vector<int64_t>> read_prompts() {
                                                             : "--prompt_file=" + FLAGS_prompt_file;
   DTRAIN_CHECK(!prompts.empty() && !prompts[0].empty(), source, " holds no token ids");
   for (size_t r = 0; r < prompts.size(); ++r) {
-    DTRAIN_CHECK(prompts[r].size() == prompts[0].size(), source, ": prompt ", r + 1, " has ", prompts[r].size(),
-                 " tokens, prompt 1 has ", prompts[0].size(), "; the prompts of one run must be of one length in "
-                 "tokens (no padding): run the others separately");
+    DTRAIN_CHECK(FLAGS_use_cache || prompts[r].size() == prompts[0].size(), source, ": prompt ", r + 1, " has ",
+                 prompts[r].size(), " tokens, prompt 1 has ", prompts[0].size(), "; prompts of unequal length are "
+                 "left-padded in the key/value cache, and --use_cache=false recomputes without padding: drop it, or "
+                 "run the prompts separately");
     for (int64_t id : prompts[r]) {
       DTRAIN_CHECK(id < FLAGS_vocab, source, ": token ", id, " is not below the vocabulary size ", FLAGS_vocab,
                    " (--vocab / --hf_config's vocab_size)");
@@ -219,6 +220,13 @@ void check_tokenizer_flags() {
   if (gflags::GetCommandLineFlagInfoOrDie("eos").is_default && tok.eos_id() >= 0) FLAGS_eos = tok.eos_id();
 }
 
+// The longest prompt's tokens (the others are left-padded to it).
+int64_t longest(const std::vector<std::vector<int64_t>>& prompts) {
+  size_t n = 0;
+  for (const auto& p : prompts) n = std::max(n, p.size());
+  return static_cast<int64_t>(n);
+}
+
 // The positions the model has: the GPT's learned ones (--seq_len, which --hf_config's n_positions
 // sets), the Llama's --seq_len or --hf_config's max_position_embeddings.
 int64_t max_positions() { return FLAGS_model == "gpt" ? FLAGS_seq_len : examples::llama_max_positions(); }
@@ -243,9 +251,9 @@ void check_generate_flags() {
   DTRAIN_CHECK(FLAGS_eos >= -1 && FLAGS_eos < FLAGS_vocab, "--eos=", FLAGS_eos, " is not a token id below the "
                "vocabulary size ", FLAGS_vocab, " (or -1: none)");
   const auto prompts = read_prompts();
-  const int64_t P = static_cast<int64_t>(prompts[0].size()), positions = max_positions();
+  const int64_t P = longest(prompts), positions = max_positions();
   DTRAIN_CHECK(FLAGS_max_new_tokens >= 1, "--max_new_tokens=", FLAGS_max_new_tokens, " must be >= 1");
-  DTRAIN_CHECK(P + FLAGS_max_new_tokens <= positions, "--max_new_tokens=", FLAGS_max_new_tokens, ": the prompt's ", P,
+  DTRAIN_CHECK(P + FLAGS_max_new_tokens <= positions, "--max_new_tokens=", FLAGS_max_new_tokens, ": the (longest) prompt's ", P,
                " tokens and ", FLAGS_max_new_tokens, " new ones need ", P + FLAGS_max_new_tokens,
                " positions, the model has ", positions, " (--seq_len, or --hf_config's max_position_embeddings); "
                "ask for at most ", positions - P, " new tokens");
@@ -307,14 +315,21 @@ struct Generated {
 
 Generated generate(const examples::Run& run, const Decoder& model, const std::vector<std::vector<int64_t>>& prompts) {
   torch::NoGradGuard no_grad;
-  const int64_t B = static_cast<int64_t>(prompts.size()), P = static_cast<int64_t>(prompts[0].size());
-  at::Tensor sequence = at::empty({B, P}, at::kLong);
-  for (int64_t r = 0; r < B; ++r) std::copy(prompts[r].begin(), prompts[r].end(), sequence[r].data_ptr<int64_t>());
+  const int64_t B = static_cast<int64_t>(prompts.size()), P = longest(prompts);
+  // Shorter prompts left-padded to the longest (any id: the cache hides a row's pads).
+  const int64_t pad_id = tokenizer() && tokenizer()->pad_id() >= 0 ? tokenizer()->pad_id() : 0;
+  at::Tensor sequence = at::full({B, P}, pad_id, at::kLong);
+  std::vector<int64_t> pads(B, 0);
+  for (int64_t r = 0; r < B; ++r) {
+    pads[r] = P - static_cast<int64_t>(prompts[r].size());
+    std::copy(prompts[r].begin(), prompts[r].end(), sequence[r].data_ptr<int64_t>() + pads[r]);
+  }
   sequence = sequence.to(run.device);
   const engine::SamplingOptions s = sampling_of_flags();
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(FLAGS_seed));
   engine::KvCache cache;
   if (FLAGS_use_cache) cache = model.make_kv_cache(B, P + FLAGS_max_new_tokens);
+  if (*std::max_element(pads.begin(), pads.end()) > 0) cache.left_pad = at::tensor(pads, at::kLong);
   Generated g;
   g.rows.resize(B);
   std::vector<bool> ended(B, false);
@@ -375,7 +390,7 @@ void print_sequence(const std::vector<int64_t>& prompt, const std::vector<int64_
 void print(const examples::Run& run, const Generated& g, const std::string& source,
            const std::vector<std::vector<int64_t>>& prompts) {
   if (run.world.rank != 0) return;
-  const int64_t prompt_len = static_cast<int64_t>(prompts[0].size());
+  const int64_t prompt_len = longest(prompts);
   int64_t tokens = 0;
   for (size_t r = 0; r < g.rows.size(); ++r) {
     print_sequence(prompts[r], g.rows[r], static_cast<int64_t>(r), static_cast<int64_t>(g.rows.size()));
@@ -385,7 +400,8 @@ void print(const examples::Run& run, const Generated& g, const std::string& sour
   const double decode_s = g.total_s - g.prefill_s;
   const int64_t B = static_cast<int64_t>(g.rows.size());
   std::fprintf(stderr,
-               "%s: %lld new tokens in %lld sequences (prompt %lld tokens) in %.3f s: %.1f tokens/s; prefill %.4f s, "
+               "%s: %lld new tokens in %lld sequences (longest prompt %lld tokens) in %.3f s: %.1f tokens/s; "
+               "prefill %.4f s, "
                "then %lld steps at %.1f tokens/s (%s, %s, tp %d, %s on %s) from %s\n",
                kProgram, static_cast<long long>(tokens), static_cast<long long>(B), static_cast<long long>(prompt_len),
                g.total_s, tokens / std::max(g.total_s, 1e-9), g.prefill_s, static_cast<long long>(g.steps),

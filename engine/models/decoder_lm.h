@@ -112,6 +112,30 @@ inline void check_cached_call(const at::Tensor& tokens, const KvCache& cache, si
   DTRAIN_CHECK(cache.length >= 0 && cache.length + T <= cache.max_len(), "forward_cached: ", T, " new tokens after ",
                cache.length, " cached positions need ", cache.length + T, " positions; the cache holds ",
                cache.max_len(), " (make_kv_cache's max_len)");
+  if (cache.left_pad.defined()) {
+    const at::Tensor& p = cache.left_pad;
+    DTRAIN_CHECK(p.dim() == 1 && p.size(0) == cache.batch() && p.scalar_type() == at::kLong, "forward_cached: "
+                 "cache.left_pad must be int64 [", cache.batch(), "] (a row's pad positions), got ", p.scalar_type(),
+                 " ", p.sizes());
+    DTRAIN_CHECK(p.numel() == 0 || p.min().item<int64_t>() >= 0, "forward_cached: cache.left_pad holds a negative count");
+  }
+}
+
+// The step of a forward_cached(tokens, cache) call: its first slot, and with cache.left_pad each
+// row's positions (slot - pad, from 0 at its first real token; pads at 0) and the mask that
+// hides a row's pads from every query (a pad position sees itself only), on the tokens' device.
+inline CachedStep cached_step(const KvCache& cache, const at::Tensor& tokens) {
+  CachedStep step(cache.length);
+  if (!cache.left_pad.defined()) return step;
+  const int64_t T = tokens.size(1), end = cache.length + T;
+  const auto longs = at::TensorOptions().dtype(at::kLong).device(tokens.device());
+  const at::Tensor pad = cache.left_pad.to(tokens.device()).unsqueeze(1);  // [B, 1]
+  const at::Tensor slots = at::arange(cache.length, end, longs).unsqueeze(0);  // [1, T]
+  step.positions = (slots - pad).clamp_min(0);                              // [B, T]
+  const at::Tensor keys = at::arange(end, longs).view({1, 1, end});         // [1, 1, end]
+  const at::Tensor queries = slots.unsqueeze(2);                            // [1, T, 1]
+  step.mask = (((keys >= pad.unsqueeze(2)) & (keys <= queries)) | (keys == queries)).unsqueeze(1);  // [B, 1, T, end]
+  return step;
 }
 
 // The ModelSpec of a decoder model (GptImpl, LlamaImpl: options.seq_len, .sequence_parallel,

@@ -104,8 +104,9 @@ at::Tensor GptBlockImpl::forward(const at::Tensor& x) {
   return h + drop->forward(mlp->forward(norm(ln2, h)));
 }
 
-at::Tensor GptBlockImpl::forward_cached(const at::Tensor& x, at::Tensor& k_cache, at::Tensor& v_cache, int64_t start) {
-  at::Tensor h = x + drop->forward(attn->forward_cached(ln1->forward(x), k_cache, v_cache, start));
+at::Tensor GptBlockImpl::forward_cached(const at::Tensor& x, at::Tensor& k_cache, at::Tensor& v_cache,
+                                        const CachedStep& step) {
+  at::Tensor h = x + drop->forward(attn->forward_cached(ln1->forward(x), k_cache, v_cache, step));
   return h + drop->forward(mlp->forward(ln2->forward(h)));
 }
 
@@ -188,11 +189,13 @@ at::Tensor GptImpl::forward_cached(const at::Tensor& tokens, KvCache& cache) {
   decoder_lm::check_cached_call(tokens, cache, blocks->size(), options.heads / tp->size(),
                                 options.d_model / options.heads, cp, options.sequence_parallel);
   const int64_t T = tokens.size(1);
-  at::Tensor h = drop->forward(wte->forward(tokens) + wpe->forward(at::arange(cache.length, cache.length + T,
-                                                                             tokens.options().dtype(at::kLong))));
+  const CachedStep step = decoder_lm::cached_step(cache, tokens);
+  const at::Tensor positions = step.positions.defined()
+                                   ? step.positions
+                                   : at::arange(cache.length, cache.length + T, tokens.options().dtype(at::kLong));
+  at::Tensor h = drop->forward(wte->forward(tokens) + wpe->forward(positions));
   for (size_t i = 0; i < blocks->size(); ++i) {
-    h = decoder_lm::decoding_block<GptBlockImpl>(*blocks, i, "GptBlock")
-            .forward_cached(h, cache.k[i], cache.v[i], cache.length);
+    h = decoder_lm::decoding_block<GptBlockImpl>(*blocks, i, "GptBlock").forward_cached(h, cache.k[i], cache.v[i], step);
   }
   cache.length += T;
   return logits(h);

@@ -317,7 +317,7 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x) {
 }
 
 at::Tensor LlamaAttentionImpl::forward_cached(const at::Tensor& x, at::Tensor& k_cache, at::Tensor& v_cache,
-                                              int64_t start) {
+                                              const CachedStep& step) {
   const int64_t B = x.size(0), T = x.size(1);
   auto heads_first = [&](const at::Tensor& t, int64_t n) { return t.view({B, T, n, head_dim}).transpose(1, 2); };
   at::Tensor qh = heads_first(q->forward(x), local_heads);
@@ -326,11 +326,18 @@ at::Tensor LlamaAttentionImpl::forward_cached(const at::Tensor& x, at::Tensor& k
   // The tables of the cache's length, the new positions' rows: a sequence as long as the cache
   // gets the rows forward() uses for it, bit for bit.
   auto [cos_all, sin_all] = rope->tables(k_cache.size(2), x.device(), x.scalar_type());
-  at::Tensor cos = cos_all.narrow(0, start, T), sin = sin_all.narrow(0, start, T);
+  at::Tensor cos, sin;
+  if (step.positions.defined()) {  // left padding: each row's own positions, [B, 1, T, head_dim]
+    cos = cos_all.index_select(0, step.positions.reshape({-1})).view({B, 1, T, head_dim});
+    sin = sin_all.index_select(0, step.positions.reshape({-1})).view({B, 1, T, head_dim});
+  } else {
+    cos = cos_all.narrow(0, step.start, T);
+    sin = sin_all.narrow(0, step.start, T);
+  }
   qh = qh * cos + rotate_half(qh) * sin;
   kh = kh * cos + rotate_half(kh) * sin;
   const double scale = std::pow(static_cast<double>(head_dim), -0.5);
-  at::Tensor a = cached_causal_attention(qh, kh, vh, k_cache, v_cache, start, scale);
+  at::Tensor a = cached_causal_attention(qh, kh, vh, k_cache, v_cache, step, scale);
   return o->forward(a.transpose(1, 2).reshape({B, T, local_heads * head_dim}));
 }
 
@@ -367,8 +374,8 @@ at::Tensor LlamaBlockImpl::forward(const at::Tensor& x) {
 }
 
 at::Tensor LlamaBlockImpl::forward_cached(const at::Tensor& x, at::Tensor& k_cache, at::Tensor& v_cache,
-                                          int64_t start) {
-  at::Tensor h = x + attn->forward_cached(attn_norm->forward(x), k_cache, v_cache, start);
+                                          const CachedStep& step) {
+  at::Tensor h = x + attn->forward_cached(attn_norm->forward(x), k_cache, v_cache, step);
   return h + mlp->forward(mlp_norm->forward(h));
 }
 
@@ -447,10 +454,10 @@ at::Tensor LlamaImpl::forward_cached(const at::Tensor& tokens, LlamaKvCache& cac
   at::NoGradGuard no_grad;
   decoder_lm::check_cached_call(tokens, cache, blocks->size(), options.kv_heads / tp->size(),
                                 options.d_model / options.heads, cp, options.sequence_parallel);
+  const CachedStep step = decoder_lm::cached_step(cache, tokens);
   at::Tensor h = embed(tokens);
   for (size_t i = 0; i < blocks->size(); ++i) {
-    h = decoder_lm::decoding_block<LlamaBlockImpl>(*blocks, i, "LlamaBlock")
-            .forward_cached(h, cache.k[i], cache.v[i], cache.length);
+    h = decoder_lm::decoding_block<LlamaBlockImpl>(*blocks, i, "LlamaBlock").forward_cached(h, cache.k[i], cache.v[i], step);
   }
   cache.length += tokens.size(1);
   return logits(h);

@@ -352,31 +352,33 @@ at::Tensor ParallelSelfAttentionImpl::forward(const at::Tensor& x) {
 }
 
 at::Tensor ParallelSelfAttentionImpl::forward_cached(const at::Tensor& x, at::Tensor& k_cache, at::Tensor& v_cache,
-                                                     int64_t start) {
+                                                     const CachedStep& step) {
   DTRAIN_CHECK(causal && cp == nullptr && !qkv->options.sequence_parallel, "forward_cached: incremental decoding "
                "needs a causal attention that is neither sequence- nor context-parallel");
   const int64_t B = x.size(0), T = x.size(1);
   auto parts = qkv->forward(x).chunk(3, -1);  // each [B, T, local_heads * head_dim]
   auto heads_first = [&](const at::Tensor& t) { return t.view({B, T, local_heads, head_dim}).transpose(1, 2); };
   at::Tensor a = cached_causal_attention(heads_first(parts[0]), heads_first(parts[1]), heads_first(parts[2]), k_cache,
-                                         v_cache, start);
+                                         v_cache, step);
   return proj->forward(a.transpose(1, 2).reshape({B, T, local_heads * head_dim}));
 }
 
 at::Tensor cached_causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
-                                   at::Tensor& v_cache, int64_t start, std::optional<double> scale) {
-  const int64_t T = q.size(2), end = start + T;
+                                   at::Tensor& v_cache, const CachedStep& step, std::optional<double> scale) {
+  const int64_t start = step.start, T = q.size(2), end = start + T;
   k_cache.narrow(2, start, T).copy_(k);
   v_cache.narrow(2, start, T).copy_(v);
   // From position 0 the new tokens attend causally; after cached positions each new query sees
   // every cached position and the new ones up to its own (one new token: all of them).
   std::optional<at::Tensor> mask;
-  if (start > 0 && T > 1) {
+  if (step.mask.defined()) {
+    mask = step.mask;  // left padding: [B, 1, T, end]
+  } else if (start > 0 && T > 1) {
     const auto positions = at::TensorOptions().dtype(at::kLong).device(q.device());
     mask = at::arange(end, positions).unsqueeze(0) <= at::arange(start, end, positions).unsqueeze(1);  // [T, end]
   }
   return at::scaled_dot_product_attention(q, k_cache.narrow(2, 0, end), v_cache.narrow(2, 0, end), mask, 0.0,
-                                          /*is_causal=*/start == 0 && T > 1, scale,
+                                          /*is_causal=*/!step.mask.defined() && start == 0 && T > 1, scale,
                                           /*enable_gqa=*/k.size(1) != q.size(1));
 }
 

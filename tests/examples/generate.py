@@ -96,9 +96,10 @@ print(json.dumps({"tokens": out[:, prompts.shape[1]:].tolist()}))
 
 # A SentencePiece BPE model trained on licence text, a tiny Llama of its vocabulary (the seed
 # chosen for a clear greedy margin, as MAKE), and transformers' greedy continuation of each text
-# prompt (Python's encoding after the BOS), cut after the tokenizer's EOS as generate stops there.
-# argv: the directory, the prompts (JSON), the new tokens. Prints {"tokenizer", "hf", "prompt_ids",
-# "tokens", "texts": Python's decoding of prompt and new ids together, "margin"}.
+# prompt (Python's encoding after the BOS), cut after the tokenizer's EOS as generate stops there,
+# alone and in one left-padded batch. argv: the directory, the prompts (JSON), the new tokens.
+# Prints {"tokenizer", "hf", "prompt_ids", "tokens", "batched", "texts": Python's decoding of
+# prompt and new ids together, "margin"}.
 MAKE_TEXT = r"""
 import glob, json, os, sys, torch
 os.environ["TRANSFORMERS_VERBOSITY"] = "error"
@@ -129,8 +130,17 @@ for seed in range(40):
     if margin > 1e-3:
         break
 model.save_pretrained(out + "/hf", safe_serialization=True)
+# The prompts in one left-padded batch, as transformers batches prompts of unequal length.
+L = max(len(p) for p in ids)
+padded = torch.tensor([[0] * (L - len(p)) + p for p in ids])
+mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in ids])
+with torch.no_grad():
+    g = model.generate(padded, attention_mask=mask, do_sample=False, max_new_tokens=new, eos_token_id=sp.eos_id(),
+                       pad_token_id=0)
+batched = [row[L:].tolist() for row in g]
+batched = [r[:r.index(sp.eos_id()) + 1] if sp.eos_id() in r else r for r in batched]
 print(json.dumps({"tokenizer": out + "/tok.model", "hf": out + "/hf", "prompt_ids": ids, "tokens": tokens,
-                  "margin": margin, "texts": [sp.decode(p + t) for p, t in zip(ids, tokens)]}))
+                  "batched": batched, "margin": margin, "texts": [sp.decode(p + t) for p, t in zip(ids, tokens)]}))
 """
 TEXT_PROMPTS = ["Everyone is permitted to copy", "The GNU General Public License is a free"]
 
@@ -255,6 +265,19 @@ def check_text(args, mpirun, tmp, gen):
         f.write("\n  \n" + TEXT_PROMPTS[0] + "\r\n\n")
     got = json_lines(generate(mpirun, 1, gen, source + [f"--prompt_file={prompt_file}", "--output=jsonl"]))
     assert [g["ids"] for g in got] == [made["tokens"][0]], f"--prompt_file of text: {got}"
+    # Both prompts (of unequal length) in one run: left-padded, each row continues as it does alone.
+    lengths = [len(p) for p in made["prompt_ids"]]
+    assert lengths[0] != lengths[1], f"the text prompts should differ in length: {lengths}"
+    assert made["batched"] == made["tokens"], f"transformers' left-padded batch {made['batched']} != alone"
+    with open(prompt_file, "w") as f:
+        f.write("\n".join(TEXT_PROMPTS) + "\n")
+    for ranks, extra in ((1, []), (2, ["--tp=2"])):
+        got = json_lines(generate(mpirun, ranks, gen, source + extra + [f"--prompt_file={prompt_file}",
+                                                                        "--output=jsonl"]))
+        assert [g["ids"] for g in got] == made["tokens"], f"np {ranks} left-padded batch: {got}"
+        assert [g["prompt_ids"] for g in got] == made["prompt_ids"] and [g["text"] for g in got] == made["texts"]
+    out = generate(mpirun, 1, gen, source + [f"--prompt_file={prompt_file}", "--use_cache=false"], expect=2)
+    assert "--use_cache=false recomputes without padding" in out
     return source
 
 
@@ -266,7 +289,7 @@ def check_bad_input(mpirun, gen, hf, source, shape, ck, text_source):
         (source + [f"--prompt_tokens=1,{VOCAB},3"], f"token {VOCAB} is not below the vocabulary size {VOCAB}"),
         (source + ["--prompt_tokens=1,x,3"], "'x' is not a token id"),
         (shape + prompt + [f"--checkpoint={ck}", "--max_new_tokens=13"],
-         "--max_new_tokens=13: the prompt's 4 tokens and 13 new ones need 17 positions, the model has 16"),
+         "--max_new_tokens=13: the (longest) prompt's 4 tokens and 13 new ones need 17 positions, the model has 16"),
         (["--model=cnn", f"--checkpoint={ck}"] + prompt, "generates with --model=llama or --model=gpt"),
         (source + prompt + ["--top_k=5"], "--temperature=0 is greedy"),
         (source + ["--prompt=Hello"], "--prompt is text: give --tokenizer=tokenizer.model"),

@@ -176,6 +176,53 @@ TEST(GptGenerate, CachedLogitsEqualTheWholeSequenceForward) {
   }
 }
 
+// Prompts of 7 and 4 tokens in one left-padded batch (3 pads of an arbitrary id), then 3 new
+// tokens a step: each row's logits at its real positions equal its own sequence's whole forward
+// (no padding), and nothing is NaN (the pads' own positions included).
+template <class Model>
+void check_left_padding(Model& model, int64_t vocab, const std::string& name) {
+  SCOPED_TRACE(name);
+  auto g = at::make_generator<at::CPUGeneratorImpl>(21);
+  const at::Tensor a = at::randint(vocab, {1, 10}, g, at::kLong);       // row 0: 7 prompt + 3 new tokens
+  const at::Tensor b = at::randint(vocab, {1, 7}, g, at::kLong);        // row 1: 4 prompt + 3 new tokens
+  const at::Tensor pads = at::full({1, 3}, vocab - 1, at::kLong);       // any id: never attended
+  const at::Tensor batch = at::cat({a, at::cat({pads, b}, 1)}, 0);      // [2, 10] left-padded
+  KvCache cache = model.make_kv_cache(2, 10);
+  cache.left_pad = at::tensor(std::vector<int64_t>{0, 3}, at::kLong);
+  at::Tensor got = cached_logits(model, cache, batch, {7, 1, 1, 1});     // [2, 10, local vocab]
+  EXPECT_FALSE(at::isnan(got).any().item<bool>()) << "a pad position's logits are NaN";
+  at::Tensor want_a, want_b;
+  {
+    at::NoGradGuard no_grad;
+    want_a = model.forward(a);
+    want_b = model.forward(b);
+  }
+  const double da = max_abs(got.narrow(0, 0, 1), want_a), db = max_abs(got.narrow(0, 1, 1).narrow(1, 3, 7), want_b);
+  EXPECT_LT(da, 1e-12) << "the unpadded row";
+  EXPECT_LT(db, 1e-12) << "the padded row against its prompt alone";
+  std::cout << "[ generate ] " << name << " left-padded batch: max |diff| " << da << " (full row), " << db
+            << " (padded row vs its sequence alone)\n";
+  cache.clear();
+  EXPECT_FALSE(cache.left_pad.defined()) << "clear() drops the padding";
+  cache.left_pad = at::tensor(std::vector<int64_t>{0}, at::kLong);
+  EXPECT_NE(error_of([&] { model.forward_cached(batch.narrow(1, 0, 2), cache); }).find("cache.left_pad must be int64 [2]"),
+            std::string::npos);
+}
+
+TEST(LlamaGenerate, LeftPaddedRowsEqualTheirPromptsAlone) {
+  auto tp = testing_util::local_comm();
+  const LlamaOptions o = small_options(2, false, true);
+  auto llama = float64_model(o, *tp, 8);
+  check_left_padding(*llama, o.vocab, "llama gqa_llama3");
+  const GptOptions go = model_cases::split_gpt_options(12, true);
+  torch::manual_seed(9);
+  GptImpl gpt(go, *tp);
+  gpt.to(at::kDouble);
+  gpt.eval();
+  model_cases::draw_norm_weights(gpt, 10);
+  check_left_padding(gpt, go.vocab, "gpt tied");
+}
+
 // The greedy continuation of `prompt` [B, P]: [B, n] new tokens.
 at::Tensor greedy(LlamaImpl& model, const at::Tensor& prompt, int64_t n) {
   LlamaKvCache cache = model.make_kv_cache(prompt.size(0), prompt.size(1) + n);

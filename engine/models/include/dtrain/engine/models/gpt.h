@@ -67,7 +67,7 @@ struct GptBlockImpl : torch::nn::Module {
   GptBlockImpl(const GptOptions& o, dist::Communicator& tp, dist::Communicator* cp = nullptr);
   at::Tensor forward(const at::Tensor& x);  // [B, S, d], or [B, S/T, d] when sequence-parallel
   // forward() with the attention's forward_cached (ParallelSelfAttentionImpl).
-  at::Tensor forward_cached(const at::Tensor& x, at::Tensor& k_cache, at::Tensor& v_cache, int64_t start);
+  at::Tensor forward_cached(const at::Tensor& x, at::Tensor& k_cache, at::Tensor& v_cache, const CachedStep& step);
   at::Tensor norm(torch::nn::LayerNorm& ln, const at::Tensor& x);
   bool sequence_parallel;
   dist::Communicator* tp;

@@ -127,7 +127,8 @@ struct LlamaAttentionImpl : torch::nn::Module {
   // Incremental decoding: x [B, T_new, d] at positions start..start+T_new-1; their rotated keys
   // and values are written into k_cache, v_cache [B, local_kv_heads, max_len, head_dim] at those
   // positions, and the queries attend to positions 0..start+T_new-1 (causal among the new ones).
-  at::Tensor forward_cached(const at::Tensor& x, at::Tensor& k_cache, at::Tensor& v_cache, int64_t start);
+  // With left padding (step.positions) each row is rotated at its own positions.
+  at::Tensor forward_cached(const at::Tensor& x, at::Tensor& k_cache, at::Tensor& v_cache, const CachedStep& step);
   int64_t local_heads, local_kv_heads, head_dim;
   dist::Communicator* cp;  // null: none, or a group of one rank
   std::shared_ptr<LlamaRope> rope;
@@ -150,7 +151,7 @@ struct LlamaBlockImpl : torch::nn::Module {
                  dist::Communicator* cp = nullptr);
   at::Tensor forward(const at::Tensor& x);  // [B, S, d], or [B, S/T, d] when sequence-parallel
   // forward() with the attention's forward_cached (LlamaAttentionImpl).
-  at::Tensor forward_cached(const at::Tensor& x, at::Tensor& k_cache, at::Tensor& v_cache, int64_t start);
+  at::Tensor forward_cached(const at::Tensor& x, at::Tensor& k_cache, at::Tensor& v_cache, const CachedStep& step);
   LlamaRmsNorm attn_norm{nullptr}, mlp_norm{nullptr};
   LlamaAttention attn{nullptr};
   LlamaMlp mlp{nullptr};

@@ -32,6 +32,7 @@
 #include <torch/nn/pimpl.h>
 
 #include "dtrain/dist/communicator.h"
+#include "dtrain/engine/parallel/cached_attention.h"
 #include "dtrain/engine/parallel/quantize.h"
 
 namespace dtrain::engine {
@@ -196,7 +197,7 @@ struct ParallelSelfAttentionImpl : torch::nn::Module {
   // v_cache ([B, local_heads, max_len, head_dim]) and the queries attend to positions
   // 0..start+T-1 (cached_causal_attention). What forward() gives those positions of the whole
   // sequence.
-  at::Tensor forward_cached(const at::Tensor& x, at::Tensor& k_cache, at::Tensor& v_cache, int64_t start);
+  at::Tensor forward_cached(const at::Tensor& x, at::Tensor& k_cache, at::Tensor& v_cache, const CachedStep& step);
   int64_t heads, local_heads, head_dim;
   bool causal;
   dist::Communicator* cp;
@@ -204,14 +205,6 @@ struct ParallelSelfAttentionImpl : torch::nn::Module {
   RowParallelLinear proj{nullptr};
 };
 TORCH_MODULE(ParallelSelfAttention);
-
-// Causal attention of new positions against a key/value cache (incremental decoding): q
-// [B, H, T, hd] at positions start..start+T-1, their keys and values k, v [B, Hkv, T, hd] written
-// into k_cache, v_cache [B, Hkv, max_len, hd] there; each new query sees every cached position
-// and the new ones up to its own (from position 0: plain causal attention). -> [B, H, T, hd].
-// Grouped-query when Hkv < H (H a multiple of Hkv); scale defaults to 1/sqrt(hd).
-at::Tensor cached_causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
-                                   at::Tensor& v_cache, int64_t start, std::optional<double> scale = std::nullopt);
 
 // The scaled_dot_product_attention backends this process may use, as a comma-separated list of
 // flash, fa3, efficient, cudnn and math (torch.backends.cuda.enable_*_sdp): each named one
