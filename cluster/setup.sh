@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Makes this machine ready to build and test dtrain. Idempotent: skips what is there.
 #   - Debian packages: Open MPI, gflags, glog, GoogleTest, ninja, ccache, nlohmann-json, protobuf,
-#     SentencePiece (dtrain-prepare)
+#     SentencePiece, zlib and zstd (dtrain-prepare)
 #   - .venv/ inside the repository with PyTorch 2.11.x (CUDA 13 wheel: libtorch, its CMake
 #     config and the NCCL wheel torch loads), plus the Python packages tests compare against.
 # Environment: DTRAIN_TORCH_VERSION (default 2.11.*), DTRAIN_SKIP_APT=1 to skip apt.
@@ -14,7 +14,7 @@ die() { echo "[setup] ERROR: $*" >&2; exit 1; }
 APT_PACKAGES=(
   openmpi-bin libopenmpi-dev libgflags-dev libgoogle-glog-dev libgtest-dev libgmock-dev
   ninja-build ccache nlohmann-json3-dev protobuf-compiler libprotobuf-dev pkg-config zlib1g-dev
-  libsentencepiece-dev
+  libsentencepiece-dev libzstd-dev
 )
 
 if [[ "${DTRAIN_SKIP_APT:-0}" != 1 ]]; then
@@ -70,7 +70,7 @@ else
   say "torch $("$VPY" -c 'import torch;print(torch.__version__)') present in .venv"
 fi
 # Python packages used by tests and docs as independent references/readers.
-PY_EXTRAS=(numpy tensorboard scikit-learn safetensors transformers sentencepiece tiktoken matplotlib)
+PY_EXTRAS=(numpy tensorboard scikit-learn safetensors transformers sentencepiece tiktoken matplotlib zstandard)
 for m in "${PY_EXTRAS[@]}"; do
   mod="$m"; [[ $m == scikit-learn ]] && mod=sklearn
   "$VPY" -c "import $mod" 2>/dev/null || { say "installing $m into .venv"; "$VPY" -m pip install -q "$m" || die "pip install $m failed"; }

@@ -26,6 +26,7 @@
 
 #include "dtrain/engine/data/token_shards.h"
 #include "prepare.h"
+#include "text_stream.h"
 #include "test_util.h"
 
 namespace dtrain::prepare::prepare_test {
@@ -349,6 +350,71 @@ TEST_F(PrepareTest, ProgramRefusesBadTokenizersAndDirectories) {
   expect({"--tokenizer=" + model("plain").path, in, "--output_dir=" + out}, {"--bos=true", "no BOS", "--bos=false"});
   expect({"--tokenizer=" + model("bpe").path, "--output_dir=" + out}, {"--input is required"});
   EXPECT_TRUE(entries(out).empty());
+}
+
+// JSON Lines (--documents=jsonl), gzip and zstd: tests/reference/prepare_jsonl_reference.py writes
+// the records plain, as two gzip members and as two zstd frames, with Python's json, gzip and
+// zstandard, and encodes their texts; every form gives the same shard, and broken inputs name the
+// file, the line and the fix.
+TEST_F(PrepareTest, JsonLinesAndCompressedInputsMatchPython) {
+  SKIP_WITHOUT_PROGRAM();
+  const Model& m = model("bpe");
+  const std::string in = fresh_dir("jsonl_inputs");
+  const nlohmann::json ref =
+      nlohmann::json::parse(testing_util::run_python("tests/reference/prepare_jsonl_reference.py", {in, m.path}));
+  const auto stream_of = [&](const std::vector<Ids>& docs) {
+    Ids out;
+    for (const Ids& d : docs) {
+      if (d.empty()) continue;  // a document that encodes to nothing is skipped, BOS included
+      out.push_back(m.bos);
+      out.insert(out.end(), d.begin(), d.end());
+    }
+    return out;
+  };
+  const ShardFormat format = shard_format_for_vocab(m.vocab);
+  struct Case {
+    std::string file, documents;
+    Ids stream;
+  };
+  std::vector<Case> cases = {
+      {"records.jsonl", "jsonl", stream_of(ref.at("records").get<std::vector<Ids>>())},
+      {"records.jsonl.gz", "jsonl", stream_of(ref.at("records").get<std::vector<Ids>>())},
+      {"lines.txt.gz", "lines", stream_of(ref.at("lines").get<std::vector<Ids>>())},
+  };
+  if (zstd_supported()) {
+    cases.push_back({"records.jsonl.zst", "jsonl", stream_of(ref.at("records").get<std::vector<Ids>>())});
+    cases.push_back({"whole.txt.zst", "file", stream_of({ref.at("whole").get<Ids>()})});
+  }
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.file + " --documents=" + c.documents);
+    const std::string out = fresh_dir("jsonl_" + c.file);
+    const ProgramRun r = run_program({"--tokenizer=" + m.path, "--input=" + in + "/" + c.file, "--output_dir=" + out,
+                                      "--documents=" + c.documents, "--shard_tokens=64", "--threads=2"});
+    ASSERT_EQ(r.status, 0) << r.output;
+    expect_shards(out, "data", c.stream, 0, 64, format);
+  }
+  const auto refused = [&](const std::string& file, const std::vector<std::string>& parts,
+                           const std::vector<std::string>& more = {}) {
+    const std::string out = fresh_dir("jsonl_bad_" + file);
+    std::vector<std::string> args = {"--tokenizer=" + m.path, "--input=" + in + "/" + file, "--output_dir=" + out,
+                                     "--documents=jsonl"};
+    args.insert(args.end(), more.begin(), more.end());
+    const ProgramRun r = run_program(args);
+    EXPECT_EQ(r.status, 2) << r.output;
+    for (const std::string& p : parts) EXPECT_NE(r.output.find(p), std::string::npos) << "'" << p << "' in: " << r.output;
+    EXPECT_TRUE(entries(out).empty()) << file << " left files behind";
+  };
+  refused("bad_json.jsonl", {"bad_json.jsonl:3 is not a JSON object", "JSON Lines"});
+  refused("array.jsonl", {"array.jsonl:1 holds JSON array, not an object"});
+  refused("no_field.jsonl", {"no_field.jsonl:1 has no field \"text\" (its fields: body, title)", "--jsonl_field"});
+  refused("no_field.jsonl", {"has no field \"content\""}, {"--jsonl_field=content"});
+  refused("number.jsonl", {"field \"text\" holds JSON number, not a string"});
+  refused("cut.jsonl.gz", {"cut.jsonl.gz ends in the middle of its gzip stream", "cut short"});
+  refused("garbage.jsonl.gz", {"garbage.jsonl.gz is not valid gzip data", "rename the file if it is plain text"});
+  if (zstd_supported()) refused("cut.jsonl.zst", {"cut.jsonl.zst ends in the middle of its zstd stream"});
+  const ProgramRun r = run_program({"--tokenizer=" + m.path, "--input=" + in + "/records.jsonl",
+                                    "--output_dir=" + fresh_dir("jsonl_mode"), "--documents=json"});
+  EXPECT_NE(r.output.find("or jsonl (each line a JSON object"), std::string::npos) << r.output;
 }
 
 TEST_F(PrepareTest, LibraryWritesTheReferenceStreamForEveryFlagAndThreadCount) {

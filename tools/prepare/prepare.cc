@@ -1,6 +1,8 @@
 // dtrain-prepare's library (prepare.h): inputs, documents, parallel encoding, atomic shards.
 #include "prepare.h"
 
+#include <nlohmann/json.hpp>
+
 #include <dirent.h>
 #include <fcntl.h>
 #include <glob.h>
@@ -23,6 +25,8 @@
 #include <sstream>
 #include <thread>
 #include <utility>
+
+#include "text_stream.h"
 
 namespace dtrain::prepare {
 namespace {
@@ -196,12 +200,16 @@ std::string format_progress(const ProgressSnapshot& p) {
   return line + " ETA " + duration_text(left * p.seconds / static_cast<double>(p.bytes));
 }
 
-const char* document_mode_name(DocumentMode mode) { return mode == DocumentMode::kFile ? "file" : "lines"; }
+const char* document_mode_name(DocumentMode mode) {
+  return mode == DocumentMode::kFile ? "file" : mode == DocumentMode::kLines ? "lines" : "jsonl";
+}
 
 DocumentMode parse_document_mode(const std::string& name) {
   if (name == "file") return DocumentMode::kFile;
   if (name == "lines") return DocumentMode::kLines;
-  fail("--documents=", name, ": choose file (each input file is one document) or lines (each non-empty line is one)");
+  if (name == "jsonl") return DocumentMode::kJsonl;
+  fail("--documents=", name, ": choose file (each input file is one document), lines (each non-empty line is one) "
+       "or jsonl (each line a JSON object whose --jsonl_field holds one)");
 }
 
 ShardFormat shard_format_for_vocab(int64_t vocab) {
@@ -311,8 +319,8 @@ namespace {
 struct Document {
   std::string text;
   size_t file = 0;   // index into the file list
-  int64_t line = 0;  // 1-based in kLines mode, 0 in kFile mode
-  int64_t span = 0;  // input bytes it accounts for (the progress line): skipped lines, newlines
+  int64_t line = 0;  // 1-based in kLines and kJsonl mode, 0 in kFile mode
+  int64_t span = 0;  // stored input bytes it accounts for (the progress line)
 };
 
 [[noreturn]] void binary_file(const std::string& path, int64_t offset) {
@@ -320,23 +328,37 @@ struct Document {
        ": it is a binary file, not UTF-8 text; remove it from --input");
 }
 
-std::string read_whole(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("--input: cannot open ", path, ": ", errno_text());
-  std::ostringstream os;
-  os << in.rdbuf();
-  if (in.bad()) fail("--input: cannot read ", path, ": ", errno_text());
-  std::string text = os.str();
-  const size_t nul = text.find('\0');
-  if (nul != std::string::npos) binary_file(path, static_cast<int64_t>(nul));
-  return text;
+// The document of one JSON Lines record: the string under `field`.
+std::string jsonl_text(const std::string& line, const std::string& field, const std::string& where) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(line);
+  } catch (const nlohmann::json::exception& e) {
+    fail("--input: ", where, " is not a JSON object (", e.what(), "); --documents=jsonl reads one JSON object per "
+         "line (JSON Lines)");
+  }
+  if (!j.is_object()) fail("--input: ", where, " holds JSON ", j.type_name(), ", not an object; --documents=jsonl "
+                           "reads one JSON object per line");
+  const auto it = j.find(field);
+  if (it == j.end()) {
+    std::string keys;
+    for (const auto& [key, value] : j.items()) keys += (keys.empty() ? "" : ", ") + key;
+    fail("--input: ", where, " has no field \"", field, "\" (its fields: ", keys.empty() ? "none" : keys,
+         "); name the text's field with --jsonl_field");
+  }
+  if (!it->is_string()) {
+    fail("--input: ", where, ": field \"", field, "\" holds JSON ", it->type_name(), ", not a string of text; name "
+         "the text's field with --jsonl_field");
+  }
+  return it->get<std::string>();
 }
 
 // The documents of the files, in order, a batch of about batch_bytes at a time.
 class DocumentSource {
  public:
-  DocumentSource(const std::vector<std::string>& files, DocumentMode mode, int64_t batch_bytes)
-      : files_(files), mode_(mode), batch_bytes_(std::max<int64_t>(batch_bytes, 1)) {}
+  DocumentSource(const std::vector<std::string>& files, DocumentMode mode, std::string jsonl_field,
+                 int64_t batch_bytes)
+      : files_(files), mode_(mode), field_(std::move(jsonl_field)), batch_bytes_(std::max<int64_t>(batch_bytes, 1)) {}
 
   // Fills `docs` with the next batch; false when every file has been read.
   bool next_batch(std::vector<Document>& docs) {
@@ -352,17 +374,23 @@ class DocumentSource {
   bool next(std::vector<Document>& docs) {
     if (mode_ == DocumentMode::kFile) {
       if (file_ >= files_.size()) return false;
-      docs.push_back({read_whole(files_[file_]), file_, 0, 0});
-      docs.back().span = static_cast<int64_t>(docs.back().text.size());
+      TextStream in(files_[file_]);
+      std::string text = in.read_all();
+      const size_t nul = text.find('\0');
+      if (nul != std::string::npos) binary_file(files_[file_], static_cast<int64_t>(nul));
+      docs.push_back({std::move(text), file_, 0, in.consumed()});
       ++file_;
       return true;
     }
     std::string line;
     while (file_ < files_.size()) {
-      if (!in_.is_open()) open_lines();
+      if (!in_) open_lines();
       if (read_line(line)) {
-        docs.push_back({std::move(line), file_, line_, offset_ - emitted_});
-        emitted_ = offset_;
+        if (mode_ == DocumentMode::kJsonl) {
+          line = jsonl_text(line, field_, files_[file_] + ":" + std::to_string(line_));
+        }
+        docs.push_back({std::move(line), file_, line_, in_->consumed() - emitted_});
+        emitted_ = in_->consumed();
         return true;
       }
     }
@@ -370,8 +398,7 @@ class DocumentSource {
   }
 
   void open_lines() {
-    in_.open(files_[file_], std::ios::binary);
-    if (!in_) fail("--input: cannot open ", files_[file_], ": ", errno_text());
+    in_ = std::make_unique<TextStream>(files_[file_]);
     offset_ = 0;
     emitted_ = 0;
     line_ = 0;
@@ -379,7 +406,7 @@ class DocumentSource {
 
   // The next non-empty line of the open file; false (and on to the next file) at its end.
   bool read_line(std::string& line) {
-    while (std::getline(in_, line)) {
+    while (in_->getline(line)) {
       ++line_;
       const size_t nul = line.find('\0');
       if (nul != std::string::npos) binary_file(files_[file_], offset_ + static_cast<int64_t>(nul));
@@ -387,20 +414,19 @@ class DocumentSource {
       if (!line.empty() && line.back() == '\r') line.pop_back();
       if (!line.empty()) return true;
     }
-    if (in_.bad()) fail("--input: cannot read ", files_[file_], ": ", errno_text());
-    in_.close();
-    in_.clear();
+    in_.reset();
     ++file_;
     return false;
   }
 
   const std::vector<std::string>& files_;
   DocumentMode mode_;
+  std::string field_;
   int64_t batch_bytes_;
   size_t file_ = 0;
-  std::ifstream in_;
-  int64_t offset_ = 0;   // bytes of the open file read so far
-  int64_t emitted_ = 0;  // offset_ at the last document
+  std::unique_ptr<TextStream> in_;
+  int64_t offset_ = 0;   // text bytes of the open file read so far (a NUL's offset)
+  int64_t emitted_ = 0;  // the stored bytes read at the last document
   int64_t line_ = 0;
   int64_t text_bytes_ = 0;
 };
@@ -608,6 +634,9 @@ void check_options(const PrepareOptions& o) {
     fail("--prefix='", o.prefix, "': give a file-name prefix without '/' (e.g. --prefix=corpus)");
   }
   if (o.threads < 1) fail("threads=", o.threads, ": give at least 1");
+  if (o.documents == DocumentMode::kJsonl && o.jsonl_field.empty()) {
+    fail("--jsonl_field is empty: name the field that holds each record's text");
+  }
   if (o.output_dir.empty()) fail("--output_dir is empty: name an existing directory for the shards");
   struct stat st;
   if (!stat_path(o.output_dir, &st)) {
@@ -654,7 +683,7 @@ PrepareSummary prepare_shards(const PrepareOptions& options, const Encoder& enco
   ProgressMeter meter(options.progress_to, total_size(files), (bos >= 0) + (eos >= 0));
   ShardSink sink(options, summary.format, summary.vocab, meter);
   try {
-    DocumentSource source(files, options.documents, options.batch_bytes);
+    DocumentSource source(files, options.documents, options.jsonl_field, options.batch_bytes);
     std::vector<Document> docs;
     std::vector<std::vector<int>> tokens;
     while (source.next_batch(docs)) {

@@ -11,6 +11,14 @@
 //  * kFile: each input file is one document, read whole.
 //  * kLines: each line of each file is one document ('\n' ends a line, a '\r' before it is
 //    dropped); empty lines are no documents.
+//  * kJsonl: JSON Lines, the format most corpora ship in (FineWeb's and The Pile's samples,
+//    SlimPajama): each non-empty line is a JSON object, and its string field jsonl_field ("text")
+//    is one document (JSON escapes decoded). A line that is not a JSON object, lacks the field
+//    (the error lists the fields it has) or holds another type there is an error naming the
+//    file and line.
+// Compressed inputs (text_stream.h): a file named *.gz is read through gzip, *.zst through zstd,
+// in every mode, as a stream (a compressed file is never decompressed to disk or held whole
+// unless it is one kFile document); corrupt or cut-short data is an error naming the file.
 // A document whose encoding is empty (an empty file, a line of blanks that the tokenizer's
 // normalization removes) is skipped: no BOS/EOS for it, not counted.
 // Each document's tokens are [bos] + encode(text) + [eos] (bos and eos as the options say),
@@ -78,8 +86,8 @@ class Encoder {
   virtual std::string describe() const = 0;
 };
 
-enum class DocumentMode { kFile, kLines };
-// "file" or "lines"; parse_document_mode throws naming --documents for another name.
+enum class DocumentMode { kFile, kLines, kJsonl };
+// "file", "lines" or "jsonl"; parse_document_mode throws naming --documents for another name.
 const char* document_mode_name(DocumentMode mode);
 DocumentMode parse_document_mode(const std::string& name);
 
@@ -104,6 +112,7 @@ struct PrepareOptions {
   bool bos = true;                   // the tokenizer's BOS id before each document
   bool eos = false;                  // its EOS id after each document
   DocumentMode documents = DocumentMode::kFile;
+  std::string jsonl_field = "text";      // kJsonl: the field of each record that holds its text
   int threads = 1;                       // encoding threads (>= 1)
   int64_t batch_bytes = 16 << 20;        // text per parallel batch (a larger document is one batch)
   std::FILE* progress_to = nullptr;      // where to draw the progress line (stderr); nullptr: none

@@ -2,7 +2,7 @@
 //
 //   dtrain-prepare --tokenizer=tokenizer.model --input=corpus/ --output_dir=shards
 //       --prefix=corpus --val_tokens=1000000 [--shard_tokens=100000000] [--bos] [--eos]
-//       [--documents=file|lines] [--threads=N] [--progress=true|false]
+//       [--documents=file|lines|jsonl [--jsonl_field=text]] [--threads=N] [--progress=true|false]
 //
 // Writes shards/corpus_val_000000.bin and shards/corpus_train_000001.bin, ... (docs/GUIDE.md,
 // "Preparing token shards"), then prints one summary line on stdout. While it encodes, a progress
@@ -30,7 +30,9 @@ DEFINE_int64(shard_tokens, 100000000, "tokens per train shard (the last one may 
 DEFINE_int64(val_tokens, 0, "the first this many tokens go to PREFIX_val_000000.bin; 0: no validation shard");
 DEFINE_bool(bos, true, "put the tokenizer's BOS id before each document");
 DEFINE_bool(eos, false, "put the tokenizer's EOS id after each document");
-DEFINE_string(documents, "file", "file: each input file is one document; lines: each non-empty line is one");
+DEFINE_string(documents, "file", "file: each input file is one document; lines: each non-empty line is one; jsonl: each "
+              "line a JSON object whose --jsonl_field holds one (*.gz and *.zst inputs are decompressed in every mode)");
+DEFINE_string(jsonl_field, "text", "--documents=jsonl: the field of each JSON object that holds its text");
 DEFINE_int32(threads, 0, "encoding threads; 0: one per core (at most 16). The shards are the same for any count");
 DEFINE_bool(progress, false, "redraw a progress line on stderr while encoding (bytes, documents, tokens, tokens/s, "
                              "ETA); when not given: only if stderr is a terminal");
@@ -72,6 +74,11 @@ dtrain::prepare::PrepareOptions options_from_flags() {
   o.bos = FLAGS_bos;
   o.eos = FLAGS_eos;
   o.documents = dtrain::prepare::parse_document_mode(FLAGS_documents);
+  o.jsonl_field = FLAGS_jsonl_field;
+  if (o.documents != dtrain::prepare::DocumentMode::kJsonl && !gflags::GetCommandLineFlagInfoOrDie("jsonl_field").is_default) {
+    throw PrepareError("--jsonl_field names the text's field of JSON Lines records: give --documents=jsonl too");
+  }
+  if (o.jsonl_field.empty()) throw PrepareError("--jsonl_field is empty: name the field that holds each record's text");
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   o.threads = FLAGS_threads > 0 ? FLAGS_threads : std::min(cores, 16);
   o.progress_to = show_progress() ? stderr : nullptr;
@@ -83,7 +90,8 @@ dtrain::prepare::PrepareOptions options_from_flags() {
 int main(int argc, char** argv) {
   gflags::SetUsageMessage(
       "dtrain-prepare --tokenizer=tokenizer.model --input=FILES,DIRS,GLOBS --output_dir=DIR [--prefix=NAME] "
-      "[--val_tokens=N] [--shard_tokens=N] [--bos] [--eos] [--documents=file|lines] [--threads=N] "
+      "[--val_tokens=N] [--shard_tokens=N] [--bos] [--eos] [--documents=file|lines|jsonl [--jsonl_field=text]] "
+      "[--threads=N] "
       "[--progress=true|false]: "
       "tokenizes text with SentencePiece into llm.c token shards (train_gpt --data=tokens reads them)");
   gflags::ParseCommandLineFlags(&argc, &argv, true);
