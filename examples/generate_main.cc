@@ -22,9 +22,7 @@
 // logits are gathered, tensor-parallel rank 0 draws the next tokens and broadcasts them, so the
 // ranks never diverge; only rank 0 prints.
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
-#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -39,22 +37,20 @@
 #include "common.h"
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/data/tokenizer.h"
+#include "dtrain/engine/models/generate.h"
 #include "dtrain/engine/models/gpt.h"
-#include "dtrain/engine/models/kv_cache.h"
 #include "dtrain/engine/models/llama.h"
 #include "dtrain/engine/models/sampling.h"
-#include "dtrain/engine/parallel/tensor_parallel.h"
 #include "dtrain/engine/train/cli.h"
 #include "dtrain/engine/train/load.h"
 #include "model_factory.h"
+#include "samples.h"  // --tokenizer
 
 DEFINE_string(model, "llama", "the model: llama or gpt");
 DEFINE_string(checkpoint, "", "the weights of a training run: its --save_dir (the newest good checkpoint, any layout)");
 DEFINE_string(prompt_tokens, "", "the prompt as token ids, comma-separated (e.g. 1,15043,3186)");
 DEFINE_string(prompt_file, "", "a file of prompts, one per line, generated as one batch (shorter ones left-padded): text "
               "with --tokenizer, else token ids (separated by commas or spaces)");
-DEFINE_string(tokenizer, "", "a SentencePiece model (tokenizer.model, e.g. Llama 2's or dtrain-prepare's): text prompts "
-              "(--prompt, --prompt_file) and text output");
 DEFINE_string(prompt, "", "the prompt as text (needs --tokenizer)");
 DEFINE_bool(bos, true, "with --tokenizer: start each text prompt with the tokenizer's BOS id (as Llama's training did)");
 DEFINE_string(output, "auto", "stdout: ids (the new ids of each sequence, a line each), text (each sequence's text, "
@@ -259,104 +255,35 @@ void check_generate_flags() {
                "ask for at most ", positions - P, " new tokens");
 }
 
-// A decoder's two ways to run (the Llama and the GPT have both): on the whole sequence, and
-// incrementally with a key/value cache.
-struct Decoder {
-  std::shared_ptr<torch::nn::Module> module;
-  std::function<at::Tensor(const at::Tensor&)> forward;
-  std::function<engine::KvCache(int64_t, int64_t)> make_kv_cache;
-  std::function<at::Tensor(const at::Tensor&, engine::KvCache&)> forward_cached;
-};
-
-template <class Impl>
-Decoder decoder_of(const std::shared_ptr<Impl>& m) {
-  return {m, [m](const at::Tensor& t) { return m->forward(t); },
-          [m](int64_t batch, int64_t len) { return m->make_kv_cache(batch, len); },
-          [m](const at::Tensor& t, engine::KvCache& c) { return m->forward_cached(t, c); }};
-}
-
 // The model with its weights, converted to --dtype, in eval mode.
-Decoder load_model(const examples::Run& run, std::string& source) {
+engine::Decoder load_model(const examples::Run& run, std::string& source) {
   examples::ExampleModel m = examples::build_example_model(FLAGS_model, run);  // --init_from_hf: loaded here
-  Decoder model;
-  if (auto llama = std::dynamic_pointer_cast<engine::LlamaImpl>(m.module)) model = decoder_of(llama);
-  if (auto gpt = std::dynamic_pointer_cast<engine::GptImpl>(m.module)) model = decoder_of(gpt);
-  DTRAIN_CHECK(model.module != nullptr, "the example factory built neither a Llama nor a GPT for --model=", FLAGS_model);
+  engine::Decoder model;
+  if (auto llama = std::dynamic_pointer_cast<engine::LlamaImpl>(m.module)) model = engine::decoder_of(llama, FLAGS_vocab);
+  if (auto gpt = std::dynamic_pointer_cast<engine::GptImpl>(m.module)) model = engine::decoder_of(gpt, FLAGS_vocab);
+  DTRAIN_CHECK(model.forward != nullptr, "the example factory built neither a Llama nor a GPT for --model=", FLAGS_model);
   if (!FLAGS_checkpoint.empty()) {
-    const int64_t step = engine::load_weights(FLAGS_checkpoint, *model.module, *run.mesh, run.device);
+    const int64_t step = engine::load_weights(FLAGS_checkpoint, *m.module, *run.mesh, run.device);
     source = FLAGS_checkpoint + " (step " + std::to_string(step) + ")";
   } else {
     source = FLAGS_init_from_hf;
   }
-  model.module->to(parse_dtype(FLAGS_dtype));
-  model.module->eval();
+  m.module->to(parse_dtype(FLAGS_dtype));
+  m.module->eval();
   return model;
 }
 
-// The next token of each row from this rank's logits of the last position [B, local vocab]:
-// the full vocabulary gathered, tensor-parallel rank 0's draw broadcast. [B] int64 on the CPU.
-at::Tensor next_tokens(const examples::Run& run, const at::Tensor& local, const engine::SamplingOptions& s,
-                       at::Generator& gen) {
-  dist::Communicator& tp = run.mesh->tp();
-  at::Tensor full = tp.size() > 1 ? engine::gather_from_tensor_parallel(local.contiguous(), tp) : local;
-  full = full.narrow(1, 0, FLAGS_vocab);
-  if (tp.size() == 1) return engine::sample_next_tokens(full, s, gen);
-  at::Tensor t = tp.rank() == 0 ? engine::sample_next_tokens(full, s, gen).to(run.device)
-                                : at::empty({full.size(0)}, at::TensorOptions().dtype(at::kLong).device(run.device));
-  tp.broadcast(t, 0)->wait();
-  return t.cpu();
-}
-
-struct Generated {
-  std::vector<std::vector<int64_t>> rows;  // the new tokens (up to and with --eos)
-  int64_t steps = 0;                       // forward passes after the prompt's
-  double prefill_s = 0, total_s = 0;
-};
-
-Generated generate(const examples::Run& run, const Decoder& model, const std::vector<std::vector<int64_t>>& prompts) {
-  torch::NoGradGuard no_grad;
-  const int64_t B = static_cast<int64_t>(prompts.size()), P = longest(prompts);
-  // Shorter prompts left-padded to the longest (any id: the cache hides a row's pads).
-  const int64_t pad_id = tokenizer() && tokenizer()->pad_id() >= 0 ? tokenizer()->pad_id() : 0;
-  at::Tensor sequence = at::full({B, P}, pad_id, at::kLong);
-  std::vector<int64_t> pads(B, 0);
-  for (int64_t r = 0; r < B; ++r) {
-    pads[r] = P - static_cast<int64_t>(prompts[r].size());
-    std::copy(prompts[r].begin(), prompts[r].end(), sequence[r].data_ptr<int64_t>() + pads[r]);
-  }
-  sequence = sequence.to(run.device);
-  const engine::SamplingOptions s = sampling_of_flags();
-  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(FLAGS_seed));
-  engine::KvCache cache;
-  if (FLAGS_use_cache) cache = model.make_kv_cache(B, P + FLAGS_max_new_tokens);
-  if (*std::max_element(pads.begin(), pads.end()) > 0) cache.left_pad = at::tensor(pads, at::kLong);
-  Generated g;
-  g.rows.resize(B);
-  std::vector<bool> ended(B, false);
-  const auto start = std::chrono::steady_clock::now();
-  at::Tensor logits = FLAGS_use_cache ? model.forward_cached(sequence, cache) : model.forward(sequence);
-  for (int64_t i = 0; i < FLAGS_max_new_tokens; ++i) {
-    const at::Tensor next = next_tokens(run, logits.select(1, -1), s, gen);
-    if (i == 0) g.prefill_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    bool all_ended = true;
-    for (int64_t r = 0; r < B; ++r) {
-      const int64_t t = next[r].item<int64_t>();
-      if (!ended[r]) g.rows[r].push_back(t);
-      ended[r] = ended[r] || t == FLAGS_eos;
-      all_ended = all_ended && ended[r];
-    }
-    if (all_ended || i + 1 == FLAGS_max_new_tokens) break;  // every rank sees the same tokens: the same choice
-    const at::Tensor column = next.unsqueeze(1).to(run.device);
-    ++g.steps;
-    if (FLAGS_use_cache) {
-      logits = model.forward_cached(column, cache);
-    } else {
-      sequence = at::cat({sequence, column}, 1);
-      logits = model.forward(sequence);
-    }
-  }
-  g.total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return g;
+// The library's generate() with the flags' options.
+engine::Generated generate(const examples::Run& run, const engine::Decoder& model,
+                           const std::vector<std::vector<int64_t>>& prompts) {
+  engine::GenerateOptions o;
+  o.max_new_tokens = FLAGS_max_new_tokens;
+  o.sampling = sampling_of_flags();
+  o.seed = static_cast<uint64_t>(FLAGS_seed);
+  o.eos = FLAGS_eos;
+  o.use_cache = FLAGS_use_cache;
+  o.pad_id = tokenizer() && tokenizer()->pad_id() >= 0 ? tokenizer()->pad_id() : 0;
+  return engine::generate(model, prompts, o, run.mesh->tp(), run.device);
 }
 
 // One sequence as --output asks: its new ids, its text (the prompt's and the new tokens' decoded
@@ -387,7 +314,7 @@ void print_sequence(const std::vector<int64_t>& prompt, const std::vector<int64_
   std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
 }
 
-void print(const examples::Run& run, const Generated& g, const std::string& source,
+void print(const examples::Run& run, const engine::Generated& g, const std::string& source,
            const std::vector<std::vector<int64_t>>& prompts) {
   if (run.world.rank != 0) return;
   const int64_t prompt_len = longest(prompts);
@@ -452,7 +379,7 @@ int generate_main(int argc, char** argv) {
   const auto prompts = read_prompts();
   std::string source;
   auto model = load_model(run, source);
-  const Generated g = generate(run, model, prompts);
+  const engine::Generated g = generate(run, model, prompts);
   print(run, g, source, prompts);
   return 0;
 }

@@ -21,6 +21,7 @@
 #include "common.h"
 #include "distill.h"
 #include "model_factory.h"
+#include "samples.h"
 
 DEFINE_string(model, "gpt", "gpt (GPT-2's layout) or llama (Llama's: RMSNorm, rotary positions, SwiGLU, grouped-query attention)");
 
@@ -30,6 +31,8 @@ int main(int argc, char** argv) {
   return examples::guarded_main("train_gpt", [&] {
     const std::string name = examples::flag_from_argv(argc, argv, "model", "gpt");  // selects the defaults
     engine::cli::describe_flags("Model", {"model"});
+    engine::cli::describe_flags("Samples", {"sample_every", "sample_prompt", "sample_tokens", "sample_temperature",
+                                            "tokenizer"});
     DTRAIN_CHECK(name == "gpt" || name == "llama", "--model=", name, ": train_gpt trains --model=gpt or --model=llama");
     examples::Run run = examples::init_run(argc, argv,
                                            "train_gpt [--model=gpt|llama] [flags]: a decoder language model (GPT-2 or "
@@ -52,6 +55,7 @@ int main(int argc, char** argv) {
     }
     examples::attach_teacher(run, model);  // --teacher: distillation
     engine::TrainerOptions options = examples::trainer_options(run, model.default_optimizer);
+    examples::attach_samples(run, model, options);  // --sample_every
     options.eval_perplexity = true;
     options.optimizer.beta2 = 0.95;
     options.tokens_per_sample = S;

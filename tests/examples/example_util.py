@@ -39,6 +39,16 @@ def run(cmd, expect=0, env=None, tail=2000):
     return p.stdout
 
 
+def stdout_of(cmd):
+    """Runs cmd and returns its standard output alone (the logs go to stderr); exits the test when
+    it fails."""
+    print("$", " ".join(shlex.quote(c) for c in cmd), flush=True)
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
+    if p.returncode != 0:
+        sys.exit(f"FAIL: exit status {p.returncode}: {p.stderr[-2000:]}")
+    return p.stdout
+
+
 def json_lines(out):
     """The JSON objects of a program's output: its lines that start with "{"."""
     import json

@@ -24,7 +24,7 @@ usage: generate.py --bin BUILD/bin --mpirun "mpirun ..." --python PYTHON
 import json
 import os
 
-from example_util import json_lines, python_example_args, run
+from example_util import json_lines, python_example_args, run, stdout_of
 
 VOCAB, NEW = 96, 8
 PROMPTS = [[5, 17, 33, 2, 90, 41], [60, 3, 3, 71, 12, 8]]
@@ -231,15 +231,6 @@ def check_gpt(args, mpirun, tmp, gen):
         out = generate(mpirun, ranks, gen, source + extra)
         assert token_lines(out) == made["tokens"], f"gpt np {ranks} {extra}: {token_lines(out)} != {made['tokens']}"
     check_checkpoint(args, mpirun, tmp, gen, model="gpt")
-
-
-def stdout_of(cmd):
-    """The standard output alone (the logs go to stderr), for the text checks."""
-    import subprocess
-    print("$", " ".join(cmd), flush=True)
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    return p.stdout
 
 
 def check_text(args, mpirun, tmp, gen):

@@ -20,6 +20,7 @@
 #include "dtrain/dist/communicator.h"
 #include "dtrain/dist/error.h"
 #include "dtrain/dist/world.h"
+#include "dtrain/engine/models/generate.h"
 #include "dtrain/engine/models/gpt.h"
 #include "dtrain/engine/models/llama.h"
 #include "dtrain/engine/models/sampling.h"
@@ -275,6 +276,55 @@ TEST(LlamaGenerate, GreedyTokensEqualTransformersGenerate) {
     std::cout << "[ generate ] " << name << ": " << got.size(1) << " greedy tokens x 2 rows equal transformers "
               << nlohmann::json::parse(out).at("transformers").get<std::string>() << "'s\n";
   }
+}
+
+// The library's generate() (generate.h) against an independent loop: the argmax of the whole
+// sequence's forward, step by step, row by row. Two prompts of unequal length in one call (left
+// padding); eos chosen as a token row 0 draws at its third step, so row 0 stops there and row 1
+// goes on; the recomputing path gives the same tokens for prompts of one length.
+TEST(Generate, LibraryGreedyEqualsTheWholeSequenceArgmax) {
+  auto tp = testing_util::local_comm();
+  const LlamaOptions o = small_options(2, false, true);
+  auto model = float64_model(o, *tp, 12);
+  model->eval();
+  const auto argmax_loop = [&](std::vector<int64_t> seq, int64_t n, int64_t eos) {
+    std::vector<int64_t> out;
+    at::NoGradGuard no_grad;
+    for (int64_t i = 0; i < n; ++i) {
+      const at::Tensor logits = model->forward(at::tensor(seq, at::kLong).unsqueeze(0));
+      const int64_t t = logits[0][-1].narrow(0, 0, o.vocab).argmax().item<int64_t>();
+      out.push_back(t);
+      seq.push_back(t);
+      if (t == eos) break;
+    }
+    return out;
+  };
+  const std::vector<std::vector<int64_t>> prompts = {{3, 9, 27, 5, 44}, {7, 13}};
+  GenerateOptions g;
+  g.max_new_tokens = 6;
+  g.sampling.temperature = 0;
+  const std::vector<int64_t> free0 = argmax_loop(prompts[0], 6, -1);
+  g.eos = free0[2];
+  const Generated got = generate(decoder_of(model, o.vocab), prompts, g, *tp, at::kCPU);
+  ASSERT_EQ(got.rows.size(), 2u);
+  EXPECT_EQ(got.rows[0], argmax_loop(prompts[0], 6, g.eos));
+  EXPECT_EQ(got.rows[1], argmax_loop(prompts[1], 6, g.eos));
+  EXPECT_EQ(got.rows[0].back(), g.eos);
+  EXPECT_LE(got.rows[0].size(), 3u) << "row 0 ends at its eos";
+  GenerateOptions plain = g;
+  plain.eos = -1;
+  plain.use_cache = false;
+  const Generated again = generate(decoder_of(model, o.vocab), {prompts[0], prompts[0]}, plain, *tp, at::kCPU);
+  EXPECT_EQ(again.rows[0], free0);
+  EXPECT_EQ(again.rows[1], free0);
+  EXPECT_NE(error_of([&] { generate(decoder_of(model, o.vocab), prompts, plain, *tp, at::kCPU); })
+                .find("use_cache = false recomputes without padding"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { generate(decoder_of(model, o.vocab), {{1, o.vocab}}, g, *tp, at::kCPU); })
+                .find("holds the id 61, outside the vocabulary of 61"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { generate(decoder_of(model, o.vocab), {{}}, g, *tp, at::kCPU); }).find("prompt 1 is empty"),
+            std::string::npos);
 }
 
 // ---- sampling ----------------------------------------------------------------------------

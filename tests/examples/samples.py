@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""train_gpt --sample_every: samples of the model while it trains.
+
+  * A SentencePiece model (Python's sentencepiece) and dtrain-prepare's shards of the licence
+    texts; train_gpt --model=llama with --sample_every logs a sample at each of those steps, and
+    its loss curve is the one of the same run without samples, step for step and bit for bit (the
+    samples draw from a generator of their own, under no_grad, in eval mode).
+  * The last greedy sample is dtrain-generate's greedy continuation of the same prompt from the
+    checkpoint saved at that step (the same weights, the same generate()).
+  * Under mpirun: 2 data-parallel ranks log one sample per step (rank 0), and --tp 2 samples too.
+  * Refused by name: no --tokenizer, a period that is not a multiple of --log_every, --pp 2.
+
+usage: samples.py --bin BUILD/bin --mpirun "mpirun ..." --python PYTHON
+"""
+import glob
+import json
+import os
+import re
+
+from example_util import python_example_args, run, stdout_of
+
+PROMPT, NEW = "The license", 12
+
+TOKENIZER = r"""
+import glob, sys
+import sentencepiece as spm
+out = sys.argv[1]
+spm.SentencePieceTrainer.train(input=sorted(glob.glob(out + "/corpus/*")), model_prefix=out + "/tok", vocab_size=400,
+                               model_type="bpe", unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1,
+                               minloglevel=2)
+"""
+
+
+def losses(path):
+    with open(path) as f:
+        return [(r["step"], r["loss"]) for r in map(json.loads, f) if "loss" in r]
+
+
+def samples(out):
+    """(step, new tokens, text) of each sample line."""
+    return [(s, int(n), t) for s, n, t in re.findall(r"sample at step (\d+) \((\d+) tokens[^)]*\): (.*)$", out, re.M)]
+
+
+def main():
+    args, mpirun, tmp = python_example_args("samples")
+    corpus, shards = os.path.join(tmp, "corpus"), os.path.join(tmp, "shards")
+    os.makedirs(corpus)
+    os.makedirs(shards)
+    for name in ("GPL-3", "Apache-2.0"):
+        with open(f"/usr/share/common-licenses/{name}", "rb") as src, open(os.path.join(corpus, name), "wb") as dst:
+            dst.write(src.read())
+    run([args.python, "-c", TOKENIZER, tmp])
+    tok = os.path.join(tmp, "tok.model")
+    run([os.path.join(args.bin, "dtrain-prepare"), f"--tokenizer={tok}", f"--input={corpus}", f"--output_dir={shards}",
+         "--documents=file", "--eos", "--threads=1"])  # EOS at the two documents' ends only
+    shape = ["--model=llama", "--vocab=400", "--d_model=32", "--heads=4", "--kv_heads=2", "--layers=2", "--ff=64",
+             "--seq_len=32"]
+    train = [os.path.join(args.bin, "train_gpt")] + shape + [
+        "--device=cpu", "--data=tokens", f"--data_path={shards}/data_train_*.bin", "--batch_size=8", "--steps=8",
+        "--lr=0.003", "--log_every=2", "--seed=3", "--progress=false"]
+    sample = [f"--tokenizer={tok}", f"--sample_prompt={PROMPT}", f"--sample_tokens={NEW}"]
+
+    ck, with_metrics, without_metrics = (os.path.join(tmp, n) for n in ("ck", "with.jsonl", "without.jsonl"))
+    out = run(train + sample + ["--sample_every=4", "--sample_temperature=0", f"--save_dir={ck}",
+                                f"--metrics={with_metrics}"])
+    got = samples(out)
+    assert [s for s, _, _ in got] == ["4", "8"], f"samples at steps {got}"
+    assert all(text.startswith(PROMPT) for _, _, text in got), got
+    assert got[-1][1] == NEW, f"the greedy sample ended early (at the EOS): {got[-1]}"
+    run(train + [f"--metrics={without_metrics}"])
+    assert losses(with_metrics) == losses(without_metrics), "the samples changed the training's loss curve"
+    print(f"loss curve with and without samples: {losses(with_metrics)}")
+
+    assert glob.glob(os.path.join(ck, "step-*8*")), f"no step-8 checkpoint in {os.listdir(ck)}"
+    text = stdout_of([os.path.join(args.bin, "dtrain-generate")] + shape + [
+        "--device=cpu", f"--checkpoint={ck}", f"--tokenizer={tok}", f"--prompt={PROMPT}", f"--max_new_tokens={NEW}",
+        "--temperature=0"])
+    assert text == got[-1][2] + "\n", f"dtrain-generate {text!r} != the step-8 sample {got[-1][2]!r}"
+
+    for extra in (["-np", "2"], ["-np", "2", "--tp=2"]):
+        ranks = extra[:2]
+        out = run(mpirun + ranks + train + sample + extra[2:] + ["--sample_every=4"])
+        assert [s for s, _, _ in samples(out)] == ["4", "8"], f"{extra}: {samples(out)}"
+
+    bad = [(sample + ["--sample_every=3"], "--sample_every=3 is not a multiple of --log_every=2"),
+           (["--sample_every=4"], "--sample_every needs --tokenizer=tokenizer.model"),
+           (sample + ["--sample_every=4", "--sample_tokens=40"], "need 43 positions, more than --seq_len=32")]
+    for flags, want in bad:
+        out = run(train + flags, expect=2)
+        assert want in out, f"wanted {want!r}"
+    out = run(mpirun + ["-np", "2"] + train + sample + ["--sample_every=4", "--pp=2"], expect=2)
+    assert "--sample_every needs every block's weights on each tensor-parallel rank" in out
+    print("OK")
+
+
+if __name__ == "__main__":
+    main()
