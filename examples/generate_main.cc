@@ -65,6 +65,7 @@ DEFINE_int64(batch, 1, "sequences per prompt (a lone prompt is repeated; with se
 DEFINE_int64(eos, -1, "a token id that ends a sequence (it is printed; the run ends when every sequence has ended); -1: "
              "none, or with --tokenizer its EOS id when the flag is not given");
 DEFINE_string(dtype, "float32", "the weights' and activations' dtype: float32, bfloat16, float16 or float64");
+DEFINE_bool(stream, true, "--output=text of one sequence: print the text as the tokens come (else once at the end)");
 DEFINE_bool(use_cache, true, "decode with the key/value cache; false: run the whole sequence again for every token (for comparison)");
 
 using namespace dtrain;
@@ -273,9 +274,61 @@ engine::Decoder load_model(const examples::Run& run, std::string& source) {
   return model;
 }
 
+// Prints one sequence's text while it is generated: after each token the text decoded so far,
+// less what was printed; a trailing U+FFFD is held back (the bytes of a character that the next
+// tokens complete, with byte-fallback pieces). finish() prints the rest and a newline, so stdout
+// ends up with exactly the text --stream=false prints.
+class TextStreamer {
+ public:
+  TextStreamer(const engine::Tokenizer& tok, std::vector<int64_t> prompt) : tok_(tok), ids_(std::move(prompt)) {
+    emit(tok_.decode(ids_), false);
+  }
+  void add(int64_t id) {
+    ids_.push_back(id);
+    emit(tok_.decode(ids_), false);
+  }
+  void finish(const std::string& text) {
+    emit(text, true);
+    if (revised_) {  // a later token changed text already printed: never seen, but never silent
+      std::fprintf(stderr, "%s: a later token changed the text already streamed; the whole text follows\n", kProgram);
+      std::printf("\n%s", text.c_str());
+    }
+    std::printf("\n");
+    std::fflush(stdout);
+  }
+
+ private:
+  void emit(const std::string& text, bool final) {
+    if (revised_) return;
+    if (text.compare(0, printed_.size(), printed_) != 0) {
+      revised_ = true;
+      return;
+    }
+    static const std::string kReplacement = "\xEF\xBF\xBD";  // U+FFFD
+    size_t end = text.size();
+    while (!final && end >= printed_.size() + kReplacement.size() &&
+           text.compare(end - kReplacement.size(), kReplacement.size(), kReplacement) == 0) {
+      end -= kReplacement.size();
+    }
+    if (end <= printed_.size()) return;
+    std::fwrite(text.data() + printed_.size(), 1, end - printed_.size(), stdout);
+    std::fflush(stdout);
+    printed_.assign(text, 0, end);
+  }
+  const engine::Tokenizer& tok_;
+  std::vector<int64_t> ids_;
+  std::string printed_;
+  bool revised_ = false;
+};
+
+// Whether this run streams: text out, one sequence, rank 0.
+bool streams(const examples::Run& run, size_t sequences) {
+  return FLAGS_stream && output_mode() == Output::kText && sequences == 1 && run.world.rank == 0;
+}
+
 // The library's generate() with the flags' options.
 engine::Generated generate(const examples::Run& run, const engine::Decoder& model,
-                           const std::vector<std::vector<int64_t>>& prompts) {
+                           const std::vector<std::vector<int64_t>>& prompts, TextStreamer* streamer) {
   engine::GenerateOptions o;
   o.max_new_tokens = FLAGS_max_new_tokens;
   o.sampling = sampling_of_flags();
@@ -283,6 +336,15 @@ engine::Generated generate(const examples::Run& run, const engine::Decoder& mode
   o.eos = FLAGS_eos;
   o.use_cache = FLAGS_use_cache;
   o.pad_id = tokenizer() && tokenizer()->pad_id() >= 0 ? tokenizer()->pad_id() : 0;
+  bool ended = false;
+  if (streamer) {
+    o.on_token = [&](const at::Tensor& next) {
+      if (ended) return;
+      const int64_t id = next[0].item<int64_t>();
+      streamer->add(id);
+      ended = id == o.eos;
+    };
+  }
   return engine::generate(model, prompts, o, run.mesh->tp(), run.device);
 }
 
@@ -315,12 +377,18 @@ void print_sequence(const std::vector<int64_t>& prompt, const std::vector<int64_
 }
 
 void print(const examples::Run& run, const engine::Generated& g, const std::string& source,
-           const std::vector<std::vector<int64_t>>& prompts) {
+           const std::vector<std::vector<int64_t>>& prompts, TextStreamer* streamer) {
   if (run.world.rank != 0) return;
   const int64_t prompt_len = longest(prompts);
   int64_t tokens = 0;
   for (size_t r = 0; r < g.rows.size(); ++r) {
-    print_sequence(prompts[r], g.rows[r], static_cast<int64_t>(r), static_cast<int64_t>(g.rows.size()));
+    if (streamer) {  // the text is out already but its end: the whole text, decoded at once, completes it
+      std::vector<int64_t> all = prompts[r];
+      all.insert(all.end(), g.rows[r].begin(), g.rows[r].end());
+      streamer->finish(tokenizer()->decode(all));
+    } else {
+      print_sequence(prompts[r], g.rows[r], static_cast<int64_t>(r), static_cast<int64_t>(g.rows.size()));
+    }
     tokens += static_cast<int64_t>(g.rows[r].size());
   }
   std::fflush(stdout);
@@ -379,8 +447,10 @@ int generate_main(int argc, char** argv) {
   const auto prompts = read_prompts();
   std::string source;
   auto model = load_model(run, source);
-  const engine::Generated g = generate(run, model, prompts);
-  print(run, g, source, prompts);
+  std::unique_ptr<TextStreamer> streamer;
+  if (streams(run, prompts.size())) streamer = std::make_unique<TextStreamer>(*tokenizer(), prompts[0]);
+  const engine::Generated g = generate(run, model, prompts, streamer.get());
+  print(run, g, source, prompts, streamer.get());
   return 0;
 }
 

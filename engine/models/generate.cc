@@ -71,6 +71,7 @@ Generated generate(const Decoder& model, const std::vector<std::vector<int64_t>>
   for (int64_t i = 0; i < o.max_new_tokens; ++i) {
     const at::Tensor next = next_tokens(logits.select(1, -1), model.vocab, o.sampling, gen, tp, device);
     if (i == 0) g.prefill_s = seconds();
+    if (o.on_token) o.on_token(next);
     bool all_ended = true;
     for (int64_t r = 0; r < B; ++r) {
       const int64_t t = next[r].item<int64_t>();

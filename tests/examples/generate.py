@@ -107,9 +107,10 @@ import sentencepiece as spm
 from transformers import LlamaConfig, LlamaForCausalLM
 out, prompts, new = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 lines = [l.strip() for n in ("GPL-3", "Apache-2.0") for l in open("/usr/share/common-licenses/" + n) if l.strip()]
-spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=out + "/tok", vocab_size=320,
+spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=out + "/tok", vocab_size=400,
                                model_type="bpe", unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1,
-                               shuffle_input_sentence=False, input_sentence_size=0, minloglevel=2)
+                               shuffle_input_sentence=False, input_sentence_size=0, minloglevel=2,
+                               byte_fallback=True)  # byte pieces: characters that take several tokens
 sp = spm.SentencePieceProcessor(model_file=out + "/tok.model")
 ids = [[sp.bos_id()] + sp.encode(p) for p in prompts]
 for seed in range(40):
@@ -249,8 +250,10 @@ def check_text(args, mpirun, tmp, gen):
             assert got[0]["ids"] == made["tokens"][i], f"prompt {i} np {ranks}: {got[0]['ids']} != {made['tokens'][i]}"
             assert got[0]["text"] == made["texts"][i], f"prompt {i}: {got[0]['text']!r} != {made['texts'][i]!r}"
             assert got[0]["prompt"] == prompt and made["texts"][i] == prompt + got[0]["completion"], got[0]
-        text = stdout_of([gen, "--device=cpu"] + source + [f"--prompt={prompt}"])
-        assert text == made["texts"][i] + "\n", f"--output=text: {text!r} != {made['texts'][i]!r}"
+        # Streamed as the tokens come (the default for one sequence) and printed at the end: the same bytes.
+        for stream in ("--stream=true", "--stream=false"):
+            text = stdout_of([gen, "--device=cpu"] + source + [f"--prompt={prompt}", stream])
+            assert text == made["texts"][i] + "\n", f"--output=text {stream}: {text!r} != {made['texts'][i]!r}"
     prompt_file = os.path.join(tmp, "text_prompts.txt")
     with open(prompt_file, "w") as f:
         f.write("\n  \n" + TEXT_PROMPTS[0] + "\r\n\n")
@@ -286,7 +289,7 @@ def check_bad_input(mpirun, gen, hf, source, shape, ck, text_source):
         (source + ["--prompt=Hello"], "--prompt is text: give --tokenizer=tokenizer.model"),
         (source + prompt + ["--output=text"], "--output=text decodes the tokens: give --tokenizer"),
         (source + prompt + ["--bos"], "--bos adds the tokenizer's BOS to a text prompt: give --tokenizer too"),
-        (source + ["--prompt=Hello", text_source[2]], f"has 320 pieces, more than the model's vocabulary of {VOCAB}"),
+        (source + ["--prompt=Hello", text_source[2]], f"has 400 pieces, more than the model's vocabulary of {VOCAB}"),
         (text_source + ["--prompt=Hello", "--prompt_tokens=1,2"], "more than one of --prompt, --prompt_tokens"),
         (text_source + ["--prompt=Hello", "--output=xml"], "--output=xml is not one of: auto, ids, text, jsonl"),
         (text_source[:2] + ["--tokenizer=" + hf + "/config.json", "--prompt=Hello"],

@@ -8,7 +8,8 @@
 //                                            device);
 //   // out.rows[0]: the new ids (up to and with g.eos)
 //
-// Prompts of unequal length go in one batch, left-padded (KvCache::left_pad): each row continues
+// GenerateOptions::on_token sees each step's tokens as they are drawn (dtrain-generate streams its
+// text with it). Prompts of unequal length go in one batch, left-padded (KvCache::left_pad): each row continues
 // as it would alone. The whole real vocabulary's logits are gathered over tp and tensor-parallel
 // rank 0 draws the next tokens and broadcasts them, so the ranks never diverge.
 #pragma once
@@ -55,6 +56,9 @@ struct GenerateOptions {
   int64_t eos = -1;             // a token that ends its row (kept as its last token); -1: none
   bool use_cache = true;        // false: the whole sequence again every step (prompts of one length)
   int64_t pad_id = 0;           // what left pads hold (any id below vocab: they are never attended)
+  // Called on every rank after each draw with the step's tokens ([B] int64 on the CPU; a row that
+  // ended earlier gets tokens it does not keep), e.g. to print text as it comes. Empty: none.
+  std::function<void(const at::Tensor& next)> on_token;
 };
 
 struct Generated {
