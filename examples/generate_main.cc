@@ -259,10 +259,7 @@ void check_generate_flags() {
 // The model with its weights, converted to --dtype, in eval mode.
 engine::Decoder load_model(const examples::Run& run, std::string& source) {
   examples::ExampleModel m = examples::build_example_model(FLAGS_model, run);  // --init_from_hf: loaded here
-  engine::Decoder model;
-  if (auto llama = std::dynamic_pointer_cast<engine::LlamaImpl>(m.module)) model = engine::decoder_of(llama, FLAGS_vocab);
-  if (auto gpt = std::dynamic_pointer_cast<engine::GptImpl>(m.module)) model = engine::decoder_of(gpt, FLAGS_vocab);
-  DTRAIN_CHECK(model.forward != nullptr, "the example factory built neither a Llama nor a GPT for --model=", FLAGS_model);
+  const engine::Decoder model = examples::generation_calls(m, kProgram);
   if (!FLAGS_checkpoint.empty()) {
     const int64_t step = engine::load_weights(FLAGS_checkpoint, *m.module, *run.mesh, run.device);
     source = FLAGS_checkpoint + " (step " + std::to_string(step) + ")";

@@ -19,6 +19,13 @@ DEFINE_double(sample_temperature, 1.0, "the samples' temperature (0: greedy), am
 
 namespace dtrain::examples {
 
+engine::Decoder generation_calls(const ExampleModel& model, const std::string& who) {
+  if (auto llama = std::dynamic_pointer_cast<engine::LlamaImpl>(model.module)) return engine::decoder_of(llama, FLAGS_vocab);
+  if (auto gpt = std::dynamic_pointer_cast<engine::GptImpl>(model.module)) return engine::decoder_of(gpt, FLAGS_vocab);
+  DTRAIN_CHECK(false, who, ": the ", model.name, " model cannot generate (the Llama and the GPT can)");
+  return {};
+}
+
 void attach_samples(const Run& run, const ExampleModel& model, engine::TrainerOptions& options) {
   if (FLAGS_sample_every == 0) return;
   const auto& f = engine::cli::flags();
@@ -45,11 +52,7 @@ void attach_samples(const Run& run, const ExampleModel& model, engine::TrainerOp
   DTRAIN_CHECK(length <= FLAGS_seq_len, "--sample_prompt's ", prompt.size(), " tokens and --sample_tokens=",
                FLAGS_sample_tokens, " need ", length, " positions, more than --seq_len=", FLAGS_seq_len,
                ": shorten them");
-  engine::Decoder decoder;
-  if (auto llama = std::dynamic_pointer_cast<engine::LlamaImpl>(model.module)) decoder = engine::decoder_of(llama, FLAGS_vocab);
-  if (auto gpt = std::dynamic_pointer_cast<engine::GptImpl>(model.module)) decoder = engine::decoder_of(gpt, FLAGS_vocab);
-  DTRAIN_CHECK(decoder.forward != nullptr, "--sample_every: the ", model.name, " model cannot generate (the Llama and "
-               "the GPT can)");
+  const engine::Decoder decoder = generation_calls(model, "--sample_every");
   engine::GenerateOptions g;
   g.max_new_tokens = FLAGS_sample_tokens;
   g.sampling.temperature = FLAGS_sample_temperature;

@@ -9,6 +9,8 @@
 #include "common.h"
 #include "model_factory.h"
 
+#include "dtrain/engine/models/generate.h"
+
 DECLARE_string(tokenizer);  // a SentencePiece model (also dtrain-generate's flag)
 
 namespace dtrain::examples {
@@ -20,5 +22,9 @@ namespace dtrain::examples {
 // ranks of data-parallel replica 0 generate (collective over their tensor-parallel group); the
 // others go on to the next step. Without --sample_every: nothing.
 void attach_samples(const Run& run, const ExampleModel& model, engine::TrainerOptions& options);
+
+// The generation calls of an example model (the Llama's or the GPT's, vocabulary --vocab);
+// dtrain::Error naming `who` for a model that cannot generate.
+engine::Decoder generation_calls(const ExampleModel& model, const std::string& who);
 
 }  // namespace dtrain::examples

@@ -4,8 +4,8 @@
 #      sources (each file one document);
 #   2. a SentencePiece BPE tokenizer trained on it (Python's sentencepiece, in .venv);
 #   3. dtrain-prepare: the text into llm.c token shards (a validation shard and training shards);
-#   4. train_gpt --model=llama on the shards for MINUTES minutes of steps, evaluating on the
-#      validation shard;
+#   4. train_gpt --model=llama on the shards for STEPS steps, evaluating on the
+#      validation shard and printing a sample every quarter of the run;
 #   5. dtrain-generate: a sample from the trained checkpoint, the prompt and the output as text.
 # usage: tools/lm_demo.sh WORK_DIR [BUILD_DIR] [STEPS]      (prints the losses and the sample)
 set -euo pipefail
@@ -48,7 +48,9 @@ SHAPE=(--model=llama --vocab=8000 --d_model=256 --heads=8 --kv_heads=4 --layers=
 "$BIN/train_gpt" "${SHAPE[@]}" --device=cpu --data=tokens --data_path="$WORK/shards/lm_train_*.bin" \
   --eval_data_path="$WORK/shards/lm_val_000000.bin" --eval_every=$((STEPS / 4)) --eval_samples=64 \
   --batch_size=16 --steps="$STEPS" --lr=1e-3 --schedule=cosine --warmup_steps=$((STEPS / 10)) --log_every=50 \
-  --save_dir="$WORK/run" --resume=auto --progress=false --metrics="$WORK/metrics.jsonl" 2>&1 | tail -25
+  --save_dir="$WORK/run" --resume=auto --progress=false --metrics="$WORK/metrics.jsonl" \
+  --tokenizer="$WORK/tok.model" --sample_every=$((STEPS / 4 / 50 * 50 > 0 ? STEPS / 4 / 50 * 50 : 50)) \
+  --sample_prompt="def main(" --sample_tokens=48 2>&1 | tail -25
 
 # 5. A sample: the prompt encoded and the output decoded by the same tokenizer (the engine's
 #    SentencePiece Tokenizer), after the BOS the shards put before each document, up to its EOS.
