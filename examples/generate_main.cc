@@ -259,7 +259,9 @@ void check_generate_flags() {
 // The model with its weights, converted to --dtype, in eval mode.
 engine::Decoder load_model(const examples::Run& run, std::string& source) {
   examples::ExampleModel m = examples::build_example_model(FLAGS_model, run);  // --init_from_hf: loaded here
-  const engine::Decoder model = examples::generation_calls(m, kProgram);
+  engine::Decoder model = examples::generation_calls(m, kProgram);
+  // Text out: draw among the tokenizer's pieces only (a model's vocabulary may be padded past them).
+  if (tokenizer()) model.vocab = tokenizer()->vocab_size();
   if (!FLAGS_checkpoint.empty()) {
     const int64_t step = engine::load_weights(FLAGS_checkpoint, *m.module, *run.mesh, run.device);
     source = FLAGS_checkpoint + " (step " + std::to_string(step) + ")";

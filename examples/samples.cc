@@ -52,7 +52,8 @@ void attach_samples(const Run& run, const ExampleModel& model, engine::TrainerOp
   DTRAIN_CHECK(length <= FLAGS_seq_len, "--sample_prompt's ", prompt.size(), " tokens and --sample_tokens=",
                FLAGS_sample_tokens, " need ", length, " positions, more than --seq_len=", FLAGS_seq_len,
                ": shorten them");
-  const engine::Decoder decoder = generation_calls(model, "--sample_every");
+  engine::Decoder decoder = generation_calls(model, "--sample_every");
+  decoder.vocab = tok.vocab_size();  // draw among the tokenizer's pieces (the model's may be padded past them)
   engine::GenerateOptions g;
   g.max_new_tokens = FLAGS_sample_tokens;
   g.sampling.temperature = FLAGS_sample_temperature;

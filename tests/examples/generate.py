@@ -131,6 +131,16 @@ for seed in range(40):
     if margin > 1e-3:
         break
 model.save_pretrained(out + "/hf", safe_serialization=True)
+# The same model with its vocabulary padded 24 ids past the tokenizer's pieces, the head's extra
+# rows large, so that an unrestricted draw picks them.
+wide_cfg = LlamaConfig(**dict(cfg.to_dict(), vocab_size=cfg.vocab_size + 24))
+wide = LlamaForCausalLM(wide_cfg).float().eval()
+with torch.no_grad():
+    for (name, w), (_, src) in zip(wide.named_parameters(), model.named_parameters()):
+        w.zero_()
+        w[tuple(slice(0, n) for n in src.shape)] = src
+    wide.lm_head.weight[cfg.vocab_size:] = 5 * torch.randn(24, cfg.hidden_size)
+wide.save_pretrained(out + "/hf_wide", safe_serialization=True)
 # The prompts in one left-padded batch, as transformers batches prompts of unequal length.
 L = max(len(p) for p in ids)
 padded = torch.tensor([[0] * (L - len(p)) + p for p in ids])
@@ -254,6 +264,18 @@ def check_text(args, mpirun, tmp, gen):
         for stream in ("--stream=true", "--stream=false"):
             text = stdout_of([gen, "--device=cpu"] + source + [f"--prompt={prompt}", stream])
             assert text == made["texts"][i] + "\n", f"--output=text {stream}: {text!r} != {made['texts'][i]!r}"
+    # A vocabulary padded past the tokenizer's pieces: the draws stay among the pieces (the same
+    # tokens as the unpadded model), where an unrestricted run draws the padding's ids.
+    wide = [f"--init_from_hf={hf}_wide", f"--hf_config={hf}_wide/config.json", f"--max_new_tokens={NEW + 4}",
+            "--temperature=0"]
+    prompt_ids = ",".join(map(str, made["prompt_ids"][0]))
+    with open(os.path.join(hf, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    free = token_lines(generate(mpirun, 1, gen, wide + [f"--prompt_tokens={prompt_ids}"]))[0]
+    assert max(free) >= vocab, f"the padded head's ids were never drawn: {free}"
+    got = json_lines(generate(mpirun, 1, gen, wide + [f"--tokenizer={tok}", f"--prompt={TEXT_PROMPTS[0]}",
+                                                      "--output=jsonl"]))
+    assert got[0]["ids"] == made["tokens"][0], f"padded vocabulary with a tokenizer: {got[0]['ids']}"
     prompt_file = os.path.join(tmp, "text_prompts.txt")
     with open(prompt_file, "w") as f:
         f.write("\n  \n" + TEXT_PROMPTS[0] + "\r\n\n")
