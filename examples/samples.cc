@@ -39,6 +39,9 @@ void attach_samples(const Run& run, const ExampleModel& model, engine::TrainerOp
                "--sample_every needs every block's weights on each tensor-parallel rank: not with --pp, --cp, "
                "--sequence_parallel, --shard=parameters or --offload=layers|all; sample from a checkpoint with "
                "dtrain-generate instead");
+  DTRAIN_CHECK(f.offload_delayed_update_after < 0, "--sample_every with --offload_delayed_update_after: the CPU update "
+               "of one step lands in the weights during the next, so a sample between them would read weights being "
+               "written; sample from a checkpoint with dtrain-generate instead");
   DTRAIN_CHECK(FLAGS_sample_tokens >= 1, "--sample_tokens=", FLAGS_sample_tokens, " must be >= 1");
   DTRAIN_CHECK(FLAGS_sample_temperature >= 0, "--sample_temperature=", FLAGS_sample_temperature, " must be >= 0");
   const engine::Tokenizer tok = engine::Tokenizer::load(FLAGS_tokenizer);

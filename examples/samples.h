@@ -18,7 +18,8 @@ namespace dtrain::examples {
 // With --sample_every > 0: checks the flags and the layout (dtrain::Error naming the fix: no
 // --tokenizer, a period that is not a multiple of --log_every, a prompt and sample longer than
 // --seq_len, a layout whose ranks do not hold whole blocks: --pp, --cp, --sequence_parallel,
-// --shard=parameters, --offload=layers|all) and chains the sampling after options.on_log. The
+// --shard=parameters, --offload=layers|all; the delayed offloaded update, whose weights change
+// between steps) and chains the sampling after options.on_log. The
 // ranks of data-parallel replica 0 generate (collective over their tensor-parallel group); the
 // others go on to the next step. Without --sample_every: nothing.
 void attach_samples(const Run& run, const ExampleModel& model, engine::TrainerOptions& options);

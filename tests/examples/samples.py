@@ -88,6 +88,9 @@ def main():
     for flags, want in bad:
         out = run(train + flags, expect=2)
         assert want in out, f"wanted {want!r}"
+    out = run(train + sample + ["--sample_every=4", "--offload=optimizer", "--offload_delayed_update_after=2"],
+              expect=2)
+    assert "--sample_every with --offload_delayed_update_after" in out
     out = run(mpirun + ["-np", "2"] + train + sample + ["--sample_every=4", "--pp=2"], expect=2)
     assert "--sample_every needs every block's weights on each tensor-parallel rank" in out
     print("OK")
