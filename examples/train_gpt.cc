@@ -59,11 +59,12 @@ int main(int argc, char** argv) {
     options.eval_perplexity = true;
     options.optimizer.beta2 = 0.95;
     options.tokens_per_sample = S;
+    // The data first: where it lives on the device (a CPU run), --plan=auto counts it.
+    examples::TokenData data = examples::token_data(run, S, /*fold_bytes=*/true);
     examples::plan_and_apply(run, model, options);
     // The library's GPT, given by its ModelSpec: the trainer applies the pipeline stage, ZeRO-3's
     // units, checkpointing and layer offload to its blocks.
     std::unique_ptr<engine::Trainer> trainer = examples::make_trainer(run, model, options);
-    examples::TokenData data = examples::token_data(run, S, /*fold_bytes=*/true);
     engine::DataLoader loader(data.train, examples::loader_options(run, engine::cli::flags().batch_size, true, engine::cli::flags().seed));
     auto eval = examples::eval_loader(run, data);
     engine::StepMetrics last = examples::fit_and_report(run, *trainer, *model.module, loader, eval.get());

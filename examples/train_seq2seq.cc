@@ -20,9 +20,10 @@ int main(int argc, char** argv) {
     engine::TrainerOptions options = examples::trainer_options(run, model.default_optimizer);
     options.eval_perplexity = true;
     options.tokens_per_sample = 2 * S;
+    // The data first: where it lives on the device (a CPU run), --plan=auto counts it.
+    examples::TokenData data = examples::token_data(run, 2 * S, /*fold_bytes=*/false);
     examples::plan_and_apply(run, model, options);
     engine::Trainer trainer(*model.module, model.loss, *run.mesh, run.device, options);
-    examples::TokenData data = examples::token_data(run, 2 * S, /*fold_bytes=*/false);
     engine::DataLoader loader(data.train, examples::loader_options(run, engine::cli::flags().batch_size, true, engine::cli::flags().seed));
     auto eval = examples::eval_loader(run, data);
     examples::fit_and_report(run, trainer, *model.module, loader, eval.get());

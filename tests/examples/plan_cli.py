@@ -12,7 +12,9 @@ counting allocator):
 5. the example GPT with some of its blocks recomputed (--checkpoint_blocks): each count's
    estimate within 2% of the measurement; a budget between checkpointing off and on gets the
    fewest recomputed blocks that fit, and training them stays within it; the count without
-   --checkpoint_activations is refused.
+   --checkpoint_activations is refused;
+6. train_gpt --plan=auto itself, on the text it reads into (CPU) memory: the run's measured peak
+   stays within the budget (the plan counts the data set, which the program reads before planning).
 
 usage: plan_cli.py BIN_DIR
 """
@@ -135,6 +137,21 @@ def main():
     rc, out, err = run(bin_dir, *GPT4, "--checkpoint_activations", "--checkpoint_blocks=5")
     check(rc == 2 and "--checkpoint_blocks=5 is more blocks than the 4 of the model" in err,
           "more blocks than the model has refused", out + err)
+    # 6. train_gpt --plan=auto: its own peak within the budget (its byte data counted).
+    budget_mib = 7.5
+    metrics = os.path.join(os.environ.get("TMPDIR", "/tmp"), "plan_cli_%d.jsonl" % os.getpid())
+    p = subprocess.run([os.path.join(bin_dir, "train_gpt"), "--device=cpu", "--d_model=64", "--heads=4",
+                        "--layers=4", "--ff=256", "--seq_len=128", "--vocab=256", "--steps=2", "--batch_size=8",
+                        "--plan=auto", "--gpu_mem_limit_gb=%.9f" % (budget_mib / 1024), "--log_every=1",
+                        "--progress=false", "--metrics=" + metrics],
+                       capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+    check(p.returncode == 0, "train_gpt --plan=auto", p.stdout + p.stderr)
+    with open(metrics) as f:
+        peak = max(json.loads(line)["mem_peak_mb"] for line in f)
+    os.remove(metrics)
+    check(peak <= budget_mib, "train_gpt --plan=auto peaked at %.2f MiB, over its budget %.2f MiB" % (peak, budget_mib),
+          p.stdout)
+    print("train_gpt --plan=auto: peak %.2f MiB within the budget %.2f MiB" % (peak, budget_mib))
     print("dtrain-plan: plans, estimates within 10% and errors as expected")
 
 
