@@ -105,8 +105,7 @@ HostShard::HostShard(std::vector<at::Tensor>& params, const OptimizerOptions& op
   const int64_t padded = offload::padded_numel(numel_, dp.size());
   // Page-locked at its exact size: PyTorch's pinned tensors round up to a power of two (a 40 GiB
   // model's weights would lock 64 GiB).
-  flat_ = pinned_ ? offload::page_locked_empty({padded}, first.scalar_type())
-                  : at::empty({padded}, first.options().requires_grad(false));
+  flat_ = offload::host_empty({padded}, first.scalar_type(), pinned_);
   {
     at::NoGradGuard no_grad;
     flat_.narrow(0, numel_, padded - numel_).zero_();  // the padding; the parameters fill the rest

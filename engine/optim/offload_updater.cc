@@ -12,8 +12,7 @@ namespace dtrain::engine::offload_detail {
 
 DelayedUpdater::DelayedUpdater(HostShard& shard) : shard_(shard) {
   const int64_t n = shard.cpu().shard().size();
-  next_ = shard.pinned() ? offload::page_locked_empty({n}, shard.flat().scalar_type()).zero_()  // exact size
-                         : at::zeros({n}, shard.flat().options());
+  next_ = offload::host_empty({n}, shard.flat().scalar_type(), shard.pinned()).zero_();  // exact size
   if (const auto& device = shard.device()) {
     c10::impl::VirtualGuardImpl impl(device->type());
     update_stream_ = impl.getStreamFromGlobalPool(*device, /*isHighPriority=*/false);

@@ -67,8 +67,7 @@ LayerStreamer::LayerStreamer(std::vector<std::shared_ptr<torch::nn::Module>> lay
     for (at::Tensor& p : module->parameters()) {
       // Page-locked at its exact size when large (page_locked.h: PyTorch's pinned blocks are
       // powers of two, up to twice the weights).
-      at::Tensor host = pin ? page_locked_empty(p.sizes(), p.scalar_type())
-                            : at::empty(p.sizes(), p.options().device(c10::kCPU));
+      at::Tensor host = host_empty(p.sizes(), p.scalar_type(), pin);
       host.copy_(p.detach());
       p.set_data(host);
       layer.params.push_back(p);

@@ -44,4 +44,8 @@ at::Tensor page_locked_empty(at::IntArrayRef sizes, at::ScalarType dtype, const 
       .make_tensor();
 }
 
+at::Tensor host_empty(at::IntArrayRef sizes, at::ScalarType dtype, bool page_locked) {
+  return page_locked ? page_locked_empty(sizes, dtype) : at::empty(sizes, at::TensorOptions().dtype(dtype));
+}
+
 }  // namespace dtrain::offload

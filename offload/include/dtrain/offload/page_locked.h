@@ -54,4 +54,8 @@ at::Tensor page_locked_empty(at::IntArrayRef sizes, at::ScalarType dtype,
                              const std::shared_ptr<HostPageLocker>& locker = cuda_page_locker(),
                              int64_t exact_min_bytes = kExactPinMinBytes);
 
+// A host tensor for data copied to and from a device: page_locked_empty() when `page_locked`
+// (the copies then run asynchronously), else an uninitialized pageable CPU tensor.
+at::Tensor host_empty(at::IntArrayRef sizes, at::ScalarType dtype, bool page_locked);
+
 }  // namespace dtrain::offload
