@@ -16,6 +16,7 @@
 #include "dtrain/engine/memory/memory.h"
 #include "dtrain/offload/pinned_pool.h"
 #include "dtrain/offload/update_rule.h"
+#include "recompute_rule.h"
 
 namespace dtrain::engine {
 namespace {
@@ -118,13 +119,11 @@ std::pair<double, double> compute_rates(const PlanInputs& in, const ActivationPr
   return {per_row, per_micro};
 }
 
-// The share of the blocks recomputed in backward: checkpointing's (all, or the first
-// checkpoint_blocks of PlanInputs::layers), and every streamed block with layer offload.
+// The share of the blocks recomputed in backward (recompute_rule.h) of PlanInputs::layers (a model
+// that names no blocks: all or none).
 double recomputed_share(const PlanInputs& in, const Technique& t) {
-  if (t.offload_layers) return 1;
-  if (!t.checkpoint || t.checkpoint_blocks == 0) return 0;
-  if (t.checkpoint_blocks < 0 || t.checkpoint_blocks >= in.layers) return 1;
-  return static_cast<double>(t.checkpoint_blocks) / in.layers;
+  const double all = in.layers > 0 ? static_cast<double>(in.layers) : 1.0;
+  return recompute::recomputed_blocks(all, t.checkpoint, t.checkpoint_blocks, t.offload_layers) / all;
 }
 
 double cost_seconds(const PlanInputs& in, const ActivationProfile& profile, const Technique& t) {

@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "dtrain/dist/error.h"
+#include "recompute_rule.h"
 
 namespace dtrain::engine::sim {
 
@@ -563,12 +564,9 @@ SimulatedPipeline simulated_pipeline(PipelineSchedule schedule, int stages, int 
 Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
   Prediction p;
   p.layout = l;
-  // The blocks of a stage of `layers` recomputed in backward: checkpointing's (the first
-  // checkpoint_blocks, or all), and every streamed block with layer offload (engine::checkpoint
-  // fetches its weights again).
+  // The blocks of a stage of `layers` recomputed in backward (recompute_rule.h).
   auto recomputed_blocks = [&l](double layers) {
-    if (l.offload_layers || (l.checkpoint && l.checkpoint_blocks < 0)) return layers;
-    return l.checkpoint ? std::min<double>(layers, l.checkpoint_blocks) : 0.0;
+    return recompute::recomputed_blocks(layers, l.checkpoint, l.checkpoint_blocks, l.offload_layers);
   };
   const Device& d = c.device;
   const int M = l.accum_steps;
