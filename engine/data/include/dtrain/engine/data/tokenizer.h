@@ -8,7 +8,8 @@
 //
 // SentencePiece runs in libdtrain_sentencepiece.so, a library beside libdtrain_engine.so that
 // the engine loads on the first load() (data/sentencepiece/sentencepiece_api.h says why it is
-// kept apart: SentencePiece's own copy of protobuf). The environment variable
+// kept apart: SentencePiece's own copy of protobuf), with dlopen's RTLD_DEEPBIND (glibc; a process
+// under AddressSanitizer cannot load it so). The environment variable
 // DTRAIN_SENTENCEPIECE_LIBRARY names another path for it.
 //
 // Threads: a Tokenizer is immutable; encode, decode and piece may run on several threads at
