@@ -72,6 +72,15 @@ Block& decoding_block(BlockStackImpl& stack, size_t i, const char* kind) {
   return *block;
 }
 
+// h through every block's forward_cached with its layer of the cache (the blocks as Block).
+template <class Block>
+at::Tensor cached_blocks(BlockStackImpl& stack, at::Tensor h, KvCache& cache, const CachedStep& step, const char* kind) {
+  for (size_t i = 0; i < stack.size(); ++i) {
+    h = decoding_block<Block>(stack, i, kind).forward_cached(h, cache.k[i], cache.v[i], step);
+  }
+  return h;
+}
+
 // An empty cache for `layers` layers of `kv_heads` heads (this rank's) of head_dim, `batch`
 // rows and max_len positions, in `options`' dtype and device. Not context-parallel.
 inline KvCache empty_kv_cache(size_t layers, int64_t batch, int64_t kv_heads, int64_t max_len, int64_t head_dim,

@@ -73,8 +73,10 @@ Generated generate(const Decoder& model, const std::vector<std::vector<int64_t>>
     if (i == 0) g.prefill_s = seconds();
     if (o.on_token) o.on_token(next);
     bool all_ended = true;
+    const at::Tensor ids = next.contiguous();  // [B] on the CPU
+    const int64_t* drawn = ids.data_ptr<int64_t>();
     for (int64_t r = 0; r < B; ++r) {
-      const int64_t t = next[r].item<int64_t>();
+      const int64_t t = drawn[r];
       if (!ended[r]) g.rows[r].push_back(t);
       ended[r] = ended[r] || t == o.eos;
       all_ended = all_ended && ended[r];

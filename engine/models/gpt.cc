@@ -193,10 +193,8 @@ at::Tensor GptImpl::forward_cached(const at::Tensor& tokens, KvCache& cache) {
   const at::Tensor positions = step.positions.defined()
                                    ? step.positions
                                    : at::arange(cache.length, cache.length + T, tokens.options().dtype(at::kLong));
-  at::Tensor h = drop->forward(wte->forward(tokens) + wpe->forward(positions));
-  for (size_t i = 0; i < blocks->size(); ++i) {
-    h = decoder_lm::decoding_block<GptBlockImpl>(*blocks, i, "GptBlock").forward_cached(h, cache.k[i], cache.v[i], step);
-  }
+  const at::Tensor h = decoder_lm::cached_blocks<GptBlockImpl>(
+      *blocks, drop->forward(wte->forward(tokens) + wpe->forward(positions)), cache, step, "GptBlock");
   cache.length += T;
   return logits(h);
 }

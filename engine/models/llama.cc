@@ -455,10 +455,7 @@ at::Tensor LlamaImpl::forward_cached(const at::Tensor& tokens, LlamaKvCache& cac
   decoder_lm::check_cached_call(tokens, cache, blocks->size(), options.kv_heads / tp->size(),
                                 options.d_model / options.heads, cp, options.sequence_parallel);
   const CachedStep step = decoder_lm::cached_step(cache, tokens);
-  at::Tensor h = embed(tokens);
-  for (size_t i = 0; i < blocks->size(); ++i) {
-    h = decoder_lm::decoding_block<LlamaBlockImpl>(*blocks, i, "LlamaBlock").forward_cached(h, cache.k[i], cache.v[i], step);
-  }
+  const at::Tensor h = decoder_lm::cached_blocks<LlamaBlockImpl>(*blocks, embed(tokens), cache, step, "LlamaBlock");
   cache.length += tokens.size(1);
   return logits(h);
 }
