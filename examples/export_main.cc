@@ -16,11 +16,18 @@
 // scales ("<layer>.weight" int8 [out, in], "<layer>.weight_scale" float32 [out] or [1]; the
 // float weight is int8 x scale), as engine::quantize_dynamic_int8 quantizes them; the other
 // tensors stay float32. --write_example then holds the int8 model's output.
+//
+// --format=hf --tokenizer=tok.model: the SentencePiece model the run was trained with goes beside
+// the weights (tokenizer.model and a tokenizer_config.json that transformers' AutoTokenizer reads
+// as the same tokenizer; engine::save_hf_tokenizer says how), and config.json names its BOS/EOS
+// ids, so that generate() stops where dtrain-generate does. --bos (default true): the Hugging Face
+// tokenizer puts BOS before each text, as dtrain-prepare --bos (its default) did for the shards.
 #include <sys/stat.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <optional>
 
 #include <gflags/gflags.h>
 #include <glog/logging.h>
@@ -38,6 +45,7 @@
 #include "dtrain/engine/train/load.h"
 #include "dtrain/engine/train/trainer.h"
 #include "model_factory.h"
+#include "samples.h"  // --tokenizer
 
 DEFINE_string(model, "gpt", "the example model to export: mlp, cnn, seq2seq, gpt or llama");
 DEFINE_string(checkpoint, "", "the run's checkpoint directory (its --save_dir): the newest good checkpoint is exported");
@@ -45,6 +53,8 @@ DEFINE_string(format, "torchscript", "torchscript (an archive torch.jit.load run
 DEFINE_string(output, "", "the file to write (written atomically; its directory must exist); --format=hf: the directory to write into (it must exist)");
 DEFINE_int64(example_rows, 2, "rows of the example input (TorchScript: the model is traced on it)");
 DEFINE_string(write_example, "", "also write the example inputs and the model's output on them (safetensors)");
+DEFINE_bool(bos, true, "with --format=hf --tokenizer: the Hugging Face tokenizer puts the BOS id before each text (as "
+            "dtrain-prepare --bos, its default, did); --bos=false if the shards were prepared with --bos=false");
 
 using namespace dtrain;
 
@@ -87,6 +97,9 @@ void check_export_flags(const examples::Run& run) {
     engine::check_output_path(FLAGS_output, "--output");
   }
   if (!FLAGS_write_example.empty()) engine::check_output_path(FLAGS_write_example, "--write_example");
+  DTRAIN_CHECK(FLAGS_tokenizer.empty() || FLAGS_format == "hf", "--tokenizer with --format=", FLAGS_format,
+               ": the tokenizer is written beside a Hugging Face checkpoint (--format=hf); the other formats hold the "
+               "model alone. Drop --tokenizer");
 }
 
 // The checkpoint's weights in the unsplit model, as an evaluation-only resume loads them; the
@@ -124,22 +137,36 @@ std::string export_safetensors(examples::ExampleModel& m, const std::string& mod
   return std::to_string(tensors.size()) + " tensors" + quantized;
 }
 
-// --format=hf: the directory from_pretrained loads (config.json from the shape flags).
-std::string export_hf(const examples::Run& run, examples::ExampleModel& m) {
+// --format=hf: the directory from_pretrained loads (config.json from the shape flags), with the
+// tokenizer's files when --tokenizer names one (already loaded: a bad file fails before the
+// checkpoint is read).
+std::string export_hf(const examples::Run& run, examples::ExampleModel& m, const engine::Tokenizer* tokenizer) {
   engine::HfSaveOptions o;
   engine::HfNames names;
+  int64_t positions = 0, vocab = 0;
   if (FLAGS_model == "gpt") {  // GPT2LMHeadModel: n_positions is the trained length (the table's rows)
     const engine::GptOptions& shape = dynamic_cast<engine::GptImpl&>(*m.module).options;
     o.config_json = engine::gpt2_hf_config_json(shape);
     names = engine::gpt2_hf_names(shape);
+    positions = shape.seq_len;
+    vocab = shape.vocab;
   } else {
     engine::LlamaOptions shape = examples::llama_flag_options();
     shape.seq_len = examples::llama_max_positions();
     o.config_json = engine::llama_hf_config_json(shape);
     names = engine::llama_hf_names();
+    positions = shape.seq_len;
+    vocab = shape.vocab;
   }
+  if (tokenizer != nullptr) o.config_json = engine::hf_config_with_tokenizer(o.config_json, *tokenizer);
   const int64_t n = engine::save_hf_weights(FLAGS_output, *m.module, run.mesh->tp(), names, o);
-  return std::to_string(n) + " tensors and config.json";
+  if (tokenizer == nullptr) return std::to_string(n) + " tensors and config.json";
+  engine::HfTokenizerOptions t;
+  t.add_bos = FLAGS_bos;
+  t.max_length = positions;
+  t.vocab = vocab;
+  engine::save_hf_tokenizer(FLAGS_output, *tokenizer, t);
+  return std::to_string(n) + " tensors, config.json and the tokenizer (" + tokenizer->describe() + ")";
 }
 
 // --format=torchscript: traced, loaded back and checked against the module on example inputs.
@@ -173,7 +200,7 @@ std::string export_torchscript(examples::ExampleModel& m, const std::string& mod
 int export_main(int argc, char** argv) {
   const std::string model_name = examples::flag_from_argv(argc, argv, "model", "gpt");
   engine::cli::describe_flags("Export", {"model", "checkpoint", "format", "output", "example_rows", "write_example",
-                                         "quantize", "quantize_scales"});
+                                         "quantize", "quantize_scales", "tokenizer", "bos"});
   std::map<std::string, std::string> defaults;  // the model's shape defaults (not its training ones)
   const std::vector<std::string> shape = examples::model_flag_names(model_name);
   for (const auto& [flag, value] : examples::model_flag_defaults(model_name)) {
@@ -187,12 +214,21 @@ int export_main(int argc, char** argv) {
                                          defaults, examples::model_checks(model_name),
                                          examples::model_flag_names(model_name), engine::cli::kRanks);
   check_export_flags(run);
+  std::optional<engine::Tokenizer> tokenizer;
+  if (!FLAGS_tokenizer.empty()) tokenizer = engine::Tokenizer::load(FLAGS_tokenizer);
   examples::ExampleModel m = examples::build_example_model(model_name, run);
+  if (tokenizer) {  // before the checkpoint is read
+    const int64_t vocab = FLAGS_model == "gpt" ? dynamic_cast<engine::GptImpl&>(*m.module).options.vocab
+                                               : examples::llama_flag_options().vocab;
+    DTRAIN_CHECK(tokenizer->vocab_size() <= vocab, "--tokenizer=", FLAGS_tokenizer, " has ", tokenizer->vocab_size(),
+                 " pieces, more than the model's vocabulary of ", vocab,
+                 ": its ids would index past the embedding. Give the tokenizer the run was trained with");
+  }
   const int64_t step = load_checkpoint(run, m);
   int64_t parameters = 0;
   for (const auto& p : m.module->parameters()) parameters += p.numel();
   const std::string detail = FLAGS_format == "safetensors" ? export_safetensors(m, model_name, step)
-                             : FLAGS_format == "hf"        ? export_hf(run, m)
+                             : FLAGS_format == "hf"        ? export_hf(run, m, tokenizer ? &*tokenizer : nullptr)
                                                            : export_torchscript(m, model_name);
   std::printf("dtrain-export: wrote %s (%s, %s, %.3fM parameters) from the checkpoint of step %lld in %s\n",
               FLAGS_output.c_str(), FLAGS_format.c_str(), detail.c_str(), parameters / 1e6,

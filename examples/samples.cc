@@ -10,7 +10,7 @@
 #include "dtrain/engine/models/llama.h"
 
 DEFINE_string(tokenizer, "", "a SentencePiece model (tokenizer.model, e.g. Llama 2's or dtrain-prepare's): text prompts "
-              "in, text out");
+              "in and text out (dtrain-generate, --sample_every); dtrain-export --format=hf writes it beside the weights");
 DEFINE_int64(sample_every, 0, "every N steps (a multiple of --log_every) print a continuation of --sample_prompt (needs "
              "--tokenizer); 0: none");
 DEFINE_string(sample_prompt, "", "the text the samples continue, after the tokenizer's BOS (empty: the BOS alone)");

@@ -237,6 +237,64 @@ int64_t save_hf_weights(const std::string& dir, torch::nn::Module& model, dist::
   return count;
 }
 
+// ---- the tokenizer beside the weights ------------------------------------------------------
+
+void save_hf_tokenizer(const std::string& dir, const Tokenizer& tokenizer, const HfTokenizerOptions& options) {
+  std::ifstream in(tokenizer.path(), std::ios::binary);
+  std::ostringstream bytes;
+  bytes << in.rdbuf();
+  DTRAIN_CHECK(in.good() || in.eof(), "could not read the tokenizer ", tokenizer.path(), " to copy it into ", dir);
+  nlohmann::ordered_json c = {{"tokenizer_class", "TokenizersBackend"}};
+  const auto special = [&](const char* key, int64_t id) {
+    if (id >= 0) c[key] = tokenizer.piece(id);
+  };
+  special("bos_token", tokenizer.bos_id());
+  special("eos_token", tokenizer.eos_id());
+  special("unk_token", tokenizer.unk_id());
+  special("pad_token", tokenizer.pad_id());
+  DTRAIN_CHECK(!options.add_bos || tokenizer.bos_id() >= 0, "the tokenizer ", tokenizer.path(),
+               " defines no BOS piece to put before each text: export it without --bos (--bos=false)");
+  DTRAIN_CHECK(!options.add_eos || tokenizer.eos_id() >= 0, "the tokenizer ", tokenizer.path(),
+               " defines no EOS piece to put after each text");
+  c["add_bos_token"] = options.add_bos;
+  c["add_eos_token"] = options.add_eos;
+  c["split_special_tokens"] = true;
+  c["clean_up_tokenization_spaces"] = false;
+  if (options.max_length > 0) c["model_max_length"] = options.max_length;
+  const int64_t pieces = tokenizer.vocab_size();
+  const int64_t vocab = options.vocab > 0 ? options.vocab : pieces;
+  DTRAIN_CHECK(pieces <= vocab, "the tokenizer ", tokenizer.path(), " has ", pieces,
+               " pieces, more than the model's vocabulary of ", vocab,
+               ": its ids would index past the embedding. Give the tokenizer the model was trained with");
+  nlohmann::ordered_json g = nlohmann::ordered_json::object();
+  const auto id = [](int64_t v) { return v >= 0 ? nlohmann::ordered_json(v) : nlohmann::ordered_json(nullptr); };
+  g["bos_token_id"] = id(tokenizer.bos_id());
+  g["eos_token_id"] = id(tokenizer.eos_id());
+  if (tokenizer.pad_id() >= 0) g["pad_token_id"] = tokenizer.pad_id();
+  if (vocab > pieces) {
+    nlohmann::ordered_json padding = nlohmann::ordered_json::array();
+    for (int64_t i = pieces; i < vocab; ++i) padding.push_back(i);
+    g["suppress_tokens"] = padding;
+  }
+  // The model first: a reader that finds the config finds the model it names.
+  write_text_atomically(join(dir, "tokenizer.model"), bytes.str());
+  write_text_atomically(join(dir, "tokenizer_config.json"), c.dump(2) + "\n");
+  write_text_atomically(join(dir, "generation_config.json"), g.dump(2) + "\n");
+}
+
+std::string hf_config_with_tokenizer(const std::string& config_json, const Tokenizer& tokenizer) {
+  nlohmann::ordered_json c = nlohmann::ordered_json::parse(config_json);
+  const int64_t vocab = c.value("vocab_size", int64_t{0});
+  DTRAIN_CHECK(tokenizer.vocab_size() <= vocab, "the tokenizer ", tokenizer.path(), " has ", tokenizer.vocab_size(),
+               " pieces, more than the model's vocabulary of ", vocab,
+               ": its ids would index past the embedding. Give the tokenizer the model was trained with");
+  const auto id = [](int64_t v) { return v >= 0 ? nlohmann::ordered_json(v) : nlohmann::ordered_json(nullptr); };
+  c["bos_token_id"] = id(tokenizer.bos_id());
+  c["eos_token_id"] = id(tokenizer.eos_id());
+  if (tokenizer.pad_id() >= 0) c["pad_token_id"] = tokenizer.pad_id();
+  return c.dump(2) + "\n";
+}
+
 // ---- the adapters' name tables (hf_names.h) ----------------------------------------------
 
 bool split_block_name(const std::string& name, const std::string& prefix, std::string& index, std::string& rest) {

@@ -7,6 +7,11 @@
     samples draw from a generator of their own, under no_grad, in eval mode).
   * The last greedy sample is dtrain-generate's greedy continuation of the same prompt from the
     checkpoint saved at that step (the same weights, the same generate()).
+  * dtrain-export --format=hf --tokenizer writes the tokenizer beside the weights: transformers'
+    AutoTokenizer reads it as sentencepiece encodes (after the BOS), and transformers' greedy
+    generate() of the prompt (float64) prints dtrain-generate's text from the checkpoint: the
+    vocabulary (448) is padded past the tokenizer's 400 pieces, which generation_config.json's
+    suppress_tokens keep transformers from drawing, as dtrain-generate's tokenizer does.
   * Under mpirun: 2 data-parallel ranks log one sample per step (rank 0), and --tp 2 samples too.
   * Refused by name: no --tokenizer, a period that is not a multiple of --log_every, --pp 2.
 
@@ -20,6 +25,26 @@ import re
 from example_util import python_example_args, run, stdout_of
 
 PROMPT, NEW = "The license", 12
+
+# Runs with the .venv's Python: the exported directory through transformers alone (argv: the
+# directory, the SentencePiece model, the prompt, the new tokens). Checks AutoTokenizer against
+# sentencepiece, then prints {"text": the greedy continuation decoded by the same tokenizer}.
+HF_TEXT = r"""
+import json, os, sys, torch
+os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+import sentencepiece as spm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+hf, model_file, prompt, new = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+sp, tok = spm.SentencePieceProcessor(model_file=model_file), AutoTokenizer.from_pretrained(hf)
+texts = [prompt, "Hello  world", "  leading and trailing  ", "tab\there", "\ufb01ne \u2460 \uff21\uff22", "x\n    y", ""]
+bad = [(t, tok(t).input_ids) for t in texts if tok(t).input_ids != [sp.bos_id()] + sp.encode(t)]
+assert not bad, f"AutoTokenizer differs from sentencepiece: {bad}"
+model = AutoModelForCausalLM.from_pretrained(hf).double().eval()
+ids = tok(prompt, return_tensors="pt").input_ids
+with torch.no_grad():
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new)
+print(json.dumps({"text": tok.decode(out[0], skip_special_tokens=True), "ids": out[0].tolist()}))
+"""
 
 TOKENIZER = r"""
 import glob, sys
@@ -53,7 +78,7 @@ def main():
     tok = os.path.join(tmp, "tok.model")
     run([os.path.join(args.bin, "dtrain-prepare"), f"--tokenizer={tok}", f"--input={corpus}", f"--output_dir={shards}",
          "--documents=file", "--eos", "--threads=1"])  # EOS at the two documents' ends only
-    shape = ["--model=llama", "--vocab=400", "--d_model=32", "--heads=4", "--kv_heads=2", "--layers=2", "--ff=64",
+    shape = ["--model=llama", "--vocab=448", "--d_model=32", "--heads=4", "--kv_heads=2", "--layers=2", "--ff=64",
              "--seq_len=32"]
     train = [os.path.join(args.bin, "train_gpt")] + shape + [
         "--device=cpu", "--data=tokens", f"--data_path={shards}/data_train_*.bin", "--batch_size=8", "--steps=8",
@@ -76,6 +101,27 @@ def main():
         "--device=cpu", f"--checkpoint={ck}", f"--tokenizer={tok}", f"--prompt={PROMPT}", f"--max_new_tokens={NEW}",
         "--temperature=0"])
     assert text == got[-1][2] + "\n", f"dtrain-generate {text!r} != the step-8 sample {got[-1][2]!r}"
+
+    hf = os.path.join(tmp, "hf")
+    os.makedirs(hf)
+    run([os.path.join(args.bin, "dtrain-export")] + shape + [f"--checkpoint={ck}", "--format=hf", f"--output={hf}",
+                                                             f"--tokenizer={tok}"])
+    assert sorted(os.listdir(hf)) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.model",
+                                      "tokenizer_config.json"], os.listdir(hf)
+    want = stdout_of([os.path.join(args.bin, "dtrain-generate")] + shape + [
+        "--device=cpu", f"--checkpoint={ck}", f"--tokenizer={tok}", f"--prompt={PROMPT}", f"--max_new_tokens={NEW}",
+        "--temperature=0", "--dtype=float64"])
+    made = [json.loads(line) for line in run([args.python, "-c", HF_TEXT, hf, tok, PROMPT, str(NEW)]).splitlines()
+            if line.startswith("{")][-1]
+    assert made["text"] + "\n" == want, f"transformers on the export {made} != dtrain-generate {want!r}"
+    print(f"transformers' greedy text on the export = dtrain-generate's: {want.strip()!r}")
+    out = run([os.path.join(args.bin, "dtrain-export")] + shape + [f"--checkpoint={ck}", "--format=safetensors",
+                                                                   f"--output={tmp}/w.safetensors", f"--tokenizer={tok}"],
+              expect=2)
+    assert "the tokenizer is written beside a Hugging Face checkpoint (--format=hf)" in out
+    out = run([os.path.join(args.bin, "dtrain-export")] + shape[:1] + ["--vocab=300"] + shape[2:] + [
+        f"--checkpoint={ck}", "--format=hf", f"--output={hf}", f"--tokenizer={tok}"], expect=2)
+    assert "has 400 pieces, more than the model's vocabulary of 300" in out
 
     for extra in (["-np", "2"], ["-np", "2", "--tp=2"]):
         ranks = extra[:2]

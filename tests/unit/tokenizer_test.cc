@@ -3,7 +3,9 @@
 // pieces): the same ids for every text, the same text for every id list (control ids, bytes
 // that form no whole character, unknown pieces), the same pieces and special ids. In this
 // process, which links the engine's protobuf: SentencePiece's own protobuf must not clash with it
-// (the TensorBoard writer, the engine's protobuf user, still writes after a load).
+// (the TensorBoard writer, the engine's protobuf user, still writes after a load). The Hugging
+// Face files save_hf_tokenizer writes are read by transformers' AutoTokenizer as the same model
+// (tests/reference/hf_tokenizer_reference.py).
 #include "dtrain/engine/data/tokenizer.h"
 
 #include <gtest/gtest.h>
@@ -18,6 +20,7 @@
 
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/observe/tensorboard.h"
+#include "dtrain/engine/train/hf_checkpoint.h"
 #include "test_util.h"
 
 namespace dtrain::engine {
@@ -117,6 +120,55 @@ TEST_F(TokenizerTest, TheEnginesProtobufStillWritesAfterSentencePieceLoaded) {
   }
   const std::string out = testing_util::run_python("tests/reference/read_tensorboard.py", {logs});
   EXPECT_NE(out.find("loss"), std::string::npos) << out;
+}
+
+// save_hf_tokenizer's files, read by transformers' AutoTokenizer, encode every reference text as
+// sentencepiece does after the BOS (both models, the BPE with a pad piece, the unigram with the
+// default nmt_nfkc rule's character mappings; the unigram's one known difference below) and
+// decode them alike; generation_config.json suppresses the padding ids
+// past the pieces; hf_config_with_tokenizer writes the special ids; a tokenizer larger than the
+// model's vocabulary is refused.
+TEST_F(TokenizerTest, HuggingFaceFilesEncodeAsTheModel) {
+  for (const std::string name : {"bpe", "unigram"}) {
+    SCOPED_TRACE(name);
+    const Tokenizer tok = load(name);
+    const std::string dir = scratch("hf_" + name);
+    ASSERT_EQ(::mkdir(dir.c_str(), 0755), 0);
+    HfTokenizerOptions o;
+    o.max_length = 64;
+    o.vocab = tok.vocab_size() + 8;
+    save_hf_tokenizer(dir, tok, o);
+    const nlohmann::json r = nlohmann::json::parse(
+        testing_util::run_python("tests/reference/hf_tokenizer_reference.py", {dir, tok.path()}));
+    // transformers' unigram model matches control pieces in the text (a literal "<s>" is the BOS
+    // id; SentencePiece reads it as text): the one text that holds them, and only it, differs
+    // there. The BPE reads them as text, as SentencePiece does.
+    const size_t known = name == "unigram" ? 1 : 0;
+    ASSERT_EQ(r.at("mismatches").size(), known) << r.at("mismatches").dump();
+    if (known == 1) EXPECT_EQ(r.at("mismatches")[0].at("text"), "<s> and </s> are text here");
+    EXPECT_EQ(r.at("decode_mismatches").size(), 0u) << r.at("decode_mismatches").dump();
+    EXPECT_GE(r.at("texts").get<int>() - r.at("unknown").get<int>(), 8);
+    EXPECT_EQ(r.at("bos").get<int64_t>(), tok.bos_id());
+    EXPECT_EQ(r.at("eos").get<int64_t>(), tok.eos_id());
+    std::ifstream g(dir + "/generation_config.json");
+    const nlohmann::json gen = nlohmann::json::parse(g);
+    EXPECT_EQ(gen.at("eos_token_id").get<int64_t>(), tok.eos_id());
+    std::vector<int64_t> padding;
+    for (int64_t i = tok.vocab_size(); i < o.vocab; ++i) padding.push_back(i);
+    EXPECT_EQ(gen.at("suppress_tokens").get<std::vector<int64_t>>(), padding);
+    EXPECT_EQ(gen.contains("pad_token_id"), tok.pad_id() >= 0);
+
+    const std::string config = "{\"vocab_size\": " + std::to_string(o.vocab) + "}";
+    const nlohmann::json c = nlohmann::json::parse(hf_config_with_tokenizer(config, tok));
+    EXPECT_EQ(c.at("bos_token_id").get<int64_t>(), tok.bos_id());
+    EXPECT_EQ(c.at("eos_token_id").get<int64_t>(), tok.eos_id());
+    const std::string small = "{\"vocab_size\": " + std::to_string(tok.vocab_size() - 1) + "}";
+    EXPECT_NE(error_of([&] { hf_config_with_tokenizer(small, tok); }).find("more than the model's vocabulary"),
+              std::string::npos);
+    o.vocab = tok.vocab_size() - 1;
+    EXPECT_NE(error_of([&] { save_hf_tokenizer(dir, tok, o); }).find("more than the model's vocabulary"),
+              std::string::npos);
+  }
 }
 
 TEST_F(TokenizerTest, BadInputNamesTheProblem) {

@@ -24,6 +24,7 @@
 #include <torch/nn/module.h>
 
 #include "dtrain/dist/communicator.h"
+#include "dtrain/engine/data/tokenizer.h"
 
 namespace dtrain::engine {
 
@@ -74,6 +75,31 @@ struct HfSaveOptions {
 // and as check_output_path().
 int64_t save_hf_weights(const std::string& dir, torch::nn::Module& model, dist::Communicator& tp,
                         const HfNames& names, const HfSaveOptions& options = {});
+
+// The Hugging Face tokenizer of a SentencePiece model, beside a save_hf_weights() checkpoint,
+// so that transformers' AutoTokenizer.from_pretrained(dir) gives the ids engine::Tokenizer (and
+// Python's sentencepiece) gives: tokenizer.model (the model file's bytes) and
+// tokenizer_config.json. The config names transformers' generic "TokenizersBackend" class
+// (transformers 5 or later), which builds the tokenizer from the model's own normalization rule:
+// "LlamaTokenizer" would apply Llama 2's instead, and a model trained with SentencePiece's default
+// nmt_nfkc rule would then be encoded differently wherever spaces repeat or lead, or NFKC maps a
+// character. split_special_tokens makes a "<s>" in the text text, as SentencePiece reads it.
+// Also generation_config.json: the special ids and, where the model's vocabulary is padded past
+// the tokenizer's pieces, those ids in suppress_tokens, so that transformers' generate() draws
+// only ids the tokenizer can decode (as engine::generate() does with a tokenizer).
+struct HfTokenizerOptions {
+  bool add_bos = true;         // the tokenizer puts BOS before each text (add_bos_token)
+  bool add_eos = false;        // and EOS after it (add_eos_token)
+  int64_t max_length = 0;      // model_max_length (the model's positions); 0: not written
+  int64_t vocab = 0;           // the model's vocabulary (>= the tokenizer's pieces); 0: the pieces
+};
+void save_hf_tokenizer(const std::string& dir, const Tokenizer& tokenizer, const HfTokenizerOptions& options = {});
+
+// `config_json` (a model's config.json) with the tokenizer's special ids: bos_token_id and
+// eos_token_id (null where the tokenizer has none; transformers' generate() stops at the EOS) and
+// pad_token_id where it has one. Throws dtrain::Error when the tokenizer has more pieces than the
+// config's vocab_size (its ids would index past the embedding).
+std::string hf_config_with_tokenizer(const std::string& config_json, const Tokenizer& tokenizer);
 
 }  // namespace dtrain::engine
 
