@@ -18,15 +18,17 @@ usage: tools/generate_bench.py --bin build/bin [--d_model=512 --layers=8 --heads
            [--device=cpu] [--dtype=float32] [--threads=2]
 """
 import argparse
+import atexit
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import tempfile
 import time
-
 import torch
+
 
 
 def main():
@@ -51,6 +53,7 @@ def main():
     model = LlamaForCausalLM(cfg).to(dtype).eval()
     params = sum(p.numel() for p in model.parameters())
     scratch = tempfile.mkdtemp(prefix="dtrain_generate_bench_")
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)  # the saved model (hundreds of MB)
     hf = os.path.join(scratch, "hf")
     model.save_pretrained(hf, safe_serialization=True)
     model = model.to(a.device)

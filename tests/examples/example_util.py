@@ -1,9 +1,11 @@
 """What the example tests share: their command line, running a program and finding a run's newest
 checkpoint."""
 import argparse
+import atexit
 import glob
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -21,11 +23,17 @@ def example_parser():
 def python_example_args(name):
     """The arguments of an example test that also runs Python (example_parser's and --python,
     the build's interpreter with torch), the mpirun command split into a list, and a new scratch
-    directory dtrain_<name>_* under $TMPDIR."""
+    directory dtrain_<name>_* under $TMPDIR, removed when the test exits (passed or failed; kept
+    with DTRAIN_KEEP_SCRATCH=1, to look into a failure)."""
     ap = example_parser()
     ap.add_argument("--python", required=True)
     args = ap.parse_args()
-    return args, shlex.split(args.mpirun), tempfile.mkdtemp(prefix=f"dtrain_{name}_")
+    tmp = tempfile.mkdtemp(prefix=f"dtrain_{name}_")
+    if os.environ.get("DTRAIN_KEEP_SCRATCH") != "1":
+        atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    else:
+        print(f"scratch directory (DTRAIN_KEEP_SCRATCH=1, kept): {tmp}", flush=True)
+    return args, shlex.split(args.mpirun), tmp
 
 
 def run(cmd, expect=0, env=None, tail=2000):

@@ -5,8 +5,10 @@ busy share, copies) whose answers are known, and on a real CPU trace of train_gp
 
 usage: profile_summary_cli.py BIN_DIR
 """
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,6 +29,7 @@ def kernel(name, ts, dur):
 def main():
     fails = []
     tmp = tempfile.mkdtemp()
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     # Two profiled steps (each named twice, as the trainer's two ranges are), 2 ms; 1.2 ms of kernels.
     events = [{"ph": "X", "name": f"dtrain step {s}", "ts": t, "dur": 1000, "cat": "user_annotation"}
               for s, t in ((4, 0), (4, 0), (5, 1000), (5, 1000))]

@@ -22,12 +22,6 @@ namespace {
 
 using testing_util::error_of;
 
-std::string temp_dir() {
-  char pattern[] = "/tmp/dtrain_export_XXXXXX";
-  const char* dir = ::mkdtemp(pattern);
-  EXPECT_NE(dir, nullptr);
-  return dir ? dir : "/tmp";
-}
 
 std::vector<std::string> entries(const std::string& dir) {
   std::vector<std::string> out;
@@ -55,7 +49,8 @@ struct Net : torch::nn::Module {
 };
 
 TEST(Export, TracedArchiveReproducesTheModuleThroughTorchJitLoad) {
-  const std::string dir = temp_dir();
+  const testing_util::ScratchDir scratch("export", true);  // removed with what the test wrote
+  const std::string dir = scratch.str();
   torch::manual_seed(3);
   auto net = std::make_shared<Net>();
   // Non-trivial running statistics, then eval mode (the archive uses them).
@@ -84,7 +79,8 @@ TEST(Export, TracedArchiveReproducesTheModuleThroughTorchJitLoad) {
 }
 
 TEST(Export, SafetensorsHoldsEveryDtypeAndShapeExactly) {
-  const std::string dir = temp_dir();
+  const testing_util::ScratchDir scratch("export", true);  // removed with what the test wrote
+  const std::string dir = scratch.str();
   auto g = at::make_generator<at::CPUGeneratorImpl>(5);
   NamedTensorList tensors = {
       {"f64", at::randn({3, 2}, g, at::kDouble)},
@@ -132,7 +128,8 @@ TEST(Export, SafetensorsHoldsEveryDtypeAndShapeExactly) {
 }
 
 TEST(Export, BadPathsAndTensorsAreRefusedAndLeaveNothingBehind) {
-  const std::string dir = temp_dir();
+  const testing_util::ScratchDir scratch("export", true);  // removed with what the test wrote
+  const std::string dir = scratch.str();
   const NamedTensorList one = {{"w", at::ones({2})}};
   EXPECT_NE(error_of([&] { save_safetensors(dir + "/no/such/dir/w.safetensors", one); })
                 .find("does not exist; create it (mkdir -p " + dir + "/no/such/dir)"),

@@ -13,6 +13,7 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
@@ -32,7 +33,7 @@ using testing_util::ScratchDir;
 class TokenizerTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = new ScratchDir("tokenizer", true);
+    dir_ = std::make_unique<ScratchDir>("tokenizer", true);
     ref_ = new nlohmann::json;
 #ifndef DTRAIN_TEST_HAS_SENTENCEPIECE
     return;
@@ -42,7 +43,7 @@ class TokenizerTest : public ::testing::Test {
   }
   static void TearDownTestSuite() {
     delete ref_;
-    delete dir_;
+    dir_.reset();
   }
   void SetUp() override {
 #ifndef DTRAIN_TEST_HAS_SENTENCEPIECE
@@ -55,10 +56,12 @@ class TokenizerTest : public ::testing::Test {
   static std::string scratch(const std::string& name) { return (*dir_) / name; }
 
  private:
-  static ScratchDir* dir_;
+  // A static object, not a pointer: a death test's child (which runs SetUpTestSuite and leaves
+  // through exit(), never reaching TearDownTestSuite) removes its directory too.
+  static std::unique_ptr<ScratchDir> dir_;
   static nlohmann::json* ref_;
 };
-ScratchDir* TokenizerTest::dir_ = nullptr;
+std::unique_ptr<ScratchDir> TokenizerTest::dir_;
 nlohmann::json* TokenizerTest::ref_ = nullptr;
 
 TEST_F(TokenizerTest, EncodesDecodesAndNamesPiecesAsPythonsSentencePiece) {
