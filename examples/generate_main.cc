@@ -21,6 +21,8 @@
 // Under mpirun with --tp, every rank runs the same steps on its shard of the model; the full
 // logits are gathered, tensor-parallel rank 0 draws the next tokens and broadcasts them, so the
 // ranks never diverge; only rank 0 prints.
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <map>
@@ -113,6 +115,17 @@ std::vector<int64_t> encode_prompt(const std::string& text) {
   return ids;
 }
 
+// Where --init_from_hf's directory holds a tokenizer.model (Llama 2's, or dtrain-export
+// --tokenizer's), the flag that uses it, for the messages that ask for --tokenizer.
+std::string tokenizer_hint() {
+  if (FLAGS_init_from_hf.empty()) return "";
+  struct stat st {};
+  const std::string path = FLAGS_init_from_hf + "/tokenizer.model";
+  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) ? " (--init_from_hf's directory has one: --tokenizer=" +
+                                                                     path + ")"
+                                                               : "";
+}
+
 // The prompts of --prompt, --prompt_tokens or --prompt_file, each row one sequence (--batch
 // applied), checked against the vocabulary.
 std::vector<std::vector<int64_t>> read_prompts() {
@@ -122,7 +135,7 @@ std::vector<std::vector<int64_t>> read_prompts() {
                                       : "more than one of --prompt, --prompt_tokens and --prompt_file given: give one");
   const bool text = tokenizer().has_value();
   DTRAIN_CHECK(text || FLAGS_prompt.empty(), "--prompt is text: give --tokenizer=tokenizer.model (the SentencePiece "
-               "model of the weights) to encode it, or the ids as --prompt_tokens");
+               "model of the weights)", tokenizer_hint(), " to encode it, or the ids as --prompt_tokens");
   std::vector<std::vector<int64_t>> prompts;
   if (!FLAGS_prompt.empty()) {
     prompts.push_back(encode_prompt(FLAGS_prompt));
@@ -197,8 +210,8 @@ Output output_mode() {
   if (FLAGS_output == "ids") return Output::kIds;
   if (FLAGS_output == "jsonl") return Output::kJsonl;
   DTRAIN_CHECK(FLAGS_output == "text", "--output=", FLAGS_output, " is not one of: auto, ids, text, jsonl");
-  DTRAIN_CHECK(tokenizer().has_value(), "--output=text decodes the tokens: give --tokenizer=tokenizer.model (or "
-               "--output=ids)");
+  DTRAIN_CHECK(tokenizer().has_value(), "--output=text decodes the tokens: give --tokenizer=tokenizer.model",
+               tokenizer_hint(), " (or --output=ids)");
   return Output::kText;
 }
 

@@ -6,7 +6,10 @@
 #   3. dtrain-prepare: the text into llm.c token shards (a validation shard and training shards);
 #   4. train_gpt --model=llama on the shards for STEPS steps, evaluating on the
 #      validation shard and printing a sample every quarter of the run;
-#   5. dtrain-generate: a sample from the trained checkpoint, the prompt and the output as text.
+#   5. dtrain-generate: a sample from the trained checkpoint, the prompt and the output as text;
+#   6. dtrain-export --format=hf --tokenizer: the checkpoint and the tokenizer as a Hugging Face
+#      directory, and transformers' own greedy continuation of the prompt from it beside
+#      dtrain-generate's.
 # usage: tools/lm_demo.sh WORK_DIR [BUILD_DIR] [STEPS]      (prints the losses and the sample)
 set -euo pipefail
 WORK="${1:?usage: lm_demo.sh WORK_DIR [BUILD_DIR] [STEPS]}"
@@ -57,3 +60,25 @@ SHAPE=(--model=llama --vocab=8000 --d_model=256 --heads=8 --kv_heads=4 --layers=
 echo '--- sample (prompt "def main("):'
 "$BIN/dtrain-generate" "${SHAPE[@]}" --device=cpu --checkpoint="$WORK/run" --tokenizer="$WORK/tok.model" \
   --prompt="def main(" --max_new_tokens=120 --temperature=0.8 --top_k=40 --seed=1 2>/dev/null
+
+# 6. To Hugging Face: transformers loads the export (weights, config, tokenizer) by itself, and its
+#    greedy continuation is dtrain-generate's.
+mkdir -p "$WORK/hf"
+"$BIN/dtrain-export" "${SHAPE[@]}" --checkpoint="$WORK/run" --format=hf --output="$WORK/hf" \
+  --tokenizer="$WORK/tok.model" 2>/dev/null
+echo '--- greedy, dtrain-generate:'
+"$BIN/dtrain-generate" "${SHAPE[@]}" --device=cpu --checkpoint="$WORK/run" --tokenizer="$WORK/tok.model" \
+  --prompt="def main(" --max_new_tokens=40 --temperature=0 2>/dev/null
+echo '--- greedy, transformers on the export:'
+"$PY" - "$WORK/hf" 2>/dev/null <<'PY'
+import os, sys
+os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
+ids = tok("def main(", return_tensors="pt").input_ids
+with torch.no_grad():
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=40)
+print(tok.decode(out[0], skip_special_tokens=True))
+PY

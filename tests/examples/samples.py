@@ -11,7 +11,8 @@
     AutoTokenizer reads it as sentencepiece encodes (after the BOS), and transformers' greedy
     generate() of the prompt (float64) prints dtrain-generate's text from the checkpoint: the
     vocabulary (448) is padded past the tokenizer's 400 pieces, which generation_config.json's
-    suppress_tokens keep transformers from drawing, as dtrain-generate's tokenizer does.
+    suppress_tokens keep transformers from drawing, as dtrain-generate's tokenizer does; and
+    dtrain-generate --init_from_hf on the export (its tokenizer.model) prints the same text.
   * Under mpirun: 2 data-parallel ranks log one sample per step (rank 0), and --tp 2 samples too.
   * Refused by name: no --tokenizer, a period that is not a multiple of --log_every, --pp 2.
 
@@ -115,6 +116,14 @@ def main():
             if line.startswith("{")][-1]
     assert made["text"] + "\n" == want, f"transformers on the export {made} != dtrain-generate {want!r}"
     print(f"transformers' greedy text on the export = dtrain-generate's: {want.strip()!r}")
+    # dtrain-generate reads the export back, its tokenizer included (named in the error without it).
+    from_hf = [os.path.join(args.bin, "dtrain-generate"), "--device=cpu", f"--init_from_hf={hf}",
+               f"--hf_config={hf}/config.json", f"--prompt={PROMPT}", f"--max_new_tokens={NEW}", "--temperature=0",
+               "--dtype=float64"]
+    out = run(from_hf, expect=2)
+    assert f"--init_from_hf's directory has one: --tokenizer={hf}/tokenizer.model" in out
+    text = stdout_of(from_hf + [f"--tokenizer={hf}/tokenizer.model"])
+    assert text == want, f"dtrain-generate on the export {text!r} != on the checkpoint {want!r}"
     out = run([os.path.join(args.bin, "dtrain-export")] + shape + [f"--checkpoint={ck}", "--format=safetensors",
                                                                    f"--output={tmp}/w.safetensors", f"--tokenizer={tok}"],
               expect=2)
