@@ -26,7 +26,8 @@ class SentencePieceEncoder : public Encoder {
       throw PrepareError("--tokenizer=" + path + " is not a SentencePiece model (SentencePiece says: " +
                          status.ToString() +
                          "); dtrain-prepare reads SentencePiece .model files such as Llama 2's tokenizer.model, not a "
-                         "Hugging Face tokenizer.json or a tiktoken file (Llama 3's tokenizer.model)");
+                         "Hugging Face tokenizer.json or a tiktoken file (Llama 3's tokenizer.model): for those, "
+                         "tools/prepare_hf.py takes the same flags and writes the same shards");
     }
   }
 
