@@ -179,14 +179,24 @@ std::pair<at::Tensor, at::Tensor> loss_and_correct(const at::Tensor& logits, con
   return {loss, correct};
 }
 
+std::map<std::string, std::string> shape_meta(const Run& run) {
+  std::map<std::string, std::string> meta;
+  for (const std::string& flag : run.model_flags) {
+    if (flag == "hf_config" || flag == "init_from_hf") continue;  // where the shape came from, not the shape
+    // Free to change between runs of one model: the training length (a Llama's positions are
+    // rotary; a GPT's table shows its size in a tensor) and dropout.
+    const bool free = flag == "seq_len" || flag == "dropout";
+    meta[(free ? "run." : "shape.") + flag] = gflags::GetCommandLineFlagInfoOrDie(flag.c_str()).current_value;
+  }
+  return meta;
+}
+
 engine::TrainerOptions trainer_options(const Run& run, const std::string& default_optimizer) {
   engine::TrainerOptions o = engine::cli::trainer_options(engine::cli::flags(), default_optimizer, run.mesh->tp_size());
   o.checkpoint_meta["program"] = run.program;
-  // The model's shape, so that a later run can rebuild it (a distillation teacher's defaults).
-  for (const std::string& flag : run.model_flags) {
-    if (flag == "hf_config" || flag == "init_from_hf") continue;  // where the shape came from, not the shape
-    o.checkpoint_meta["shape." + flag] = gflags::GetCommandLineFlagInfoOrDie(flag.c_str()).current_value;
-  }
+  // The model's shape, so that a later run can rebuild it (a distillation teacher's defaults)
+  // and a resume, an evaluation, generation or an export refuses other shape flags.
+  for (const auto& [key, value] : shape_meta(run)) o.checkpoint_meta[key] = value;
   o.evaluation_only = FLAGS_eval_only;  // no optimizer state or gradient buffers to evaluate
   return o;
 }

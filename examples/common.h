@@ -72,6 +72,10 @@ std::pair<at::Tensor, at::Tensor> loss_and_correct(const at::Tensor& logits, con
 
 // Trainer options from the flags; the example supplies its defaults for the optimizer.
 engine::TrainerOptions trainer_options(const Run& run, const std::string& default_optimizer);
+// The model's shape flags as a checkpoint records them: "shape.<flag>" (a checkpoint that
+// recorded another value is refused by a resume and by engine::load_weights) and "run.<flag>"
+// for --seq_len and --dropout, which may change between runs of one model.
+std::map<std::string, std::string> shape_meta(const Run& run);
 // Loader options for this rank (dp rank/size from the mesh) from the flags.
 engine::LoaderOptions loader_options(const Run& run, int64_t batch_size, bool shuffle, uint64_t seed);
 

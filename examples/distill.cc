@@ -90,6 +90,7 @@ std::string build_teacher(const Run& run, const ExampleModel& student, const std
     std::string value = teacher_flag(name);
     const char* from = "--teacher_";
     auto recorded = meta.find("shape." + name);
+    if (recorded == meta.end()) recorded = meta.find("run." + name);  // --seq_len, --dropout (shape_meta())
     if (value.empty() && recorded != meta.end()) {
       value = recorded->second;
       from = "the checkpoint's ";

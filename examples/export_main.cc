@@ -105,7 +105,7 @@ void check_export_flags(const examples::Run& run) {
 // The checkpoint's weights in the unsplit model, as an evaluation-only resume loads them; the
 // checkpoint's step.
 int64_t load_checkpoint(const examples::Run& run, examples::ExampleModel& m) {
-  const int64_t step = engine::load_weights(FLAGS_checkpoint, *m.module, *run.mesh, run.device);
+  const int64_t step = engine::load_weights(FLAGS_checkpoint, *m.module, *run.mesh, run.device, examples::shape_meta(run));
   m.module->eval();
   return step;
 }

@@ -276,7 +276,7 @@ engine::Decoder load_model(const examples::Run& run, std::string& source) {
   // Text out: draw among the tokenizer's pieces only (a model's vocabulary may be padded past them).
   if (tokenizer()) model.vocab = tokenizer()->vocab_size();
   if (!FLAGS_checkpoint.empty()) {
-    const int64_t step = engine::load_weights(FLAGS_checkpoint, *m.module, *run.mesh, run.device);
+    const int64_t step = engine::load_weights(FLAGS_checkpoint, *m.module, *run.mesh, run.device, examples::shape_meta(run));
     source = FLAGS_checkpoint + " (step " + std::to_string(step) + ")";
   } else {
     source = FLAGS_init_from_hf;

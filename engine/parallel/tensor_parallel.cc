@@ -150,6 +150,12 @@ at::Tensor scatter_to_tensor_parallel(const at::Tensor& x, dist::Communicator& t
 }
 
 at::Tensor shard_of(const at::Tensor& full, const ShardSpec& spec, int rank, int size) {
+  // The whole tensor, unpadded (spec.full) or padded (spec.padded): a tensor of another size is
+  // of another model, and padding a shorter one with zeros would load it without a word.
+  DTRAIN_CHECK(spec.dim < 0 || spec.full <= 0 ||
+                   (spec.dim < full.dim() && (full.size(spec.dim) == spec.full || full.size(spec.dim) == spec.padded)),
+               "a tensor of shape ", full.sizes(), " does not fit a layer of ", spec.full, " along dimension ", spec.dim,
+               ": it is of a model of another shape (another --vocab, --ff, --heads or --kv_heads?)");
   if (spec.dim < 0 || size == 1) {
     if (spec.dim >= 0 && spec.padded > full.size(spec.dim)) {
       std::vector<int64_t> pad_shape(full.sizes().begin(), full.sizes().end());

@@ -88,6 +88,20 @@ void load_model_state(torch::nn::Module& module, const NamedTensors& state,
   NamedTensors live = model_state(module);
   check_same_layout(live, state, "model", source);
   std::map<std::string, at::Tensor> by_name(state.begin(), state.end());
+  // Tied weights (one tensor under two names, e.g. a head sharing the embedding's): the
+  // checkpoint must hold one value for them, else it is of an untied model and one of its two
+  // tensors would silently overwrite the other here.
+  std::map<std::pair<const void*, std::vector<int64_t>>, std::string> first_name;  // (data, shape)
+  for (const auto& [name, tensor] : live) {
+    if (!tensor.defined() || tensor.numel() == 0) continue;
+    auto [it, fresh] = first_name.emplace(std::make_pair(tensor.data_ptr(), tensor.sizes().vec()), name);
+    if (fresh) continue;
+    const at::Tensor& a = by_name.at(it->second);
+    const at::Tensor& b = by_name.at(name);
+    DTRAIN_CHECK(a.sizes() == b.sizes() && at::equal(a, b.to(a.device(), a.scalar_type())), "checkpoint ", source,
+                 " holds '", it->second, "' and '", name, "' as two different tensors (a model with untied weights), "
+                 "but this model ties them into one (--tie_embeddings?): build it untied, as it was trained");
+  }
   torch::NoGradGuard no_grad;
   for (auto& [name, tensor] : live) tensor.copy_(by_name.at(name));
 }

@@ -348,11 +348,28 @@ void restore_progress(TrainingState& s, const CheckpointStore& store, const Chec
   }
 }
 
+// The model's shape as the programs record it ("shape.<flag>" meta: what builds the model from
+// flags) against this run's: a value that differs is another model even where every tensor fits
+// (a rope_theta, a tied head, a vocabulary or width the tensors would be padded to).
+void check_recorded_shape(const std::map<std::string, std::string>& here,
+                          const std::map<std::string, std::string>& saved, const std::string& source) {
+  std::string differences;
+  for (const auto& [key, value] : here) {
+    if (key.rfind("shape.", 0) != 0) continue;
+    auto it = saved.find(key);
+    if (it == saved.end() || it->second == value) continue;
+    differences += (differences.empty() ? " --" : ", --") + key.substr(6) + "=" + it->second + " (here " + value + ")";
+  }
+  DTRAIN_CHECK(differences.empty(), "checkpoint ", source, " is of a model built with other shape flags:", differences,
+               "; give the flags it was trained with");
+}
+
 }  // namespace
 
 void restore_training_state(TrainingState& s, const CheckpointStore& store, const CheckpointInfo& info,
                             DataLoader* loader) {
   CheckpointData data = store.load(info.path);
+  check_recorded_shape(s.meta, data.meta, info.path);
   // A ZeRO-3 checkpoint keeps the weights in the ranks' partitioned state only.
   const auto partitioned_weights = data.meta.find("model.partitioned");
   const bool weights_partitioned = partitioned_weights != data.meta.end();
@@ -367,7 +384,15 @@ void restore_training_state(TrainingState& s, const CheckpointStore& store, cons
   if (s.mesh.pp_size() > 1) take_stage_part(s, data, local);
   for (auto& [name, t] : local) {
     auto spec = s.tp_splits.find(name);
-    if (spec != s.tp_splits.end()) t = shard_of(t, spec->second, s.mesh.tp_rank(), s.mesh.tp_size());
+    if (spec == s.tp_splits.end()) continue;
+    const ShardSpec& sp = spec->second;
+    // Saved unsplit and unpadded: a size other than the layer's is another model's (a larger
+    // layer here must not take the saved tensor zero-padded).
+    DTRAIN_CHECK(sp.dim < t.dim() && t.size(sp.dim) == sp.full, "checkpoint ", info.path,
+                 " is of a different model: '", name, "' has ", sp.dim < t.dim() ? t.size(sp.dim) : 0,
+                 " along dimension ", sp.dim, " there (shape ", t.sizes(), ") but ", sp.full,
+                 " here (another shape flag: --vocab, --ff, --heads, --kv_heads?)");
+    t = shard_of(t, sp, s.mesh.tp_rank(), s.mesh.tp_size());
   }
   const bool saved_offloaded = data.meta.count("optimizer.offloaded") && data.meta.at("optimizer.offloaded") == "1";
   // Checkpoints from before --shard were partitioned exactly when offloaded.

@@ -116,10 +116,20 @@ int64_t load_file(const std::string& file, const std::unordered_map<std::string,
     DTRAIN_CHECK(loaded.insert(name).second, "'", file, "': tensor '", hf, "' is given twice in the checkpoint");
     auto spec = specs.find(name);
     const at::Tensor whole = names.from_hf_tensor ? names.from_hf_tensor(name, tensor) : tensor;
-    const at::Tensor src = spec == specs.end() ? whole : shard_of(whole, spec->second, tp.rank(), tp.size());
+    at::Tensor src = whole;
+    if (spec != specs.end()) {
+      try {
+        src = shard_of(whole, spec->second, tp.rank(), tp.size());
+      } catch (const Error&) {
+        src = at::Tensor();  // a size shard_of refuses: the message below names the tensor
+      }
+    }
     at::Tensor param = it->second;
-    DTRAIN_CHECK(src.sizes() == param.sizes(), "'", file, "': tensor '", hf, "' has shape ", whole.sizes(),
-                 (spec == specs.end() || tp.size() == 1 ? "" : " (this rank's shard " + detail::concat(src.sizes()) + ")"),
+    DTRAIN_CHECK(src.defined() && src.sizes() == param.sizes(), "'", file, "': tensor '", hf, "' has shape ",
+                 whole.sizes(),
+                 (!src.defined() || spec == specs.end() || tp.size() == 1
+                      ? ""
+                      : " (this rank's shard " + detail::concat(src.sizes()) + ")"),
                  " but the model's '", name, "' has ", param.sizes(),
                  "; build the model with the checkpoint's config.json (its sizes differ from the shape flags)");
     param.copy_(src);

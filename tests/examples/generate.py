@@ -15,7 +15,8 @@
     Python's encoding after the BOS, the new ids transformers' greedy generate of them (ending
     at the tokenizer's EOS), and the printed text Python's decoding of both (--output=text and
     jsonl; a --prompt_file of text lines; at --tp 2 under mpirun too).
-  * Bad input exits non-zero naming the problem: no weights, both sources, a prompt token beyond
+  * Bad input exits non-zero naming the problem: shape flags other than the checkpoint's record
+    (a larger --vocab, --tie_embeddings, --rope_theta), no weights, both sources, a prompt token beyond
     the vocabulary, --max_new_tokens beyond the positions, --model=gpt, ranks other than --tp,
     a text prompt or --output=text without a tokenizer, a tokenizer larger than the vocabulary.
 
@@ -307,6 +308,11 @@ def check_bad_input(mpirun, gen, hf, source, shape, ck, text_source):
         (shape + prompt + [f"--checkpoint={ck}", "--max_new_tokens=13"],
          "--max_new_tokens=13: the (longest) prompt's 4 tokens and 13 new ones need 17 positions, the model has 16"),
         (["--model=cnn", f"--checkpoint={ck}"] + prompt, "generates with --model=llama or --model=gpt"),
+        # Shape flags the checkpoint records otherwise: refused, though the tensors would load
+        # (a larger vocabulary zero-padded, a head tied to the embedding, another rotary base).
+        (shape + prompt + [f"--checkpoint={ck}", "--max_new_tokens=4", "--vocab=128"], "other shape flags: --vocab=96 (here 128)"),
+        (shape + prompt + [f"--checkpoint={ck}", "--max_new_tokens=4", "--tie_embeddings"], "--tie_embeddings=false (here true)"),
+        (shape + prompt + [f"--checkpoint={ck}", "--max_new_tokens=4", "--rope_theta=500000"], "--rope_theta=10000 (here 500000)"),
         (source + prompt + ["--top_k=5"], "--temperature=0 is greedy"),
         (source + ["--prompt=Hello"], "--prompt is text: give --tokenizer=tokenizer.model"),
         (source + prompt + ["--output=text"], "--output=text decodes the tokens: give --tokenizer"),

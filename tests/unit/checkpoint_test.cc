@@ -3,6 +3,7 @@
 // mid-write, truncation, flipped bytes, unfinished saves), pruning, model checks (the rest:
 // checkpoint_state_test.cc).
 #include "checkpoint_test_util.h"
+#include "dtrain/engine/parallel/tensor_parallel.h"
 
 namespace dtrain::engine {
 namespace {
@@ -529,6 +530,43 @@ TEST(ModelStateTest, LoadsIntoTheSameModelAndRefusesAnother) {
                                    named({{"0.exp_avg", torch::zeros({3})}}), "optimizer", "c.pt");
                }),
                "c.pt is of a different optimizer: '0.exp_avg' has shape [3] there but [2]"));
+}
+
+// A model that ties two names to one tensor (a head sharing the embedding's weight) loads a
+// tied checkpoint (both entries equal) and refuses an untied one, whose second tensor would
+// otherwise overwrite the first; the refused load leaves the model as it was.
+TEST(ModelStateTest, TiedWeightsRefuseAnUntiedCheckpoint) {
+  struct Tied : torch::nn::Module {
+    Tied() {
+      at::Tensor w = torch::randn({6, 4});
+      register_parameter("embed", w);
+      register_parameter("head", w);  // one tensor, two names
+    }
+  };
+  torch::manual_seed(3);
+  Tied model;
+  const at::Tensor a = torch::randn({6, 4}), b = torch::randn({6, 4});
+  load_model_state(model, named({{"embed", a}, {"head", a.clone()}}), "tied.pt");
+  EXPECT_TRUE(at::equal(model.named_parameters()["embed"], a));
+  const std::string message = message_of([&] { load_model_state(model, named({{"embed", b}, {"head", a}}), "u.pt"); });
+  EXPECT_TRUE(contains(message, "checkpoint u.pt holds 'embed' and 'head' as two different tensors")) << message;
+  EXPECT_TRUE(at::equal(model.named_parameters()["embed"], a));
+}
+
+// shard_of takes a whole tensor unpadded or padded and refuses any other size: a shorter one
+// (a checkpoint of a smaller vocabulary) was zero-padded into the layer before.
+TEST(ShardOfTest, RefusesATensorOfAnotherSize) {
+  ShardSpec spec;
+  spec.dim = 0;
+  spec.full = 10;
+  spec.padded = 12;
+  EXPECT_EQ(shard_of(torch::ones({10, 3}), spec, 1, 2).sizes(), (std::vector<int64_t>{6, 3}));
+  EXPECT_EQ(shard_of(torch::ones({12, 3}), spec, 0, 1).sizes(), (std::vector<int64_t>{12, 3}));
+  for (int64_t rows : {8, 11, 14}) {
+    EXPECT_TRUE(contains(message_of([&] { shard_of(torch::ones({rows, 3}), spec, 0, 2); }),
+                         "does not fit a layer of 10 along dimension 0"))
+        << rows;
+  }
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 
 #include <c10/core/Device.h>
@@ -24,7 +25,11 @@ namespace dtrain::engine {
 // good checkpoint, and naming the first weight that does not fit (another model or shape).
 // Goes through resume_training_state() (state/training_state.h) with a weights-only
 // TrainingState; `device` is the model's (the tensors are copied where the model's are).
-int64_t load_weights(const std::string& save_dir, torch::nn::Module& model, dist::Mesh& mesh, c10::Device device);
+// `shape_meta`: the "shape.<flag>" entries a training run of this model records (TrainerOptions::
+// checkpoint_meta); a checkpoint that recorded another value for one of them is refused, naming
+// the flags (e.g. a rope_theta or tie_embeddings the tensors cannot show).
+int64_t load_weights(const std::string& save_dir, torch::nn::Module& model, dist::Mesh& mesh, c10::Device device,
+                     const std::map<std::string, std::string>& shape_meta = {});
 
 }  // namespace dtrain::engine
 
