@@ -246,14 +246,17 @@ PreparedCheckpoint prepare_training_state(const TrainingState& s, const DataLoad
   data.meta = s.meta;
   data.meta["accum_steps"] = std::to_string(s.accum_steps);
   record_layout(s, data.meta, weights_partitioned);  // collective over the world under --pp
-  if (loader) {
-    auto [epoch, index] = loader->position();
-    data.meta["loader.train"] = std::to_string(epoch) + "," + std::to_string(index);
-  }
-  if (s.eval_loader) {
-    auto [epoch, index] = s.eval_loader->position();
-    data.meta["loader.eval"] = std::to_string(epoch) + "," + std::to_string(index);
-  }
+  // Each loader's position and what it means: the global batch, the order's seed and the
+  // dataset's size (a resume with another global batch finds the same sample).
+  const auto record_position = [&](const DataLoader& l, const std::string& key) {
+    auto [epoch, index] = l.position();
+    data.meta[key] = std::to_string(epoch) + "," + std::to_string(index);
+    data.meta[key + ".batch"] = std::to_string(l.options().batch_size * l.options().dp_size);
+    data.meta[key + ".seed"] = std::to_string(l.options().seed);
+    data.meta[key + ".samples"] = std::to_string(l.dataset_size());
+  };
+  if (loader) record_position(*loader, "loader.train");
+  if (s.eval_loader) record_position(*s.eval_loader, "loader.eval");
   data.world_size = world.size();
   // The checkpoint's "data-parallel" ranks are the replicas (dp x cp): the ranks among which
   // the optimizer state is partitioned, world rank (stage * replicas + replica) * tp + tp rank.

@@ -1,5 +1,6 @@
 // Restoring training state: any saved layout into this rank's (training_state.h).
 #include <map>
+#include <optional>
 #include <sstream>
 #include <unordered_map>
 #include <unordered_set>
@@ -50,6 +51,61 @@ std::pair<int64_t, int64_t> parse_position(const std::string& text, const std::s
   DTRAIN_CHECK((in >> epoch >> comma >> index) && comma == ',', source,
                ": malformed data position '", text, "'");
   return {epoch, index};
+}
+
+// A loader's saved position (meta `key` = "epoch,index", a global batch of the epoch's seeded
+// order) for this run's loader, which may read its samples in global batches of another size
+// (another --batch_size or data-parallel size): the position is the epoch's sample offset
+// index x saved batch, which the same order continues from. The checkpoint also records the
+// global batch, the seed and the dataset's size (`key`.batch, .seed, .samples; older checkpoints
+// have none and are sought as saved). Another seed is refused: the epoch's rest would come in
+// another order, repeating and skipping samples. Another dataset size is said (LOG(WARNING)).
+void seek_saved_position(DataLoader& loader, const std::map<std::string, std::string>& meta, const std::string& key,
+                         const std::string& source) {
+  auto [epoch, index] = parse_position(meta.at(key), source);
+  const LoaderOptions& o = loader.options();
+  const int64_t batch = o.batch_size * o.dp_size;
+  const int64_t per_epoch = loader.batches_per_epoch();
+  const auto recorded = [&](const char* what) -> std::optional<int64_t> {
+    auto it = meta.find(key + "." + what);
+    if (it == meta.end()) return std::nullopt;
+    return std::stoll(it->second);
+  };
+  const std::optional<int64_t> saved_batch = recorded("batch"), saved_samples = recorded("samples");
+  const auto seed = meta.find(key + ".seed");
+  DTRAIN_CHECK(seed == meta.end() || !o.shuffle || seed->second == std::to_string(o.seed), "checkpoint ", source,
+               ": its data order (", key, ") was drawn with seed ", seed == meta.end() ? "" : seed->second,
+               ", this run's with ", o.seed, ": from the middle of epoch ", epoch, " another order would repeat and "
+               "skip samples. Resume with the seed it was trained with (--seed=",
+               seed == meta.end() ? "" : seed->second, " in dtrain's programs)");
+  if (saved_samples && *saved_samples != loader.dataset_size()) {
+    LOG(WARNING) << source << ": the data (" << key << ") has " << loader.dataset_size() << " samples, the checkpoint's had "
+                 << *saved_samples << ": epoch " << epoch << "'s order is drawn anew from this data, so its rest may "
+                 << "repeat or skip samples trained on before the checkpoint";
+  }
+  if (!saved_batch || *saved_batch == batch) {
+    DTRAIN_CHECK(index < per_epoch, "checkpoint ", source, ": its data position (", key, ": epoch ", epoch,
+                 ", global batch ", index, ") is past this run's epoch of ", per_epoch, " global batches of ", batch,
+                 " samples; it was saved with another global batch (--batch_size x data-parallel ranks) or other "
+                 "data: resume with those");
+    loader.seek(epoch, index);
+    return;
+  }
+  const int64_t offset = index * *saved_batch;  // samples of the epoch trained on
+  int64_t next = offset / batch;
+  if (offset % batch != 0) {
+    LOG(WARNING) << source << ": " << key << " stopped after sample " << offset << " of epoch " << epoch
+                 << " (global batches of " << *saved_batch << "), not a multiple of this run's global batch of "
+                 << batch << ": its last " << offset - next * batch << " samples are trained on again";
+  }
+  if (next >= per_epoch) {  // the epoch's rest is shorter than one global batch (dropped)
+    ++epoch;
+    next = 0;
+  }
+  LOG(INFO) << source << ": " << key << " continues at sample " << next * batch << " of epoch " << epoch
+            << ": global batch " << next << " of " << batch << " samples (saved: batch " << index << " of "
+            << *saved_batch << ")";
+  loader.seek(epoch, next);
 }
 
 // Meta "flat.params": name:elements, comma-separated, in the flat space's order.
@@ -334,13 +390,9 @@ void restore_progress(TrainingState& s, const CheckpointStore& store, const Chec
   restore_rng_state(rng);
   s.step = data.step;
   if (data.meta.count("accum_steps")) s.accum_steps = std::stoi(data.meta.at("accum_steps"));
-  if (loader && data.meta.count("loader.train")) {
-    auto [epoch, index] = parse_position(data.meta.at("loader.train"), info.path);
-    loader->seek(epoch, index);
-  }
+  if (loader && data.meta.count("loader.train")) seek_saved_position(*loader, data.meta, "loader.train", info.path);
   if (s.eval_loader && data.meta.count("loader.eval")) {
-    auto [epoch, index] = parse_position(data.meta.at("loader.eval"), info.path);
-    s.eval_loader->seek(epoch, index);
+    seek_saved_position(*s.eval_loader, data.meta, "loader.eval", info.path);
   }
   if (world.rank() == 0) {
     LOG(INFO) << "resumed from " << info.path << " at step " << s.step << " (saved by "

@@ -10,8 +10,9 @@ Here a reference sampler written in Python from that rule picks each step's wind
 transformers' LlamaForCausalLM (the weights dtrain starts from, --init_from_hf) scores them. At
 --lr=1e-30 without weight decay the float32 weights do not change, so the loss dtrain logs at
 each step is the loss of the windows it read: it must equal the reference's for every step, at 1
-rank, 2 data-parallel ranks, 2 tensor-parallel ranks, and for a run stopped at step 6 on 2 ranks
-and resumed on 1.
+rank, 2 data-parallel ranks, 2 tensor-parallel ranks, for a run stopped at step 6 on 2 ranks
+and resumed on 1, and for one stopped after 4 global batches of 4 and resumed with batches of 8
+(the same windows, from window 16); a resume with another --seed is refused.
 """
 import json
 import os
@@ -83,9 +84,9 @@ print(json.dumps({"windows": len(windows), "per_epoch": per_epoch, "losses": los
 """
 
 
-def check(name, rows, want, first=1, tol=2e-5):
+def check(name, rows, want, first=1, tol=2e-5, last=STEPS):
     got = [(r["step"], r["loss"]) for r in rows if r["step"] >= first]
-    assert [s for s, _ in got] == list(range(first, STEPS + 1)), f"{name}: steps {[s for s, _ in got]}"
+    assert [s for s, _ in got] == list(range(first, last + 1)), f"{name}: steps {[s for s, _ in got]}"
     worst = 0.0
     for step, loss in got:
         rel = abs(loss - want[step - 1]) / abs(want[step - 1])
@@ -93,7 +94,7 @@ def check(name, rows, want, first=1, tol=2e-5):
         if rel > tol:
             sys.exit(f"FAIL: {name}: step {step} loss {loss} but the reference sampler's windows give "
                      f"{want[step - 1]} (relative {rel:.3g}): dtrain read other windows")
-    print(f"ok: {name}: steps {first}-{STEPS} read the reference sampler's windows (worst relative {worst:.1e})")
+    print(f"ok: {name}: steps {first}-{last} read the reference sampler's windows (worst relative {worst:.1e})")
 
 
 def scenario_tokens(args):
@@ -117,3 +118,15 @@ def scenario_tokens(args):
     resumed = train(args, "train_gpt", 1, common + [f"--steps={STEPS}", "--batch_size=8", f"--save_dir={ck}",
                                                     "--resume=yes"], "resumed")
     check("stopped at step 6 on 2 ranks, resumed on 1", resumed, want, first=7)
+    # Another global batch on resume: 4 steps of 4 windows on 1 rank, then 2 ranks x 4 (a global
+    # batch of 8): the run goes on at window 16 of the epoch's order, the reference's batch 2 on
+    # (before, the saved batch index 4 was taken as a batch of 8: windows 16-31 were skipped).
+    ck2 = os.path.join(w, "ck2")
+    train(args, "train_gpt", 1, common + ["--steps=4", "--batch_size=4", f"--save_dir={ck2}"], "g4")
+    resumed = train(args, "train_gpt", 2, common + [f"--steps={STEPS - 2}", "--batch_size=4", f"--save_dir={ck2}",
+                                                    "--resume=yes"], "g8")
+    check("4 steps of 4 windows, resumed on 2 ranks x 4", resumed, [None, None] + want, first=5, last=STEPS - 2)
+    # Another seed on resume would read the epoch's rest in another order: refused.
+    out = train(args, "train_gpt", 1, [f if f != f"--seed={SEED}" else f"--seed={SEED + 1}" for f in common] + [
+        f"--steps={STEPS}", "--batch_size=8", f"--save_dir={ck2}", "--resume=yes"], "seed", expect_status=2)
+    assert f"was drawn with seed {SEED}, this run's with {SEED + 1}" in out, "another --seed was not refused"
