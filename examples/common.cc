@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <set>
 #include <sstream>
 
 #include <ATen/ATen.h>
@@ -23,6 +25,7 @@
 #include "dtrain/engine/optim/offload.h"
 #include "dtrain/engine/parallel/quantize.h"
 #include "dtrain/engine/data/token_shards.h"
+#include "dtrain/engine/state/checkpoint.h"
 #include "dtrain/engine/train/cli.h"
 
 // The examples' own flags; the standard ones are dtrain's (dtrain/engine/train/cli.h).
@@ -250,12 +253,28 @@ engine::StepMetrics fit_and_report(const Run& run, engine::Trainer& trainer, tor
     report(run, trainer.first_logged(), last);
     return last;
   }
+  // Without held-out data (no --eval_data_path) the training samples are scored, and said so.
   engine::DataLoader& data = eval ? *eval : train;
+  const char* kind = eval ? "held-out samples" : "training samples (not held out: no --eval_data_path)";
   const engine::ResumeMode resume = engine::parse_resume(engine::cli::flags().resume);
+  const std::string& dir = engine::cli::flags().save_dir;
   if (resume != engine::ResumeMode::kNo) {  // evaluate a checkpoint's weights
     if (trainer.resume_checkpoint(nullptr, resume == engine::ResumeMode::kYes) && run.world.rank == 0) {
       std::printf("%s: evaluating the checkpoint of step %lld in %s\n", run.program.c_str(),
-                  static_cast<long long>(trainer.current_step()), engine::cli::flags().save_dir.c_str());
+                  static_cast<long long>(trainer.current_step()), dir.c_str());
+    }
+  } else {
+    // A directory of checkpoints without --resume: the user means them, and would get the
+    // model's initial weights scored (a training run refuses the same directory).
+    DTRAIN_CHECK(dir.empty() || engine::CheckpointStore(dir).list().empty(), "--eval_only --save_dir=", dir,
+                 ": the directory holds checkpoints, but without --resume the model's initial weights would be "
+                 "evaluated; add --resume to evaluate the newest checkpoint");
+    gflags::CommandLineFlagInfo hf;
+    const bool from_hf = gflags::GetCommandLineFlagInfo("init_from_hf", &hf) && !hf.current_value.empty();
+    if (run.world.rank == 0) {
+      std::printf("%s: evaluating %s\n", run.program.c_str(),
+                  from_hf ? ("the weights of --init_from_hf=" + hf.current_value).c_str()
+                          : "the model's initial weights (no checkpoint: --resume --save_dir=DIR evaluates one)");
     }
   }
   // The held-out set of --eval_samples (the same samples for any rank count), in forwards of
@@ -271,10 +290,10 @@ engine::StepMetrics fit_and_report(const Run& run, engine::Trainer& trainer, tor
     double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / forwards;
     engine::MemoryStats mem = engine::memory_stats(run.device);
     if (run.world.rank == 0) {
-      std::printf("%s: evaluated %lld held-out samples (%lld batches per rank) under no_grad%s: loss %.4f, %.1f "
+      std::printf("%s: evaluated %lld %s (%lld batches per rank) under no_grad%s: loss %.4f, %.1f "
                   "ms/batch, peak memory %.0f MB\n",
-                  run.program.c_str(), static_cast<long long>(samples), static_cast<long long>(forwards), what, loss,
-                  ms, mem.peak_mb);
+                  run.program.c_str(), static_cast<long long>(samples), kind, static_cast<long long>(forwards), what,
+                  loss, ms, mem.peak_mb);
     }
     return std::make_pair(loss, ms);
   };
@@ -373,11 +392,46 @@ std::shared_ptr<engine::TokenShardDataset> token_shards(const Run& run, const st
 
 }  // namespace
 
+// The held-out shards kept out of training: a directory given as --data_path must not hold a
+// validation shard (dtrain-prepare and llm.c write PREFIX_val_*.bin beside the train shards),
+// and no shard may be in both sets. Either way the evaluation would score trained-on windows.
+void check_held_out(const engine::TokenShardDataset& train, const engine::TokenShardDataset* eval) {
+  std::stringstream list(FLAGS_data_path);
+  for (std::string item; std::getline(list, item, ',');) {
+    struct stat st {};
+    if (item.empty() || ::stat(item.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) continue;
+    for (const engine::TokenShardInfo& shard : train.shards()) {
+      const std::string name = shard.path.substr(shard.path.rfind('/') + 1);
+      DTRAIN_CHECK(shard.path.rfind(item, 0) != 0 || name.find("_val_") == std::string::npos, "--data_path=", item,
+                   " holds ", name, ", a validation shard (dtrain-prepare's and llm.c's PREFIX_val_*.bin): training "
+                   "on it makes the evaluation score trained-on text. Name the training shards with a pattern, e.g. "
+                   "--data_path='", item, "/*_train_*.bin', and the validation shard with --eval_data_path");
+    }
+  }
+  if (eval == nullptr) return;
+  const auto real = [](const std::string& path) {
+    char* r = ::realpath(path.c_str(), nullptr);
+    std::string out = r ? r : path;
+    std::free(r);
+    return out;
+  };
+  std::set<std::string> trained;
+  for (const engine::TokenShardInfo& shard : train.shards()) trained.insert(real(shard.path));
+  for (const engine::TokenShardInfo& shard : eval->shards()) {
+    DTRAIN_CHECK(!trained.count(real(shard.path)), "--eval_data_path's shard ", shard.path, " is also in --data_path: "
+                 "the evaluation would score text the model trains on; keep the held-out shards out of --data_path");
+  }
+}
+
 TokenData token_data(const Run& run, int64_t window_len, bool fold_bytes) {
   if (FLAGS_data == "tokens") {
     TokenData d;
-    d.train = token_shards(run, FLAGS_data_path, "--data_path", window_len);
-    if (!FLAGS_eval_data_path.empty()) d.eval = token_shards(run, FLAGS_eval_data_path, "--eval_data_path", window_len);
+    auto train = token_shards(run, FLAGS_data_path, "--data_path", window_len);
+    std::shared_ptr<engine::TokenShardDataset> eval;
+    if (!FLAGS_eval_data_path.empty()) eval = token_shards(run, FLAGS_eval_data_path, "--eval_data_path", window_len);
+    check_held_out(*train, eval.get());
+    d.train = train;
+    d.eval = eval;
     return d;
   }
   DTRAIN_CHECK(FLAGS_eval_data_path.empty() && FLAGS_data_format == "auto", "--eval_data_path and --data_format are "

@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdio>
 #include <optional>
+#include <set>
 
 #include <gflags/gflags.h>
 #include <glog/logging.h>
@@ -93,6 +94,15 @@ void check_export_flags(const examples::Run& run) {
     DTRAIN_CHECK(::stat(FLAGS_output.c_str(), &st) == 0 && S_ISDIR(st.st_mode), "--output=", FLAGS_output,
                  ": --format=hf writes a checkpoint directory; create it first (mkdir -p ", FLAGS_output, ")");
     engine::check_output_path(FLAGS_output + "/model.safetensors", "--output");
+    // An earlier export's tokenizer files beside weights that are not theirs: refused when this
+    // export writes none (it replaces them when it writes its own).
+    if (FLAGS_tokenizer.empty()) {
+      for (const char* name : {"tokenizer.model", "tokenizer_config.json", "tokenizer.json", "generation_config.json"}) {
+        DTRAIN_CHECK(::stat((FLAGS_output + "/" + name).c_str(), &st) != 0, "--output=", FLAGS_output, " holds ", name,
+                     " of an earlier export; this one writes no tokenizer (no --tokenizer), so it would describe "
+                     "another model's weights: give --tokenizer, remove it, or export into an empty directory");
+      }
+    }
   } else {
     engine::check_output_path(FLAGS_output, "--output");
   }
@@ -158,13 +168,16 @@ std::string export_hf(const examples::Run& run, examples::ExampleModel& m, const
     positions = shape.seq_len;
     vocab = shape.vocab;
   }
-  if (tokenizer != nullptr) o.config_json = engine::hf_config_with_tokenizer(o.config_json, *tokenizer);
-  const int64_t n = engine::save_hf_weights(FLAGS_output, *m.module, run.mesh->tp(), names, o);
-  if (tokenizer == nullptr) return std::to_string(n) + " tensors and config.json";
   engine::HfTokenizerOptions t;
   t.add_bos = FLAGS_bos;
   t.max_length = positions;
   t.vocab = vocab;
+  if (tokenizer != nullptr) {  // its refusals before any file is written
+    o.config_json = engine::hf_config_with_tokenizer(o.config_json, *tokenizer);
+    engine::hf_tokenizer_files(*tokenizer, t);
+  }
+  const int64_t n = engine::save_hf_weights(FLAGS_output, *m.module, run.mesh->tp(), names, o);
+  if (tokenizer == nullptr) return std::to_string(n) + " tensors and config.json";
   engine::save_hf_tokenizer(FLAGS_output, *tokenizer, t);
   return std::to_string(n) + " tensors, config.json and the tokenizer (" + tokenizer->describe() + ")";
 }
@@ -226,7 +239,10 @@ int export_main(int argc, char** argv) {
   }
   const int64_t step = load_checkpoint(run, m);
   int64_t parameters = 0;
-  for (const auto& p : m.module->parameters()) parameters += p.numel();
+  std::set<const void*> counted;  // a tied weight (one tensor under two names) once
+  for (const auto& p : m.module->parameters()) {
+    if (counted.insert(p.data_ptr()).second) parameters += p.numel();
+  }
   const std::string detail = FLAGS_format == "safetensors" ? export_safetensors(m, model_name, step)
                              : FLAGS_format == "hf"        ? export_hf(run, m, tokenizer ? &*tokenizer : nullptr)
                                                            : export_torchscript(m, model_name);

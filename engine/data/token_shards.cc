@@ -15,7 +15,9 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <cstdlib>
 #include <iterator>
+#include <map>
 #include <memory>
 #include <set>
 #include <sstream>
@@ -178,7 +180,8 @@ std::vector<std::string> list_directory(const std::string& dir, TokenFormat form
   ::closedir(handle);
   std::sort(names.begin(), names.end());
   std::vector<std::string> paths;
-  for (const std::string& n : names) paths.push_back(dir + "/" + n);
+  const std::string prefix = dir.back() == '/' ? dir : dir + "/";
+  for (const std::string& n : names) paths.push_back(prefix + n);
   return paths;
 }
 
@@ -250,6 +253,18 @@ std::vector<Candidate> expand_paths(const TokenShardOptions& o) {
                    "PREFIX.idx and "
                    "PREFIX.bin); check the path");
     }
+  }
+  // A shard named twice (a directory and a pattern over it, one file under two names) would be
+  // read twice as often as the others, without a word.
+  std::map<std::string, std::string> seen;  // real path -> the first name
+  for (const Candidate& c : out) {
+    char* real = ::realpath((c.megatron ? c.path + ".bin" : c.path).c_str(), nullptr);
+    const std::string key = real ? real : c.path;
+    std::free(real);
+    auto [it, fresh] = seen.emplace(key, c.path);
+    DTRAIN_CHECK(fresh, "the token shard '", c.path, "' is named twice in the paths",
+                 it->second == c.path ? "" : " (also as '" + it->second + "')",
+                 ": it would be read twice as often as the others; name each shard once");
   }
   return out;
 }

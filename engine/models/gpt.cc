@@ -120,6 +120,11 @@ GptImpl::GptImpl(const GptOptions& o, dist::Communicator& comm, dist::Communicat
   for (int i = 0; i < o.layers; ++i) blocks->push_back(GptBlock(o, comm, cp));
   ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.d_model})));
   if (o.tie_embeddings) {
+    // The head reads the embedding: at the embedding's N(0, 1) its logits start with a standard
+    // deviation of about sqrt(d_model) (a first loss of 43 where ln(vocab) is 7.6). GPT-2's
+    // 0.02, as a scale of the same draw (the same model at every --tp).
+    torch::NoGradGuard no_grad;
+    wte->weight.mul_(0.02);
     tied_head = register_module("head", TiedVocabHead(wte, comm, o.sequence_parallel));
   } else {
     ParallelLinearOptions head_options;

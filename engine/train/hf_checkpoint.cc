@@ -249,11 +249,11 @@ int64_t save_hf_weights(const std::string& dir, torch::nn::Module& model, dist::
 
 // ---- the tokenizer beside the weights ------------------------------------------------------
 
-void save_hf_tokenizer(const std::string& dir, const Tokenizer& tokenizer, const HfTokenizerOptions& options) {
+std::map<std::string, std::string> hf_tokenizer_files(const Tokenizer& tokenizer, const HfTokenizerOptions& options) {
   std::ifstream in(tokenizer.path(), std::ios::binary);
   std::ostringstream bytes;
   bytes << in.rdbuf();
-  DTRAIN_CHECK(in.good() || in.eof(), "could not read the tokenizer ", tokenizer.path(), " to copy it into ", dir);
+  DTRAIN_CHECK(in.good() || in.eof(), "could not read the tokenizer ", tokenizer.path());
   nlohmann::ordered_json c = {{"tokenizer_class", "TokenizersBackend"}};
   const auto special = [&](const char* key, int64_t id) {
     if (id >= 0) c[key] = tokenizer.piece(id);
@@ -286,10 +286,17 @@ void save_hf_tokenizer(const std::string& dir, const Tokenizer& tokenizer, const
     for (int64_t i = pieces; i < vocab; ++i) padding.push_back(i);
     g["suppress_tokens"] = padding;
   }
+  return {{"tokenizer.model", bytes.str()},
+          {"tokenizer_config.json", c.dump(2) + "\n"},
+          {"generation_config.json", g.dump(2) + "\n"}};
+}
+
+void save_hf_tokenizer(const std::string& dir, const Tokenizer& tokenizer, const HfTokenizerOptions& options) {
+  std::map<std::string, std::string> files = hf_tokenizer_files(tokenizer, options);
   // The model first: a reader that finds the config finds the model it names.
-  write_text_atomically(join(dir, "tokenizer.model"), bytes.str());
-  write_text_atomically(join(dir, "tokenizer_config.json"), c.dump(2) + "\n");
-  write_text_atomically(join(dir, "generation_config.json"), g.dump(2) + "\n");
+  for (const char* name : {"tokenizer.model", "tokenizer_config.json", "generation_config.json"}) {
+    write_text_atomically(join(dir, name), files.at(name));
+  }
 }
 
 std::string hf_config_with_tokenizer(const std::string& config_json, const Tokenizer& tokenizer) {

@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -94,6 +95,10 @@ struct HfTokenizerOptions {
   int64_t vocab = 0;           // the model's vocabulary (>= the tokenizer's pieces); 0: the pieces
 };
 void save_hf_tokenizer(const std::string& dir, const Tokenizer& tokenizer, const HfTokenizerOptions& options = {});
+// What save_hf_tokenizer writes, by file name, without writing it (its checks throw here: call
+// it before writing anything else, so that a refused tokenizer leaves no half-written export).
+std::map<std::string, std::string> hf_tokenizer_files(const Tokenizer& tokenizer,
+                                                      const HfTokenizerOptions& options = {});
 
 // `config_json` (a model's config.json) with the tokenizer's special ids: bos_token_id and
 // eos_token_id (null where the tokenizer has none; transformers' generate() stops at the EOS) and
