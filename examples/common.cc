@@ -146,8 +146,10 @@ Run init_run(int argc, char** argv, const std::string& usage,
       gflags::CommandLineFlagInfo info;
       gflags::GetCommandLineFlagInfo(flag, &info);
       DTRAIN_CHECK(info.is_default || std::find(model_flags.begin(), model_flags.end(), flag) != model_flags.end(),
-                   "--", flag, " is a flag of train_gpt's language models (--model=gpt or llama); drop --", flag,
-                   " here");
+                   "--", flag, " is a flag of train_gpt's ",
+                   std::string(flag) == "kv_heads" || std::string(flag) == "rope_theta" ? "Llama (--model=llama)"
+                                                                                         : "language models (--model=gpt or llama)",
+                   "; drop --", flag, " here");
     }
     apply_hf_config();  // the shape flags from a Hugging Face config.json, before they are checked
     check_flags(topics);

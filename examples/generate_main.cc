@@ -129,15 +129,18 @@ std::string tokenizer_hint() {
 // The prompts of --prompt, --prompt_tokens or --prompt_file, each row one sequence (--batch
 // applied), checked against the vocabulary.
 std::vector<std::vector<int64_t>> read_prompts() {
-  const int given = !FLAGS_prompt.empty() + !FLAGS_prompt_tokens.empty() + !FLAGS_prompt_file.empty();
+  // --prompt="" is given too: the BOS alone (an unconditioned sample, as train_gpt's empty
+  // --sample_prompt), or an error below when there is no BOS to start from.
+  const bool prompt_given = !FLAGS_prompt.empty() || !gflags::GetCommandLineFlagInfoOrDie("prompt").is_default;
+  const int given = prompt_given + !FLAGS_prompt_tokens.empty() + !FLAGS_prompt_file.empty();
   DTRAIN_CHECK(given == 1, given == 0 ? "no prompt: give --prompt=TEXT (with --tokenizer), --prompt_tokens=ID,ID,... "
                                         "or --prompt_file=FILE"
                                       : "more than one of --prompt, --prompt_tokens and --prompt_file given: give one");
   const bool text = tokenizer().has_value();
-  DTRAIN_CHECK(text || FLAGS_prompt.empty(), "--prompt is text: give --tokenizer=tokenizer.model (the SentencePiece "
+  DTRAIN_CHECK(text || !prompt_given, "--prompt is text: give --tokenizer=tokenizer.model (the SentencePiece "
                "model of the weights)", tokenizer_hint(), " to encode it, or the ids as --prompt_tokens");
   std::vector<std::vector<int64_t>> prompts;
-  if (!FLAGS_prompt.empty()) {
+  if (prompt_given) {
     prompts.push_back(encode_prompt(FLAGS_prompt));
   } else if (!FLAGS_prompt_tokens.empty()) {
     prompts.push_back(parse_ids(FLAGS_prompt_tokens, "--prompt_tokens"));
@@ -153,7 +156,9 @@ std::vector<std::vector<int64_t>> read_prompts() {
       if (!ids.empty()) prompts.push_back(ids);
     }
   }
-  const std::string source = !FLAGS_prompt.empty()       ? std::string("--prompt")
+  const std::string source = prompt_given ? std::string(FLAGS_prompt.empty() ? "--prompt=\"\" (with no BOS: --bos is "
+                                                                            "off or the tokenizer has none)"
+                                                                          : "--prompt")
                              : !FLAGS_prompt_tokens.empty() ? std::string("--prompt_tokens")
                                                             : "--prompt_file=" + FLAGS_prompt_file;
   DTRAIN_CHECK(!prompts.empty() && !prompts[0].empty(), source, " holds no token ids");
@@ -263,6 +268,9 @@ void check_generate_flags() {
   const auto prompts = read_prompts();
   const int64_t P = longest(prompts), positions = max_positions();
   DTRAIN_CHECK(FLAGS_max_new_tokens >= 1, "--max_new_tokens=", FLAGS_max_new_tokens, " must be >= 1");
+  DTRAIN_CHECK(P < positions, "the (longest) prompt has ", P, " tokens, and the model has ", positions,
+               " positions (--seq_len, or --hf_config's max_position_embeddings): no room for a new token; shorten the "
+               "prompt", positions > 1 ? " to at most " + std::to_string(positions - 1) + " tokens" : std::string());
   DTRAIN_CHECK(P + FLAGS_max_new_tokens <= positions, "--max_new_tokens=", FLAGS_max_new_tokens, ": the (longest) prompt's ", P,
                " tokens and ", FLAGS_max_new_tokens, " new ones need ", P + FLAGS_max_new_tokens,
                " positions, the model has ", positions, " (--seq_len, or --hf_config's max_position_embeddings); "

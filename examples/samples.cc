@@ -27,7 +27,13 @@ engine::Decoder generation_calls(const ExampleModel& model, const std::string& w
 }
 
 void attach_samples(const Run& run, const ExampleModel& model, engine::TrainerOptions& options) {
-  if (FLAGS_sample_every == 0) return;
+  if (FLAGS_sample_every == 0) {  // the samples' flags do nothing then: said, not ignored
+    for (const char* flag : {"tokenizer", "sample_prompt", "sample_tokens", "sample_temperature"}) {
+      DTRAIN_CHECK(gflags::GetCommandLineFlagInfoOrDie(flag).is_default, "--", flag, " is for the samples taken "
+                   "while training, and --sample_every is 0 (none): add --sample_every=N, or drop --", flag);
+    }
+    return;
+  }
   const auto& f = engine::cli::flags();
   DTRAIN_CHECK(FLAGS_sample_every > 0, "--sample_every=", FLAGS_sample_every, " must be >= 0 (0: no samples)");
   DTRAIN_CHECK(!FLAGS_tokenizer.empty(), "--sample_every needs --tokenizer=tokenizer.model (the SentencePiece model "

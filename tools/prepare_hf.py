@@ -112,6 +112,12 @@ def input_files(spec):
         files += found
     if not files:
         raise PrepareError("--input is required: text files, directories or glob patterns, comma-separated")
+    seen = {}
+    for f in files:
+        first = seen.setdefault(os.path.realpath(f), f)
+        if first is not f:
+            also = "" if first == f else f" (also as {first})"
+            raise PrepareError(f"--input names {f} twice{also}: its text would be encoded twice; name each file once")
     return files
 
 

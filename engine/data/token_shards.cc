@@ -325,6 +325,15 @@ Shard open_raw(std::unique_ptr<MappedFile> file, int width) {
                " tokens, raw_token_bytes = ", width,
                "); it was cut short, or holds tokens of another width (raw_token_bytes = ",
                width == 2 ? 4 : 2, ")");
+  // An llm.c shard read as headerless tokens would train on its 1 KiB header as tokens.
+  if (size >= 1024) {
+    int32_t magic = 0;
+    std::memcpy(&magic, file->data(), sizeof magic);  // little-endian, as the formats are
+    DTRAIN_CHECK(magic != kGpt2Magic && magic != kLlama3Magic, "the token file '", path,
+                 "' starts with llm.c's shard header (magic ", magic, "), but is read as headerless ", type,
+                 " tokens (format raw: --data_format=raw|raw32 in dtrain's programs), which would train on the "
+                 "header as tokens; read it as an llm.c shard (--data_format=auto or llmc)");
+  }
   Shard s;
   s.dtype = width == 2 ? Dtype::kUint16 : Dtype::kUint32;
   s.info.format = TokenFormat::kRaw;
@@ -639,7 +648,7 @@ std::string TokenShardDataset::describe() const {
   const auto short_shards = std::count_if(infos_.begin(), infos_.end(),
                                           [](const TokenShardInfo& s) { return s.windows == 0; });
   if (short_shards > 0) os << "; " << short_shards << " shard(s) too short for a window";
-  if (options_.vocab > 0) os << "; tokens checked below vocab " << options_.vocab;
+  if (options_.vocab > 0) os << "; each window's tokens checked below vocab " << options_.vocab << " as it is read";
   return os.str();
 }
 

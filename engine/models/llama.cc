@@ -132,8 +132,10 @@ void check_options(const LlamaOptions& o, const dist::Communicator& tp) {
                o.heads);
   DTRAIN_CHECK((o.d_model / o.heads) % 2 == 0, "the head size d_model/heads = ", o.d_model / o.heads,
                " must be even for rotary position embeddings");
-  DTRAIN_CHECK(o.kv_heads >= 1 && o.heads % o.kv_heads == 0, "--kv_heads=", o.kv_heads,
-               " must divide --heads=", o.heads, " (each key/value head serves heads/kv_heads query heads)");
+  DTRAIN_CHECK(o.kv_heads >= 1 && o.heads % o.kv_heads == 0, "--heads=", o.heads, " is not a multiple of --kv_heads=",
+               o.kv_heads, " (each key/value head serves heads/kv_heads query heads; train_gpt --model=llama's default "
+               "--kv_heads is 4): give a --kv_heads that divides --heads (--kv_heads=--heads: plain multi-head "
+               "attention)");
   const int T = tp.size();
   DTRAIN_CHECK(o.heads % T == 0 && o.kv_heads % T == 0, "--heads=", o.heads, " and --kv_heads=", o.kv_heads,
                " must both divide over --tp=", T, ": tensor parallelism splits the query and the key/value heads; "

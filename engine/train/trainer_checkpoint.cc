@@ -88,6 +88,13 @@ bool Trainer::resume_checkpoint(DataLoader* loader, bool required) {
                "none (or point --save_dir at the run's directory)");
   step_ = state.step;
   if (optimizer_) {  // an evaluation-only trainer takes the weights and the step
+    // The checkpoint's micro-batching wins (OOM back-off may have raised it); said when the
+    // options ask for another, so that a changed --accum_steps is not taken silently.
+    if (state.accum_steps != options_.accum_steps && mesh_.world().rank() == 0) {
+      LOG(WARNING) << "resuming with the checkpoint's " << state.accum_steps << " micro-batches per step (its "
+                   << "--accum_steps, or what OOM back-off raised it to), not the " << options_.accum_steps
+                   << " asked for: the same global batch; start a new --save_dir to change it";
+    }
     accum_steps_ = state.accum_steps;
     last_saved_step_ = state.step;
   }

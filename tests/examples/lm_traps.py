@@ -12,6 +12,10 @@ refused or said (each case failed, or passed silently, before its fix).
   * dtrain-export --format=hf --tokenizer: a tokenizer it refuses (no BOS piece for --bos) leaves
     the directory empty; a directory holding an earlier export's tokenizer is refused for an
     export without one.
+  * Messages that misled: an llm.c shard read with --data_format=raw (its header trained on),
+    the samples' flags without --sample_every (ignored), --kv_heads with --model=gpt, the default
+    --kv_heads against --heads=2, a prompt that fills the positions ("at most -6 new tokens"),
+    --prompt="" ("no prompt").
 
 usage: lm_traps.py --bin BUILD/bin --mpirun "mpirun ..." --python PYTHON
 """
@@ -60,6 +64,21 @@ def main():
         out = run(llama + flags, expect=2)
         assert want in out, f"wanted {want!r}"
     run(llama + [f"--data_path={shards}/d_train_*.bin", f"--eval_data_path={val_shard}", "--steps=1"])
+    more = [
+        # An llm.c shard read as headerless tokens (its header trained on as tokens before).
+        (llama + [f"--data_path={train_shard}", "--data_format=raw", "--steps=1"], "starts with llm.c's shard header"),
+        # The samples' flags without --sample_every did nothing.
+        (llama + [f"--data_path={train_shard}", "--steps=1", "--tokenizer=missing.model"],
+         "--tokenizer is for the samples taken while training, and --sample_every is 0"),
+        (gpt + ["--model=gpt", f"--data_path={train_shard}", "--steps=1", "--kv_heads=2"],
+         "--kv_heads is a flag of train_gpt's Llama (--model=llama)"),
+        (gpt[:1] + ["--model=llama"] + gpt[1:] + [f"--data_path={train_shard}", "--steps=1", "--heads=2",
+                                                  "--d_model=16"],
+         "--heads=2 is not a multiple of --kv_heads=4"),
+    ]
+    for flags, want in more:
+        out = run(flags, expect=2)
+        assert want in out, f"wanted {want!r}"
 
     ck = os.path.join(tmp, "ck")
     run(llama + [f"--data_path={train_shard}", "--steps=2", f"--save_dir={ck}"])
@@ -90,6 +109,11 @@ def main():
     assert "tokenizer_config.json" in os.listdir(hf)
     out = run(export, expect=2)
     assert "holds tokenizer.model of an earlier export; this one writes no tokenizer" in out
+    generate = [os.path.join(args.bin, "dtrain-generate")] + export[1:10] + ["--device=cpu", f"--checkpoint={ck}"]
+    out = run(generate + ["--prompt_tokens=" + ",".join(["5"] * S)], expect=2)
+    assert f"the (longest) prompt has {S} tokens, and the model has {S} positions" in out
+    out = run(generate + [f"--tokenizer={tmp}/nobos.model", "--prompt="], expect=2)
+    assert 'prompt="" (with no BOS' in out and "holds no token ids" in out
     print("OK")
 
 

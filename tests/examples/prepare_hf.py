@@ -214,6 +214,7 @@ def check_refusals(args, tmp, hf, bpe, plain):
          "--eos: the tokenizer"),
         ([f"--input={plain[0]}", f"--tokenizer={binary}"], "is not a Hugging Face tokenizer transformers can load"),
         ([f"--input={plain[0]}", "--documents=xml"], "--documents=xml is not one of: file, lines, jsonl"),
+        ([f"--input={plain[0]},{os.path.dirname(plain[0])}"], "twice: its text would be encoded twice"),
     ]
     for flags, want in cases:
         got = run(base + flags, expect=2)

@@ -426,9 +426,14 @@ TEST_F(PrepareTest, LibraryWritesTheReferenceStreamForEveryFlagAndThreadCount) {
       o.documents = combo & 1 ? DocumentMode::kLines : DocumentMode::kFile;
       o.bos = combo & 2;
       o.eos = combo & 4;
-      o.inputs = {texts_dir() + "/d_*.txt", texts_dir() + "/b_unicode.txt", texts_dir()};  // glob, file, directory
+      // A glob, a file and the rest by name, in that order (a file named twice is refused).
+      o.inputs = {texts_dir() + "/d_*.txt", texts_dir() + "/b_unicode.txt"};
       std::vector<std::string> files = {texts_dir() + "/d_no_newline.txt", texts_dir() + "/b_unicode.txt"};
-      files.insert(files.end(), texts_->begin(), texts_->end());
+      for (const std::string& f : *texts_) {
+        if (std::find(files.begin(), files.end(), f) != files.end()) continue;
+        o.inputs.push_back(f);
+        files.push_back(f);
+      }
       o.val_tokens = 11 * combo;
       o.shard_tokens = 297 + 100 * combo;
       o.prefix = "p";
@@ -493,6 +498,24 @@ TEST_F(PrepareTest, LibraryRefusesBadInputsAndOutputDirectories) {
                {"binary.txt", "NUL byte at offset 15", "binary file"});
   expect_error([&] { run([&](PrepareOptions& o) { o.inputs = {bad + "/binary.txt"}; o.documents = DocumentMode::kLines; }); },
                {"binary.txt", "offset 15"});
+  // Not UTF-8: Latin-1 (a lone 0xE9), an overlong form, a surrogate, a cut-off sequence at the
+  // end: refused by offset (they became unknown pieces without a word).
+  write_file(bad + "/latin1.txt", "caf\xe9 au lait");
+  write_file(bad + "/overlong.txt", "ok\nslash \xc0\xaf here");
+  write_file(bad + "/surrogate.txt", "x \xed\xa0\x80");
+  write_file(bad + "/cut.txt", "fine \xe2\x82");
+  write_file(bad + "/valid.txt", "caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x99\x82 \xf4\x8f\xbf\xbf");
+  expect_error([&] { run([&](PrepareOptions& o) { o.inputs = {bad + "/latin1.txt"}; }); },
+               {"latin1.txt is not UTF-8 text: byte 0xE9 at offset 3", "iconv"});
+  expect_error([&] { run([&](PrepareOptions& o) { o.inputs = {bad + "/overlong.txt"}; o.documents = DocumentMode::kLines; }); },
+               {"overlong.txt", "byte 0xC0 at offset 9"});
+  expect_error([&] { run([&](PrepareOptions& o) { o.inputs = {bad + "/surrogate.txt"}; }); }, {"byte 0xED at offset 2"});
+  expect_error([&] { run([&](PrepareOptions& o) { o.inputs = {bad + "/cut.txt"}; }); }, {"byte 0xE2 at offset 5"});
+  // Well-formed UTF-8 passes the check (and reaches the test's table encoder, which knows only
+  // the reference texts).
+  expect_error([&] { run([&](PrepareOptions& o) { o.inputs = {bad + "/valid.txt"}; }); }, {"the reference has no document"});
+  expect_error([&] { run([&](PrepareOptions& o) { o.inputs = {bad + "/valid.txt", bad + "/*.txt"}; }); },
+               {"--input names", "valid.txt twice", "encoded twice"});
   expect_error([&] { run([&](PrepareOptions& o) { o.inputs = {bad + "/empty"}; }); }, {"empty", "no regular files"});
   expect_error([&] { run([&](PrepareOptions& o) { o.inputs = {bad + "/*.nothing"}; }); }, {"matches no regular file"});
   expect_error([&] { run([&](PrepareOptions& o) { o.inputs = {texts_dir() + "/c_empty.txt"}; }); }, {"hold no text"});

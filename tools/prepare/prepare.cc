@@ -17,10 +17,12 @@
 #include <condition_variable>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -243,6 +245,18 @@ std::vector<std::string> expand_inputs(const std::vector<std::string>& inputs) {
     }
     files.insert(files.end(), more.begin(), more.end());
   }
+  // A file named twice (a directory and a pattern over it) would be encoded twice.
+  std::map<std::string, std::string> seen;  // real path -> the name it came as
+  for (const std::string& f : files) {
+    char* real = ::realpath(f.c_str(), nullptr);
+    const std::string key = real ? real : f;
+    std::free(real);
+    const auto [it, fresh] = seen.emplace(key, f);
+    if (!fresh) {
+      fail("--input names ", f, " twice", it->second == f ? "" : " (also as " + it->second + ")",
+           ": its text would be encoded twice; name each file once");
+    }
+  }
   return files;
 }
 
@@ -323,6 +337,50 @@ struct Document {
   int64_t span = 0;  // stored input bytes it accounts for (the progress line)
 };
 
+// The offset of the first byte that is not part of well-formed UTF-8 (RFC 3629: no overlong
+// forms, no surrogates, nothing above U+10FFFF), or npos.
+size_t first_invalid_utf8(const std::string& s) {
+  const auto* b = reinterpret_cast<const unsigned char*>(s.data());
+  const size_t n = s.size();
+  size_t i = 0;
+  while (i < n) {
+    const unsigned c = b[i];
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    size_t len = 0;
+    unsigned lo = 0x80, hi = 0xBF;  // the second byte's range
+    if (c >= 0xC2 && c <= 0xDF) {
+      len = 2;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      len = 3;
+      if (c == 0xE0) lo = 0xA0;
+      if (c == 0xED) hi = 0x9F;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      len = 4;
+      if (c == 0xF0) lo = 0x90;
+      if (c == 0xF4) hi = 0x8F;
+    } else {
+      return i;
+    }
+    if (i + len > n || b[i + 1] < lo || b[i + 1] > hi) return i;
+    for (size_t k = 2; k < len; ++k) {
+      if (b[i + k] < 0x80 || b[i + k] > 0xBF) return i;
+    }
+    i += len;
+  }
+  return std::string::npos;
+}
+
+[[noreturn]] void not_utf8(const std::string& path, int64_t offset, unsigned char byte) {
+  char hex[8];
+  std::snprintf(hex, sizeof hex, "0x%02X", byte);
+  fail("--input: ", path, " is not UTF-8 text: byte ", hex, " at offset ", offset, " begins no valid UTF-8 sequence "
+       "(a Latin-1 or Windows-1252 file?), and the tokenizer would make its characters unknown pieces; convert it "
+       "first, e.g. iconv -f latin1 -t utf-8");
+}
+
 [[noreturn]] void binary_file(const std::string& path, int64_t offset) {
   fail("--input: ", path, " holds a NUL byte at offset ", offset,
        ": it is a binary file, not UTF-8 text; remove it from --input");
@@ -378,6 +436,8 @@ class DocumentSource {
       std::string text = in.read_all();
       const size_t nul = text.find('\0');
       if (nul != std::string::npos) binary_file(files_[file_], static_cast<int64_t>(nul));
+      const size_t bad = first_invalid_utf8(text);
+      if (bad != std::string::npos) not_utf8(files_[file_], static_cast<int64_t>(bad), text[bad]);
       docs.push_back({std::move(text), file_, 0, in.consumed()});
       ++file_;
       return true;
@@ -410,6 +470,8 @@ class DocumentSource {
       ++line_;
       const size_t nul = line.find('\0');
       if (nul != std::string::npos) binary_file(files_[file_], offset_ + static_cast<int64_t>(nul));
+      const size_t bad = first_invalid_utf8(line);
+      if (bad != std::string::npos) not_utf8(files_[file_], offset_ + static_cast<int64_t>(bad), line[bad]);
       offset_ += static_cast<int64_t>(line.size()) + 1;
       if (!line.empty() && line.back() == '\r') line.pop_back();
       if (!line.empty()) return true;
