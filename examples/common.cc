@@ -129,8 +129,10 @@ Run init_run(int argc, char** argv, const std::string& usage,
                                               "teacher_offload"});
   }
   std::vector<std::string> model_listed = model_flags;
-  if (std::find(model_flags.begin(), model_flags.end(), "vocab") != model_flags.end()) {
-    model_listed.push_back("sparse_embedding");  // the transformers' token embeddings
+  // The GPT's and the seq2seq's token embeddings (the Llama refuses sparse gradients).
+  if (std::find(model_flags.begin(), model_flags.end(), "vocab") != model_flags.end() &&
+      std::find(model_flags.begin(), model_flags.end(), "kv_heads") == model_flags.end()) {
+    model_listed.push_back("sparse_embedding");
   }
   engine::cli::describe_flags("Model", model_listed);
   std::vector<std::string> data = {"data", "data_path", "data_format", "eval_data_path", "eval_only", "inplace"};

@@ -128,7 +128,9 @@ TEST(TrainingState, WeightsOnlyRestoreAndItsRefusals) {
   ScratchDir dir("ts_run", /*create=*/true), other_dir("ts_other", /*create=*/true);
   torch::nn::Linear trained = ts_model(1);
   {
-    Trainer trainer(*trained, ts_loss(trained), run.mesh, c10::Device(c10::kCPU), ts_options(dir.str(), 2, false));
+    TrainerOptions o = ts_options(dir.str(), 2, false);
+    o.checkpoint_meta = {{"shape.width", "4"}, {"shape.act", "relu"}, {"run.seq_len", "8"}};
+    Trainer trainer(*trained, ts_loss(trained), run.mesh, c10::Device(c10::kCPU), o);
     DataLoader loader(run.data, run.loader_options);
     trainer.fit(loader);
   }
@@ -138,6 +140,13 @@ TEST(TrainingState, WeightsOnlyRestoreAndItsRefusals) {
   TrainingState state(*model, run.mesh, p.params, p.names, splits);
   DataLoader loader(run.data, run.loader_options);
   CheckpointStore store(dir.str());
+  // The recorded shape: another value of a shape.* entry is refused, naming each; run.* entries
+  // and entries the checkpoint lacks are not compared.
+  state.meta = {{"shape.width", "4"}, {"shape.act", "gelu"}, {"shape.new", "1"}, {"run.seq_len", "16"}};
+  EXPECT_NE(testing_util::error_of([&] { resume_training_state(state, store, &loader); })
+                .find("is of a model built with other shape flags: --act=relu (here gelu)"),
+            std::string::npos);
+  state.meta = {{"shape.width", "4"}, {"shape.act", "relu"}, {"shape.new", "1"}, {"run.seq_len", "16"}};
   ASSERT_TRUE(resume_training_state(state, store, &loader).has_value());
   EXPECT_EQ(state.step, 2);
   EXPECT_EQ(loader.position(), (std::pair<int64_t, int64_t>{0, 0})) << "weights only: the loader stays";
