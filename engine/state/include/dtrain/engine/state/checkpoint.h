@@ -106,7 +106,9 @@ struct CheckpointData {
   NamedTensors masks;      // pruning masks (bool, unsplit) by parameter name; empty: none
   RngState rng;            // of the saving process (rank 0)
   // Free-form strings, e.g. "schedule" (its options), "loader.train" = "epoch,index" (the
-  // DataLoader::position() to seek() to), "program", "args".
+  // DataLoader::position() to seek() to) with "loader.train.batch" / ".seed" / ".samples" (its
+  // global batch, order seed and dataset size, for a resume with another batch), "program",
+  // "args", "shape.<flag>" (what built the model: compared on every restore).
   std::map<std::string, std::string> meta;
   int world_size = 1;
   int dp_size = 1;     // world_size / (dp_size x pipeline_stages()) is the tensor-parallel size
