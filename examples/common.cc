@@ -143,6 +143,7 @@ Run init_run(int argc, char** argv, const std::string& usage,
   // The library's run set-up from the flags (engine/train/run.h); the examples' own checks run
   // before any communicator exists.
   engine::RunOptions ro = engine::cli::run_options(engine::cli::flags());
+  ro.applies_plan = true;  // plan_and_apply (model_factory.cc)
   ro.checks = [&] {
     for (const char* flag : {"kv_heads", "rope_theta", "tie_embeddings", "hf_config", "init_from_hf"}) {
       gflags::CommandLineFlagInfo info;
@@ -201,6 +202,7 @@ std::map<std::string, std::string> shape_meta(const Run& run) {
 engine::TrainerOptions trainer_options(const Run& run, const std::string& default_optimizer) {
   engine::TrainerOptions o = engine::cli::trainer_options(engine::cli::flags(), default_optimizer, run.mesh->tp_size());
   o.checkpoint_meta["program"] = run.program;
+  o.model_applies_block_techniques = true;  // the example models checkpoint and stream their blocks
   // The model's shape, so that a later run can rebuild it (a distillation teacher's defaults)
   // and a resume, an evaluation, generation or an export refuses other shape flags.
   for (const auto& [key, value] : shape_meta(run)) o.checkpoint_meta[key] = value;

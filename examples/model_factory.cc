@@ -701,6 +701,12 @@ void plan_and_apply(const Run& run, ExampleModel& model, engine::TrainerOptions&
   DTRAIN_CHECK(planning || engine::cli::flags().plan_cluster.empty(), "--plan_cluster=",
                engine::cli::flags().plan_cluster, " ranks --plan=auto's candidates; add --plan=auto "
                "--gpu_mem_limit_gb=X, or drop --plan_cluster");
+  // What the plan chooses may not also be given: it would be replaced without a word.
+  for (const char* flag : {"accum_steps", "checkpoint_activations", "checkpoint_blocks"}) {
+    DTRAIN_CHECK(!planning || gflags::GetCommandLineFlagInfoOrDie(flag).is_default, "--", flag, " with --plan=auto: "
+                 "the plan chooses the micro-batching and the recomputed blocks itself, and would replace it; drop --",
+                 flag, ", or drop --plan=auto and give the techniques yourself");
+  }
   if (planning) {
     engine::PlanInputs in = plan_inputs(run, model, options);
     // What the device holds already besides the model (on the CPU the data set, for one) is

@@ -101,7 +101,9 @@ void split_pipeline_stage(ModelSpec& spec, int stage, int stages, const std::str
   if (stages == 1) return;
   if (spec.blocks->size() != static_cast<size_t>(spec.blocks->whole_size())) {
     DTRAIN_CHECK(spec.blocks->index(0) == t.first_block && spec.blocks->index(spec.blocks->size() - 1) + 1 == t.end_block,
-                 "split_pipeline_stage: the model was split for another stage already");
+                 "split_pipeline_stage: the model was split already, for another stage or another number of "
+                 "chunks: split it once, with the chunks its schedule runs (TrainerOptions::pipeline.chunks; "
+                 "cli::pipeline_chunks(flags) for --pp_schedule=interleaved), or leave the split to the Trainer");
     return;
   }
   // A tensor registered under the names of two pieces (a head tied to the embedding) would be

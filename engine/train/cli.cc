@@ -277,6 +277,33 @@ std::string flag_line(const std::string& name) {
   return os.str();
 }
 
+// Flags that do nothing in the combination given: said once (on the first rank), not errors
+// (scripts that sweep a matrix of layouts pass them alike).
+void warn_idle_flags(const Flags& f, const OffloadChoice& offload) {
+  std::vector<std::string> idle;
+  const Flags d;
+  if (f.sequence_parallel && f.tp == 1) idle.push_back("--sequence_parallel with --tp=1 (no sequence to split)");
+  if (f.pp == 1 && (f.pp_schedule != d.pp_schedule || f.pp_chunks != d.pp_chunks)) {
+    idle.push_back("--pp_schedule / --pp_chunks with --pp=1 (no pipeline)");
+  }
+  if (!offload.optimizer && (f.offload_stream_gradients != d.offload_stream_gradients ||
+                             f.offload_reduce_to_owner != d.offload_reduce_to_owner)) {
+    idle.push_back("--offload_stream_gradients / --offload_reduce_to_owner without --offload=optimizer or all");
+  }
+  if (f.on_nonfinite == "stop" && f.max_nonfinite_skips != d.max_nonfinite_skips) {
+    idle.push_back("--max_nonfinite_skips with --on_nonfinite=stop (nothing is skipped)");
+  }
+  if (f.prune_amount <= 0 && f.prune_scope != d.prune_scope) idle.push_back("--prune_scope without --prune_amount");
+  if (idle.empty()) return;
+  for (const char* rank : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"}) {
+    const char* r = std::getenv(rank);
+    if (r != nullptr && std::string(r) != "0") return;
+  }
+  std::string text;
+  for (const std::string& i : idle) text += "\n  " + i;
+  std::fprintf(stderr, "dtrain: warning: flags that have no effect in this run:%s\n", text.c_str());
+}
+
 void validate(const Flags& f) {
   if (registered(kTraining)) {
     DTRAIN_CHECK(f.steps >= 0, "--steps=", f.steps, " must be >= 0");
@@ -338,6 +365,10 @@ void validate(const Flags& f) {
                "--offload_delayed_update_after needs --offload=optimizer, --offload=all or --offload=layers");
   DTRAIN_CHECK(f.save_every >= 0, "--save_every=", f.save_every, " must be >= 0");
   DTRAIN_CHECK(f.keep_last >= 0, "--keep_last=", f.keep_last, " must be >= 0");
+  DTRAIN_CHECK(!f.save_dir.empty() || (f.save_every == TrainerOptions().save_every &&
+                                       f.keep_last == TrainerOptions().keep_last),
+               "--save_every / --keep_last without --save_dir: nothing would be saved; add --save_dir=DIR");
+  warn_idle_flags(f, offload);
   parse_resume(f.resume);
   parse_save_dir_exists(f.save_dir_exists);
   if (!f.shard_units.empty()) split_list(f.shard_units, "--shard_units");

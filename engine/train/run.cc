@@ -16,6 +16,10 @@ Run start_run(const RunOptions& o, const char* argv0, const std::string& program
   run.world = dist::detect_world();
   dist::init_logging(argv0, run.world);
   dist::Mesh::check(run.world.size, o.tp, o.pp, o.cp);
+  DTRAIN_CHECK(o.plan != "auto" || o.applies_plan, "--plan=auto chooses memory techniques for programs "
+               "that apply its plan (dtrain's train_* programs); this one does not, so --gpu_mem_limit_gb would be "
+               "ignored. Give the techniques as flags (dtrain-plan suggests them), or plan in your program "
+               "(dtrain/engine/memory/planner.h) and set RunOptions::applies_plan");
   if (o.checks) o.checks();
   run.device = dist::select_device(run.world, dist::parse_device_request(o.device));
   dist::CommOptions comm_options;

@@ -68,6 +68,7 @@ Trainer::Applied Trainer::apply_to_spec(ModelSpec spec, dist::Mesh& mesh, c10::D
                " rank(s) that is not the mesh's cp axis (", mesh.cp_size(), " rank(s)): its weights' gradients would "
                "not be averaged over it; build the mesh with that context-parallel size (Mesh(world, tp, pp, cp)) and "
                "the model with &mesh.cp()");
+  options.model_applies_block_techniques = true;  // the AppliedModel below
   ModelTechniques t;
   t.checkpoint_activations = options.checkpoint_activations;
   t.checkpoint_blocks = options.checkpoint_blocks;
@@ -169,6 +170,13 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
   (void)fused_block_ops_enabled();  // a bad DTRAIN_FUSED_BLOCK_OPS fails here, on any device
   // Before the first collective that depends on them (the parameter broadcast, the reducer).
   agree_on_settings(mesh_.world(), trainer_setup::settings_of(options_), "TrainerOptions");
+  DTRAIN_CHECK(options_.model_applies_block_techniques || !(options_.checkpoint_activations || options_.offload_layers),
+               "TrainerOptions::", options_.checkpoint_activations ? "checkpoint_activations" : "offload_layers",
+               " (--", options_.checkpoint_activations ? "checkpoint_activations" : "offload=layers",
+               ") with a Trainer built from a module and a loss: the trainer cannot find the module's blocks, so it "
+               "would do nothing. Build the Trainer from a ModelSpec (dtrain/engine/models/model_spec.h), which "
+               "applies it to the blocks, or apply it in your module and set "
+               "TrainerOptions::model_applies_block_techniques");
   // Whoever promises preemption handling installs it: without the handlers SIGUSR1/SIGTERM
   // would kill the ranks before any checkpoint.
   if (options_.handle_preemption) install_preemption_handlers();

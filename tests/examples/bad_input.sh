@@ -53,6 +53,13 @@ bin_tokens=$(mktemp)
 printf '\x34\x12\x00\x00\xff\xfe\x01\x00' >"$bin_tokens"
 check 2 "'$bin_tokens' is not text \\(byte 2 is 0x00\\)" "$bin/train_gpt" --device=cpu --data_path="$bin_tokens" --steps=1
 check 2 "the text corpus '/nonexistent/corpus.txt' does not exist" "$bin/train_gpt" --device=cpu --data_path=/nonexistent/corpus.txt
+# Flags a program would accept and ignore (a user audit): --plan=auto in a program that does not
+# plan (the docs' command-line example), block techniques with a module+loss Trainer, saving
+# without a directory, a technique --plan=auto chooses itself.
+check 2 'plan=auto chooses memory techniques for programs that apply its plan' "$bin/dtrain_api_snippets" --run=10 --device=cpu --plan=auto --gpu_mem_limit_gb=1
+check 2 'checkpoint_activations.*with a Trainer built from a module and a loss' "$bin/dtrain_api_snippets" --run=10 --device=cpu --steps=1 --checkpoint_activations
+check 2 'save_every / --keep_last without --save_dir: nothing would be saved' "$bin/train_mlp" --save_every=2
+check 2 'accum_steps with --plan=auto: the plan chooses' "$bin/train_mlp" --plan=auto --gpu_mem_limit_gb=1 --accum_steps=2
 rm -f "$bin_tokens"
 rm -f /tmp/dtrain_bad_input.$$
 [[ $failed == 0 ]] && echo "all bad-input cases exit 2 with a message"

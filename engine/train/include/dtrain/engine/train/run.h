@@ -35,6 +35,10 @@ struct RunOptions {
   int checkpoint_blocks = -1;           // TrainerOptions::checkpoint_blocks
   bool offload_layers = false;       // TrainerOptions::offload_layers
   std::string plan = "none";         // none or auto: the memory planner, within gpu_mem_limit_gb
+  // Whether the program plans (dtrain's example programs: examples/model_factory.cc's
+  // plan_and_apply, over engine/memory/planner.h). start_run refuses plan = "auto" otherwise:
+  // the flag would be accepted and do nothing.
+  bool applies_plan = false;
   double gpu_mem_limit_gb = 0;
   // --plan=auto: rank the candidates by the step-time simulator (engine/memory/simulator.h) with
   // this cluster file (dtrain-plan --calibrate); empty: by the activation probe's timings.

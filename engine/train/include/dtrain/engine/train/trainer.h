@@ -215,6 +215,11 @@ struct TrainerOptions {
   bool checkpoint_activations = false;
   int checkpoint_blocks = -1;  // with it: the first N blocks of each stage recomputed (-1: all)
   bool offload_layers = false;
+  // A trainer built from a module and a LossFn cannot find the module's blocks: it refuses
+  // checkpoint_activations and offload_layers (a command line's --checkpoint_activations or
+  // --offload=layers would do nothing) unless the module applies them itself and says so here
+  // (dtrain's example models do). A ModelSpec's trainer applies them.
+  bool model_applies_block_techniques = false;
   std::string pp_blocks;
   // Layer offload with the delayed update (offload_layers, offload.delayed_update_after >= 0):
   // the streamed blocks' parameters, updated on the host one step late
