@@ -396,8 +396,6 @@ std::shared_ptr<engine::TokenShardDataset> token_shards(const Run& run, const st
   return data;
 }
 
-}  // namespace
-
 // The held-out shards kept out of training: a directory given as --data_path must not hold a
 // validation shard (dtrain-prepare and llm.c write PREFIX_val_*.bin beside the train shards),
 // and no shard may be in both sets. Either way the evaluation would score trained-on windows.
@@ -406,9 +404,10 @@ void check_held_out(const engine::TokenShardDataset& train, const engine::TokenS
   for (std::string item; std::getline(list, item, ',');) {
     struct stat st {};
     if (item.empty() || ::stat(item.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) continue;
+    const std::string prefix = item.back() == '/' ? item : item + "/";  // the directory's shards
     for (const engine::TokenShardInfo& shard : train.shards()) {
       const std::string name = shard.path.substr(shard.path.rfind('/') + 1);
-      DTRAIN_CHECK(shard.path.rfind(item, 0) != 0 || name.find("_val_") == std::string::npos, "--data_path=", item,
+      DTRAIN_CHECK(shard.path.rfind(prefix, 0) != 0 || name.find("_val_") == std::string::npos, "--data_path=", item,
                    " holds ", name, ", a validation shard (dtrain-prepare's and llm.c's PREFIX_val_*.bin): training "
                    "on it makes the evaluation score trained-on text. Name the training shards with a pattern, e.g. "
                    "--data_path='", item, "/*_train_*.bin', and the validation shard with --eval_data_path");
@@ -428,6 +427,8 @@ void check_held_out(const engine::TokenShardDataset& train, const engine::TokenS
                  "the evaluation would score text the model trains on; keep the held-out shards out of --data_path");
   }
 }
+
+}  // namespace
 
 TokenData token_data(const Run& run, int64_t window_len, bool fold_bytes) {
   if (FLAGS_data == "tokens") {
