@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <map>
 #include <optional>
 #include <set>
 
@@ -147,39 +148,47 @@ std::string export_safetensors(examples::ExampleModel& m, const std::string& mod
   return std::to_string(tensors.size()) + " tensors" + quantized;
 }
 
-// --format=hf: the directory from_pretrained loads (config.json from the shape flags), with the
-// tokenizer's files when --tokenizer names one (already loaded: a bad file fails before the
-// checkpoint is read).
-std::string export_hf(const examples::Run& run, examples::ExampleModel& m, const engine::Tokenizer* tokenizer) {
-  engine::HfSaveOptions o;
+// --format=hf: what goes into the directory from_pretrained loads - config.json from the shape
+// flags and, with --tokenizer, the tokenizer's files - made before the checkpoint is read, so a
+// refused tokenizer (more pieces than the vocabulary, no BOS for --bos) fails before any work.
+struct HfExport {
+  engine::HfSaveOptions save;
   engine::HfNames names;
-  int64_t positions = 0, vocab = 0;
+  std::map<std::string, std::string> tokenizer_files;  // empty without --tokenizer
+  std::string tokenizer;                               // its description
+};
+
+HfExport plan_hf_export(const examples::ExampleModel& m, const engine::Tokenizer* tokenizer) {
+  HfExport e;
+  engine::HfTokenizerOptions t;
+  t.add_bos = FLAGS_bos;
   if (FLAGS_model == "gpt") {  // GPT2LMHeadModel: n_positions is the trained length (the table's rows)
     const engine::GptOptions& shape = dynamic_cast<engine::GptImpl&>(*m.module).options;
-    o.config_json = engine::gpt2_hf_config_json(shape);
-    names = engine::gpt2_hf_names(shape);
-    positions = shape.seq_len;
-    vocab = shape.vocab;
+    e.save.config_json = engine::gpt2_hf_config_json(shape);
+    e.names = engine::gpt2_hf_names(shape);
+    t.max_length = shape.seq_len;
+    t.vocab = shape.vocab;
   } else {
     engine::LlamaOptions shape = examples::llama_flag_options();
     shape.seq_len = examples::llama_max_positions();
-    o.config_json = engine::llama_hf_config_json(shape);
-    names = engine::llama_hf_names();
-    positions = shape.seq_len;
-    vocab = shape.vocab;
+    e.save.config_json = engine::llama_hf_config_json(shape);
+    e.names = engine::llama_hf_names();
+    t.max_length = shape.seq_len;
+    t.vocab = shape.vocab;
   }
-  engine::HfTokenizerOptions t;
-  t.add_bos = FLAGS_bos;
-  t.max_length = positions;
-  t.vocab = vocab;
-  if (tokenizer != nullptr) {  // its refusals before any file is written
-    o.config_json = engine::hf_config_with_tokenizer(o.config_json, *tokenizer);
-    engine::hf_tokenizer_files(*tokenizer, t);
+  if (tokenizer != nullptr) {
+    e.tokenizer_files = engine::hf_tokenizer_files(*tokenizer, t);
+    e.save.config_json = engine::hf_config_with_tokenizer(e.save.config_json, *tokenizer);
+    e.tokenizer = tokenizer->describe();
   }
-  const int64_t n = engine::save_hf_weights(FLAGS_output, *m.module, run.mesh->tp(), names, o);
-  if (tokenizer == nullptr) return std::to_string(n) + " tensors and config.json";
-  engine::save_hf_tokenizer(FLAGS_output, *tokenizer, t);
-  return std::to_string(n) + " tensors, config.json and the tokenizer (" + tokenizer->describe() + ")";
+  return e;
+}
+
+std::string export_hf(const examples::Run& run, examples::ExampleModel& m, const HfExport& e) {
+  const int64_t n = engine::save_hf_weights(FLAGS_output, *m.module, run.mesh->tp(), e.names, e.save);
+  if (e.tokenizer_files.empty()) return std::to_string(n) + " tensors and config.json";
+  engine::save_hf_tokenizer(FLAGS_output, e.tokenizer_files);
+  return std::to_string(n) + " tensors, config.json and the tokenizer (" + e.tokenizer + ")";
 }
 
 // --format=torchscript: traced, loaded back and checked against the module on example inputs.
@@ -230,13 +239,8 @@ int export_main(int argc, char** argv) {
   std::optional<engine::Tokenizer> tokenizer;
   if (!FLAGS_tokenizer.empty()) tokenizer = engine::Tokenizer::load(FLAGS_tokenizer);
   examples::ExampleModel m = examples::build_example_model(model_name, run);
-  if (tokenizer) {  // before the checkpoint is read
-    const int64_t vocab = FLAGS_model == "gpt" ? dynamic_cast<engine::GptImpl&>(*m.module).options.vocab
-                                               : examples::llama_flag_options().vocab;
-    DTRAIN_CHECK(tokenizer->vocab_size() <= vocab, "--tokenizer=", FLAGS_tokenizer, " has ", tokenizer->vocab_size(),
-                 " pieces, more than the model's vocabulary of ", vocab,
-                 ": its ids would index past the embedding. Give the tokenizer the run was trained with");
-  }
+  std::optional<HfExport> hf;
+  if (FLAGS_format == "hf") hf = plan_hf_export(m, tokenizer ? &*tokenizer : nullptr);  // before the checkpoint
   const int64_t step = load_checkpoint(run, m);
   int64_t parameters = 0;
   std::set<const void*> counted;  // a tied weight (one tensor under two names) once
@@ -244,7 +248,7 @@ int export_main(int argc, char** argv) {
     if (counted.insert(p.data_ptr()).second) parameters += p.numel();
   }
   const std::string detail = FLAGS_format == "safetensors" ? export_safetensors(m, model_name, step)
-                             : FLAGS_format == "hf"        ? export_hf(run, m, tokenizer ? &*tokenizer : nullptr)
+                             : FLAGS_format == "hf"        ? export_hf(run, m, *hf)
                                                            : export_torchscript(m, model_name);
   std::printf("dtrain-export: wrote %s (%s, %s, %.3fM parameters) from the checkpoint of step %lld in %s\n",
               FLAGS_output.c_str(), FLAGS_format.c_str(), detail.c_str(), parameters / 1e6,

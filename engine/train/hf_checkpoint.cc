@@ -291,12 +291,15 @@ std::map<std::string, std::string> hf_tokenizer_files(const Tokenizer& tokenizer
           {"generation_config.json", g.dump(2) + "\n"}};
 }
 
-void save_hf_tokenizer(const std::string& dir, const Tokenizer& tokenizer, const HfTokenizerOptions& options) {
-  std::map<std::string, std::string> files = hf_tokenizer_files(tokenizer, options);
+void save_hf_tokenizer(const std::string& dir, const std::map<std::string, std::string>& files) {
   // The model first: a reader that finds the config finds the model it names.
   for (const char* name : {"tokenizer.model", "tokenizer_config.json", "generation_config.json"}) {
     write_text_atomically(join(dir, name), files.at(name));
   }
+}
+
+void save_hf_tokenizer(const std::string& dir, const Tokenizer& tokenizer, const HfTokenizerOptions& options) {
+  save_hf_tokenizer(dir, hf_tokenizer_files(tokenizer, options));
 }
 
 std::string hf_config_with_tokenizer(const std::string& config_json, const Tokenizer& tokenizer) {

@@ -96,9 +96,11 @@ struct HfTokenizerOptions {
 };
 void save_hf_tokenizer(const std::string& dir, const Tokenizer& tokenizer, const HfTokenizerOptions& options = {});
 // What save_hf_tokenizer writes, by file name, without writing it (its checks throw here: call
-// it before writing anything else, so that a refused tokenizer leaves no half-written export).
+// it before writing anything else, so that a refused tokenizer leaves no half-written export),
+// and the writing of those files (each atomically, the model before the configs naming it).
 std::map<std::string, std::string> hf_tokenizer_files(const Tokenizer& tokenizer,
                                                       const HfTokenizerOptions& options = {});
+void save_hf_tokenizer(const std::string& dir, const std::map<std::string, std::string>& files);
 
 // `config_json` (a model's config.json) with the tokenizer's special ids: bos_token_id and
 // eos_token_id (null where the tokenizer has none; transformers' generate() stops at the EOS) and
