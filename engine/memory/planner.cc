@@ -11,6 +11,7 @@
 #include <iomanip>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <tuple>
 
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/memory/memory.h"
@@ -171,6 +172,13 @@ int techniques_used(const Technique& t, AmpMode asked) {
          int{t.offload_optimizer} + int{t.offload_layers} + int{t.shard > 0};
 }
 
+// How far a technique departs from the plain step, compared in this order: the techniques it
+// uses, its micro-batches, the share of blocks it recomputes, its ZeRO stage, what it offloads.
+std::tuple<int, int, double, int, int> simplicity(const PlanInputs& in, const Technique& t) {
+  return {techniques_used(t, in.amp), t.accum_steps, recomputed_share(in, t), t.shard,
+          int{t.offload_optimizer} + int{t.offload_layers}};
+}
+
 // A candidate technique with the figures the choice follows: this rank's own, or (with a
 // PlanAgreement) the maximum over the ranks that apply one plan.
 struct Candidate {
@@ -269,6 +277,14 @@ std::string plan_reason(const PlanInputs& in, const std::vector<Candidate>& all,
       break;
     }
   }
+  const Candidate* fastest = *std::min_element(
+      fitting.begin(), fitting.end(), [](const Candidate* a, const Candidate* b) { return a->seconds < b->seconds; });
+  if (fastest->seconds < best.seconds) {
+    os << "; the fastest, "
+       << (fastest->estimate.technique.flags().empty() ? "the plain step" : fastest->estimate.technique.flags())
+       << " at ~" << fastest->seconds * 1e3 << " ms/step, is within " << std::setprecision(0)
+       << 100 * in.time_tolerance << "% and departs further from the plain step" << std::setprecision(1);
+  }
   if (fitting.size() > 1) {
     const Candidate& next = *fitting[1];
     os << "; next best: "
@@ -359,6 +375,8 @@ void validate(const PlanInputs& in) {
                " must be in [0, pp=", in.pp, ") and pp >= 1");
   DTRAIN_CHECK(in.compute_seconds_per_row >= 0 && in.micro_batch_overhead_seconds >= 0,
                "compute times must be >= 0 (0: from the probe)");
+  DTRAIN_CHECK(std::isfinite(in.time_tolerance) && in.time_tolerance >= 0 && in.time_tolerance < 1,
+               "PlanInputs.time_tolerance=", in.time_tolerance, " must be in [0, 1)");
 }
 
 int64_t host_budget_bytes(double host_mem_limit_gb, int local_ranks, const std::string& meminfo_path) {
@@ -770,6 +788,13 @@ Plan choose_plan(const PlanInputs& in, const ActivationProfile& profile, const P
   std::stable_sort(fitting.begin(), fitting.end(), [&](const Candidate* a, const Candidate* b) {
     if (a->seconds != b->seconds) return a->seconds < b->seconds;
     return techniques_used(a->estimate.technique, in.amp) < techniques_used(b->estimate.technique, in.amp);
+  });
+  // Those within time_tolerance of the fastest go first, simplest first (PlanInputs).
+  const double tied = fitting.front()->seconds * (1.0 + in.time_tolerance);
+  const auto band_end = std::find_if(fitting.begin(), fitting.end(),
+                                     [&](const Candidate* c) { return c->seconds > tied; });
+  std::stable_sort(fitting.begin(), band_end, [&](const Candidate* a, const Candidate* b) {
+    return simplicity(in, a->estimate.technique) < simplicity(in, b->estimate.technique);
   });
   Plan plan;
   plan.technique = fitting.front()->estimate.technique;

@@ -766,6 +766,39 @@ TEST(PlannerChoice, AnotherTimeModelRanksTheCandidates) {
   EXPECT_NE(with_hook, 0.100);
 }
 
+TEST(PlannerChoice, NearlyEqualTimesPickTheSimplestAndStayPut) {
+  // Timings within time_tolerance of the fastest are noise: the plan is the simplest of them,
+  // whichever of them happened to measure fastest. Every candidate fits; accumulation of 4 and
+  // checkpointing + accumulation of 2 are priced 1% apart either way, the rest far slower.
+  PlanInputs in = inputs();
+  in.gpu_budget_bytes = 2048 * kMB;
+  for (double ckpt_time : {0.099, 0.101}) {
+    in.step_time = [ckpt_time](const Technique& t) {
+      if (t.checkpoint && t.accum_steps == 2) return ckpt_time;
+      if (!t.checkpoint && t.accum_steps == 4) return 0.100;
+      return 1.0;
+    };
+    Plan plan = choose_plan(in, profile());
+    EXPECT_EQ(plan.flags(), "--accum_steps=4") << ckpt_time << ": " << plan.reason;
+    if (ckpt_time < 0.100) {
+      EXPECT_NE(plan.reason.find("the fastest, --checkpoint_activations"), std::string::npos) << plan.reason;
+      EXPECT_NE(plan.reason.find("is within 5%"), std::string::npos) << plan.reason;
+    }
+  }
+  // Outside the band the faster one wins; with no tolerance the strictly fastest.
+  in.step_time = [](const Technique& t) { return t.checkpoint && t.accum_steps == 2 ? 0.090 : t.accum_steps == 4 && !t.checkpoint ? 0.100 : 1.0; };
+  EXPECT_TRUE(choose_plan(in, profile()).technique.checkpoint);
+  in.step_time = [](const Technique& t) { return t.checkpoint && t.accum_steps == 2 ? 0.099 : t.accum_steps == 4 && !t.checkpoint ? 0.100 : 1.0; };
+  in.time_tolerance = 0;
+  EXPECT_TRUE(choose_plan(in, profile()).technique.checkpoint);
+  // Within the band and one technique each: fewer micro-batches first.
+  in.time_tolerance = 0.05;
+  in.step_time = [](const Technique& t) { return t.checkpoint ? 1.0 : t.accum_steps == 4 ? 0.100 : t.accum_steps == 8 ? 0.098 : 1.0; };
+  EXPECT_EQ(choose_plan(in, profile()).flags(), "--accum_steps=4");
+  in.time_tolerance = 1.5;
+  EXPECT_THROW(choose_plan(in, profile()), dtrain::Error);
+}
+
 TEST(PlannerMemoryLimit, CpuEnforcesNothingAndBadBytesAreRefused) {
   EXPECT_FALSE(apply_memory_limit(c10::Device(c10::kCPU), 1 << 30));
   EXPECT_NE(

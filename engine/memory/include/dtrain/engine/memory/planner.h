@@ -263,6 +263,11 @@ struct PlanInputs {
   // Data-parallel bus bandwidth per rank: prices what sharding moves beyond DDP's all-reduce
   // (its reduction to owners is a reduce, not a reduce-scatter: weights x bytes / dp more).
   double network_bytes_per_second = 25e9;
+  // Candidates whose time is within this fraction of the fastest one's are taken as equally
+  // fast, and the plan is the simplest of them (fewest techniques, then fewest micro-batches,
+  // fewest recomputed blocks, least sharding, then the time): the probe's timings are noisy, so
+  // without it two runs of the same command could apply different plans for a 1% difference.
+  double time_tolerance = 0.05;
   // Another time model (the step-time simulator, --plan_cluster): seconds per optimizer step of
   // a technique, used instead of the one above when set; a NaN or a throw for a technique it
   // cannot price falls back to the one above.
