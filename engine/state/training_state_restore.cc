@@ -74,10 +74,9 @@ void seek_saved_position(DataLoader& loader, const std::map<std::string, std::st
   const std::optional<int64_t> saved_batch = recorded("batch"), saved_samples = recorded("samples");
   const auto seed = meta.find(key + ".seed");
   DTRAIN_CHECK(seed == meta.end() || !o.shuffle || seed->second == std::to_string(o.seed), "checkpoint ", source,
-               ": its data order (", key, ") was drawn with seed ", seed == meta.end() ? "" : seed->second,
+               ": its data order (", key, ") was drawn with seed ", seed->second,  // only read when recorded
                ", this run's with ", o.seed, ": from the middle of epoch ", epoch, " another order would repeat and "
-               "skip samples. Resume with the seed it was trained with (--seed=",
-               seed == meta.end() ? "" : seed->second, " in dtrain's programs)");
+               "skip samples. Resume with the seed it was trained with (--seed=", seed->second, " in dtrain's programs)");
   if (saved_samples && *saved_samples != loader.dataset_size()) {
     LOG(WARNING) << source << ": the data (" << key << ") has " << loader.dataset_size() << " samples, the checkpoint's had "
                  << *saved_samples << ": epoch " << epoch << "'s order is drawn anew from this data, so its rest may "

@@ -294,6 +294,19 @@ void warn_idle_flags(const Flags& f, const OffloadChoice& offload) {
     idle.push_back("--max_nonfinite_skips with --on_nonfinite=stop (nothing is skipped)");
   }
   if (f.prune_amount <= 0 && f.prune_scope != d.prune_scope) idle.push_back("--prune_scope without --prune_amount");
+  // Flags of the programs' own (examples/common.cc), looked up by name where they define them.
+  const auto given = [](const char* name) {
+    gflags::CommandLineFlagInfo info;
+    return gflags::GetCommandLineFlagInfo(name, &info) && !info.is_default;
+  };
+  const auto value = [](const char* name) {
+    std::string v;
+    return gflags::GetCommandLineOption(name, &v) ? v : std::string();
+  };
+  if (registered(kTraining) && f.eval_every == 0 && given("eval_samples") && value("eval_only") != "true") {
+    idle.push_back("--eval_samples without --eval_every or --eval_only (nothing is evaluated)");
+  }
+  if (given("quantize_scales") && value("quantize").empty()) idle.push_back("--quantize_scales without --quantize");
   if (idle.empty()) return;
   for (const char* rank : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"}) {
     const char* r = std::getenv(rank);

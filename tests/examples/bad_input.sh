@@ -60,6 +60,19 @@ check 2 'plan=auto chooses memory techniques for programs that apply its plan' "
 check 2 'checkpoint_activations.*with a Trainer built from a module and a loss' "$bin/dtrain_api_snippets" --run=10 --device=cpu --steps=1 --checkpoint_activations
 check 2 'save_every / --keep_last without --save_dir: nothing would be saved' "$bin/train_mlp" --save_every=2
 check 2 'accum_steps with --plan=auto: the plan chooses' "$bin/train_mlp" --plan=auto --gpu_mem_limit_gb=1 --accum_steps=2
+# Idle combinations run, with one warning naming each of them (and no warning without them).
+warned() {
+  local out
+  out=$("$@" 2>&1) || { echo "$out"; failed=1; return; }
+  echo "$out" | grep -q 'flags that have no effect in this run' || { echo "no idle-flag warning: $*"; echo "$out"; failed=1; }
+  echo "$out"
+}
+out=$(warned "$bin/train_mlp" --device=cpu --steps=1 --prune_scope=global --eval_samples=16 --quantize_scales=tensor)
+for idle in 'prune_scope without --prune_amount' 'eval_samples without --eval_every or --eval_only' 'quantize_scales without --quantize'; do
+  echo "$out" | grep -q -- "--$idle" || { echo "the warning does not name --$idle: $out"; failed=1; }
+done
+out=$("$bin/train_mlp" --device=cpu --steps=1 --eval_samples=16 --eval_every=1 2>&1)
+echo "$out" | grep -q 'no effect' && { echo "warned without an idle flag: $out"; failed=1; }
 rm -f "$bin_tokens"
 rm -f /tmp/dtrain_bad_input.$$
 [[ $failed == 0 ]] && echo "all bad-input cases exit 2 with a message"
