@@ -628,6 +628,8 @@ std::unique_ptr<engine::Trainer> make_trainer(const Run& run, const ExampleModel
 engine::sim::ModelShape simulator_shape(const std::string& model) {
   DTRAIN_CHECK(model == "gpt" || model == "llama", "the step-time simulator prices the language models ",
                "(--model=gpt or llama); --model=", model, " is not one");
+  DTRAIN_CHECK(FLAGS_hf_config.empty() || hf_config().gpt2 == (model == "gpt"), "--hf_config=", FLAGS_hf_config,
+               " is a ", model == "gpt" ? "Llama" : "GPT-2", " config; use --model=", model == "gpt" ? "llama" : "gpt");
   engine::sim::ModelShape m;
   m.family = model;
   m.layers = FLAGS_layers;
@@ -661,6 +663,7 @@ engine::sim::Layout simulator_layout(int tp, int pp, int cp, int dp) {
   l.param_bf16 = engine::parse_param_dtype(f.param_dtype) == at::kBFloat16;
   l.schedule = engine::parse_pipeline_schedule(f.pp_schedule);
   l.chunks = engine::cli::pipeline_chunks(f);
+  l.stage_blocks = f.pp_blocks;
   return l;
 }
 

@@ -29,6 +29,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
 #include "common.h"
 #include "dtrain/dist/error.h"
@@ -40,12 +41,12 @@
 #include "plan_simulate.h"
 
 DEFINE_bool(simulate, false, "predict the step time and memory of a layout on a cluster instead of probing this machine");
-DEFINE_bool(search, false, "--simulate: rank every layout of the cluster that fits (needs --global_batch)");
-DEFINE_int64(global_batch, 0, "--simulate --search: sequences per optimizer step (0: --batch_size x data-parallel ranks)");
+DEFINE_bool(search, false, "--simulate: rank every layout of the cluster that fits a global batch (--global_batch)");
+DEFINE_int64(global_batch, 0, "--simulate --search: sequences per optimizer step (0: --batch_size x the cluster's ranks)");
 DEFINE_int32(top, 10, "--simulate --search: layouts to print");
 DEFINE_int32(nodes, 1, "--simulate: nodes in the cluster");
 DEFINE_int32(gpus_per_node, 8, "--simulate: GPUs (ranks) per node");
-DEFINE_string(gpu, "h100", "--simulate: device kind (h100, h200, a100, a100-40gb); --cluster overrides");
+DEFINE_string(gpu, "h100", "--simulate: device kind (h100, h200, a100, a100-40gb); not with --cluster, whose device is the calibrated one");
 DEFINE_string(cluster, "", "--simulate: a cluster file written by --calibrate (device, links, overheads)");
 DEFINE_double(intra_node_gbps, 0, "--simulate: collective bus bandwidth inside a node, GB/s per GPU (0: the device's default)");
 DEFINE_double(inter_node_gbps, 0, "--simulate: collective bus bandwidth between nodes, GB/s per GPU (0: 45, or the cluster file's)");
@@ -77,13 +78,65 @@ sim::Cluster cluster_from_flags(int nodes) {
   c.device = sim::named_device(FLAGS_gpu);
   if (FLAGS_gpu.rfind("a100", 0) == 0) c.intra = {240e9, 3e-6};  // NVLink 3 (600 GB/s), NCCL's bus bandwidth
   if (!FLAGS_cluster.empty()) c = sim::cluster_from_json(read_text_file(FLAGS_cluster, "--cluster"), c);
-  if (given("gpu") && !FLAGS_cluster.empty()) c.device = sim::named_device(FLAGS_gpu);
   c.nodes = nodes;
   if (given("gpus_per_node") || FLAGS_cluster.empty()) c.gpus_per_node = FLAGS_gpus_per_node;
   if (FLAGS_intra_node_gbps > 0) c.intra.bytes_per_s = FLAGS_intra_node_gbps * 1e9;
   if (FLAGS_inter_node_gbps > 0) c.inter.bytes_per_s = FLAGS_inter_node_gbps * 1e9;
   if (FLAGS_inter_node_latency_us >= 0) c.inter.latency_s = FLAGS_inter_node_latency_us * 1e-6;
+  // The run's budgets, as --plan=auto takes them: the process's device memory, the host's.
+  const engine::cli::Flags& f = engine::cli::flags();
+  if (f.gpu_mem_limit_gb > 0) c.device.memory_bytes = f.gpu_mem_limit_gb * (1 << 30);
+  if (f.host_mem_limit_gb > 0) c.host_memory_bytes = f.host_mem_limit_gb * (1 << 30) * c.gpus_per_node;
   return c;
+}
+
+// Flags that would change nothing in this mode, or describe another model than the one priced:
+// refused, naming what to do.
+void check_simulate_flags(const std::string& model_name, const sim::MeasuredModel* measured) {
+  DTRAIN_CHECK(FLAGS_intra_node_gbps >= 0 && FLAGS_inter_node_gbps >= 0, "--intra_node_gbps=", FLAGS_intra_node_gbps,
+               " and --inter_node_gbps=", FLAGS_inter_node_gbps, " must be >= 0 (0: the default)");
+  DTRAIN_CHECK(FLAGS_inter_node_latency_us >= 0 || FLAGS_inter_node_latency_us == -1, "--inter_node_latency_us=",
+               FLAGS_inter_node_latency_us, " must be >= 0 (-1: the default)");
+  DTRAIN_CHECK(!(given("gpu") && !FLAGS_cluster.empty()), "--gpu=", FLAGS_gpu, " with --cluster=", FLAGS_cluster,
+               ": the cluster file's device is the one it calibrated (its rates and compute scale are that "
+               "machine's); give one of them (a named GPU takes --intra_node_gbps / --inter_node_gbps for its links)");
+  DTRAIN_CHECK(FLAGS_search || !given("global_batch"), "--global_batch is the search's (--search); one layout's batch "
+               "is --batch_size sequences per data-parallel rank");
+  DTRAIN_CHECK(!given("pp_zb_costs"), "--pp_zb_costs with --simulate: the simulator orders the zero-bubble lists at "
+               "the costs it prices, and prints them as --pp_zb_costs in the layout's flags; drop it");
+  if (FLAGS_search) {
+    // The search chooses these itself: a given one would be dropped without a word.
+    for (const char* flag : {"tp", "pp", "cp", "shard", "offload", "checkpoint_activations", "checkpoint_blocks",
+                             "sequence_parallel", "accum_steps", "pp_schedule", "pp_chunks", "pp_blocks",
+                             "offload_delayed_update_after"}) {
+      DTRAIN_CHECK(!given(flag), "--", flag, " with --search: the search chooses the layout and its techniques "
+                   "itself; drop --", flag, ", or price that one layout with --simulate alone");
+    }
+    const std::string amp = engine::cli::flags().amp;
+    DTRAIN_CHECK(amp == "off" || amp == "bf16", "--simulate prices --amp=bf16 or off; --amp=", amp,
+                 " (fp16) runs at bf16's speed: give --amp=bf16");
+  }
+  const char* const shape_flags[] = {"layers", "d_model", "heads", "kv_heads", "ff", "vocab", "seq_len",
+                                     "tie_embeddings", "hf_config"};
+  if (measured != nullptr) {
+    DTRAIN_CHECK(!FLAGS_cluster.empty(), "--measured=", FLAGS_measured, ": its times are of the machine it was measured "
+                 "on; give that machine's --cluster=FILE (dtrain-plan --calibrate there)");
+    DTRAIN_CHECK(measured->device.empty() || FLAGS_cluster.empty() ||
+                     sim::cluster_from_json(read_text_file(FLAGS_cluster, "--cluster")).device.name ==
+                         "calibrated-" + measured->device,
+                 "--measured=", FLAGS_measured, " was timed on the ", measured->device, " and --cluster=", FLAGS_cluster,
+                 " is another device's calibration; give the cluster file of the machine that measured the model");
+    bool shape_given = false;
+    for (const char* flag : shape_flags) shape_given = shape_given || given(flag);
+    if (shape_given) {
+      const std::string flags_shape =
+          model_name == "gpt" || model_name == "llama" ? simulator_shape(model_name).to_string() : std::string();
+      DTRAIN_CHECK(!measured->shape.empty() && flags_shape == measured->shape, "--measured=", FLAGS_measured,
+                   " is of ", measured->shape.empty() ? "a model of its own" : measured->shape,
+                   ", and the shape flags describe ", flags_shape.empty() ? "another" : flags_shape,
+                   ": the file gives the model; drop the shape flags, or --measure this shape");
+    }
+  }
 }
 
 // The layout the standard flags describe on `ranks` ranks.
@@ -148,10 +201,16 @@ int simulate_main(int argc, char** argv, const std::string& model_name) {
   DTRAIN_CHECK(FLAGS_top >= 1, "--top=", FLAGS_top, " must be >= 1");
   DTRAIN_CHECK(FLAGS_scaling_nodes.empty() || FLAGS_search, "--scaling_nodes needs --search");
   const bool measured = !FLAGS_measured.empty();
-  const sim::ModelShape model = measured ? sim::ModelShape{} : simulator_shape(model_name);
   const sim::MeasuredModel measured_model =
       measured ? sim::measured_model_from_json(read_text_file(FLAGS_measured, "--measured")) : sim::MeasuredModel{};
+  check_simulate_flags(model_name, measured ? &measured_model : nullptr);
+  const sim::ModelShape model = measured ? sim::ModelShape{} : simulator_shape(model_name);
   const sim::Cluster cluster = cluster_from_flags(FLAGS_nodes);
+  if (!measured && !cluster.calibrated_model.empty() && cluster.calibrated_model != model.to_string()) {
+    std::fprintf(stderr, "dtrain-plan: warning: --cluster=%s was calibrated on %s; this model (%s) takes its compute "
+                 "scale as measured there, which can be far off for another shape (calibrate on this one)\n",
+                 FLAGS_cluster.c_str(), cluster.calibrated_model.c_str(), model.to_string().c_str());
+  }
   if (measured) {
     std::printf("model: %s\n", measured_model.to_string().c_str());
   } else {
@@ -169,7 +228,7 @@ int simulate_main(int argc, char** argv, const std::string& model_name) {
     const sim::Layout layout = layout_from_flags(cluster.ranks());
     const sim::Prediction p = price(cluster, layout);
     std::printf("predicted: %s\n", p.to_string().c_str());
-    const std::string limitation = sim::dtrain_limitation(layout);
+    const std::string limitation = sim::dtrain_limitation(layout, !measured && model.tie_embeddings);
     if (!limitation.empty())
       std::printf("note: dtrain does not run %s yet (the figures price the layout as other frameworks run it)\n",
                   limitation.c_str());
@@ -183,7 +242,9 @@ int simulate_main(int argc, char** argv, const std::string& model_name) {
   }
   sim::SearchOptions so;
   so.bf16 = engine::cli::flags().amp != "off";
-  so.param_bf16 = so.bf16;
+  // bf16 weights are tried with AMP, unless --param_dtype=float32 is asked for.
+  so.param_bf16 = so.bf16 && !(given("param_dtype") && engine::parse_param_dtype(engine::cli::flags().param_dtype) ==
+                                                           at::kFloat);
   const std::vector<int> node_counts =
       FLAGS_scaling_nodes.empty() ? std::vector<int>{FLAGS_nodes} : parse_counts(FLAGS_scaling_nodes);
   int status = 0;
@@ -235,10 +296,18 @@ void calibrate(const Run& run, ExampleModel& m, const engine::TrainerOptions& op
   c.nodes = run.world.size / run.world.local_size;
   c.gpus_per_node = run.world.local_size;
   c.device.name = dev.is_cuda() ? "calibrated-cuda" : "calibrated-cpu";
-  {  // the matrix multiply at the model's largest shape
-    torch::Tensor a = torch::randn({t, shape.d_model}, opts), b = torch::randn({shape.d_model, shape.ff}, opts);
-    const double s = median_seconds(dev, 5, [&] { (void)torch::mm(a, b); });
-    c.device.peak_flops = c.device.fp32_flops = 2.0 * t * shape.d_model * shape.ff / s;
+  c.calibrated_model = shape.to_string();
+  {  // the matrix multiply: the fastest rate among the model's shapes (the peak MFU is taken against)
+    double best = 0;
+    // (rows, inner, columns): the MLP's two, the attention's projection, the head (at most 2048 rows:
+    // its output is rows x vocab)
+    for (auto [r, k, n] : {std::tuple<int64_t, int64_t, int64_t>{t, shape.d_model, shape.ff}, {t, shape.ff, shape.d_model},
+                           {t, shape.d_model, shape.d_model}, {std::min<int64_t>(t, 2048), shape.d_model, shape.vocab}}) {
+      torch::Tensor a = torch::randn({r, k}, opts), b = torch::randn({k, n}, opts);
+      const double s = median_seconds(dev, 5, [&] { (void)torch::mm(a, b); });
+      best = std::max(best, 2.0 * r * k * n / s);
+    }
+    c.device.peak_flops = c.device.fp32_flops = best;
     c.device.matmul_efficiency = 1;
   }
   {  // streaming: c = a + b over 3 x 64 MiB
@@ -359,7 +428,22 @@ void calibrate(const Run& run, ExampleModel& m, const engine::TrainerOptions& op
   const sim::Prediction before = sim::simulate(shape, c, layout);
   const double measured = engine::median_of(steps);
   c.step_overhead_s = std::max(0.0, measured - before.step_s);
+  const double fastest = *std::min_element(steps.begin(), steps.end()),
+               slowest = *std::max_element(steps.begin(), steps.end());
   if (run.world.rank != 0) return;
+  // A machine whose load changed while it was timed gives figures of neither state.
+  if (slowest > 1.25 * fastest || c.step_overhead_s > 0.5 * measured) {
+    std::fprintf(stderr, "dtrain-plan: warning: --calibrate's %d trainer steps took %.1f to %.1f ms (median %.1f, of "
+                 "which %.1f ms is not the model's forward and backward): the machine was %s; its predictions can be "
+                 "far off. Calibrate again on a quiet machine\n",
+                 kTimed, 1e3 * fastest, 1e3 * slowest, 1e3 * measured, 1e3 * c.step_overhead_s,
+                 slowest > 1.25 * fastest ? "busy with other work while it was timed" : "slower than its own parts add up to");
+  }
+  if (c.compute_scale < 0.8) {
+    std::fprintf(stderr, "dtrain-plan: warning: the model's forward and backward ran at %.2f of the time its matrix "
+                 "multiplies at the measured rate would take: the rate was measured low (a busy machine?); MFU "
+                 "figures from this file can exceed 100%%. Calibrate again on a quiet machine\n", c.compute_scale);
+  }
   std::ofstream out(path);
   DTRAIN_CHECK(out.good(), "--calibrate=", path, " cannot be written; give a writable path");
   out << c.to_json() << "\n";
@@ -397,6 +481,8 @@ void measure(const Run& run, ExampleModel& m, const std::string& path) {
   if (m.name == "gpt" || m.name == "llama") o.flops_per_row = simulator_shape(m.name).flops_per_token() * FLAGS_seq_len;
   sim::MeasuredModel mm = engine::measure_model(*m.spec, run.device, m.synthetic_batch, o);
   mm.name = m.name;
+  if (m.name == "gpt" || m.name == "llama") mm.shape = simulator_shape(m.name).to_string();
+  mm.device = run.device.is_cuda() ? "cuda" : "cpu";  // the calibrated device's name is calibrated-<this>
   if (run.world.rank != 0) return;
   std::ofstream out(path);
   DTRAIN_CHECK(out.good(), "--measure=", path, " cannot be written; give a writable path");

@@ -20,6 +20,7 @@ namespace dtrain::engine::sim {
 namespace {
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+constexpr double kMiB = 1024.0 * 1024.0;
 
 std::string fmt(const char* format, double a) {
   char buf[64];
@@ -210,7 +211,7 @@ Device named_device(const std::string& name) {
   if (name == "h100") return d;
   if (name == "h200") {
     d.memory_bytes_per_s = 4.8e12;
-    d.memory_bytes = 140 * kGiB;
+    d.memory_bytes = 143771 * kMiB;  // nvidia-smi's total (docs/gpu/2026-11-27)
     return d;
   }
   if (name == "a100" || name == "a100-40gb") {
@@ -261,6 +262,7 @@ std::string Cluster::to_json() const {
   j["compute_scale"] = compute_scale;
   j["compute_scale_points"] = nlohmann::json::array();
   for (const auto& [tokens, scale] : compute_scale_points) j["compute_scale_points"].push_back({tokens, scale});
+  if (!calibrated_model.empty()) j["calibrated_model"] = calibrated_model;
   return j.dump(2);
 }
 
@@ -272,12 +274,33 @@ Cluster cluster_from_json(const std::string& json_text, const Cluster& defaults)
     DTRAIN_CHECK(false, "the cluster file is not JSON (", e.what(), "); write it with dtrain-plan --calibrate");
   }
   Cluster c = defaults;
-  auto number = [](const nlohmann::json& o, const char* key, double& out, bool positive) {
+  // Every key known: a misspelled one would leave its default in place without a word.
+  auto known = [](const nlohmann::json& o, const char* where, std::initializer_list<const char*> keys) {
+    DTRAIN_CHECK(o.is_object(), "the cluster file's ", where, " must be a JSON object; write the file with dtrain-plan "
+                 "--calibrate");
+    for (const auto& item : o.items()) {
+      bool found = false;
+      std::string names;
+      for (const char* k : keys) {
+        found = found || item.key() == k;
+        names += std::string(names.empty() ? "" : ", ") + k;
+      }
+      DTRAIN_CHECK(found, "the cluster file's ", where, " has \"", item.key(), "\", which the simulator does not read (",
+                   "known: ", names, "); check its spelling");
+    }
+  };
+  known(j, "top level",
+        {"nodes", "gpus_per_node", "device", "intra", "inter", "pcie_bytes_per_s", "host_bytes_per_s",
+         "host_memory_bytes", "micro_batch_overhead_s", "step_overhead_s", "compute_scale", "compute_scale_points",
+         "calibrated_model"});
+  auto number = [](const nlohmann::json& o, const char* key, double& out, bool positive, double max = 0) {
     if (!o.contains(key)) return;
     DTRAIN_CHECK(o[key].is_number(), "the cluster file's \"", key, "\" must be a number");
     const double v = o[key].get<double>();
     DTRAIN_CHECK(std::isfinite(v) && (positive ? v > 0 : v >= 0), "the cluster file's \"", key, "\" is ", v,
                  "; it must be ", positive ? "> 0" : ">= 0");
+    DTRAIN_CHECK(max == 0 || v <= max, "the cluster file's \"", key, "\" is ", v, "; it is a share of the peak, at most ",
+                 max);
     out = v;
   };
   auto integer = [&](const nlohmann::json& o, const char* key, int& out, int min) {
@@ -290,20 +313,27 @@ Cluster cluster_from_json(const std::string& json_text, const Cluster& defaults)
   integer(j, "gpus_per_node", c.gpus_per_node, 1);
   if (j.contains("device")) {
     const nlohmann::json& d = j["device"];
-    if (d.contains("name")) c.device.name = d["name"].get<std::string>();
+    known(d, "\"device\"",
+          {"name", "peak_flops", "fp32_flops", "memory_bytes_per_s", "memory_bytes", "matmul_efficiency",
+           "attention_efficiency", "memory_efficiency", "kernel_seconds", "context_bytes", "cores"});
+    if (d.contains("name")) {
+      DTRAIN_CHECK(d["name"].is_string(), "the cluster file's device \"name\" must be a string");
+      c.device.name = d["name"].get<std::string>();
+    }
     number(d, "peak_flops", c.device.peak_flops, true);
     number(d, "fp32_flops", c.device.fp32_flops, true);
     number(d, "memory_bytes_per_s", c.device.memory_bytes_per_s, true);
     number(d, "memory_bytes", c.device.memory_bytes, true);
-    number(d, "matmul_efficiency", c.device.matmul_efficiency, true);
-    number(d, "attention_efficiency", c.device.attention_efficiency, true);
-    number(d, "memory_efficiency", c.device.memory_efficiency, true);
+    number(d, "matmul_efficiency", c.device.matmul_efficiency, true, 1);
+    number(d, "attention_efficiency", c.device.attention_efficiency, true, 1);
+    number(d, "memory_efficiency", c.device.memory_efficiency, true, 1);
     number(d, "kernel_seconds", c.device.kernel_seconds, false);
     number(d, "context_bytes", c.device.context_bytes, false);
     integer(d, "cores", c.device.cores, 0);
   }
   for (auto [key, link] : {std::pair<const char*, Link*>{"intra", &c.intra}, {"inter", &c.inter}}) {
     if (!j.contains(key)) continue;
+    known(j[key], key == std::string("intra") ? "\"intra\"" : "\"inter\"", {"bytes_per_s", "latency_s"});
     number(j[key], "bytes_per_s", link->bytes_per_s, true);
     number(j[key], "latency_s", link->latency_s, false);
   }
@@ -313,6 +343,10 @@ Cluster cluster_from_json(const std::string& json_text, const Cluster& defaults)
   number(j, "micro_batch_overhead_s", c.micro_batch_overhead_s, false);
   number(j, "step_overhead_s", c.step_overhead_s, false);
   number(j, "compute_scale", c.compute_scale, true);
+  if (j.contains("calibrated_model")) {
+    DTRAIN_CHECK(j["calibrated_model"].is_string(), "the cluster file's \"calibrated_model\" must be a string");
+    c.calibrated_model = j["calibrated_model"].get<std::string>();
+  }
   if (j.contains("compute_scale_points")) {
     const nlohmann::json& pts = j["compute_scale_points"];
     DTRAIN_CHECK(pts.is_array(), "the cluster file's \"compute_scale_points\" must be a list of [tokens, scale]");
@@ -349,6 +383,7 @@ std::string Layout::to_string() const {
   s << "dp " << dp << " tp " << tp << " pp " << pp << " cp " << cp << " zero " << zero << " mb " << micro_batch_rows
     << "x" << accum_steps;
   if (pp > 1) s << " " << engine::to_string(schedule) << (chunks > 1 ? "/" + std::to_string(chunks) : "");
+  if (!stage_blocks.empty()) s << " blocks " << stage_blocks;
   if (checkpoint) s << " ckpt" << (checkpoint_blocks >= 0 ? " " + std::to_string(checkpoint_blocks) : "");
   if (sequence_parallel) s << " sp";
   if (offload_optimizer) s << " offload-opt";
@@ -368,6 +403,7 @@ std::string Layout::flags() const {
   if (pp > 1 && schedule != PipelineSchedule::k1F1B)
     add(std::string("--pp_schedule=") + engine::to_string(schedule));
   if (chunks > 1) add("--pp_chunks=" + std::to_string(chunks));
+  if (!stage_blocks.empty()) add("--pp_blocks=" + stage_blocks);
   add("--batch_size=" + std::to_string(micro_batch_rows * accum_steps));
   if (accum_steps > 1) add("--accum_steps=" + std::to_string(accum_steps));
   static const char* const kShard[] = {"", "optimizer", "gradients", "parameters"};
@@ -421,9 +457,16 @@ void validate(const ModelShape& m, const Cluster& c, const Layout& l) {
                " does not divide the heads (", m.heads, "), key/value heads (", kv, ") and ff (", m.ff, ")");
   DTRAIN_CHECK(l.cp == 1 || m.seq_len % (2 * l.cp) == 0, "cp ", l.cp, " needs seq_len (", m.seq_len,
                ") to be a multiple of 2 cp = ", 2 * l.cp, " (the balanced split)");
+  DTRAIN_CHECK(!l.sequence_parallel || m.seq_len % (l.tp * (l.cp > 1 ? 2 * l.cp : 1)) == 0,
+               "sequence parallelism splits each rank's ", m.seq_len / l.cp, " tokens over tp ", l.tp,
+               ": seq_len (", m.seq_len, ") must be a multiple of ", l.tp * (l.cp > 1 ? 2 * l.cp : 1));
 }
 
-std::string dtrain_limitation(const Layout& l) {
+std::string dtrain_limitation(const Layout& l, bool tied_embeddings) {
+  // One tensor under two names (the head is the embedding): ZeRO-3's units own each weight once,
+  // and pipeline stages may hold the two uses on different ranks.
+  if (tied_embeddings && l.zero == 3) return "tied embeddings with ZeRO-3";
+  if (tied_embeddings && l.pp > 1) return "tied embeddings with pipeline stages";
   // A GPU's layer offload keeps parameters on two devices, and ZeRO's flat shards are one
   // device's (a CPU run, where nothing is streamed, does run them together).
   if (l.offload_layers && l.zero > 0) return "layer offload with ZeRO";
@@ -524,8 +567,16 @@ void validate_layout(int64_t layers, const Cluster& c, const Layout& l) {
                " must be -1 (every block) or a count >= 0");
   DTRAIN_CHECK(l.checkpoint || l.checkpoint_blocks == -1, "checkpoint_blocks ", l.checkpoint_blocks,
                " chooses the blocks checkpointing recomputes, and it is off");
-  DTRAIN_CHECK(l.checkpoint_blocks <= layers / l.pp, "checkpoint_blocks ", l.checkpoint_blocks,
-               " is more than the smallest stage's ", layers / l.pp, " blocks");
+  DTRAIN_CHECK(l.stage_blocks.empty() || l.pp > 1, "stage_blocks (--pp_blocks=", l.stage_blocks, ") needs pp > 1");
+  DTRAIN_CHECK(l.stage_blocks.empty() || l.schedule != PipelineSchedule::kInterleaved,
+               "stage_blocks (--pp_blocks) with the interleaved schedule is not priced: its chunks are even");
+  int64_t smallest = layers / l.pp;
+  if (!l.stage_blocks.empty()) {
+    const std::vector<int> b = pipeline_stage_bounds(static_cast<int>(layers), l.pp, l.stage_blocks);
+    for (int s = 0; s < l.pp; ++s) smallest = std::min<int64_t>(smallest, b[s + 1] - b[s]);
+  }
+  DTRAIN_CHECK(l.checkpoint_blocks <= smallest, "checkpoint_blocks ", l.checkpoint_blocks,
+               " is more than the smallest stage's ", smallest, " blocks");
   if (l.pp > 1) {
     if (l.schedule == PipelineSchedule::kInterleaved) {
       DTRAIN_CHECK(l.chunks >= 2, "the interleaved schedule needs chunks >= 2");
@@ -579,14 +630,16 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
   const bool dp_in_node = group_in_node(c, replicas, l.tp);  // dp x cp: tp-strided ranks of a stage
   const Link& dp_link = dp_in_node ? c.intra : c.inter;
   const Link& pp_link = group_link(c, 2, l.tp * l.cp * l.dp);
-  // The layers of the largest stage (for memory; dtrain gives the remainder to the later stages).
-  const int64_t stage_layers = (k.layers + l.pp - 1) / l.pp;
+  // Each stage's blocks (pipeline_stage_bounds: --pp_blocks, or dtrain's even split with the
+  // remainder to the later stages), and the largest stage's count (for memory).
+  const std::vector<int> bounds = pipeline_stage_bounds(static_cast<int>(k.layers), l.pp, l.stage_blocks);
+  int64_t stage_layers = 0;
+  for (int s = 0; s < l.pp; ++s) stage_layers = std::max<int64_t>(stage_layers, bounds[s + 1] - bounds[s]);
   const double tp_per_block = k.tp_per_block, cp_fwd = k.cp_fwd, cp_bwd = k.cp_bwd;
   const double recompute = b.forward + tp_per_block + cp_fwd;  // one recomputed block's
   // Each stage's work per micro-batch (dtrain's split: pipeline_stage_bounds; the first stage
   // also runs what comes before the blocks, the last the head and the loss): forward,
   // input-gradient and weight-gradient halves of backward, and its compute alone.
-  const std::vector<int> bounds = pipeline_stage_bounds(static_cast<int>(k.layers), l.pp);
   struct StageWork {
     double f = 0, bi = 0, bw = 0, compute = 0, layers = 0, recomputed = 0;
     double total() const { return f + bi + bw; }
@@ -721,7 +774,10 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
 
   // ---- memory ----
   // fp32 weights, gradients and two moments; with bf16 weights the float32 master joins the state.
-  double weights = stage_params * wbytes, grads = stage_params * wbytes, state = stage_params * (l.param_bf16 ? 12 : 8);
+  // Layer offload: the streamed blocks live on the host, two of them on the device at a time
+  // (the one in use and the next); the rest is resident, split as ZeRO splits it.
+  const double resident = stage_params - streamed;
+  double weights = resident * wbytes, grads = resident * wbytes, state = resident * (l.param_bf16 ? 12 : 8);
   if (l.zero >= 1) state /= replicas;
   if (l.zero >= 2 && M == 1) grads /= replicas;
   if (l.zero >= 3) weights = weights / replicas + 2 * block_p * wbytes;
@@ -743,15 +799,14 @@ Prediction price(const StepCosts& k, const Cluster& c, const Layout& l) {
     // in use and the next), and their own optimizer's state there too: float32 moments, and
     // with bf16 weights a float32 master besides.
     host += streamed * 2 * wbytes;
-    weights -= (streamed - 2 * block_p) * wbytes;
-    grads -= (streamed - 2 * block_p) * wbytes;
+    weights += 2 * block_p * wbytes;
+    grads += 2 * block_p * wbytes;
     // Delayed, it is an OffloadedOptimizer (float32 master and moments) with a second page-locked
     // weight buffer for the update to write and the gradients it took held while the next
     // backward makes new ones.
     const double blocks_state = streamed * (l.param_bf16 || l.delayed_update ? 12 : 8);
     if (l.delayed_update) host += streamed * 2 * wbytes;
     host += blocks_state;
-    if (!l.offload_optimizer) state -= state * streamed / stage_params;  // their share leaves the device
   }
   // A recomputed block keeps its input; the others what they keep for backward. With every
   // block recomputed the peak is one block's recompute on top of the inputs; with only the
@@ -838,7 +893,7 @@ std::vector<Layout> mesh_layouts(int64_t layers, bool split_blocks, const Cluste
         const int dp = N / (tp * pp * cp);
         if (o.global_batch_rows % dp != 0) continue;
         const int64_t rows = o.global_batch_rows / dp;
-        for (int64_t mb = 1; mb <= std::min(rows, o.max_micro_batch_rows); mb *= 2) {
+        for (int64_t mb = 1; mb <= std::min(rows, o.max_micro_batch_rows); ++mb) {
           if (rows % mb != 0) continue;
           Layout l;
           l.dp = dp, l.tp = tp, l.pp = pp, l.cp = cp;
@@ -980,7 +1035,10 @@ std::optional<Prediction> priced_if_valid(const Model& m, const Cluster& c, cons
 }  // namespace
 
 std::vector<Prediction> search(const ModelShape& m, const Cluster& c, const SearchOptions& o) {
-  return search_layouts(m.layers, true, c, o, [&](const Layout& l) { return priced_if_valid(m, c, l); });
+  return search_layouts(m.layers, true, c, o, [&](const Layout& l) -> std::optional<Prediction> {
+    if (!dtrain_limitation(l, m.tie_embeddings).empty()) return std::nullopt;
+    return priced_if_valid(m, c, l);
+  });
 }
 
 std::vector<Prediction> search(const MeasuredModel& m, const Cluster& c, const SearchOptions& o) {
@@ -1013,6 +1071,8 @@ nlohmann::json line_json(const Line& l) { return {{"intercept_s", l.intercept}, 
 std::string MeasuredModel::to_json() const {
   nlohmann::json j;
   j["name"] = name;
+  if (!shape.empty()) j["shape"] = shape;
+  if (!device.empty()) j["device"] = device;
   j["blocks"] = blocks;
   j["block_parameters"] = block_parameters;
   j["pre_parameters"] = pre_parameters;
@@ -1053,6 +1113,8 @@ MeasuredModel measured_model_from_json(const std::string& json_text) {
   };
   MeasuredModel m;
   if (j.contains("name") && j["name"].is_string()) m.name = j["name"].get<std::string>();
+  if (j.contains("shape") && j["shape"].is_string()) m.shape = j["shape"].get<std::string>();
+  if (j.contains("device") && j["device"].is_string()) m.device = j["device"].get<std::string>();
   m.blocks = static_cast<int64_t>(num(j, "blocks"));
   DTRAIN_CHECK(m.blocks >= 1, "the measured model file's \"blocks\" must be >= 1");
   m.block_parameters = static_cast<int64_t>(num(j, "block_parameters"));

@@ -76,6 +76,10 @@ def main():
     alone = json_lines(again)[-1]
     check(abs(alone["step_s"] - best["step_s"]) <= 1e-9 * best["step_s"],
           "the same step time alone (%g) as in the search (%g)" % (alone["step_s"], best["step_s"]), again)
+    # Tied embeddings: train_gpt refuses them with ZeRO-3 and pipeline stages, so the search's best
+    # is neither (it was --shard=parameters before a user audit).
+    check("does not run" not in again and "--shard=parameters" not in best["flags"] and "--pp=" not in best["flags"],
+          "the tied model's best is a layout dtrain runs: " + best["flags"], again)
     rc, out, err = run(b, "--simulate", "--search", *GPT124M, "--global_batch=64", "--scaling_nodes=1,2", *a100)
     lines = json_lines(out)
     check(rc == 0 and [l["nodes"] for l in lines] == [1, 2] and lines[1]["ranks"] == 16,
@@ -126,8 +130,21 @@ def main():
               "the measured model's prediction %.4f s (median of %s) within 30%% of the trainer's %.4f s (median of %s)" %
               (median, ", ".join("%.4f" % t for t in by_spec), trainer, ", ".join("%.4f" % t for t in trainer_steps)),
               out)
-        rc, out, err = run(b, "--simulate", "--measured=" + measured_file, "--gpus_per_node=2", "--tp=2", *small)
+        rc, out, err = run(b, "--simulate", "--cluster=" + cluster, "--measured=" + measured_file, "--gpus_per_node=2",
+                           "--tp=2", *small)
         check(rc == 2 and "without tensor and context" in err, "--measured with --tp=2: exit 2", out + err)
+        # The measured model's times are its machine's, its shape its own (a user audit priced CPU
+        # times on a named H100, and another shape's flags with the measured file's times).
+        rc, out, err = run(b, "--simulate", "--measured=" + measured_file, "--gpus_per_node=1", *small)
+        check(rc == 2 and "give that machine's --cluster" in err, "--measured without --cluster: exit 2", out + err)
+        other = [f if not f.startswith("--layers=") else "--layers=7" for f in small]
+        rc, out, err = run(b, "--simulate", "--cluster=" + cluster, "--measured=" + measured_file, "--gpus_per_node=1",
+                           *other)
+        check(rc == 2 and "the file gives the model" in err, "--measured with another shape's flags: exit 2", out + err)
+        rc, out, err = run(b, "--simulate", "--cluster=" + cluster, *other)
+        check(rc == 0 and "was calibrated on" in err, "another shape than the calibrated one is warned", out + err)
+        rc, out, err = run(b, "--simulate", "--cluster=" + cluster, "--gpu=h100", *small)
+        check(rc == 2 and "give one of them" in err, "--gpu with --cluster: exit 2", out + err)
         rc, out, err = run(b, "--model=seq2seq", "--device=cpu", "--measure=" + measured_file)
         check(rc == 2 and "ModelSpec" in err, "--measure of a model without a spec: exit 2", out + err)
 
@@ -153,6 +170,17 @@ def main():
             f.write('{"device": {"peak_flops": "fast"}}')
         rc, out, err = run(b, "--simulate", "--cluster=" + bad, *small)
         check(rc == 2 and "peak_flops" in err, "a malformed cluster file names the field", out + err)
+        with open(bad, "w") as f:
+            f.write('{"devcie": {"peak_flops": 1e12}}')
+        rc, out, err = run(b, "--simulate", "--cluster=" + bad, *small)
+        check(rc == 2 and '"devcie"' in err, "a misspelled key in the cluster file: exit 2 naming it", out + err)
+        llama_config = os.path.join(w, "config.json")
+        with open(llama_config, "w") as f:
+            json.dump({"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+                       "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 1000,
+                       "max_position_embeddings": 256}, f)
+        rc, out, err = run(b, "--simulate", "--model=gpt", "--seq_len=128", "--hf_config=" + llama_config)
+        check(rc == 2 and "use --model=llama" in err, "a Llama config with --model=gpt: exit 2", out + err)
 
     # 6. Bad input.
     cases = [
@@ -162,6 +190,15 @@ def main():
         (["--simulate", "--search", *GPT124M, "--global_batch=8", "--scaling_nodes=1,x"], "is not a node count"),
         (["--simulate", *GPT124M, "--cluster=/nonexistent/cluster.json"], "/nonexistent/cluster.json"),
         (["--simulate", *GPT124M, "--gpu=tpu"], "h100, h200, a100"),
+        (["--simulate", *GPT124M, "--inter_node_gbps=-5"], "must be >= 0"),
+        (["--simulate", *GPT124M, "--inter_node_latency_us=-7"], "must be >= 0"),
+        (["--simulate", *GPT124M, "--global_batch=64"], "--global_batch is the search's"),
+        (["--simulate", "--search", *GPT124M, "--global_batch=64", "--tp=2"], "the search chooses"),
+        (["--simulate", "--search", *GPT124M, "--global_batch=64", "--amp=fp16"], "give --amp=bf16"),
+        (["--simulate", *GPT124M, "--pp=2", "--accum_steps=2", "--batch_size=2", "--pp_schedule=zb",
+          "--pp_zb_costs=1,5,1", "--gpus_per_node=2"], "--pp_zb_costs with --simulate"),
+        (["--simulate", *[f for f in GPT124M if not f.startswith("--seq_len")], "--seq_len=255", "--tp=2",
+          "--sequence_parallel", "--gpus_per_node=2"], "must be a multiple of 2"),
     ]
     for flags, want in cases:
         rc, out, err = run(b, *flags)

@@ -312,6 +312,22 @@ TEST(Simulator, AllOffloadSplitsTheHostStateAsDtrainKeepsIt) {
 
 // Data parallelism with layer offload: the streamed blocks' gradients are host tensors, reduced
 // by the CPU communicator at no more than the rank's share of the node's memory bandwidth.
+TEST(Simulator, LayerOffloadWithZeroKeepsAPositivePeak) {
+  // Not a layout dtrain runs (its limitation names it), but other frameworks' figures are priced:
+  // the device holds the resident part as ZeRO splits it plus two streamed blocks, never less.
+  const ModelShape m = gpt_shape(32, 4096, 32, 14336, 128256, 4096, false);
+  const Cluster c = h100s(1, 8);
+  for (int zero : {0, 1, 2, 3}) {
+    Layout l;
+    l.dp = 8, l.zero = zero, l.offload_layers = true;
+    Layout resident = l;
+    resident.offload_layers = false;
+    const Prediction p = simulate(m, c, l), r = simulate(m, c, resident);
+    EXPECT_GT(p.device_bytes, 0) << "zero " << zero;
+    EXPECT_LT(p.device_bytes, r.device_bytes) << "zero " << zero;
+  }
+}
+
 TEST(Simulator, StreamedGradientsAreReducedThroughHostMemory) {
   const ModelShape m = gpt_shape(12, 768, 12, 3072, 50304, 1024, false);
   Cluster c = h100s(1, 8);
@@ -487,6 +503,80 @@ TEST(Simulator, ClusterFileRoundTripsAndRejectsBadValues) {
   EXPECT_THROW(cluster_from_json(R"({"nodes": 1.5})"), dtrain::Error);
   EXPECT_THROW(cluster_from_json("{"), dtrain::Error);
   EXPECT_THROW(named_device("tpu"), dtrain::Error);
+  // A file whose keys or types the simulator would not read, or efficiencies past the peak: each
+  // would leave defaults in place (a default H100) without a word.
+  for (const char* bad : {"[]", "42", R"({"device": "h100"})", R"({"devcie": {"peak_flops": 1e12}})",
+                          R"({"device": {"peak_flop": 1e12}})", R"({"intra": {"bandwidth": 1e9}})",
+                          R"({"device": {"name": 7}})", R"({"device": {"matmul_efficiency": 50}})",
+                          R"({"calibrated_model": 3})"}) {
+    EXPECT_THROW(cluster_from_json(bad), dtrain::Error) << bad;
+  }
+  c.calibrated_model = gpt_shape(2, 64, 4, 256, 96, 32, false).to_string();
+  EXPECT_EQ(cluster_from_json(c.to_json()).calibrated_model, c.calibrated_model);
+  // The named devices hold what nvidia-smi reports (docs/gpu/2026-11-27).
+  EXPECT_DOUBLE_EQ(named_device("h100").memory_bytes, 81559.0 * (1 << 20));
+  EXPECT_DOUBLE_EQ(named_device("h200").memory_bytes, 143771.0 * (1 << 20));
+}
+
+TEST(Simulator, LayoutsOfTiedEmbeddingsAreThoseDtrainRuns) {
+  // train_gpt refuses tied embeddings with ZeRO-3 and with pipeline stages: the search never
+  // ranks them, a single prediction names them.
+  const ModelShape tied = gpt_shape(12, 768, 12, 3072, 50304, 1024, true);
+  SearchOptions o;
+  o.global_batch_rows = 64;
+  const std::vector<Prediction> ranked = search(tied, h100s(1, 8), o);
+  ASSERT_FALSE(ranked.empty());
+  for (const Prediction& p : ranked) {
+    EXPECT_NE(p.layout.zero, 3) << p.to_string();
+    EXPECT_EQ(p.layout.pp, 1) << p.to_string();
+  }
+  Layout z3;
+  z3.dp = 8, z3.zero = 3;
+  EXPECT_NE(dtrain_limitation(z3, true).find("tied embeddings with ZeRO-3"), std::string::npos);
+  EXPECT_EQ(dtrain_limitation(z3, false), "");
+  Layout pp;
+  pp.pp = 2, pp.accum_steps = 2;
+  EXPECT_NE(dtrain_limitation(pp, true).find("pipeline stages"), std::string::npos);
+  // Untied, both are ranked.
+  bool z3_ranked = false, pp_ranked = false;
+  for (const Prediction& p : search(gpt_shape(12, 768, 12, 3072, 50304, 1024, false), h100s(1, 8), o)) {
+    z3_ranked = z3_ranked || p.layout.zero == 3;
+    pp_ranked = pp_ranked || p.layout.pp > 1;
+  }
+  EXPECT_TRUE(z3_ranked && pp_ranked);
+}
+
+TEST(Simulator, SearchTriesEveryMicroBatchThatDividesTheRows) {
+  // 500 sequences over 4 replicas: 125 rows each, micro-batches of 1 and 5 (not only powers of 2).
+  const ModelShape m = gpt_shape(12, 768, 12, 3072, 50304, 1024, false);
+  SearchOptions o;
+  o.global_batch_rows = 500;
+  bool five = false;
+  for (const Prediction& p : search(m, h100s(1, 4), o)) {
+    EXPECT_EQ(p.layout.global_batch_rows(), 500);
+    five = five || p.layout.micro_batch_rows == 5;
+  }
+  EXPECT_TRUE(five);
+}
+
+TEST(Simulator, StageBlocksSplitThePipelineAsGiven) {
+  const ModelShape m = gpt_shape(32, 2048, 16, 8192, 50304, 1024, false);
+  const Cluster c = h100s(1, 4);
+  Layout even;
+  even.pp = 4, even.accum_steps = 8;
+  Layout uneven = even;
+  uneven.stage_blocks = "2,2,2,26";  // the last stage holds 26 blocks: it sets the pace and the memory
+  const Prediction e = simulate(m, c, even), u = simulate(m, c, uneven);
+  EXPECT_GT(u.step_s, 2 * e.step_s);
+  EXPECT_GT(u.device_bytes, e.device_bytes);
+  EXPECT_NE(u.flags().find("--pp_blocks=2,2,2,26"), std::string::npos) << u.flags();
+  uneven.stage_blocks = "8,8,8,9";  // 33 blocks
+  EXPECT_THROW(simulate(m, c, uneven), dtrain::Error);
+  uneven.stage_blocks = "8,8,8,8";
+  EXPECT_NEAR(simulate(m, c, uneven).step_s, e.step_s, 1e-12);  // the even split, named
+  Layout one;
+  one.stage_blocks = "32";
+  EXPECT_THROW(simulate(m, c, one), dtrain::Error);  // needs pp > 1
 }
 
 TEST(Simulator, AMeasuredSpecIsPricedByItsOwnTimes) {

@@ -94,6 +94,10 @@ struct Line {
 };
 struct MeasuredModel {
   std::string name = "measured";
+  // What it is and where it was timed, when known: the library model's shape
+  // (ModelShape::to_string()) and the device ("cpu", "cuda"; a calibration of that machine names
+  // its device "calibrated-<device>"). Empty for a user's own model / an older file.
+  std::string shape, device;
   int64_t blocks = 0;
   int64_t block_parameters = 0;   // one block's (the blocks alike)
   int64_t pre_parameters = 0;     // what runs before the blocks (the first stage's)
@@ -124,7 +128,7 @@ struct Device {
   double peak_flops = 989e12;        // dense matrix multiply at the step's precision, FLOP/s
   double fp32_flops = 67e12;         // without AMP (float32 matrix multiplies, TF32 off)
   double memory_bytes_per_s = 3.35e12;
-  double memory_bytes = 80.0 * (1 << 30);  // capacity the trainer may use
+  double memory_bytes = 81559.0 * (1 << 20);  // capacity: nvidia-smi's total (an H100 80GB HBM3's)
   double matmul_efficiency = 0.75;   // share of peak_flops a large matrix multiply reaches
   double attention_efficiency = 0.5; // flash attention's share of peak_flops
   double memory_efficiency = 0.8;    // share of memory_bytes_per_s streaming kernels reach
@@ -160,13 +164,17 @@ struct Cluster {
   // between them (clamped at the ends: caches make small micro-batches faster per token on a CPU).
   double compute_scale = 1;
   std::vector<std::pair<double, double>> compute_scale_points;
+  // The model --calibrate timed (ModelShape::to_string()): the scale is that model's, and a
+  // model of another shape carries it only approximately ("" for a named device).
+  std::string calibrated_model;
   double scale_at(double tokens) const;
   int ranks() const { return nodes * gpus_per_node; }
   std::string to_string() const;
   std::string to_json() const;
 };
 // The cluster a JSON file written by to_json (or --calibrate) describes; fields not given keep
-// `defaults`. dtrain::Error naming an invalid field.
+// `defaults`. dtrain::Error naming an invalid field, a key it does not know (a misspelling would
+// keep the default) or a file that is not a JSON object.
 Cluster cluster_from_json(const std::string& json_text, const Cluster& defaults = {});
 
 struct Layout {
@@ -190,6 +198,7 @@ struct Layout {
   int accum_steps = 1;          // micro-batches per step (a pipeline's micro-batches)
   PipelineSchedule schedule = PipelineSchedule::k1F1B;
   int chunks = 1;               // interleaved: model chunks per stage
+  std::string stage_blocks;     // --pp_blocks: blocks per stage, "a,b,..." ("": dtrain's even split)
   int ranks() const { return dp * tp * pp * cp; }
   int64_t global_batch_rows() const { return micro_batch_rows * accum_steps * dp; }
   std::string to_string() const;  // "dp 8 tp 1 pp 1 cp 1 zero 3 mb 2x4 ckpt"
@@ -235,9 +244,10 @@ struct Prediction {
 void validate(const ModelShape& model, const Cluster& cluster, const Layout& layout);
 // What dtrain does not run yet of a valid layout ("" when it runs it): layer offload with ZeRO
 // or zb, bf16 weights without ZeRO or optimizer offload, the delayed update with pipeline stages
-// or ZeRO-3 offload, layer offload's delayed update on more than one replica. search() keeps to what dtrain runs; simulate() prices any valid layout
-// (other frameworks' layouts too).
-std::string dtrain_limitation(const Layout& layout);
+// or ZeRO-3 offload, layer offload's delayed update on more than one replica, and for a model
+// with tied embeddings ZeRO-3 or pipeline stages. search() keeps to what dtrain runs;
+// simulate() prices any valid layout (other frameworks' layouts too).
+std::string dtrain_limitation(const Layout& layout, bool tied_embeddings = false);
 // The prediction of one layout (validate()d first). fits is false, with why_not, when the peak
 // exceeds the device's memory or offload the host's.
 Prediction simulate(const ModelShape& model, const Cluster& cluster, const Layout& layout);
@@ -248,7 +258,7 @@ Prediction simulate(const MeasuredModel& model, const Cluster& cluster, const La
 
 struct SearchOptions {
   int64_t global_batch_rows = 0;   // required: sequences per optimizer step
-  int64_t max_micro_batch_rows = 16;
+  int64_t max_micro_batch_rows = 16;  // every micro-batch size up to it that divides a replica's rows
   bool allow_offload = true;      // optimizer and layer offload (none on a CPU device: it frees nothing)
   bool allow_context_parallel = true;
   bool bf16 = true;
