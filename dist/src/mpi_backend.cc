@@ -633,7 +633,17 @@ class MpiCommunicator final : public Communicator {
 
 std::unique_ptr<Communicator> make_mpi_communicator(const World& world, c10::Device device,
                                                     CommOptions options) {
-  auto runtime = MpiRuntime::acquire();
+  std::shared_ptr<MpiRuntime> runtime;
+  {
+    // MPI's start-up (the first communicator's: MPI_Init_thread, the health service's
+    // registration) waits for every rank of the job: a rank stopped or lost before it would
+    // hang the others in MPI_Init for good.
+    WatchedCall start(detail::concat("MPI start-up (MPI_Init_thread: every rank of the job must start) for '",
+                                     options.name, "' (mpi, rank ", world.rank, "/", world.size, ")"),
+                      options.timeout);
+    runtime = MpiRuntime::acquire();
+  }
+  runtime->note_timeout(options.timeout);
   MPI_Comm comm = MPI_COMM_NULL;
   int rank = 0, size = 0;
   std::shared_ptr<HealthTicket> health;

@@ -1,5 +1,6 @@
 #include "mpi_runtime.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <exception>
 #include <functional>
@@ -66,6 +67,12 @@ std::shared_ptr<MpiRuntime> MpiRuntime::acquire() {
   return rt;
 }
 
+void MpiRuntime::note_timeout(std::chrono::milliseconds timeout) {
+  int64_t ms = timeout.count(), seen = shortest_timeout_ms_.load();
+  while (ms < seen && !shortest_timeout_ms_.compare_exchange_weak(seen, ms)) {
+  }
+}
+
 std::shared_ptr<MpiRuntime> MpiRuntime::current() {
   std::lock_guard<std::mutex> lock(runtime_mutex);
   return current_runtime.lock();
@@ -121,7 +128,8 @@ MpiRuntime::~MpiRuntime() {
   const bool failing = std::uncaught_exceptions() > 0;
   bool peers_finishing = true;
   if (health_) {
-    peers_finishing = health_->shutdown(failing ? std::chrono::milliseconds(kFailingShutdownMs)
+    const int64_t failing_ms = std::min<int64_t>(kFailingShutdownMs, shortest_timeout_ms_.load() / 2);
+    peers_finishing = health_->shutdown(failing ? std::chrono::milliseconds(failing_ms)
                                                 : std::chrono::milliseconds::max());
     health_.reset();
   }

@@ -5,6 +5,8 @@
 #include <mpi.h>
 
 #include <atomic>
+#include <chrono>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -48,6 +50,10 @@ class MpiRuntime {
   const std::string& health_unavailable() const { return health_unavailable_; }
   // A new value for each communicator this process joins (for CommKey::counter).
   int64_t next_comm_counter() { return ++comm_counter_; }
+  // A communicator's collective timeout: a failing rank waits at most half the shortest for the
+  // others to shut down with it (~MpiRuntime), so that it prints its own error before their
+  // watchdogs end the job for its silence.
+  void note_timeout(std::chrono::milliseconds timeout);
 
  private:
   MpiRuntime();
@@ -56,6 +62,7 @@ class MpiRuntime {
   std::shared_ptr<HealthService> health_;
   std::string health_unavailable_;
   std::atomic<int64_t> comm_counter_{0};
+  std::atomic<int64_t> shortest_timeout_ms_{INT64_MAX};
   std::mutex mutex_;
   std::string version_;
   MPI_Op half_ops_[3] = {MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL};  // sum, max, min

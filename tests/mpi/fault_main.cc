@@ -7,6 +7,8 @@
 //                    end the job by the timeout, naming the send and the peer
 //   --mode=split_stall  rank 1 never joins a split of the communicator; rank 0's split (a
 //                    blocking MPI_Comm_split) must end the job by the timeout, naming the split
+//   --mode=startup_stall  rank 1 stalls before MPI starts: rank 0's first communicator (MPI_Init,
+//                    waiting for every rank) must end the job by the timeout, naming MPI's start-up
 //   --mode=drain     the other ranks' health services do not answer (as if stopped) and they
 //                    join rank 0's all-reduce after its stall check; the job must finish
 //                    normally, the unanswered question drained before MPI_Finalize
@@ -22,7 +24,7 @@
 #include "dtrain/dist/error.h"
 #include "dtrain/dist/logging.h"
 
-DEFINE_string(mode, "timeout", "timeout, mismatch, lone_failure, p2p_stall, split_stall or drain");
+DEFINE_string(mode, "timeout", "timeout, mismatch, lone_failure, p2p_stall, split_stall, startup_stall or drain");
 DEFINE_double(timeout_s, 2.0, "collective timeout");
 
 namespace {
@@ -47,6 +49,10 @@ int main(int argc, char** argv) {
     dist::CommOptions options;
     options.timeout = std::chrono::milliseconds(static_cast<int64_t>(FLAGS_timeout_s * 1000));
     options.debug_collectives = FLAGS_mode == "mismatch";
+    if (FLAGS_mode == "startup_stall" && world.rank == 1) {
+      std::this_thread::sleep_for(options.timeout * 10);  // stopped before MPI_Init (a user audit: SIGSTOP)
+      return 0;
+    }
     auto comm = dist::create_communicator("mpi", world, c10::Device(c10::kCPU), options);
     if (FLAGS_mode == "timeout") {
       comm->barrier()->wait();
