@@ -338,15 +338,18 @@ std::string save_checkpoint(CheckpointStore& store, dist::Communicator& world,
 }
 
 std::optional<CheckpointInfo> agree_latest_good(const CheckpointStore& store,
-                                                dist::Communicator& world) {
-  at::Tensor found = at::tensor({int64_t(-1), int64_t(0)}, at::kLong);
+                                                dist::Communicator& world, int64_t* skipped) {
+  at::Tensor found = at::tensor({int64_t(-1), int64_t(0), int64_t(0)}, at::kLong);
   if (world.rank() == 0) {
-    if (std::optional<CheckpointInfo> info = store.latest_good()) {
+    std::vector<std::string> bad;
+    if (std::optional<CheckpointInfo> info = store.latest_good(&bad)) {
       found[0] = info->step;
       found[1] = info->rank_files;
     }
+    found[2] = static_cast<int64_t>(bad.size());
   }
   world.broadcast(found, 0)->wait();
+  if (skipped) *skipped = found[2].item<int64_t>();
   const int64_t step = found[0].item<int64_t>();
   if (step < 0) return std::nullopt;
   return CheckpointInfo{step, store.path_for(step), static_cast<int>(found[1].item<int64_t>())};

@@ -249,6 +249,18 @@ std::vector<CheckpointInfo> CheckpointStore::list() const {
   return found;
 }
 
+std::vector<std::string> CheckpointStore::unrecorded() const {
+  std::vector<std::string> out;
+  if (!fs_->exists(dir_)) return out;
+  std::set<int64_t, std::greater<int64_t>> steps;
+  for (const std::string& name : fs_->list_dir(dir_)) {
+    std::optional<FileName> file = ckpt_detail::parse_file_name(name);
+    if (file && file->kind == FileName::kMain && !fs_->exists(join(dir_, name) + kRecordSuffix)) steps.insert(file->step);
+  }
+  for (int64_t step : steps) out.push_back(path_for(step));
+  return out;
+}
+
 std::optional<CheckpointInfo> CheckpointStore::latest_good(
     std::vector<std::string>* skipped) const {
   if (!fs_->exists(dir_)) return std::nullopt;

@@ -302,7 +302,15 @@ std::string save_training_state(const TrainingState& state, CheckpointStore& sto
 std::optional<CheckpointInfo> resume_training_state(TrainingState& state, const CheckpointStore& store,
                                                     DataLoader* loader) {
   dist::Communicator& world = state.mesh.world();
-  std::optional<CheckpointInfo> info = agree_latest_good(store, world);
+  int64_t skipped = 0;
+  std::optional<CheckpointInfo> info = agree_latest_good(store, world, &skipped);
+  // Checkpoints, none of them good: a run that went on as if there were none would start over
+  // at step 1 beside them (and prune them), the run they hold lost without a word.
+  DTRAIN_CHECK(info || skipped == 0, "'", store.dir(), "' holds ", skipped, " checkpoint(s) and none of them is good ",
+               "(rank 0's log says why it skipped each: no checksum record, truncated, corrupt): resuming cannot ",
+               "continue that run, and starting over would train from step 1 beside them. Restore them (a copy needs ",
+               "the .crc files too), or start over with --resume=no --save_dir_exists=overwrite (removes them) or another "
+               "--save_dir");
   if (!info) return info;
   std::string error;
   try {

@@ -622,19 +622,26 @@ LoaderOptions loader_options(const Flags& f, int64_t batch_size, c10::Device dev
 
 void exit_if_preempted(const Trainer& trainer, const std::string& program, int world_rank) {
   if (!trainer.preempted()) return;
+  const bool saved = !trainer.options().save_dir.empty();
   if (world_rank == 0) {
-    std::printf("%s: preempted at step %lld; checkpoint saved, exiting with %d to be requeued\n", program.c_str(),
-                static_cast<long long>(trainer.current_step()), kExitRequeue);
+    if (saved) {
+      std::printf("%s: preempted at step %lld; checkpoint saved, exiting with %d to be requeued\n", program.c_str(),
+                  static_cast<long long>(trainer.current_step()), kExitRequeue);
+    } else {
+      std::printf("%s: preempted at step %lld; no --save_dir, nothing saved: exiting with %d, not to be requeued (a "
+                  "requeued run would start over; give --save_dir to continue where it stopped)\n",
+                  program.c_str(), static_cast<long long>(trainer.current_step()), kExitPreemptedUnsaved);
+    }
     std::fflush(stdout);
   }
-  throw Preempted();
+  throw Preempted{saved ? kExitRequeue : kExitPreemptedUnsaved};
 }
 
 int run_main(const std::string& program, const std::function<int()>& body) {
   try {
     return body();
-  } catch (const Preempted&) {
-    return kExitRequeue;
+  } catch (const Preempted& p) {
+    return p.code;
   } catch (const Error& e) {
     std::fprintf(stderr, "%s: %s\n", program.c_str(), e.what());
     return exit_code_of(e);  // 1 for a library's failure (CUDA, NCCL, MPI), 2 for a user's mistake

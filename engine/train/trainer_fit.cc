@@ -232,7 +232,9 @@ StepMetrics Trainer::log_step(bool eval_now, DataLoader* eval, int64_t global_ba
 bool Trainer::stop_for_preemption(const DataLoader& train) {
   if (!options_.handle_preemption || !agree_preempt(mesh_.world())) return false;
   if (mesh_.world().rank() == 0) {
-    LOG(WARNING) << "preempted (signal " << preemption_signal() << ") after step " << step_
+    const int signal = preemption_signal();  // 0: another rank got it
+    LOG(WARNING) << "preempted (" << (signal ? "signal " + std::to_string(signal) : std::string("a signal to another rank"))
+                 << ") after step " << step_
                  << (options_.save_dir.empty() ? "; no --save_dir, nothing saved" : "; saving a checkpoint");
   }
   if (!options_.save_dir.empty()) {
@@ -242,7 +244,7 @@ bool Trainer::stop_for_preemption(const DataLoader& train) {
       save_checkpoint(&train);
     }
   }
-  if (mesh_.world().rank() == 0) {
+  if (mesh_.world().rank() == 0 && !options_.save_dir.empty()) {  // nothing to continue from otherwise
     RequeueResult rq = request_requeue();
     if (rq.attempted) LOG(WARNING) << "requeue: " << rq.message;
   }

@@ -390,6 +390,21 @@ void Trainer::start_fresh_in_save_dir() {
     try {
       CheckpointStore store(options_.save_dir, CheckpointStoreOptions{0, options_.checkpoint_fs});
       const std::vector<CheckpointInfo> found = store.list();
+      const std::vector<std::string> unrecorded = store.unrecorded();
+      if (found.empty() && !unrecorded.empty() && options_.save_dir_exists == SaveDirExists::kError) {
+        refused = "--save_dir=" + options_.save_dir + " holds " + std::to_string(unrecorded.size()) +
+                  " checkpoint file(s) without their checksum records (newest: " + unrecorded.front() +
+                  "): checkpoints copied without their .crc files, or saves that did not finish. This run starts "
+                  "fresh (--resume=no) and would overwrite or prune them: copy the .crc files too and continue "
+                  "with --resume=auto, start over with --save_dir_exists=overwrite (removes them), or give another "
+                  "--save_dir";
+      } else if (found.empty() && !unrecorded.empty() && options_.save_dir_exists == SaveDirExists::kOverwrite) {
+        LOG(WARNING) << "--save_dir_exists=overwrite: removing " << unrecorded.size()
+                     << " checkpoint file(s) without records from " << options_.save_dir;
+        store.remove_all();
+      } else if (found.empty() && !unrecorded.empty()) {
+        resume = true;  // --save_dir_exists=resume: the resume says that none of them is good
+      }
       if (!found.empty()) {
         const std::string what = std::to_string(found.size()) + " checkpoint(s) of an earlier run (newest: " +
                                  found.front().path + ")";

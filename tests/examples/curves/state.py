@@ -1,6 +1,7 @@
 """Scenarios of loss_curves.py: what a run writes and reads back (metrics, TensorBoard, the
 timeline, checkpoints resumed under other layouts, the export) and the silent traps of a user's run."""
 import json
+import re
 import os
 import shlex
 import shutil
@@ -259,6 +260,32 @@ def scenario_traps(args):
                     "resume-run")
     assert [m["step"] for m in resumed] == [7, 8], f"--save_dir_exists=resume did not continue from step 6: {resumed}"
     print("ok: a fresh run into another run's checkpoints is refused; --save_dir_exists=resume continues")
+    # 3b. Checkpoints copied without their .crc records, and a directory whose checkpoints are
+    #     all corrupt: a fresh run and --resume=auto are both refused and change nothing (a user
+    #     audit: the fresh run overwrote them, --resume=auto started at step 1 and pruned them).
+    copied = os.path.join(w, "ck-copied")
+    os.makedirs(copied)
+    for name in before:
+        if name.endswith(".pt"):
+            shutil.copy(os.path.join(ck, name), copied)
+    kept = sorted(os.listdir(copied))
+    out = train(args, "train_mlp", 1, common + ["--steps=4", f"--save_dir={copied}"], "fresh-copied", expect_status=2)
+    assert "without their checksum records" in out and "copy the .crc files too" in out, out
+    out = train(args, "train_mlp", 1, common + ["--steps=4", f"--save_dir={copied}", "--resume=auto"], "auto-copied",
+                expect_status=2)
+    assert "none of them is good" in out, out
+    assert sorted(n for n in os.listdir(copied) if not n.startswith(".")) == kept, \
+        "a refused run changed the copied checkpoints (its lock file aside)"
+    corrupt = os.path.join(w, "ck-corrupt")
+    shutil.copytree(ck, corrupt)
+    for name in os.listdir(corrupt):
+        if re.fullmatch(r"step-\d+\.pt", name):
+            with open(os.path.join(corrupt, name), "r+b") as f:
+                f.truncate(100)
+    out = train(args, "train_mlp", 1, common + ["--steps=4", f"--save_dir={corrupt}", "--resume=auto"], "auto-corrupt",
+                expect_status=2)
+    assert "none of them is good" in out and "--resume=no --save_dir_exists=overwrite" in out, out
+    print("ok: checkpoints without records, or all corrupt, are neither overwritten nor restarted beside")
     # 4. Killed (SIGKILL, no save) after its last checkpoint, then resumed: the metrics file and
     #    TensorBoard hold one point per step, and the curve equals an uninterrupted run's.
     ck = os.path.join(w, "ck-killed")

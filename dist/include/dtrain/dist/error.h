@@ -23,6 +23,7 @@ inline constexpr int kExitUsage = 2;              // bad input: the message says
 inline constexpr int kExitFailure = 1;            // a library or runtime failure
 inline constexpr int kExitCollectiveTimeout = 124;  // a collective did not complete in time
 inline constexpr int kExitRequeue = 85;           // preempted after a checkpoint: requeue me
+inline constexpr int kExitPreemptedUnsaved = 143; // preempted with nothing saved (no --save_dir): not to requeue
 
 class Error : public std::runtime_error {
  public:

@@ -176,6 +176,9 @@ class CheckpointStore {
 
   // Committed checkpoints (those with a main record), newest first, not verified.
   std::vector<CheckpointInfo> list() const;
+  // Main files without a record (a save that did not finish, or checkpoints copied without
+  // their .crc records), newest first: what list() leaves out.
+  std::vector<std::string> unrecorded() const;
   // The newest checkpoint whose main file and rank files exist with the size and CRC-32C
   // their records give. Each one skipped is logged (LOG(WARNING)) and, when skipped is given,
   // appended to it as "<file>: <why>". nullopt when there is none. Reads every byte checked.
@@ -265,9 +268,10 @@ ShardState load_resharded_optimizer(const CheckpointStore& store, const Checkpoi
 // checkpoint is committed.
 std::string save_checkpoint(CheckpointStore& store, dist::Communicator& world,
                             const CheckpointData& data, const RankState& rank_state);
-// Collective over world: rank 0 finds latest_good() and every rank gets the same answer.
+// Collective over world: rank 0 finds latest_good() and every rank gets the same answer; with
+// `skipped`, how many checkpoints it skipped as not good (every rank gets the count).
 std::optional<CheckpointInfo> agree_latest_good(const CheckpointStore& store,
-                                                dist::Communicator& world);
+                                                dist::Communicator& world, int64_t* skipped = nullptr);
 
 }  // namespace dtrain::engine
 

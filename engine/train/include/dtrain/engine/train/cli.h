@@ -28,6 +28,7 @@
 
 #include <c10/core/Device.h>
 
+#include "dtrain/dist/error.h"
 #include "dtrain/engine/data/data.h"
 #include "dtrain/engine/train/run.h"
 #include "dtrain/engine/train/trainer.h"
@@ -181,14 +182,18 @@ TrainerOptions trainer_options(const Flags& f, const std::string& default_optimi
 // dp_rank/dp_size stay 0/1: Trainer::fit shards the loader.
 LoaderOptions loader_options(const Flags& f, int64_t batch_size, c10::Device device, bool shuffle = true);
 
-// Thrown by exit_if_preempted(); run_main() returns kExitRequeue for it.
-struct Preempted {};
+// Thrown by exit_if_preempted(); run_main() returns its code: kExitRequeue after a checkpoint,
+// kExitPreemptedUnsaved without a --save_dir (a requeued run would start over).
+struct Preempted {
+  int code = kExitRequeue;
+};
 // After fit(): throws Preempted when the trainer stopped for SIGTERM/SIGUSR1 (its checkpoint
-// is saved), after printing so on rank 0 of the world.
+// saved, when it has a --save_dir), after printing so on rank 0 of the world.
 void exit_if_preempted(const Trainer& trainer, const std::string& program, int world_rank);
 
 // Runs body and returns its exit code, mapping failures to dtrain's exit codes (error.h):
-// dtrain::Error -> "program: message" on stderr, kExitUsage (2); Preempted -> kExitRequeue (85);
+// dtrain::Error -> "program: message" on stderr, kExitUsage (2); Preempted -> its code (85, or 143
+// with nothing saved);
 // other exceptions -> the message, kExitFailure (1).
 int run_main(const std::string& program, const std::function<int()>& body);
 
