@@ -248,10 +248,11 @@ engine::StepMetrics fit_and_report(const Run& run, engine::Trainer& trainer, tor
     if (trainer.first_logged().step == 0) {
       // Resumed a run that had already reached --steps: nothing was trained, nothing to report.
       if (run.world.rank == 0) {
-        std::printf("%s: the run is already complete (step %lld of --steps=%lld, checkpoint in %s); "
-                    "nothing to train\n",
+        const std::string& dir = engine::cli::flags().save_dir;
+        std::printf("%s: the run is already complete (step %lld of --steps=%lld%s); nothing to train\n",
                     run.program.c_str(), static_cast<long long>(trainer.current_step()),
-                    static_cast<long long>(engine::cli::flags().steps), engine::cli::flags().save_dir.c_str());
+                    static_cast<long long>(engine::cli::flags().steps),
+                    dir.empty() ? "" : (", checkpoint in " + dir).c_str());
         std::fflush(stdout);
       }
       return last;

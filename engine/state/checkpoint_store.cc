@@ -355,6 +355,22 @@ void CheckpointStore::prune_and_clean(int64_t committed_step) {
   if (!records.empty() || !others.empty()) fs_->sync_dir(dir_);
 }
 
+int CheckpointStore::set_aside_newer_than(int64_t step) {
+  if (!fs_->exists(dir_)) return 0;
+  std::vector<std::string> records, others;
+  std::set<int64_t> steps;
+  for (const std::string& name : fs_->list_dir(dir_)) {
+    std::optional<FileName> file = ckpt_detail::parse_file_name(name);
+    if (!file || file->kind == FileName::kTemp || file->step <= step) continue;
+    steps.insert(file->step);
+    (file->kind == FileName::kMainRecord ? records : others).push_back(join(dir_, name));
+  }
+  for (const std::string& path : records) fs_->rename(path, path + ".bad");
+  for (const std::string& path : others) fs_->rename(path, path + ".bad");
+  if (!steps.empty()) fs_->sync_dir(dir_);
+  return static_cast<int>(steps.size());
+}
+
 int CheckpointStore::remove_all() {
   if (!fs_->exists(dir_)) return 0;
   std::vector<std::string> records, others;

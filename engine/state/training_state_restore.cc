@@ -415,12 +415,27 @@ void check_recorded_shape(const std::map<std::string, std::string>& here,
                "; give the flags it was trained with");
 }
 
+// What the run trains with ("train." meta: the schedule, the optimizer) against the checkpoint's:
+// a resume may change it on purpose (more steps, another rate), but never without a word.
+void warn_changed_training(const std::map<std::string, std::string>& here,
+                           const std::map<std::string, std::string>& saved, const std::string& source) {
+  for (const auto& [key, value] : here) {
+    if (key.rfind("train.", 0) != 0) continue;
+    auto it = saved.find(key);
+    if (it == saved.end() || it->second == value) continue;
+    LOG(WARNING) << source << " was trained with " << key.substr(6) << " " << it->second << "; this run has " << value
+                 << ": from the saved step on it follows this run's (the learning rate may jump); resume with the "
+                 << "checkpoint's flags to continue its curve";
+  }
+}
+
 }  // namespace
 
 void restore_training_state(TrainingState& s, const CheckpointStore& store, const CheckpointInfo& info,
                             DataLoader* loader) {
   CheckpointData data = store.load(info.path);
   check_recorded_shape(s.meta, data.meta, info.path);
+  if (s.mesh.world().rank() == 0) warn_changed_training(s.meta, data.meta, info.path);
   // A ZeRO-3 checkpoint keeps the weights in the ranks' partitioned state only.
   const auto partitioned_weights = data.meta.find("model.partitioned");
   const bool weights_partitioned = partitioned_weights != data.meta.end();

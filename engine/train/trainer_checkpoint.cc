@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <glog/logging.h>
 
+#include <sstream>
+
 #include "dtrain/dist/error.h"
 #include "dtrain/engine/train/trainer.h"
 
@@ -22,6 +24,17 @@ TrainingState Trainer::training_state() {
   state.pp_flat_numels = pp_flat_numels_;
   state.offloaded_optimizer = options_.offload_optimizer;
   state.meta = options_.checkpoint_meta;
+  // What the run trains with besides the model ("train." meta): a resume that changes it is said
+  // (restore_training_state), since the rate then follows the new curve from the saved step.
+  const ScheduleOptions& sc = options_.schedule;
+  std::ostringstream schedule, optimizer;
+  schedule << sc.name;
+  if (sc.warmup_steps > 0) schedule << ", warm-up " << sc.warmup_steps << " steps";
+  if (sc.name != "constant") schedule << ", decaying over " << sc.total_steps << " steps to " << sc.min_lr_ratio << " x lr";
+  optimizer << options_.optimizer.name << ", lr " << options_.optimizer.lr << ", weight decay "
+            << options_.optimizer.weight_decay;
+  state.meta["train.schedule"] = schedule.str();
+  state.meta["train.optimizer"] = optimizer.str();
   return state;
 }
 
@@ -87,6 +100,19 @@ bool Trainer::resume_checkpoint(DataLoader* loader, bool required) {
                "'; train without --resume first, use --resume=auto to start fresh when there is "
                "none (or point --save_dir at the run's directory)");
   step_ = state.step;
+  if (!options_.evaluation_only && mesh_.world().rank() == 0) {
+    // The checkpoints after the one restored are the bad ones latest_good skipped (it logged
+    // why): set aside, so that keep_last does not keep them and delete good older ones.
+    try {
+      const int aside = store.set_aside_newer_than(info->step);
+      if (aside > 0) {
+        LOG(WARNING) << "set aside " << aside << " bad checkpoint(s) after step " << info->step << " in "
+                     << options_.save_dir << " as *.bad (kept for inspection; --keep_last no longer counts them)";
+      }
+    } catch (const std::exception& e) {
+      LOG(WARNING) << "could not set aside the bad checkpoints after step " << info->step << ": " << e.what();
+    }
+  }
   if (optimizer_) {  // an evaluation-only trainer takes the weights and the step
     // The checkpoint's micro-batching wins (OOM back-off may have raised it); said when the
     // options ask for another, so that a changed --accum_steps is not taken silently.

@@ -306,8 +306,9 @@ StepMetrics Trainer::fit(DataLoader& train, DataLoader* eval) {
   tensorboard_->add_resume(step_ + 1);
   if (step_ >= options_.steps) {
     if (mesh_.world().rank() == 0) {
-      LOG(WARNING) << "the run is complete: step " << step_ << " of " << options_.steps
-                   << " steps was reached (checkpoint in " << options_.save_dir << "); nothing to train";
+      LOG(WARNING) << "the run is complete: step " << step_ << " of " << options_.steps << " steps was reached"
+                   << (options_.save_dir.empty() ? std::string() : " (checkpoint in " + options_.save_dir + ")")
+                   << "; nothing to train";
     }
     // Nothing was trained: no loss to report (NaN, never a made-up 0).
     StepMetrics done;

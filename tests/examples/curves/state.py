@@ -286,6 +286,26 @@ def scenario_traps(args):
                 expect_status=2)
     assert "none of them is good" in out and "--resume=no --save_dir_exists=overwrite" in out, out
     print("ok: checkpoints without records, or all corrupt, are neither overwritten nor restarted beside")
+    # 3c. A corrupt newest checkpoint is set aside on resume, so --keep_last keeps good ones (a
+    #     user audit: it kept the corrupt step 9 and deleted the good older ones).
+    kl = os.path.join(w, "ck-keep")
+    train(args, "train_mlp", 1, common + ["--steps=9", "--save_every=3", "--keep_last=2", f"--save_dir={kl}"], "kl-first")
+    with open(os.path.join(kl, "step-000009.pt"), "r+b") as f:
+        f.truncate(100)
+    train(args, "train_mlp", 1, common + ["--steps=12", "--save_every=4", "--keep_last=2", f"--save_dir={kl}",
+                                          "--resume=auto"], "kl-resumed")
+    names = sorted(os.listdir(kl))
+    good = [n for n in names if re.fullmatch(r"step-\d+\.pt", n)]
+    assert good == ["step-000008.pt", "step-000012.pt"], names
+    assert "step-000009.pt.bad" in names, names
+    print("ok: a corrupt newest checkpoint is set aside (*.bad) and --keep_last keeps the good ones")
+    # 3d. A resume with another schedule or optimizer is said (its learning rate follows the new
+    #     curve from the saved step): a user audit saw a cosine rate jump from 5e-5 to 6.4e-4.
+    out = train(args, "train_mlp", 1, common + ["--steps=20", "--schedule=cosine", "--save_every=4", "--keep_last=2",
+                                                f"--save_dir={kl}", "--resume=auto"], "kl-rescheduled", output=True)
+    assert "was trained with schedule constant" in out and "this run has cosine" in out, out
+    assert "was trained with optimizer" not in out, out
+    print("ok: a resume with another schedule is warned")
     # 4. Killed (SIGKILL, no save) after its last checkpoint, then resumed: the metrics file and
     #    TensorBoard hold one point per step, and the curve equals an uninterrupted run's.
     ck = os.path.join(w, "ck-killed")

@@ -202,6 +202,11 @@ class CheckpointStore {
   // over in a directory of an earlier run's checkpoints. Throws dtrain::Error when a file
   // cannot be removed (the checkpoints whose records went first are gone then).
   int remove_all();
+  // Renames every checkpoint file of a step after `step` to NAME.bad (records first) and returns
+  // how many steps it set aside. For a resume from `step`, which latest_good() chose over them:
+  // they are bad (truncated, corrupt, unrecorded), kept for inspection, and no longer count for
+  // keep_last (which would otherwise keep them and delete good older ones).
+  int set_aside_newer_than(int64_t step);
 
   std::string path_for(int64_t step) const;                 // DIR/step-000123.pt
   std::string rank_path_for(int64_t step, int rank) const;  // DIR/step-000123.rank-R.pt
