@@ -196,10 +196,13 @@ HostEntry parse_host_line(const std::vector<std::string>& tokens, const std::str
 // ---- planning -----------------------------------------------------------------------------
 
 // GPUs this node shows: CUDA_VISIBLE_DEVICES when set (entries up to the first one
-// CUDA would reject, as CUDA does), else the /dev/nvidiaN device files.
+// CUDA would reject, as CUDA does), else the /dev/nvidiaN device files. A node with no device
+// files has no GPU, whatever CUDA_VISIBLE_DEVICES lists (a user audit: CUDA_VISIBLE_DEVICES=0
+// on a CPU machine planned a rank per GPU, and mpirun refused the mapping without a word why).
 int detect_gpus(const Environment& env, const Probes& probes) {
   auto it = env.find("CUDA_VISIBLE_DEVICES");
-  if (it == env.end()) return probes.gpu_devices();
+  const int devices = probes.gpu_devices();
+  if (it == env.end() || devices == 0) return devices;
   int count = 0;
   std::stringstream entries(it->second);
   std::string entry;

@@ -281,6 +281,10 @@ TEST_F(LauncherTest, GpuCountFromCudaVisibleDevices) {
   EXPECT_EQ(plan_for({"--", "train"}).gpus_per_node, 0);
   env_["CUDA_VISIBLE_DEVICES"] = "GPU-1a2b,3,-1,4";
   EXPECT_EQ(plan_for({"--", "train"}).gpus_per_node, 2);
+  // A machine without GPUs has none, whatever the variable lists.
+  world_.gpus = 0;
+  env_["CUDA_VISIBLE_DEVICES"] = "0";
+  EXPECT_EQ(plan_for({"-np", "2", "--", "train"}).gpus_per_node, 0);
 }
 
 TEST_F(LauncherTest, MoreGpusThanCoresGetOneCoreEach) {
