@@ -9,6 +9,8 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <glog/logging.h>
+
+#include <exception>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "dtrain/dist/error.h"
@@ -249,6 +251,17 @@ Trainer::Trainer(torch::nn::Module& model, LossFn loss, dist::Mesh& mesh, c10::D
 
 Trainer::~Trainer() {
   if (mesh_.cp_size() > 1 && !options_.timeline_path.empty()) set_ring_tracing(false);
+  // Left by an exception (a failed run): this rank's timeline as far as it got, unmerged (the
+  // merge is collective, and the other ranks may be gone) - a failure is when a trace is wanted.
+  if (std::uncaught_exceptions() > 0 && timeline_ && timeline_->enabled()) {
+    try {
+      timeline_->write();
+      LOG(WARNING) << "the run failed: this rank's timeline up to the failure is written (not merged with the "
+                   << "other ranks')";
+    } catch (const std::exception& e) {
+      LOG(WARNING) << "the run failed, and its timeline could not be written: " << e.what();
+    }
+  }
   // A background save still in flight (fit() left by an exception) finishes first.
   if (!save_in_flight_.valid()) return;
   try {
