@@ -231,11 +231,15 @@ void report(const Run& run, const engine::StepMetrics& first, const engine::Step
     }
     evaluation = text;
   }
-  std::printf("%s: trained %lld steps on %d rank(s): loss %.4f (step %lld) -> %.4f (step %lld), "
-              "%.1f ms/step, %.0f samples/s, peak memory %.0f MB%s\n",
-              run.program.c_str(), static_cast<long long>(last.step), run.world.size, first.loss,
-              static_cast<long long>(first.step), last.loss, static_cast<long long>(last.step),
-              last.step_ms, last.samples_per_s, last.mem_peak_mb, evaluation.c_str());
+  // A resumed run trained from its checkpoint's step on; the times are the last logged window's.
+  const std::string trained = first.step <= 1 ? std::to_string(last.step) + " steps"
+                                              : "steps " + std::to_string(first.step) + "-" + std::to_string(last.step) +
+                                                    " (resumed)";
+  std::printf("%s: trained %s on %d rank(s): loss %.4f (step %lld) -> %.4f (step %lld), "
+              "%.1f ms/step, %.0f samples/s (the last logged steps), peak memory %.0f MiB%s\n",
+              run.program.c_str(), trained.c_str(), run.world.size, first.loss, static_cast<long long>(first.step),
+              last.loss, static_cast<long long>(last.step), last.step_ms, last.samples_per_s, last.mem_peak_mb,
+              evaluation.c_str());
   std::fflush(stdout);
 }
 
@@ -298,7 +302,7 @@ engine::StepMetrics fit_and_report(const Run& run, engine::Trainer& trainer, tor
     engine::MemoryStats mem = engine::memory_stats(run.device);
     if (run.world.rank == 0) {
       std::printf("%s: evaluated %lld %s (%lld batches per rank) under no_grad%s: loss %.4f, %.1f "
-                  "ms/batch, peak memory %.0f MB\n",
+                  "ms/batch, peak memory %.0f MiB\n",
                   run.program.c_str(), static_cast<long long>(samples), kind, static_cast<long long>(forwards), what,
                   loss, ms, mem.peak_mb);
     }

@@ -694,6 +694,13 @@ std::function<double(const engine::Technique&)> simulator_step_time(const Run& r
   };
 }
 
+int64_t held_besides_model(const Run& run, ExampleModel& model) {
+  int64_t model_bytes = 0;
+  for (const at::Tensor& t : model.module->parameters()) model_bytes += static_cast<int64_t>(t.nbytes());
+  for (const at::Tensor& t : model.module->buffers()) model_bytes += static_cast<int64_t>(t.nbytes());
+  return std::max<int64_t>(0, std::llround(engine::memory_stats(run.device).allocated_mb * 1024.0 * 1024.0) - model_bytes);
+}
+
 void plan_and_apply(const Run& run, ExampleModel& model, engine::TrainerOptions& options) {
   const bool planning = engine::cli::flags().plan == "auto";
   const int64_t budget = engine::cli::flags().gpu_mem_limit_gb > 0
@@ -712,13 +719,7 @@ void plan_and_apply(const Run& run, ExampleModel& model, engine::TrainerOptions&
   }
   if (planning) {
     engine::PlanInputs in = plan_inputs(run, model, options);
-    // What the device holds already besides the model (on the CPU the data set, for one) is
-    // there during every step too.
-    int64_t model_bytes = 0;
-    for (const at::Tensor& t : model.module->parameters()) model_bytes += static_cast<int64_t>(t.nbytes());
-    for (const at::Tensor& t : model.module->buffers()) model_bytes += static_cast<int64_t>(t.nbytes());
-    in.buffer_bytes += std::max<int64_t>(
-        0, std::llround(engine::memory_stats(run.device).allocated_mb * 1024.0 * 1024.0) - model_bytes);
+    in.buffer_bytes += held_besides_model(run, model);
     in.gpu_budget_bytes = budget;
     // --host_mem_limit_gb, else this process's share of the node's MemAvailable.
     in.host_budget_bytes = engine::host_budget_bytes(engine::cli::flags().host_mem_limit_gb, run.world.local_size);

@@ -124,6 +124,9 @@ engine::sim::ModelShape simulator_shape(const std::string& model);
 // --pp_chunks) on a mesh of tp x pp x cp x dp ranks. dtrain::Error for --batch_size not a
 // multiple of --accum_steps.
 engine::sim::Layout simulator_layout(int tp, int pp, int cp, int dp);
+// What the device holds besides the model's parameters and buffers (on the CPU the data set, for
+// one): there during every step too, so the planner counts it (PlanInputs::buffer_bytes).
+int64_t held_besides_model(const Run& run, ExampleModel& model);
 // --plan_cluster: PlanInputs::step_time from the step-time simulator with that cluster file, this
 // run's ranks (nodes of world.local_size) and mesh, --batch_size, --amp and --param_dtype; null
 // without --plan_cluster. dtrain::Error for a model other than gpt or llama, or an unreadable file.

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include "common.h"
@@ -182,7 +183,18 @@ int plan_main(int argc, char** argv) {
     examples::measure(run, m, FLAGS_measure);
     return 0;
   }
-  const engine::PlanInputs in = budgeted_inputs(run, m, options);
+  // The data the program would hold: on a CPU run it is in the device's memory during every step,
+  // and --plan=auto counts it (a user audit: without it dtrain-plan chose the plain step that
+  // --plan=auto, 2.3 MiB fuller, refused).
+  std::optional<examples::TokenData> tokens;
+  std::optional<examples::ClassificationData> digits;
+  if (run.device.is_cpu()) {
+    if (model_name == "gpt" || model_name == "llama") tokens = examples::token_data(run, FLAGS_seq_len, true);
+    if (model_name == "seq2seq") tokens = examples::token_data(run, 2 * FLAGS_seq_len, false);
+    if (model_name == "mlp" || model_name == "cnn") digits = examples::classification_data();
+  }
+  engine::PlanInputs in = budgeted_inputs(run, m, options);
+  in.buffer_bytes += examples::held_besides_model(run, m);
 
   std::vector<engine::AmpMode> amps = {in.amp};
   if (FLAGS_allow_amp_change && in.amp != engine::AmpMode::kBf16)

@@ -69,11 +69,19 @@ int main(int argc, char** argv) {
     auto eval = examples::eval_loader(run, data);
     engine::StepMetrics last = examples::fit_and_report(run, *trainer, *model.module, loader, eval.get());
     if (run.world.rank == 0 && run.device.is_cuda() && last.step_ms > 0) {
-      // Model FLOPs per token: 6 N for the weights plus attention's 12 L d T (forward+backward).
-      double flops_per_token = 6.0 * model.parameter_count + 12.0 * FLAGS_layers * FLAGS_d_model * S;
-      double tokens_per_s = last.samples_per_s * S;
-      std::printf("train_gpt: %.1f TFLOP/s model FLOPs (MFU %.1f%% of 989 TFLOP/s dense bf16)\n",
-                  flops_per_token * tokens_per_s / 1e12, 100 * flops_per_token * tokens_per_s / 989e12);
+      // Model FLOPs per token: 6 N for the weights plus attention's 12 L d T (forward+backward),
+      // N the whole model's. The job's tokens/s over all its GPUs, each at the H100's (and
+      // H200's) dense peak of the step's matrix multiplies: bf16/fp16 989 TFLOP/s, float32 67
+      // (libtorch leaves TF32 off). A user audit: the job's rate was divided by one GPU's peak
+      // (N times too high on N GPUs), and float32 runs by the bf16 peak.
+      const bool half = engine::cli::flags().amp != "off" ||
+                        engine::parse_param_dtype(engine::cli::flags().param_dtype) != at::kFloat;
+      const double peak = half ? 989e12 : 67e12;
+      const double flops_per_token = 6.0 * model.parameter_count + 12.0 * FLAGS_layers * FLAGS_d_model * S;
+      const double per_gpu = flops_per_token * last.samples_per_s * S / run.world.size;
+      std::printf("train_gpt: %.1f TFLOP/s model FLOPs per GPU (MFU %.1f%% of %.0f TFLOP/s dense %s, %d GPU%s)\n",
+                  per_gpu / 1e12, 100 * per_gpu / peak, peak / 1e12, half ? "bf16" : "float32", run.world.size,
+                  run.world.size > 1 ? "s" : "");
     }
     return 0;
   });

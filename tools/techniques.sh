@@ -20,6 +20,6 @@ for v in "${variants[@]}"; do
   flags=${v#*|}
   out=$("$BIN/train_seq2seq" "${shape[@]}" "$@" $flags 2>&1 | grep -E "trained|evaluated" || true)
   ms=$(echo "$out" | sed -nE 's/.* ([0-9.]+) ms\/(step|batch).*/\1/p')
-  peak=$(echo "$out" | sed -nE 's/.*peak memory ([0-9.]+) MB.*/\1/p')
+  peak=$(echo "$out" | sed -nE 's/.*peak memory ([0-9.]+) MiB.*/\1/p')
   echo "| $name | ${ms:-?} | ${peak:-?} |"
 done

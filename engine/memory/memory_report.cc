@@ -83,7 +83,7 @@ MemoryReport build_memory_report(c10::Device device, const std::vector<at::Tenso
                                  const std::vector<at::Tensor>& grads,
                                  const std::vector<at::Tensor>& optimizer_state,
                                  double step_start_allocated_mb, double step_peak_mb,
-                                 const std::map<std::string, double>& predicted) {
+                                 const std::map<std::string, double>& predicted, double step_gradients_mb) {
   device = concrete(device);
   MemoryReport r;
   r.device = device.str();
@@ -99,7 +99,16 @@ MemoryReport build_memory_report(c10::Device device, const std::vector<at::Tenso
     r.host_gradients_mb = count_storages(grads, &cpu, host_seen) / kBytesPerMiB;
     r.host_optimizer_state_mb = count_storages(optimizer_state, &cpu, host_seen) / kBytesPerMiB;
   }
-  const double model_state = r.parameters_mb + r.gradients_mb + r.optimizer_state_mb;
+  // Gradients made during the step and freed after it: at the step's peak they were there, but
+  // not at its start (nor now).
+  const double grads_now = r.gradients_mb;
+  const double grads_made = std::max(0.0, step_gradients_mb - grads_now);
+  if (grads_made > 0) {
+    r.gradients_mb += grads_made;
+    r.notes.push_back("the gradients (" + mib(grads_made) + ") are made during each step and freed after its update: "
+                      "counted here as gradients at the step's peak, not as activations");
+  }
+  const double model_state = r.parameters_mb + grads_now + r.optimizer_state_mb;
   r.allocated_peak_mb = step_peak_mb;
   r.other_mb = step_start_allocated_mb - model_state;
   if (r.other_mb < 0) {
@@ -109,8 +118,8 @@ MemoryReport build_memory_report(c10::Device device, const std::vector<at::Tenso
                       "(gradients set to None?); they are not counted as activations");
     r.other_mb = 0;
   }
-  r.activations_mb = std::max(0.0, step_peak_mb - std::max(step_start_allocated_mb, model_state));
-  if (step_peak_mb < model_state) {
+  r.activations_mb = std::max(0.0, step_peak_mb - std::max(step_start_allocated_mb, model_state) - grads_made);
+  if (step_peak_mb < model_state + grads_made) {
     r.notes.push_back(
         "the step's peak is below parameters + gradients + optimizer state: "
         "was the peak measured over the step (reset_peak_memory at its start)?");

@@ -733,6 +733,11 @@ void Trainer::check_can_train() const {
 StepResult Trainer::step(const Batch& batch) {
   check_can_train();
   const auto started = std::chrono::steady_clock::now();
+  if (options_.memory_report_step == step_ + 1) {
+    // The report is of this step's peak: the run's so far is kept for the metrics' mem_peak_mb.
+    peak_before_report_mb_ = std::max(peak_before_report_mb_, memory_stats(device_).peak_mb);
+    reset_peak_memory(device_);
+  }
   step_start_allocated_mb_ = memory_stats(device_).allocated_mb;
   if (pruner_ && prune_target(options_.prune, step_ + 1) >= 0) {
     flush_updates();  // the weights the masks are chosen from are final
@@ -749,6 +754,9 @@ StepResult Trainer::step(const Batch& batch) {
     ++result.oom_retries;
   }
   step_peak_mb_ = memory_stats(device_).peak_mb;
+  // The gradients at the end of backward (a lone rank's are freed after the update).
+  step_gradients_mb_ = static_cast<double>(tensor_bytes(gradient_tensors(params_, norm_layout_), device_)) /
+                       (1024.0 * 1024.0);
   StepMetrics m;
   bool skipped = false;
   apply_update(m, skipped, loss_sum);
@@ -783,7 +791,7 @@ void Trainer::flush_updates() {
 MemoryReport Trainer::memory_report() const {
   MemoryReport r = build_memory_report(device_, params_, gradient_tensors(params_, norm_layout_),
                                        optimizer_ ? optimizer_->device_state() : std::vector<at::Tensor>{},
-                                       step_start_allocated_mb_, step_peak_mb_);
+                                       step_start_allocated_mb_, step_peak_mb_, {}, step_gradients_mb_);
   if (const int64_t host = optimizer_ ? optimizer_->host_bytes() : 0) {
     r.host_offload_mb = static_cast<double>(host) / (1024.0 * 1024.0);
   }

@@ -190,7 +190,7 @@ StepMetrics Trainer::log_step(bool eval_now, DataLoader* eval, int64_t global_ba
   logged_comm_bus_bytes_ = bus;
   MemoryStats mem = memory_stats(device_);
   m.mem_allocated_mb = mem.allocated_mb;
-  m.mem_peak_mb = mem.peak_mb;
+  m.mem_peak_mb = std::max(mem.peak_mb, peak_before_report_mb_);  // the run's, across the report step's reset
   if (mesh_.pp_size() > 1) {
     // Rank 0's figures are stage 0's: every stage's peak too (from this rank's pipeline).
     const at::TensorOptions f64 = at::TensorOptions().dtype(at::kDouble).device(device_);
@@ -319,6 +319,7 @@ StepMetrics Trainer::fit(DataLoader& train, DataLoader* eval) {
   }
   const int64_t first_step = step_ + 1;  // logged too, so a resumed run shows where it starts
   reset_peak_memory(device_);
+  peak_before_report_mb_ = 0;
   auto window_start = std::chrono::steady_clock::now();
   int64_t window_steps = 0;
   int64_t window_syncs = 0;

@@ -151,6 +151,26 @@ TEST(MemoryReport, GradientsAllocatedDuringTheStepAreNotActivations) {
   EXPECT_DOUBLE_EQ(twice.gradients_mb, 0.0);
 }
 
+TEST(MemoryReport, GradientsFreedAfterTheUpdateAreCountedAtThePeak) {
+  // A lone rank's trainer drops its gradients after the update: at the report they are gone,
+  // but at the step's peak they were there. Parameters 4 MiB and state 2 MiB at the start (6,
+  // other 1 MiB besides), 4 MiB of gradients made in backward, peak 20: activations 20 - 7 - 4.
+  const c10::Device cpu(c10::kCPU);
+  const at::Tensor p = at::zeros({1 << 20}), s = at::zeros({1 << 19});
+  const MemoryReport r = build_memory_report(cpu, {p}, {}, {s}, 7.0, 20.0, {}, /*step_gradients_mb=*/4.0);
+  EXPECT_DOUBLE_EQ(r.gradients_mb, 4.0);
+  EXPECT_DOUBLE_EQ(r.other_mb, 1.0);
+  EXPECT_DOUBLE_EQ(r.activations_mb, 9.0);
+  ASSERT_FALSE(r.notes.empty());
+  EXPECT_NE(r.notes[0].find("freed after its update"), std::string::npos) << r.notes[0];
+  // Gradients that stay (a data-parallel reducer's buckets) are counted once, with no note.
+  const at::Tensor g = at::zeros({1 << 20});
+  const MemoryReport kept = build_memory_report(cpu, {p}, {g}, {s}, 11.0, 20.0, {}, 4.0);
+  EXPECT_DOUBLE_EQ(kept.gradients_mb, 4.0);
+  EXPECT_DOUBLE_EQ(kept.activations_mb, 9.0);
+  EXPECT_TRUE(kept.notes.empty());
+}
+
 // Layer offload's host side, beside a device that is not the CPU (here the meta device, which
 // allocates nothing): the CPU tensors go to rows of their own, each storage once, and the
 // device's rows count only the device's.

@@ -306,6 +306,29 @@ def scenario_traps(args):
     assert "was trained with schedule constant" in out and "this run has cosine" in out, out
     assert "was trained with optimizer" not in out, out
     print("ok: a resume with another schedule is warned")
+    # 3e. The memory report of one rank: its gradients (freed after each update) are counted as
+    #     gradients, not activations, and the step's peak is that step's own, not an earlier
+    #     step's (a user audit: gradients 0.0; step 2's pruning peak reported after step 5).
+    def report(extra):
+        out = train(args, "train_mlp", 1, ["--hidden=512", "--steps=5", "--memory_report_step=5"] + extra,
+                    "memreport", output=True, env={"GLOG_minloglevel": "0"})
+        rows = {}
+        for line in out.splitlines():
+            m = re.match(r"\s+(gradients|activations \(step peak - step start\)|= allocated at the step's peak)\s+([0-9.]+)",
+                         line)
+            if m:
+                rows[m.group(1)] = float(m.group(2))
+        assert len(rows) == 3, out
+        return rows, out
+    plain, out = report([])
+    assert plain["gradients"] > 0 and "freed after its update" in out, out
+    pruned, out = report(["--prune_amount=0.5", "--prune_scope=global", "--prune_at_step=2"])
+    # The masks stay (other), but step 5's activations are its own: as without pruning (step 2's
+    # pruning temporaries made them 0.3 -> 5+ MiB before).
+    act = "activations (step peak - step start)"
+    assert abs(pruned[act] - plain[act]) <= 0.1 + 0.05 * plain[act], (plain, pruned)
+    print(f"ok: one rank's report counts {plain['gradients']:.1f} MiB of gradients; step 5's activations "
+          f"{pruned[act]:.1f} MiB with pruning at step 2, {plain[act]:.1f} without")
     # 4. Killed (SIGKILL, no save) after its last checkpoint, then resumed: the metrics file and
     #    TensorBoard hold one point per step, and the curve equals an uninterrupted run's.
     ck = os.path.join(w, "ck-killed")

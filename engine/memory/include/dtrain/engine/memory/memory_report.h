@@ -85,11 +85,15 @@ int64_t tensor_bytes(const std::vector<at::Tensor>& tensors, c10::Device device)
 // state); cuda without an index is
 // cuda:0. Reads memory_stats() for
 // reserved and NVML for the process total (CUDA). Synchronous, no device sync.
+// step_gradients_mb (>= 0): the gradients' bytes on `device` at the end of the step's backward,
+// when they may be freed before the report (a lone rank's trainer drops them after the update):
+// then they are counted as gradients at the step's peak, not as activations, and a note says so.
 MemoryReport build_memory_report(c10::Device device, const std::vector<at::Tensor>& params,
                                  const std::vector<at::Tensor>& grads,
                                  const std::vector<at::Tensor>& optimizer_state,
                                  double step_start_allocated_mb, double step_peak_mb,
-                                 const std::map<std::string, double>& predicted = {});
+                                 const std::map<std::string, double>& predicted = {},
+                                 double step_gradients_mb = -1);
 
 // Records allocated memory at named points of a step and the peak since begin():
 //   probe.begin();  forward...  probe.mark("forward");  backward...  probe.mark("backward");

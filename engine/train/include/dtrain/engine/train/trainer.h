@@ -511,6 +511,8 @@ class Trainer {
   std::unique_ptr<StepProfiler> profiler_;
   double step_start_allocated_mb_ = 0;
   double step_peak_mb_ = 0;
+  double step_gradients_mb_ = -1;    // at the end of the last step's backward
+  double peak_before_report_mb_ = 0; // the run's peak before the report step reset it
   void record_step_timeline(std::chrono::steady_clock::time_point start);
   void finish_timeline();
   dist::WorkPtr pending_loss_;
