@@ -796,6 +796,10 @@ MemoryReport Trainer::memory_report() const {
     r.host_offload_mb = static_cast<double>(host) / (1024.0 * 1024.0);
   }
   r.host_staging_mb = static_cast<double>(staging_.pinned_bytes()) / (1024.0 * 1024.0);
+  if (device_.is_cpu() && r.host_offload_mb + r.host_staging_mb > 0) {
+    r.notes.push_back("training on the CPU, the host rows are this device's memory too: they are inside 'other' and "
+                      "the peak above, not beside them (on a GPU they are outside the device's total)");
+  }
   return r;
 }
 
