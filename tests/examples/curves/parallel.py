@@ -486,9 +486,12 @@ def scenario_zero3(args):
     ratio = held(z3) / held(none)
     assert ratio <= 0.3, f"--shard=parameters at 4 ranks holds {ratio:.2f} of the unsharded rank's state: {rows}"
     # The step's peak above its start: the activations and at most two units' weights (a block: 12 d^2 + 13 d
-    # parameters here, 4 bytes each; the prefetch keeps the next one on its way).
+    # parameters here, 4 bytes each; the prefetch keeps the next one on its way), one unit's whole gradient
+    # before its reduce-scatter, and the scatter's staging (half a unit). Measured: 2.4 MiB over the plain
+    # step's 4.5 (3.2 blocks). (The bound of two units held only while the report's peak was the run's since
+    # fit() began, which inflated the plain step's activations to 6.6.)
     block_mib = (12 * 128 * 128 + 13 * 128) * 4 / 2**20
-    assert z3["activations"] <= none["activations"] + 2 * block_mib, rows
+    assert z3["activations"] <= none["activations"] + 3.5 * block_mib, rows
     # Bytes per step (the communicator's bus bytes, (N - 1) / N of a collective's bytes per rank): DDP's
     # all-reduce moves 2 (N - 1) / N x the weights; ZeRO-3 all-gathers every unit twice and reduce-scatters its
     # gradients once: 3 (N - 1) / N x (the ZeRO paper's 3 x), the units' padding within 5%.
