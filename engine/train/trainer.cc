@@ -3,14 +3,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <exception>
 #include <limits>
 #include <sstream>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <glog/logging.h>
-
-#include <exception>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "dtrain/dist/error.h"
